@@ -1,0 +1,252 @@
+"""The one typed config of a minigrpo run: nested dataclasses loaded from YAML.
+
+    cfg = load_config("configs/quickstart.yaml", ["--grpo.beta=0.04", "--rollout.num_generations=8"])
+
+Every field below carries a one-line comment; that comment is the documentation of the knob.
+Overrides are `--section.key=value`, the value parsed as YAML (`0.04`, `true`, `[a, b]`, `null`).
+An unknown key names the closest valid keys, a wrong type names the expected type, and both
+raise ConfigError, which the entry points turn into one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rewards import RewardSpec
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix: one line, says what and where."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"  # hub id, local directory, or the built-in "smollm2-135m"
+    revision: str | None = None  # hub revision (branch, tag or commit) to load
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPUs that have it, else fp16
+    quant: Literal["4bit"] | None = None  # "4bit": NF4 base weights through bitsandbytes (QLoRA, CUDA only)
+    chat_template: str | None = None  # Jinja chat template (text or file path) for models that ship none
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None lets transformers pick
+    trust_remote_code: bool = False  # allow custom modelling code from the hub
+    cache_dir: str = "~/.cache/minigrpo"  # where the built-in model is converted once and reused
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True  # false trains all weights (and keeps a frozen reference copy when beta > 0)
+    r: int = 16  # LoRA rank
+    alpha: int = 32  # LoRA scaling numerator: the update is (alpha / r) * B @ A
+    dropout: float = 0.0  # LoRA dropout; forced to 0 in GRPO (dropout makes old/ref log-probs disagree)
+    target_modules: list[str] | str = "all-linear"  # module names to adapt, or "all-linear"
+
+
+@dataclass
+class DataConfig:
+    name: str = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id
+    config_name: str | None = None  # hub dataset config (subset) name
+    split: str = "train"  # hub dataset split
+    prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
+    answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
+    system_prompt: str | None = None  # system message put before every prompt
+    assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
+    num_examples: int = 512  # size of the built-in task; for files and hub: keep the first n (0 = all)
+    shuffle_seed: int = 0  # order in which prompts are drawn
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 4  # B: distinct prompts (groups) per optimizer step
+    num_generations: int = 8  # G: completions sampled per prompt
+    max_new_tokens: int = 64  # completion length cap; longer ones are cut and flagged truncated
+    max_prompt_tokens: int = 512  # prompts longer than this are an error
+    temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same value
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = 0  # top-k sampling (0: off)
+    stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
+    resample_zero_std: bool = False  # DAPO dynamic sampling: draw more prompts until B groups have signal
+    max_prompts_per_step: int = 0  # cap on prompts drawn per step when resampling (0: 4 * prompts_per_step)
+
+
+@dataclass
+class GrpoConfig:
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # loss normalisation (see grpo.py)
+    beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference forward
+    epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
+    epsilon_high: float = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher)
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
+    num_iterations: int = 1  # mu: optimizer updates per rollout batch
+    mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
+    zero_std_tol: float = 1e-6  # groups with reward std below this carry no signal
+    logprob_chunk: int = 4096  # rows of logits per chunk in the log-prob computation
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5  # peak learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    warmup_steps: int = 0  # linear warmup (optimizer updates)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    max_grad_norm: float = 1.0  # gradient clipping (0: off)
+    micro_batch_size: int = 8  # completions per forward/backward; accumulation covers the rest
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/quickstart"  # run directory: config, metrics, samples, checkpoints
+    steps: int = 60  # rollout batches (each gives num_iterations optimizer updates)
+    seed: int = 0  # seeds python, numpy and torch
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    threads: int = 0  # CPU threads for torch (0: torch's default)
+    save_every: int = 20  # checkpoint every n steps (and at the end); 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    sample_every: int = 5  # write sampled completions every n steps (0 = never)
+    samples_per_log: int = 4  # completions written each time
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; returns it (ints widened to float)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _from_dict(tp, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _from_dict(cls: type, d: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(f'{prefix}.{c}' if prefix else c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{hint} (valid: {', '.join(names)})")
+        kwargs[k] = _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = d.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override --{dotted}: '{p}' is not a section")
+        d = node
+    d[last] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """YAML file + `--section.key=value` overrides -> validated Config (ConfigError on any problem)."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    for o in overrides:
+        if not o.startswith("--") or "=" not in o:
+            raise ConfigError(f"override '{o}' must look like --section.key=value")
+        dotted, text = o[2:].split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        _set_dotted(raw, dotted, value)
+    cfg = _from_dict(Config, raw)
+    _check(cfg)
+    return cfg
+
+
+def _check(cfg: Config) -> None:
+    """Cross-field checks that types alone cannot express."""
+    positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+                "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
+                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "grpo.logprob_chunk": cfg.grpo.logprob_chunk}
+    for k, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{k} must be > 0, got {v}")
+    if cfg.rollout.num_generations < 2:
+        raise ConfigError(f"rollout.num_generations must be >= 2 (a group needs a baseline), got {cfg.rollout.num_generations}")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 (GRPO samples; greedy decoding gives identical groups)")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
+        raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
+    if not cfg.rewards:
+        raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML, atomically (tmp file + rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(path)

@@ -1,0 +1,135 @@
+"""Training prompts: a built-in task, local files or a hub dataset, turned into rows (dicts) that
+carry a "prompt" plus every column the rewards read, and drawn in a reproducible order.
+
+    rows = load_rows(cfg.data)                 # list[dict], each with row["prompt"]
+    sampler = PromptSampler(len(rows), seed)   # sampler.draw(4) -> 4 row indices; sampler.position resumes
+
+`data.prompt` is a column name or a template over the columns ("Q: {question}\\nA) {opa}"; write
+literal braces as {{ }}). A row missing a needed field is an error naming the row and the field.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+from config import ConfigError, DataConfig
+
+
+class DataError(ConfigError):
+    """A dataset problem the user must fix (missing file, row without a needed field)."""
+
+
+def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) -> list[dict]:
+    """The quickstart task, built in code: small additions with the sum as the gold answer.
+
+    >>> arithmetic_task(2, seed=0)[0]["prompt"]
+    'What is 13 + 2? Reply with just the number.'
+    """
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_examples):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        rows.append({"prompt": f"What is {a} + {b}? Reply with just the number.", "answer": str(a + b)})
+    return rows
+
+
+BUILTIN_TASKS = {"arithmetic": arithmetic_task}
+
+
+def _read_file(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        text = path.read_text()
+        if suffix == ".json" and text.lstrip().startswith("["):
+            return json.loads(text)
+        rows = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); fix or remove that line") from None
+        return rows
+    if suffix == ".csv":
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    raise DataError(f"data.name={path}: unsupported file type '{suffix}'; use .jsonl, .json, .csv or .parquet")
+
+
+def load_raw(cfg: DataConfig) -> list[dict]:
+    """Rows as they are stored, before prompts are built."""
+    if cfg.name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[cfg.name](cfg.num_examples or 512)
+    path = Path(cfg.name).expanduser()
+    if path.is_file():
+        rows = _read_file(path)
+    elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
+        raise DataError(f"data.name={cfg.name}: no such file; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
+    else:
+        import datasets
+        try:
+            rows = list(datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split))
+        except Exception as e:  # the hub raises many types; the user needs the first line
+            raise DataError(f"could not load hub dataset data.name={cfg.name} (split {cfg.split}): {str(e).splitlines()[0]}") from None
+    if cfg.num_examples:
+        rows = rows[: cfg.num_examples]
+    return rows
+
+
+def build_prompt(row: dict, template: str, index: int) -> str:
+    """A column's value, or the template filled from the row's columns."""
+    if "{" not in template:
+        if template not in row:
+            raise DataError(f"row {index} has no field '{template}' (data.prompt); its fields: {', '.join(row)}")
+        return row[template]
+    try:
+        return template.format_map(row)
+    except KeyError as e:
+        raise DataError(f"row {index} has no field {e} used in the data.prompt template; its fields: {', '.join(row)}") from None
+
+
+def load_rows(cfg: DataConfig) -> list[dict]:
+    """Load and check every row up front, so a bad row stops the run before anything is written."""
+    rows = load_raw(cfg)
+    if not rows:
+        raise DataError(f"data.name={cfg.name} holds no rows")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"row {i} of {cfg.name} is not an object with fields")
+        if cfg.answer_key and cfg.answer_key not in row:
+            raise DataError(f"row {i} has no field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
+        prompt = build_prompt(row, cfg.prompt, i)
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise DataError(f"row {i}: the prompt is empty or not text")
+        out.append({**row, "prompt": prompt})
+    return out
+
+
+class PromptSampler:
+    """Draws row indices epoch by epoch, each epoch a fresh seeded permutation.
+
+    The whole state is `position` (rows drawn so far): index p is perm(seed + p // n)[p % n],
+    so a resumed run that restores `position` draws exactly what the uninterrupted run drew.
+    """
+
+    def __init__(self, num_rows: int, seed: int, position: int = 0):
+        self.num_rows, self.seed, self.position = num_rows, seed, position
+        self._epoch, self._perm = -1, []
+
+    def _index(self, p: int) -> int:
+        epoch = p // self.num_rows
+        if epoch != self._epoch:
+            self._epoch, self._perm = epoch, list(range(self.num_rows))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+        return self._perm[p % self.num_rows]
+
+    def draw(self, k: int) -> list[int]:
+        out = [self._index(p) for p in range(self.position, self.position + k)]
+        self.position += k
+        return out

@@ -1,0 +1,296 @@
+"""GRPO: the math as pure tensor functions, and the rollout that feeds it.
+
+    adv  = group_advantages(rewards, G)                                  # (N,)
+    logp = sequence_log_probs(model, ids, attn, C, temperature)          # (N, C)
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, norm)   # scalar, dict of sums
+
+Shapes: N = B prompts x G completions, P = prompt length, C = completion length, V = vocab.
+Departures from the paper (arXiv 2402.03300), all switchable in the config:
+- the clip has separate lower and upper bounds (DAPO clip-higher, `epsilon_high`);
+- the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
+- no KL term unless `beta > 0` (TRL's default), and the KL uses the k3 estimator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------- the math
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """A_i = (r_i - mean_g(r)) / (std + eps), groups of `group_size` consecutive rewards.
+
+    scale: "group" -> std of the group; "batch" -> std of all rewards; "none" -> no division
+    (Dr. GRPO, arXiv 2503.20783: dividing by the group std up-weights too easy / too hard prompts).
+    std is the unbiased sample std, as in TRL. A group with equal rewards gets advantage 0.
+    """
+    r = rewards.view(-1, group_size)  # (B, G)
+    centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    if scale == "group":
+        centered = centered / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centered = centered / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
+    return centered.view(-1)  # (N,)
+
+
+def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tensor:
+    """(B,) bool: groups whose rewards are all equal (up to `tol`, as judge scores are noisy floats)."""
+    r = rewards.view(-1, group_size)  # (B, G)
+    return (r.max(dim=1).values - r.min(dim=1).values) <= tol
+
+
+def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Mask by position: 1 for every token up to and including the first EOS, 0 after.
+
+    Masking by `token != pad` is wrong when pad == eos: it drops the real EOS, so the model
+    never learns to stop. Returns (mask (N, C) float, truncated (N,) bool: no EOS at all).
+    """
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # (N, C)
+    has_eos = is_eos.any(dim=1)  # (N,)
+    C = completion_ids.shape[1]
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, C, dtype=torch.long))  # (N,)
+    positions = torch.arange(C, device=completion_ids.device)[None, :]  # (1, C)
+    return (positions <= first[:, None]).float(), ~has_eos
+
+
+def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = 4096) -> Tensor:
+    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows at a time.
+
+    Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512).
+    With autograd on, each chunk is checkpointed: backward recomputes its fp32 softmax instead of
+    keeping every chunk's copy alive. logits (N, T, V), ids (N, T) -> (N, T) fp32.
+    """
+    N, T, V = logits.shape
+    flat, flat_ids = logits.reshape(N * T, V), ids.reshape(N * T)  # (N*T, V), (N*T,)
+
+    def rows(lg: Tensor, ix: Tensor) -> Tensor:
+        lg = lg.float() / temperature  # (rows, V)
+        return lg.gather(-1, ix[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1)  # (rows,)
+
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    out = [checkpoint(rows, flat[s:s + chunk], flat_ids[s:s + chunk], use_reentrant=False) if grad
+           else rows(flat[s:s + chunk], flat_ids[s:s + chunk]) for s in range(0, N * T, chunk)]
+    return torch.cat(out).view(N, T)  # (N, T)
+
+
+def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
+                   epsilon: float, epsilon_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+
+    KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
+    With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
+    exp(logp - logp.detach()) still carries d logp, so the loss value sits near 0 while the policy
+    learns. That is why "loss is 0" is normal in GRPO: watch the reward instead.
+    logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
+    """
+    rho = torch.exp(logp - old_logp)  # (N, C)
+    a = adv[:, None]  # (N, 1)
+    loss = -torch.minimum(rho * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        d = ref_logp - logp  # (N, C)
+        kl = torch.exp(d) - d - 1
+        loss = loss + beta * kl
+    return loss, rho, kl
+
+
+@dataclass
+class LossNorm:
+    """What the loss is divided by; the counts are for the whole optimizer step, not the micro-batch."""
+    loss_type: str  # grpo | bnpo | dr_grpo | dapo
+    num_sequences: int  # completions in the optimizer step
+    num_tokens: int  # unmasked completion tokens in the optimizer step
+    max_completion_length: int  # rollout.max_new_tokens
+    num_micro_batches: int  # micro-batches accumulated into the step
+
+
+def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
+    """Reduce a micro-batch's (n, C) per-token loss so that summing micro-batches gives the step loss.
+
+    grpo:    (1/N) sum_i (sum_t m_it l_it / sum_t m_it)       mean per sequence, then over sequences
+    bnpo:    (1/M) sum m l / sum m (this micro-batch)          token mean per micro-batch (M micro-batches)
+    dr_grpo: sum m l / (N * max_completion_length)             constant normaliser, no length bias
+    dapo:    sum m l / (sum of m over the whole step)          global token mean
+    N = sequences in the step. Only bnpo depends on how the step is split into micro-batches.
+    """
+    masked = torch.where(mask.bool(), loss_tok, torch.zeros_like(loss_tok))  # (n, C)
+    if norm.loss_type == "grpo":
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / norm.num_sequences
+    if norm.loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1) / norm.num_micro_batches
+    if norm.loss_type == "dr_grpo":
+        return masked.sum() / (norm.num_sequences * norm.max_completion_length)
+    if norm.loss_type == "dapo":
+        return masked.sum() / max(norm.num_tokens, 1)
+    raise ValueError(f"unknown loss_type {norm.loss_type!r}")
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
+              norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0
+              ) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's share of the step loss, and token sums for the step's metrics.
+
+    old_logp None means on-policy (num_iterations = 1): old_logp = logp.detach().
+    Clip fractions count tokens where the clip is active: rho < 1 - eps with A < 0 (low),
+    rho > 1 + eps_high with A > 0 (high). Divide the sums by `tokens` for means.
+    """
+    if old_logp is None:
+        old_logp = logp.detach()
+    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta)  # (n, C) x3
+    loss = aggregate(loss_tok, mask, norm)
+    m = mask.bool()
+    a = adv[:, None].expand_as(rho)  # (n, C)
+    with torch.no_grad():
+        stats = {
+            "tokens": float(m.sum()),
+            "kl_sum": float(kl[m].sum()),
+            "ratio_sum": float(rho[m].sum()),
+            "clip_low_sum": float(((rho < 1 - epsilon) & (a < 0))[m].sum()),
+            "clip_high_sum": float(((rho > 1 + epsilon_high) & (a > 0))[m].sum()),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- model-facing pieces
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: cumsum(mask) - 1 (pads get 0). (N, T) -> (N, T)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
+                       temperature: float = 1.0, chunk: int = 4096) -> Tensor:
+    """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
+
+    The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
+    position, absolute-position models do not); only the last C + 1 logits are computed
+    (`logits_to_keep`). input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                use_cache=False, logits_to_keep=num_completion + 1)
+    logits = out.logits[:, :-1]  # (N, C, V): position j predicts token j + 1
+    return selective_log_probs(logits, input_ids[:, -num_completion:], temperature, chunk)  # (N, C)
+
+
+@dataclass
+class Rollout:
+    """B x G sampled completions; rows i*G .. i*G+G-1 share prompt i."""
+    prompt_ids: Tensor  # (N, P) left-padded
+    prompt_mask: Tensor  # (N, P)
+    completion_ids: Tensor  # (N, C) right-padded
+    completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
+    truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
+    texts: list[str]  # decoded completions, EOS and padding removed
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # (N, P + C)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)  # (N, P + C)
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "") -> str:
+    """Chat-template a prompt (a user message, or a list of messages); the forced prefix is part of the prompt."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + assistant_prefix
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor, stops: list[str]) -> None:
+    """Shorten masks in place so a completion ends with the token that completes its first stop string."""
+    for i in range(ids.shape[0]):
+        n = int(mask[i].sum())
+        text = tokenizer.decode(ids[i, :n], skip_special_tokens=True)
+        if not any(s in text for s in stops):
+            continue
+        lo, hi = 1, n  # smallest prefix length whose text contains a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in tokenizer.decode(ids[i, :mid], skip_special_tokens=True) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        mask[i, lo:] = 0
+        truncated[i] = False
+
+
+@torch.no_grad()
+def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
+                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000) -> Rollout:
+    """Sample `num_generations` completions for each rendered prompt with HF generate (left padding)."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    longest = int(enc.attention_mask.sum(1).max())
+    if longest > max_prompt_tokens:
+        raise ValueError(f"a prompt has {longest} tokens > rollout.max_prompt_tokens={max_prompt_tokens}")
+    eos = eos_token_ids(tokenizer, model)
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True, temperature=temperature,
+        top_p=top_p, top_k=top_k or None, max_new_tokens=max_new_tokens, num_return_sequences=num_generations,
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+        stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+    model.train(was_training)
+    P = enc.input_ids.shape[1]
+    completion_ids = out[:, P:]  # (N, C)
+    mask, truncated = completion_mask(completion_ids, eos)  # (N, C), (N,)
+    if stop_strings:
+        _cut_at_stop_strings(tokenizer, completion_ids, mask, truncated, list(stop_strings))
+    lengths = mask.sum(1).long().tolist()
+    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)], skip_special_tokens=True)
+    return Rollout(prompt_ids=enc.input_ids.repeat_interleave(num_generations, 0),
+                   prompt_mask=enc.attention_mask.repeat_interleave(num_generations, 0),
+                   completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
+
+
+def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:
+    pad = x.new_full((x.shape[0], width - x.shape[1]), value)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of different lengths: prompts stay left-padded, completions right-padded."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    return Rollout(
+        prompt_ids=torch.cat([_pad_to(r.prompt_ids, P, pad_id, True) for r in parts]),
+        prompt_mask=torch.cat([_pad_to(r.prompt_mask, P, 0, True) for r in parts]),
+        completion_ids=torch.cat([_pad_to(r.completion_ids, C, pad_id, False) for r in parts]),
+        completion_mask=torch.cat([_pad_to(r.completion_mask, C, 0, False) for r in parts]),
+        truncated=torch.cat([r.truncated for r in parts]),
+        texts=[t for r in parts for t in r.texts])
+
+
+def select_rows(r: Rollout, rows: list[int]) -> Rollout:
+    ix = torch.tensor(rows, dtype=torch.long, device=r.prompt_ids.device)
+    return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
+                   r.truncated[ix], [r.texts[i] for i in rows])
+
+
+def trim(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past the
+    longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
+    C_all = completion_mask.shape[1]
+    C = max(int(completion_mask.sum(1).max()), 1)
+    start = int((attention_mask[:, : attention_mask.shape[1] - C_all].sum(0) > 0).long().argmax()) if attention_mask.shape[1] > C_all else 0
+    end = attention_mask.shape[1] - C_all + C
+    return input_ids[:, start:end], attention_mask[:, start:end], C

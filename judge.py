@@ -1,0 +1,566 @@
+"""LLM judge: scores completions through any OpenAI-compatible chat endpoint, as GRPO rewards.
+
+    from judge import Judge, JudgeConfig, judge_reward, rubric_alignment
+    judge = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))
+    rewards = judge_reward(completions, samples, judge=judge)  # list[float | None]; None = judge failed
+    judge.pop_step_stats()  # {"judge_requests": 8.0, "judge_cost_usd": 0.0012, ..., "judge_cost_usd_total": ...}
+
+Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at most
+`max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request timeout,
+and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts and connection errors, honouring
+Retry-After. Faults never raise: the call yields None, `judge_failures` counts it, the caller applies
+its fallback reward. Configuration errors (unknown template, missing sample field) do raise.
+
+Choices worth knowing:
+- The openai client's own retries are off (max_retries=0): the retry policy lives here and is tested.
+- A reply with no parsable in-range score is a failure; it is not retried (at temperature 0 the same
+  prompt mostly gets the same reply, so re-asking pays twice for nothing) and never cached.
+- The disk cache keeps only key -> byte offset in RAM, so a long run does not grow RAM with reply text
+  (GRubrics had to switch its in-memory cache off during RL for that reason); `memory_cache` is the
+  separate bounded LRU of recent replies.
+- Identical prompts in flight at once share one request (GRPO groups often repeat a completion).
+- The API key is read from the env var named by `api_key_env` only when a client is built; it is not
+  stored in the config and is redacted from every log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import openai
+from scipy.stats import spearmanr
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI
+    model: str = ""  # model name sent with each request (the deployment name on Azure)
+    api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
+    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com; when set, Azure is used, base_url ignored
+    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request
+    max_concurrent: int = 8  # most requests in flight at once
+    requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
+    timeout_s: float = 60.0  # hard limit on one request
+    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error only)
+    backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
+    backoff_max_s: float = 30.0  # cap on one wait, Retry-After included
+    temperature: float = 0.0  # judge sampling temperature (part of the cache key)
+    max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
+    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
+    score_max: float = 10.0  # highest valid score
+    cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
+    memory_cache: bool = True  # keep recent replies in RAM
+    memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
+    price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
+    price_completion_per_m: float = 0.0  # USD per million completion tokens
+
+
+@dataclass
+class JudgeScore:
+    score: float  # the composite: the "score" key, or the mean of the criteria
+    criteria: dict[str, float]  # per-criterion scores ({} when the reply gave only a score)
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.S)  # reasoning judges: numbers in there are not the verdict
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
+_SCORE_TEXT = re.compile(r"score\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)", re.I)  # "Score: 7", "**Score**: 7.5"
+_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*\d+")  # "7/10" (the numerator is taken as is)
+_LONE_NUMBER = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*\.?\s*")
+
+
+def _number(v) -> float | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true would be 1 otherwise
+    return float(v) if ok and math.isfinite(v) else None  # json.loads accepts NaN and Infinity
+
+
+def _first_json_object(text: str) -> dict | None:
+    decoder = json.JSONDecoder()
+    for candidate in [m.group(1) for m in _FENCE.finditer(text)] + [text]:
+        i = candidate.find("{")
+        while i != -1:
+            try:
+                obj, _ = decoder.raw_decode(candidate, i)
+                if isinstance(obj, dict):
+                    return obj
+            except ValueError:
+                pass
+            i = candidate.find("{", i + 1)
+    return None
+
+
+def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
+                criteria: list[str] | None = None) -> JudgeScore | None:
+    """A JudgeScore from a judge reply, or None if there is no valid in-range score.
+
+    JSON first (a ```json block, the whole reply, or the first {...} in it): the "score" key, else the
+    criteria (all named ones must be numbers; without names, every numeric value), score = their mean.
+    Only when no JSON object is found: "Score: 7", "7/10", or a lone number. Every value must lie in
+    [score_min, score_max]; booleans, NaN and strings are not numbers.
+
+    >>> parse_score('{"relevance": 6, "clarity": 8}')
+    JudgeScore(score=7.0, criteria={'relevance': 6.0, 'clarity': 8.0})
+    >>> parse_score('Good answer. Score: 7/10').score
+    7.0
+    >>> parse_score('{"score": true}') is None, parse_score('{"score": 11}') is None
+    (True, True)
+    """
+    if not isinstance(text, str):
+        return None
+    text = _THINK.sub("", text).strip()
+    obj = _first_json_object(text)
+    if obj is not None:  # a JSON verdict is final: never fall back to grabbing a number out of it
+        fields = {str(k).lower(): v for k, v in obj.items()}
+        if criteria:
+            per = {c: _number(fields.get(c.lower())) for c in criteria}
+        elif "score" in fields:
+            per = {}
+        else:
+            per = {k: _number(v) for k, v in fields.items() if _number(v) is not None}
+        if (not per and "score" not in fields) or any(v is None for v in per.values()):
+            return None
+        score = _number(fields["score"]) if "score" in fields else sum(per.values()) / len(per)
+    elif criteria:
+        return None  # named criteria can only come from JSON
+    else:
+        m = _SCORE_TEXT.search(text) or _FRACTION.search(text) or _LONE_NUMBER.fullmatch(text)
+        score, per = (float(m.group(1)) if m else None), {}
+    if score is None or not all(score_min <= v <= score_max for v in [score, *per.values()]):
+        return None
+    return JudgeScore(score, per)
+
+
+# Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
+STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
+              "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
+
+
+def cache_key(model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
+    """sha256 of the canonical JSON of everything that decides the reply."""
+    blob = json.dumps({"model": model, "messages": messages, "temperature": float(temperature),
+                       "max_tokens": int(max_tokens)}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _retry_after(headers) -> float | None:
+    try:
+        value = float(headers.get("retry-after"))
+    except (TypeError, ValueError):  # absent, or an HTTP date: use our own backoff
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _run_sync(coro):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside a running loop (a notebook): asyncio.run refuses there, so use a private thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class Judge:
+    """Cached, rate-limited, retrying chat client; see the module docstring."""
+
+    def __init__(self, cfg: JudgeConfig):
+        if cfg.azure_endpoint and not cfg.api_version:
+            raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
+        if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
+            raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
+        self.cfg = cfg
+        self._step = dict.fromkeys(STAT_NAMES, 0.0)
+        self._total = dict.fromkeys(STAT_NAMES, 0.0)
+        self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
+        self._mem: OrderedDict[str, str] = OrderedDict()
+        self._next_slot = 0.0  # monotonic time the next request may start (requests_per_minute)
+        # Client, semaphore and in-flight table belong to one event loop; rebuilt when the loop changes.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client = None
+        self._sem: asyncio.Semaphore | None = None
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
+        self._disk = self._open_disk_cache() if cfg.cache_path else None
+
+    def __repr__(self) -> str:
+        return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "
+                f"max_concurrent={self.cfg.max_concurrent}, cache_path={self.cfg.cache_path!r})")
+
+    @property
+    def _endpoint(self) -> str:
+        return self.cfg.azure_endpoint or self.cfg.base_url
+
+    # --- stats -------------------------------------------------------------------------------------
+    def add_stat(self, name: str, value: float = 1.0) -> None:
+        self._step[name] += value
+        self._total[name] += value
+
+    def pop_step_stats(self) -> dict[str, float]:
+        """Counters since the last pop (judge_<name>) plus run totals (judge_<name>_total)."""
+        out = {f"judge_{k}": v for k, v in self._step.items()}
+        out.update({f"judge_{k}_total": v for k, v in self._total.items()})
+        self._step = dict.fromkeys(STAT_NAMES, 0.0)
+        self._logged.clear()
+        return out
+
+    def _warn_once(self, kind: str, msg: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            key = os.environ.get(self.cfg.api_key_env)
+            log.warning(msg.replace(key, "***") if key else msg)  # servers echo bad keys in 401 messages
+
+    # --- cache -------------------------------------------------------------------------------------
+    def _open_disk_cache(self):
+        path, bad, offset, last = self.cfg.cache_path, 0, 0, b"\n"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                        if not isinstance(rec["reply"], str):
+                            raise TypeError
+                        self._disk_index[rec["key"]] = offset
+                    except (ValueError, KeyError, TypeError):  # torn write (killed mid-line) or corruption
+                        bad += 1
+                    offset, last = offset + len(line), line
+        if bad:
+            log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", path, bad)
+        disk = open(path, "ab")
+        if not last.endswith(b"\n"):  # start a fresh line so the next record is not glued onto a torn one
+            disk.write(b"\n")
+            disk.flush()
+        return disk
+
+    def _cache_get(self, key: str) -> str | None:
+        if key in self._mem:
+            self._mem.move_to_end(key)
+            return self._mem[key]
+        offset = self._disk_index.get(key)
+        if offset is None:
+            return None
+        with open(self.cfg.cache_path, "rb") as f:
+            f.seek(offset)
+            try:
+                rec = json.loads(f.readline())
+            except ValueError:
+                rec = {}
+        if rec.get("key") != key:  # another process appended meanwhile and the offset is stale
+            return None
+        self._mem_put(key, rec["reply"])
+        return rec["reply"]
+
+    def _mem_put(self, key: str, reply: str) -> None:
+        if self.cfg.memory_cache and self.cfg.memory_cache_size > 0:
+            self._mem[key] = reply
+            self._mem.move_to_end(key)
+            while len(self._mem) > self.cfg.memory_cache_size:
+                self._mem.popitem(last=False)
+
+    def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
+        self._mem_put(key, reply)
+        if self._disk is not None and key not in self._disk_index:
+            line = json.dumps({"key": key, "reply": reply, "usage": usage}, ensure_ascii=False) + "\n"
+            offset = self._disk.seek(0, os.SEEK_END)
+            self._disk.write(line.encode())
+            self._disk.flush()
+            os.fsync(self._disk.fileno())  # each line paid for: it must survive a crash right after
+            self._disk_index[key] = offset
+
+    def close(self) -> None:
+        """Close the cache file (the HTTP client is closed after every complete_many/score_many)."""
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        cfg = self.cfg
+        common = dict(api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
+                      max_retries=0, default_headers=cfg.extra_headers or None)
+        if cfg.azure_endpoint:
+            self._client = openai.AsyncAzureOpenAI(azure_endpoint=cfg.azure_endpoint,
+                                                   api_version=cfg.api_version, **common)
+        else:
+            self._client = openai.AsyncOpenAI(base_url=cfg.base_url, **common)
+        self._loop, self._sem, self._inflight = loop, asyncio.Semaphore(cfg.max_concurrent), {}
+
+    async def aclose(self) -> None:
+        """Close the HTTP client of the current loop (call it if you use acomplete in your own loop)."""
+        if self._client is not None:
+            await self._client.close()
+        self._client = self._loop = None
+
+    async def acomplete(self, messages: list[dict]) -> str | None:
+        """One chat completion (cached, rate-limited, retried); None after a fault, never raises for one."""
+        return await self._acomplete(messages, None)
+
+    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None) -> str | None:
+        self._bind_loop()
+        self.add_stat("calls")
+        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens)
+        reply = self._cache_get(key)
+        if reply is not None:
+            self.add_stat("cache_hits")
+            return reply
+        shared = key in self._inflight
+        if not shared:
+            self._inflight[key] = asyncio.ensure_future(self._request(key, messages, accept))
+        try:
+            reply = await asyncio.shield(self._inflight[key])
+        finally:
+            if not shared:
+                self._inflight.pop(key, None)
+        if reply is None:
+            self.add_stat("failures")
+        elif shared:
+            self.add_stat("cache_hits")
+        return reply
+
+    async def _request(self, key: str, messages: list[dict], accept) -> str | None:
+        cfg = self.cfg
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                self.add_stat("retries")
+            await self._rate_slot()
+            try:
+                async with self._sem:
+                    self.add_stat("requests")
+                    resp = await asyncio.wait_for(self._client.chat.completions.create(
+                        model=cfg.model, messages=messages, temperature=cfg.temperature,
+                        max_tokens=cfg.max_tokens), cfg.timeout_s)
+            except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
+                why, wait = type(e).__name__, None
+            except openai.APIStatusError as e:
+                if not (e.status_code in (408, 429) or e.status_code >= 500):
+                    self._warn_once(f"http{e.status_code}", f"judge: HTTP {e.status_code} from "
+                                    f"{self._endpoint}, not retried: {str(e.message)[:300]}")
+                    return None
+                why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
+            except openai.APIError as e:  # a 200 whose body is not a chat completion
+                self._warn_once("badbody", f"judge: unusable response from {self._endpoint}: {type(e).__name__}")
+                return None
+            else:
+                return self._take_response(key, resp, accept)
+            if attempt < cfg.max_retries:
+                if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
+                    wait = cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
+                await asyncio.sleep(min(wait, cfg.backoff_max_s))
+        self._warn_once(f"gaveup:{why}", f"judge: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
+        return None
+
+    async def _rate_slot(self) -> None:
+        rpm = self.cfg.requests_per_minute
+        if not rpm:
+            return
+        now = time.monotonic()
+        start = max(now, self._next_slot)  # no await before this update, so no lock is needed
+        self._next_slot = start + 60.0 / rpm
+        if start > now:
+            await asyncio.sleep(start - now)
+
+    def _take_response(self, key: str, resp, accept) -> str | None:
+        usage = getattr(resp, "usage", None)
+        p, c = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+        self.add_stat("prompt_tokens", p)
+        self.add_stat("completion_tokens", c)
+        self.add_stat("cost_usd", (p * self.cfg.price_prompt_per_m + c * self.cfg.price_completion_per_m) / 1e6)
+        try:
+            reply = resp.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            reply = None
+        if not isinstance(reply, str):
+            self._warn_once("nocontent", f"judge: a response from {self._endpoint} had no text content")
+            return None
+        if accept is None or accept(reply):  # malformed replies are returned (to be counted) but never cached
+            self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
+        return reply
+
+    async def _gather(self, message_lists: list[list[dict]], accept) -> list[str | None]:
+        try:
+            return await asyncio.gather(*(self._acomplete(m, accept) for m in message_lists))
+        finally:
+            await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
+
+    def complete_many(self, message_lists: list[list[dict]]) -> list[str | None]:
+        """All completions concurrently in one event loop; same order as the input."""
+        return _run_sync(self._gather(message_lists, None))
+
+    def score_many(self, message_lists: list[list[dict]], parse: Callable = parse_score) -> list[JudgeScore | None]:
+        """Complete then parse(reply, score_min, score_max); unparsable or out-of-range -> None + a failure."""
+        lo, hi = self.cfg.score_min, self.cfg.score_max
+        replies = _run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
+        scores = [None if r is None else parse(r, lo, hi) for r in replies]
+        for r, s in zip(replies, scores):
+            if r is not None and s is None:
+                self.add_stat("failures")
+                self._warn_once("unparsable", f"judge: no score in [{lo:g}, {hi:g}] in reply {r[:160]!r}")
+        return scores
+
+
+# --- templates -------------------------------------------------------------------------------------
+# {name} is filled from the sample, plus {completion}, {score_min}, {score_max} (and {rubric}, {answer},
+# {question} in rubric_alignment). Any other brace, e.g. the JSON shapes below, is left alone.
+POINTWISE_CRITERIA = """You are an expert technical interviewer judging a screening question written for the role below.
+
+Role and context:
+{prompt}
+
+Question to judge:
+{completion}
+
+Score the question from {score_min} to {score_max} on each criterion:
+- relevance: does it test skills the role actually needs?
+- clarity: is it unambiguous and well-formed?
+- discriminative_power: would it separate strong candidates from weak ones?
+
+Reply with only a JSON object: {"relevance": <number>, "clarity": <number>, "discriminative_power": <number>}"""
+
+RUBRIC_SCORING = """You are grading an answer strictly by the rubric below.
+
+Question:
+{question}
+
+Rubric:
+{rubric}
+
+Answer to grade:
+{answer}
+
+Apply only the rubric, nothing else. Score the answer from {score_min} to {score_max}.
+Reply with only a JSON object: {"score": <number>}"""
+
+LOGIC_NOVELTY = """You are a senior scientist reviewing a piece of biomedical reasoning.
+
+Question:
+{prompt}
+
+Reasoning to review:
+{completion}
+
+Score from {score_min} to {score_max}:
+- logic: is each step sound and supported, with no leaps or contradictions?
+- novelty: does it go beyond textbook or generic hypotheses?
+
+Reply with only a JSON object: {"logic": <number>, "novelty": <number>}"""
+
+TEMPLATES = {"pointwise_criteria": POINTWISE_CRITERIA, "rubric_scoring": RUBRIC_SCORING,
+             "logic_novelty": LOGIC_NOVELTY}
+TEMPLATE_CRITERIA = {"pointwise_criteria": ["relevance", "clarity", "discriminative_power"],
+                     "logic_novelty": ["logic", "novelty"]}  # required JSON keys per built-in template
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
+
+
+def load_template(spec: str) -> str:
+    """A built-in template name, a path to a text file, or the template text itself."""
+    if spec in TEMPLATES:
+        return TEMPLATES[spec]
+    if os.path.isfile(spec):
+        with open(spec, encoding="utf-8") as f:
+            return f.read()
+    if _PLACEHOLDER.search(spec):
+        return spec
+    raise ValueError(f"template {spec!r} is not one of {sorted(TEMPLATES)}, a file, or text with a {{placeholder}}")
+
+
+def _as_text(value) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)  # a chat prompt
+    return json.dumps(value, ensure_ascii=False)
+
+
+def render(template: str, fields: dict) -> str:
+    """Fill {name} tokens in one pass, so braces inside the filled-in text are never touched.
+
+    >>> render("Q: {q} A: {a}", {"q": "f({x})", "a": '{"k": 1}'})
+    'Q: f({x}) A: {"k": 1}'
+    """
+    missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(template)} - fields.keys())
+    if missing:
+        raise KeyError(f"judge template needs field(s) {missing}; the sample has {sorted(fields)}")
+    return _PLACEHOLDER.sub(lambda m: _as_text(fields[m.group(1)]), template)
+
+
+def _chat(text: str, system: str | None = None) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+# --- rewards ---------------------------------------------------------------------------------------
+def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "pointwise_criteria",
+                 criteria: list[str] | None = None, system: str | None = None,
+                 normalize: bool = True) -> list[float | None]:
+    """Judge score of each completion: (score - score_min) / (score_max - score_min) when normalize.
+
+    The composite is the reply's "score", else the mean of the criteria (by default the built-in
+    template's, e.g. relevance, clarity, discriminative_power). None where the judge failed.
+    """
+    text, cfg = load_template(template), judge.cfg
+    criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
+    scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
+    chats = [_chat(render(text, {**s, **scale, "completion": c}), system)
+             for c, s in zip(completions, samples, strict=True)]
+    scores = judge.score_many(chats, parse=partial(parse_score, criteria=criteria))
+    span = cfg.score_max - cfg.score_min
+    return [None if s is None else ((s.score - cfg.score_min) / span if normalize else s.score) for s in scores]
+
+
+def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",
+                     answers_key: str = "answers", gold_key: str = "gold_scores",
+                     question_key: str = "question") -> list[float | None]:
+    """Spearman rho between the judge's scores of a sample's K answers under the completion (a rubric)
+    and the sample's gold scores: rho = Pearson(rank(judge), rank(gold)), in [-1, 1].
+
+    All K x N judge calls run concurrently. A constant score (or gold) vector has no ranking: 0.0,
+    counted as judge_constant_scores. Any failed call -> None for that completion.
+    """
+    text, cfg = load_template(template), judge.cfg
+    scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
+    chats, spans = [], []
+    for rubric, s in zip(completions, samples, strict=True):
+        answers, gold = s[answers_key], s[gold_key]
+        if len(answers) != len(gold) or len(answers) < 2:
+            raise ValueError(f"rubric_alignment needs >= 2 answers and as many gold scores; "
+                             f"got {len(answers)} answers, {len(gold)} gold scores")
+        start = len(chats)
+        for answer in answers:
+            fields = {**s, **scale, "question": s[question_key], "rubric": rubric, "answer": answer}
+            chats.append(_chat(render(text, fields)))
+        spans.append((start, len(chats)))
+    scores = judge.score_many(chats)
+    rewards: list[float | None] = []
+    for (a, b), s in zip(spans, samples):
+        got = scores[a:b]
+        if any(x is None for x in got):
+            rewards.append(None)
+            continue
+        x, y = [g.score for g in got], [float(v) for v in s[gold_key]]
+        if len(set(x)) < 2 or len(set(y)) < 2:
+            judge.add_stat("constant_scores")
+            rewards.append(0.0)
+            continue
+        rho = float(spearmanr(x, y).statistic)
+        rewards.append(rho if math.isfinite(rho) else 0.0)
+    return rewards

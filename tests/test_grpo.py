@@ -1,0 +1,193 @@
+"""The GRPO math against slow, obvious references written from the formulas (CPU, random tensors)."""
+import math
+
+import pytest
+import torch
+
+import grpo
+from grpo import LossNorm
+
+
+def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len, micro_batches=1):
+    """A per-token Python loop: the formulas of GRPO_NOTES.md, one token at a time."""
+    N, C = logp.shape
+    seq_terms, total, tokens = [], 0.0, 0
+    for i in range(N):
+        s, n = 0.0, 0
+        for t in range(C):
+            if mask[i, t] == 0:
+                continue
+            rho = torch.exp(logp[i, t] - old[i, t])
+            clipped = torch.clamp(rho, 1 - eps_lo, 1 + eps_hi)
+            l_t = -torch.minimum(rho * adv[i], clipped * adv[i])
+            if beta > 0:
+                d = ref[i, t] - logp[i, t]
+                l_t = l_t + beta * (torch.exp(d) - d - 1)
+            s, n = s + l_t, n + 1
+        seq_terms.append(s / max(n, 1))
+        total, tokens = total + s, tokens + n
+    if loss_type == "grpo":
+        return sum(seq_terms) / N
+    if loss_type == "bnpo":
+        return total / tokens / micro_batches
+    if loss_type == "dr_grpo":
+        return total / (N * max_len)
+    return total / tokens  # dapo
+
+
+def random_batch(N=6, C=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(N, C, generator=g) * 3).requires_grad_()
+    old = (logp.detach() + 0.3 * torch.randn(N, C, generator=g))
+    ref = (logp.detach() + 0.2 * torch.randn(N, C, generator=g))
+    adv = torch.randn(N, generator=g)
+    lengths = torch.randint(1, C + 1, (N,), generator=g)
+    mask = (torch.arange(C)[None] < lengths[:, None]).float()
+    return logp, old, ref, adv, mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_each_loss_type_matches_the_per_token_loop_in_value_and_gradient(loss_type, beta):
+    logp, old, ref, adv, mask = random_batch()
+    N, C = logp.shape
+    norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=0.2, epsilon_high=0.28, beta=beta)
+    (g,) = torch.autograd.grad(loss, logp)
+    logp2 = logp.detach().clone().requires_grad_()
+    expected = reference_loss(logp2, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C)
+    (g2,) = torch.autograd.grad(expected, logp2)
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert torch.allclose(g, g2, atol=1e-6)
+    assert g.abs().sum() > 0
+
+
+def test_dr_grpo_divides_by_max_completion_length_not_by_tokens():
+    logp, old, ref, adv, mask = random_batch()
+    a = grpo.aggregate(torch.ones_like(logp), mask, LossNorm("dr_grpo", 6, int(mask.sum()), 100, 1))
+    assert math.isclose(float(a), float(mask.sum()) / (6 * 100), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "grpo"])
+def test_gradient_does_not_depend_on_micro_batch_size(loss_type):
+    logp, old, ref, adv, mask = random_batch(N=8, C=9, seed=3)
+    grads = []
+    for size in (8, 3, 1):
+        lp = logp.detach().clone().requires_grad_()
+        slices = [slice(s, min(s + size, 8)) for s in range(0, 8, size)]
+        norm = LossNorm(loss_type, 8, int(mask.sum()), 9, len(slices))
+        total = 0.0
+        for sl in slices:
+            loss, _ = grpo.grpo_loss(lp[sl], old[sl], ref[sl], adv[sl], mask[sl], norm, 0.2, 0.28, 0.04)
+            loss.backward()
+            total += float(loss.detach())
+        grads.append((lp.grad.clone(), total))
+    for g, total in grads[1:]:
+        assert torch.allclose(g, grads[0][0], atol=1e-6)
+        assert math.isclose(total, grads[0][1], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_bnpo_does_depend_on_micro_batch_size_as_documented():
+    logp, old, ref, adv, mask = random_batch(N=8, C=9, seed=3)
+    values = []
+    for size in (8, 3):
+        slices = [slice(s, min(s + size, 8)) for s in range(0, 8, size)]
+        norm = LossNorm("bnpo", 8, int(mask.sum()), 9, len(slices))
+        values.append(sum(float(grpo.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], norm)[0]) for s in slices))
+    assert not math.isclose(values[0], values[1], rel_tol=1e-4)
+
+
+def test_on_policy_ratio_is_one_but_still_carries_the_gradient():
+    logp, _, _, adv, mask = random_batch()
+    norm = LossNorm("dapo", 6, int(mask.sum()), 7, 1)
+    loss, stats = grpo.grpo_loss(logp, None, None, adv, mask, norm)
+    assert stats["ratio_sum"] == pytest.approx(stats["tokens"])
+    (g,) = torch.autograd.grad(loss, logp)
+    # d/dlogp of -A * exp(logp - sg(logp)) is -A: every unmasked token gets -A_i / tokens
+    expected = -(adv[:, None] * mask) / mask.sum()
+    assert torch.allclose(g, expected, atol=1e-7)
+
+
+def test_clip_fractions_count_tokens_where_the_clip_is_active():
+    logp = torch.zeros(4, 2)
+    old = torch.log(torch.tensor([[1 / 0.5, 1.0], [1 / 1.5, 1.0], [1 / 0.5, 1.0], [1 / 1.5, 1.0]]))  # rho = .5, 1.5
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0])
+    mask = torch.ones(4, 2)
+    _, s = grpo.grpo_loss(logp, old, None, adv, mask, LossNorm("dapo", 4, 8, 2, 1), epsilon=0.2, epsilon_high=0.28)
+    # row 0: rho .5 < .8 with A < 0 -> low; row 1: rho 1.5 > 1.28 with A > 0 -> high;
+    # rows 2, 3: the same ratios with the other sign of A are not clipped (min picks the unclipped term)
+    assert (s["clip_low_sum"], s["clip_high_sum"], s["tokens"]) == (1.0, 1.0, 8.0)
+
+
+def test_kl_is_zero_when_policy_equals_reference_and_positive_otherwise():
+    logp, _, _, adv, mask = random_batch()
+    norm = LossNorm("dapo", 6, int(mask.sum()), 7, 1)
+    _, same = grpo.grpo_loss(logp, None, logp.detach(), adv, mask, norm, beta=0.1)
+    assert same["kl_sum"] == 0.0
+    _, diff = grpo.grpo_loss(logp, None, logp.detach() + 0.5, adv, mask, norm, beta=0.1)
+    assert diff["kl_sum"] > 0
+    d = torch.tensor(0.5)
+    assert diff["kl_sum"] / diff["tokens"] == pytest.approx(float(torch.exp(d) - d - 1), rel=1e-5)
+
+
+def test_group_advantages_in_the_three_scale_modes():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])  # group 2 has zero std
+    g = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    std = g.std()  # unbiased: sqrt(1/4 * 4/3)
+    adv = grpo.group_advantages(r, 4, "group", eps=1e-4)
+    assert torch.allclose(adv[:4], (g - 0.25) / (std + 1e-4))
+    assert torch.equal(adv[4:], torch.zeros(4))
+    none = grpo.group_advantages(r, 4, "none")
+    assert torch.allclose(none, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+    batch = grpo.group_advantages(r, 4, "batch", eps=1e-4)
+    assert torch.allclose(batch, none / (r.std() + 1e-4))
+    with pytest.raises(ValueError):
+        grpo.group_advantages(r, 4, "bogus")
+
+
+def test_zero_std_groups_use_a_tolerance_for_noisy_judge_scores():
+    r = torch.tensor([0.7, 0.7 + 1e-9, 0.7, 0.7, 0.1, 0.9, 0.5, 0.5], dtype=torch.float64)
+    assert grpo.zero_std_groups(r, 4, tol=1e-6).tolist() == [True, False]
+    assert grpo.zero_std_groups(r, 4, tol=0.0).tolist() == [False, False]
+
+
+def test_completion_mask_keeps_the_real_eos_when_pad_equals_eos():
+    eos = 2  # pad is also 2
+    ids = torch.tensor([[5, 6, 2, 2, 2],    # EOS at 2, then padding that looks like EOS
+                        [2, 2, 2, 2, 2],    # immediate EOS
+                        [5, 6, 7, 8, 9]])   # no EOS: truncated
+    mask, truncated = grpo.completion_mask(ids, [eos])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True]
+
+
+def test_completion_mask_accepts_several_eos_ids():
+    mask, truncated = grpo.completion_mask(torch.tensor([[5, 7, 9, 3]]), [3, 7])
+    assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 7, 10_000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperature):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=g, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 4), generator=g)
+    got = grpo.selective_log_probs(logits, ids, temperature, chunk)
+    want = torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-5)
+    (g1,) = torch.autograd.grad(got.sum(), logits)
+    (g2,) = torch.autograd.grad(want.sum(), logits)
+    assert torch.allclose(g1, g2, atol=1e-5)
+
+
+def test_position_ids_skip_left_padding():
+    attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert grpo.position_ids(attn).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_trim_drops_only_padding_columns():
+    ids = torch.arange(16).view(2, 8)
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])  # prompt = 4 cols, completion = 4
+    cmask = attn[:, 4:].clone()
+    i, a, C = grpo.trim(ids, attn, cmask)
+    assert C == 3 and i.tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14]]

@@ -1,0 +1,419 @@
+"""Tests for judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
+
+import asyncio
+import json
+import logging
+import re
+import time
+
+import pytest
+
+from fake_openai_server import FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
+from judge import (Judge, JudgeConfig, JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score,
+                   render, rubric_alignment)
+
+SECRET = "sk-test-SECRET123"
+KEY_ENV = "MINIGRPO_TEST_JUDGE_KEY"  # not OPENAI_API_KEY, so a developer's real key is never picked up
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+
+
+@pytest.fixture
+def server():
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as s:
+        yield s
+
+
+def make_judge(server, **overrides) -> Judge:
+    # Tiny backoff so retry tests run in milliseconds.
+    cfg = dict(base_url=server.url, model="judge-model", api_key_env=KEY_ENV, backoff_s=0.01,
+               backoff_max_s=0.5, timeout_s=5.0, max_retries=2)
+    return Judge(JudgeConfig(**{**cfg, **overrides}))
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# --- retries, timeouts, failures -------------------------------------------------------------------
+def test_429_with_retry_after_is_retried_after_waiting_that_long(server):
+    judge = make_judge(server, backoff_s=0.001)
+    server.script(rate_limited(retry_after="0.4"))
+    t0 = time.monotonic()
+    assert judge.complete_many([chat("q")]) == ['{"score": 7}']
+    assert time.monotonic() - t0 >= 0.4  # our own backoff would have been ~1 ms
+    assert [r.status for r in server.requests] == [429, 200]
+    stats = judge.pop_step_stats()
+    assert (stats["judge_requests"], stats["judge_retries"], stats["judge_failures"]) == (2, 1, 0)
+
+
+def test_retry_after_is_capped_by_backoff_max(server):
+    judge = make_judge(server, backoff_max_s=0.05)
+    server.script(rate_limited(retry_after="30"))
+    t0 = time.monotonic()
+    assert judge.complete_many([chat("q")]) == ['{"score": 7}']
+    assert time.monotonic() - t0 < 3
+
+
+def test_500_is_retried_then_succeeds(server):
+    judge = make_judge(server)
+    server.script(server_error(500), server_error(502))
+    assert judge.complete_many([chat("q")]) == ['{"score": 7}']
+    assert [r.status for r in server.requests] == [500, 502, 200]
+    assert judge.pop_step_stats()["judge_retries"] == 2
+
+
+def test_final_failure_yields_none_and_counts_without_raising(server):
+    judge = make_judge(server, max_retries=2)
+    server.default = server_error(503)
+    assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
+    assert len(server.requests) == 6  # 2 calls x (1 try + 2 retries)
+    stats = judge.pop_step_stats()
+    assert (stats["judge_failures"], stats["judge_retries"], stats["judge_requests"]) == (2, 4, 6)
+
+
+@pytest.mark.parametrize("status", [400, 401, 404])
+def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
+    judge = make_judge(server)
+    server.default = server_error(status)
+    assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
+    assert len(server.requests) == 2
+    assert judge.pop_step_stats()["judge_failures"] == 2
+    assert len([r for r in caplog.records if f"HTTP {status}" in r.getMessage()]) == 1  # one line, not one per call
+
+
+def test_stall_beyond_timeout_is_a_failure_after_retries_and_does_not_hang(server):
+    judge = make_judge(server, timeout_s=0.3, max_retries=1)
+    server.default = stall(20)
+    t0 = time.monotonic()
+    assert judge.complete_many([chat("q")]) == [None]
+    assert time.monotonic() - t0 < 3
+    assert len(server.requests) == 2
+    stats = judge.pop_step_stats()
+    assert (stats["judge_failures"], stats["judge_retries"]) == (1, 1)
+
+
+def test_stall_then_success_on_retry(server):
+    judge = make_judge(server, timeout_s=0.3)
+    server.script(stall(20))
+    assert judge.complete_many([chat("q")]) == ['{"score": 7}']
+
+
+# --- concurrency and rate ------------------------------------------------------------------------
+def test_max_concurrent_is_never_exceeded_and_is_reached(server):
+    judge = make_judge(server, max_concurrent=4)
+    server.default = ok(delay_s=0.15)
+    replies = judge.complete_many([chat(f"prompt {i}") for i in range(16)])
+    assert replies == ['{"score": 7}'] * 16
+    assert len(server.requests) == 16
+    assert server.max_in_flight == 4
+
+
+def test_complete_many_preserves_order_when_replies_arrive_out_of_order(server):
+    def reply(body):
+        i = int(body["messages"][0]["content"])
+        time.sleep((8 - i) * 0.02)  # later prompts answer first
+        return f"reply {i}"
+    server.reply = reply
+    judge = make_judge(server, memory_cache=False)
+    for _ in range(3):  # repeated calls from sync code each get a fresh event loop
+        server.reset()
+        assert judge.complete_many([chat(str(i)) for i in range(8)]) == [f"reply {i}" for i in range(8)]
+        assert len(server.requests) == 8
+
+
+def test_complete_many_works_inside_a_running_event_loop(server):
+    judge = make_judge(server)
+
+    async def notebook_cell():
+        return judge.complete_many([chat("q")])
+    assert asyncio.run(notebook_cell()) == ['{"score": 7}']
+
+
+def test_acomplete_can_be_awaited_directly(server):
+    judge = make_judge(server)
+
+    async def main():
+        try:
+            return await asyncio.gather(judge.acomplete(chat("a")), judge.acomplete(chat("b")))
+        finally:
+            await judge.aclose()
+    assert asyncio.run(main()) == ['{"score": 7}'] * 2
+
+
+def test_identical_prompts_in_flight_share_one_request(server):
+    judge = make_judge(server)
+    server.default = ok(delay_s=0.1)
+    assert judge.complete_many([chat("same")] * 5) == ['{"score": 7}'] * 5
+    assert len(server.requests) == 1
+    stats = judge.pop_step_stats()
+    assert (stats["judge_calls"], stats["judge_requests"], stats["judge_cache_hits"]) == (5, 1, 4)
+
+
+def test_requests_per_minute_spaces_request_starts(server):
+    judge = make_judge(server, requests_per_minute=600)  # one every 0.1 s
+    t0 = time.monotonic()
+    judge.complete_many([chat(f"p{i}") for i in range(5)])
+    assert time.monotonic() - t0 >= 0.4
+
+
+# --- cache ---------------------------------------------------------------------------------------
+def test_disk_cache_hit_after_restart_makes_no_request(server, tmp_path):
+    path = tmp_path / "cache" / "judge.jsonl"
+    prompts = [chat(f"p{i}") for i in range(3)]
+    first = make_judge(server, cache_path=str(path))
+    assert first.complete_many(prompts) == ['{"score": 7}'] * 3
+    first.close()
+    assert len(path.read_text().splitlines()) == 3
+
+    server.reset()
+    restarted = make_judge(server, cache_path=str(path), memory_cache=False)
+    assert restarted.complete_many(prompts) == ['{"score": 7}'] * 3
+    assert server.requests == []
+    stats = restarted.pop_step_stats()
+    assert (stats["judge_cache_hits"], stats["judge_requests"]) == (3, 0)
+
+
+def test_cache_key_covers_model_and_sampling_settings(server, tmp_path):
+    path = str(tmp_path / "c.jsonl")
+    make_judge(server, cache_path=path).complete_many([chat("q")])
+    make_judge(server, cache_path=path, temperature=0.7).complete_many([chat("q")])
+    make_judge(server, cache_path=path, model="other").complete_many([chat("q")])
+    assert len(server.requests) == 3
+
+
+def test_torn_last_line_is_skipped_and_later_appends_stay_readable(server, tmp_path, caplog):
+    path = tmp_path / "judge.jsonl"
+    first = make_judge(server, cache_path=str(path))
+    first.complete_many([chat("a"), chat("b")])
+    first.close()
+    with open(path, "ab") as f:  # a kill mid-write leaves half a record and no newline
+        f.write(b'{"key": "abc", "reply": "half a rec')
+
+    server.reset()
+    second = make_judge(server, cache_path=str(path))
+    assert len([r for r in caplog.records if "skipped 1 unreadable" in r.getMessage()]) == 1
+    assert second.complete_many([chat("a"), chat("b"), chat("c")]) == ['{"score": 7}'] * 3
+    assert len(server.requests) == 1  # only "c" was asked
+    second.close()
+
+    lines = path.read_bytes().split(b"\n")
+    assert lines[-1] == b""  # file ends with a newline
+    readable = [json.loads(line) for line in lines if line.startswith(b'{"key": "') and line.endswith(b"}")]
+    assert len(readable) == 3  # a, b, and c on its own line, not glued to the torn record
+
+    server.reset()
+    third = make_judge(server, cache_path=str(path), memory_cache=False)
+    assert third.complete_many([chat("a"), chat("b"), chat("c")]) == ['{"score": 7}'] * 3
+    assert server.requests == []
+
+
+def test_memory_cache_is_a_bounded_lru_and_can_be_turned_off(server):
+    off = make_judge(server, memory_cache=False)
+    off.complete_many([chat("a")])
+    off.complete_many([chat("a")])
+    assert len(server.requests) == 2
+
+    server.reset()
+    lru = make_judge(server, memory_cache_size=2)
+    for p in ["a", "b", "a", "c", "a", "b"]:  # "b" is the least recent when "c" arrives
+        lru.complete_many([chat(p)])
+    assert [r.prompt_text for r in server.requests] == ["a", "b", "c", "b"]
+
+
+def test_malformed_reply_is_a_failure_and_is_not_cached(server, tmp_path):
+    path = tmp_path / "c.jsonl"
+    judge = make_judge(server, cache_path=str(path))
+    server.script(malformed())
+    assert judge.score_many([chat("q")]) == [None]
+    assert len(server.requests) == 1  # not retried: same prompt at temperature 0
+    assert judge.pop_step_stats()["judge_failures"] == 1
+    assert path.read_text() == ""
+    assert judge.score_many([chat("q")]) == [JudgeScore(7.0, {})]  # asked again, not served from cache
+    assert len(server.requests) == 2
+
+
+def test_out_of_range_score_is_rejected(server):
+    judge = make_judge(server)
+    server.script(out_of_range(42))
+    assert judge.score_many([chat("q"), chat("r")]) in ([None, JudgeScore(7.0, {})], [JudgeScore(7.0, {}), None])
+    assert judge.pop_step_stats()["judge_failures"] == 1
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ('{"score": 7}', 7.0),
+    ('{"score": 7.5, "reason": "ok"}', 7.5),
+    ('Here is my verdict: {"score": 3} hope that helps', 3.0),
+    ('```json\n{"score": 9}\n```', 9.0),
+    ('```\n{"Score": 2}\n```', 2.0),
+    ('Score: 7/10', 7.0),
+    ('**Score**: 6', 6.0),
+    ('The answer is decent. 8/10', 8.0),
+    ('5', 5.0),
+    ('<think>maybe 2, maybe 9</think>\n{"score": 4}', 4.0),
+    ('I give it 11 points, score: 3', 3.0),
+    ('A final score of 6.5.', 6.5),
+])
+def test_parse_score_accepts(text, expected):
+    assert parse_score(text, 0, 10).score == expected
+
+
+@pytest.mark.parametrize("text", [
+    '{"score": true}', '{"score": false}', '{"score": "7"}', '{"score": NaN}', '{"score": Infinity}',
+    '{"score": 11}', '{"score": -1}', 'Score: 12/10', 'no number here', '', '{"score": null}',
+    '{"reason": "fine"}',  # JSON with no score and no numbers
+    '{"reason": "scored 7"}',  # a JSON verdict never falls back to numbers inside it
+])
+def test_parse_score_rejects(text):
+    assert parse_score(text, 0, 10) is None
+
+
+def test_parse_score_per_criteria():
+    names = ["relevance", "clarity", "discriminative_power"]
+    s = parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 10, "notes": "x"}', 0, 10, names)
+    assert s == JudgeScore(8.0, {"relevance": 6.0, "clarity": 8.0, "discriminative_power": 10.0})
+    assert parse_score('{"relevance": 6, "clarity": 8}', 0, 10, names) is None  # one missing
+    assert parse_score('{"relevance": 6, "clarity": true, "discriminative_power": 1}', 0, 10, names) is None
+    assert parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 11}', 0, 10, names) is None
+    assert parse_score('relevance 6, clarity 8, discriminative_power 10', 0, 10, names) is None  # needs JSON
+    assert parse_score('{"score": 9, "logic": 8, "novelty": 2}', 0, 10, ["logic", "novelty"]).score == 9.0
+    assert parse_score('{"logic": 8, "novelty": 2}', 0, 10) == JudgeScore(5.0, {"logic": 8.0, "novelty": 2.0})
+    assert parse_score('{"a": 5, "ok": true}', 0, 10) == JudgeScore(5.0, {"a": 5.0})  # unnamed: bools skipped
+
+
+# --- templates -----------------------------------------------------------------------------------
+def test_render_fills_known_names_once_and_leaves_other_braces(tmp_path):
+    out = render("Q: {prompt}\nA: {completion}\nReply {\"score\": n}", {"prompt": "f({x}) {completion}",
+                                                                      "completion": '{"k": 1}'})
+    assert out == 'Q: f({x}) {completion}\nA: {"k": 1}\nReply {"score": n}'
+    with pytest.raises(KeyError, match="prompt"):
+        render("{prompt} {completion}", {"completion": "c"})
+
+
+def test_load_template_accepts_name_path_or_text(tmp_path):
+    assert load_template("pointwise_criteria") == POINTWISE_CRITERIA
+    f = tmp_path / "t.txt"
+    f.write_text("Rate {completion}")
+    assert load_template(str(f)) == "Rate {completion}"
+    assert load_template("Rate this: {completion}") == "Rate this: {completion}"
+    with pytest.raises(ValueError, match="pointwise_critera"):
+        load_template("pointwise_critera")  # a typo must not become the prompt
+
+
+# --- rewards ---------------------------------------------------------------------------------------
+def rubric_reply(body):
+    """Score answer k by the rubric's marker: GOOD -> k, REVERSED -> 9 - k, FLAT -> 5, PARTIAL swaps 0 and 1."""
+    text = body["messages"][-1]["content"]
+    rubric = re.search(r"RUBRIC-(\w+)", text).group(1)
+    k = int(re.search(r"ANSWER-(\d)", text).group(1))
+    if rubric == "BROKEN" and k == 2:
+        return "I cannot grade this."
+    score = {"GOOD": k, "REVERSED": 9 - k, "FLAT": 5, "PARTIAL": [1, 0, 2, 3][k], "BROKEN": k}[rubric]
+    return json.dumps({"score": score})
+
+
+def test_rubric_alignment_is_spearman_of_judge_scores_against_gold(server):
+    server.reply = rubric_reply
+    server.default = ok(delay_s=0.2)
+    judge = make_judge(server, max_concurrent=64)
+    sample = {"question": "Is aspirin safe?", "answers": [f"ANSWER-{k}" for k in range(4)], "gold_scores": [1, 2, 3, 4]}
+    rubrics = ["RUBRIC-GOOD", "RUBRIC-REVERSED", "RUBRIC-FLAT", "RUBRIC-PARTIAL", "RUBRIC-BROKEN"]
+    rewards = rubric_alignment(rubrics, [sample] * 5, judge=judge)
+    # PARTIAL: ranks (2,1,3,4) vs (1,2,3,4): d^2 sum = 2, rho = 1 - 6*2 / (4*(16-1)) = 0.8
+    assert rewards[:4] == pytest.approx([1.0, -1.0, 0.0, 0.8])
+    assert rewards[4] is None
+    assert len(server.requests) == 20
+    assert server.max_in_flight > 4  # answers of different rubrics were judged at the same time
+    stats = judge.pop_step_stats()
+    assert (stats["judge_constant_scores"], stats["judge_failures"]) == (1, 1)
+    assert "Is aspirin safe?" in server.requests[0].prompt_text
+
+
+def test_rubric_alignment_constant_gold_gives_zero(server):
+    server.reply = rubric_reply
+    judge = make_judge(server)
+    sample = {"question": "q", "answers": ["ANSWER-0", "ANSWER-1"], "gold_scores": [3, 3]}
+    assert rubric_alignment(["RUBRIC-GOOD"], [sample], judge=judge) == [0.0]
+    assert judge.pop_step_stats()["judge_constant_scores"] == 1
+
+
+def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server):
+    server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
+    judge = make_judge(server)
+    samples = [{"prompt": "Backend role, {skills}: Go, Postgres"}] * 2
+    rewards = judge_reward(["Explain MVCC.", "What is a goroutine?"], samples, judge=judge, system="Be strict.")
+    assert rewards == pytest.approx([0.8, 0.8])
+    assert judge_reward(["Explain MVCC."], samples[:1], judge=judge, normalize=False) == pytest.approx([8.0])
+    sent = server.requests[0].messages
+    assert sent[0] == {"role": "system", "content": "Be strict."}
+    assert "Backend role, {skills}: Go, Postgres" in sent[1]["content"] and "Explain MVCC." in sent[1]["content"]
+
+    server.reply = lambda body: '{"relevance": 6, "clarity": 8}'  # a criterion missing -> failure
+    assert judge_reward(["new"], samples[:1], judge=judge) == [None]
+
+
+def test_judge_reward_with_custom_score_range(server):
+    server.reply = lambda body: '{"logic": 4, "novelty": 2}'
+    judge = make_judge(server, score_min=1, score_max=5)
+    assert judge_reward(["r"], [{"prompt": "p"}], judge=judge, template="logic_novelty") == pytest.approx([0.5])
+    assert "from 1 to 5" in server.requests[0].prompt_text
+
+
+# --- accounting and secrets ----------------------------------------------------------------------
+def test_token_and_cost_accounting_adds_up(server):
+    judge = make_judge(server, price_prompt_per_m=2.0, price_completion_per_m=10.0)
+    server.script(server_error(500))  # a failed try sends no usage
+    judge.complete_many([chat("one two three"), chat("four five"), chat("one two three")])
+    judge.complete_many([chat("four five")])  # memory cache hit: free
+    sent = [r.usage for r in server.requests if r.status == 200]
+    prompt, completion = sum(u["prompt_tokens"] for u in sent), sum(u["completion_tokens"] for u in sent)
+    assert prompt > 0 and completion > 0
+    stats = judge.pop_step_stats()
+    assert (stats["judge_prompt_tokens"], stats["judge_completion_tokens"]) == (prompt, completion)
+    assert stats["judge_cost_usd"] == pytest.approx((prompt * 2.0 + completion * 10.0) / 1e6)
+    counts = [stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "retries", "failures")]
+    assert counts == [4, 3, 2, 1, 0]  # 2 distinct prompts + 1 retry; a shared in-flight twin and a memory hit
+
+    judge.complete_many([chat("six")])
+    step, total = judge.pop_step_stats(), server.requests[-1].usage
+    assert step["judge_prompt_tokens"] == total["prompt_tokens"] and step["judge_requests"] == 1
+    assert step["judge_prompt_tokens_total"] == prompt + total["prompt_tokens"]
+    assert step["judge_cost_usd_total"] > stats["judge_cost_usd"]
+
+
+def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, capsys):
+    caplog.set_level(logging.DEBUG)
+    path = tmp_path / "c.jsonl"
+    judge = make_judge(server, cache_path=str(path))
+    server.script(server_error(401))  # the fake echoes the presented key in its error, as OpenAI does
+    print(judge, judge.cfg)
+    judge.complete_many([chat("a")])
+    judge.score_many([chat("b")])
+    judge.close()
+
+    assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"
+    assert any("HTTP 401" in r.getMessage() for r in caplog.records)  # the error was logged, redacted
+    out = capsys.readouterr()
+    stats = judge.pop_step_stats()
+    for text in [caplog.text, out.out, out.err, path.read_text(), repr(judge), str(judge.cfg), json.dumps(stats)]:
+        assert SECRET not in text
+    assert path.read_text().count("\n") == 1  # the cache was written (the check above is not vacuous)
+
+
+def test_missing_key_env_sends_a_placeholder(server, monkeypatch):
+    monkeypatch.delenv(KEY_ENV)
+    make_judge(server).complete_many([chat("q")])
+    assert server.requests[0].headers["authorization"] == "Bearer EMPTY"
+
+
+def test_azure_endpoint_uses_deployment_path_and_api_key_header(server):
+    judge = make_judge(server, azure_endpoint=server.root, api_version="2024-06-01", model="gpt-judge")
+    assert judge.complete_many([chat("q")]) == ['{"score": 7}']
+    req = server.requests[0]
+    assert req.path == "/openai/deployments/gpt-judge/chat/completions"
+    assert "api-version=2024-06-01" in req.query
+    assert req.headers["api-key"] == SECRET

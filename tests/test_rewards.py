@@ -1,0 +1,545 @@
+"""Tests for rewards.py: every built-in on good, bad and adversarial completions, then the
+registry, loading user functions, check_specs and compute_rewards.
+
+    python -m pytest --doctest-modules rewards.py tests/test_rewards.py
+"""
+import json
+import logging
+import time
+
+import pytest
+
+import rewards
+from rewards import (REGISTRY, RewardSpec, answer_match, check_specs, choice_accuracy, citation_grounding,
+                     compute_rewards, json_schema, json_valid, length_penalty, register, resolve, reward_means,
+                     short_answer, think_format)
+
+GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
+BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format",
+            "citation_grounding", "length_penalty", "short_answer"}
+
+
+# ---------------------------------------------------------------- json_valid
+
+@pytest.mark.parametrize("completion", [
+    GOOD, "  \n" + GOOD + "\n ", '{"a": {"b": {"c": [1, {"d": "}"}]}}}', "{}",
+    "<think>Let me think {not json</think>\n" + GOOD,
+])
+def test_json_valid_accepts_one_json_object(completion):
+    assert json_valid(completion, {}) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "", "   ", "B", GOOD + " I hope this helps!", "Here is my answer: " + GOOD, GOOD + GOOD,
+    "{'predicted_category': 'B'}",            # Python dict, not JSON
+    '{"a": 1,}',                              # trailing comma
+    '{"a": NaN}', '{"a": Infinity}',          # Python's json accepts these, JSON does not
+    '{"a": 1, "a": 2}',                       # duplicate keys are ambiguous
+    '{"a": ' + "9" * 5000 + "}",              # more digits than int() accepts
+    "[" * 100_000 + "]" * 100_000,           # nesting deeper than the recursion limit
+    '{"a": 1',                                # cut off
+    "<think>" + GOOD,                         # unclosed think: the JSON is still reasoning
+    "[1, 2]", '"text"', "null", "3",         # JSON, but not an object
+])
+def test_json_valid_rejects_everything_but_one_json_object(completion):
+    assert json_valid(completion, {}) == 0.0
+
+
+def test_json_valid_accepts_fences_only_when_allowed_and_only_as_the_whole_answer():
+    fenced, bare = "```json\n" + GOOD + "\n```", "```\n" + GOOD + "\n```"
+    assert (json_valid(fenced, {}), json_valid(bare, {})) == (0.0, 0.0)
+    assert json_valid(fenced, {}, allow_fence=True) == json_valid(bare, {}, allow_fence=True) == 1.0
+    assert json_valid("```JSON " + GOOD + "```", {}, allow_fence=True) == 1.0
+    assert json_valid("Sure:\n" + fenced, {}, allow_fence=True) == 0.0
+    assert json_valid(fenced + "\nDone.", {}, allow_fence=True) == 0.0
+    assert json_valid("```python\n" + GOOD + "\n```", {}, allow_fence=True) == 0.0
+    assert json_valid(fenced + "\n" + fenced, {}, allow_fence=True) == 0.0
+    assert json_valid("<think>plan</think>\n" + fenced, {}, allow_fence=True) == 1.0
+
+
+def test_json_valid_options_for_think_and_non_objects():
+    assert json_valid("<think>ok</think>" + GOOD, {}, strip_think=False) == 0.0
+    assert json_valid("[1, 2]", {}, require_object=False) == 1.0
+    assert json_valid("null", {}, require_object=False) == 1.0
+    assert json_valid("[1, 2] and more", {}, require_object=False) == 0.0
+
+
+# ---------------------------------------------------------------- json_schema
+
+def _medmcqa(**changes):
+    obj = {"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}
+    obj.update(changes)
+    return json.dumps({k: v for k, v in obj.items() if v is not ...})
+
+
+@pytest.mark.parametrize("completion", [
+    GOOD, _medmcqa(confidence=0), _medmcqa(confidence=1), _medmcqa(confidence=1.0), _medmcqa(predicted_category="D"),
+    "<think>B12 comes from animals</think>" + GOOD,
+])
+def test_json_schema_accepts_the_medmcqa_answer(completion):
+    assert json_schema(completion, {}) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    _medmcqa(confidence=True), _medmcqa(confidence="0.9"), _medmcqa(confidence=1.5), _medmcqa(confidence=-0.1),
+    _medmcqa(confidence=None), GOOD.replace("0.9", "1e999"),  # parses to inf
+    _medmcqa(predicted_category="E"), _medmcqa(predicted_category="b"), _medmcqa(predicted_category="AB"),
+    _medmcqa(predicted_category=1), _medmcqa(predicted_category=["B"]), _medmcqa(predicted_category=" B"),
+    _medmcqa(reason=""), _medmcqa(reason="   \n"), _medmcqa(reason=5), _medmcqa(reason=["x"]),
+    _medmcqa(reason=...), _medmcqa(confidence=...),           # missing key
+    _medmcqa(extra="x"),                                      # extra key: the seed wants exactly three
+    "[" + GOOD + "]", GOOD + " trailing", "Answer: " + GOOD, "{}",
+])
+def test_json_schema_rejects_wrong_types_values_and_keys(completion):
+    assert json_schema(completion, {}) == 0.0
+
+
+def test_json_schema_is_configurable():
+    schema = {"answer": {"type": "integer", "min": 0}, "steps": {"type": "array", "min_length": 1}, "note": {}}
+    assert json_schema('{"answer": 3, "steps": ["x"], "note": null}', {}, schema=schema) == 1.0
+    assert json_schema('{"answer": 3.0, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0  # 3.0 is no integer
+    assert json_schema('{"answer": true, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0
+    assert json_schema('{"answer": -1, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0
+    assert json_schema('{"answer": 3, "steps": [], "note": 1}', {}, schema=schema) == 0.0
+    assert json_schema('{"answer": 3, "steps": ["x"]}', {}, schema=schema) == 0.0  # note is required
+    assert json_schema(_medmcqa(extra="x"), {}, exact=False) == 1.0
+    assert json_schema('{"ok": 1}', {}, schema={"ok": {"enum": [True]}}) == 0.0  # enum matches type too
+    assert json_schema('{"ok": true}', {}, schema={"ok": {"enum": [True]}}) == 1.0
+    assert json_schema('{"s": "abcd"}', {}, schema={"s": {"type": "string", "max_length": 3}}) == 0.0
+
+
+def test_json_schema_rejects_a_broken_schema_even_when_the_answer_is_not_json():
+    with pytest.raises(ValueError, match="minimum"):
+        json_schema("not json", {}, schema={"a": {"minimum": 0}})
+    with pytest.raises(ValueError, match="float"):
+        json_schema(GOOD, {}, schema={"a": {"type": "float"}})
+
+
+# ---------------------------------------------------------------- choice_accuracy
+
+def _pred(letter):
+    return _medmcqa(predicted_category=letter)
+
+
+def test_choice_accuracy_compares_the_json_field_with_a_letter_or_an_index_gold():
+    assert choice_accuracy(_pred("B"), {"answer": "B"}) == 1.0
+    assert choice_accuracy(_pred("C"), {"answer": "B"}) == 0.0
+    assert choice_accuracy(_pred("B"), {"cop": 1}, gold_key="cop") == 1.0
+    assert choice_accuracy(_pred("A"), {"cop": 0}, gold_key="cop") == 1.0
+    assert choice_accuracy(_pred("B"), {"cop": 0}, gold_key="cop") == 0.0
+    assert choice_accuracy(_pred("D"), {"answer": " d "}) == 1.0
+    assert choice_accuracy(_pred(" b "), {"answer": "B"}) == 1.0  # case and spaces are format, not accuracy
+    assert choice_accuracy('{"letter": "B"}', {"answer": "B"}, field="letter") == 1.0
+    assert choice_accuracy("<think>not A</think>" + _pred("B"), {"answer": "B"}) == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    _pred("E"), _pred("BC"), _pred("B)"), _pred(1), _pred(None), _pred(["B"]), '{"answer": "B"}', "B",
+    "The answer is B: " + _pred("B"),        # JSON in prose does not parse, and no fallback is set
+    "<think>" + _pred("B"),                   # unclosed think
+    '["B"]',
+])
+def test_choice_accuracy_gives_nothing_for_a_prediction_it_cannot_read(completion):
+    assert choice_accuracy(completion, {"answer": "B"}) == 0.0
+
+
+def test_choice_accuracy_fallback_pattern_only_applies_when_the_answer_is_not_json():
+    pattern = r"Answer:\s*([A-D])"
+    assert choice_accuracy("Answer: B", {"answer": "B"}) == 0.0
+    assert choice_accuracy("Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
+    assert choice_accuracy("Answer: A ... no wait, Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
+    assert choice_accuracy("Answer: B then Answer: A", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+    assert choice_accuracy("Answer: E", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+    # JSON plus text is not JSON: the fallback reads the text, and only one answer counts
+    assert choice_accuracy(_pred("C") + " Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
+    assert choice_accuracy(_pred("B") + " Answer: C", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+    assert choice_accuracy('{"predicted_category": "C"}', {"answer": "B"}, fallback_pattern=r'"([A-D])"') == 0.0
+    assert choice_accuracy("<think>Answer: B</think>Answer: C", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+
+
+def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
+    assert choice_accuracy(_pred("B"), {}) is None
+    assert choice_accuracy(_pred("B"), {"answer": None}) is None
+    for gold in (4, -1, True, "E", "", "1", 1.0):
+        with pytest.raises(ValueError, match="gold"):
+            choice_accuracy(_pred("B"), {"answer": gold})
+    assert choice_accuracy(_pred("E"), {"answer": 4}, letters="ABCDE") == 1.0
+
+
+# ---------------------------------------------------------------- answer_match
+
+@pytest.mark.parametrize("completion, gold", [
+    ("She has 16 - 3 - 4 = 9 eggs, 9 * 2 = 18.\n#### 18", 18),
+    ("#### 1,000", 1000), ("####72", 72), ("#### $1,234,567.00", "1234567"),
+    ("#### 72\nThe answer is 70 (just kidding).", 72),  # the marker beats later numbers
+    ("#### 72 (that is 8 * 9)", 72),                      # inside a marker the first number counts
+    ("so x = 3 \\boxed{72}", 72), ("\\boxed{\\frac{1}{2}}", 0.5), ("\\boxed{\\dfrac{3}{4}}", 0.75),
+    ("\\boxed{\\text{\\$}1{,}000}", 1000), ("\\boxed{{72}}", 72), ("\\boxed{-5}", -5),
+    ("<answer> 72 </answer>", 72), ("<answer>72</answer> then <answer>5", 72), ("<answer>5</answer> \\boxed{72}", 72), ("\\boxed{5} ... #### 72", 72),
+    ("The answer is 72.", 72), ("It costs $72.00", 72), ("3.0", 3), ("3", 3.0), ("x = -4", -4),
+    ("10 - 3 = 7", 7), ("3/4 of them", 0.75), ("That is 50%", 50), ("1, 2, 3", 3), ("0.1", 0.1),
+    ("<think>maybe 70? 3 + 4...</think>It is 72", 72),
+    ("1000000000000000000000000", "#### 1000000000000000000000000"),
+])
+def test_answer_match_reads_the_final_number(completion, gold):
+    assert answer_match(completion, {"answer": gold}) == 1.0
+
+
+@pytest.mark.parametrize("completion, gold", [
+    ("", 72), ("I don't know", 72), ("#### ", 72), ("#### seventy-two", 72), ("\\boxed{}", 72),
+    ("72 minus 2 is 70", 72),                          # last number, not any number
+    ("Janet has 16 eggs and eats 3.", 16),             # echoing the question is not answering
+    ("\\boxed{72} no wait #### 70", 72),               # #### has priority over \boxed
+    ("10-3", -3), ("1,000", 1), ("1,0000", 1000), ("12,34", 12.34), ("7.2", 72), ("72", 73), ("-72", 72),
+    ("1000000000000000000000001", 10**24),             # equal as floats, not as numbers
+    ("9" * 5000, 72), ("72 then " + "9" * 5000, 72),   # no fallback to an earlier number
+    ("1/0", 72), ("x2 = 72y", 2),
+    ("<think>the answer is 72", 72),                   # truncated reasoning holds no answer
+    ("<think>the answer is 72</think>I give up", 72),
+    ("<think>ok</think>72</think>70", 72),             # the answer follows the last </think>
+])
+def test_answer_match_rejects_a_wrong_or_missing_number(completion, gold):
+    assert answer_match(completion, {"answer": gold}) == 0.0
+
+
+def test_answer_match_mode_tolerance_and_think():
+    assert answer_match("72 apples minus 2", {"answer": 72}, mode="first") == 1.0
+    assert answer_match("72 apples minus 2", {"answer": 72}, mode="last") == 0.0
+    assert answer_match("0.33333", {"answer": "1/3"}) == 0.0
+    assert answer_match("0.333333", {"answer": "1/3"}) == 1.0  # within 1e-6
+    assert answer_match("0.333", {"answer": "1/3"}, tolerance=1e-3) == 1.0
+    assert answer_match("<think>x</think>72", {"answer": 72}, strip_think=False) == 1.0
+    assert answer_match("<think>the answer is 72", {"answer": 72}, strip_think=False) == 1.0
+    with pytest.raises(ValueError, match="mode"):
+        answer_match("72", {"answer": 72}, mode="middle")
+
+
+def test_parsing_stays_linear_on_degenerate_repetitive_output():
+    start = time.perf_counter()
+    for text in ("<answer>" * 20_000 + "7", "\\boxed{" * 20_000, "```" * 20_000, "1," * 50_000, "-" * 100_000 + "7"):
+        answer_match(text, {"answer": 7}), json_schema(text, {}, allow_fence=True), short_answer(text, {})
+    assert time.perf_counter() - start < 2.0  # a quadratic regex takes minutes here
+
+
+def test_answer_match_is_none_without_gold_and_raises_on_unreadable_gold():
+    assert answer_match("72", {}) is None
+    assert answer_match("72", {"answer": None}) is None
+    assert answer_match("72", {"answer": 72}, gold_key="solution") is None
+    with pytest.raises(ValueError, match="no number"):
+        answer_match("72", {"answer": "seventy-two"})
+    for gold in (True, [72], float("nan")):
+        with pytest.raises((TypeError, ValueError)):
+            answer_match("72", {"answer": gold})
+
+
+# ---------------------------------------------------------------- think_format
+
+@pytest.mark.parametrize("completion, kwargs", [
+    ("<think>Vitamin B12 comes from animals.</think>\nB", {}),
+    ("  \n<think>\nlong enough reasoning\n</think>\n\nThe answer is B.", {}),
+    ("long enough reasoning</think>B", {"prefix": "<think>"}),
+    ("<think>long enough reasoning</think>", {"require_answer": False}),
+    ("<think>hi</think>B", {"min_think_chars": 2}),
+    ("<think></think>B", {"min_think_chars": 0}),
+])
+def test_think_format_accepts_one_leading_think_block_then_an_answer(completion, kwargs):
+    assert think_format(completion, {}, **kwargs) == 1.0
+
+
+@pytest.mark.parametrize("completion, kwargs", [
+    ("B", {}), ("", {}),
+    ("<think></think>B", {}), ("<think>          \n   </think>B", {}), ("<think>hi</think>B", {}),  # empty or trivial
+    ("<think>long enough reasoning</think>", {}), ("<think>long enough reasoning</think>  \n ", {}),  # no answer
+    ("<think>long enough reasoning", {}),                                              # unclosed
+    ("<think>long enough <think>nested</think> reasoning</think>B", {}),             # nested
+    ("<think>long enough reasoning</think>B<think>second thoughts!</think>C", {}),   # repeated
+    ("<think>long enough reasoning</think>B</think>", {}),                          # stray close
+    ("Sure. <think>long enough reasoning</think>B", {}),                             # not leading
+    ("long enough reasoning</think>B", {}),                                          # opening tag missing
+    ("<think>long enough reasoning</think>B", {"prefix": "<think>"}),               # prefix + model's own tag
+    ("</think>long enough reasoning<think>B", {}),
+    ("<THINK>long enough reasoning</THINK>B", {}),
+])
+def test_think_format_rejects_missing_empty_nested_repeated_or_unclosed_blocks(completion, kwargs):
+    assert think_format(completion, {}, **kwargs) == 0.0
+
+
+# ---------------------------------------------------------------- citation_grounding
+
+SOURCES = {"valid_pmids": ["12345", 67890, " 555 "]}
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("Shown in PMID: 12345.", 1.0),
+    ("PMID:12345 and PMID 67890 and [PMID: 555]", 3.0),
+    ("PMID: 99999", -2.0),                                   # invented
+    ("PMID: 12345, PMID: 99999", -1.0),
+    ("PMID: 12345 PMID: 12345 PMID: 12345", 1.0),            # repeating a valid id earns nothing
+    ("PMID: 99999 PMID: 99999", -2.0),                       # nor costs more
+    ("PMID: 123456", -2.0), ("PMID: 1234", -2.0),            # near misses are invented
+    ("pmid 12345 and Pmid: 99999", -1.0),                    # case does not hide an invention
+    ("<think>PMID: 99999</think>PMID: 12345", -1.0),         # inventions in the reasoning count
+    ("No citations here, 12345 is just a number.", 0.0),
+])
+def test_citation_grounding_rewards_valid_and_penalises_invented_ids(completion, expected):
+    assert citation_grounding(completion, SOURCES) == expected
+
+
+def test_citation_grounding_options():
+    text = "PMID: 12345 PMID: 12345 PMID: 99999"
+    assert citation_grounding(text, SOURCES, dedupe=False) == 0.0              # 1 + 1 - 2
+    assert citation_grounding(text, SOURCES, normalize=True) == -0.5           # (1 - 2) / 2
+    assert citation_grounding(text, SOURCES, reward_valid=0.5, penalty_invalid=-1) == -0.5
+    assert citation_grounding("nothing", SOURCES, no_citation=-0.5) == -0.5
+    assert citation_grounding("pmid 99999", SOURCES, ignore_case=False) == 0.0
+    assert citation_grounding("doi:10.1/abc doi:10.9/zzz", {"dois": ["10.1/abc"]},
+                              pattern=r"doi:(\S+)", valid_key="dois") == -1.0
+    assert citation_grounding("PMID: 1", {"valid_pmids": set()}) == -2.0
+
+
+def test_citation_grounding_is_none_without_a_valid_set_and_raises_on_a_string_set():
+    assert citation_grounding("PMID: 12345", {}) is None
+    assert citation_grounding("PMID: 12345", {"valid_pmids": None}) is None
+    with pytest.raises(TypeError, match="list"):
+        citation_grounding("PMID: 12345", {"valid_pmids": "12345"})
+
+
+# ---------------------------------------------------------------- length_penalty, short_answer
+
+@pytest.mark.parametrize("tokens, expected", [
+    (0, 0.0), (100, 0.0), (384, 0.0), (385, -1 / 128), (416, -0.25), (448, -0.5), (512, -1.0), (513, -1.0), (10**6, -1.0),
+])
+def test_length_penalty_follows_the_dapo_formula(tokens, expected):
+    assert length_penalty("ignored", {}, tokens) == pytest.approx(expected)
+
+
+def test_length_penalty_with_no_cache_is_a_hard_cut_and_rejects_bad_settings():
+    assert length_penalty("", {}, 512, cache_tokens=0) == 0.0
+    assert length_penalty("", {}, 513, cache_tokens=0) == -1.0
+    assert length_penalty("", {}, 150, max_tokens=200, cache_tokens=100) == -0.5
+    with pytest.raises(ValueError):
+        length_penalty("", {}, 10, max_tokens=100, cache_tokens=200)
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ("72", 1.0), ("one two three four five six seven eight", 1.0), (" ".join(["w"] * 9), 23 / 24),
+    (" ".join(["w"] * 20), 0.5), (" ".join(["w"] * 31), 1 / 24), (" ".join(["w"] * 32), 0.0), ("w " * 1000, 0.0),
+    ("", 0.0), ("   \n ", 0.0),                                 # saying nothing is not brevity
+    ("<think>" + "long reasoning " * 50 + "</think> 72", 1.0),  # reasoning is not the answer
+    ("<think>" + "long reasoning " * 50, 0.0),                  # unclosed: no answer
+])
+def test_short_answer_decays_linearly_from_max_words_to_four_times_it(completion, expected):
+    assert short_answer(completion, {}) == pytest.approx(expected)
+
+
+def test_short_answer_options():
+    assert short_answer("a b c", {}, max_words=2) == pytest.approx(5 / 6)
+    assert short_answer("<think>x y z</think>a", {}, max_words=1) == 1.0
+    assert short_answer("<think>x y z</think>a", {}, max_words=1, strip_think=False) == pytest.approx(1 / 3)  # 3 words
+    with pytest.raises(ValueError):
+        short_answer("a", {}, max_words=0)
+
+
+def test_every_builtin_is_registered_unbatched_and_documented_with_examples():
+    assert BUILTINS <= set(REGISTRY)
+    for name in BUILTINS:
+        fn, batched = REGISTRY[name]
+        assert fn is getattr(rewards, name) and batched is False
+        assert ">>> " in fn.__doc__, f"{name} has no doctest example"
+
+
+# ---------------------------------------------------------------- registry and resolve
+
+def test_register_refuses_a_second_function_under_a_taken_name(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "taken", (json_valid, False))
+    with pytest.raises(ValueError, match="already registered"):
+        register("taken")(lambda completion, sample: 1.0)
+    assert REGISTRY["taken"] == (json_valid, False)
+
+
+def test_resolve_names_close_matches_for_an_unknown_reward():
+    with pytest.raises(ValueError, match="json_valid") as err:
+        resolve(RewardSpec("json_vaild"))
+    assert "unknown reward 'json_vaild'" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="answer_match"):
+        resolve(RewardSpec("answer_mach"))
+
+
+def test_resolve_loads_a_function_from_an_importable_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod_7f3.py").write_text(
+        "def polite(completion, sample, word='please'):\n    return float(word in completion)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn, batched = resolve(RewardSpec("my_rewards_mod_7f3:polite"))
+    assert (fn("say please", {}), fn("no", {}), batched) == (1.0, 0.0, False)
+    with pytest.raises(ValueError, match="has no function 'polit'.*'polite'"):
+        resolve(RewardSpec("my_rewards_mod_7f3:polit"))
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_4a2'"):
+        resolve(RewardSpec("no_such_module_4a2:fn"))
+
+
+def test_resolve_loads_a_function_from_a_file_and_its_batched_mark(tmp_path):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(
+        "from dataclasses import dataclass\n"
+        "import rewards\n"
+        "@dataclass\nclass Counter:\n    n: int = 0\n"          # dataclasses need the module in sys.modules
+        "def shouty(completion, sample):\n    return float(completion.isupper())\n"
+        "@rewards.register('test_file_batched_9c1', batched=True)\n"
+        "def lengths(completions, samples):\n    return [len(c) for c in completions]\n")
+    fn, batched = resolve(RewardSpec(f"{path}:shouty"))
+    assert (fn("HEY", {}), fn("hey", {}), batched) == (1.0, 0.0, False)
+    fn2, batched2 = resolve(RewardSpec(f"{path}:lengths"))
+    assert batched2 is True and fn2(["ab", "c"], [{}, {}]) == [2, 1]
+    assert resolve(RewardSpec(f"{path}:shouty"))[0] is fn  # the file is loaded once
+    REGISTRY.pop("test_file_batched_9c1")
+    with pytest.raises(ValueError, match="not found"):
+        resolve(RewardSpec(f"{tmp_path}/missing.py:shouty"))
+    with pytest.raises(ValueError, match="no function 'shout'"):
+        resolve(RewardSpec(f"{path}:shout"))
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    with pytest.raises(ValueError, match="could not load.*SyntaxError"):
+        resolve(RewardSpec(f"{broken}:f"))
+
+
+# ---------------------------------------------------------------- check_specs
+
+def test_check_specs_accepts_good_specs():
+    assert check_specs([RewardSpec("json_valid", args={"allow_fence": True}),
+                        RewardSpec("choice_accuracy", weight=2.0, args={"gold_key": "cop"}),
+                        RewardSpec("length_penalty", args={"max_tokens": 256, "cache_tokens": 64})]) is None
+
+
+def test_check_specs_rejects_an_empty_list_unknown_names_and_unknown_args():
+    with pytest.raises(ValueError, match="no rewards"):
+        check_specs([])
+    with pytest.raises(ValueError, match="json_schema"):
+        check_specs([RewardSpec("json_valid"), RewardSpec("json_shema")])
+    with pytest.raises(ValueError, match=r"'json_valid' has no argument 'allow_fences'.*'allow_fence'"):
+        check_specs([RewardSpec("json_valid", args={"allow_fences": True})])
+    with pytest.raises(ValueError, match="'completion'"):
+        check_specs([RewardSpec("json_valid", args={"completion": "x"})])
+    with pytest.raises(ValueError, match="num_tokens"):
+        check_specs([RewardSpec("length_penalty", args={"num_tokens": 3})])
+
+
+def test_check_specs_lets_a_function_with_kwargs_take_any_arg(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "test_kwargs", (lambda completion, sample, **kw: 1.0, False))
+    check_specs([RewardSpec("test_kwargs", args={"anything": 1})])
+
+
+# ---------------------------------------------------------------- compute_rewards
+
+def test_compute_rewards_weights_components_and_skips_none_in_the_total():
+    completions = [_pred("B"), _pred("C"), "not json"]
+    samples = [{"answer": "B"}, {"answer": "B"}, {}]
+    specs = [RewardSpec("json_valid", weight=0.5), RewardSpec("choice_accuracy", weight=2.0, fallback=-1.0)]
+    result = compute_rewards(completions, samples, specs)
+    assert result.per_reward == {"json_valid": [1.0, 1.0, 0.0], "choice_accuracy": [1.0, 0.0, None]}
+    assert result.total == [2.5, 0.5, 0.0]
+    assert result.errors == {"json_valid": 0, "choice_accuracy": 0}
+    assert reward_means(result.per_reward) == {"json_valid": 2 / 3, "choice_accuracy": 0.5}
+    assert reward_means({"choice_accuracy": [None, None]}) == {}
+
+
+def test_compute_rewards_keeps_a_repeated_name_apart_with_its_own_args():
+    specs = [RewardSpec("short_answer"), RewardSpec("short_answer", weight=-1.0, args={"max_words": 1})]
+    result = compute_rewards(["a b c"], [{}], specs)
+    assert result.per_reward == {"short_answer": [1.0], "short_answer#2": [pytest.approx(1 / 3)]}
+    assert result.total == [pytest.approx(1 - 1 / 3)]
+
+
+def test_compute_rewards_passes_num_tokens_only_to_rewards_that_take_it():
+    specs = [RewardSpec("length_penalty", args={"max_tokens": 100, "cache_tokens": 50}), RewardSpec("short_answer")]
+    result = compute_rewards(["a", "b", "c"], [{}, {}, {}], specs, num_tokens=[10, 75, 500])
+    assert result.per_reward["length_penalty"] == [0.0, -0.5, -1.0]
+    assert result.total == [1.0, 0.5, 0.0]
+    with pytest.raises(ValueError, match="num_tokens"):
+        compute_rewards(["a"], [{}], specs)
+    with pytest.raises(ValueError, match="must match"):
+        compute_rewards(["a"], [{}], specs, num_tokens=[1, 2])
+    with pytest.raises(ValueError, match="must match"):
+        compute_rewards(["a", "b"], [{}], specs, num_tokens=[1, 2])
+
+
+def test_compute_rewards_passes_context_keys_a_reward_asks_for(monkeypatch):
+    seen = []
+
+    def judged(completion, sample, judge, scale=1.0):
+        seen.append(judge)
+        return judge(completion) * scale
+    monkeypatch.setitem(REGISTRY, "test_judged", (judged, False))
+    judge = len
+    specs = [RewardSpec("test_judged", args={"scale": 2.0}), RewardSpec("json_valid")]  # json_valid takes no judge
+    result = compute_rewards(["ab", "{}"], [{}, {}], specs, context={"judge": judge, "unused": object()})
+    assert result.per_reward == {"test_judged": [4.0, 4.0], "json_valid": [0.0, 1.0]}
+    assert seen == [judge, judge]
+    with pytest.raises(ValueError, match="'test_judged' needs judge"):
+        compute_rewards(["ab"], [{}], specs)
+
+
+def test_a_raising_reward_gets_the_fallback_is_counted_and_logged_once(monkeypatch, caplog):
+    def fragile(completion, sample):
+        if completion == "boom":
+            raise RuntimeError("parser exploded")
+        return 1.0
+    monkeypatch.setitem(REGISTRY, "test_fragile_1b7", (fragile, False))
+    specs = [RewardSpec("test_fragile_1b7", fallback=-1.0), RewardSpec("json_valid", weight=0.0)]
+    samples = [{"id": "sample-one"}, {"id": "sample-two"}, {"id": "x" * 10_000}]
+    with caplog.at_level(logging.WARNING, logger="minigrpo.rewards"):
+        first = compute_rewards(["boom", "fine", "boom"], samples, specs)
+        second = compute_rewards(["boom", "boom", "fine"], samples, specs)
+    assert first.per_reward["test_fragile_1b7"] == [-1.0, 1.0, -1.0] and first.total == [-1.0, 1.0, -1.0]
+    assert first.errors == {"test_fragile_1b7": 2, "json_valid": 0} and second.errors["test_fragile_1b7"] == 2
+    logged = [r for r in caplog.records if r.name == "minigrpo.rewards"]
+    assert len(logged) == 1
+    message = logged[0].getMessage()
+    assert "test_fragile_1b7" in message and "parser exploded" in message and "sample-one" in message
+    assert len(message) < 2000  # the sample is truncated
+
+
+@pytest.mark.parametrize("value", ["yes", float("nan"), float("inf"), [1.0], {"score": 1}])
+def test_a_non_number_result_counts_as_an_error(monkeypatch, value):
+    monkeypatch.setitem(REGISTRY, "test_bad_value", (lambda completion, sample: value, False))
+    result = compute_rewards(["a", "b"], [{}, {}], [RewardSpec("test_bad_value", fallback=0.25)])
+    assert result.per_reward["test_bad_value"] == [0.25, 0.25] and result.errors["test_bad_value"] == 2
+
+
+def test_bool_and_int_results_become_floats(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "test_bool", (lambda completion, sample: completion == "y", False))
+    monkeypatch.setitem(REGISTRY, "test_int", (lambda completion, sample: 2, False))
+    result = compute_rewards(["y", "n"], [{}, {}], [RewardSpec("test_bool"), RewardSpec("test_int")])
+    assert result.per_reward == {"test_bool": [1.0, 0.0], "test_int": [2.0, 2.0]}
+    assert all(type(v) is float for vs in result.per_reward.values() for v in vs)
+    assert result.total == [3.0, 2.0] and result.errors == {"test_bool": 0, "test_int": 0}
+
+
+def test_a_batched_reward_gets_whole_lists_and_fails_as_a_batch(monkeypatch):
+    calls = []
+
+    def batch(completions, samples, num_tokens, bonus=0.0):
+        calls.append((list(completions), list(num_tokens)))
+        return [len(c) + bonus if c != "skip" else None for c in completions]
+
+    def broken(completions, samples):
+        raise TimeoutError("judge timed out")
+    monkeypatch.setitem(REGISTRY, "test_batch", (batch, True))
+    monkeypatch.setitem(REGISTRY, "test_broken_batch", (broken, True))
+    monkeypatch.setitem(REGISTRY, "test_short_batch", (lambda completions, samples: [1.0], True))
+    specs = [RewardSpec("test_batch", args={"bonus": 1.0}), RewardSpec("test_broken_batch", fallback=-0.5),
+             RewardSpec("test_short_batch", fallback=0.0)]
+    result = compute_rewards(["ab", "skip", "abcd"], [{}, {}, {}], specs, num_tokens=[2, 1, 4])
+    assert calls == [(["ab", "skip", "abcd"], [2, 1, 4])]
+    assert result.per_reward["test_batch"] == [3.0, None, 5.0]
+    assert result.per_reward["test_broken_batch"] == [-0.5, -0.5, -0.5]
+    assert result.per_reward["test_short_batch"] == [0.0, 0.0, 0.0]
+    assert result.errors == {"test_batch": 0, "test_broken_batch": 1, "test_short_batch": 1}
+    assert result.total == [2.5, -0.5, 4.5]
+
+
+def test_a_misconfigured_spec_fails_loudly_instead_of_silently_scoring(monkeypatch):
+    with pytest.raises(ValueError, match="unknown reward"):
+        compute_rewards(["a"], [{}], [RewardSpec("nope")])
+    # an arg the function accepts but rejects by value is only known per call: counted and logged
+    result = compute_rewards(["{}"], [{}], [RewardSpec("json_schema", args={"schema": {"a": {"bad": 1}}})])
+    assert result.per_reward == {"json_schema": [0.0]} and result.errors == {"json_schema": 1}
