@@ -162,6 +162,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
@@ -191,6 +196,16 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[last] = value
 
 
+def _is_text_field(dotted: str) -> bool:
+    """True when the field takes a str only: its override is kept verbatim ("{question}" stays text)."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+            return False
+        tp = typing.get_type_hints(tp)[part]
+    return tp is str or set(typing.get_args(tp)) == {str, type(None)}
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file + `--section.key=value` overrides -> validated Config (ConfigError on any problem)."""
     raw: dict = {}
@@ -209,7 +224,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{o}' must look like --section.key=value")
         dotted, text = o[2:].split("=", 1)
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = text if _is_text_field(dotted) else yaml.safe_load(text)
         except yaml.YAMLError:
             value = text
         _set_dotted(raw, dotted, value)

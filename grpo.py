@@ -173,6 +173,7 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     position, absolute-position models do not); only the last C + 1 logits are computed
     (`logits_to_keep`). input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
+    assert input_ids.shape[1] > num_completion, "a completion needs at least one prompt token before it"
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=False, logits_to_keep=num_completion + 1)
     logits = out.logits[:, :-1]  # (N, C, V): position j predicts token j + 1

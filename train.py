@@ -289,7 +289,10 @@ def seed_everything(seed: int) -> None:
 def setup(args, overrides: list[str]):
     """Everything that can fail on bad input, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
-    check_specs(cfg.rewards)
+    try:
+        check_specs(cfg.rewards)
+    except ValueError as e:
+        raise ConfigError(f"rewards: {e}") from None
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")

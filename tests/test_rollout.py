@@ -1,0 +1,136 @@
+"""Rollouts and the log-prob forward on tiny random models: padding, positions, temperature, EOS, stops."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo
+from config import ConfigError, LoraConfig, ModelConfig
+from model import load_policy, load_tokenizer, reference_mode
+
+
+def load(path):
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    return AutoModelForCausalLM.from_pretrained(path).eval(), tok
+
+
+def padded_batch(tok, texts):
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc.input_ids, enc.attention_mask
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_left_padded_batch_log_probs_equal_each_unpadded_sample(arch, request):
+    model, tok = load(request.getfixturevalue(arch))
+    texts = ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"]
+    C = 4  # score the last 4 tokens of each row
+    ids, attn = padded_batch(tok, texts)
+    assert (attn == 0).any(), "the batch must actually be padded"
+    with torch.no_grad():
+        batched = grpo.sequence_log_probs(model, ids, attn, C, temperature=0.7)
+        for i, t in enumerate(texts):
+            one_ids, one_attn = padded_batch(tok, [t])
+            alone = grpo.sequence_log_probs(model, one_ids, one_attn, C, temperature=0.7)
+            assert torch.allclose(batched[i], alone[0], atol=1e-5)
+
+
+def test_without_position_ids_an_absolute_position_model_would_disagree(tiny_gpt2):
+    """Shows the test above has teeth: GPT-2 counts pads as positions unless told otherwise."""
+    model, tok = load(tiny_gpt2)
+    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, 42"])
+    with torch.no_grad():
+        right = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids(attn)).logits[1, -1]
+        wrong = model(input_ids=ids, attention_mask=attn, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits[1, -1]
+    assert not torch.allclose(right, wrong, atol=1e-4)
+
+
+def test_log_probs_use_the_sampling_temperature(tiny_llama):
+    model, tok = load(tiny_llama)
+    ids, attn = padded_batch(tok, ["Hello world, this is a tiny tokenizer."])
+    with torch.no_grad():
+        lp = grpo.sequence_log_probs(model, ids, attn, 3, temperature=0.5)
+        logits = model(input_ids=ids).logits[0, -4:-1] / 0.5
+    want = torch.log_softmax(logits, -1).gather(-1, ids[0, -3:, None]).squeeze(-1)
+    assert torch.allclose(lp[0], want, atol=1e-5)
+
+
+def test_generate_rollout_groups_masks_and_texts(tiny_llama):
+    torch.manual_seed(0)
+    model, tok = load(tiny_llama)
+    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    r = grpo.generate_rollout(model, tok, prompts, num_generations=3, max_new_tokens=6)
+    N, C = r.completion_ids.shape
+    assert N == 6 and C <= 6
+    assert torch.equal(r.prompt_ids[0], r.prompt_ids[2]) and not torch.equal(r.prompt_ids[0], r.prompt_ids[3])
+    eos = tok.eos_token_id
+    for i in range(N):
+        n = int(r.completion_mask[i].sum())
+        ids = r.completion_ids[i, :n].tolist()
+        if r.truncated[i]:
+            assert n == C and eos not in ids
+        else:
+            assert ids[-1] == eos and eos not in ids[:-1]  # mask ends exactly at the first EOS
+        assert r.texts[i] == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_render_prompt_adds_system_prompt_and_forced_prefix(tiny_llama):
+    _, tok = load(tiny_llama)
+    text = grpo.render_prompt(tok, "Q?", system_prompt="Be brief.", assistant_prefix="<think>")
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n<think>")
+
+
+def test_stop_strings_end_the_completion_mask_at_the_stop(tiny_llama):
+    _, tok = load(tiny_llama)
+    ids = tok(" the answer is 5. Hello world", return_tensors="pt", add_special_tokens=False).input_ids
+    mask, truncated = grpo.completion_mask(ids, [tok.eos_token_id])
+    grpo._cut_at_stop_strings(tok, ids, mask, truncated, ["5."])
+    n = int(mask[0].sum())
+    assert tok.decode(ids[0, :n]).endswith("5.") and not truncated[0]
+
+
+def test_a_model_without_chat_template_is_a_clear_error(tiny_no_template):
+    with pytest.raises(ConfigError, match="no chat template"):
+        load_tokenizer(ModelConfig(name=str(tiny_no_template)), str(tiny_no_template))
+
+
+def test_a_configured_chat_template_rescues_such_a_model(tiny_no_template, tmp_path):
+    from conftest import CHATML
+    (tmp_path / "t.jinja").write_text(CHATML)
+    tok = load_tokenizer(ModelConfig(name=str(tiny_no_template), chat_template=str(tmp_path / "t.jinja")), str(tiny_no_template))
+    assert grpo.render_prompt(tok, "hi").endswith("<|im_start|>assistant\n")
+
+
+def test_a_missing_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such directory"):
+        load_policy(ModelConfig(name=str(tmp_path / "nope")), LoraConfig(), torch.device("cpu"))
+
+
+def test_4bit_without_cuda_stops_with_a_clear_message(tiny_llama):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        load_policy(ModelConfig(name=str(tiny_llama), quant="4bit"), LoraConfig(), torch.device("cpu"))
+
+
+def test_reference_is_the_policy_with_the_adapter_disabled(tiny_llama):
+    model, tok = load_policy(ModelConfig(name=str(tiny_llama)), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    ids, attn = padded_batch(tok, ["Hello world, 42"])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)  # move the LoRA weights away from the identity
+        policy = grpo.sequence_log_probs(model, ids, attn, 3)
+        with reference_mode(model) as ref:
+            reference = grpo.sequence_log_probs(ref, ids, attn, 3)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+        plain = grpo.sequence_log_probs(base, ids, attn, 3)
+    assert torch.allclose(reference, plain, atol=1e-5)
+    assert not torch.allclose(policy, plain, atol=1e-3)
+    assert sum(p.numel() for p in model.parameters()) < 1.5 * sum(p.numel() for p in base.parameters())  # no second copy
+
+
+def test_policy_has_no_active_dropout(tiny_gpt2):
+    model, _ = load_policy(ModelConfig(name=str(tiny_gpt2)), LoraConfig(r=4, dropout=0.3), torch.device("cpu"))
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.0 for m in drops)

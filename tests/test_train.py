@@ -1,0 +1,133 @@
+"""End to end on a tiny random Llama: training changes the LoRA weights, resume reproduces the
+uninterrupted run, and bad input exits with code 2 and writes nothing."""
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import train
+
+TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_llama):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(3)))
+    cfg = {
+        "model": {"name": str(tiny_llama)},
+        "lora": {"r": 4, "alpha": 8},
+        "data": {"name": str(data), "prompt": "{question} Reply with just the number.", "system_prompt": "Be brief."},
+        "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8},
+        "optim": {"lr": 1e-2, "micro_batch_size": 3},
+        "run": {"out_dir": str(tmp_path / "run"), "steps": 2, "save_every": 1, "sample_every": 1},
+        "rewards": [{"name": "short_answer", "args": {"max_words": 2}}, {"name": "answer_match", "weight": 2.0}],
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, tmp_path / "run"
+
+
+def lines(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_tiny_llama_trains_two_steps_and_its_lora_weights_change(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg)]) == 0
+    m = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2]
+    for key in ("loss", "reward", "reward_std", "rewards/short_answer/mean", "rewards/answer_match/mean",
+                "frac_reward_zero_std", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "ratio_mean",
+                "completions/mean_length", "completions/max_length", "completions/clipped_ratio", "learning_rate",
+                "grad_norm", "step_time", "rollout_tokens_per_s", "peak_memory_mb"):
+        assert key in m[0], key
+    assert m[0]["grad_norm"] > 0
+    first = load_file(run / "checkpoints/step_000001/adapter/adapter_model.safetensors")
+    last = load_file(run / "checkpoints/step_000002/adapter/adapter_model.safetensors")
+    lora_b = [k for k in last if "lora_B" in k]
+    assert lora_b and all(last[k].abs().sum() > 0 for k in lora_b)  # B starts at zero: any change shows
+    assert any(not torch.equal(first[k], last[k]) for k in last)
+    saved = yaml.safe_load((run / "checkpoints/step_000002/config.yaml").read_text())
+    assert saved["rollout"]["num_generations"] == 4 and (run / "config.yaml").is_file()
+    samples = lines(run / "samples.jsonl")
+    assert samples and {"step", "prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    assert "step 2/2" in capsys.readouterr().out  # one plain line per step when not on a terminal
+
+
+def test_resume_reproduces_the_uninterrupted_run(setup):
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--grpo.num_iterations=2", "--grpo.beta=0.1"]
+    assert train.main(args) == 0
+    uninterrupted = lines(run / "metrics.jsonl")
+    # simulate a kill during step 4: its checkpoint never landed and the last log line is torn
+    shutil.rmtree(run / "checkpoints/step_000004")
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss"')
+    assert train.main(args + ["--resume"]) == 0
+    resumed = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4]
+    for a, b in zip(uninterrupted, resumed):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
+    cfg, run = setup
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("precious\n")
+    assert train.main(["--config", str(cfg)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--grpo.betta=0.1", "unknown config key 'grpo.betta'"),
+    ("--model.name=/no/such/model", "no such directory"),
+    ("--data.prompt={missing_field}", "row 0 has no field 'missing_field'"),
+    ("--data.answer_key=gold", "row 0 has no field 'gold'"),
+    ("--data.name=/no/such.jsonl", "no such file"),
+    ("--rewards=[{name: answer_matc}]", "answer_match"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, override, message):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("error: ")
+    assert not run.exists()
+
+
+def test_model_without_chat_template_exits_2(setup, capsys, tiny_no_template):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), f"--model.name={tiny_no_template}"]) == 2
+    assert "no chat template" in capsys.readouterr().err and not run.exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--grpo.loss_type=bnpo", "--grpo.mask_truncated_completions=true", "--grpo.scale_rewards=none"],
+    ["--grpo.loss_type=dr_grpo", "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=4"],
+    ["--grpo.loss_type=grpo", "--lora.enabled=false", "--grpo.beta=0.05", "--rollout.stop_strings=['.']"],
+], ids=["bnpo-mask-truncated", "dr_grpo-resample", "grpo-full-finetune-kl"])
+def test_variants_run_a_step(setup, overrides):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=1"] + overrides) == 0
+    (m,) = lines(run / "metrics.jsonl")
+    nothing_to_learn = m["frac_reward_zero_std"] == 1.0 or (
+        "--grpo.mask_truncated_completions=true" in overrides and m["completions/clipped_ratio"] == 1.0)
+    assert m["grad_norm"] > 0 or nothing_to_learn
+    if "--rollout.resample_zero_std=true" in overrides:
+        assert 2 <= m["prompts_drawn"] <= 4
+    if "--lora.enabled=false" in overrides:
+        assert (run / "checkpoints/step_000001/model").is_dir()
+
+
+def test_a_raising_reward_does_not_stop_training(setup, tmp_path):
+    cfg, run = setup
+    (tmp_path / "bad_reward.py").write_text("def broken(completion, sample):\n    raise RuntimeError('boom')\n")
+    spec = f"[{{name: short_answer}}, {{name: '{tmp_path / 'bad_reward.py'}:broken', fallback: -1.0}}]"
+    assert train.main(["--config", str(cfg), "--run.steps=1", f"--rewards={spec}"]) == 0
+    (m,) = lines(run / "metrics.jsonl")
+    assert any(k.startswith("reward_errors/") and v == 8 for k, v in m.items())
