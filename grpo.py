@@ -21,15 +21,18 @@ from torch.utils.checkpoint import checkpoint
 # ----------------------------------------------------------------------------- the math
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     zero_std_tol: float = 0.0) -> Tensor:
     """A_i = (r_i - mean_g(r)) / (std + eps), groups of `group_size` consecutive rewards.
 
     scale: "group" -> std of the group; "batch" -> std of all rewards; "none" -> no division
     (Dr. GRPO, arXiv 2503.20783: dividing by the group std up-weights too easy / too hard prompts).
-    std is the unbiased sample std, as in TRL. A group with equal rewards gets advantage 0.
+    std is the unbiased sample std, as in TRL. A group whose rewards are equal (within
+    zero_std_tol) gets exactly 0: rounding in the mean would otherwise leave ~1e-7 / eps.
     """
     r = rewards.view(-1, group_size)  # (B, G)
     centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
+    centered = torch.where(zero_std_groups(rewards, group_size, zero_std_tol)[:, None], 0.0, centered)
     if scale == "group":
         centered = centered / (r.std(dim=1, keepdim=True) + eps)
     elif scale == "batch":

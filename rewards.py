@@ -484,21 +484,21 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
 
 @register("think_format")
 def think_format(completion: str, sample: dict, min_think_chars: int = 10, require_answer: bool = True,
-                 prefix: str = "") -> float:
+                 assistant_prefix: str = "") -> float:
     r"""1.0 for exactly one leading <think>...</think> block then an answer, else 0.0.
 
     The block must open the text (after whitespace), hold at least min_think_chars characters
     besides whitespace, and be the only <think> and </think> (nested, repeated or unclosed
-    blocks fail); with require_answer, non-blank text must follow it. prefix is what the
-    trainer forced into the assistant turn (e.g. "<think>"): it belongs to the prompt, not the
-    completion, so it is put back in front before checking.
+    blocks fail); with require_answer, non-blank text must follow it. assistant_prefix is what the
+    trainer forced into the assistant turn (data.assistant_prefix, e.g. "<think>", passed in by
+    the trainer): it belongs to the prompt, not the completion, so it is put back in front.
 
     >>> think_format("<think>48 / 2 = 24 clips</think>72", {}), think_format("<think></think>72", {})
     (1.0, 0.0)
-    >>> think_format("48 / 2 = 24 clips</think>72", {}), think_format("48 / 2 = 24 clips</think>72", {}, prefix="<think>")
+    >>> think_format("48 / 2 = 24 clips</think>72", {}), think_format("48 / 2 = 24 clips</think>72", {}, assistant_prefix="<think>")
     (0.0, 1.0)
     """
-    text = (prefix + completion).lstrip()
+    text = (assistant_prefix + completion).lstrip()
     if not text.startswith("<think>") or text.count("<think>") != 1 or text.count("</think>") != 1:
         return 0.0
     thought, _, answer = text[len("<think>"):].partition("</think>")

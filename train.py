@@ -144,7 +144,8 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
         prompts = [grpo.render_prompt(tokenizer, rows[i]["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for i in idx]
         r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
                                   ro.stop_strings, ro.max_prompt_tokens)
-        res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist())
+        res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
+                              context={"assistant_prefix": cfg.data.assistant_prefix})
         total = torch.tensor(res.total, dtype=torch.float32)  # (n,)
         zero = grpo.zero_std_groups(total, G, cfg.grpo.zero_std_tol)  # (n / G,)
         drawn_parts.append((r, samples, res, total, zero))
@@ -184,7 +185,7 @@ def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, schedu
     G, g = cfg.rollout.num_generations, cfg.grpo
     batch, samples, rewards, drawn_parts, drawn = collect(cfg, model, tokenizer, rows, sampler)
     t_rollout = time.time() - t0
-    adv = grpo.group_advantages(rewards, G, g.scale_rewards).to(batch.completion_ids.device)  # (N,)
+    adv = grpo.group_advantages(rewards, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(batch.completion_ids.device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0

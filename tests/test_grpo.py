@@ -145,6 +145,13 @@ def test_group_advantages_in_the_three_scale_modes():
         grpo.group_advantages(r, 4, "bogus")
 
 
+def test_equal_rewards_get_exactly_zero_advantage_despite_rounding_in_the_mean():
+    r = torch.full((8,), 1.4583333730697632)  # fp32 mean of these is off by an ulp
+    assert torch.equal(grpo.group_advantages(r, 8, "group"), torch.zeros(8))
+    noisy = torch.tensor([0.5, 0.5 + 1e-7, 0.5, 0.5], dtype=torch.float64)
+    assert torch.equal(grpo.group_advantages(noisy, 4, zero_std_tol=1e-6), torch.zeros(4, dtype=torch.float64))
+
+
 def test_zero_std_groups_use_a_tolerance_for_noisy_judge_scores():
     r = torch.tensor([0.7, 0.7 + 1e-9, 0.7, 0.7, 0.1, 0.9, 0.5, 0.5], dtype=torch.float64)
     assert grpo.zero_std_groups(r, 4, tol=1e-6).tolist() == [True, False]

@@ -237,7 +237,7 @@ def test_answer_match_is_none_without_gold_and_raises_on_unreadable_gold():
 @pytest.mark.parametrize("completion, kwargs", [
     ("<think>Vitamin B12 comes from animals.</think>\nB", {}),
     ("  \n<think>\nlong enough reasoning\n</think>\n\nThe answer is B.", {}),
-    ("long enough reasoning</think>B", {"prefix": "<think>"}),
+    ("long enough reasoning</think>B", {"assistant_prefix": "<think>"}),
     ("<think>long enough reasoning</think>", {"require_answer": False}),
     ("<think>hi</think>B", {"min_think_chars": 2}),
     ("<think></think>B", {"min_think_chars": 0}),
@@ -256,7 +256,7 @@ def test_think_format_accepts_one_leading_think_block_then_an_answer(completion,
     ("<think>long enough reasoning</think>B</think>", {}),                          # stray close
     ("Sure. <think>long enough reasoning</think>B", {}),                             # not leading
     ("long enough reasoning</think>B", {}),                                          # opening tag missing
-    ("<think>long enough reasoning</think>B", {"prefix": "<think>"}),               # prefix + model's own tag
+    ("<think>long enough reasoning</think>B", {"assistant_prefix": "<think>"}),               # prefix + model's own tag
     ("</think>long enough reasoning<think>B", {}),
     ("<THINK>long enough reasoning</THINK>B", {}),
 ])
