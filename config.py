@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from judge import JudgeConfig
 from rewards import RewardSpec
 
 
@@ -122,6 +123,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
+    judge: JudgeConfig | None = None  # OpenAI-compatible LLM judge for the judge-based rewards (judge.py)
 
 
 def _type_name(tp: Any) -> str:
@@ -136,9 +138,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        for a in args:
-            if a is type(None):
-                continue
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: let X's own, more precise error through
+            return _convert(value, options[0], key)
+        for a in options:
             try:
                 return _convert(value, a, key)
             except ConfigError:

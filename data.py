@@ -25,7 +25,7 @@ def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) 
     """The quickstart task, built in code: small additions with the sum as the gold answer.
 
     >>> arithmetic_task(2, seed=0)[0]["prompt"]
-    'What is 13 + 2? Reply with just the number.'
+    'What is 13 + 14? Reply with just the number.'
     """
     rng = random.Random(seed)
     rows = []

@@ -511,11 +511,12 @@ def _chat(text: str, system: str | None = None) -> list[dict]:
 # --- rewards ---------------------------------------------------------------------------------------
 def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "pointwise_criteria",
                  criteria: list[str] | None = None, system: str | None = None,
-                 normalize: bool = True) -> list[float | None]:
+                 normalize: bool = True) -> list[float]:
     """Judge score of each completion: (score - score_min) / (score_max - score_min) when normalize.
 
     The composite is the reply's "score", else the mean of the criteria (by default the built-in
-    template's, e.g. relevance, clarity, discriminative_power). None where the judge failed.
+    template's, e.g. relevance, clarity, discriminative_power). NaN where the judge failed:
+    compute_rewards turns it into the reward's fallback and counts it in reward_errors/<name>.
     """
     text, cfg = load_template(template), judge.cfg
     criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
@@ -524,17 +525,17 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, t
              for c, s in zip(completions, samples, strict=True)]
     scores = judge.score_many(chats, parse=partial(parse_score, criteria=criteria))
     span = cfg.score_max - cfg.score_min
-    return [None if s is None else ((s.score - cfg.score_min) / span if normalize else s.score) for s in scores]
+    return [math.nan if s is None else ((s.score - cfg.score_min) / span if normalize else s.score) for s in scores]
 
 
 def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",
                      answers_key: str = "answers", gold_key: str = "gold_scores",
-                     question_key: str = "question") -> list[float | None]:
+                     question_key: str = "question") -> list[float]:
     """Spearman rho between the judge's scores of a sample's K answers under the completion (a rubric)
     and the sample's gold scores: rho = Pearson(rank(judge), rank(gold)), in [-1, 1].
 
     All K x N judge calls run concurrently. A constant score (or gold) vector has no ranking: 0.0,
-    counted as judge_constant_scores. Any failed call -> None for that completion.
+    counted as judge_constant_scores. Any failed call -> NaN for that completion (the fallback).
     """
     text, cfg = load_template(template), judge.cfg
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
@@ -550,11 +551,11 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
             chats.append(_chat(render(text, fields)))
         spans.append((start, len(chats)))
     scores = judge.score_many(chats)
-    rewards: list[float | None] = []
+    rewards: list[float] = []
     for (a, b), s in zip(spans, samples):
         got = scores[a:b]
         if any(x is None for x in got):
-            rewards.append(None)
+            rewards.append(math.nan)
             continue
         x, y = [g.score for g in got], [float(v) for v in s[gold_key]]
         if len(set(x)) < 2 or len(set(y)) < 2:

@@ -585,3 +585,11 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
     if n == 0 or n >= 4 * max_words:
         return 0.0
     return 1.0 if n <= max_words else (4 * max_words - n) / (3 * max_words)
+
+
+# ---------------------------------------------------------------- judge-based rewards (batched)
+# judge.py does not import this module, so registering its rewards here makes no import cycle.
+from judge import judge_reward, rubric_alignment  # noqa: E402
+
+register("judge", batched=True)(judge_reward)
+register("rubric_alignment", batched=True)(rubric_alignment)

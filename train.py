@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import math
 import os
@@ -31,7 +32,8 @@ import grpo
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, load_rows
 from model import load_policy, pick_device, pick_dtype, is_peft, reference_mode, trainable_parameters
-from rewards import check_specs, compute_rewards, reward_means
+from judge import Judge
+from rewards import check_specs, compute_rewards, resolve, reward_means
 
 
 # ----------------------------------------------------------------------------- run directory
@@ -130,7 +132,7 @@ def lr_lambda(cfg: Config, total_updates: int):
     return f
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler):
+def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None):
     """Sample and score B groups. With rollout.resample_zero_std, groups whose rewards are all equal
     are set aside and more prompts drawn until B groups carry signal or the cap is reached
     (set-aside groups then fill the batch). Reward statistics cover every group drawn."""
@@ -145,7 +147,7 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
         r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
                                   ro.stop_strings, ro.max_prompt_tokens)
         res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
-                              context={"assistant_prefix": cfg.data.assistant_prefix})
+                              context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
         total = torch.tensor(res.total, dtype=torch.float32)  # (n,)
         zero = grpo.zero_std_groups(total, G, cfg.grpo.zero_std_tol)  # (n / G,)
         drawn_parts.append((r, samples, res, total, zero))
@@ -180,10 +182,11 @@ def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
     return out
 
 
-def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params) -> tuple[dict, list[dict]]:
+def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params,
+               judge: Judge | None = None) -> tuple[dict, list[dict]]:
     t0 = time.time()
     G, g = cfg.rollout.num_generations, cfg.grpo
-    batch, samples, rewards, drawn_parts, drawn = collect(cfg, model, tokenizer, rows, sampler)
+    batch, samples, rewards, drawn_parts, drawn = collect(cfg, model, tokenizer, rows, sampler, judge)
     t_rollout = time.time() - t0
     adv = grpo.group_advantages(rewards, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(batch.completion_ids.device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)
@@ -253,6 +256,7 @@ def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, schedu
         "prompts_drawn": drawn, "step_time": dt, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(batch.completion_ids.device),
+        **(judge.pop_step_stats() if judge else {}),
     }
     shown = [{"prompt": s["prompt"], "completion": t, "reward": float(r), "advantage": float(a)}
              for s, t, r, a in zip(samples, batch.texts, rewards, adv)]
@@ -294,6 +298,9 @@ def setup(args, overrides: list[str]):
         check_specs(cfg.rewards)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
+    needs_judge = [s.name for s in cfg.rewards if "judge" in inspect.signature(resolve(s)[0]).parameters]
+    if needs_judge and cfg.judge is None:
+        raise ConfigError(f"reward {needs_judge[0]} needs a judge: add a `judge:` section (base_url, model, api_key_env)")
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
@@ -322,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
     sampler = PromptSampler(len(rows), cfg.data.shuffle_seed)
+    judge = Judge(cfg.judge) if cfg.judge else None
     start = 0
     ckpts = checkpoints(run_dir) if args.resume else []
     if ckpts:
@@ -340,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{n_train / 1e6:.2f}M trainable params, {len(rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
-            metrics, shown = train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params)
+            metrics, shown = train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params, judge)
             metrics = {"step": step, **metrics}
             append_jsonl(metrics_path, [metrics])
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
@@ -348,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, sampler, cfg)
             show(step, metrics)
+    if judge:
+        judge.close()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
 

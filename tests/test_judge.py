@@ -1,6 +1,7 @@
 """Tests for judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
 
 import asyncio
+import math
 import json
 import logging
 import re
@@ -325,7 +326,7 @@ def test_rubric_alignment_is_spearman_of_judge_scores_against_gold(server):
     rewards = rubric_alignment(rubrics, [sample] * 5, judge=judge)
     # PARTIAL: ranks (2,1,3,4) vs (1,2,3,4): d^2 sum = 2, rho = 1 - 6*2 / (4*(16-1)) = 0.8
     assert rewards[:4] == pytest.approx([1.0, -1.0, 0.0, 0.8])
-    assert rewards[4] is None
+    assert math.isnan(rewards[4])
     assert len(server.requests) == 20
     assert server.max_in_flight > 4  # answers of different rubrics were judged at the same time
     stats = judge.pop_step_stats()
@@ -353,7 +354,7 @@ def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server):
     assert "Backend role, {skills}: Go, Postgres" in sent[1]["content"] and "Explain MVCC." in sent[1]["content"]
 
     server.reply = lambda body: '{"relevance": 6, "clarity": 8}'  # a criterion missing -> failure
-    assert judge_reward(["new"], samples[:1], judge=judge) == [None]
+    assert [math.isnan(x) for x in judge_reward(["new"], samples[:1], judge=judge)] == [True]
 
 
 def test_judge_reward_with_custom_score_range(server):

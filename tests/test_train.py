@@ -131,3 +131,33 @@ def test_a_raising_reward_does_not_stop_training(setup, tmp_path):
     assert train.main(["--config", str(cfg), "--run.steps=1", f"--rewards={spec}"]) == 0
     (m,) = lines(run / "metrics.jsonl")
     assert any(k.startswith("reward_errors/") and v == 8 for k, v in m.items())
+
+
+def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_disk(setup, capsys, monkeypatch):
+    from fake_openai_server import FakeOpenAIServer, server_error
+    secret = "sk-test-NEVER-WRITE-ME-42"
+    monkeypatch.setenv("MINIGRPO_TEST_JUDGE_KEY", secret)
+    cfg, run = setup
+    # the judge likes short completions: score 10 for <= 3 words, else 2
+    reply = lambda body: '{"score": %d}' % (10 if len(body["messages"][-1]["content"].split("COMPLETION:")[-1].split()) <= 3 else 2)
+    with FakeOpenAIServer(reply=reply) as server:
+        server.script(server_error(500))  # the first call fails once and is retried
+        judge = (f"{{base_url: '{server.url}', model: fake-judge, api_key_env: MINIGRPO_TEST_JUDGE_KEY, "
+                 f"backoff_s: 0.01, max_retries: 2, price_prompt_per_m: 1.0, cache_path: '{run}/judge_cache.jsonl'}}")
+        rewards = "[{name: judge, args: {template: 'Rate this reply to {prompt}. COMPLETION: {completion}', criteria: []}}]"
+        assert train.main(["--config", str(cfg), f"--judge={judge}", f"--rewards={rewards}"]) == 0
+        assert server.requests and server.requests[0].headers["authorization"] == f"Bearer {secret}"
+    m = lines(run / "metrics.jsonl")
+    assert m[0]["judge_requests"] >= 8 and m[0]["judge_retries"] >= 1 and m[0]["judge_cost_usd"] > 0
+    assert m[0]["reward_errors/judge"] == 0 and 0.2 <= m[0]["reward"] <= 1.0
+    out = capsys.readouterr()
+    assert secret not in out.out + out.err
+    for f in run.rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
+
+
+def test_a_judge_reward_without_a_judge_section_is_a_config_error(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--rewards=[{name: judge}]"]) == 2
+    assert "needs a judge" in capsys.readouterr().err and not run.exists()

