@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ class GrpoConfig:
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
     num_iterations: int = 1  # mu: optimizer updates per rollout batch
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
-    zero_std_tol: float = 1e-6  # groups with reward std below this carry no signal
+    zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
     logprob_chunk: int = 4096  # rows of logits per chunk in the log-prob computation
 
 
@@ -163,13 +164,15 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
     if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
@@ -178,6 +181,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 def _from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+            raise ConfigError(f"{prefix or cls.__name__}: missing required key '{f.name}'")
     kwargs = {}
     for k, v in d.items():
         key = f"{prefix}.{k}" if prefix else str(k)
@@ -200,7 +206,8 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 
 
 def _is_text_field(dotted: str) -> bool:
-    """True when the field takes a str only: its override is kept verbatim ("{question}" stays text)."""
+    """True when the field takes text (str or str | None): its override is kept verbatim, so
+    "{question}" stays text; only null / ~ mean None for an optional one."""
     tp: Any = Config
     for part in dotted.split("."):
         if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
@@ -227,7 +234,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{o}' must look like --section.key=value")
         dotted, text = o[2:].split("=", 1)
         try:
-            value = text if _is_text_field(dotted) else yaml.safe_load(text)
+            value = yaml.safe_load(text)
+            if _is_text_field(dotted) and value is not None:
+                value = text
         except yaml.YAMLError:
             value = text
         _set_dotted(raw, dotted, value)
@@ -244,6 +253,17 @@ def _check(cfg: Config) -> None:
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
+    non_negative = {"run.save_every": cfg.run.save_every, "run.sample_every": cfg.run.sample_every,
+                    "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
+                    "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
+                    "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step}
+    for k, v in non_negative.items():
+        if v < 0:
+            raise ConfigError(f"{k} must be >= 0, got {v}")
+    if cfg.run.keep_checkpoints < 1:
+        raise ConfigError(f"run.keep_checkpoints must be >= 1 (the newest checkpoint is what --resume needs), got {cfg.run.keep_checkpoints}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if cfg.rollout.num_generations < 2:
         raise ConfigError(f"rollout.num_generations must be >= 2 (a group needs a baseline), got {cfg.rollout.num_generations}")
     if cfg.rollout.temperature <= 0:

@@ -43,7 +43,10 @@ def _read_file(path: Path) -> list[dict]:
     if suffix in (".jsonl", ".json"):
         text = path.read_text()
         if suffix == ".json" and text.lstrip().startswith("["):
-            return json.loads(text)
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
         rows = []
         for i, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -91,6 +94,8 @@ def build_prompt(row: dict, template: str, index: int) -> str:
         return template.format_map(row)
     except KeyError as e:
         raise DataError(f"row {index} has no field {e} used in the data.prompt template; its fields: {', '.join(row)}") from None
+    except (ValueError, IndexError, AttributeError) as e:
+        raise DataError(f"data.prompt template {template!r} is malformed ({e}); use {{column}} and write literal braces as {{{{ }}}}") from None
 
 
 def load_rows(cfg: DataConfig) -> list[dict]:

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
-                     zero_std_tol: float = 0.0) -> Tensor:
+                     zero_std_tol: float = 1e-6) -> Tensor:
     """A_i = (r_i - mean_g(r)) / (std + eps), groups of `group_size` consecutive rewards.
 
     scale: "group" -> std of the group; "batch" -> std of all rewards; "none" -> no division
@@ -173,14 +173,15 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
 
     The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
-    position, absolute-position models do not); only the last C + 1 logits are computed
-    (`logits_to_keep`). input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
+    position, absolute-position models do not); only the C logits that score a token are
+    computed (`logits_to_keep`). input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
     assert input_ids.shape[1] > num_completion, "a completion needs at least one prompt token before it"
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False, logits_to_keep=num_completion + 1)
-    logits = out.logits[:, :-1]  # (N, C, V): position j predicts token j + 1
-    return selective_log_probs(logits, input_ids[:, -num_completion:], temperature, chunk)  # (N, C)
+    # the last token predicts nothing we score: leave it out, so the kept logits are exactly the
+    # C positions j whose logits predict token j + 1, contiguous (a [:, :-1] slice would copy them)
+    out = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids(attention_mask)[:, :-1], use_cache=False, logits_to_keep=num_completion)
+    return selective_log_probs(out.logits, input_ids[:, -num_completion:], temperature, chunk)  # (N, C)
 
 
 @dataclass

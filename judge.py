@@ -196,7 +196,10 @@ class Judge:
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
         self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
-        self._disk = self._open_disk_cache() if cfg.cache_path else None
+        self._disk = None  # append handle, opened at the first write: constructing a Judge writes nothing
+        self._torn_tail = False  # the file ends mid-line (a kill during a write)
+        if cfg.cache_path:
+            self._load_disk_cache()
 
     def __repr__(self) -> str:
         return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "
@@ -226,9 +229,8 @@ class Judge:
             log.warning(msg.replace(key, "***") if key else msg)  # servers echo bad keys in 401 messages
 
     # --- cache -------------------------------------------------------------------------------------
-    def _open_disk_cache(self):
+    def _load_disk_cache(self) -> None:
         path, bad, offset, last = self.cfg.cache_path, 0, 0, b"\n"
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if os.path.exists(path):
             with open(path, "rb") as f:
                 for line in f:
@@ -242,10 +244,15 @@ class Judge:
                     offset, last = offset + len(line), line
         if bad:
             log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", path, bad)
-        disk = open(path, "ab")
-        if not last.endswith(b"\n"):  # start a fresh line so the next record is not glued onto a torn one
+        self._torn_tail = not last.endswith(b"\n")
+
+    def _open_disk_cache(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.cfg.cache_path)), exist_ok=True)
+        disk = open(self.cfg.cache_path, "ab")
+        if self._torn_tail:  # start a fresh line so the next record is not glued onto a torn one
             disk.write(b"\n")
             disk.flush()
+            self._torn_tail = False
         return disk
 
     def _cache_get(self, key: str) -> str | None:
@@ -275,7 +282,9 @@ class Judge:
 
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         self._mem_put(key, reply)
-        if self._disk is not None and key not in self._disk_index:
+        if self.cfg.cache_path and key not in self._disk_index:
+            if self._disk is None:
+                self._disk = self._open_disk_cache()
             line = json.dumps({"key": key, "reply": reply, "usage": usage}, ensure_ascii=False) + "\n"
             offset = self._disk.seek(0, os.SEEK_END)
             self._disk.write(line.encode())

@@ -41,7 +41,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # not torch.cuda.is_bf16_supported(): it also says yes for the slow emulated bf16 of a T4 (sm_75)
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
 
 
 def builtin_model_dir(name: str, cache_dir: str) -> Path:
@@ -93,8 +94,13 @@ def load_tokenizer(cfg: ModelConfig, path: str):
     except OSError as e:
         raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {str(e).splitlines()[0]}") from None
     if cfg.chat_template:
-        t = Path(cfg.chat_template).expanduser()
-        tok.chat_template = t.read_text() if len(cfg.chat_template) < 4096 and t.is_file() else cfg.chat_template
+        if "{%" in cfg.chat_template or "{{" in cfg.chat_template:
+            tok.chat_template = cfg.chat_template
+        else:  # no Jinja in it: a path
+            t = Path(cfg.chat_template).expanduser()
+            if not t.is_file():
+                raise ConfigError(f"model.chat_template={cfg.chat_template}: no such file (give a file path or the Jinja text)")
+            tok.chat_template = t.read_text()
     if not tok.chat_template:
         raise ConfigError(f"model {cfg.name} has no chat template; set model.chat_template to a Jinja template or a file holding one")
     if tok.pad_token is None:
@@ -104,10 +110,13 @@ def load_tokenizer(cfg: ModelConfig, path: str):
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Dropout makes the old, reference and current log-probs disagree: GRPO runs without it."""
+    """Dropout makes the old, reference and current log-probs disagree: GRPO runs without it.
+    Attention modules apply `attention_dropout` functionally, so that float is zeroed too."""
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
 
 
 def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False):
@@ -119,6 +128,9 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     kwargs = dict(revision=mcfg.revision, dtype=dtype, trust_remote_code=mcfg.trust_remote_code)
     if mcfg.attn_implementation:
         kwargs["attn_implementation"] = mcfg.attn_implementation
+    if not lcfg.enabled and dtype != torch.float32:
+        raise ConfigError(f"lora.enabled=false trains all weights, which needs fp32 master weights; "
+                          f"set model.dtype: float32 (got {dtype}) or use LoRA")
     if mcfg.quant == "4bit":
         if device.type != "cuda":
             raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; on this machine set model.quant: null")
@@ -135,6 +147,12 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     if mcfg.quant != "4bit":
         model.to(device)
     model.config.use_cache = False  # the cache is only wanted in generate(), which turns it on itself
+    # Sample from logits / T and nothing else: a shipped generation_config (repetition_penalty,
+    # min_p, ...) would make the sampler differ from the policy the loss computes.
+    from transformers import GenerationConfig
+    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
+                                               pad_token_id=tokenizer.pad_token_id)
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

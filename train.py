@@ -23,6 +23,7 @@ import resource
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,25 +46,32 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if d.is_dir() else []
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, scaler, sampler: PromptSampler,
-                    cfg: Config) -> Path:
-    final = run_dir / "checkpoints" / f"step_{step:06d}"
+def save_checkpoint(r: Run, step: int) -> Path:
+    """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via .tmp + rename."""
+    model, optimizer, scheduler, scaler, cfg = r.model, r.optimizer, r.scheduler, r.scaler, r.cfg
+    final = r.run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / ("adapter" if is_peft(model) else "model"))
     torch.save({
-        "step": step, "data_position": sampler.position,
+        "step": step, "data_position": r.sampler.position,
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }, tmp / "trainer_state.pt")
     save_config(cfg, tmp / "config.yaml")
+    for f in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
     shutil.rmtree(final, ignore_errors=True)
     tmp.replace(final)
-    for old in checkpoints(run_dir)[: -cfg.run.keep_checkpoints or None]:
+    for old in checkpoints(r.run_dir)[: -cfg.run.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in final.parent.glob("step_*.tmp"):  # left by a kill mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -132,82 +140,123 @@ def lr_lambda(cfg: Config, total_updates: int):
     return f
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None):
-    """Sample and score B groups. With rollout.resample_zero_std, groups whose rewards are all equal
-    are set aside and more prompts drawn until B groups carry signal or the cap is reached
-    (set-aside groups then fill the batch). Reward statistics cover every group drawn."""
-    ro, B, G = cfg.rollout, cfg.rollout.prompts_per_step, cfg.rollout.num_generations
-    cap = ro.max_prompts_per_step or 4 * B
-    kept, spare, drawn_parts, drawn = [], [], [], 0
-    while True:
-        idx = sampler.draw(B - len(kept) if ro.resample_zero_std else B)
-        drawn += len(idx)
-        samples = [rows[i] for i in idx for _ in range(G)]
-        prompts = [grpo.render_prompt(tokenizer, rows[i]["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for i in idx]
-        r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                                  ro.stop_strings, ro.max_prompt_tokens)
-        res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
-                              context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
-        total = torch.tensor(res.total, dtype=torch.float32)  # (n,)
-        zero = grpo.zero_std_groups(total, G, cfg.grpo.zero_std_tol)  # (n / G,)
-        drawn_parts.append((r, samples, res, total, zero))
-        groups = [(r, samples, total, g) for g in range(len(idx))]
-        if not ro.resample_zero_std:
-            kept = groups
-            break
-        kept += [x for x, z in zip(groups, zero.tolist()) if not z]
-        spare += [x for x, z in zip(groups, zero.tolist()) if z]
-        if len(kept) >= B or drawn >= cap:
-            kept = (kept + spare)[:B]
-            break
-    rollouts = []
-    for r, samples, total, g in kept:
-        rollouts.append((grpo.select_rows(r, list(range(g * G, (g + 1) * G))), samples[g * G:(g + 1) * G], total[g * G:(g + 1) * G]))
-    batch = grpo.concat_rollouts([x[0] for x in rollouts], tokenizer.pad_token_id)
-    return batch, [s for x in rollouts for s in x[1]], torch.cat([x[2] for x in rollouts]), drawn_parts, drawn
+@dataclass
+class Scored:
+    """Completions with their rewards; rows i*G .. i*G+G-1 form group i."""
+    rollout: grpo.Rollout
+    samples: list[dict]  # (n,) the data row behind each completion
+    total: torch.Tensor  # (n,) weighted reward
+    per_reward: dict[str, list]  # name -> (n,) values (None: does not apply)
+    errors: dict[str, int]  # name -> failures counted
+
+
+def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge: Judge | None) -> Scored:
+    """Sample G completions for each of the rows `idx` and score them."""
+    ro, G = cfg.rollout, cfg.rollout.num_generations
+    prompts = [grpo.render_prompt(tokenizer, rows[i]["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for i in idx]
+    r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
+                              ro.stop_strings, ro.max_prompt_tokens)
+    samples = [rows[i] for i in idx for _ in range(G)]
+    res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
+                          context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
+    return Scored(r, samples, torch.tensor(res.total, dtype=torch.float32), res.per_reward, res.errors)
+
+
+def concat(parts: list[Scored], pad_id: int) -> Scored:
+    if len(parts) == 1:
+        return parts[0]
+    per_reward, errors = {}, {}
+    for p in parts:
+        for k, v in p.per_reward.items():
+            per_reward.setdefault(k, []).extend(v)
+        for k, n in p.errors.items():
+            errors[k] = errors.get(k, 0) + n
+    return Scored(grpo.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples],
+                  torch.cat([p.total for p in parts]), per_reward, errors)
+
+
+def take_group(p: Scored, g: int, G: int) -> Scored:
+    rows = list(range(g * G, (g + 1) * G))
+    return Scored(grpo.select_rows(p.rollout, rows), p.samples[g * G:(g + 1) * G], p.total[g * G:(g + 1) * G],
+                  {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
+
+
+def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None
+            ) -> tuple[Scored, Scored, int]:
+    """-> (the B groups to train on, everything drawn, prompts drawn).
+
+    With rollout.resample_zero_std (DAPO dynamic sampling), groups whose rewards are all equal are
+    set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
+    reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
+    B, G, tol = cfg.rollout.prompts_per_step, cfg.rollout.num_generations, cfg.grpo.zero_std_tol
+    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judge)]
+    if not cfg.rollout.resample_zero_std:
+        return parts[0], parts[0], B
+    cap, drawn = max(cfg.rollout.max_prompts_per_step or 4 * B, B), B
+    zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
+    while sum(z.count(False) for z in zero) < B and drawn < cap:
+        k = min(B - sum(z.count(False) for z in zero), cap - drawn)
+        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judge))
+        zero.append(grpo.zero_std_groups(parts[-1].total, G, tol).tolist())
+        drawn += k
+    signal = [(p, g) for p, z in zip(parts, zero) for g, flat in enumerate(z) if not flat]
+    flat = [(p, g) for p, z in zip(parts, zero) for g, f in enumerate(z) if f]
+    kept = [take_group(p, g, G) for p, g in (signal + flat)[:B]]
+    pad = tokenizer.pad_token_id
+    return concat(kept, pad), concat(parts, pad), drawn
 
 
 def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg: Config) -> tuple[torch.Tensor, int]:
+    """(n, C) log-probs of the micro-batch's sampled tokens, all-padding columns trimmed; and C."""
+    i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
+    return grpo.sequence_log_probs(model, i, a, C, cfg.rollout.temperature, cfg.grpo.logprob_chunk), C
+
+
 @torch.no_grad()
 def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
-    """(N, C) log-probs of the sampled tokens, micro-batch by micro-batch, zero-padded past each row's end."""
+    """(N, C) log-probs of the sampled tokens, zero past each row's end (old or reference policy)."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
     ids, attn = batch.input_ids, batch.attention_mask
     for mb in micro_batches(ids.shape[0], cfg.optim.micro_batch_size):
-        i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
-        out[mb, :C] = grpo.sequence_log_probs(model, i, a, C, cfg.rollout.temperature, cfg.grpo.logprob_chunk)
+        logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
+        out[mb, :C] = logp
     return out
 
 
-def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params,
-               judge: Judge | None = None) -> tuple[dict, list[dict]]:
+def train_step(r: Run) -> tuple[dict, list[dict]]:
+    """One rollout batch and its num_iterations optimizer updates -> (metrics, sampled completions)."""
+    cfg, model, optimizer, scheduler, scaler, judge = r.cfg, r.model, r.optimizer, r.scheduler, r.scaler, r.judge
     t0 = time.time()
     G, g = cfg.rollout.num_generations, cfg.grpo
-    batch, samples, rewards, drawn_parts, drawn = collect(cfg, model, tokenizer, rows, sampler, judge)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, judge)
     t_rollout = time.time() - t0
-    adv = grpo.group_advantages(rewards, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(batch.completion_ids.device)  # (N,)
+    batch = kept.rollout
+    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
-    old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C) or on-policy
+    old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
     ref_logp = None
     if g.beta > 0:
-        with reference_mode(model, ref_copy) as ref:
+        with reference_mode(model, r.ref_copy) as ref:
             ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
     N = batch.completion_ids.shape[0]
     mbs = micro_batches(N, cfg.optim.micro_batch_size)
-    norm = grpo.LossNorm(g.loss_type, N, int(mask.sum()), cfg.rollout.max_new_tokens, len(mbs))
+    norm = grpo.LossNorm(g.loss_type, N, int(mask.sum()), cfg.rollout.max_new_tokens, len(mbs))  # whole-step counts
     ids, attn = batch.input_ids, batch.attention_mask
-    sums = {k: 0.0 for k in ("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm")}
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
     model.train()
     for _ in range(g.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
-            i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
-            logp = grpo.sequence_log_probs(model, i, a, C, cfg.rollout.temperature, g.logprob_chunk)  # (n, C)
+            logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
             loss, stats = grpo.grpo_loss(
                 logp, None if old_logp is None else old_logp[mb, :C], None if ref_logp is None else ref_logp[mb, :C],
                 adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta)
@@ -217,7 +266,7 @@ def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, schedu
                 sums[k] += v
         if scaler:
             scaler.unscale_(optimizer)
-        gn = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
+        gn = torch.nn.utils.clip_grad_norm_(r.params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
         sums["grad_norm"] += float(gn)
         lr = scheduler.get_last_lr()[0]
         if scaler:
@@ -226,41 +275,31 @@ def train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, schedu
         else:
             optimizer.step()
         scheduler.step()
-    mu, tok = g.num_iterations, max(sums["tokens"], 1.0)
-    # reward statistics over every drawn completion (what the policy produced), not only the kept ones
-    all_total = torch.cat([p[3] for p in drawn_parts])
-    all_zero = torch.cat([p[4] for p in drawn_parts])
-    lengths = torch.cat([p[0].completion_mask.sum(1) for p in drawn_parts])
-    truncated = torch.cat([p[0].truncated for p in drawn_parts])
-    per_reward = {}
-    for p in drawn_parts:
-        for name, vals in p[2].per_reward.items():
-            per_reward.setdefault(name, []).extend(vals)
-    errors = {}
-    for p in drawn_parts:
-        for name, n in p[2].errors.items():
-            errors[name] = errors.get(name, 0) + n
-    dt = time.time() - t0
-    metrics = {
-        "loss": sums["loss"] / mu,
-        "reward": float(all_total.mean()), "reward_std": float(all_total.std()) if len(all_total) > 1 else 0.0,
-        **{f"rewards/{k}/mean": v for k, v in reward_means(per_reward).items()},
-        **{f"reward_errors/{k}": v for k, v in errors.items()},
-        "frac_reward_zero_std": float(all_zero.float().mean()),
+    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | {
+        "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
+        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
+        "peak_memory_mb": peak_memory_mb(device), **(judge.pop_step_stats() if judge else {})}
+    shown = [{"prompt": s["prompt"], "completion": t, "reward": float(r), "advantage": float(a)}
+             for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
+    return metrics, shown
+
+
+def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float) -> dict:
+    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens.
+    reward_std is the mean of the groups' stds, as in TRL."""
+    tok, r = max(sums["tokens"], 1.0), drawn.total
+    lengths, truncated = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated
+    return {
+        "loss": sums["loss"] / mu, "reward": float(r.mean()), "reward_std": float(r.view(-1, G).std(1).mean()),
+        **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
+        **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
+        "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
         "kl": sums["kl_sum"] / tok, "ratio_mean": sums["ratio_sum"] / tok,
         "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
         "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()),
-        "learning_rate": lr, "grad_norm": sums["grad_norm"] / mu,
-        "prompts_drawn": drawn, "step_time": dt, "rollout_time": t_rollout,
-        "rollout_tokens_per_s": float(lengths.sum()) / max(t_rollout, 1e-9),
-        "peak_memory_mb": peak_memory_mb(batch.completion_ids.device),
-        **(judge.pop_step_stats() if judge else {}),
+        "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / mu,
     }
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": float(r), "advantage": float(a)}
-             for s, t, r, a in zip(samples, batch.texts, rewards, adv)]
-    return metrics, shown
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -291,35 +330,72 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def setup(args, overrides: list[str]):
-    """Everything that can fail on bad input, before the run directory is touched."""
+@dataclass
+class Run:
+    """Everything the loop needs, built (and checked) before the run directory is touched."""
+    cfg: Config
+    run_dir: Path
+    rows: list[dict]
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: object
+    ref_copy: torch.nn.Module | None  # full fine-tuning with beta > 0 only
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object  # a GradScaler for fp16, else None
+    sampler: PromptSampler
+    judge: Judge | None
+    start: int  # last completed step (0 for a new run)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    return {k2: v2 for k, v in d.items() for k2, v2 in
+            (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
+
+
+def check_prompt_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
+    texts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for r in rows]
+    lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
+    longest = max(range(len(rows)), key=lengths.__getitem__)
+    if lengths[longest] > cfg.rollout.max_prompt_tokens:
+        raise ConfigError(f"row {longest} renders to {lengths[longest]} prompt tokens > rollout.max_prompt_tokens="
+                          f"{cfg.rollout.max_prompt_tokens}; raise the limit or shorten the prompt")
+
+
+def setup(args, overrides: list[str]) -> Run:
+    """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
     try:
         check_specs(cfg.rewards)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
+    try:
+        judge = Judge(cfg.judge) if cfg.judge else None
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"judge: {e}") from None
     needs_judge = [s.name for s in cfg.rewards if "judge" in inspect.signature(resolve(s)[0]).parameters]
-    if needs_judge and cfg.judge is None:
+    if needs_judge and judge is None:
         raise ConfigError(f"reward {needs_judge[0]} needs a judge: add a `judge:` section (base_url, model, api_key_env)")
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
+    ckpts = checkpoints(run_dir) if args.resume else []
+    if ckpts:
+        before = flat(config_to_dict(load_config(ckpts[-1] / "config.yaml")))
+        changed = sorted(k for k, v in flat(config_to_dict(cfg)).items() if before.get(k) != v)
+        if any(k.startswith(("model.", "lora.")) for k in changed):
+            raise ConfigError(f"--resume with a different model or LoRA setup than {ckpts[-1]} ({', '.join(changed)}); "
+                              "resume with the run's own config.yaml")
+        if changed:
+            print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
     rows = load_rows(cfg.data)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
     model, tokenizer = load_policy(cfg.model, cfg.lora, device)
-    return cfg, run_dir, rows, device, model, tokenizer
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, run_dir, rows, device, model, tokenizer = setup(args, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_prompt_lengths(cfg, rows, tokenizer)
     ref_copy = None
     if cfg.grpo.beta > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
@@ -329,35 +405,44 @@ def main(argv: list[str] | None = None) -> int:
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
     sampler = PromptSampler(len(rows), cfg.data.shuffle_seed)
-    judge = Judge(cfg.judge) if cfg.judge else None
     start = 0
-    ckpts = checkpoints(run_dir) if args.resume else []
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scheduler, scaler)
         start, sampler.position = state["step"], state["data_position"]
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
+    return Run(cfg, run_dir, rows, device, model, tokenizer, ref_copy, params, optimizer, scheduler, scaler, sampler, judge, start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        r = setup(args, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg, run_dir, start = r.cfg, r.run_dir, r.start
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
     for p in (metrics_path, samples_path):
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
-    n_train = sum(p.numel() for p in params)
-    print(f"[minigrpo] {cfg.model.name} on {device} ({pick_dtype(cfg.model.dtype, device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
+    n_train = sum(p.numel() for p in r.params)
+    print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
+          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
-            metrics, shown = train_step(cfg, model, ref_copy, tokenizer, rows, sampler, optimizer, scheduler, scaler, params, judge)
+            metrics, shown = train_step(r)
             metrics = {"step": step, **metrics}
             append_jsonl(metrics_path, [metrics])
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
                 append_jsonl(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
             if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
-                save_checkpoint(run_dir, step, model, optimizer, scheduler, scaler, sampler, cfg)
+                save_checkpoint(r, step)
             show(step, metrics)
-    if judge:
-        judge.close()
+    if r.judge:
+        r.judge.close()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
 

@@ -94,3 +94,19 @@ def test_every_config_field_has_a_one_line_comment():
 def test_every_shipped_config_loads(path):
     load_config(path)
     assert yaml.safe_load(path.read_text())
+
+
+def test_null_overrides_clear_optional_text_fields_and_other_text_stays_verbatim(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "data: {system_prompt: Be brief.}\n"),
+                      ["--data.system_prompt=null", "--data.answer_key=~", "--data.prompt={question} {{x}}"])
+    assert cfg.data.system_prompt is None and cfg.data.answer_key is None
+    assert cfg.data.prompt == "{question} {{x}}"
+
+
+def test_a_missing_required_key_and_non_finite_numbers_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="rewards\\[0\\]: missing required key 'name'"):
+        load_config(write(tmp_path, "rewards: [{weight: 1.0}]\n"))
+    with pytest.raises(ConfigError, match="optim.lr: expected a finite number"):
+        load_config(write(tmp_path, MINIMAL), ["--optim.lr=nan"])
+    with pytest.raises(ConfigError, match="run.save_every must be >= 0"):
+        load_config(write(tmp_path, MINIMAL), ["--run.save_every=-1"])

@@ -232,7 +232,7 @@ def test_malformed_reply_is_a_failure_and_is_not_cached(server, tmp_path):
     assert judge.score_many([chat("q")]) == [None]
     assert len(server.requests) == 1  # not retried: same prompt at temperature 0
     assert judge.pop_step_stats()["judge_failures"] == 1
-    assert path.read_text() == ""
+    assert not path.exists()  # nothing cached, and a Judge creates its cache file only at the first good reply
     assert judge.score_many([chat("q")]) == [JudgeScore(7.0, {})]  # asked again, not served from cache
     assert len(server.requests) == 2
 

@@ -134,3 +134,18 @@ def test_policy_has_no_active_dropout(tiny_gpt2):
     model, _ = load_policy(ModelConfig(name=str(tiny_gpt2)), LoraConfig(r=4, dropout=0.3), torch.device("cpu"))
     drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(m.p == 0.0 for m in drops)
+
+
+def test_a_shipped_generation_config_does_not_leak_into_sampling(tmp_path):
+    """repetition_penalty, min_p or top_k from generation_config.json would make the sampler differ
+    from the policy whose log-probs the loss uses (logits / T only)."""
+    from conftest import write_tiny_model
+    from transformers import GenerationConfig
+    path = write_tiny_model(tmp_path / "m")
+    gc = GenerationConfig.from_pretrained(path)
+    gc.do_sample, gc.repetition_penalty, gc.min_p, gc.top_k = True, 1.3, 0.05, 20
+    gc.save_pretrained(path)
+    model, tok = load_policy(ModelConfig(name=str(path)), LoraConfig(r=4), torch.device("cpu"))
+    g = model.generation_config
+    assert (g.repetition_penalty, g.min_p, g.top_k) == (None, None, None)
+    assert g.eos_token_id == tok.eos_token_id and g.pad_token_id == tok.pad_token_id

@@ -91,6 +91,10 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--data.answer_key=gold", "row 0 has no field 'gold'"),
     ("--data.name=/no/such.jsonl", "no such file"),
     ("--rewards=[{name: answer_matc}]", "answer_match"),
+    ("--data.prompt=x { y", "malformed"),
+    ("--rollout.max_prompt_tokens=5", "prompt tokens > rollout.max_prompt_tokens=5"),
+    ("--run.keep_checkpoints=0", "keep_checkpoints must be >= 1"),
+    ("--model.chat_template=no/such/template.jinja", "no such file"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, override, message):
     cfg, run = setup
@@ -110,14 +114,16 @@ def test_model_without_chat_template_exits_2(setup, capsys, tiny_no_template):
     ["--grpo.loss_type=bnpo", "--grpo.mask_truncated_completions=true", "--grpo.scale_rewards=none"],
     ["--grpo.loss_type=dr_grpo", "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=4"],
     ["--grpo.loss_type=grpo", "--lora.enabled=false", "--grpo.beta=0.05", "--rollout.stop_strings=['.']"],
-], ids=["bnpo-mask-truncated", "dr_grpo-resample", "grpo-full-finetune-kl"])
+    ["--grpo.loss_type=dapo", "--rollout.max_new_tokens=64", "--grpo.mask_truncated_completions=true", "--rollout.temperature=3.0"],
+], ids=["bnpo-mask-truncated", "dr_grpo-resample", "grpo-full-finetune-kl", "dapo-some-finish"])
 def test_variants_run_a_step(setup, overrides):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--run.steps=1"] + overrides) == 0
     (m,) = lines(run / "metrics.jsonl")
-    nothing_to_learn = m["frac_reward_zero_std"] == 1.0 or (
-        "--grpo.mask_truncated_completions=true" in overrides and m["completions/clipped_ratio"] == 1.0)
-    assert m["grad_norm"] > 0 or nothing_to_learn
+    if "--grpo.mask_truncated_completions=true" in overrides and m["completions/clipped_ratio"] == 1.0:
+        assert m["grad_norm"] == 0 and m["loss"] == 0  # every completion was cut: nothing may be learned
+    else:
+        assert m["grad_norm"] > 0 or m["frac_reward_zero_std"] == 1.0
     if "--rollout.resample_zero_std=true" in overrides:
         assert 2 <= m["prompts_drawn"] <= 4
     if "--lora.enabled=false" in overrides:
@@ -161,3 +167,40 @@ def test_a_judge_reward_without_a_judge_section_is_a_config_error(setup, capsys)
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--rewards=[{name: judge}]"]) == 2
     assert "needs a judge" in capsys.readouterr().err and not run.exists()
+
+
+def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
+    """The loss normaliser is built from the whole step's counts, not the micro-batch's (dapo)."""
+    cfg, run = setup
+    norms = []
+    for size in (8, 3):
+        out = run.parent / f"run_mb{size}"
+        assert train.main(["--config", str(cfg), "--run.steps=1", f"--optim.micro_batch_size={size}",
+                           f"--run.out_dir={out}"]) == 0
+        norms.append(lines(out / "metrics.jsonl")[0])
+    assert norms[0]["reward"] == norms[1]["reward"]  # same rollouts
+    assert norms[0]["grad_norm"] > 0
+    assert norms[0]["grad_norm"] == pytest.approx(norms[1]["grad_norm"], rel=1e-4)
+    assert norms[0]["loss"] == pytest.approx(norms[1]["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_resume_refuses_a_different_lora_setup(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
+    assert train.main(["--config", str(cfg), "--run.steps=2", "--lora.r=8", "--resume"]) == 2
+    assert "different model or LoRA setup" in capsys.readouterr().err
+    assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1]
+
+
+def test_resampling_never_draws_more_prompts_than_the_cap(setup):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=2", "--rollout.resample_zero_std=true",
+                       "--rollout.max_prompts_per_step=3", "--rewards=[{name: answer_match}]"]) == 0
+    for m in lines(run / "metrics.jsonl"):
+        assert 2 <= m["prompts_drawn"] <= 3
+
+
+def test_full_finetuning_in_half_precision_is_refused(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--lora.enabled=false", "--model.dtype=bfloat16"]) == 2
+    assert "needs fp32 master weights" in capsys.readouterr().err and not run.exists()
