@@ -39,6 +39,8 @@ class ModelConfig:
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None lets transformers pick
     trust_remote_code: bool = False  # allow custom modelling code from the hub
     cache_dir: str = "~/.cache/minigrpo"  # where the built-in model is converted once and reused
+    init_adapter: str | None = None  # start from this LoRA adapter (adapter dir, checkpoint or run dir), e.g. an SFT run
+    merge_init_adapter: bool = False  # merge init_adapter into the base and train a fresh LoRA on top (else continue it)
 
 
 @dataclass
@@ -59,7 +61,9 @@ class DataConfig:
     answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
     assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
-    num_examples: int = 512  # size of the built-in task; for files and hub: keep the first n (0 = all)
+    num_examples: int = 0  # size of the built-in task (0: 512); for files and hub: keep the first n (0: all)
+    split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
+    select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]
     shuffle_seed: int = 0  # order in which prompts are drawn
 
 
@@ -115,6 +119,20 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
+    num_samples: int = 1  # completions per prompt; more gives pass@k
+    temperature: float = 0.0  # 0: greedy decoding
+    top_p: float = 1.0  # nucleus sampling when temperature > 0
+    max_new_tokens: int = 256  # completion length cap
+    pass_k: list[int] = field(default_factory=lambda: [1])  # k values for pass@k (k <= num_samples)
+    batch_size: int = 16  # prompts per generate call
+    limit: int = 0  # evaluate only the first n held-out rows (0: all)
+    out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
+    api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -125,6 +143,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
     judge: JudgeConfig | None = None  # OpenAI-compatible LLM judge for the judge-based rewards (judge.py)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
 
 
 def _type_name(tp: Any) -> str:
@@ -272,6 +291,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
+    for key, sel in (("data.select", cfg.data.select), ("eval.select", cfg.eval.select)):
+        if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
+            raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
+    if cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
+        raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if not cfg.rewards:

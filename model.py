@@ -13,7 +13,9 @@ The reference policy for the KL term is the same model with the adapter disabled
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -119,22 +121,22 @@ def disable_dropout(model: nn.Module) -> None:
             m.attention_dropout = 0.0
 
 
-def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False):
-    """-> (model, tokenizer). The model is on `device`, LoRA-wrapped unless lora.enabled is false."""
-    from transformers import AutoModelForCausalLM
+def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: bool = False):
+    """-> (model, tokenizer): the base model in its dtype (or NF4), sampling from logits / T only."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
     path = resolve_model_path(mcfg)
     tokenizer = load_tokenizer(mcfg, path)
     dtype = pick_dtype(mcfg.dtype, device)
+    if full_precision_weights and dtype != torch.float32:
+        raise ConfigError(f"lora.enabled=false trains all weights, which needs fp32 master weights; "
+                          f"set model.dtype: float32 (got {dtype}) or use LoRA")
     kwargs = dict(revision=mcfg.revision, dtype=dtype, trust_remote_code=mcfg.trust_remote_code)
     if mcfg.attn_implementation:
         kwargs["attn_implementation"] = mcfg.attn_implementation
-    if not lcfg.enabled and dtype != torch.float32:
-        raise ConfigError(f"lora.enabled=false trains all weights, which needs fp32 master weights; "
-                          f"set model.dtype: float32 (got {dtype}) or use LoRA")
     if mcfg.quant == "4bit":
         if device.type != "cuda":
             raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; on this machine set model.quant: null")
-        if not lcfg.enabled:
+        if full_precision_weights:
             raise ConfigError("model.quant=4bit trains through LoRA only; set lora.enabled: true")
         from transformers import BitsAndBytesConfig
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -149,24 +151,110 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     model.config.use_cache = False  # the cache is only wanted in generate(), which turns it on itself
     # Sample from logits / T and nothing else: a shipped generation_config (repetition_penalty,
     # min_p, ...) would make the sampler differ from the policy the loss computes.
-    from transformers import GenerationConfig
     eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
     model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
                                                pad_token_id=tokenizer.pad_token_id)
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- adapter chaining
+# Every adapter minigrpo saves carries minigrpo_base.json: the base it was trained on and the
+# adapters merged into that base first (SFT merged before GRPO, say). Loading an adapter replays
+# that chain, and an adapter whose recorded base is not model.name is an error: the MedMCQA seed
+# lost its GRPO phase to an adapter silently loaded onto the wrong base.
+
+PROVENANCE = "minigrpo_base.json"
+
+
+def find_adapter(path: str) -> Path:
+    """An adapter directory, a checkpoint (its adapter/) or a run directory (its newest checkpoint)."""
+    p = Path(path).expanduser()
+    for cand in [p, p / "adapter"] + [c / "adapter" for c in sorted((p / "checkpoints").glob("step_*"), reverse=True)
+                                      if not c.name.endswith(".tmp")]:
+        if (cand / "adapter_config.json").is_file():
+            return cand
+    raise ConfigError(f"{path}: no LoRA adapter there (looked for adapter_config.json in it, its adapter/ and its checkpoints)")
+
+
+def adapter_provenance(adapter: Path) -> dict:
+    f = adapter / PROVENANCE
+    if f.is_file():
+        return json.loads(f.read_text())
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return {"base_model": base, "revision": None, "merged": []}  # an adapter from another tool
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool, trainable: bool):
+    """Put `adapter_path` on the base `model`, after replaying the merges it was trained on.
+    -> (model, provenance of what is now the base). merge=True folds the adapter into the weights."""
+    from peft import PeftModel
+    adapter = find_adapter(adapter_path)
+    prov = adapter_provenance(adapter)
+    if prov["base_model"] != mcfg.name or prov.get("revision") != mcfg.revision:
+        raise ConfigError(f"adapter {adapter} was trained on base {prov['base_model']!r} (revision {prov.get('revision')}), "
+                          f"but model.name is {mcfg.name!r} (revision {mcfg.revision}); load it on its own base")
+    if (merge or prov["merged"]) and mcfg.quant == "4bit":
+        raise ConfigError("merging an adapter into a 4-bit base is lossy; export the merged model first (export.py), then quantize it")
+    for step in prov["merged"]:
+        done = Path(step["adapter"])
+        if not (done / "adapter_model.safetensors").is_file() or _sha256(done / "adapter_model.safetensors") != step["sha256"]:
+            raise ConfigError(f"adapter {adapter} was trained on a base with {done} merged in, and that adapter is "
+                              "missing or changed; restore it or export the merged model")
+        model = PeftModel.from_pretrained(model, str(done)).merge_and_unload()
+    merged = list(prov["merged"])
+    if merge:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        merged.append({"adapter": str(adapter.resolve()), "sha256": _sha256(adapter / "adapter_model.safetensors")})
+    else:
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+    return model, {"base_model": mcfg.name, "revision": mcfg.revision, "merged": merged}
+
+
+def save_adapter(model, path: Path) -> None:
+    """peft's save_pretrained plus the provenance file that makes the chain reloadable."""
+    model.save_pretrained(path)
+    prov = getattr(model, "minigrpo_base", None) or {"base_model": None, "revision": None, "merged": []}
+    (path / PROVENANCE).write_text(json.dumps(prov, indent=1))
+
+
+def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False):
+    """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
+    starting from model.init_adapter when set (continued, or merged when merge_init_adapter)."""
+    model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
+    prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
+    continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter
+    if mcfg.init_adapter:
+        model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
     if mcfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    if lcfg.enabled:
+    if lcfg.enabled and not continuing:
         from peft import LoraConfig as PeftLoraConfig, get_peft_model
         peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,
                                   target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
         model = get_peft_model(model, peft_cfg)
+    if lcfg.enabled:
         for p in model.parameters():  # fp16 has too little range for the trained weights: keep them fp32
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     if not dropout:
         disable_dropout(model)
+    model.minigrpo_base = prov
     return model, tokenizer
+
+
+def load_inference(mcfg: ModelConfig, device: torch.device, adapter: str | None = None):
+    """-> (model, tokenizer) in eval mode for evaluation or export: the base, or the base with an
+    adapter (a run directory, checkpoint or adapter directory) and the merges it was trained on."""
+    model, tokenizer = load_base(mcfg, device)
+    if adapter:
+        model, _ = apply_adapter_chain(model, mcfg, adapter, merge=False, trainable=False)
+    disable_dropout(model)
+    return model.eval(), tokenizer
 
 
 def is_peft(model: nn.Module) -> bool:

@@ -32,7 +32,7 @@ import torch
 import grpo
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, load_rows
-from model import load_policy, pick_device, pick_dtype, is_peft, reference_mode, trainable_parameters
+from model import is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
 from judge import Judge
 from rewards import check_specs, compute_rewards, resolve, reward_means
 
@@ -53,7 +53,10 @@ def save_checkpoint(r: Run, step: int) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / ("adapter" if is_peft(model) else "model"))
+    if is_peft(model):
+        save_adapter(model, tmp / "adapter")
+    else:
+        model.save_pretrained(tmp / "model")
     torch.save({
         "step": step, "data_position": r.sampler.position,
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

@@ -349,9 +349,10 @@ def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server):
     rewards = judge_reward(["Explain MVCC.", "What is a goroutine?"], samples, judge=judge, system="Be strict.")
     assert rewards == pytest.approx([0.8, 0.8])
     assert judge_reward(["Explain MVCC."], samples[:1], judge=judge, normalize=False) == pytest.approx([8.0])
-    sent = server.requests[0].messages
+    # the two calls run concurrently, so find the request by its content, not its arrival order
+    sent = next(r.messages for r in server.requests if "Explain MVCC." in r.messages[-1]["content"])
     assert sent[0] == {"role": "system", "content": "Be strict."}
-    assert "Backend role, {skills}: Go, Postgres" in sent[1]["content"] and "Explain MVCC." in sent[1]["content"]
+    assert "Backend role, {skills}: Go, Postgres" in sent[1]["content"]
 
     server.reply = lambda body: '{"relevance": 6, "clarity": 8}'  # a criterion missing -> failure
     assert [math.isnan(x) for x in judge_reward(["new"], samples[:1], judge=judge)] == [True]
