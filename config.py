@@ -58,6 +58,7 @@ class DataConfig:
     config_name: str | None = None  # hub dataset config (subset) name
     split: str = "train"  # hub dataset split
     prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
+    target: str | None = None  # SFT: column or template of the assistant reply to learn
     answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
     assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
@@ -119,6 +120,12 @@ class RunConfig:
 
 
 @dataclass
+class SftConfig:
+    batch_size: int = 16  # examples per optimizer step (micro-batched by optim.micro_batch_size)
+    max_length: int = 1024  # prompt + reply tokens; a longer example is an error
+
+
+@dataclass
 class EvalConfig:
     select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
     num_samples: int = 1  # completions per prompt; more gives pass@k
@@ -134,6 +141,7 @@ class EvalConfig:
 
 @dataclass
 class Config:
+    mode: Literal["grpo", "sft"] = "grpo"  # what train.py does: GRPO, or supervised fine-tuning on data.target
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -143,6 +151,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
     judge: JudgeConfig | None = None  # OpenAI-compatible LLM judge for the judge-based rewards (judge.py)
+    sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
 
 
@@ -298,7 +307,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
-    if not cfg.rewards:
+    if cfg.mode == "sft" and not cfg.data.target:
+        raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
+    if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
 
 

@@ -130,7 +130,8 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
         prompt = build_prompt(row, cfg.prompt, i)
         if not isinstance(prompt, (str, list)) or not prompt:
             raise DataError(f"row {i}: the prompt is empty or not text")
-        out.append({**row, "prompt": prompt})
+        extra = {"target": str(build_prompt(row, cfg.target, i))} if cfg.target else {}
+        out.append({**row, "prompt": prompt, **extra})
     return out
 
 

@@ -213,10 +213,13 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg: Config) -> tuple[torch.Tensor, int]:
-    """(n, C) log-probs of the micro-batch's sampled tokens, all-padding columns trimmed; and C."""
+def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg: Config,
+                          temperature: float | None = None) -> tuple[torch.Tensor, int]:
+    """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
+    The temperature is the sampler's (rollout.temperature) unless given."""
     i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
-    return grpo.sequence_log_probs(model, i, a, C, cfg.rollout.temperature, cfg.grpo.logprob_chunk), C
+    T = cfg.rollout.temperature if temperature is None else temperature
+    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk), C
 
 
 @torch.no_grad()
@@ -232,7 +235,7 @@ def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
 
 def train_step(r: Run) -> tuple[dict, list[dict]]:
     """One rollout batch and its num_iterations optimizer updates -> (metrics, sampled completions)."""
-    cfg, model, optimizer, scheduler, scaler, judge = r.cfg, r.model, r.optimizer, r.scheduler, r.scaler, r.judge
+    cfg, model, optimizer, scaler, judge = r.cfg, r.model, r.optimizer, r.scaler, r.judge
     t0 = time.time()
     G, g = cfg.rollout.num_generations, cfg.grpo
     device = next(model.parameters()).device
@@ -267,17 +270,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             sums["loss"] += float(loss.detach())
             for k, v in stats.items():
                 sums[k] += v
-        if scaler:
-            scaler.unscale_(optimizer)
-        gn = torch.nn.utils.clip_grad_norm_(r.params, cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf"))
-        sums["grad_norm"] += float(gn)
-        lr = scheduler.get_last_lr()[0]
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        scheduler.step()
+        gn, lr = optimizer_step(r)
+        sums["grad_norm"] += gn
     metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
@@ -285,6 +279,22 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     shown = [{"prompt": s["prompt"], "completion": t, "reward": float(r), "advantage": float(a)}
              for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
+
+
+def optimizer_step(r: Run) -> tuple[float, float]:
+    """Unscale (fp16), clip, step the optimizer and the schedule -> (grad norm, lr used)."""
+    if r.scaler:
+        r.scaler.unscale_(r.optimizer)
+    max_norm = r.cfg.optim.max_grad_norm if r.cfg.optim.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, max_norm))
+    lr = r.scheduler.get_last_lr()[0]
+    if r.scaler:
+        r.scaler.step(r.optimizer)
+        r.scaler.update()
+    else:
+        r.optimizer.step()
+    r.scheduler.step()
+    return grad_norm, lr
 
 
 def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float) -> dict:
@@ -321,10 +331,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
+SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
+         ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
+         ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
+
+
 def format_line(step: int, total: int, m: dict) -> str:
-    return (f"step {step}/{total} | reward {m['reward']:.3f} ± {m['reward_std']:.3f} | loss {m['loss']:+.4f} | "
-            f"kl {m['kl']:.4f} | len {m['completions/mean_length']:.1f} | zero_std {m['frac_reward_zero_std']:.2f} | "
-            f"lr {m['learning_rate']:.2e} | {m['step_time']:.1f}s")
+    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in SHOWN if k in m]
+    return " | ".join(parts).replace(" | ±", " ±")
 
 
 def seed_everything(seed: int) -> None:
@@ -357,20 +371,23 @@ def flat(d: dict, prefix: str = "") -> dict:
             (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
 
 
-def check_prompt_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
-    texts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for r in rows]
+def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
+    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)."""
+    texts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix)
+             + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "") for r in rows]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
     longest = max(range(len(rows)), key=lengths.__getitem__)
-    if lengths[longest] > cfg.rollout.max_prompt_tokens:
-        raise ConfigError(f"row {longest} renders to {lengths[longest]} prompt tokens > rollout.max_prompt_tokens="
-                          f"{cfg.rollout.max_prompt_tokens}; raise the limit or shorten the prompt")
+    key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)
+    if lengths[longest] > limit:
+        raise ConfigError(f"row {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
 
 
 def setup(args, overrides: list[str]) -> Run:
     """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
     try:
-        check_specs(cfg.rewards)
+        if cfg.rewards or cfg.mode == "grpo":
+            check_specs(cfg.rewards)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
     try:
@@ -398,13 +415,14 @@ def setup(args, overrides: list[str]) -> Run:
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
     model, tokenizer = load_policy(cfg.model, cfg.lora, device)
-    check_prompt_lengths(cfg, rows, tokenizer)
+    check_lengths(cfg, rows, tokenizer)
     ref_copy = None
     if cfg.grpo.beta > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.run.steps * cfg.grpo.num_iterations))
+    updates = cfg.run.steps * (cfg.grpo.num_iterations if cfg.mode == "grpo" else 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates))
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
     sampler = PromptSampler(len(rows), cfg.data.shuffle_seed)
@@ -434,9 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     n_train = sum(p.numel() for p in r.params)
     print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
           f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
+    from sft import sft_step  # sft.py imports from this module: import it late
+    step_fn = sft_step if cfg.mode == "sft" else train_step
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
-            metrics, shown = train_step(r)
+            metrics, shown = step_fn(r)
             metrics = {"step": step, **metrics}
             append_jsonl(metrics_path, [metrics])
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:

@@ -92,7 +92,7 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--data.name=/no/such.jsonl", "no such file"),
     ("--rewards=[{name: answer_matc}]", "answer_match"),
     ("--data.prompt=x { y", "malformed"),
-    ("--rollout.max_prompt_tokens=5", "prompt tokens > rollout.max_prompt_tokens=5"),
+    ("--rollout.max_prompt_tokens=5", "tokens > rollout.max_prompt_tokens=5"),
     ("--run.keep_checkpoints=0", "keep_checkpoints must be >= 1"),
     ("--model.chat_template=no/such/template.jinja", "no such file"),
 ])

@@ -1,0 +1,61 @@
+"""Supervised fine-tuning (`mode: sft`): the model setup, data, checkpoints and resume of a GRPO
+run, with a cross-entropy loss on the reply tokens only. Run it through train.py:
+
+    python train.py --config configs/my_sft.yaml      # mode: sft, data.target: the reply column
+
+An example is rendered exactly like a GRPO prompt (chat template, system prompt, forced
+assistant prefix) followed by the target reply and EOS, so SFT teaches the distribution that GRPO
+later samples from, and a GRPO config starts from the result with `model.init_adapter: runs/sft`.
+
+    loss = -(1/T) sum_t log pi(y_t | x, y_<t),   T = reply tokens in the whole optimizer step
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import grpo
+
+
+def sft_batch(tokenizer, rows: list[dict], cfg) -> grpo.Rollout:
+    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout."""
+    prompts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for r in rows]
+    replies = [r["target"] + tokenizer.eos_token for r in rows]
+    p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    side, tokenizer.padding_side = tokenizer.padding_side, "right"
+    try:
+        c = tokenizer(replies, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    lengths = p.attention_mask.sum(1) + c.attention_mask.sum(1)  # (n,)
+    if int(lengths.max()) > cfg.sft.max_length:
+        i = int(lengths.argmax())
+        raise ValueError(f"an SFT example has {int(lengths[i])} tokens > sft.max_length={cfg.sft.max_length}: {prompts[i][:80]!r}")
+    return grpo.Rollout(p.input_ids, p.attention_mask, c.input_ids, c.attention_mask.float(),
+                        torch.zeros(len(rows), dtype=torch.bool), replies)
+
+
+def sft_step(r) -> tuple[dict, list[dict]]:
+    """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
+    from train import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb
+    cfg, model, t0 = r.cfg, r.model, time.time()
+    device = next(model.parameters()).device
+    rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
+    batch = sft_batch(r.tokenizer, rows, cfg)
+    batch = grpo.Rollout(*(x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+                                                  batch.completion_mask, batch.truncated)), batch.texts)
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask  # (n, P + C) x2, (n, C)
+    tokens = float(mask.sum())
+    model.train()
+    r.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in micro_batches(ids.shape[0], cfg.optim.micro_batch_size):
+        logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg, temperature=1.0)  # (m, C)
+        loss = -torch.where(mask[mb, :C].bool(), logp, 0.0).sum() / tokens  # this micro-batch's share
+        (r.scaler.scale(loss) if r.scaler else loss).backward()
+        total += float(loss.detach())
+    grad_norm, lr = optimizer_step(r)
+    return {"loss": total, "tokens": tokens, "learning_rate": lr, "grad_norm": grad_norm,
+            "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
+            "peak_memory_mb": peak_memory_mb(device)}, []

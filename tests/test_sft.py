@@ -1,0 +1,146 @@
+"""SFT, data splits, and chaining SFT into GRPO: the GRPO run starts from the SFT policy, and an
+adapter never loads silently onto the wrong base."""
+import json
+
+import pytest
+import torch
+import yaml
+
+import grpo
+import train
+from config import ConfigError, LoraConfig, ModelConfig, load_config
+from data import DataError, load_rows, split
+from model import find_adapter, load_inference, load_policy
+
+ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+
+
+@pytest.fixture
+def sft_config(tmp_path, tiny_llama):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = {
+        "mode": "sft",
+        "model": {"name": str(tiny_llama)},
+        "lora": {"r": 8, "alpha": 16},
+        "data": {"name": str(data), "prompt": "question", "target": "The answer is {answer}.",
+                 "split_seed": 42, "select": [0, 12]},
+        "sft": {"batch_size": 12},
+        "optim": {"lr": 0.1, "micro_batch_size": 5, "min_lr_ratio": 1.0},
+        "run": {"out_dir": str(tmp_path / "sft"), "steps": 12, "save_every": 0},
+    }
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_lowers_the_loss_on_the_reply_tokens(sft_config):
+    path, cfg = sft_config  # all weights: a random 2-layer model learns fast that way (LoRA is tested below)
+    assert train.main(["--config", str(path), "--lora.enabled=false", "--optim.lr=0.01"]) == 0
+    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    assert len(m) == 12 and m[0]["tokens"] > 0
+    assert m[-1]["loss"] < 0.5 * m[0]["loss"], [x["loss"] for x in m]
+
+
+def test_sft_loss_covers_the_reply_and_its_eos_but_not_the_prompt(sft_config, tiny_llama):
+    path, _ = sft_config
+    cfg = load_config(path)
+    _, tok = load_policy(cfg.model, cfg.lora, torch.device("cpu"))
+    from sft import sft_batch
+    b = sft_batch(tok, [{"prompt": "What is 2 + 3?", "target": "5"}, {"prompt": "Hi", "target": "The answer is 42."}], cfg)
+    for i, reply in enumerate(["5", "The answer is 42."]):
+        n = int(b.completion_mask[i].sum())
+        ids = b.completion_ids[i, :n].tolist()
+        assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == reply
+        assert b.completion_mask[i, n:].sum() == 0
+    assert tok.decode(b.prompt_ids[1][b.prompt_mask[1].bool()]).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["continue-adapter", "merge-then-new-lora"])
+def test_grpo_starts_from_the_sft_policy(sft_config, tmp_path, merge):
+    path, cfg = sft_config
+    cfg["run"]["steps"] = 3
+    path.write_text(yaml.safe_dump(cfg))
+    assert train.main(["--config", str(path)]) == 0
+    sft_run = cfg["run"]["out_dir"]
+    mcfg = ModelConfig(name=cfg["model"]["name"])
+    sft_model, tok = load_inference(mcfg, torch.device("cpu"), adapter=sft_run)
+    base_model, _ = load_inference(mcfg, torch.device("cpu"))
+    policy, _ = load_policy(ModelConfig(name=cfg["model"]["name"], init_adapter=sft_run, merge_init_adapter=merge),
+                            LoraConfig(r=4), torch.device("cpu"))
+    enc = tok(["What is 3 + 1? The answer is 4.", "Hello world"], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        want = grpo.sequence_log_probs(sft_model, enc.input_ids, enc.attention_mask, 3)
+        got = grpo.sequence_log_probs(policy, enc.input_ids, enc.attention_mask, 3)
+        base = grpo.sequence_log_probs(base_model, enc.input_ids, enc.attention_mask, 3)
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(base, want, atol=1e-3)  # SFT did move the policy
+    assert len(policy.minigrpo_base["merged"]) == (1 if merge else 0)
+
+
+def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft_config, tmp_path):
+    """The MedMCQA seed's lost GRPO phase: this adapter must come back on base + SFT, not on base."""
+    path, cfg = sft_config
+    cfg["run"]["steps"] = 3
+    path.write_text(yaml.safe_dump(cfg))
+    assert train.main(["--config", str(path)]) == 0
+    grpo_cfg = {**cfg, "mode": "grpo", "run": {"out_dir": str(tmp_path / "grpo"), "steps": 1},
+                "model": {**cfg["model"], "init_adapter": cfg["run"]["out_dir"], "merge_init_adapter": True},
+                "data": {**cfg["data"], "select": [12, 16]},
+                "rollout": {"prompts_per_step": 2, "num_generations": 2, "max_new_tokens": 4},
+                "optim": {"lr": 0.05}, "rewards": [{"name": "short_answer"}]}
+    grpo_path = tmp_path / "grpo.yaml"
+    grpo_path.write_text(yaml.safe_dump(grpo_cfg))
+    assert train.main(["--config", str(grpo_path)]) == 0
+    adapter = find_adapter(str(tmp_path / "grpo"))
+    prov = json.loads((adapter / "minigrpo_base.json").read_text())
+    assert prov["base_model"] == cfg["model"]["name"] and len(prov["merged"]) == 1
+    mcfg = ModelConfig(name=cfg["model"]["name"])
+    reloaded, tok = load_inference(mcfg, torch.device("cpu"), adapter=str(tmp_path / "grpo"))
+    from peft import PeftModel
+    naive, _ = load_inference(mcfg, torch.device("cpu"))
+    naive = PeftModel.from_pretrained(naive, str(adapter))  # what a plain peft load would do: the wrong base
+    enc = tok(["What is 3 + 1? The answer is 4."], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        lp = [grpo.sequence_log_probs(m, enc.input_ids, enc.attention_mask, 3) for m in (reloaded, naive)]
+    assert not torch.allclose(lp[0], lp[1], atol=1e-4)  # the naive load is a different (wrong) model
+    # the reloaded chain is base + SFT merged + GRPO adapter: it equals replaying that by hand
+    manual, _ = load_inference(mcfg, torch.device("cpu"), adapter=cfg["run"]["out_dir"])
+    manual = PeftModel.from_pretrained(manual.merge_and_unload(), str(adapter))
+    with torch.no_grad():
+        assert torch.allclose(lp[0], grpo.sequence_log_probs(manual, enc.input_ids, enc.attention_mask, 3), atol=1e-5)
+
+
+def test_an_adapter_on_another_base_is_an_error(sft_config, tmp_path, tiny_gpt2):
+    path, cfg = sft_config
+    cfg["run"]["steps"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    assert train.main(["--config", str(path)]) == 0
+    with pytest.raises(ConfigError, match="was trained on base"):
+        load_inference(ModelConfig(name=str(tiny_gpt2)), torch.device("cpu"), adapter=cfg["run"]["out_dir"])
+    with pytest.raises(ConfigError, match="no LoRA adapter there"):
+        load_inference(ModelConfig(name=cfg["model"]["name"]), torch.device("cpu"), adapter=str(tmp_path))
+
+
+def test_splits_are_disjoint_reproducible_and_checked(sft_config, tmp_path):
+    path, cfg = sft_config
+    c = load_config(path)
+    parts = [load_rows(c.data, select=s) for s in ([0, 10], [10, 15], [15, 20])]
+    keys = [{r["question"] for r in p} for p in parts]
+    assert [len(k) for k in keys] == [10, 5, 5] and not (keys[0] & keys[1] or keys[0] & keys[2] or keys[1] & keys[2])
+    assert load_rows(c.data, select=[0, 10]) == parts[0]  # same seed, same rows
+    assert [r["question"] for r in split(ROWS, 42, [0, 10])] != [r["question"] for r in ROWS[:10]]  # shuffled
+    with pytest.raises(DataError, match="reaches past the 20 rows"):
+        load_rows(c.data, select=[15, 25])
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(path, ["--eval.select=[10, 20]"])
+
+
+def test_sft_needs_a_target(sft_config):
+    path, _ = sft_config
+    with pytest.raises(ConfigError, match="data.target"):
+        load_config(path, ["--data.target=null"])
