@@ -336,8 +336,9 @@ SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("loss", "los
          ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
 
 
-def format_line(step: int, total: int, m: dict) -> str:
-    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in SHOWN if k in m]
+def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
+    """One plain line per step; with `keys`, only those metrics (the progress bar's short form)."""
+    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in SHOWN if k in m and (not keys or k in keys)]
     return " | ".join(parts).replace(" | ±", " ±")
 
 
@@ -478,8 +479,8 @@ class progress_display:
         self.progress = None
         if sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn(),
-                                     TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"))
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
+                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"))
 
     def __enter__(self):
         if self.progress:
@@ -489,7 +490,9 @@ class progress_display:
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:
-            self.progress.update(self.task, completed=step, description=format_line(step, self.total, m).split(" | ", 1)[1])
+            keys = ("reward", "reward_std", "kl", "completions/mean_length") if "reward" in m else ("loss", "epoch")
+            short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
+            self.progress.update(self.task, completed=step, description=short)
         else:
             print(format_line(step, self.total, m), flush=True)
 
