@@ -11,8 +11,10 @@ $(VENV)/.installed: requirements.txt
 
 setup: $(VENV)/.installed
 
-demo: setup
-	$(BIN)/python train.py --config configs/quickstart.yaml --run.out_dir=runs/quickstart-$$(date +%Y%m%d-%H%M%S)
+demo: setup   # train, then compare base and trained model on the 100 held-out problems
+	run=runs/quickstart-$$(date +%Y%m%d-%H%M%S) && \
+	$(BIN)/python train.py --config configs/quickstart.yaml --run.out_dir=$$run && \
+	$(BIN)/python eval.py --config configs/quickstart.yaml --models base trained=$$run --eval.out_dir=$$run/eval
 
 test: setup
 	$(BIN)/python -m pytest

@@ -22,17 +22,18 @@ class DataError(ConfigError):
 
 
 def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) -> list[dict]:
-    """The quickstart task, built in code: small additions with the sum as the gold answer.
+    """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand) in a
+    seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint.
 
     >>> arithmetic_task(2, seed=0)[0]["prompt"]
-    'What is 13 + 14? Reply with just the number.'
+    'What is 8 + 11? Reply with just the number.'
     """
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(num_examples):
-        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-        rows.append({"prompt": f"What is {a} + {b}? Reply with just the number.", "answer": str(a + b)})
-    return rows
+    pairs = [(a, b) for a in range(1, max_operand + 1) for b in range(1, max_operand + 1)]
+    if num_examples > len(pairs):
+        raise DataError(f"the arithmetic task has {len(pairs)} distinct problems; data.num_examples={num_examples} is too many")
+    random.Random(seed).shuffle(pairs)
+    return [{"prompt": f"What is {a} + {b}? Reply with just the number.", "answer": str(a + b)}
+            for a, b in pairs[:num_examples]]
 
 
 BUILTIN_TASKS = {"arithmetic": arithmetic_task}

@@ -203,12 +203,18 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)  # (N, P + C)
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "") -> str:
-    """Chat-template a prompt (a user message, or a list of messages); the forced prefix is part of the prompt."""
+def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) -> list[dict]:
+    """A prompt (a user message, or a list of messages) with the system prompt in front."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + assistant_prefix
+    return messages
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "") -> str:
+    """Chat-template a prompt; the forced assistant prefix is part of the prompt."""
+    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True) + assistant_prefix
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

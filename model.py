@@ -184,6 +184,17 @@ def adapter_provenance(adapter: Path) -> dict:
     return {"base_model": base, "revision": None, "merged": []}  # an adapter from another tool
 
 
+def check_adapter_base(adapter: Path, mcfg: ModelConfig) -> dict:
+    """The adapter's provenance; ConfigError when it was trained on another base than model.name."""
+    prov = adapter_provenance(adapter)
+    # an adapter saved by plain peft records the path or hub id the base was loaded from
+    same = prov["base_model"] in (mcfg.name, resolve_model_path(mcfg) if not (adapter / PROVENANCE).is_file() else None)
+    if not same or prov.get("revision") != mcfg.revision:
+        raise ConfigError(f"adapter {adapter} was trained on base {prov['base_model']!r} (revision {prov.get('revision')}), "
+                          f"but model.name is {mcfg.name!r} (revision {mcfg.revision}); load it on its own base")
+    return prov
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -193,10 +204,7 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
     -> (model, provenance of what is now the base). merge=True folds the adapter into the weights."""
     from peft import PeftModel
     adapter = find_adapter(adapter_path)
-    prov = adapter_provenance(adapter)
-    if prov["base_model"] != mcfg.name or prov.get("revision") != mcfg.revision:
-        raise ConfigError(f"adapter {adapter} was trained on base {prov['base_model']!r} (revision {prov.get('revision')}), "
-                          f"but model.name is {mcfg.name!r} (revision {mcfg.revision}); load it on its own base")
+    prov = check_adapter_base(adapter, mcfg)
     if (merge or prov["merged"]) and mcfg.quant == "4bit":
         raise ConfigError("merging an adapter into a 4-bit base is lossy; export the merged model first (export.py), then quantize it")
     for step in prov["merged"]:

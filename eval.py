@@ -1,0 +1,371 @@
+"""Evaluate models side by side on held-out rows: the base, trained adapters, merged exports, API models.
+
+    python eval.py --config configs/medmcqa.yaml --models base sft=runs/sft grpo=runs/grpo api:gpt-4o-mini
+    python eval.py --config configs/quickstart.yaml --models base runs/quickstart \\
+        --data.num_examples=712 --eval.select=[512,712] --eval.limit=50     # any --section.key=value
+
+The config is the training YAML; its `eval` section picks the held-out rows (eval.select, after
+the data.split_seed shuffle; required) and the decoding. Model entries:
+  base             model.name as configured
+  [NAME=]PATH      a run directory (newest checkpoint), checkpoint or adapter directory, loaded on
+                   model.name with the merges it was trained on (an adapter of another base is an
+                   error); or a full model directory holding config.json (a merged export)
+  [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL)
+Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/results.json (the
+config and per-model metrics; never overwritten without --overwrite) and predictions_<name>.jsonl
+(one line per completion with its rewards), and prints the metrics as a table.
+
+Local models see the prompt exactly as in training (chat template, system prompt, forced
+assistant_prefix) and decode greedily when eval.temperature is 0, else sample eval.num_samples
+completions per prompt (seeded with run.seed). API models get the same messages without the
+forced prefix (rewards then see assistant_prefix=""), one completion per prompt at eval.api's own
+temperature and max_tokens; their length is counted in the base model's tokens.
+
+Metrics, over the N completions (prompt-major, n = num_samples per prompt). ok_r(i): reward r of
+completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy, else answer_match:
+  accuracy           = #correct / #completions with a gold answer (r not None)
+  valid_json_rate    = #ok_json_valid / N
+  schema_pass_rate   = #ok_json_schema / N                       (n_schema_pass = the count)
+  accuracy_on_schema = #(correct and ok_json_schema) / n_schema_pass; 0.0 when n_schema_pass = 0
+                       (no usable answer is no correct usable answer; n_schema_pass tells them apart)
+  pass@k             = mean over prompts of 1 - C(n-c, k) / C(n, k), c = correct samples of the
+                       prompt (the unbiased estimator of Chen et al. 2021); only when n > 1
+  reward             = mean weighted total; reward/<name> = mean of the non-None values, as in
+                       training (judge rewards report their judge scores here); reward_errors/<name>
+                       = completions whose reward raised and got its fallback (listed when > 0)
+  mean_length        = mean completion tokens, up to and including the first EOS
+  truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
+  api_failures, api_cost_usd; judge_failures, judge_cost_usd: from the Judge clients' counters
+Each task metric appears only when the reward it derives from is configured.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import grpo
+from config import Config, ConfigError, ModelConfig, config_to_dict, load_config
+from data import load_rows
+from judge import Judge
+from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
+from rewards import RewardResult, check_specs, compute_rewards, resolve, reward_means
+
+
+@dataclass
+class ModelEntry:
+    name: str  # column in the table, suffix of predictions_<name>.jsonl
+    kind: str  # "base" | "adapter" | "full" | "api"
+    target: str | None  # adapter directory, model directory or API model name (None for base)
+    spec: str  # the entry as given on the command line
+
+
+@dataclass
+class Generated:
+    texts: list[str]  # (N,) completions, prompt-major: prompt i's samples are i*n .. i*n+n-1
+    num_tokens: list[int]  # (N,) completion tokens up to and including the first EOS
+    truncated: list[bool] | None  # (N,) no EOS within max_new_tokens; None when unknown (API)
+    failures: int = 0  # API requests that got no reply (scored as an empty completion)
+
+
+def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]:
+    """Command-line entries -> ModelEntry list; ConfigError names the first bad one.
+
+    >>> [(e.name, e.kind, e.target) for e in parse_model_entries(["base", "mini=api:gpt-4o-mini"], ModelConfig())]
+    [('base', 'base', None), ('mini', 'api', 'gpt-4o-mini')]
+    """
+    usage = "use base, [NAME=]PATH (run, checkpoint, adapter or model directory) or [NAME=]api:MODEL"
+    entries: list[ModelEntry] = []
+    for spec in specs:
+        name, _, what = spec.partition("=") if "=" in spec else (None, "", spec)
+        if name is not None and not re.fullmatch(r"[\w.-]+", name):
+            raise ConfigError(f"model entry {spec!r}: the name must be letters, digits, '.', '_' or '-'; {usage}")
+        if what == "base":  # a directory called base: write ./base
+            kind, target = "base", None
+        elif what.startswith("api:"):
+            kind, target = "api", what[4:]
+            if not target:
+                raise ConfigError(f"model entry {spec!r} names no API model; write api:MODEL, e.g. api:gpt-4o-mini")
+        else:
+            p = Path(what).expanduser()
+            if not what or not p.exists():
+                raise ConfigError(f"model entry {spec!r}: no such file or directory {what!r}; {usage}")
+            if (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
+                kind, target = "full", str(p)
+            else:
+                kind, target = "adapter", str(find_adapter(what))
+                try:
+                    check_adapter_base(Path(target), mcfg)
+                except ConfigError as e:
+                    raise ConfigError(f"model entry {spec!r}: {e}") from None
+        default = {"base": "base", "api": target}.get(kind) or Path(what).expanduser().resolve().name
+        name = name or re.sub(r"[^\w.-]", "_", default)
+        if name in [e.name for e in entries]:
+            raise ConfigError(f"model name {name!r} appears twice; give each entry its own NAME=")
+        entries.append(ModelEntry(name, kind, target, spec))
+    return entries
+
+
+def check_eval_config(cfg: Config) -> None:
+    e = cfg.eval
+    if e.select is None:
+        raise ConfigError("eval.select is not set: give the held-out rows [start, end), e.g. --eval.select=[1500,1700]")
+    ranges = {"num_samples": e.num_samples >= 1, "batch_size": e.batch_size >= 1, "max_new_tokens": e.max_new_tokens >= 1,
+              "limit": e.limit >= 0, "temperature": e.temperature >= 0, "top_p": 0 < e.top_p <= 1}
+    if bad := [k for k, ok in ranges.items() if not ok]:
+        raise ConfigError(f"eval.{bad[0]}={getattr(e, bad[0])} is out of range (num_samples, batch_size, max_new_tokens "
+                          ">= 1; limit, temperature >= 0; top_p in (0, 1])")
+    if e.temperature == 0 and e.num_samples > 1:
+        raise ConfigError("eval.num_samples > 1 needs eval.temperature > 0: greedy decoding repeats one completion")
+    if bad := [k for k in e.pass_k if not 1 <= k <= e.num_samples]:
+        raise ConfigError(f"eval.pass_k {bad}: each k must be in [1, eval.num_samples={e.num_samples}]")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k: the chance that k of the n samples, drawn without replacement, hold one of the c correct.
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 3), pass_at_k(4, 3, 2)
+    (0.25, 0.5, 0.0, 1.0)
+    """
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1, pass_k: list[int] = ()) -> dict:
+    """accuracy, valid_json_rate, schema_pass_rate, accuracy_on_schema, pass@k (module docstring).
+
+    >>> task_metrics({"answer_match": [1.0, 0.0, 1.0, 1.0]}, num_samples=2, pass_k=[1, 2])
+    {'accuracy': 0.75, 'pass@1': 0.75, 'pass@2': 1.0}
+    """
+    ok = {k: [v is not None and v >= 1 for v in vs] for k, vs in per_reward.items()}
+    out: dict = {}
+    key = next((k for k in ("choice_accuracy", "answer_match") if k in per_reward), None)
+    if key:
+        graded = [i for i, v in enumerate(per_reward[key]) if v is not None]
+        out["accuracy"] = sum(ok[key][i] for i in graded) / max(len(graded), 1)
+    if "json_valid" in ok:
+        out["valid_json_rate"] = sum(ok["json_valid"]) / len(ok["json_valid"])
+    if "json_schema" in ok:
+        passed = [i for i, p in enumerate(ok["json_schema"]) if p]
+        out["schema_pass_rate"] = len(passed) / len(ok["json_schema"])
+        if key:
+            out["accuracy_on_schema"] = sum(ok[key][i] for i in passed) / len(passed) if passed else 0.0
+        out["n_schema_pass"] = len(passed)
+    if key and num_samples > 1:
+        values = per_reward[key]
+        groups = [range(s, s + num_samples) for s in range(0, len(values), num_samples)]
+        groups = [g for g in groups if all(values[i] is not None for i in g)]  # prompts with a gold answer
+        for k in pass_k:
+            out[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(ok[key][i] for i in g), k) for g in groups) / max(len(groups), 1)
+    return out
+
+
+def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int]) -> dict:
+    """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
+    n = len(gen.texts)
+    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), "reward": sum(res.total) / n}
+    out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
+    out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
+    out["mean_length"] = sum(gen.num_tokens) / n
+    if gen.truncated is not None:
+        out["truncated_rate"] = sum(gen.truncated) / n
+    return out
+
+
+
+@torch.no_grad()
+def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, num_samples: int = 1,
+                   temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16) -> Generated:
+    """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
+    greedy when temperature == 0. Completions end at (and include) the first EOS."""
+    device = next(model.parameters()).device
+    eos = grpo.eos_token_ids(tokenizer, model)
+    greedy = temperature == 0
+    decoding = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+    texts, num_tokens, truncated = [], [], []
+    for s in range(0, len(prompts), batch_size):
+        enc = tokenizer(prompts[s:s + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
+                             num_return_sequences=num_samples, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+                             use_cache=True, **decoding)  # (b*n, P + C)
+        ids = out[:, enc.input_ids.shape[1]:]  # (b*n, C)
+        mask, trunc = grpo.completion_mask(ids, eos)  # (b*n, C), (b*n,)
+        lengths = mask.sum(1).long().tolist()
+        texts += tokenizer.batch_decode([ids[i, :k] for i, k in enumerate(lengths)], skip_special_tokens=True)
+        num_tokens += lengths
+        truncated += trunc.tolist()
+    return Generated(texts, num_tokens, truncated)
+
+
+def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Generated:
+    """One chat completion per prompt through Judge.complete_many (cache, retries, concurrency, cost);
+    a failed request becomes an empty completion and is counted."""
+    replies = client.complete_many(messages)
+    texts = [r or "" for r in replies]
+    num_tokens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    return Generated(texts, num_tokens, None, failures=sum(r is None for r in replies))
+
+
+def score(gen: Generated, samples: list[dict], cfg: Config, assistant_prefix: str, judge: Judge | None) -> RewardResult:
+    return compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
+                           context={"assistant_prefix": assistant_prefix, "judge": judge})
+
+
+@dataclass
+class Plan:
+    """Everything checked before any model loads or any file is written."""
+    cfg: Config
+    entries: list[ModelEntry]
+    rows: list[dict]  # the held-out rows, after eval.limit
+    device: torch.device
+    judge: Judge | None  # for judge-based rewards
+    api: dict[str, Judge]  # entry name -> client, for api: entries
+    tokenizer: object  # the base model's tokenizer, counts API completion tokens (None without api entries)
+
+    def close(self) -> None:
+        for client in [self.judge, *self.api.values()]:
+            if client:
+                client.close()
+
+
+def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
+    cfg = load_config(args.config, overrides)
+    check_eval_config(cfg)
+    try:
+        check_specs(cfg.rewards)
+    except ValueError as e:
+        raise ConfigError(f"rewards: {e}") from None
+    if not cfg.judge and any("judge" in inspect.signature(resolve(s)[0]).parameters for s in cfg.rewards):
+        raise ConfigError("a judge-based reward needs a `judge:` section (base_url, model, api_key_env)")
+    entries = parse_model_entries(args.models, cfg.model)
+    if any(e.kind == "api" for e in entries) and cfg.eval.api is None:
+        raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")
+    if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
+        raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
+    try:
+        judge = Judge(cfg.judge) if cfg.judge else None
+        api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
+    except ValueError as e:
+        raise ConfigError(f"judge or eval.api: {e}") from None
+    if cfg.data.select is None:
+        print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
+    rows = load_rows(cfg.data, select=cfg.eval.select)
+    rows = rows[: cfg.eval.limit] if cfg.eval.limit else rows
+    tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
+    return Plan(cfg, entries, rows, pick_device(cfg.run.device), judge, api, tokenizer)
+
+
+def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
+    """Generate for every held-out row, score, and return (metrics, prediction records)."""
+    cfg, e, t0 = plan.cfg, plan.cfg.eval, time.time()
+    if entry.kind == "api":
+        n, prefix = 1, ""
+        messages = [grpo.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
+        gen = generate_api(plan.api[entry.name], messages, plan.tokenizer)
+    else:
+        n, prefix = e.num_samples, cfg.data.assistant_prefix
+        if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
+            model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
+        else:
+            model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
+        prompts = [grpo.render_prompt(tok, r["prompt"], cfg.data.system_prompt, prefix) for r in plan.rows]
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
+        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size)
+        del model, tok
+        if plan.device.type == "cuda":
+            torch.cuda.empty_cache()
+    samples = [r for r in plan.rows for _ in range(n)]
+    res = score(gen, samples, cfg, prefix, plan.judge)
+    metrics = model_metrics(res, gen, n, e.pass_k if n > 1 else [])
+    if entry.kind == "api":
+        stats = plan.api[entry.name].pop_step_stats()
+        metrics |= {"api_failures": gen.failures, "api_cost_usd": stats["judge_cost_usd"]}
+    if plan.judge:
+        stats = plan.judge.pop_step_stats()
+        metrics |= {"judge_failures": stats["judge_failures"], "judge_cost_usd": stats["judge_cost_usd"]}
+    metrics["seconds"] = round(time.time() - t0, 2)
+    keys = list(res.per_reward)
+    records = [{"row": e.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
+                **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
+                "reward": total, "rewards": {k: res.per_reward[k][i] for k in keys}}
+               for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
+    return metrics, records
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def render_table(results: dict[str, dict], title: str = "held-out evaluation") -> Table:
+    """A rich Table: one row per metric, one column per model ("-" where a model lacks the metric)."""
+    table = Table(title=title)
+    table.add_column("metric", no_wrap=True)
+    for name in results:
+        table.add_column(name, justify="right")
+    for key in dict.fromkeys(k for m in results.values() for k in m):
+        table.add_row(key, *(_fmt(m.get(key)) for m in results.values()))
+    return table
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field: --section.key=value",
+                                 allow_abbrev=False)
+    ap.add_argument("--config", required=True, help="the training YAML (its eval section drives this script)")
+    ap.add_argument("--models", nargs="+", required=True, help="base, [NAME=]PATH or [NAME=]api:MODEL entries")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing eval.out_dir/results.json")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = setup(args, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg, out_dir, results = plan.cfg, Path(plan.cfg.eval.out_dir), {}
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    try:
+        for entry in plan.entries:
+            print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
+            metrics, records = evaluate(entry, plan)
+            write_atomic(out_dir / f"predictions_{entry.name}.jsonl",
+                         "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+            results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": metrics}
+    except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        plan.close()
+    summary = {"config": config_to_dict(cfg), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
+               "models": results}
+    write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
+    title = f"{cfg.data.name}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
+    Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))
+    print(f"[eval] wrote {out_dir / 'results.json'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""eval.py: the MedMCQA metrics on hand-written completions, pass@k against brute force, and the CLI
+end to end on a tiny random Llama (base, a LoRA adapter, an API model on a fake server)."""
+import itertools
+import json
+
+import pytest
+import torch
+import yaml
+
+import eval as ev
+from config import ModelConfig
+from fake_openai_server import FakeOpenAIServer, server_error
+from model import save_adapter
+from rewards import RewardSpec, compute_rewards
+
+MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
+
+
+def answer(letter, confidence=0.9, reason="because"):
+    return json.dumps({"predicted_category": letter, "confidence": confidence, "reason": reason})
+
+
+# (completion, gold letter): json_valid, json_schema, correct
+HAND_WRITTEN = [
+    (answer("A"), "A"),                     # valid, schema, correct
+    (answer("B"), "A"),                     # valid, schema, wrong
+    ("The answer is A", "A"),               # invalid JSON: no schema, not correct
+    (answer("A", confidence=1.5), "A"),     # valid, schema violation (confidence > 1), correct
+    ('{"predicted_category": "C"}', "C"),   # valid, schema violation (missing keys), correct
+    (answer("D", confidence=0.5), "C"),     # valid, schema, wrong
+]
+
+
+@pytest.mark.parametrize("gold_as", ["letter", "cop"])
+def test_medmcqa_metrics_on_hand_written_completions(gold_as):
+    if gold_as == "letter":
+        specs, samples = MEDMCQA, [{"answer": g} for _, g in HAND_WRITTEN]
+    else:  # MedMCQA's cop: 0-based index of the right option
+        specs = MEDMCQA[:2] + [RewardSpec("choice_accuracy", args={"gold_key": "cop"})]
+        samples = [{"cop": "ABCD".index(g)} for _, g in HAND_WRITTEN]
+    res = compute_rewards([c for c, _ in HAND_WRITTEN], samples, specs)
+    m = ev.task_metrics(res.per_reward)
+    assert m["accuracy"] == pytest.approx(3 / 6)
+    assert m["valid_json_rate"] == pytest.approx(5 / 6)
+    assert m["schema_pass_rate"] == pytest.approx(3 / 6) and m["n_schema_pass"] == 3
+    assert m["accuracy_on_schema"] == pytest.approx(1 / 3)  # 1 right among the 3 well-formed answers
+    assert not any(k.startswith("pass@") for k in m)  # one sample per prompt: no pass@k
+
+
+def test_accuracy_on_schema_is_zero_when_no_completion_passes_the_schema():
+    res = compute_rewards(["A", '{"predicted_category": "A"}'], [{"answer": "A"}] * 2, MEDMCQA)
+    m = ev.task_metrics(res.per_reward)
+    assert m["n_schema_pass"] == 0 and m["accuracy_on_schema"] == 0.0 and m["accuracy"] == 0.5
+
+
+def test_accuracy_falls_back_to_answer_match_and_skips_rows_without_gold():
+    m = ev.task_metrics({"answer_match": [1.0, None, 0.0, 1.0], "short_answer": [0.5, 1.0, 1.0, 0.2]})
+    assert m == {"accuracy": pytest.approx(2 / 3)}  # no JSON rewards: no JSON metrics
+
+
+def test_task_metrics_report_nothing_without_the_rewards_they_derive_from():
+    assert ev.task_metrics({"short_answer": [1.0, 0.0]}) == {}
+
+
+def brute_force_pass_at_k(n, c, k):
+    """Share of the k-subsets of n samples (c of them correct) that hold a correct one."""
+    subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_brute_force_enumeration():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert ev.pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k)), (n, c, k)
+
+
+def test_pass_at_k_averages_over_prompts_of_num_samples_completions():
+    correct = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # prompts with 1, 3 and 0 right of 3
+    m = ev.task_metrics({"choice_accuracy": correct}, num_samples=3, pass_k=[1, 2, 3])
+    assert m["pass@1"] == pytest.approx((1 / 3 + 1 + 0) / 3) == pytest.approx(m["accuracy"])
+    assert m["pass@2"] == pytest.approx((2 / 3 + 1 + 0) / 3)
+    assert m["pass@3"] == pytest.approx(2 / 3)
+
+
+def test_greedy_generation_in_left_padded_batches_equals_argmax_decoding_one_prompt_at_a_time(tiny_llama):
+    from grpo import eos_token_ids
+    from model import load_inference
+    model, tok = load_inference(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in ("Hi", "What is 2 + 3? Reply with just the number.", "Which vitamin? A) B12")]
+    gen = ev.generate_local(model, tok, prompts, max_new_tokens=7, batch_size=2)  # the second batch holds one prompt
+    eos = eos_token_ids(tok, model)
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        new = []
+        with torch.no_grad():
+            while len(new) < 7 and (not new or new[-1] not in eos):
+                new.append(int(model(torch.cat([ids, torch.tensor([new], dtype=torch.long)], 1)).logits[0, -1].argmax()))
+        assert gen.texts[i] == tok.decode(new, skip_special_tokens=True) and gen.num_tokens[i] == len(new), i
+        assert gen.truncated[i] == (new[-1] not in eos)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+ROWS = [{"question": f"Which vitamin? Option {i}", "answer": "ABCD"[i % 4]} for i in range(12)]
+API_REPLY = answer("A")  # right for the rows whose gold is A
+
+
+@pytest.fixture
+def server():
+    with FakeOpenAIServer(reply=lambda body: API_REPLY) as s:
+        yield s
+
+
+@pytest.fixture
+def project(tmp_path, tiny_llama, server):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = {
+        "model": {"name": str(tiny_llama)},
+        "data": {"name": str(data), "prompt": "Question: {question}", "system_prompt": "Reply in JSON.",
+                 "split_seed": 42, "select": [0, 6]},
+        "rewards": [{"name": "json_valid"}, {"name": "json_schema"}, {"name": "choice_accuracy"},
+                    {"name": "length_penalty", "args": {"max_tokens": 6, "cache_tokens": 2}}],
+        "eval": {"select": [6, 11], "max_new_tokens": 6, "batch_size": 2, "out_dir": str(tmp_path / "eval"),
+                 "api": {"base_url": server.url, "api_key_env": "MINIGRPO_TEST_NO_SUCH_KEY", "max_retries": 0}},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, tmp_path
+
+
+def make_adapter(tiny_llama, out, base_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(1)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:  # B starts at zero (a no-op adapter); make it change the outputs
+            torch.nn.init.normal_(p, std=0.5)
+    peft_model.minigrpo_base = {"base_model": base_model, "revision": None, "merged": []}
+    save_adapter(peft_model, out)
+    return out
+
+
+def lines(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_llama, server, capsys):
+    cfg, tmp = project
+    run = tmp / "grpo_run"  # a run directory: its newest checkpoint's adapter is the one evaluated
+    make_adapter(tiny_llama, run / "checkpoints" / "step_000001" / "adapter", "someone/other-base")
+    adapter = make_adapter(tiny_llama, run / "checkpoints" / "step_000002" / "adapter", str(tiny_llama))
+    out = tmp / "eval"
+    server.script(server_error(400))  # one API request fails (400 is not retried): an empty completion
+    argv = ["--config", str(cfg), "--models", "base", f"grpo={run}", "api:fake-model"]
+    assert ev.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "accuracy_on_schema" in table and "fake-model" in table and "grpo" in table
+
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["models"]) == ["base", "grpo", "fake-model"]
+    assert results["held_out"] == {"select": [6, 11], "rows": 5}
+    assert results["config"]["eval"]["max_new_tokens"] == 6
+    assert results["models"]["grpo"]["source"] == str(adapter)
+    for name, r in results["models"].items():
+        m = r["metrics"]
+        assert m["n"] == 5, name
+        for key in ("accuracy", "valid_json_rate", "schema_pass_rate", "accuracy_on_schema", "n_schema_pass", "reward",
+                    "reward/json_valid", "reward/length_penalty", "mean_length"):
+            assert key in m, (name, key)
+        assert not any(k.startswith("reward_errors/") for k in m)  # listed only when a reward failed
+    local = results["models"]["base"]["metrics"]
+    assert 1 <= local["mean_length"] <= 6 and 0 <= local["truncated_rate"] <= 1
+
+    # the fake API answers A: right exactly for the held-out rows whose gold is A, except the failed request
+    preds = {name: lines(out / f"predictions_{name}.jsonl") for name in results["models"]}
+    assert all(len(p) == 5 for p in preds.values())
+    api, api_m = preds["fake-model"], results["models"]["fake-model"]["metrics"]
+    assert api_m["api_failures"] == 1 and sum(p["completion"] == "" for p in api) == 1
+    assert [p["row"] for p in api] == [6, 7, 8, 9, 10]
+    answered = [p for p in api if p["completion"]]
+    assert all(p["completion"] == API_REPLY and p["rewards"]["json_schema"] == 1.0 for p in answered)
+    right = sum(p["gold"] == "A" for p in answered)
+    assert api_m["accuracy"] == pytest.approx(right / 5) and api_m["valid_json_rate"] == pytest.approx(4 / 5)
+    assert api_m["accuracy_on_schema"] == pytest.approx(right / 4) and "truncated_rate" not in api_m
+    # the API saw the system prompt and the filled-in template, and the model named in the entry
+    bodies = [r.body for r in server.requests]
+    assert {b["model"] for b in bodies} == {"fake-model"} and len(bodies) == 5
+    assert bodies[0]["messages"][0] == {"role": "system", "content": "Reply in JSON."}
+    assert {p["prompt"] for p in api} == {b["messages"][1]["content"] for b in bodies}
+
+    # the adapter changes what the model says; the prompts and gold are the same rows for every model
+    assert [p["completion"] for p in preds["base"]] != [p["completion"] for p in preds["grpo"]]
+    assert [(p["prompt"], p["gold"]) for p in preds["base"]] == [(p["prompt"], p["gold"]) for p in api]
+
+    # greedy decoding is deterministic: a second run writes the same predictions
+    assert ev.main(argv) == 2 and "--overwrite" in capsys.readouterr().err  # results.json is not overwritten
+    first = (out / "predictions_base.jsonl").read_text(), (out / "predictions_grpo.jsonl").read_text()
+    assert ev.main(argv[:5] + ["--overwrite"]) == 0
+    assert ((out / "predictions_base.jsonl").read_text(), (out / "predictions_grpo.jsonl").read_text()) == first
+
+
+def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
+    cfg, tmp = project
+    argv = ["--config", str(cfg), "--models", "base", "--eval.temperature=1.0", "--eval.num_samples=3",
+            "--eval.pass_k=[1,3]", "--eval.limit=2", "--overwrite"]
+    assert ev.main(argv) == 0
+    preds = lines(tmp / "eval" / "predictions_base.jsonl")
+    assert [(p["row"], p["sample"]) for p in preds] == [(r, s) for r in (6, 7) for s in range(3)]
+    m = json.loads((tmp / "eval" / "results.json").read_text())["models"]["base"]["metrics"]
+    assert m["n"] == 6 and m["pass@1"] == pytest.approx(m["accuracy"]) and 0 <= m["pass@1"] <= m["pass@3"] <= 1
+    assert len({p["completion"] for p in preds}) > 1  # sampled, not greedy
+    assert ev.main(argv) == 0
+    assert lines(tmp / "eval" / "predictions_base.jsonl") == preds
+
+
+@pytest.mark.parametrize("models,overrides,message", [
+    (["nosuch/dir"], [], "no such file or directory"),
+    (["api:"], [], "names no API model"),
+    (["base", "base"], [], "appears twice"),
+    (["my model=api:x"], [], "the name must be"),
+    (["api:gpt-4o-mini"], ["--eval.api=null"], "need an eval.api section"),
+    (["base"], ["--eval.select=null"], "eval.select is not set"),
+    (["base"], ["--eval.num_samples=2"], "needs eval.temperature > 0"),
+    (["base"], ["--eval.temperature=1.0", "--eval.num_samples=2", "--eval.pass_k=[4]"], "eval.pass_k [4]"),
+    (["base"], ["--eval.select=[3,8]"], "overlap"),
+    (["base"], ["--eval.top_p=0"], "eval.top_p=0.0 is out of range"),
+    (["base"], ["--judge=null", "--rewards=[{name: judge}]"], "needs a `judge:` section"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(project, capsys, models, overrides, message):
+    cfg, tmp = project
+    assert ev.main(["--config", str(cfg), "--models", *models, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp / "eval").exists()
+
+
+def test_an_adapter_trained_on_another_base_is_refused_before_anything_loads(project, tiny_llama, capsys):
+    cfg, tmp = project
+    adapter = make_adapter(tiny_llama, tmp / "other" / "adapter", "someone/other-base")
+    capsys.readouterr()  # the loading bar of make_adapter
+    assert ev.main(["--config", str(cfg), "--models", "base", str(adapter)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'someone/other-base'" in err and "trained on base" in err
+    assert not (tmp / "eval").exists()
+
+
+def test_bare_paths_are_named_after_their_directory_and_merged_exports_load_as_full_models(tiny_llama):
+    entries = ev.parse_model_entries([str(tiny_llama), "api:org/model-7b", "ref=base"], ModelConfig(name="x"))
+    assert [(e.name, e.kind, e.target) for e in entries] == [
+        (tiny_llama.name, "full", str(tiny_llama)), ("org_model-7b", "api", "org/model-7b"), ("ref", "base", None)]
+
+
+def test_model_metrics_count_lengths_truncation_and_reward_failures():
+    gen = ev.Generated(texts=[answer("A"), "oops"], num_tokens=[12, 6], truncated=[False, True])
+    res = compute_rewards(gen.texts, [{"answer": "A"}, {"answer": "Z"}], MEDMCQA)  # "Z" is no option: raises
+    m = ev.model_metrics(res, gen, num_samples=1, pass_k=[])
+    assert m["reward_errors/choice_accuracy"] == 1 and "reward_errors/json_valid" not in m
+    assert m["n"] == 2 and m["mean_length"] == 9.0 and m["truncated_rate"] == 0.5
+    assert m["reward"] == pytest.approx((3.0 + 0.0) / 2) and m["reward/json_schema"] == 0.5
+
+
+def test_render_table_puts_metrics_in_rows_and_models_in_columns():
+    from rich.console import Console
+    console = Console(width=100, record=True)
+    console.print(ev.render_table({"base": {"accuracy": 0.25, "n": 4}, "sft": {"accuracy": 0.5, "n": 4, "api_failures": 1}}))
+    text = console.export_text()
+    rows = {ln.split()[1]: ln.split()[3:-1:2] for ln in text.splitlines() if ln.startswith("│")}
+    assert rows["accuracy"] == ["0.250", "0.500"] and rows["n"] == ["4", "4"] and rows["api_failures"] == ["-", "1"]
