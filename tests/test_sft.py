@@ -144,3 +144,17 @@ def test_sft_needs_a_target(sft_config):
     path, _ = sft_config
     with pytest.raises(ConfigError, match="data.target"):
         load_config(path, ["--data.target=null"])
+
+
+def test_sft_resume_reproduces_the_uninterrupted_run(sft_config):
+    path, cfg = sft_config
+    run = train.Path(cfg["run"]["out_dir"])
+    args = ["--config", str(path), "--run.steps=4", "--run.save_every=2", "--sft.batch_size=5"]
+    assert train.main(args) == 0
+    full = metrics(run)
+    import shutil
+    shutil.rmtree(run / "checkpoints/step_000004")
+    assert train.main(args + ["--resume"]) == 0
+    timing = {"step_time", "peak_memory_mb"}
+    assert [{k: v for k, v in m.items() if k not in timing} for m in metrics(run)] == \
+           [{k: v for k, v in m.items() if k not in timing} for m in full]
