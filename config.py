@@ -62,7 +62,7 @@ class DataConfig:
     answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
     assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
-    num_examples: int = 0  # size of the built-in task (0: 512); for files and hub: keep the first n (0: all)
+    num_examples: int = 0  # size of the built-in task (0: all 400); for files and hub: keep the first n (0: all)
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
     select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]
     shuffle_seed: int = 0  # order in which prompts are drawn
@@ -277,7 +277,8 @@ def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
-                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "grpo.logprob_chunk": cfg.grpo.logprob_chunk}
+                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
+                "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length}
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
@@ -317,9 +318,16 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def redacted(d: Any) -> Any:
+    """The config as a dict, with extra_headers values (often an Authorization header) masked."""
+    if isinstance(d, dict):
+        return {k: ({h: "***" for h in v} if k == "extra_headers" and isinstance(v, dict) else redacted(v)) for k, v in d.items()}
+    return [redacted(x) for x in d] if isinstance(d, list) else d
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML, atomically (tmp file + rename)."""
+    """Write the resolved config as YAML (secrets masked), atomically (tmp file + rename)."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(redacted(config_to_dict(cfg)), sort_keys=False))
     tmp.replace(path)

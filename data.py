@@ -68,7 +68,7 @@ def _read_file(path: Path) -> list[dict]:
 def load_raw(cfg: DataConfig) -> list[dict]:
     """Rows as they are stored, before prompts are built."""
     if cfg.name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[cfg.name](cfg.num_examples or 512)
+        return BUILTIN_TASKS[cfg.name](cfg.num_examples or 400)
     path = Path(cfg.name).expanduser()
     if path.is_file():
         rows = _read_file(path)
@@ -88,9 +88,12 @@ def load_raw(cfg: DataConfig) -> list[dict]:
 def build_prompt(row: dict, template: str, index: int) -> str:
     """A column's value, or the template filled from the row's columns."""
     if "{" not in template:
-        if template not in row:
-            raise DataError(f"row {index} has no field '{template}' (data.prompt); its fields: {', '.join(row)}")
+        if row.get(template) in (None, ""):
+            raise DataError(f"row {index} has no (or an empty) field '{template}'; its fields: {', '.join(row)}")
         return row[template]
+    empty = [f for f in row if row[f] in (None, "") and "{" + f + "}" in template]
+    if empty:  # a null would be rendered as the text "None"
+        raise DataError(f"row {index} has an empty field '{empty[0]}' used in the template {template!r}")
     try:
         return template.format_map(row)
     except KeyError as e:
@@ -126,8 +129,8 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"row {i} of {cfg.name} is not an object with fields")
-        if cfg.answer_key and cfg.answer_key not in row:
-            raise DataError(f"row {i} has no field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
+        if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
+            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
         if not isinstance(prompt, (str, list)) or not prompt:
             raise DataError(f"row {i}: the prompt is empty or not text")

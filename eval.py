@@ -1,8 +1,7 @@
 """Evaluate models side by side on held-out rows: the base, trained adapters, merged exports, API models.
 
     python eval.py --config configs/medmcqa.yaml --models base sft=runs/sft grpo=runs/grpo api:gpt-4o-mini
-    python eval.py --config configs/quickstart.yaml --models base runs/quickstart \\
-        --data.num_examples=712 --eval.select=[512,712] --eval.limit=50     # any --section.key=value
+    python eval.py --config configs/quickstart.yaml --models base runs/quickstart --eval.limit=50   # any --section.key=value
 
 The config is the training YAML; its `eval` section picks the held-out rows (eval.select, after
 the data.split_seed shuffle; required) and the decoding. Model entries:
@@ -58,7 +57,7 @@ from rich.console import Console
 from rich.table import Table
 
 import grpo
-from config import Config, ConfigError, ModelConfig, config_to_dict, load_config
+from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
 from data import load_rows
 from judge import Judge
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
@@ -358,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         plan.close()
-    summary = {"config": config_to_dict(cfg), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
+    summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
     title = f"{cfg.data.name}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():  # --overwrite: swap, then drop the old one
+        shutil.rmtree(old, ignore_errors=True)  # left by a killed export
         out.replace(old)
     tmp.replace(out)
     shutil.rmtree(old, ignore_errors=True)

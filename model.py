@@ -188,7 +188,8 @@ def check_adapter_base(adapter: Path, mcfg: ModelConfig) -> dict:
     """The adapter's provenance; ConfigError when it was trained on another base than model.name."""
     prov = adapter_provenance(adapter)
     # an adapter saved by plain peft records the path or hub id the base was loaded from
-    same = prov["base_model"] in (mcfg.name, resolve_model_path(mcfg) if not (adapter / PROVENANCE).is_file() else None)
+    plain_peft = not (adapter / PROVENANCE).is_file()
+    same = prov["base_model"] is not None and prov["base_model"] in (mcfg.name, resolve_model_path(mcfg) if plain_peft else None)
     if not same or prov.get("revision") != mcfg.revision:
         raise ConfigError(f"adapter {adapter} was trained on base {prov['base_model']!r} (revision {prov.get('revision')}), "
                           f"but model.name is {mcfg.name!r} (revision {mcfg.revision}); load it on its own base")
@@ -224,17 +225,23 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
 
 def save_adapter(model, path: Path) -> None:
     """peft's save_pretrained plus the provenance file that makes the chain reloadable."""
+    prov = getattr(model, "minigrpo_base", None)
+    if not prov or not prov.get("base_model"):  # an adapter without its base is the bug this file exists to stop
+        raise ValueError("save_adapter: the model carries no minigrpo_base provenance (load it with load_policy)")
     model.save_pretrained(path)
-    prov = getattr(model, "minigrpo_base", None) or {"base_model": None, "revision": None, "merged": []}
     (path / PROVENANCE).write_text(json.dumps(prov, indent=1))
 
 
-def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False):
+def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False, beta: float = 0.0):
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
-    starting from model.init_adapter when set (continued, or merged when merge_init_adapter)."""
+    starting from model.init_adapter when set: continued (the adapter keeps its own r, alpha and
+    target modules; lora.* are not used), or merged into the base under a fresh LoRA."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
     prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
     continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter
+    if continuing and beta > 0:  # the reference is the policy with its adapter off: here that is the base, not the SFT model
+        raise ConfigError("grpo.beta > 0 with a continued model.init_adapter would pull the policy back to the base, not to "
+                          "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
     if mcfg.gradient_checkpointing:

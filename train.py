@@ -32,7 +32,7 @@ import torch
 import grpo
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, load_rows
-from model import is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
+from model import PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
 from judge import Judge
 from rewards import check_specs, compute_rewards, resolve, reward_means
 
@@ -57,6 +57,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
         save_adapter(model, tmp / "adapter")
     else:
         model.save_pretrained(tmp / "model")
+        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
     torch.save({
         "step": step, "data_position": r.sampler.position,
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -415,7 +416,12 @@ def setup(args, overrides: list[str]) -> Run:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
-    model, tokenizer = load_policy(cfg.model, cfg.lora, device)
+    model, tokenizer = load_policy(cfg.model, cfg.lora, device, beta=cfg.grpo.beta if cfg.mode == "grpo" else 0.0)
+    if ckpts and (ckpts[-1] / "adapter" / PROVENANCE).is_file():
+        saved = json.loads((ckpts[-1] / "adapter" / PROVENANCE).read_text())
+        if saved != model.minigrpo_base:  # e.g. init_adapter names a run whose newest checkpoint has changed since
+            raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
+                              f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
     check_lengths(cfg, rows, tokenizer)
     ref_copy = None
     if cfg.grpo.beta > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights

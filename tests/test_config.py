@@ -110,3 +110,10 @@ def test_a_missing_required_key_and_non_finite_numbers_are_config_errors(tmp_pat
         load_config(write(tmp_path, MINIMAL), ["--optim.lr=nan"])
     with pytest.raises(ConfigError, match="run.save_every must be >= 0"):
         load_config(write(tmp_path, MINIMAL), ["--run.save_every=-1"])
+
+
+def test_saved_configs_mask_extra_headers(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "judge: {model: m, extra_headers: {Authorization: Bearer sk-SECRET}}\n"))
+    config.save_config(cfg, tmp_path / "saved.yaml")
+    text = (tmp_path / "saved.yaml").read_text()
+    assert "sk-SECRET" not in text and "Authorization: '***'" in text

@@ -70,6 +70,17 @@ def test_eval_results_give_one_bar_chart_per_metric(tmp_path):
     assert (out / "eval_accuracy.png").read_bytes().startswith(PNG)
 
 
+def test_eval_results_in_the_nested_shape_eval_py_writes(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"config": {}, "models": {
+        "base": {"kind": "base", "source": None, "metrics": {"accuracy": 0.46, "n": 100}},
+        "trained": {"kind": "adapter", "source": "runs/q", "metrics": {"accuracy": 0.75, "n": 100}}}}))
+    out = tmp_path / "plots"
+    assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["eval_accuracy.png", "eval_n.png"]
+
+
 @pytest.mark.parametrize("argv, says", [(["missing_run"], "no metrics.jsonl"), (["--eval", "nope.json"], "--eval nope.json"),
                                         ([], "nothing to plot")])
 def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, argv, says):

@@ -158,3 +158,46 @@ def test_sft_resume_reproduces_the_uninterrupted_run(sft_config):
     timing = {"step_time", "peak_memory_mb"}
     assert [{k: v for k, v in m.items() if k not in timing} for m in metrics(run)] == \
            [{k: v for k, v in m.items() if k not in timing} for m in full]
+
+
+def test_continuing_an_adapter_with_a_kl_term_is_refused(sft_config):
+    """With the SFT adapter continued, 'adapter off' is the raw base: the KL would undo the SFT."""
+    path, cfg = sft_config
+    cfg["run"]["steps"] = 1
+    path.write_text(yaml.safe_dump(cfg))
+    assert train.main(["--config", str(path)]) == 0
+    mcfg = ModelConfig(name=cfg["model"]["name"], init_adapter=cfg["run"]["out_dir"])
+    with pytest.raises(ConfigError, match="merge_init_adapter: true"):
+        load_policy(mcfg, LoraConfig(), torch.device("cpu"), beta=0.04)
+    merged = ModelConfig(name=cfg["model"]["name"], init_adapter=cfg["run"]["out_dir"], merge_init_adapter=True)
+    load_policy(merged, LoraConfig(), torch.device("cpu"), beta=0.04)  # the merged SFT model is the reference
+
+
+def test_an_adapter_without_a_recorded_base_is_neither_saved_nor_loaded(tmp_path, tiny_llama):
+    from model import load_base, save_adapter
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    base, _ = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
+    peft_model = get_peft_model(base, PeftLoraConfig(r=2, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="provenance"):
+        save_adapter(peft_model, tmp_path / "a")
+    peft_model.save_pretrained(tmp_path / "b")
+    (tmp_path / "b" / "minigrpo_base.json").write_text('{"base_model": null, "revision": null, "merged": []}')
+    with pytest.raises(ConfigError, match="was trained on base"):
+        load_inference(ModelConfig(name=str(tiny_llama)), torch.device("cpu"), adapter=str(tmp_path / "b"))
+
+
+def test_null_or_empty_fields_are_errors_not_the_text_none(tmp_path):
+    from config import DataConfig
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "Q1", "answer": "1"}\n{"question": "Q2", "answer": null}\n')
+    with pytest.raises(DataError, match="row 1 has no \\(or an empty\\) field 'answer'"):
+        load_rows(DataConfig(name=str(data), prompt="question"))
+    data.write_text('{"question": "Q1", "answer": "1", "exp": null}\n')
+    with pytest.raises(DataError, match="empty field 'exp'"):
+        load_rows(DataConfig(name=str(data), prompt="{question}", target="Because {exp}"))
+
+
+def test_the_builtin_task_holds_400_distinct_problems():
+    from config import DataConfig
+    rows = load_rows(DataConfig(name="arithmetic"))
+    assert len(rows) == 400 and len({r["prompt"] for r in rows}) == 400

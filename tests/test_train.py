@@ -88,7 +88,7 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--grpo.betta=0.1", "unknown config key 'grpo.betta'"),
     ("--model.name=/no/such/model", "no such directory"),
     ("--data.prompt={missing_field}", "row 0 has no field 'missing_field'"),
-    ("--data.answer_key=gold", "row 0 has no field 'gold'"),
+    ("--data.answer_key=gold", "row 0 has no (or an empty) field 'gold'"),
     ("--data.name=/no/such.jsonl", "no such file"),
     ("--rewards=[{name: answer_matc}]", "answer_match"),
     ("--data.prompt=x { y", "malformed"),
