@@ -1,6 +1,6 @@
 """Evaluate models side by side on held-out rows: the base, trained adapters, merged exports, API models.
 
-    python eval.py --config configs/medmcqa.yaml --models base sft=runs/sft grpo=runs/grpo api:gpt-4o-mini
+    python eval.py --config my_task.yaml --models base sft=runs/sft grpo=runs/grpo api:gpt-4o-mini   # your own config
     python eval.py --config configs/quickstart.yaml --models base runs/quickstart --eval.limit=50   # any --section.key=value
 
 The config is the training YAML; its `eval` section picks the held-out rows (eval.select, after

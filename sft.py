@@ -1,7 +1,7 @@
 """Supervised fine-tuning (`mode: sft`): the model setup, data, checkpoints and resume of a GRPO
 run, with a cross-entropy loss on the reply tokens only. Run it through train.py:
 
-    python train.py --config configs/my_sft.yaml      # mode: sft, data.target: the reply column
+    python train.py --config my_sft.yaml      # your config with mode: sft and data.target: the reply column
 
 An example is rendered exactly like a GRPO prompt (chat template, system prompt, forced
 assistant prefix) followed by the target reply and EOS, so SFT teaches the distribution that GRPO
