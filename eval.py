@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -61,7 +60,7 @@ from config import Config, ConfigError, ModelConfig, config_to_dict, load_config
 from data import load_rows
 from judge import Judge
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from rewards import RewardResult, check_specs, compute_rewards, resolve, reward_means
+from rewards import RewardResult, check_specs, compute_rewards, reward_means
 
 
 @dataclass
@@ -243,11 +242,9 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
     try:
-        check_specs(cfg.rewards)
+        check_specs(cfg.rewards, have_judge=cfg.judge is not None)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
-    if not cfg.judge and any("judge" in inspect.signature(resolve(s)[0]).parameters for s in cfg.rewards):
-        raise ConfigError("a judge-based reward needs a `judge:` section (base_url, model, api_key_env)")
     entries = parse_model_entries(args.models, cfg.model)
     if any(e.kind == "api" for e in entries) and cfg.eval.api is None:
         raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")

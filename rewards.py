@@ -130,11 +130,14 @@ def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
     return tuple(inspect.signature(fn).parameters.values())[2:]
 
 
-def check_specs(specs: list[RewardSpec]) -> None:
-    """Fail early, before any model loads: every reward resolves and accepts its args."""
+def check_specs(specs: list[RewardSpec], have_judge: bool = True) -> None:
+    """Fail early, before any model loads: every reward resolves and accepts its args, and a
+    judge-based reward (one taking `judge`) has a judge to call (`have_judge`: a judge: section)."""
     if not specs:
         raise ValueError("no rewards configured: add at least one entry under `rewards:`")
     for spec in specs:
+        if not have_judge and "judge" in {p.name for p in _params(resolve(spec)[0])}:
+            raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section (base_url, model, api_key_env)")
         fn, _ = resolve(spec)
         if "num_tokens" in spec.args:
             raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")

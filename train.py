@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import json
 import math
 import os
@@ -34,7 +33,7 @@ from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, load_rows
 from model import PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
 from judge import Judge
-from rewards import check_specs, compute_rewards, resolve, reward_means
+from rewards import check_specs, compute_rewards, reward_means
 
 
 # ----------------------------------------------------------------------------- run directory
@@ -389,16 +388,13 @@ def setup(args, overrides: list[str]) -> Run:
     cfg = load_config(args.config, overrides)
     try:
         if cfg.rewards or cfg.mode == "grpo":
-            check_specs(cfg.rewards)
+            check_specs(cfg.rewards, have_judge=cfg.judge is not None)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
     try:
         judge = Judge(cfg.judge) if cfg.judge else None
     except (ValueError, OSError) as e:
         raise ConfigError(f"judge: {e}") from None
-    needs_judge = [s.name for s in cfg.rewards if "judge" in inspect.signature(resolve(s)[0]).parameters]
-    if needs_judge and judge is None:
-        raise ConfigError(f"reward {needs_judge[0]} needs a judge: add a `judge:` section (base_url, model, api_key_env)")
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")

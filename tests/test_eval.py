@@ -229,7 +229,7 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--eval.temperature=1.0", "--eval.num_samples=2", "--eval.pass_k=[4]"], "eval.pass_k [4]"),
     (["base"], ["--eval.select=[3,8]"], "overlap"),
     (["base"], ["--eval.top_p=0"], "eval.top_p=0.0 is out of range"),
-    (["base"], ["--judge=null", "--rewards=[{name: judge}]"], "needs a `judge:` section"),
+    (["base"], ["--judge=null", "--rewards=[{name: judge}]"], "needs a judge: add a `judge:` section"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(project, capsys, models, overrides, message):
     cfg, tmp = project
