@@ -1,21 +1,17 @@
 """Training curves and eval bar charts as PNG files, one per metric.
 
-    python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png, ...: one line per run
+    python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png, ...: a line per run
     python plots.py runs/a --metrics reward kl --smooth 0.9 --out plots/a
-    python plots.py --eval runs/eval/results.json          # plots/eval_<metric>.png: one bar per model
+    python plots.py --eval runs/eval/results.json          # plots/eval_<metric>.png: a bar per model
 
-Curves come from each run's metrics.jsonl (give the run directory or the file), against `step`,
-labelled with the run directory's name. By default: reward, every rewards/<name>/mean, kl,
-completions/mean_length, clip_ratio (low_mean solid, high_mean dashed), learning_rate and loss,
-each skipped when no run logged it; --metrics names keys (or `clip_ratio`), and one that no run
-logged is an error. Lines that do not parse (the last one of a killed run) are skipped and counted;
-a step logged twice keeps its last line. --smooth A draws the EMA s_t = A * s_{t-1} + (1 - A) * x_t
-(s_1 = x_1) over the faint raw curve.
-
-Eval results are read in the shape eval.py writes, {"models": {model: {"metrics": {metric: number}}}}
-(or flat, {"models": {model: {metric: number}}}); values
-that are not numbers (nested dicts, strings) are skipped. Needs nothing but matplotlib, which is
-an optional extra: without it this prints the pip command and exits 2. Bad input: one line, exit 2.
+Curves: each run's metrics.jsonl against `step`, labelled with the run directory's name. Default
+metrics: reward, every rewards/<name>/mean, kl, completions/mean_length, clip_ratio (low_mean solid,
+high_mean dashed), learning_rate, loss, each skipped where no run logged it; a --metrics key that no
+run logged is an error. Unparsable lines (the last one of a killed run) are skipped and counted; a
+step logged twice keeps its last line. --smooth A draws the EMA s_t = A s_{t-1} + (1 - A) x_t,
+s_1 = x_1, over the faint raw curve. Eval: the shape eval.py writes, {"models": {model: {"metrics":
+{metric: number}}}}, or flat {"models": {model: {metric: number}}}; non-numbers are skipped.
+matplotlib is an optional extra: without it, the pip command and exit 2. Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
@@ -31,8 +27,8 @@ GROUPS = {"clip_ratio": ("clip_ratio/low_mean", "clip_ratio/high_mean")}  # draw
 STYLES = ("-", "--", ":", "-.")
 
 
-class PlotError(ValueError):
-    """Input the user must fix: one line, says what and where."""
+class PlotError(ValueError):  # input the user must fix: one line, says what and where
+    pass
 
 
 def pyplot():
@@ -85,15 +81,12 @@ def ema(ys: list[float], alpha: float) -> list[float]:
     return out
 
 
-def save(plt, fig, path: Path) -> Path:
+def save(plt, fig, out: Path, metric: str, prefix: str = "") -> Path:
+    path = out / (prefix + re.sub(r"[^\w.-]+", "_", metric).strip("_") + ".png")  # rewards/x/mean -> rewards_x_mean.png
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def file_name(metric: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", metric).strip("_")
 
 
 def plot_curves(plt, runs: list[tuple[str, list[dict]]], metrics: list[str], out: Path, smooth: float) -> list[Path]:
@@ -117,7 +110,7 @@ def plot_curves(plt, runs: list[tuple[str, list[dict]]], metrics: list[str], out
         ax.set(title=metric + (f" (EMA {smooth:g})" if smooth else ""), xlabel="step", ylabel=metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-        written.append(save(plt, fig, out / f"{file_name(metric)}.png"))
+        written.append(save(plt, fig, out, metric))
     return written
 
 
@@ -146,7 +139,7 @@ def plot_eval(plt, models: dict[str, dict[str, float]], metrics: list[str], out:
         ax.set(title=metric, ylabel=metric)
         ax.tick_params(axis="x", labelrotation=20 if len(bars) > 3 else 0)
         ax.grid(axis="y", alpha=0.3)
-        written.append(save(plt, fig, out / f"eval_{file_name(metric)}.png"))
+        written.append(save(plt, fig, out, metric, "eval_"))
     return written
 
 
