@@ -188,22 +188,13 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
                    temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16) -> Generated:
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
     greedy when temperature == 0. Completions end at (and include) the first EOS."""
-    device = next(model.parameters()).device
-    eos = grpo.eos_token_ids(tokenizer, model)
-    greedy = temperature == 0
-    decoding = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
     texts, num_tokens, truncated = [], [], []
     for s in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[s:s + batch_size], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=max_new_tokens,
-                             num_return_sequences=num_samples, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
-                             use_cache=True, **decoding)  # (b*n, P + C)
-        ids = out[:, enc.input_ids.shape[1]:]  # (b*n, C)
-        mask, trunc = grpo.completion_mask(ids, eos)  # (b*n, C), (b*n,)
-        lengths = mask.sum(1).long().tolist()
-        texts += tokenizer.batch_decode([ids[i, :k] for i, k in enumerate(lengths)], skip_special_tokens=True)
-        num_tokens += lengths
-        truncated += trunc.tolist()
+        r = grpo.generate_rollout(model, tokenizer, prompts[s:s + batch_size], num_samples, max_new_tokens,
+                                  temperature, top_p)
+        texts += r.texts
+        num_tokens += r.completion_mask.sum(1).long().tolist()
+        truncated += r.truncated.tolist()
     return Generated(texts, num_tokens, truncated)
 
 

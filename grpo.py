@@ -246,7 +246,8 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                      stop_strings: list[str] = (), max_prompt_tokens: int = 100_000) -> Rollout:
-    """Sample `num_generations` completions for each rendered prompt with HF generate (left padding)."""
+    """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
+    temperature 0 decodes greedily (evaluation)."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     longest = int(enc.attention_mask.sum(1).max())
@@ -255,9 +256,11 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     eos = eos_token_ids(tokenizer, model)
     was_training = model.training
     model.eval()
+    decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
+        else dict(do_sample=False)
     out = model.generate(
-        input_ids=enc.input_ids, attention_mask=enc.attention_mask, do_sample=True, temperature=temperature,
-        top_p=top_p, top_k=top_k or None, max_new_tokens=max_new_tokens, num_return_sequences=num_generations,
+        input_ids=enc.input_ids, attention_mask=enc.attention_mask, **decoding,
+        max_new_tokens=max_new_tokens, num_return_sequences=num_generations,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
         stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
     model.train(was_training)
