@@ -78,6 +78,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling
     top_k: int = 0  # top-k sampling (0: off)
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
+    ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
     resample_zero_std: bool = False  # DAPO dynamic sampling: draw more prompts until B groups have signal
     max_prompts_per_step: int = 0  # cap on prompts drawn per step when resampling (0: 4 * prompts_per_step)
 

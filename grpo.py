@@ -245,9 +245,10 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000) -> Rollout:
+                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False) -> Rollout:
     """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
-    temperature 0 decodes greedily (evaluation)."""
+    temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
+    every completion has the same length (speed benchmarks; such completions count as truncated)."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     longest = int(enc.attention_mask.sum(1).max())
@@ -260,7 +261,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
         else dict(do_sample=False)
     out = model.generate(
         input_ids=enc.input_ids, attention_mask=enc.attention_mask, **decoding,
-        max_new_tokens=max_new_tokens, num_return_sequences=num_generations,
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
+        num_return_sequences=num_generations,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
         stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
     model.train(was_training)

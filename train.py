@@ -158,7 +158,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     ro, G = cfg.rollout, cfg.rollout.num_generations
     prompts = [grpo.render_prompt(tokenizer, rows[i]["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for i in idx]
     r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                              ro.stop_strings, ro.max_prompt_tokens)
+                              ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})

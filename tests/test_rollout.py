@@ -149,3 +149,19 @@ def test_a_shipped_generation_config_does_not_leak_into_sampling(tmp_path):
     g = model.generation_config
     assert (g.repetition_penalty, g.min_p, g.top_k) == (None, None, None)
     assert g.eos_token_id == tok.eos_token_id and g.pad_token_id == tok.pad_token_id
+
+
+def test_ignore_eos_generates_fixed_length_completions_where_the_model_wants_to_stop(tiny_llama):
+    torch.manual_seed(0)
+    model, tok = load(tiny_llama)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[eos] = 8.0  # EOS now wins almost every draw
+    model.lm_head = head
+    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    free = grpo.generate_rollout(model, tok, prompts, 4, max_new_tokens=6)
+    fixed = grpo.generate_rollout(model, tok, prompts, 4, max_new_tokens=6, ignore_eos=True)
+    assert free.completion_mask.sum(1).float().mean() < 3  # without the flag most completions stop at once
+    assert fixed.completion_mask.sum(1).tolist() == [6] * 8 and fixed.truncated.all()
