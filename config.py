@@ -53,6 +53,18 @@ class LoraConfig:
 
 
 @dataclass
+class DataSource:
+    name: str  # a local file, hub dataset id or built-in task, as data.name
+    weight: float = 1.0  # share of the prompts drawn from this source (normalised over the sources) at the first step
+    weight_end: float | None = None  # share at the last step, linear in between: a curriculum (None: weight throughout)
+    label: str | None = None  # name in the metrics (data/<label>); None: the file stem or the dataset id
+    config_name: str | None = None  # hub dataset config (subset) name
+    split: str = "train"  # hub dataset split
+    prompt: str | None = None  # column or template of this source's prompt (None: data.prompt)
+    num_examples: int = 0  # keep the first n rows (0: all)
+
+
+@dataclass
 class DataConfig:
     name: str = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id
     config_name: str | None = None  # hub dataset config (subset) name
@@ -66,6 +78,10 @@ class DataConfig:
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
     select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]
     shuffle_seed: int = 0  # order in which prompts are drawn
+    map: str | None = None  # row mapping applied before prompts are built: a built-in (medmcqa_json) or "file.py:fn" / "module:fn"
+    mixture: list[DataSource] | None = None  # train on several sources drawn by weight (replaces data.name); see data.py
+    presets: dict[str, list[DataSource]] = field(default_factory=dict)  # named mixtures, e.g. GRubrics' open_only, curriculum
+    preset: str | None = None  # the entry of data.presets to train on (e.g. --data.preset=curriculum)
 
 
 @dataclass
@@ -135,7 +151,7 @@ class EvalConfig:
     max_new_tokens: int = 256  # completion length cap
     pass_k: list[int] = field(default_factory=lambda: [1])  # k values for pass@k (k <= num_samples)
     batch_size: int = 16  # prompts per generate call
-    limit: int = 0  # evaluate only the first n held-out rows (0: all)
+    limit: int = 0  # evaluate only the first n held-out rows of each data source (0: all)
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
     api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
 
@@ -192,7 +208,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return value
+        return {k: _convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
             value = float(value)
@@ -307,12 +323,36 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
     if cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
         raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
+    _check_mixture(cfg.data)
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
         raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
+
+
+def _check_mixture(d: DataConfig) -> None:
+    if d.preset is not None and d.preset not in d.presets:
+        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets ({', '.join(d.presets) or 'none defined'})")
+    if d.presets and d.preset is None:
+        raise ConfigError(f"data.presets is set: choose one with data.preset ({', '.join(d.presets)})")
+    if d.preset is not None and d.mixture is not None:
+        raise ConfigError("set data.mixture or data.preset, not both")
+    mix = d.presets[d.preset] if d.preset is not None else d.mixture
+    if mix is None:
+        return
+    key = f"data.presets.{d.preset}" if d.preset is not None else "data.mixture"
+    if d.name != "arithmetic":
+        raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r}")
+    if not mix:
+        raise ConfigError(f"{key} is empty: list at least one source")
+    for i, src in enumerate(mix):
+        if src.weight < 0 or (src.weight_end or 0) < 0 or src.num_examples < 0:
+            raise ConfigError(f"{key}[{i}]: weight, weight_end and num_examples must be >= 0")
+    for end in (False, True):
+        if sum(s.weight_end if end and s.weight_end is not None else s.weight for s in mix) <= 0:
+            raise ConfigError(f"{key}: the weights sum to 0 at the {'last' if end else 'first'} step; give a source a positive weight")
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -1,20 +1,38 @@
-"""Training prompts: a built-in task, local files or a hub dataset, turned into rows (dicts) that
-carry a "prompt" plus every column the rewards read, and drawn in a reproducible order.
+"""Training prompts: a built-in task, local files, hub datasets or a weighted mixture of them, turned
+into rows (dicts) that carry a "prompt" plus every column the rewards read, drawn in a reproducible order.
 
-    rows = load_rows(cfg.data)                 # list[dict], each with row["prompt"]
-    sampler = PromptSampler(len(rows), seed)   # sampler.draw(4) -> 4 row indices; sampler.position resumes
+    sources = load_sources(cfg.data)           # list[Source]: label, rows, weights
+    rows = load_rows(cfg.data)                 # all sources' rows, each with row["prompt"]
+    sampler = PromptSampler([len(rows)], seed) # sampler.draw(4) -> 4 row indices; sampler.state() resumes
 
 `data.prompt` is a column name or a template over the columns ("Q: {question}\\nA) {opa}"; write
-literal braces as {{ }}). A row missing a needed field is an error naming the row and the field.
+literal braces as {{ }}). `data.map` rewrites each row first (e.g. medmcqa_json adds the JSON reply
+to learn). A row missing a needed field is an error naming the row and the field.
+
+Splits: `data.split_seed` shuffles all rows exactly as `datasets.Dataset.shuffle(seed=...)` does
+(numpy's default_rng permutation), then `data.select: [start, end)` keeps a range, so
+`split_seed: 42, select: [1000, 1500]` is `ds.shuffle(seed=42).select(range(1000, 1500))`.
+
+Mixtures (`data.mixture`, or a named one from `data.presets` chosen by `data.preset`): each source
+is loaded, split and mapped like a single dataset; each drawn prompt comes from source s with
+probability w_s(t) / sum_k w_k(t), where t = (step - 1) / (steps - 1) runs from 0 to 1 and
+w_s(t) = weight + (weight_end - weight) * t, so `weight_end` turns a mix into a curriculum. Data
+files are only ever read.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from config import ConfigError, DataConfig
+import numpy as np
+
+from config import ConfigError, DataConfig, DataSource
+from rewards import import_function
 
 
 class DataError(ConfigError):
@@ -65,8 +83,8 @@ def _read_file(path: Path) -> list[dict]:
     raise DataError(f"data.name={path}: unsupported file type '{suffix}'; use .jsonl, .json, .csv or .parquet")
 
 
-def load_raw(cfg: DataConfig) -> list[dict]:
-    """Rows as they are stored, before prompts are built."""
+def load_raw(cfg: DataConfig):
+    """Rows as they are stored, before prompts are built: a list of dicts, or a hub Dataset."""
     if cfg.name in BUILTIN_TASKS:
         return BUILTIN_TASKS[cfg.name](cfg.num_examples or 400)
     path = Path(cfg.name).expanduser()
@@ -76,10 +94,13 @@ def load_raw(cfg: DataConfig) -> list[dict]:
         raise DataError(f"data.name={cfg.name}: no such file; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
     else:
         import datasets
-        try:
-            rows = list(datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split))
+        try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA has 183k)
+            rows = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split)
         except Exception as e:  # the hub raises many types; the user needs the first line
             raise DataError(f"could not load hub dataset data.name={cfg.name} (split {cfg.split}): {str(e).splitlines()[0]}") from None
+        if cfg.num_examples:
+            rows = rows.select(range(min(cfg.num_examples, len(rows))))
+        return rows
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
     return rows
@@ -102,16 +123,15 @@ def build_prompt(row: dict, template: str, index: int) -> str:
         raise DataError(f"data.prompt template {template!r} is malformed ({e}); use {{column}} and write literal braces as {{{{ }}}}") from None
 
 
-def split(rows: list, seed: int | None, select: list[int] | None) -> list:
-    """Shuffle with `seed` (None: keep the order), then keep rows [start, end). Disjoint ranges of
-    the same seed give disjoint splits, reproducibly (MedMCQA: 0-1000 SFT, 1000-1500 GRPO, 1500-1700 eval).
+def split(rows, seed: int | None, select: list[int] | None) -> list:
+    """Shuffle with `seed` as `datasets.Dataset.shuffle(seed=seed)` does (None: keep the order), then
+    keep rows [start, end). Disjoint ranges of the same seed give disjoint splits, reproducibly
+    (MedMCQA: 0-1000 SFT, 1000-1500 GRPO, 1500-1700 eval).
 
     >>> split(list(range(10)), 42, [0, 3]) == split(list(range(10)), 42, [0, 3]), split(list(range(5)), None, [1, 3])
     (True, [1, 2])
     """
-    order = list(range(len(rows)))
-    if seed is not None:
-        random.Random(seed).shuffle(order)
+    order = np.random.default_rng(seed).permutation(len(rows)).tolist() if seed is not None else range(len(rows))
     if select is not None:
         if select[1] > len(rows):
             raise DataError(f"select {select} reaches past the {len(rows)} rows of the dataset")
@@ -119,16 +139,116 @@ def split(rows: list, seed: int | None, select: list[int] | None) -> list:
     return [rows[i] for i in order]
 
 
+# ----------------------------------------------------------------------------- row maps
+
+
+def medmcqa_json(row: dict) -> dict:
+    """MedMCQA (openlifescienceai/medmcqa) for the JSON classifier: adds `answer_letter` ("A"-"D"
+    from the 0-based `cop`) and `target_json`, the reply SFT learns, as in the MedMCQA workflow:
+    {"predicted_category": letter, "confidence": 0.95, "reason": exp cut to 250 characters}
+    (a row without an explanation gets "The answer is <letter>) <option>." as its reason).
+
+    >>> r = medmcqa_json({"question": "q", "opa": "x", "opb": "Meat", "opc": "y", "opd": "z", "cop": 1, "exp": None})
+    >>> r["answer_letter"], json.loads(r["target_json"])["reason"]
+    ('B', 'The answer is B) Meat.')
+    """
+    cop = row.get("cop")
+    if isinstance(cop, bool) or not isinstance(cop, int) or not 0 <= cop <= 3:
+        raise ValueError(f"cop must be an option index 0-3, got {cop!r}")
+    letter = "ABCD"[cop]
+    reason = " ".join(str(row.get("exp") or "").split())[:250].strip()
+    reason = reason or f"The answer is {letter}) {row['op' + 'abcd'[cop]]}."
+    target = {"predicted_category": letter, "confidence": 0.95, "reason": reason}
+    return {**row, "answer_letter": letter, "target_json": json.dumps(target, ensure_ascii=False)}
+
+
+MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json}
+
+
+def resolve_map(name: str) -> Callable[[dict], dict]:
+    if name in MAPS:
+        return MAPS[name]
+    if ":" not in name:
+        raise DataError(f"data.map={name!r} is not a built-in map ({', '.join(MAPS)}) nor 'file.py:function' / 'module:function'")
+    try:
+        return import_function(name, what="data.map")
+    except ValueError as e:
+        raise DataError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    label: str  # the name in metrics: data/<label>
+    rows: list[dict]  # checked rows, each with "prompt"
+    weight: float  # relative draw weight at the first step
+    weight_end: float  # ... and at the last step
+
+
+def mixture(cfg: DataConfig) -> list[DataSource] | None:
+    """The sources of a mixed run (data.presets[data.preset] or data.mixture), or None for data.name."""
+    return cfg.presets[cfg.preset] if cfg.preset is not None else cfg.mixture
+
+
+def _label(name: str) -> str:
+    path = Path(name)
+    return path.stem if path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet") else name.rstrip("/").split("/")[-1]
+
+
+def load_sources(cfg: DataConfig, select: list[int] | None = None) -> list[Source]:
+    """Every source loaded, split (`select` overrides cfg.select, e.g. eval.select), mapped and
+    checked up front, so a bad row stops the run before anything is written."""
+    mix = mixture(cfg)
+    if mix is None:
+        return [Source(_label(cfg.name), _prepare(cfg, select), 1.0, 1.0)]
+    out, seen = [], {}
+    for src in mix:
+        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=src.split,
+                                  prompt=src.prompt or cfg.prompt, num_examples=src.num_examples)
+        label = src.label or _label(src.name)
+        seen[label] = seen.get(label, 0) + 1
+        label = label if seen[label] == 1 else f"{label}#{seen[label]}"
+        try:
+            rows = _prepare(sub, select)
+        except DataError as e:
+            raise DataError(f"data source {label!r}: {e}") from None
+        out.append(Source(label, rows, src.weight, src.weight if src.weight_end is None else src.weight_end))
+    return out
+
+
+def check_not_data_file(cfg: DataConfig, path: str | None, key: str) -> None:
+    """A file the run writes (the judge's cache) must not be one of the data files, which are only
+    read (GRubrics' pre-computed answers cost money: never touch them)."""
+    if not path:
+        return
+    target = Path(path).expanduser().resolve()
+    if any(Path(n).expanduser().resolve() == target for n in [s.name for s in mixture(cfg) or []] or [cfg.name]):
+        raise DataError(f"{key}={path} is a data file; the run appends to it, so give it a file of its own")
+
+
 def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
-    """Load, split (`select` overrides cfg.select, e.g. eval.select) and check every row up front,
-    so a bad row stops the run before anything is written."""
+    """The rows of every source, in source order (see load_sources)."""
+    return [row for s in load_sources(cfg, select) for row in s.rows]
+
+
+def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
     rows = split(load_raw(cfg), cfg.split_seed, select if select is not None else cfg.select)
     if not rows:
         raise DataError(f"data.name={cfg.name} holds no rows")
+    fn = resolve_map(cfg.map) if cfg.map else None
     out = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"row {i} of {cfg.name} is not an object with fields")
+        if fn is not None:
+            try:
+                row = fn(dict(row))
+            except Exception as e:
+                raise DataError(f"data.map={cfg.map} failed on row {i}: {type(e).__name__}: {e}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"data.map={cfg.map} returned {type(row).__name__} for row {i}; it must return a dict")
         if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
@@ -140,24 +260,63 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
 
 
 class PromptSampler:
-    """Draws row indices epoch by epoch, each epoch a fresh seeded permutation.
+    """Draws row indices, reproducibly and resumably.
 
-    The whole state is `position` (rows drawn so far): index p is perm(seed + p // n)[p % n],
-    so a resumed run that restores `position` draws exactly what the uninterrupted run drew.
+    Within a source of n rows, its p-th draw is perm_e[p % n] with e = p // n: each epoch a fresh
+    seeded permutation. With several sources (sizes, weights), the global draw p first picks a
+    source with probability w_s(progress) / sum_k w_k(progress) by a uniform seeded on (seed, p);
+    the caller sets `progress` (0 at the first step, 1 at the last). The whole state is state():
+    the global position and each source's position, so a resumed run draws what the
+    uninterrupted one drew. The returned indices are into the sources' rows concatenated.
     """
 
-    def __init__(self, num_rows: int, seed: int, position: int = 0):
-        self.num_rows, self.seed, self.position = num_rows, seed, position
-        self._epoch, self._perm = -1, []
+    def __init__(self, sizes: list[int], seed: int, weights: list[tuple[float, float]] | None = None):
+        self.sizes, self.seed = list(sizes), seed
+        self.weights = weights or [(1.0, 1.0)] * len(self.sizes)
+        self.offsets = [sum(self.sizes[:s]) for s in range(len(self.sizes))]
+        self.position, self.positions, self.progress = 0, [0] * len(self.sizes), 0.0
+        self.counts = [0] * len(self.sizes)  # draws per source since pop_counts()
+        self._perms: dict[int, tuple[int, list[int]]] = {}  # source -> (epoch, permutation)
 
-    def _index(self, p: int) -> int:
-        epoch = p // self.num_rows
-        if epoch != self._epoch:
-            self._epoch, self._perm = epoch, list(range(self.num_rows))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
-        return self._perm[p % self.num_rows]
+    def _index(self, s: int, p: int) -> int:
+        epoch = p // self.sizes[s]
+        if self._perms.get(s, (None,))[0] != epoch:
+            perm = list(range(self.sizes[s]))
+            random.Random((self.seed + 7919 * s) * 1_000_003 + epoch).shuffle(perm)
+            self._perms[s] = (epoch, perm)
+        return self._perms[s][1][p % self.sizes[s]]
+
+    def _source(self, p: int) -> int:
+        if len(self.sizes) == 1:
+            return 0
+        w = [max(0.0, a + (b - a) * self.progress) for a, b in self.weights]
+        u, acc = random.Random(f"{self.seed}:{p}").random() * sum(w), 0.0
+        for s, ws in enumerate(w):
+            acc += ws
+            if u < acc:
+                return s
+        return max(s for s, ws in enumerate(w) if ws > 0)  # u == sum(w) after rounding
 
     def draw(self, k: int) -> list[int]:
-        out = [self._index(p) for p in range(self.position, self.position + k)]
-        self.position += k
+        out = []
+        for _ in range(k):
+            s = self._source(self.position)
+            out.append(self.offsets[s] + self._index(s, self.positions[s]))
+            self.position += 1
+            self.positions[s] += 1
+            self.counts[s] += 1
         return out
+
+    def pop_counts(self) -> list[int]:
+        counts, self.counts = self.counts, [0] * len(self.sizes)
+        return counts
+
+    def state(self) -> dict:
+        return {"position": self.position, "positions": list(self.positions)}
+
+    def load_state(self, state: dict | int) -> None:
+        if isinstance(state, int):  # checkpoints before mixtures saved the position alone
+            state = {"position": state, "positions": [state]}
+        if len(state["positions"]) != len(self.sizes):
+            raise ConfigError(f"the checkpoint drew from {len(state['positions'])} data sources, this config has {len(self.sizes)}")
+        self.position, self.positions = state["position"], list(state["positions"])

@@ -57,7 +57,7 @@ from rich.table import Table
 
 import grpo
 from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
-from data import load_rows
+from data import check_not_data_file, load_sources
 from judge import Judge
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from rewards import RewardResult, check_specs, compute_rewards, reward_means
@@ -241,6 +241,8 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
+    check_not_data_file(cfg.data, cfg.judge and cfg.judge.cache_path, "judge.cache_path")
+    check_not_data_file(cfg.data, cfg.eval.api and cfg.eval.api.cache_path, "eval.api.cache_path")
     try:
         judge = Judge(cfg.judge) if cfg.judge else None
         api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
@@ -248,8 +250,8 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         raise ConfigError(f"judge or eval.api: {e}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
-    rows = load_rows(cfg.data, select=cfg.eval.select)
-    rows = rows[: cfg.eval.limit] if cfg.eval.limit else rows
+    rows = [row for src in load_sources(cfg.data, select=cfg.eval.select)
+            for row in (src.rows[: cfg.eval.limit] if cfg.eval.limit else src.rows)]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     return Plan(cfg, entries, rows, pick_device(cfg.run.device), judge, api, tokenizer)
 

@@ -82,10 +82,10 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
-def _load_file(path: str, name: str):
+def _load_file(path: str, label: str):
     file = Path(path).resolve()
     if not file.is_file():
-        raise ValueError(f"reward {name!r}: file {path} not found (relative paths start at {Path.cwd()})")
+        raise ValueError(f"{label}: file {path} not found (relative paths start at {Path.cwd()})")
     module_name = "_minigrpo_reward_" + re.sub(r"\W", "_", str(file))
     if module_name in sys.modules:  # load each file once, so its module state survives between calls
         return sys.modules[module_name]
@@ -95,8 +95,28 @@ def _load_file(path: str, name: str):
         module.__spec__.loader.exec_module(module)
     except Exception as err:
         del sys.modules[module_name]
-        raise ValueError(f"reward {name!r}: could not load {path}: {_one_line(err)}") from err
+        raise ValueError(f"{label}: could not load {path}: {_one_line(err)}") from err
     return module
+
+
+def import_function(name: str, what: str = "reward") -> Callable:
+    """The function "package.module:function" or "path/to/file.py:function" names (user rewards,
+    data maps); ValueError with a one-line hint when there is none."""
+    label = f"{what} {name!r}"
+    where, attr = name.rsplit(":", 1)
+    if where.endswith(".py"):
+        module = _load_file(where, label)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as err:
+            raise ValueError(f"{label}: cannot import module {where!r} ({_one_line(err)}); "
+                             "is it installed or on PYTHONPATH?") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise ValueError(f"{label}: {where} has no function {attr!r}{_did_you_mean(attr, public)}")
+    return fn
 
 
 def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
@@ -107,19 +127,7 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
             return REGISTRY[name]
         raise ValueError(f"unknown reward {name!r}{_did_you_mean(name, REGISTRY)}; registered: "
                          f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
-    where, attr = name.rsplit(":", 1)
-    if where.endswith(".py"):
-        module = _load_file(where, name)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as err:
-            raise ValueError(f"reward {name!r}: cannot import module {where!r} ({_one_line(err)}); "
-                             "is it installed or on PYTHONPATH?") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ValueError(f"reward {name!r}: {where} has no function {attr!r}{_did_you_mean(attr, public)}")
+    fn = import_function(name)
     # a user function marks itself batched by registering: @register("name", batched=True)
     return fn, next((batched for f, batched in REGISTRY.values() if f is fn), False)
 

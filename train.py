@@ -30,7 +30,7 @@ import torch
 
 import grpo
 from config import Config, ConfigError, config_to_dict, load_config, save_config
-from data import PromptSampler, load_rows
+from data import PromptSampler, check_not_data_file, load_sources
 from model import PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
 from judge import Judge
 from rewards import check_specs, compute_rewards, reward_means
@@ -58,7 +58,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
         model.save_pretrained(tmp / "model")
         r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
     torch.save({
-        "step": step, "data_position": r.sampler.position,
+        "step": step, "data_position": r.sampler.state(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -272,7 +272,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                 sums[k] += v
         gn, lr = optimizer_step(r)
         sums["grad_norm"] += gn
-    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | {
+    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **(judge.pop_step_stats() if judge else {})}
@@ -315,6 +315,14 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     }
 
 
+def source_shares(r: Run) -> dict:
+    """data/<label>: the share of this step's prompts drawn from each source of a mixture."""
+    counts = r.sampler.pop_counts()
+    if len(counts) < 2:
+        return {}
+    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -354,6 +362,7 @@ class Run:
     cfg: Config
     run_dir: Path
     rows: list[dict]
+    source_labels: list[str]  # one per data source (a mixture has several)
     device: torch.device
     model: torch.nn.Module
     tokenizer: object
@@ -391,6 +400,7 @@ def setup(args, overrides: list[str]) -> Run:
             check_specs(cfg.rewards, have_judge=cfg.judge is not None)
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
+    check_not_data_file(cfg.data, cfg.judge and cfg.judge.cache_path, "judge.cache_path")
     try:
         judge = Judge(cfg.judge) if cfg.judge else None
     except (ValueError, OSError) as e:
@@ -407,7 +417,8 @@ def setup(args, overrides: list[str]) -> Run:
                               "resume with the run's own config.yaml")
         if changed:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
-    rows = load_rows(cfg.data)
+    sources = load_sources(cfg.data)
+    rows = [row for s in sources for row in s.rows]
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
@@ -428,15 +439,16 @@ def setup(args, overrides: list[str]) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates))
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
-    sampler = PromptSampler(len(rows), cfg.data.shuffle_seed)
+    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed, [(s.weight, s.weight_end) for s in sources])
     start = 0
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scheduler, scaler)
-        start, sampler.position = state["step"], state["data_position"]
+        start = state["step"]
+        sampler.load_state(state["data_position"])
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
-    return Run(cfg, run_dir, rows, device, model, tokenizer, ref_copy, params, optimizer, scheduler, scaler, sampler, judge, start)
+    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer, scheduler, scaler, sampler, judge, start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     step_fn = sft_step if cfg.mode == "sft" else train_step
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
+            r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
             metrics, shown = step_fn(r)
             metrics = {"step": step, **metrics}
             append_jsonl(metrics_path, [metrics])

@@ -1,0 +1,151 @@
+"""Data: splits identical to `datasets` shuffles, row maps, weighted mixtures and curricula, and
+the sampler's resumable state."""
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import yaml
+
+import train
+from config import ConfigError, DataConfig, DataSource, load_config
+from data import DataError, PromptSampler, check_not_data_file, load_rows, load_sources, split
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_split_picks_the_rows_of_a_datasets_shuffle_with_the_same_seed():
+    datasets = pytest.importorskip("datasets")
+    rows = [{"i": i} for i in range(300)]
+    ds = datasets.Dataset.from_list(rows)
+    for lo, hi in ([0, 100], [100, 150], [150, 170]):
+        assert split(rows, 42, [lo, hi]) == ds.shuffle(seed=42).select(range(lo, hi)).to_list()
+    assert split(ds, 42, [10, 20]) == split(rows, 42, [10, 20])  # a hub Dataset is split the same way
+
+
+MCQ = {"question": "Which vitamin is found only in animal foods?", "opa": "C", "opb": "B12", "opc": "K", "opd": "E",
+       "cop": 1, "exp": "Vitamin B12 is made by bacteria and reaches people through animal products.  " * 10}
+
+
+def test_medmcqa_json_map_builds_the_reply_to_learn_and_the_gold_letter(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [MCQ, {**MCQ, "cop": 3, "exp": None}])
+    cfg = DataConfig(name=path, map="medmcqa_json", prompt="Q: {question}\nA) {opa}\nB) {opb}", target="{target_json}",
+                     answer_key="answer_letter")
+    first, second = load_rows(cfg)
+    reply = json.loads(first["target"])
+    assert first["answer_letter"] == "B" and reply["predicted_category"] == "B" and reply["confidence"] == 0.95
+    assert len(reply["reason"]) == 250 and "  " not in reply["reason"]  # whitespace folded, then cut
+    assert json.loads(second["target"])["reason"] == "The answer is D) E."
+    assert first["prompt"].startswith("Q: Which vitamin")
+
+
+def test_a_map_that_fails_names_the_row_and_nothing_else_loads(tmp_path):
+    path = write_jsonl(tmp_path / "m.jsonl", [MCQ, {**MCQ, "cop": 7}])
+    with pytest.raises(DataError, match=r"data.map=medmcqa_json failed on row 1: ValueError: cop must be"):
+        load_rows(DataConfig(name=path, map="medmcqa_json", prompt="question", answer_key=None))
+    with pytest.raises(DataError, match="not a built-in map"):
+        load_rows(DataConfig(name=path, map="medmcq_json", prompt="question", answer_key=None))
+
+
+def test_a_map_from_a_users_file(tmp_path):
+    (tmp_path / "maps.py").write_text("def shout(row):\n    return {**row, 'loud': row['question'].upper()}\n")
+    path = write_jsonl(tmp_path / "m.jsonl", [MCQ])
+    rows = load_rows(DataConfig(name=path, map=f"{tmp_path / 'maps.py'}:shout", prompt="{loud}", answer_key=None))
+    assert rows[0]["prompt"] == MCQ["question"].upper()
+
+
+def test_mixture_draws_by_weight_and_a_curriculum_moves_from_one_source_to_the_other():
+    s = PromptSampler([10, 30], seed=3, weights=[(1.0, 0.0), (0.0, 1.0)])
+    s.progress = 0.0
+    assert all(i < 10 for i in s.draw(50))  # all from the first source at the start
+    s.progress = 1.0
+    assert all(i >= 10 for i in s.draw(50))  # all from the second at the end
+    mixed = PromptSampler([10, 30], seed=3, weights=[(3.0, 3.0), (1.0, 1.0)])
+    first = sum(i < 10 for i in mixed.draw(4000)) / 4000
+    assert 0.72 < first < 0.78  # 3 : 1
+    assert mixed.pop_counts() == [round(first * 4000), 4000 - round(first * 4000)] and mixed.pop_counts() == [0, 0]
+
+
+def test_each_source_is_drawn_epoch_by_epoch_and_the_state_resumes_exactly():
+    s = PromptSampler([5, 7], seed=1, weights=[(1.0, 1.0), (1.0, 1.0)])
+    draws = s.draw(60)
+    a = [i for i in draws if i < 5][:5]
+    assert sorted(a) == [0, 1, 2, 3, 4]  # a whole epoch of source 0 before any repeat
+    t = PromptSampler([5, 7], seed=1, weights=[(1.0, 1.0), (1.0, 1.0)])
+    t.draw(23)
+    resumed = PromptSampler([5, 7], seed=1, weights=[(1.0, 1.0), (1.0, 1.0)])
+    resumed.load_state(json.loads(json.dumps(t.state())))
+    assert resumed.draw(37) == draws[23:]
+
+
+def test_one_source_draws_as_before_and_old_checkpoints_load():
+    s = PromptSampler([6], seed=0)
+    draws = s.draw(14)
+    assert sorted(draws[:6]) == list(range(6)) and sorted(draws[6:12]) == list(range(6))
+    old = PromptSampler([6], seed=0)
+    old.load_state(4)  # a checkpoint written before mixtures stored the position as an int
+    assert old.draw(10) == draws[4:]
+    with pytest.raises(ConfigError, match="2 data sources"):
+        PromptSampler([6], seed=0).load_state({"position": 3, "positions": [1, 2]})
+
+
+def mix_config(tmp_path, extra: dict) -> DataConfig:
+    a = write_jsonl(tmp_path / "easy.jsonl", [{"q": f"a{i}", "answer": "1"} for i in range(6)])
+    b = write_jsonl(tmp_path / "hard.jsonl", [{"q": f"b{i}", "answer": "2"} for i in range(4)])
+    raw = {"data": {"prompt": "{q}", **extra}, "rewards": [{"name": "answer_match"}]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(raw).replace("EASY", a).replace("HARD", b))
+    return path
+
+
+def test_presets_are_named_mixtures_chosen_on_the_command_line(tmp_path):
+    path = mix_config(tmp_path, {"preset": "easy_only", "presets": {
+        "easy_only": [{"name": "EASY"}],
+        "curriculum": [{"name": "EASY", "weight": 1.0, "weight_end": 0.2}, {"name": "HARD", "weight": 0.0, "weight_end": 0.8, "label": "hard"}]}})
+    cfg = load_config(path)
+    assert [s.label for s in load_sources(cfg.data)] == ["easy"]
+    cfg = load_config(path, ["--data.preset=curriculum"])
+    sources = load_sources(cfg.data)
+    assert [(s.label, len(s.rows), s.weight, s.weight_end) for s in sources] == [("easy", 6, 1.0, 0.2), ("hard", 4, 0.0, 0.8)]
+    assert isinstance(cfg.data.presets["curriculum"][1], DataSource)
+    assert Counter(r["answer"] for r in load_rows(cfg.data)) == {"1": 6, "2": 4}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"preset": "nope", "presets": {"a": [{"name": "EASY"}]}}, "data.preset='nope' is not one of data.presets \\(a\\)"),
+    ({"presets": {"a": [{"name": "EASY"}]}}, "choose one with data.preset"),
+    ({"preset": "a", "presets": {"a": [{"name": "EASY", "wieght": 2}]}}, "unknown config key 'data.presets.a\\[0\\].wieght'; did you mean"),
+    ({"mixture": [{"name": "EASY"}], "name": "other.jsonl"}, "data.mixture replaces data.name"),
+    ({"mixture": [{"name": "EASY", "weight": 0.0}]}, "weights sum to 0 at the first step"),
+    ({"mixture": [{"name": "EASY", "weight": 1.0, "weight_end": -1.0}]}, "must be >= 0"),
+    ({"mixture": [], "name": "arithmetic"}, "is empty"),
+])
+def test_bad_mixtures_are_one_line_errors_naming_the_key(tmp_path, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(mix_config(tmp_path, extra))
+
+
+def test_the_judge_cache_may_not_be_a_data_file(tmp_path):
+    cfg = load_config(mix_config(tmp_path, {"mixture": [{"name": "EASY"}, {"name": "HARD"}]}))
+    check_not_data_file(cfg.data, str(tmp_path / "judge_cache.jsonl"), "judge.cache_path")
+    with pytest.raises(DataError, match="judge.cache_path=.* is a data file"):
+        check_not_data_file(cfg.data, str(tmp_path / "hard.jsonl"), "judge.cache_path")
+
+
+def test_a_mixed_run_logs_source_shares_and_resumes_exactly(tmp_path, tiny_llama):
+    path = mix_config(tmp_path, {"mixture": [{"name": "EASY", "weight": 1.0, "weight_end": 0.0},
+                                             {"name": "HARD", "weight": 0.0, "weight_end": 1.0}]})
+    args = ["--config", str(path), f"--model.name={tiny_llama}", "--lora.r=2", "--rollout.prompts_per_step=2",
+            "--rollout.num_generations=2", "--rollout.max_new_tokens=4", f"--run.out_dir={tmp_path / 'run'}",
+            "--run.steps=3", "--run.save_every=1"]
+    assert train.main(args) == 0
+    lines = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [(m["data/easy"], m["data/hard"]) for m in (lines[0], lines[-1])] == [(1.0, 0.0), (0.0, 1.0)]
+    before = [m["reward"] for m in lines]
+    shutil.rmtree(tmp_path / "run/checkpoints/step_000003")
+    assert train.main(args + ["--resume"]) == 0
+    after = [json.loads(ln)["reward"] for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert after == before
