@@ -74,6 +74,7 @@ class DataConfig:
     answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
     assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3
     num_examples: int = 0  # size of the built-in task (0: all 400); for files and hub: keep the first n (0: all)
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
     select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]

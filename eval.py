@@ -269,7 +269,7 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
             model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
         else:
             model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
-        prompts = [grpo.render_prompt(tok, r["prompt"], cfg.data.system_prompt, prefix) for r in plan.rows]
+        prompts = grpo.render_rows(tok, plan.rows, cfg.data)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
         gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size)

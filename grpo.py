@@ -211,10 +211,19 @@ def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) ->
     return messages
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "") -> str:
-    """Chat-template a prompt; the forced assistant prefix is part of the prompt."""
+def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "",
+                  template_kwargs: dict | None = None) -> str:
+    """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
+    to the chat template (Qwen3: {"enable_thinking": False})."""
     return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
-                                         add_generation_prompt=True) + assistant_prefix
+                                         add_generation_prompt=True, **(template_kwargs or {})) + assistant_prefix
+
+
+def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:
+    """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
+    forced assistant prefix unless `assistant_prefix` is given)."""
+    prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
+    return [render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs) for r in rows]
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

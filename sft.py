@@ -20,7 +20,7 @@ import grpo
 
 def sft_batch(tokenizer, rows: list[dict], cfg) -> grpo.Rollout:
     """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout."""
-    prompts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for r in rows]
+    prompts = grpo.render_rows(tokenizer, rows, cfg.data)
     replies = [r["target"] + tokenizer.eos_token for r in rows]
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"

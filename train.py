@@ -156,7 +156,7 @@ class Scored:
 def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge: Judge | None) -> Scored:
     """Sample G completions for each of the rows `idx` and score them."""
     ro, G = cfg.rollout, cfg.rollout.num_generations
-    prompts = [grpo.render_prompt(tokenizer, rows[i]["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix) for i in idx]
+    prompts = grpo.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
     r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
                               ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
     samples = [rows[i] for i in idx for _ in range(G)]
@@ -383,8 +383,8 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)."""
-    texts = [grpo.render_prompt(tokenizer, r["prompt"], cfg.data.system_prompt, cfg.data.assistant_prefix)
-             + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "") for r in rows]
+    texts = [p + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "")
+             for p, r in zip(grpo.render_rows(tokenizer, rows, cfg.data), rows)]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
     longest = max(range(len(rows)), key=lengths.__getitem__)
     key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
-from config import ConfigError, LoraConfig, ModelConfig
+from config import ConfigError, DataConfig, LoraConfig, ModelConfig
 from model import load_policy, load_tokenizer, reference_mode
 
 
@@ -165,3 +165,13 @@ def test_ignore_eos_generates_fixed_length_completions_where_the_model_wants_to_
     fixed = grpo.generate_rollout(model, tok, prompts, 4, max_new_tokens=6, ignore_eos=True)
     assert free.completion_mask.sum(1).float().mean() < 3  # without the flag most completions stop at once
     assert fixed.completion_mask.sum(1).tolist() == [6] * 8 and fixed.truncated.all()
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama):
+    """Qwen3's template reads enable_thinking; data.chat_template_kwargs passes such switches."""
+    _, tok = load(tiny_llama)
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    data = DataConfig(system_prompt=None, assistant_prefix="{", chat_template_kwargs={"enable_thinking": False})
+    assert grpo.render_rows(tok, [{"prompt": "Q"}], data) == ["Q<think></think>{"]
+    assert grpo.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
