@@ -67,6 +67,7 @@ class DataSource:
 @dataclass
 class DataConfig:
     name: str = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id
+    root: str | None = None  # directory that relative data file names (data.name, mixture sources) are read from
     config_name: str | None = None  # hub dataset config (subset) name
     split: str = "train"  # hub dataset split
     prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
@@ -146,6 +147,7 @@ class SftConfig:
 @dataclass
 class EvalConfig:
     select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
+    split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
     num_samples: int = 1  # completions per prompt; more gives pass@k
     temperature: float = 0.0  # 0: greedy decoding
     top_p: float = 1.0  # nucleus sampling when temperature > 0
@@ -262,19 +264,38 @@ def _is_text_field(dotted: str) -> bool:
     return tp is str or set(typing.get_args(tp)) == {str, type(None)}
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key, anything else (lists too) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}" + (f" (extended by {seen[-1]})" if seen else ""))
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: `extends` makes a cycle ({' -> '.join(str(s) for s in seen + (p,))})")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{p}: extends: expected the path of another config file, got {parent!r}")
+    return _merge(_read_yaml(p.parent / parent, seen + (p.resolve(),)), raw)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """YAML file + `--section.key=value` overrides -> validated Config (ConfigError on any problem)."""
-    raw: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    """YAML file (and the files it `extends`) + `--section.key=value` overrides -> validated Config
+    (ConfigError on any problem)."""
+    raw: dict = _read_yaml(Path(path)) if path is not None else {}
     for o in overrides:
         if not o.startswith("--") or "=" not in o:
             raise ConfigError(f"override '{o}' must look like --section.key=value")
@@ -322,7 +343,8 @@ def _check(cfg: Config) -> None:
     for key, sel in (("data.select", cfg.data.select), ("eval.select", cfg.eval.select)):
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    if cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
+    same_split = cfg.eval.split is None or cfg.eval.split == cfg.data.split
+    if same_split and cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
         raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
     _check_mixture(cfg.data)
     if len(cfg.optim.betas) != 2:

@@ -83,11 +83,17 @@ def _read_file(path: Path) -> list[dict]:
     raise DataError(f"data.name={path}: unsupported file type '{suffix}'; use .jsonl, .json, .csv or .parquet")
 
 
+def local_path(cfg: DataConfig, name: str) -> Path:
+    """Where a data file name points: relative names are read from data.root when it is set."""
+    path = Path(name).expanduser()
+    return Path(cfg.root).expanduser() / path if cfg.root and not path.is_absolute() else path
+
+
 def load_raw(cfg: DataConfig):
     """Rows as they are stored, before prompts are built: a list of dicts, or a hub Dataset."""
     if cfg.name in BUILTIN_TASKS:
         return BUILTIN_TASKS[cfg.name](cfg.num_examples or 400)
-    path = Path(cfg.name).expanduser()
+    path = local_path(cfg, cfg.name)
     if path.is_file():
         rows = _read_file(path)
     elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
@@ -224,7 +230,7 @@ def check_not_data_file(cfg: DataConfig, path: str | None, key: str) -> None:
     if not path:
         return
     target = Path(path).expanduser().resolve()
-    if any(Path(n).expanduser().resolve() == target for n in [s.name for s in mixture(cfg) or []] or [cfg.name]):
+    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in mixture(cfg) or []] or [cfg.name]):
         raise DataError(f"{key}={path} is a data file; the run appends to it, so give it a file of its own")
 
 

@@ -117,3 +117,36 @@ def test_saved_configs_mask_extra_headers(tmp_path):
     config.save_config(cfg, tmp_path / "saved.yaml")
     text = (tmp_path / "saved.yaml").read_text()
     assert "sk-SECRET" not in text and "Authorization: '***'" in text
+
+
+def test_extends_merges_sections_key_by_key_and_replaces_lists(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub/base.yaml").write_text(MINIMAL + "mode: sft\ndata: {target: '{answer}', system_prompt: Be brief.}\n"
+                                            "optim: {lr: 2.0e-4, micro_batch_size: 4}\n")
+    child = tmp_path / "sub/child.yaml"
+    child.write_text("extends: base.yaml\nmode: grpo\noptim: {lr: 1.0e-5}\nrewards: [{name: short_answer}]\n")
+    cfg = load_config(child, ["--optim.micro_batch_size=2"])
+    assert cfg.mode == "grpo" and cfg.data.system_prompt == "Be brief." and cfg.data.target == "{answer}"
+    assert cfg.optim.lr == 1e-5 and cfg.optim.micro_batch_size == 2  # merged, then the override wins
+    assert [r.name for r in cfg.rewards] == ["short_answer"]  # a list is replaced, not appended to
+
+
+def test_extends_errors_name_the_file(tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("extends: b.yaml\n")
+    b.write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="makes a cycle"):
+        load_config(a)
+    a.write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"config file not found: .*missing.yaml \(extended by .*a.yaml\)"):
+        load_config(a)
+    a.write_text("extends: [b.yaml]\n")
+    with pytest.raises(ConfigError, match="extends: expected the path"):
+        load_config(a)
+
+
+def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
+    text = MINIMAL + "data: {select: [0, 100]}\neval: {select: [0, 50]}\n"
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(write(tmp_path, text))
+    assert load_config(write(tmp_path, text), ["--eval.split=test"]).eval.split == "test"

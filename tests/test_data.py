@@ -149,3 +149,12 @@ def test_a_mixed_run_logs_source_shares_and_resumes_exactly(tmp_path, tiny_llama
     assert train.main(args + ["--resume"]) == 0
     after = [json.loads(ln)["reward"] for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert after == before
+
+
+def test_relative_data_files_are_read_from_data_root(tmp_path):
+    (tmp_path / "cache").mkdir()
+    write_jsonl(tmp_path / "cache/easy.jsonl", [{"q": "a", "answer": "1"}])
+    cfg = DataConfig(root=str(tmp_path / "cache"), mixture=[DataSource(name="easy.jsonl")], prompt="{q}")
+    assert load_rows(cfg)[0]["prompt"] == "a"
+    with pytest.raises(DataError, match="is a data file"):
+        check_not_data_file(cfg, str(tmp_path / "cache/easy.jsonl"), "judge.cache_path")
