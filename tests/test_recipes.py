@@ -1,0 +1,135 @@
+"""The recipes in configs/ run end to end on CPU: each for 2 steps on a tiny random model and its
+fixture under tests/fixtures/, judges answered by the local fake OpenAI-compatible server. The
+configs are used as shipped; only size, model, data location and endpoints are overridden."""
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import eval as ev
+import train
+from fake_openai_server import FakeOpenAIServer
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests/fixtures"
+
+
+def small(tiny, out, steps=2):
+    """Overrides that shrink a recipe to a CPU smoke run."""
+    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false", "--rollout.prompts_per_step=2",
+            "--rollout.num_generations=3", "--rollout.max_new_tokens=8", "--rollout.max_prompt_tokens=4096",
+            "--optim.micro_batch_size=4", f"--run.steps={steps}", f"--run.out_dir={out}", "--run.save_every=0",
+            "--eval.max_new_tokens=8", "--eval.limit=3", f"--eval.out_dir={out}/eval"]
+
+
+def metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def judge_overrides(server, cache):
+    return [f"--judge.base_url={server.url}", f"--judge.cache_path={cache}", "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY",
+            "--judge.requests_per_minute=null", "--judge.max_retries=0"]
+
+
+def judge_reply(body) -> str:
+    """A deterministic fake judge: criteria for the built-in templates, a varying score for rubrics."""
+    text = body["messages"][-1]["content"]
+    if "relevance" in text:
+        return '{"relevance": 8, "clarity": 6, "discriminative_power": 7}'
+    if "novelty" in text:
+        return '{"logic": 4, "novelty": 3}'
+    if "Rubric:" in text:
+        answer = text.split("Answer to grade:")[1]
+        return '{"score": %d}' % (len(answer) % 11)
+    return "How would you make a payment API idempotent under retries?"  # an API model being evaluated
+
+
+@pytest.fixture(scope="module")
+def server():
+    with FakeOpenAIServer(reply=judge_reply) as s:
+        yield s
+
+
+def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, tiny_llama):
+    data = [f"--data.name={FIXTURES / 'medmcqa_sample.jsonl'}"]
+    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    assert train.main(["--config", "configs/medmcqa_sft.yaml", *small(tiny_llama, sft), *data,
+                       "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4"]) == 0
+    assert metrics(sft)[-1]["loss"] > 0
+    assert train.main(["--config", "configs/medmcqa_grpo.yaml", *small(tiny_llama, grpo), *data,
+                       "--data.select=[16,32]", "--eval.select=[32,40]", f"--model.init_adapter={sft}"]) == 0
+    m = metrics(grpo)
+    assert {"rewards/json_valid/mean", "rewards/json_schema/mean", "rewards/choice_accuracy/mean"} <= set(m[0])
+    base = json.loads((grpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())
+    assert str(sft) in json.dumps(base)  # the GRPO adapter records base + SFT as its base
+    assert ev.main(["--config", "configs/medmcqa_grpo.yaml", "--models", "base", f"sft={sft}", f"grpo={grpo}",
+                    f"--model.name={tiny_llama}", *data, "--data.select=[16,32]", "--eval.select=[32,40]",
+                    "--eval.max_new_tokens=8", "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
+    results = json.loads((tmp_path / "eval/results.json").read_text())
+    for name in ("base", "sft", "grpo"):
+        assert {"accuracy", "valid_json_rate", "schema_pass_rate", "accuracy_on_schema"} <= set(results["models"][name]["metrics"])
+
+
+def test_gsm8k_with_a_forced_think_prefix(tmp_path, tiny_llama):
+    run = tmp_path / "run"
+    assert train.main(["--config", "configs/gsm8k.yaml", *small(tiny_llama, run), f"--data.name={FIXTURES / 'gsm8k_sample.jsonl'}",
+                       "--data.select=[0,30]", "--eval.select=[30,40]"]) == 0
+    m = metrics(run)
+    assert {"rewards/answer_match/mean", "rewards/think_format/mean"} <= set(m[-1])
+    prompts = [json.loads(ln)["prompt"] for ln in (run / "samples.jsonl").read_text().splitlines()] \
+        if (run / "samples.jsonl").exists() else []
+    assert all("####" not in p for p in prompts)  # the gold solution never reaches the prompt
+
+
+@pytest.mark.parametrize("preset", ["open_only", "verifiable_only", "curriculum", "full_mix"])
+def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama, server, preset):
+    cache = tmp_path / "data_cache"
+    cache.mkdir()
+    for name in ("grubrics_open.jsonl", "grubrics_verifiable.jsonl"):
+        shutil.copy(FIXTURES / name, cache / name)
+        (cache / name).chmod(0o444)  # the trainer must not need to write the pre-computed answers
+    before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
+    run = tmp_path / "run"
+    args = ["--config", "configs/grubrics.yaml", *small(tiny_llama, run, steps=3), f"--data.root={cache}",
+            f"--data.preset={preset}", *judge_overrides(server, tmp_path / "judge.jsonl")]
+    assert train.main(args) == 0
+    m = metrics(run)
+    assert all(x["reward_errors/rubric_alignment"] == 0 for x in m) and m[0]["judge_requests"] > 0
+    assert any(x["rewards/rubric_alignment/mean"] != 0 for x in m)
+    if preset == "curriculum":
+        assert m[0]["data/verifiable"] + m[0]["data/open"] == 1.0
+    after = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
+    assert after == before and (tmp_path / "judge.jsonl").stat().st_size > 0
+    # pointing the judge's cache at one of the run's data files is refused before anything runs
+    data_file = cache / ("grubrics_verifiable.jsonl" if preset == "verifiable_only" else "grubrics_open.jsonl")
+    assert train.main([*args[:-len(judge_overrides(server, ''))], *judge_overrides(server, data_file),
+                       f"--run.out_dir={tmp_path / 'other'}"]) == 2
+
+
+def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
+    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]", "--eval.select=[24,30]"]
+    rules, judged = tmp_path / "rules", tmp_path / "judged"
+    assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules), *data]) == 0
+    assert {"rewards/think_format/mean", "rewards/citation_grounding/mean"} <= set(metrics(rules)[0])
+    assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged), *data,
+                       *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
+    m = metrics(judged)[0]
+    assert m["rewards/judge/mean"] == pytest.approx((3.5 - 1) / 4)  # mean(logic 4, novelty 3) on a 1-5 scale
+    assert m["reward_errors/judge"] == 0
+
+
+def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama, server):
+    run = tmp_path / "run"
+    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]", "--eval.select=[32,40]"]
+    judge = judge_overrides(server, tmp_path / "judge.jsonl")
+    assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data, *judge]) == 0
+    assert metrics(run)[0]["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
+    assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}", "api:fake-model",
+                    f"--model.name={tiny_llama}", *data, *judge, f"--eval.api.base_url={server.url}",
+                    "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8", "--eval.limit=3",
+                    f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
+    results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
+    assert set(results) == {"base", "grpo", "fake-model"}
+    assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)  # as in training: rescaled to 0-1
