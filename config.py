@@ -97,6 +97,9 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling (0: off)
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
+    engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest
+    vllm_sleep: bool = False  # put vLLM to sleep (free its KV cache, offload weights) while the trainer runs
     resample_zero_std: bool = False  # DAPO dynamic sampling: draw more prompts until B groups have signal
     max_prompts_per_step: int = 0  # cap on prompts drawn per step when resampling (0: 4 * prompts_per_step)
 
@@ -112,6 +115,7 @@ class GrpoConfig:
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
     logprob_chunk: int = 4096  # rows of logits per chunk in the log-prob computation
+    tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
 
 
 @dataclass
@@ -338,6 +342,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError("rollout.temperature must be > 0 (GRPO samples; greedy decoding gives identical groups)")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or cfg.rollout.engine != "vllm"):
+        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm and a cap >= 1 (0 turns it off)")
+    if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
     for key, sel in (("data.select", cfg.data.select), ("eval.select", cfg.eval.select)):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------- the math
 
@@ -62,29 +61,61 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
     return (positions <= first[:, None]).float(), ~has_eos
 
 
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(x / T)[id] per row, with the backward written out:
+
+        d logp / d x_j = (1[j = id] - softmax(x / T)_j) / T
+
+    Forward keeps only the (rows,) logsumexp; backward rebuilds the softmax from it chunk by
+    chunk (one exp, no second logsumexp), so no fp32 (rows, V) tensor outlives its chunk and
+    nothing is computed twice, unlike checkpointing the plain expression."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
+        lse = logits.new_empty(logits.shape[0], dtype=acc)  # (rows,)
+        out = torch.empty_like(lse)  # (rows,)
+        for s in range(0, logits.shape[0], chunk):
+            lg = logits[s:s + chunk].to(acc) / temperature  # (c, V)
+            lse[s:s + chunk] = torch.logsumexp(lg, dim=-1)
+            out[s:s + chunk] = lg.gather(-1, ids[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, ids, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)  # (rows, V)
+        for s in range(0, logits.shape[0], chunk):
+            g = grad_out[s:s + chunk, None].to(lse.dtype) / T  # (c, 1)
+            part = torch.exp(logits[s:s + chunk].to(lse.dtype) / T - lse[s:s + chunk, None]).mul_(-g)  # (c, V): -softmax * g
+            part.scatter_add_(-1, ids[s:s + chunk, None], g)
+            grad[s:s + chunk] = part
+        return grad, None, None, None
+
+
 def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = 4096) -> Tensor:
     """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows at a time.
 
-    Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512).
-    With autograd on, each chunk is checkpointed: backward recomputes its fp32 softmax instead of
-    keeping every chunk's copy alive. logits (N, T, V), ids (N, T) -> (N, T) fp32.
+    Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512):
+    forward and backward (_SelectiveLogSoftmax) each hold one fp32 chunk at a time.
+    logits (N, T, V), ids (N, T) -> (N, T) fp32.
     """
     N, T, V = logits.shape
     flat, flat_ids = logits.reshape(N * T, V), ids.reshape(N * T)  # (N*T, V), (N*T,)
-
-    def rows(lg: Tensor, ix: Tensor) -> Tensor:
-        lg = lg.float() / temperature  # (rows, V)
-        return lg.gather(-1, ix[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1)  # (rows,)
-
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    out = [checkpoint(rows, flat[s:s + chunk], flat_ids[s:s + chunk], use_reentrant=False) if grad
-           else rows(flat[s:s + chunk], flat_ids[s:s + chunk]) for s in range(0, N * T, chunk)]
-    return torch.cat(out).view(N, T)  # (N, T)
+    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk).view(N, T)  # (N, T)
 
 
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
-                   epsilon: float, epsilon_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor]:
-    """l_t = -min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+                   epsilon: float, epsilon_high: float, beta: float,
+                   is_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """l_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+
+    w_t is 1, or the (detached) truncated importance weight min(exp(old_logp_t - sampler_logp_t), cap)
+    when another engine (vLLM) sampled: it corrects the policy-gradient term for the sampler's
+    slightly different distribution (see vllm_engine.py).
 
     KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
     With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
@@ -95,6 +126,8 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     rho = torch.exp(logp - old_logp)  # (N, C)
     a = adv[:, None]  # (N, 1)
     loss = -torch.minimum(rho * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)
+    if is_weight is not None:
+        loss = loss * is_weight.detach()
     kl = torch.zeros_like(logp)
     if beta > 0:
         d = ref_logp - logp  # (N, C)
@@ -135,8 +168,8 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
-              norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0
-              ) -> tuple[Tensor, dict[str, float]]:
+              norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+              is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
     old_logp None means on-policy (num_iterations = 1): old_logp = logp.detach().
@@ -145,7 +178,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     """
     if old_logp is None:
         old_logp = logp.detach()
-    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta)  # (n, C) x3
+    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight)  # (n, C) x3
     loss = aggregate(loss_tok, mask, norm)
     m = mask.bool()
     a = adv[:, None].expand_as(rho)  # (n, C)
@@ -193,6 +226,7 @@ class Rollout:
     completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
     texts: list[str]  # decoded completions, EOS and padding removed
+    sampler_logp: Tensor | None = None  # (N, C) the sampler's own log-probs (vLLM), for importance weights
 
     @property
     def input_ids(self) -> Tensor:
@@ -302,13 +336,14 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         completion_ids=torch.cat([_pad_to(r.completion_ids, C, pad_id, False) for r in parts]),
         completion_mask=torch.cat([_pad_to(r.completion_mask, C, 0, False) for r in parts]),
         truncated=torch.cat([r.truncated for r in parts]),
-        texts=[t for r in parts for t in r.texts])
+        texts=[t for r in parts for t in r.texts],
+        sampler_logp=None if parts[0].sampler_logp is None else torch.cat([_pad_to(r.sampler_logp, C, 0, False) for r in parts]))
 
 
 def select_rows(r: Rollout, rows: list[int]) -> Rollout:
     ix = torch.tensor(rows, dtype=torch.long, device=r.prompt_ids.device)
     return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
-                   r.truncated[ix], [r.texts[i] for i in rows])
+                   r.truncated[ix], [r.texts[i] for i in rows], None if r.sampler_logp is None else r.sampler_logp[ix])
 
 
 def trim(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:

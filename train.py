@@ -29,9 +29,11 @@ import numpy as np
 import torch
 
 import grpo
+import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, check_not_data_file, load_sources
-from model import PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, save_adapter, trainable_parameters
+from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, resolve_model_path,
+                   save_adapter, trainable_parameters)
 from judge import Judge
 from rewards import check_specs, compute_rewards, reward_means
 
@@ -153,12 +155,16 @@ class Scored:
     errors: dict[str, int]  # name -> failures counted
 
 
-def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge: Judge | None) -> Scored:
-    """Sample G completions for each of the rows `idx` and score them."""
+def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge: Judge | None,
+          engine: vllm_engine.VllmEngine | None = None) -> Scored:
+    """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
     ro, G = cfg.rollout, cfg.rollout.num_generations
     prompts = grpo.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
-    r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                              ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
+    if engine is not None:
+        r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
+    else:
+        r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
+                                  ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
@@ -184,22 +190,22 @@ def take_group(p: Scored, g: int, G: int) -> Scored:
                   {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None
-            ) -> tuple[Scored, Scored, int]:
+def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None,
+            engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
     """-> (the B groups to train on, everything drawn, prompts drawn).
 
     With rollout.resample_zero_std (DAPO dynamic sampling), groups whose rewards are all equal are
     set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
     reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
     B, G, tol = cfg.rollout.prompts_per_step, cfg.rollout.num_generations, cfg.grpo.zero_std_tol
-    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judge)]
+    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judge, engine)]
     if not cfg.rollout.resample_zero_std:
         return parts[0], parts[0], B
     cap, drawn = max(cfg.rollout.max_prompts_per_step or 4 * B, B), B
     zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
     while sum(z.count(False) for z in zero) < B and drawn < cap:
         k = min(B - sum(z.count(False) for z in zero), cap - drawn)
-        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judge))
+        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judge, engine))
         zero.append(grpo.zero_std_groups(parts[-1].total, G, tol).tolist())
         drawn += k
     signal = [(p, g) for p, z in zip(parts, zero) for g, flat in enumerate(z) if not flat]
@@ -241,7 +247,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, judge)
+    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, judge, r.engine)
     t_rollout = time.time() - t0
     batch = kept.rollout
     adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
@@ -249,6 +255,13 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
     old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
+    is_weight, tis = None, {}
+    if g.tis_cap and batch.sampler_logp is not None:  # truncated importance sampling for vLLM's samples
+        behaviour = old_logp if old_logp is not None else batch_log_probs(model, batch, cfg)  # (N, C) the trainer's view
+        is_weight = torch.clamp(torch.exp(behaviour - batch.sampler_logp), max=g.tis_cap)  # (N, C)
+        m = mask.bool()
+        tis = {"tis/weight_mean": float(is_weight[m].mean()), "tis/capped_frac": float((is_weight[m] >= g.tis_cap).float().mean()),
+               "sampler_logp_abs_diff": float((behaviour - batch.sampler_logp)[m].abs().mean())}
     ref_logp = None
     if g.beta > 0:
         with reference_mode(model, r.ref_copy) as ref:
@@ -265,14 +278,17 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
             loss, stats = grpo.grpo_loss(
                 logp, None if old_logp is None else old_logp[mb, :C], None if ref_logp is None else ref_logp[mb, :C],
-                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta)
+                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta,
+                None if is_weight is None else is_weight[mb, :C])
             (scaler.scale(loss) if scaler else loss).backward()
             sums["loss"] += float(loss.detach())
             for k, v in stats.items():
                 sums[k] += v
         gn, lr = optimizer_step(r)
         sums["grad_norm"] += gn
-    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | {
+    if r.engine:
+        r.engine.sync(model)  # the next rollout samples from the updated policy
+    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **(judge.pop_step_stats() if judge else {})}
@@ -374,6 +390,7 @@ class Run:
     sampler: PromptSampler
     judge: Judge | None
     start: int  # last completed step (0 for a new run)
+    engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -395,6 +412,7 @@ def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
 def setup(args, overrides: list[str]) -> Run:
     """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
+    vllm_engine.check_config(cfg)
     try:
         if cfg.rewards or cfg.mode == "grpo":
             check_specs(cfg.rewards, have_judge=cfg.judge is not None)
@@ -448,7 +466,11 @@ def setup(args, overrides: list[str]) -> Run:
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
-    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer, scheduler, scaler, sampler, judge, start)
+    engine = None
+    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":
+        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device))
+    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
+               scheduler, scaler, sampler, judge, start, engine)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     n_train = sum(p.numel() for p in r.params)
     print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
           f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
+    if r.engine:
+        r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     from sft import sft_step  # sft.py imports from this module: import it late
     step_fn = sft_step if cfg.mode == "sft" else train_step
     with progress_display(cfg.run.steps, start) as show:

@@ -198,3 +198,24 @@ def test_trim_drops_only_padding_columns():
     cmask = attn[:, 4:].clone()
     i, a, C = grpo.trim(ids, attn, cmask)
     assert C == 3 and i.tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14]]
+
+
+def test_selective_log_probs_keep_the_logits_dtype_in_the_gradient_and_pass_gradcheck():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 3, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: grpo.selective_log_probs(x, ids, 0.7, 4), (logits,))
+    half = torch.randn(2, 3, 11, generator=g).bfloat16().requires_grad_()
+    grpo.selective_log_probs(half, ids, 1.0, 4).sum().backward()
+    assert half.grad.dtype == torch.bfloat16
+
+
+def test_importance_weights_scale_the_policy_gradient_term_only():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    adv, w = torch.tensor([2.0]), torch.tensor([[0.5, 3.0]])
+    plain, _, kl = grpo.per_token_loss(logp, logp, ref, adv, 0.2, 0.2, beta=0.1)
+    weighted, _, _ = grpo.per_token_loss(logp, logp, ref, adv, 0.2, 0.2, beta=0.1, is_weight=w)
+    pg = plain - 0.1 * kl  # rho = 1: the policy-gradient term is -A per token
+    assert torch.allclose(pg, torch.tensor([[-2.0, -2.0]]))
+    assert torch.allclose(weighted, w * pg + 0.1 * kl)

@@ -1,0 +1,94 @@
+"""Side-by-side micro-benchmarks of minigrpo's speed levers against the alternative they replace,
+in one run, reported as ratios. Not part of the test suite.
+
+    .venv/bin/python bench/levers.py                     # CPU, SmolLM2's vocabulary (49,152)
+    .venv/bin/python bench/levers.py --device cuda --vocab 151936 --rows 4096 --dtype bfloat16
+
+Levers measured:
+  logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
+            per-row logsumexp) against the plain expression `logits[id] - logsumexp(logits)` run
+            chunk by chunk under torch.utils.checkpoint (what grpo.py did before): forward +
+            backward time, and on CUDA the peak memory above the inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpo  # noqa: E402
+
+
+def checkpointed_expression(logits, ids, temperature, chunk):
+    """The alternative: chunked log-softmax of the selected ids, each chunk checkpointed."""
+    def rows(lg, ix):
+        lg = lg.float() / temperature
+        return lg.gather(-1, ix[:, None]).squeeze(-1) - torch.logsumexp(lg, dim=-1)
+    return torch.cat([checkpoint(rows, logits[s:s + chunk], ids[s:s + chunk], use_reentrant=False)
+                      for s in range(0, logits.shape[0], chunk)])
+
+
+def hand_written(logits, ids, temperature, chunk):
+    return grpo.selective_log_probs(logits[None], ids[None], temperature, chunk)[0]
+
+
+def measure(fn, logits, ids, args, reps: int) -> tuple[float, float]:
+    """(median seconds of forward + backward, peak CUDA MB above the inputs or nan on CPU)."""
+    times, peak = [], float("nan")
+    for _ in range(reps + 1):  # the first run warms up
+        x = logits.detach().requires_grad_()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        out = fn(x, ids, args.temperature, args.chunk)
+        (out * torch.linspace(-1, 1, out.numel(), device=out.device)).sum().backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), peak
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--rows", type=int, default=8 * 64, help="completion tokens in a micro-batch (8 x 64)")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
+    ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)
+    a = checkpointed_expression(logits.float(), ids, args.temperature, args.chunk)
+    b = hand_written(logits.float(), ids, args.temperature, args.chunk)
+    assert torch.allclose(a, b, atol=1e-5), "the two implementations disagree"
+    results = {}
+    for name, fn in (("checkpointed expression", checkpointed_expression), ("hand-written backward", hand_written),
+                     ("checkpointed expression ", checkpointed_expression), ("hand-written backward ", hand_written)):
+        t, m = measure(fn, logits, ids, args, args.reps)  # each measured twice, alternating
+        results.setdefault(name.strip(), []).append((t, m))
+    print(f"logprob lever: {args.rows} rows x V={args.vocab}, {args.dtype} on {args.device}, chunk {args.chunk}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} fwd+bwd, 2 alternations")
+    rows = {k: (statistics.median(t for t, _ in v), max(m for _, m in v)) for k, v in results.items()}
+    for k, (t, m) in rows.items():
+        print(f"  {k:24s} {t * 1000:8.1f} ms" + ("" if m != m else f"  peak {m:8.1f} MB"))
+    (ta, ma), (tb, mb) = rows["checkpointed expression"], rows["hand-written backward"]
+    print(f"  ratio hand-written / checkpointed: time {tb / ta:.3f}" + ("" if ma != ma else f", peak memory {mb / ma:.3f}"))
+
+
+if __name__ == "__main__":
+    main()

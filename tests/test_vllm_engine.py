@@ -1,0 +1,174 @@
+"""vLLM rollouts against a fake `vllm` package that implements the calls vllm_engine.py makes
+(LLM(...), LLM.generate, SamplingParams, LoRARequest, sleep/wake_up): every rollout samples with the
+adapter of the latest optimizer step, vLLM's outputs become a well-formed Rollout, and truncated
+importance sampling is wired in. Real vLLM is not installed here (it needs CUDA)."""
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import grpo
+import train
+import vllm_engine
+from config import ConfigError, load_config
+
+
+@dataclass
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass
+class Logprob:
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:
+    token_ids: list
+    text: str
+    logprobs: list | None
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    outputs: list
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list | None = None
+    stop_token_ids: list = field(default_factory=list)
+    logprobs: int | None = None
+
+
+class FakeLLM:
+    """Samples random tokens; records the adapter weights each generate() call was given."""
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls, self.awake = kwargs, [], True
+        self.rng = torch.Generator().manual_seed(kwargs["seed"])
+        FakeLLM.instances.append(self)
+
+    def sleep(self, level: int = 1):
+        self.awake = False
+
+    def wake_up(self):
+        self.awake = True
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
+        assert self.awake or not self.kwargs["enable_sleep_mode"], "generate() on a sleeping engine"
+        weights = load_file(Path(lora_request.lora_path) / "adapter_model.safetensors")
+        self.calls.append((lora_request.lora_int_id, lora_request.lora_name, weights, prompts))
+        out = []
+        for _ in prompts:
+            completions = []
+            for _ in range(params.n):
+                n = int(torch.randint(1, params.max_tokens + 1, (1,), generator=self.rng))
+                ids = torch.randint(3, 300, (n,), generator=self.rng).tolist()
+                finish = "length" if n == params.max_tokens else "stop"
+                if finish == "stop":
+                    ids[-1] = params.stop_token_ids[0]  # vLLM keeps the EOS it stopped on
+                completions.append(CompletionOutput(ids, "fake", [{t: Logprob(-2.0)} for t in ids], finish))
+            out.append(RequestOutput(completions))
+        return out
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = FakeLLM, SamplingParams
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances = []
+    return FakeLLM
+
+
+@pytest.fixture
+def cfg_path(tmp_path, tiny_llama):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(8)))
+    cfg = {"model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
+           "data": {"name": str(data), "prompt": "{q}"},
+           "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6, "engine": "vllm"},
+           "optim": {"lr": 1e-2, "micro_batch_size": 4},
+           "run": {"out_dir": str(tmp_path / "run"), "steps": 3, "save_every": 1, "keep_checkpoints": 5},
+           "rewards": [{"name": "answer_match"}, {"name": "short_answer", "args": {"max_words": 1}}]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fake_vllm, cfg_path, tmp_path):
+    assert train.main(["--config", str(cfg_path)]) == 0
+    (llm,) = fake_vllm.instances
+    assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 8 and llm.kwargs["max_loras"] == 1
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["dtype"] == "float32"
+    assert [c[0] for c in llm.calls] == [1, 2, 3] and len({c[1] for c in llm.calls}) == 3  # a new id per version
+    first = llm.calls[0][2]
+    assert all(float(v.abs().sum()) == 0 for k, v in first.items() if "lora_B" in k)  # step 1 samples the start
+    run = tmp_path / "run"
+    for step, (_, _, used, _) in zip([1, 2], llm.calls[1:]):  # step k+1 samples with what step k trained
+        trained = load_file(run / f"checkpoints/step_{step:06d}/adapter/adapter_model.safetensors")
+        assert trained.keys() == used.keys() and all(torch.equal(trained[k], used[k]) for k in used)
+    assert [p.name for p in (run / "vllm_adapter").iterdir()] == ["v4"]  # only the newest version is kept
+    prompt = llm.calls[0][3][0]["prompt_token_ids"]
+    assert isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)  # token ids, no second BOS
+    m = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(m) == 3 and all(x["grad_norm"] >= 0 for x in m)
+
+
+def test_truncated_importance_sampling_weights_are_logged(fake_vllm, cfg_path, tmp_path):
+    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0", "--rollout.vllm_sleep=true"]) == 0
+    m = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
+    # the fake says every token had log-prob -2; the tiny model gives ~-log(400) = -6: weights ~e^-4
+    assert 0 < m["tis/weight_mean"] < 1 and m["tis/capped_frac"] == 0.0 and m["sampler_logp_abs_diff"] > 1
+
+
+def test_vllm_outputs_become_a_rollout_with_masks_and_sampler_log_probs(tiny_llama):
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    outs = [CompletionOutput([5, 6, eos], "a", [{5: Logprob(-0.5)}, {6: Logprob(-1.0)}, {eos: Logprob(-0.25)}], "stop"),
+            CompletionOutput([7, 8, 9, 10], "b", [{t: Logprob(-2.0)} for t in (7, 8, 9, 10)], "length")]
+    r = vllm_engine.to_rollout(tok, [[1, 2, 3], [4]], outs, G=1, device=torch.device("cpu"))
+    assert r.prompt_ids.tolist() == [[1, 2, 3], [pad, pad, 4]] and r.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert r.completion_ids.tolist() == [[5, 6, eos, pad], [7, 8, 9, 10]]
+    assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]] and r.truncated.tolist() == [False, True]
+    assert r.sampler_logp.tolist() == [[-0.5, -1.0, -0.25, 0.0], [-2.0] * 4] and r.texts == ["a", "b"]
+    both = grpo.concat_rollouts([r, grpo.select_rows(r, [1])], pad)
+    assert both.sampler_logp.shape == (3, 4) and both.sampler_logp[2].tolist() == [-2.0] * 4
+
+
+def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, capsys):
+    for args, message in ((["--lora.enabled=false"], "full fine-tuning"),
+                          (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"], "export the merged")):
+        assert train.main(["--config", str(cfg_path), *args]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
+        load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0"])
+
+
+def test_without_the_vllm_package_the_error_says_how_to_install_it(cfg_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
+    assert train.main(["--config", str(cfg_path)]) == 2
+    assert "needs the vllm package (pip install vllm" in capsys.readouterr().err

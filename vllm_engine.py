@@ -1,0 +1,130 @@
+"""Optional vLLM rollouts (`rollout.engine: vllm`): vLLM samples on the training GPU, the trainer's
+LoRA adapter reaches it after every optimizer step, and the trainer recomputes every log-prob.
+
+    engine = VllmEngine(cfg, base_path, run_dir)     # vllm.LLM(enable_lora=True, ...) on the same GPU
+    engine.sync(model)                               # after each optimizer step: the new adapter
+    rollout = engine.generate(tokenizer, prompts)    # a grpo.Rollout; rollout.sampler_logp = vLLM's log-probs
+
+Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a few MB) is saved to
+run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
+id for every version, so vLLM never serves a stale adapter from its cache. Only LoRA runs can use
+vLLM (full fine-tuning would need vLLM's internal weight loader), and a merged init adapter must be
+exported first (`export.py`) and used as model.name, since vLLM serves the base from a directory.
+
+vLLM's sampler and the trainer's forward differ slightly (kernels, precision), so the samples are
+a little off-policy. The trainer recomputes log-probs (the loss never uses vLLM's), and with
+`grpo.tis_cap > 0` each token's policy-gradient term is weighted by the truncated importance ratio
+min(exp(logp_trainer - logp_vllm), tis_cap) (truncated importance sampling, as in Yao et al. 2025,
+"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). vLLM must report the log-probs of the
+distribution it samples from (after temperature): `logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2.
+
+Not verified on real vLLM: the development machine has no GPU and cannot install it. The sync logic
+and the conversion of vLLM's outputs are tested against a fake engine (tests/test_vllm_engine.py)
+that implements the same calls.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+import grpo
+from config import Config, ConfigError
+from model import save_adapter
+
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
+
+
+def check_config(cfg: Config) -> None:
+    """The combinations vLLM rollouts cannot serve, as one-line errors before anything loads."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if not cfg.lora.enabled:
+        raise ConfigError("rollout.engine: vllm syncs LoRA adapters; full fine-tuning (lora.enabled: false) needs rollout.engine: hf")
+    if cfg.model.init_adapter and cfg.model.merge_init_adapter:
+        raise ConfigError("rollout.engine: vllm serves the base from a directory: export the merged init adapter with "
+                          "export.py and set model.name to the export (and model.init_adapter: null)")
+    if cfg.lora.r > LORA_RANKS[-1]:
+        raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, got lora.r={cfg.lora.r}")
+
+
+class VllmEngine:
+    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype):
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.lora.request import LoRARequest
+        except ImportError as e:
+            raise ConfigError(f"rollout.engine: vllm needs the vllm package (pip install vllm; CUDA only): {e}") from None
+        self.cfg, self.SamplingParams, self.LoRARequest = cfg, SamplingParams, LoRARequest
+        self.dir = Path(run_dir) / "vllm_adapter"
+        self.version, self.request = 0, None
+        ro = cfg.rollout
+        self.llm = LLM(
+            model=base_path, tokenizer=base_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed,
+            gpu_memory_utilization=ro.vllm_gpu_memory_utilization, enable_sleep_mode=ro.vllm_sleep,
+            max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
+            enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= cfg.lora.r),
+            logprobs_mode="processed_logprobs")
+        if ro.vllm_sleep:
+            self.llm.sleep(level=1)  # frees the KV cache (and offloads weights) until the first rollout
+
+    def sync(self, model) -> None:
+        """Hand the policy's current adapter to vLLM: save it as a new version with a new LoRA id."""
+        self.version += 1
+        path = self.dir / f"v{self.version}"
+        shutil.rmtree(path, ignore_errors=True)
+        save_adapter(model, path)
+        self.request = self.LoRARequest(f"minigrpo-v{self.version}", self.version, str(path))
+        for old in self.dir.glob("v*"):  # vLLM has read older versions already (and max_loras=1 evicts them)
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def generate(self, tokenizer, prompts: list[str], eos_ids: list[int], device: torch.device) -> grpo.Rollout:
+        """G samples of each rendered prompt -> a Rollout shaped like grpo.generate_rollout's, with
+        sampler_logp (N, C): vLLM's log-prob of each sampled token (0 past the end)."""
+        if self.request is None:
+            raise RuntimeError("VllmEngine.generate before sync(): vLLM would sample from the bare base")
+        ro = self.cfg.rollout
+        G = ro.num_generations
+        params = self.SamplingParams(
+            n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k or -1, max_tokens=ro.max_new_tokens,
+            min_tokens=ro.max_new_tokens if ro.ignore_eos else 0, ignore_eos=ro.ignore_eos,
+            stop=list(ro.stop_strings) or None, stop_token_ids=eos_ids, logprobs=0)
+        # token ids, not text: vLLM would otherwise tokenize again and may add a BOS the template already has
+        ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        if self.cfg.rollout.vllm_sleep:
+            self.llm.wake_up()
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, lora_request=self.request,
+                                        use_tqdm=False)
+        finally:
+            if self.cfg.rollout.vllm_sleep:
+                self.llm.sleep(level=1)
+        return to_rollout(tokenizer, ids, [c for o in outputs for c in o.outputs], G, device)
+
+
+def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int, device: torch.device) -> grpo.Rollout:
+    """vLLM CompletionOutputs (prompt-major, G each) -> grpo.Rollout with sampler_logp.
+
+    A completion that vLLM ended with finish_reason "length" is truncated; its token ids include
+    the EOS (or the stop string's tokens) otherwise, and the mask covers exactly those tokens."""
+    pad = tokenizer.pad_token_id
+    P, C = max(map(len, prompt_ids)), max(1, max(len(c.token_ids) for c in completions))
+    N = len(completions)
+    p_ids = torch.full((len(prompt_ids), P), pad, dtype=torch.long)  # (B, P) left-padded
+    p_mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)
+    for i, x in enumerate(prompt_ids):
+        p_ids[i, P - len(x):], p_mask[i, P - len(x):] = torch.tensor(x), 1
+    c_ids = torch.full((N, C), pad, dtype=torch.long)  # (N, C) right-padded
+    c_mask = torch.zeros((N, C))
+    logp = torch.zeros((N, C))
+    for i, c in enumerate(completions):
+        n = len(c.token_ids)
+        c_ids[i, :n], c_mask[i, :n] = torch.tensor(list(c.token_ids), dtype=torch.long), 1.0
+        if c.logprobs is not None:  # one {token_id: Logprob} per sampled token
+            logp[i, :n] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+    return grpo.Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
+                        c_ids.to(device), c_mask.to(device), truncated.to(device), [c.text for c in completions],
+                        sampler_logp=logp.to(device))
