@@ -520,21 +520,27 @@ def _chat(text: str, system: str | None = None) -> list[dict]:
 # --- rewards ---------------------------------------------------------------------------------------
 def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "pointwise_criteria",
                  criteria: list[str] | None = None, system: str | None = None,
-                 normalize: bool = True) -> list[float]:
+                 normalize: bool = True, criterion: str | None = None) -> list[float]:
     """Judge score of each completion: (score - score_min) / (score_max - score_min) when normalize.
 
     The composite is the reply's "score", else the mean of the criteria (by default the built-in
-    template's, e.g. relevance, clarity, discriminative_power). NaN where the judge failed:
-    compute_rewards turns it into the reward's fallback and counts it in reward_errors/<name>.
+    template's, e.g. relevance, clarity, discriminative_power). `criterion` returns that one
+    criterion's score instead: list the reward once more per criterion, with weight 0 and a label,
+    to log or evaluate each one; the judge's cache answers those calls, so they cost nothing.
+    NaN where the judge failed: compute_rewards turns it into the reward's fallback and counts it
+    in reward_errors/<name>.
     """
     text, cfg = load_template(template), judge.cfg
     criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
     chats = [_chat(render(text, {**s, **scale, "completion": c}), system)
              for c, s in zip(completions, samples, strict=True)]
+    if criterion is not None and criterion not in (criteria or []):
+        raise ValueError(f"criterion {criterion!r} is not one of the judge's criteria {criteria or []}")
     scores = judge.score_many(chats, parse=partial(parse_score, criteria=criteria))
     span = cfg.score_max - cfg.score_min
-    return [math.nan if s is None else ((s.score - cfg.score_min) / span if normalize else s.score) for s in scores]
+    values = [None if s is None else (s.criteria[criterion] if criterion else s.score) for s in scores]
+    return [math.nan if v is None else ((v - cfg.score_min) / span if normalize else v) for v in values]
 
 
 def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",

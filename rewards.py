@@ -48,6 +48,7 @@ class RewardSpec:
     weight: float = 1.0  # weight of this reward in the total
     args: dict = field(default_factory=dict)  # keyword arguments passed to the function
     fallback: float = 0.0  # value used when the function raises or returns a non-number
+    label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
 
 
 @dataclass
@@ -173,12 +174,17 @@ def _short(value: Any, limit: int = 300) -> str:
 
 
 def _keys(specs: list[RewardSpec]) -> list[str]:
-    """Result keys: the spec's name, or "name#2", "name#3" when a name repeats (other args)."""
+    """Result keys: the spec's label or name, or "name#2", "name#3" when one repeats (other args).
+
+    >>> _keys([RewardSpec("judge"), RewardSpec("judge", label="clarity"), RewardSpec("judge")])
+    ['judge', 'clarity', 'judge#2']
+    """
     seen: dict[str, int] = {}
     keys = []
     for spec in specs:
-        seen[spec.name] = seen.get(spec.name, 0) + 1
-        keys.append(spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}")
+        key = spec.label or spec.name
+        seen[key] = seen.get(key, 0) + 1
+        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
     return keys
 
 

@@ -419,3 +419,16 @@ def test_azure_endpoint_uses_deployment_path_and_api_key_header(server):
     assert req.path == "/openai/deployments/gpt-judge/chat/completions"
     assert "api-version=2024-06-01" in req.query
     assert req.headers["api-key"] == SECRET
+
+
+def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
+    server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
+    judge = make_judge(server)
+    samples = [{"prompt": "Backend role"}]
+    assert judge_reward(["Explain MVCC."], samples, judge=judge) == pytest.approx([0.8])
+    asked = len(server.requests)
+    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="clarity") == pytest.approx([0.8])
+    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="relevance") == pytest.approx([0.6])
+    assert len(server.requests) == asked  # answered from the cache
+    with pytest.raises(ValueError, match="criterion 'novelty' is not one of"):
+        judge_reward(["x"], samples, judge=judge, criterion="novelty")

@@ -124,7 +124,10 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
     data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]", "--eval.select=[32,40]"]
     judge = judge_overrides(server, tmp_path / "judge.jsonl")
     assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data, *judge]) == 0
-    assert metrics(run)[0]["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
+    m = metrics(run)[0]
+    assert m["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
+    assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"], m["rewards/discriminative_power/mean"]) == pytest.approx((0.8, 0.6, 0.7))
+    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 18  # the per-criterion entries cost no requests
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}", "api:fake-model",
                     f"--model.name={tiny_llama}", *data, *judge, f"--eval.api.base_url={server.url}",
                     "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8", "--eval.limit=3",
@@ -132,3 +135,4 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
     assert set(results) == {"base", "grpo", "fake-model"}
     assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)  # as in training: rescaled to 0-1
+    assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
