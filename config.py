@@ -66,7 +66,7 @@ class DataSource:
 
 @dataclass
 class DataConfig:
-    name: str = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id
+    name: str | None = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id (null with a mixture)
     root: str | None = None  # directory that relative data file names (data.name, mixture sources) are read from
     config_name: str | None = None  # hub dataset config (subset) name
     split: str = "train"  # hub dataset split
@@ -351,7 +351,11 @@ def _check(cfg: Config) -> None:
     for key, sel in (("data.select", cfg.data.select), ("eval.select", cfg.eval.select)):
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    same_split = cfg.eval.split is None or cfg.eval.split == cfg.data.split
+    if cfg.eval.split is not None and _is_local(cfg.data.name) and cfg.data.mixture is None and cfg.data.preset is None:
+        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; data.name={cfg.data.name} has none: "
+                          "hold rows out with eval.select instead")
+    # another split of one hub dataset holds other rows; a mixture's sources keep the overlap check
+    same_split = cfg.eval.split in (None, cfg.data.split) or cfg.data.mixture is not None or cfg.data.preset is not None
     if same_split and cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
         raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
     _check_mixture(cfg.data)
@@ -361,6 +365,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
+
+
+def _is_local(name: str | None) -> bool:
+    return name in (None, "arithmetic") or Path(name).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
 
 
 def _check_mixture(d: DataConfig) -> None:
@@ -374,8 +382,11 @@ def _check_mixture(d: DataConfig) -> None:
     if mix is None:
         return
     key = f"data.presets.{d.preset}" if d.preset is not None else "data.mixture"
-    if d.name != "arithmetic":
-        raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r}")
+    if d.name not in (None, "arithmetic"):
+        raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r} (or set it to null)")
+    ignored = {"data.split": d.split != "train", "data.config_name": d.config_name is not None, "data.num_examples": d.num_examples != 0}
+    if bad := [k for k, set_ in ignored.items() if set_]:
+        raise ConfigError(f"{bad[0]} does not apply to {key}: set it on each source")
     if not mix:
         raise ConfigError(f"{key} is empty: list at least one source")
     for i, src in enumerate(mix):

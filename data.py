@@ -91,6 +91,8 @@ def local_path(cfg: DataConfig, name: str) -> Path:
 
 def load_raw(cfg: DataConfig):
     """Rows as they are stored, before prompts are built: a list of dicts, or a hub Dataset."""
+    if cfg.name is None:
+        raise DataError("data.name is null: give a local data file, a hub dataset id, a built-in task or a data.mixture")
     if cfg.name in BUILTIN_TASKS:
         return BUILTIN_TASKS[cfg.name](cfg.num_examples or 400)
     path = local_path(cfg, cfg.name)
@@ -208,7 +210,8 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None) -> list[Sourc
     checked up front, so a bad row stops the run before anything is written."""
     mix = mixture(cfg)
     if mix is None:
-        return [Source(_label(cfg.name), _prepare(cfg, select), 1.0, 1.0)]
+        rows = _prepare(cfg, select)
+        return [Source(_label(cfg.name), rows, 1.0, 1.0)]
     out, seen = [], {}
     for src in mix:
         sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=src.split,

@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
-    title = f"{cfg.data.name}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
+    title = f"{cfg.data.name or 'mixture'}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
     Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))
     print(f"[eval] wrote {out_dir / 'results.json'}", file=sys.stderr)
     return 0

@@ -90,7 +90,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         grad = torch.empty_like(logits)  # (rows, V)
         for s in range(0, logits.shape[0], chunk):
             g = grad_out[s:s + chunk, None].to(lse.dtype) / T  # (c, 1)
-            part = torch.exp(logits[s:s + chunk].to(lse.dtype) / T - lse[s:s + chunk, None]).mul_(-g)  # (c, V): -softmax * g
+            # in place on a copy (copy=True: fp32 logits would otherwise be the saved input itself): one fp32 (c, V) buffer
+            part = logits[s:s + chunk].to(lse.dtype, copy=True).div_(T).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # -softmax * g
             part.scatter_add_(-1, ids[s:s + chunk, None], g)
             grad[s:s + chunk] = part
         return grad, None, None, None

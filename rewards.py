@@ -16,7 +16,8 @@ A batched reward (LLM judges, see judge.py) takes and returns lists and is regis
     total_i = sum_k weight_k * r_k(completion_i, sample_i)    (a None r_k adds 0)
 
 `compute_rewards` fills parameters named `num_tokens` (the completion's token count) or after a
-key of its `context` (e.g. `judge`). A reward that raises or returns a non-number never stops a
+key of its `context` (e.g. `judge`, or `assistant_prefix`: the text the trainer forced at the
+start of the reply, which the built-in rewards put back in front of the completion). A reward that raises or returns a non-number never stops a
 run: it gets the spec's fallback, is counted in `errors` and its first failure is logged.
 Model output is only ever parsed here, never evaluated.
 """
@@ -297,7 +298,7 @@ def _find_all(pattern: str, text: str, flags: int = 0) -> list[str]:
 
 @register("json_valid")
 def json_valid(completion: str, sample: dict, allow_fence: bool = False, strip_think: bool = True,
-               require_object: bool = True) -> float:
+               require_object: bool = True, assistant_prefix: str = "") -> float:
     r"""1.0 if the whole answer is one JSON object, else 0.0.
 
     The answer is the completion without surrounding whitespace and, with strip_think, without a
@@ -313,7 +314,7 @@ def json_valid(completion: str, sample: dict, allow_fence: bool = False, strip_t
     >>> json_valid('<think>easy</think> {"a": 1}', {}), json_valid('[1, 2]', {}), json_valid('[1]', {}, require_object=False)
     (1.0, 0.0, 1.0)
     """
-    ok, value = _parse_json(completion, allow_fence, strip_think)
+    ok, value = _parse_json(assistant_prefix + completion, allow_fence, strip_think)
     return float(ok and (isinstance(value, dict) or not require_object))
 
 
@@ -354,7 +355,7 @@ def _follows(value: Any, rule: dict) -> bool:
 
 @register("json_schema")
 def json_schema(completion: str, sample: dict, schema: dict | None = None, exact: bool = True,
-                allow_fence: bool = False, strip_think: bool = True) -> float:
+                allow_fence: bool = False, strip_think: bool = True, assistant_prefix: str = "") -> float:
     r"""1.0 if the answer is a JSON object whose keys follow `schema`, else 0.0.
 
     schema: {key: rule}, default MEDMCQA_SCHEMA. A rule may hold: type (string, number,
@@ -376,7 +377,7 @@ def json_schema(completion: str, sample: dict, schema: dict | None = None, exact
             raise ValueError(f"schema rule for {key!r} has unknown fields {sorted(unknown)}; use {sorted(_RULES)}")
         if (rule or {}).get("type", "string") not in _TYPES:
             raise ValueError(f"schema type {rule['type']!r} for {key!r} is not one of {sorted(_TYPES)}")
-    ok, obj = _parse_json(completion, allow_fence, strip_think)
+    ok, obj = _parse_json(assistant_prefix + completion, allow_fence, strip_think)
     if not ok or not isinstance(obj, dict) or not set(schema) <= set(obj) or (exact and set(obj) != set(schema)):
         return 0.0
     return float(all(_follows(obj[key], rule or {}) for key, rule in schema.items()))
@@ -393,7 +394,7 @@ def _gold_letter(gold: Any, letters: list[str]) -> str:
 @register("choice_accuracy")
 def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", field: str = "predicted_category",
                     letters: str = "ABCD", fallback_pattern: str | None = None, allow_fence: bool = False,
-                    strip_think: bool = True) -> float | None:
+                    strip_think: bool = True, assistant_prefix: str = "") -> float | None:
     r"""1.0 if the predicted letter equals the sample's gold letter, else 0.0; None without gold.
 
     The prediction is the string `field` of the JSON answer, stripped and upper-cased ("b " is
@@ -412,6 +413,7 @@ def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", fie
         return None
     letters = [letter.upper() for letter in letters]
     gold = _gold_letter(sample[gold_key], letters)
+    completion = assistant_prefix + completion
     ok, obj = _parse_json(completion, allow_fence, strip_think)
     if ok:
         pred = obj.get(field) if isinstance(obj, dict) else None
@@ -469,12 +471,13 @@ def _final_number(text: str, mode: str = "last") -> Fraction | None:
 
 @register("answer_match")
 def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: str = "last",
-                 tolerance: float = 1e-6, strip_think: bool = True) -> float | None:
+                 tolerance: float = 1e-6, strip_think: bool = True, assistant_prefix: str = "") -> float | None:
     r"""1.0 if the completion's final number equals the gold number, else 0.0; None without gold.
 
     The number is taken, in priority order, from `#### n`, `\boxed{n}`, `<answer>n</answer>`,
     else the last (mode="last") or first (mode="first") number of the answer; with strip_think
-    the think block is ignored and an unclosed one leaves no answer. Accepted: 1,000 and
+    the think block is ignored and an unclosed one leaves no answer. assistant_prefix (the forced
+    data.assistant_prefix, passed in by the trainer, e.g. "<think>") is put back in front first. Accepted: 1,000 and
     1{,}000, $5, 72., 3.0, -4, 3/4 and \frac{3}{4}; not 1e5 or 1 000. The gold sample[gold_key]
     is a number or a string read the same way (a GSM8K solution ending in `#### 72`). Numbers
     are compared exactly as fractions, within an absolute tolerance, so huge integers that are
@@ -486,6 +489,8 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     (1.0, 1.0)
     >>> answer_match("72 apples, minus 2, leaves 70", {"answer": 72}), answer_match("72 apples, minus 2", {"answer": 72}, mode="first")
     (0.0, 1.0)
+    >>> answer_match("so 70 + 2 = 72", {"answer": 72}), answer_match("so 70 + 2 = 72", {"answer": 72}, assistant_prefix="<think>")
+    (1.0, 0.0)
     """
     gold = sample.get(gold_key)
     if gold is None:
@@ -495,6 +500,7 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     target = _final_number(gold) if isinstance(gold, str) else Fraction(gold)
     if target is None:
         raise ValueError(f"gold answer {gold!r} holds no number")
+    completion = assistant_prefix + completion
     pred = _final_number(_answer_part(completion) if strip_think else completion, mode)
     return float(pred is not None and abs(pred - target) <= tolerance)
 
@@ -585,7 +591,8 @@ def length_penalty(completion: str, sample: dict, num_tokens: int, max_tokens: i
 
 
 @register("short_answer")
-def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think: bool = True) -> float:
+def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think: bool = True,
+                 assistant_prefix: str = "") -> float:
     r"""Brevity in [0, 1] from the answer's word count n (whitespace-separated), m = max_words:
 
         1 if 1 <= n <= m;   (4m - n) / (3m) if m < n < 4m;   0 if n >= 4m or n == 0
@@ -598,6 +605,7 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
     """
     if max_words < 1:
         raise ValueError(f"max_words must be >= 1, got {max_words}")
+    completion = assistant_prefix + completion
     n = len((_answer_part(completion) if strip_think else completion).split())
     if n == 0 or n >= 4 * max_words:
         return 0.0

@@ -255,13 +255,6 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
     old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
-    is_weight, tis = None, {}
-    if g.tis_cap and batch.sampler_logp is not None:  # truncated importance sampling for vLLM's samples
-        behaviour = old_logp if old_logp is not None else batch_log_probs(model, batch, cfg)  # (N, C) the trainer's view
-        is_weight = torch.clamp(torch.exp(behaviour - batch.sampler_logp), max=g.tis_cap)  # (N, C)
-        m = mask.bool()
-        tis = {"tis/weight_mean": float(is_weight[m].mean()), "tis/capped_frac": float((is_weight[m] >= g.tis_cap).float().mean()),
-               "sampler_logp_abs_diff": float((behaviour - batch.sampler_logp)[m].abs().mean())}
     ref_logp = None
     if g.beta > 0:
         with reference_mode(model, r.ref_copy) as ref:
@@ -271,15 +264,27 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     norm = grpo.LossNorm(g.loss_type, N, int(mask.sum()), cfg.rollout.max_new_tokens, len(mbs))  # whole-step counts
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
+    sampler = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
-    for _ in range(g.num_iterations):
+    for it in range(g.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for mb in mbs:
             logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
+            old = None if old_logp is None else old_logp[mb, :C]
+            weight = None
+            if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
+                diff = (logp.detach() if old is None else old) - batch.sampler_logp[mb, :C]  # (n, C) log pi_old - log pi_vllm
+                weight = torch.clamp(torch.exp(diff), max=g.tis_cap) if g.tis_cap else None  # truncated IS
+                if it == 0:
+                    m = mask[mb, :C].bool()
+                    sampler["tokens"] += float(m.sum())
+                    sampler["abs_diff"] += float(diff.abs()[m].sum())
+                    if weight is not None:
+                        sampler["weight"] += float(weight[m].sum())
+                        sampler["capped"] += float((weight[m] >= g.tis_cap).sum())
             loss, stats = grpo.grpo_loss(
-                logp, None if old_logp is None else old_logp[mb, :C], None if ref_logp is None else ref_logp[mb, :C],
-                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta,
-                None if is_weight is None else is_weight[mb, :C])
+                logp, old, None if ref_logp is None else ref_logp[mb, :C],
+                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight)
             (scaler.scale(loss) if scaler else loss).backward()
             sums["loss"] += float(loss.detach())
             for k, v in stats.items():
@@ -288,6 +293,12 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         sums["grad_norm"] += gn
     if r.engine:
         r.engine.sync(model)  # the next rollout samples from the updated policy
+    tis = {}
+    if batch.sampler_logp is not None:
+        n = max(sampler["tokens"], 1.0)
+        tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
+        if g.tis_cap:
+            tis |= {"tis/weight_mean": sampler["weight"] / n, "tis/capped_frac": sampler["capped"] / n}
     metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
@@ -468,7 +479,8 @@ def setup(args, overrides: list[str]) -> Run:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
     engine = None
     if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":
-        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device))
+        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
+                                        lora_rank=model.peft_config["default"].r)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
                scheduler, scaler, sampler, judge, start, engine)
 

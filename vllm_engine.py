@@ -45,12 +45,19 @@ def check_config(cfg: Config) -> None:
     if cfg.model.init_adapter and cfg.model.merge_init_adapter:
         raise ConfigError("rollout.engine: vllm serves the base from a directory: export the merged init adapter with "
                           "export.py and set model.name to the export (and model.init_adapter: null)")
-    if cfg.lora.r > LORA_RANKS[-1]:
-        raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, got lora.r={cfg.lora.r}")
+    if cfg.model.quant:
+        raise ConfigError("rollout.engine: vllm would sample from full-precision weights while the trainer uses 4-bit ones; "
+                          "use rollout.engine: hf with model.quant")
+    if cfg.grpo.tis_cap and (cfg.rollout.top_p < 1 or cfg.rollout.top_k):
+        raise ConfigError("grpo.tis_cap compares vLLM's log-probs after top-p/top-k truncation with the trainer's "
+                          "untruncated ones: use top_p 1 and top_k 0 with it")
 
 
 class VllmEngine:
-    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype):
+    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype, lora_rank: int):
+        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its own)."""
+        if lora_rank > LORA_RANKS[-1]:
+            raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, the adapter has rank {lora_rank}")
         try:
             from vllm import LLM, SamplingParams
             from vllm.lora.request import LoRARequest
@@ -59,12 +66,13 @@ class VllmEngine:
         self.cfg, self.SamplingParams, self.LoRARequest = cfg, SamplingParams, LoRARequest
         self.dir = Path(run_dir) / "vllm_adapter"
         self.version, self.request = 0, None
-        ro = cfg.rollout
+        ro, m = cfg.rollout, cfg.model
         self.llm = LLM(
-            model=base_path, tokenizer=base_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed,
+            model=base_path, tokenizer=base_path, revision=m.revision, tokenizer_revision=m.revision,
+            trust_remote_code=m.trust_remote_code, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed,
             gpu_memory_utilization=ro.vllm_gpu_memory_utilization, enable_sleep_mode=ro.vllm_sleep,
             max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
-            enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= cfg.lora.r),
+            enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),
             logprobs_mode="processed_logprobs")
         if ro.vllm_sleep:
             self.llm.sleep(level=1)  # frees the KV cache (and offloads weights) until the first rollout
@@ -90,7 +98,8 @@ class VllmEngine:
         params = self.SamplingParams(
             n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k or -1, max_tokens=ro.max_new_tokens,
             min_tokens=ro.max_new_tokens if ro.ignore_eos else 0, ignore_eos=ro.ignore_eos,
-            stop=list(ro.stop_strings) or None, stop_token_ids=eos_ids, logprobs=0)
+            stop=list(ro.stop_strings) or None, include_stop_str_in_output=True,  # as the HF path: the text keeps the stop
+            stop_token_ids=eos_ids, logprobs=0)
         # token ids, not text: vLLM would otherwise tokenize again and may add a BOS the template already has
         ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         if self.cfg.rollout.vllm_sleep:

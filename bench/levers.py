@@ -8,12 +8,15 @@ Levers measured:
   logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
             per-row logsumexp) against the plain expression `logits[id] - logsumexp(logits)` run
             chunk by chunk under torch.utils.checkpoint (what grpo.py did before): forward +
-            backward time, and on CUDA the peak memory above the inputs.
+            backward time, and the peak memory above the inputs (CUDA: max_memory_allocated; CPU:
+            the whole peak RSS of a fresh subprocess per implementation: the same imports and
+            inputs on both sides, so the difference is the implementation's).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +60,17 @@ def measure(fn, logits, ids, args, reps: int) -> tuple[float, float]:
     return statistics.median(times[1:]), peak
 
 
+def cpu_peak_rss_mb(name: str, args) -> float:
+    """Peak RSS of a fresh process that makes the inputs and runs 3 fwd+bwd of one implementation."""
+    code = (f"import sys, resource, torch; sys.path[:0] = [{str(Path(__file__).parent)!r}]; import levers; "
+            f"g = torch.Generator().manual_seed(0); x = torch.randn({args.rows}, {args.vocab}, generator=g); "
+            f"ids = torch.randint(0, {args.vocab}, ({args.rows},), generator=g); "
+            f"fn = levers.{name}\n"
+            f"for _ in range(3): fn(x.clone().requires_grad_(), ids, {args.temperature}, {args.chunk}).sum().backward()\n"
+            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -84,8 +98,10 @@ def main() -> None:
     print(f"logprob lever: {args.rows} rows x V={args.vocab}, {args.dtype} on {args.device}, chunk {args.chunk}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} fwd+bwd, 2 alternations")
     rows = {k: (statistics.median(t for t, _ in v), max(m for _, m in v)) for k, v in results.items()}
+    if args.device == "cpu":
+        rows = {k: (t, cpu_peak_rss_mb(fn, args)) for (k, (t, _)), fn in zip(rows.items(), ("checkpointed_expression", "hand_written"))}
     for k, (t, m) in rows.items():
-        print(f"  {k:24s} {t * 1000:8.1f} ms" + ("" if m != m else f"  peak {m:8.1f} MB"))
+        print(f"  {k:24s} {t * 1000:8.1f} ms" + ("" if m != m else f"  peak {m:8.1f} MB" + (" RSS" if args.device == "cpu" else "")))
     (ta, ma), (tb, mb) = rows["checkpointed expression"], rows["hand-written backward"]
     print(f"  ratio hand-written / checkpointed: time {tb / ta:.3f}" + ("" if ma != ma else f", peak memory {mb / ma:.3f}"))
 

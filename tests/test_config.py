@@ -146,7 +146,9 @@ def test_extends_errors_name_the_file(tmp_path):
 
 
 def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
-    text = MINIMAL + "data: {select: [0, 100]}\neval: {select: [0, 50]}\n"
+    text = MINIMAL + "data: {name: openai/gsm8k, select: [0, 100]}\neval: {select: [0, 50]}\n"
     with pytest.raises(ConfigError, match="overlap"):
         load_config(write(tmp_path, text))
     assert load_config(write(tmp_path, text), ["--eval.split=test"]).eval.split == "test"
+    with pytest.raises(ConfigError, match="data.name=rows.jsonl has none"):  # a local file has no splits
+        load_config(write(tmp_path, text), ["--eval.split=test", "--data.name=rows.jsonl"])

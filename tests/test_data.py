@@ -140,15 +140,17 @@ def test_a_mixed_run_logs_source_shares_and_resumes_exactly(tmp_path, tiny_llama
                                              {"name": "HARD", "weight": 0.0, "weight_end": 1.0}]})
     args = ["--config", str(path), f"--model.name={tiny_llama}", "--lora.r=2", "--rollout.prompts_per_step=2",
             "--rollout.num_generations=2", "--rollout.max_new_tokens=4", f"--run.out_dir={tmp_path / 'run'}",
-            "--run.steps=3", "--run.save_every=1"]
+            "--run.steps=3", "--run.save_every=1", "--run.sample_every=1", "--run.samples_per_log=4"]
     assert train.main(args) == 0
     lines = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [(m["data/easy"], m["data/hard"]) for m in (lines[0], lines[-1])] == [(1.0, 0.0), (0.0, 1.0)]
-    before = [m["reward"] for m in lines]
+    def drawn():  # the prompts each step trained on, and what it sampled
+        return [(s["step"], s["prompt"], s["completion"]) for s in map(json.loads, (tmp_path / "run/samples.jsonl").read_text().splitlines())]
+    before = drawn()
+    assert [s[1][0] for s in before] == ["a"] * 4 + [s[1][0] for s in before[4:8]] + ["b"] * 4
     shutil.rmtree(tmp_path / "run/checkpoints/step_000003")
     assert train.main(args + ["--resume"]) == 0
-    after = [json.loads(ln)["reward"] for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert after == before
+    assert drawn() == before
 
 
 def test_relative_data_files_are_read_from_data_root(tmp_path):

@@ -19,7 +19,7 @@ FIXTURES = ROOT / "tests/fixtures"
 def small(tiny, out, steps=2):
     """Overrides that shrink a recipe to a CPU smoke run."""
     return [f"--model.name={tiny}", "--model.gradient_checkpointing=false", "--rollout.prompts_per_step=2",
-            "--rollout.num_generations=3", "--rollout.max_new_tokens=8", "--rollout.max_prompt_tokens=4096",
+            "--rollout.num_generations=3", "--rollout.max_new_tokens=8",
             "--optim.micro_batch_size=4", f"--run.steps={steps}", f"--run.out_dir={out}", "--run.save_every=0",
             "--eval.max_new_tokens=8", "--eval.limit=3", f"--eval.out_dir={out}/eval"]
 
@@ -75,7 +75,7 @@ def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, 
 def test_gsm8k_with_a_forced_think_prefix(tmp_path, tiny_llama):
     run = tmp_path / "run"
     assert train.main(["--config", "configs/gsm8k.yaml", *small(tiny_llama, run), f"--data.name={FIXTURES / 'gsm8k_sample.jsonl'}",
-                       "--data.select=[0,30]", "--eval.select=[30,40]", "--run.sample_every=1"]) == 0
+                       "--data.select=[0,30]", "--eval.select=[30,40]", "--eval.split=null", "--run.sample_every=1"]) == 0
     m = metrics(run)
     assert {"rewards/answer_match/mean", "rewards/think_format/mean"} <= set(m[-1])
     prompts = [json.loads(ln)["prompt"] for ln in (run / "samples.jsonl").read_text().splitlines()]
@@ -92,13 +92,13 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
     before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
     run = tmp_path / "run"
     args = ["--config", "configs/grubrics.yaml", *small(tiny_llama, run, steps=3), f"--data.root={cache}",
-            f"--data.preset={preset}", *judge_overrides(server, tmp_path / "judge.jsonl")]
+            f"--data.preset={preset}", "--data.select=[0,16]", *judge_overrides(server, tmp_path / "judge.jsonl")]
     assert train.main(args) == 0
     m = metrics(run)
     assert all(x["reward_errors/rubric_alignment"] == 0 for x in m) and m[0]["judge_requests"] > 0
     assert any(x["rewards/rubric_alignment/mean"] != 0 for x in m)
-    if preset == "curriculum":
-        assert m[0]["data/verifiable"] + m[0]["data/open"] == 1.0
+    if preset in ("curriculum", "full_mix"):  # both sources are drawn from (the shares' schedule: test_data.py)
+        assert {"data/verifiable", "data/open"} <= set(m[0])
     after = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
     assert after == before and (tmp_path / "judge.jsonl").stat().st_size > 0
     # pointing the judge's cache at one of the run's data files is refused before anything runs
@@ -115,7 +115,7 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged), *data,
                        *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
     m = metrics(judged)[0]
-    assert m["rewards/judge/mean"] == pytest.approx((3.5 - 1) / 4)  # mean(logic 4, novelty 3) on a 1-5 scale
+    assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # mean(logic 4, novelty 3) on a 0-5 scale
     assert m["reward_errors/judge"] == 0
 
 

@@ -55,8 +55,15 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: list | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list = field(default_factory=list)
     logprobs: int | None = None
+
+
+# vLLM's EngineArgs fields that vllm_engine.py may pass (all exist in vLLM >= 0.10.2), so a typo fails here
+ENGINE_ARGS = {"model", "tokenizer", "revision", "tokenizer_revision", "trust_remote_code", "dtype", "seed",
+               "gpu_memory_utilization", "enable_sleep_mode", "max_model_len", "enable_prefix_caching", "enable_lora",
+               "max_loras", "max_lora_rank", "logprobs_mode"}
 
 
 class FakeLLM:
@@ -64,6 +71,7 @@ class FakeLLM:
     instances: list = []
 
     def __init__(self, **kwargs):
+        assert set(kwargs) <= ENGINE_ARGS, f"not a vLLM engine argument: {set(kwargs) - ENGINE_ARGS}"
         self.kwargs, self.calls, self.awake = kwargs, [], True
         self.rng = torch.Generator().manual_seed(kwargs["seed"])
         FakeLLM.instances.append(self)
@@ -120,7 +128,7 @@ def cfg_path(tmp_path, tiny_llama):
 
 
 def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fake_vllm, cfg_path, tmp_path):
-    assert train.main(["--config", str(cfg_path)]) == 0
+    assert train.main(["--config", str(cfg_path), "--rollout.stop_strings=[STOP]"]) == 0
     (llm,) = fake_vllm.instances
     assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 8 and llm.kwargs["max_loras"] == 1
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["dtype"] == "float32"
@@ -161,7 +169,9 @@ def test_vllm_outputs_become_a_rollout_with_masks_and_sampler_log_probs(tiny_lla
 
 def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, capsys):
     for args, message in ((["--lora.enabled=false"], "full fine-tuning"),
-                          (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"], "export the merged")):
+                          (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"], "export the merged"),
+                          (["--model.quant=4bit"], "4-bit"),
+                          (["--grpo.tis_cap=2", "--rollout.top_p=0.9"], "top_p 1 and top_k 0")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
