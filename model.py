@@ -290,5 +290,33 @@ def reference_mode(model: nn.Module, frozen_copy: nn.Module | None = None):
     return contextlib.nullcontext(frozen_copy)
 
 
+@contextlib.contextmanager
+def merged_for_sampling(model: nn.Module):
+    """Sample with the LoRA update folded into the base weights and the adapter layers switched off
+    (rollout.merged_sampling): plain linear layers instead of base + A/B matmuls, 0.84x the
+    generation time on CPU (bench/levers.py --lever generate). The base weights are restored from
+    a copy afterwards, bit for bit, so no rounding drift builds up over steps; the copy of the
+    adapted weights lives only while sampling. A no-op for models without an adapter.
+
+        W_sample = W + (alpha / r) * B @ A   (peft's get_delta_weight)
+    """
+    if not is_peft(model):
+        yield
+        return
+    from peft.tuners.lora import LoraLayer
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and m.active_adapters]
+    with torch.no_grad():
+        saved = [m.base_layer.weight.detach().clone() for m in layers]
+        try:
+            for m in layers:
+                for name in m.active_adapters:
+                    m.base_layer.weight += m.get_delta_weight(name).to(m.base_layer.weight.dtype)
+            with model.disable_adapter():
+                yield
+        finally:
+            for m, w in zip(layers, saved):
+                m.base_layer.weight.copy_(w)
+
+
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]

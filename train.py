@@ -13,6 +13,7 @@ leaves a half checkpoint). Bad input exits with code 2 and one line saying what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -32,8 +33,8 @@ import grpo
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, check_not_data_file, load_sources
-from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, reference_mode, resolve_model_path,
-                   save_adapter, trainable_parameters)
+from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, pick_device, pick_dtype, reference_mode,
+                   resolve_model_path, save_adapter, trainable_parameters)
 from judge import Judge
 from rewards import check_specs, compute_rewards, reward_means
 
@@ -163,8 +164,9 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     if engine is not None:
         r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
     else:
-        r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                                  ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
+        with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
+            r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p,
+                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})

@@ -1,8 +1,10 @@
 """Side-by-side micro-benchmarks of minigrpo's speed levers against the alternative they replace,
 in one run, reported as ratios. Not part of the test suite.
 
-    .venv/bin/python bench/levers.py                     # CPU, SmolLM2's vocabulary (49,152)
+    .venv/bin/python bench/levers.py                     # logprob lever, CPU, SmolLM2's vocabulary (49,152)
     .venv/bin/python bench/levers.py --device cuda --vocab 151936 --rows 4096 --dtype bfloat16
+    .venv/bin/python bench/levers.py --lever generate [--compile]   # the built-in SmolLM2 + LoRA r=16
+    .venv/bin/python bench/levers.py --lever microbatch
 
 Levers measured:
   logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
@@ -11,6 +13,12 @@ Levers measured:
             backward time, and the peak memory above the inputs (CUDA: max_memory_allocated; CPU:
             the whole peak RSS of a fresh subprocess per implementation: the same imports and
             inputs on both sides, so the difference is the implementation's).
+  generate  HF generate of B=4 prompts x G=8 x 64 fixed new tokens with peft's LoRA layers as they
+            are (what minigrpo does), against the adapter merged into the weights, and against a
+            static KV cache (with --compile: plus torch.compile of the forward; its first call,
+            the compilation, is shown apart).
+  microbatch the training forward + backward of 32 sequences x 110 tokens split into micro-batches
+            of 8, 16 and 32.
 """
 from __future__ import annotations
 
@@ -71,8 +79,66 @@ def cpu_peak_rss_mb(name: str, args) -> float:
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
 
 
+def builtin_policy():
+    from config import LoraConfig, ModelConfig
+    from model import load_policy
+    torch.manual_seed(0)
+    return load_policy(ModelConfig(name="smollm2-135m"), LoraConfig(r=16, alpha=32), torch.device("cpu"))
+
+
+def generate_lever(args) -> None:
+    model, tok = builtin_policy()
+    prompts = [grpo.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
+
+    def timed(label: str, reps: int = 3) -> list[float]:
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            grpo.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True)
+            out.append(time.perf_counter() - t0)
+        print(f"  {label:28s} " + " ".join(f"{t:6.2f}" for t in out) + " s", flush=True)
+        return out
+
+    print(f"generate lever: SmolLM2-135M + LoRA r=16 (all linear), 4 prompts x 8 x 64 tokens, fp32 CPU, "
+          f"{torch.get_num_threads()} threads; seconds per generate call")
+    unmerged = timed("peft LoRA layers (minigrpo)")
+    model.merge_adapter()
+    merged = timed("adapter merged")
+    model.unmerge_adapter()
+    model.generation_config.cache_implementation = "static"
+    static = timed("static KV cache")
+    print(f"  ratio merged / unmerged {statistics.median(merged) / statistics.median(unmerged):.3f}, "
+          f"static / unmerged {statistics.median(static) / statistics.median(unmerged):.3f}")
+    if args.compile:
+        base = model.get_base_model()
+        base.forward = torch.compile(base.forward, dynamic=False)
+        compiled = timed("static + torch.compile", reps=3)
+        print(f"  first compiled call (compilation) {compiled[0]:.1f} s; "
+              f"ratio compiled / unmerged (calls 2-3) {statistics.median(compiled[1:]) / statistics.median(unmerged):.3f}")
+
+
+def microbatch_lever(args) -> None:
+    model, _ = builtin_policy()
+    model.train()
+    ids = torch.randint(0, 49000, (32, 110), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    times: dict[int, list[float]] = {}
+    for size in (8, 16, 32) * 3:  # alternating; the first round is warm-up
+        t0 = time.perf_counter()
+        for s in range(0, 32, size):
+            grpo.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64, 1.0).sum().backward()
+        times.setdefault(size, []).append(time.perf_counter() - t0)
+    print(f"microbatch lever: fwd+bwd of 32 x 110 tokens (64 scored), SmolLM2-135M + LoRA r=16, fp32 CPU, "
+          f"{torch.get_num_threads()} threads; median of rounds 2-3")
+    base = statistics.median(times[8][1:])
+    for size, t in times.items():
+        print(f"  micro-batch {size:2d}: {statistics.median(t[1:]):6.2f} s  ratio to 8: {statistics.median(t[1:]) / base:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch"])
+    ap.add_argument("--compile", action="store_true", help="generate: also time torch.compile (slow to compile)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rows", type=int, default=8 * 64, help="completion tokens in a micro-batch (8 x 64)")
@@ -84,6 +150,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.lever != "logprob":
+        return generate_lever(args) if args.lever == "generate" else microbatch_lever(args)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)

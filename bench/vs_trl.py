@@ -142,6 +142,18 @@ def minigrpo_config(a: argparse.Namespace, path: Path, device: str, out_dir: Pat
     }
 
 
+def apply_settings(cfg: dict, settings: list[str]) -> None:
+    """section.key=value (value read as YAML) into minigrpo's config dict."""
+    import yaml
+    for item in settings:
+        dotted, value = item.split("=", 1)
+        *parents, last = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = yaml.safe_load(value)
+
+
 def sync() -> None:
     import torch
     if torch.cuda.is_available():
@@ -387,6 +399,8 @@ def main() -> int:
     ap.add_argument("--python", default=sys.executable, help="interpreter for both children (default: this one)")
     ap.add_argument("--workdir", help="keep run directories here (default: a temporary directory)")
     ap.add_argument("--json", help="write every per-step record to this file")
+    ap.add_argument("--minigrpo-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a minigrpo-only setting (a speed lever TRL has no equivalent of), e.g. rollout.merged_sampling=true")
     a = ap.parse_args()
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
@@ -399,7 +413,8 @@ def main() -> int:
     print(f"[bench] device {a.device}, B={a.prompts_per_step} G={a.num_generations} new tokens={a.max_new_tokens} "
           f"(fixed, EOS suppressed) micro-batch={a.micro_batch_size} LoRA r={a.lora_r} alpha={a.lora_alpha} "
           f"steps={a.steps} alternations={a.alternations} threads={a.threads or 'default'} "
-          f"(torch {torch.get_num_threads()} here)", flush=True)
+          f"(torch {torch.get_num_threads()} here)" + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else ""),
+          flush=True)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="minigrpo-vs-trl-"))
     everything, report = {}, []
     for spec in a.models:
@@ -410,6 +425,8 @@ def main() -> int:
             for who in ("minigrpo", "trl"):
                 wd = work / f"{spec.replace(':', '_').replace('/', '_')}-{who}-{i + 1}"
                 cfg = minigrpo_config(a, path, a.device, wd / "run")
+                if who == "minigrpo":
+                    apply_settings(cfg, a.minigrpo_set)
                 if who == "trl" and prompts is None:
                     raise SystemExit("[bench] no prompts recorded from minigrpo's run")
                 r = run_child(who, cfg, a, wd, prompts if who == "trl" else None)

@@ -175,3 +175,36 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
     data = DataConfig(system_prompt=None, assistant_prefix="{", chat_template_kwargs={"enable_thinking": False})
     assert grpo.render_rows(tok, [{"prompt": "Q"}], data) == ["Q<think></think>{"]
     assert grpo.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
+
+
+def test_merged_sampling_is_the_same_policy_and_restores_the_base_weights_exactly(tiny_llama):
+    from model import merged_for_sampling
+    model, tok = load_policy(ModelConfig(name=str(tiny_llama)), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    with torch.no_grad():  # a trained-looking adapter: B is zero at init
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
+    with torch.no_grad():
+        unmerged = grpo.sequence_log_probs(model, ids, attn, 4)
+        with merged_for_sampling(model):
+            merged = grpo.sequence_log_probs(model, ids, attn, 4)
+            inside = {n: p.detach().clone() for n, p in model.named_parameters()}
+        after_lp = grpo.sequence_log_probs(model, ids, attn, 4)
+    assert torch.allclose(merged, unmerged, atol=1e-5)  # same policy
+    assert any(not torch.equal(inside[n], before[n]) for n in before if "base_layer" in n)  # it did merge
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # restored bit for bit
+    assert torch.equal(after_lp, unmerged)  # and the adapter is live again
+
+
+def test_merged_sampling_trains(tmp_path, tiny_llama):
+    import json
+    import train
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(6)))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{name: {tiny_llama}}}\ndata: {{name: {data}, prompt: '{{q}}'}}\n"
+                   "rollout: {prompts_per_step: 2, num_generations: 2, max_new_tokens: 4, merged_sampling: true}\n"
+                   f"run: {{out_dir: {tmp_path / 'run'}, steps: 2}}\nrewards: [{{name: answer_match}}]\n")
+    assert train.main(["--config", str(cfg)]) == 0
