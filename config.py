@@ -61,6 +61,8 @@ class DataSource:
     config_name: str | None = None  # hub dataset config (subset) name
     split: str = "train"  # hub dataset split
     prompt: str | None = None  # column or template of this source's prompt (None: data.prompt)
+    map: str | None = None  # this source's row mapping, e.g. an adapter to the shared columns (None: data.map)
+    select: list[int] | None = None  # [start, end) of this source's shuffled rows to train on (None: data.select)
     num_examples: int = 0  # keep the first n rows (0: all)
 
 
@@ -351,7 +353,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
-    for key, sel in (("data.select", cfg.data.select), ("eval.select", cfg.eval.select)):
+    d = cfg.data
+    mix = d.presets.get(d.preset) if d.preset is not None else d.mixture
+    mix_key = f"data.presets.{d.preset}" if d.preset is not None else "data.mixture"
+    train_ranges = [("data.select", d.select)] + [(f"{mix_key}[{i}].select", s.select) for i, s in enumerate(mix or [])]
+    for key, sel in train_ranges + [("eval.select", cfg.eval.select)]:
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
     if cfg.eval.split is not None and _is_local(cfg.data.name) and cfg.data.mixture is None and cfg.data.preset is None:
@@ -359,8 +365,9 @@ def _check(cfg: Config) -> None:
                           "hold rows out with eval.select instead")
     # another split of one hub dataset holds other rows; a mixture's sources keep the overlap check
     same_split = cfg.eval.split in (None, cfg.data.split) or cfg.data.mixture is not None or cfg.data.preset is not None
-    if same_split and cfg.data.select and cfg.eval.select and cfg.data.select[0] < cfg.eval.select[1] and cfg.eval.select[0] < cfg.data.select[1]:
-        raise ConfigError(f"data.select {cfg.data.select} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
+    for key, sel in train_ranges if same_split and cfg.eval.select else []:
+        if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
+            raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
     _check_mixture(cfg.data)
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")

@@ -14,7 +14,8 @@ Splits: `data.split_seed` shuffles all rows exactly as `datasets.Dataset.shuffle
 `split_seed: 42, select: [1000, 1500]` is `ds.shuffle(seed=42).select(range(1000, 1500))`.
 
 Mixtures (`data.mixture`, or a named one from `data.presets` chosen by `data.preset`): each source
-is loaded, split and mapped like a single dataset; each drawn prompt comes from source s with
+is loaded, split and mapped like a single dataset (with its own `select`, `map` and `prompt`
+where it sets them, else data.*); each drawn prompt comes from source s with
 probability w_s(t) / sum_k w_k(t), where t = (step - 1) / (steps - 1) runs from 0 to 1 and
 w_s(t) = weight + (weight_end - weight) * t, so `weight_end` turns a mix into a curriculum. Data
 files are only ever read.
@@ -206,8 +207,9 @@ def _label(name: str) -> str:
 
 
 def load_sources(cfg: DataConfig, select: list[int] | None = None) -> list[Source]:
-    """Every source loaded, split (`select` overrides cfg.select, e.g. eval.select), mapped and
-    checked up front, so a bad row stops the run before anything is written."""
+    """Every source loaded, split (`select` overrides data.select and each source's own select,
+    e.g. eval.select), mapped and checked up front, so a bad row stops the run before anything is
+    written."""
     mix = mixture(cfg)
     if mix is None:
         rows = _prepare(cfg, select)
@@ -215,7 +217,8 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None) -> list[Sourc
     out, seen = [], {}
     for src in mix:
         sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=src.split,
-                                  prompt=src.prompt or cfg.prompt, num_examples=src.num_examples)
+                                  prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
+                                  select=src.select or cfg.select, num_examples=src.num_examples)
         label = src.label or _label(src.name)
         seen[label] = seen.get(label, 0) + 1
         label = label if seen[label] == 1 else f"{label}#{seen[label]}"

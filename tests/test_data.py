@@ -160,3 +160,18 @@ def test_relative_data_files_are_read_from_data_root(tmp_path):
     assert load_rows(cfg)[0]["prompt"] == "a"
     with pytest.raises(DataError, match="is a data file"):
         check_not_data_file(cfg, str(tmp_path / "cache/easy.jsonl"), "judge.cache_path")
+
+
+def test_each_source_may_bring_its_own_range_and_column_adapter(tmp_path):
+    (tmp_path / "adapt.py").write_text("def qa(row):\n    return {'q': row['question'], 'answer': row['gold']}\n")
+    other = write_jsonl(tmp_path / "other.jsonl", [{"question": f"c{i}", "gold": "3"} for i in range(10)])
+    path = mix_config(tmp_path, {"mixture": [{"name": "EASY", "select": [0, 2]},
+                                             {"name": other, "map": f"{tmp_path / 'adapt.py'}:qa", "select": [0, 4]}],
+                                 "split_seed": 1})
+    cfg = load_config(path)
+    easy, adapted = load_sources(cfg.data)
+    assert len(easy.rows) == 2 and len(adapted.rows) == 4 and adapted.rows[0]["prompt"].startswith("c")
+    held_out = load_sources(cfg.data, select=[4, 6])[1]  # eval.select replaces every source's range
+    assert len(held_out.rows) == 2 and {r["q"] for r in held_out.rows}.isdisjoint(r["q"] for r in adapted.rows)
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\].select \[0, 4\] and eval.select \[3, 6\] overlap"):
+        load_config(path, ["--eval.select=[3,6]"])
