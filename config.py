@@ -99,7 +99,7 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling (0: off)
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
-    merged_sampling: bool = False  # HF generate with the LoRA update merged into a copy of the weights: faster sampling, more memory while it runs
+    merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest
     vllm_sleep: bool = False  # put vLLM to sleep (free its KV cache, offload weights) while the trainer runs
@@ -347,8 +347,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or cfg.rollout.engine != "vllm"):
         raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm and a cap >= 1 (0 turns it off)")
-    if cfg.rollout.merged_sampling and cfg.model.quant:
-        raise ConfigError("rollout.merged_sampling cannot fold the adapter into 4-bit weights: turn one of them off")
+    if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled or cfg.rollout.engine != "hf"):
+        raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision weights for HF generate: "
+                          "it needs lora.enabled, no model.quant and rollout.engine: hf")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:

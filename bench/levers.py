@@ -14,9 +14,9 @@ Levers measured:
             the whole peak RSS of a fresh subprocess per implementation: the same imports and
             inputs on both sides, so the difference is the implementation's).
   generate  HF generate of B=4 prompts x G=8 x 64 fixed new tokens with peft's LoRA layers as they
-            are (what minigrpo does), against the adapter merged into the weights, and against a
-            static KV cache (with --compile: plus torch.compile of the forward; its first call,
-            the compilation, is shown apart).
+            are (the default), against model.merged_for_sampling (rollout.merged_sampling; its
+            merge and restore timed too), alternating after a warm-up; then a static KV cache
+            (with --compile: plus torch.compile of the forward, its first call shown apart).
   microbatch the training forward + backward of 32 sequences x 110 tokens split into micro-batches
             of 8, 16 and 32.
 """
@@ -87,34 +87,41 @@ def builtin_policy():
 
 
 def generate_lever(args) -> None:
+    import contextlib
+    from model import merged_for_sampling
     model, tok = builtin_policy()
+    with torch.no_grad():  # a trained-looking adapter (B starts at zero), so merging has work to do
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
     prompts = [grpo.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
 
-    def timed(label: str, reps: int = 3) -> list[float]:
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+    def once(merged: bool) -> float:
+        t0 = time.perf_counter()  # the merge and the restore are timed too
+        with merged_for_sampling(model) if merged else contextlib.nullcontext():
             grpo.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True)
-            out.append(time.perf_counter() - t0)
-        print(f"  {label:28s} " + " ".join(f"{t:6.2f}" for t in out) + " s", flush=True)
-        return out
+        return time.perf_counter() - t0
 
+    once(False), once(True)  # warm-up: the first call of each pays page faults and allocations
+    times: dict[str, list[float]] = {"peft LoRA layers (default)": [], "merged_for_sampling": []}
+    for _ in range(args.reps // 2 or 1):  # alternating
+        times["peft LoRA layers (default)"].append(once(False))
+        times["merged_for_sampling"].append(once(True))
     print(f"generate lever: SmolLM2-135M + LoRA r=16 (all linear), 4 prompts x 8 x 64 tokens, fp32 CPU, "
-          f"{torch.get_num_threads()} threads; seconds per generate call")
-    unmerged = timed("peft LoRA layers (minigrpo)")
-    model.merge_adapter()
-    merged = timed("adapter merged")
-    model.unmerge_adapter()
+          f"{torch.get_num_threads()} threads; seconds per rollout incl. merge and restore, alternating after a warm-up")
+    for k, v in times.items():
+        print(f"  {k:28s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
+    a, b = (statistics.median(v) for v in times.values())
+    print(f"  ratio merged / default {b / a:.3f}")
     model.generation_config.cache_implementation = "static"
-    static = timed("static KV cache")
-    print(f"  ratio merged / unmerged {statistics.median(merged) / statistics.median(unmerged):.3f}, "
-          f"static / unmerged {statistics.median(static) / statistics.median(unmerged):.3f}")
+    static = [once(False) for _ in range(3)]
+    print(f"  static KV cache (default layers) {' '.join(f'{t:6.2f}' for t in static)}   ratio to default {statistics.median(static) / a:.3f}")
     if args.compile:
         base = model.get_base_model()
         base.forward = torch.compile(base.forward, dynamic=False)
-        compiled = timed("static + torch.compile", reps=3)
-        print(f"  first compiled call (compilation) {compiled[0]:.1f} s; "
-              f"ratio compiled / unmerged (calls 2-3) {statistics.median(compiled[1:]) / statistics.median(unmerged):.3f}")
+        compiled = [once(False) for _ in range(3)]
+        print(f"  static + torch.compile: first call (compilation) {compiled[0]:.1f} s; "
+              f"ratio to default (calls 2-3) {statistics.median(compiled[1:]) / a:.3f}")
 
 
 def microbatch_lever(args) -> None:

@@ -177,7 +177,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
     assert grpo.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
 
 
-def test_merged_sampling_is_the_same_policy_and_restores_the_base_weights_exactly(tiny_llama):
+def test_merged_sampling_is_the_same_policy_in_fp32_and_restores_the_base_weights_exactly(tiny_llama):
     from model import merged_for_sampling
     model, tok = load_policy(ModelConfig(name=str(tiny_llama)), LoraConfig(r=4, alpha=8), torch.device("cpu"))
     with torch.no_grad():  # a trained-looking adapter: B is zero at init
@@ -208,3 +208,27 @@ def test_merged_sampling_trains(tmp_path, tiny_llama):
                    "rollout: {prompts_per_step: 2, num_generations: 2, max_new_tokens: 4, merged_sampling: true}\n"
                    f"run: {{out_dir: {tmp_path / 'run'}, steps: 2}}\nrewards: [{{name: answer_match}}]\n")
     assert train.main(["--config", str(cfg)]) == 0
+
+
+@pytest.mark.parametrize("arch, peft_args", [("tiny_gpt2", {"target_modules": ["c_attn", "lm_head"]}),  # lm_head tied to wte
+                                             ("tiny_llama", {"target_modules": ["q_proj", "v_proj"], "use_dora": True}),
+                                             ("tiny_llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]})])
+def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, peft_args, request):
+    import peft
+    from model import merged_for_sampling
+    base = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(arch))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **peft_args))
+    tok = AutoTokenizer.from_pretrained(request.getfixturevalue(arch))
+    tok.padding_side = "left"
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "modules_to_save" in n:
+                p.add_(torch.randn_like(p) * 0.5)
+    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
+    model.eval()
+    with torch.no_grad():
+        unmerged = grpo.sequence_log_probs(model, ids, attn, 4)
+        with merged_for_sampling(model):
+            merged = grpo.sequence_log_probs(model, ids, attn, 4)
+    assert torch.allclose(merged, unmerged, atol=1e-5)
