@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 # ----------------------------------------------------------------------------- the math
 
@@ -202,20 +202,87 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class _FusedHeadLogSoftmax(torch.autograd.Function):
+    """log softmax(h W^T / T)[id] per row without ever holding the (rows, V) logits: each chunk of
+    rows is projected through the output head, reduced to its log-prob and logsumexp, and
+    dropped; backward projects the chunk again. With z = h W^T and p = softmax(z / T):
+
+        d logp / d h = (onehot - p) W / T,    d logp / d W = (onehot - p)^T h / T
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # (rows,)
+        out = torch.empty_like(lse)  # (rows,)
+        for s in range(0, hidden.shape[0], chunk):
+            lg = (hidden[s:s + chunk] @ weight.T).to(acc).div_(temperature)  # (c, V), as the model's head would give
+            lse[s:s + chunk] = torch.logsumexp(lg, dim=-1)
+            out[s:s + chunk] = lg.gather(-1, ids[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, ids, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None  # (rows, H)
+        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_w else None  # (V, H)
+        for s in range(0, hidden.shape[0], chunk):
+            g = grad_out[s:s + chunk, None].to(lse.dtype) / T  # (c, 1)
+            dz = (hidden[s:s + chunk] @ weight.T).to(lse.dtype).div_(T).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # (c, V)
+            dz.scatter_add_(-1, ids[s:s + chunk, None], g)  # (onehot - p) g / T
+            if want_h:
+                grad_h[s:s + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                grad_w += dz.T @ hidden[s:s + chunk].to(lse.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+_HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def plain_output_head(model) -> nn.Linear | None:
+    """The output head when logits are exactly hidden @ W^T (a bias-free nn.Linear, no logit
+    scaling or soft-capping, a decoder we can call on its own), else None."""
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if type(head) is not nn.Linear or head.bias is not None or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _HEAD_SCALES):
+        return None
+    try:
+        model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    return head
+
+
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                       temperature: float = 1.0, chunk: int = 4096) -> Tensor:
+                       temperature: float = 1.0, chunk: int = 4096, fused_head: bool = False) -> Tensor:
     """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
 
     The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
     position, absolute-position models do not); only the C logits that score a token are
-    computed (`logits_to_keep`). input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
+    computed (`logits_to_keep`). fused_head (grpo.fused_lm_head): the decoder's hidden states go
+    through the output head chunk by chunk (_FusedHeadLogSoftmax), so the (N, C, V) logits never
+    exist; models whose head is not plain (plain_output_head) take the usual path.
+    input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
     assert input_ids.shape[1] > num_completion, "a completion needs at least one prompt token before it"
     # the last token predicts nothing we score: leave it out, so the kept logits are exactly the
     # C positions j whose logits predict token j + 1, contiguous (a [:, :-1] slice would copy them)
-    out = model(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids(attention_mask)[:, :-1], use_cache=False, logits_to_keep=num_completion)
-    return selective_log_probs(out.logits, input_ids[:, -num_completion:], temperature, chunk)  # (N, C)
+    inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                  position_ids=position_ids(attention_mask)[:, :-1], use_cache=False)
+    ids = input_ids[:, -num_completion:]  # (N, C)
+    head = plain_output_head(model) if fused_head else None
+    if head is not None:
+        hidden = model.get_decoder()(**inputs).last_hidden_state[:, -num_completion:]  # (N, C, H)
+        N, C, H = hidden.shape
+        return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
+                                          temperature, chunk).view(N, C)  # (N, C)
+    out = model(**inputs, logits_to_keep=num_completion)
+    return selective_log_probs(out.logits, ids, temperature, chunk)  # (N, C)
 
 
 @dataclass

@@ -227,7 +227,7 @@ def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg:
     The temperature is the sampler's (rollout.temperature) unless given."""
     i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
     T = cfg.rollout.temperature if temperature is None else temperature
-    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk), C
+    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head), C
 
 
 @torch.no_grad()

@@ -5,6 +5,7 @@ in one run, reported as ratios. Not part of the test suite.
     .venv/bin/python bench/levers.py --device cuda --vocab 151936 --rows 4096 --dtype bfloat16
     .venv/bin/python bench/levers.py --lever generate [--compile]   # the built-in SmolLM2 + LoRA r=16
     .venv/bin/python bench/levers.py --lever microbatch
+    .venv/bin/python bench/levers.py --lever fusedhead
 
 Levers measured:
   logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
@@ -19,6 +20,9 @@ Levers measured:
             (with --compile: plus torch.compile of the forward, its first call shown apart).
   microbatch the training forward + backward of 32 sequences x 110 tokens split into micro-batches
             of 8, 16 and 32.
+  fusedhead the training forward + backward of one micro-batch (8 x 110 tokens, 64 scored) with
+            the model's head and logits (default) against grpo.fused_lm_head (the logits never
+            exist): time alternating after a warm-up, and each mode's peak RSS in a fresh process.
 """
 from __future__ import annotations
 
@@ -142,9 +146,43 @@ def microbatch_lever(args) -> None:
         print(f"  micro-batch {size:2d}: {statistics.median(t[1:]):6.2f} s  ratio to 8: {statistics.median(t[1:]) / base:.3f}")
 
 
+def fusedhead_step(fused: bool, reps: int, chunk: int = 4096) -> list[float]:
+    model, _ = builtin_policy()
+    model.train()
+    ids = torch.randint(0, 49000, (8, 110), generator=torch.Generator().manual_seed(0))
+    out = []
+    for _ in range(reps + 1):  # the first is warm-up
+        t0 = time.perf_counter()
+        grpo.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk, fused_head=fused).sum().backward()
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def fusedhead_lever(args) -> None:
+    model_times = {False: [], True: []}
+    for _ in range(2):  # alternating processes; each process's peak RSS is its mode's
+        for fused in (False, True):
+            code = (f"import sys, resource; sys.path[:0] = [{str(Path(__file__).parent)!r}]; import levers; "
+                    f"t = levers.fusedhead_step({fused}, {args.reps}, {args.chunk}); "
+                    f"print(*t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+            vals = [float(x) for x in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                                     check=True).stdout.split()]
+            model_times[fused].append((vals[:-1], vals[-1]))
+    print(f"fusedhead lever: one micro-batch fwd+bwd, 8 x 110 tokens (64 scored), SmolLM2-135M (V=49152) + LoRA r=16, "
+          f"fp32 CPU, {torch.get_num_threads()} threads, logprob chunk {args.chunk} rows; 2 processes per mode, "
+          f"{args.reps} timed calls each after a warm-up")
+    stats = {}
+    for fused, runs in model_times.items():
+        t = statistics.median(x for ts, _ in runs for x in ts)
+        rss = max(r for _, r in runs)
+        stats[fused] = (t, rss)
+        print(f"  {'fused head' if fused else 'logits (default)':18s} {t:6.2f} s   peak RSS {rss:7.1f} MB")
+    print(f"  ratio fused / default: time {stats[True][0] / stats[False][0]:.3f}, peak RSS {stats[True][1] / stats[False][1]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch"])
+    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead"])
     ap.add_argument("--compile", action="store_true", help="generate: also time torch.compile (slow to compile)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -158,7 +196,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.lever != "logprob":
-        return generate_lever(args) if args.lever == "generate" else microbatch_lever(args)
+        return {"generate": generate_lever, "microbatch": microbatch_lever, "fusedhead": fusedhead_lever}[args.lever](args)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)

@@ -232,3 +232,34 @@ def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, pe
         with merged_for_sampling(model):
             merged = grpo.sequence_log_probs(model, ids, attn, 4)
     assert torch.allclose(merged, unmerged, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
+    """grpo.fused_lm_head never builds the (N, C, V) logits; values and LoRA gradients must not change."""
+    model, tok = load_policy(ModelConfig(name=str(request.getfixturevalue(arch))), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    assert grpo.plain_output_head(model) is not None  # else the test would compare the default path with itself
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
+    weights = torch.linspace(-1, 1, 8).view(2, 4)
+    results = []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp = grpo.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=fused)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = results
+    assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
+    assert all(torch.allclose(ga[k], gb[k], atol=1e-5) for k in ga)
+
+
+def test_fused_lm_head_gradient_reaches_a_trained_head():
+    """Full fine-tuning trains the head too: d/dW by gradcheck."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 7, (5,), generator=g)
+    assert torch.autograd.gradcheck(lambda h, w: grpo._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
