@@ -355,22 +355,20 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
-    d = cfg.data
-    mix = d.presets.get(d.preset) if d.preset is not None else d.mixture
-    mix_key = f"data.presets.{d.preset}" if d.preset is not None else "data.mixture"
-    train_ranges = [("data.select", d.select)] + [(f"{mix_key}[{i}].select", s.select) for i, s in enumerate(mix or [])]
+    _check_mixture(cfg.data)
+    mix_key, mix = active_mixture(cfg.data)
+    train_ranges = [("data.select", cfg.data.select)] + [(f"{mix_key}[{i}].select", s.select) for i, s in enumerate(mix or [])]
     for key, sel in train_ranges + [("eval.select", cfg.eval.select)]:
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    if cfg.eval.split is not None and _is_local(cfg.data.name) and cfg.data.mixture is None and cfg.data.preset is None:
+    if cfg.eval.split is not None and is_local_data(cfg.data.name) and mix is None:
         raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; data.name={cfg.data.name} has none: "
                           "hold rows out with eval.select instead")
     # another split of one hub dataset holds other rows; a mixture's sources keep the overlap check
-    same_split = cfg.eval.split in (None, cfg.data.split) or cfg.data.mixture is not None or cfg.data.preset is not None
+    same_split = cfg.eval.split in (None, cfg.data.split) or mix is not None
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
             raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
-    _check_mixture(cfg.data)
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
@@ -379,8 +377,20 @@ def _check(cfg: Config) -> None:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
 
 
-def _is_local(name: str | None) -> bool:
-    return name in (None, "arithmetic") or Path(name).suffix.lower() in (".jsonl", ".json", ".csv", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # the local data files data.py reads
+
+
+def is_local_data(name: str | None) -> bool:
+    """A built-in task or a local data file (these have no hub splits)."""
+    return name in (None, "arithmetic") or Path(name).suffix.lower() in DATA_SUFFIXES
+
+
+def active_mixture(d: DataConfig) -> tuple[str, list[DataSource] | None]:
+    """(its config key, the sources) of a mixed run: data.presets[data.preset] or data.mixture;
+    the sources are None when the run reads data.name alone."""
+    if d.preset is not None:
+        return f"data.presets.{d.preset}", d.presets.get(d.preset)
+    return "data.mixture", d.mixture
 
 
 def _check_mixture(d: DataConfig) -> None:
@@ -390,10 +400,9 @@ def _check_mixture(d: DataConfig) -> None:
         raise ConfigError(f"data.presets is set: choose one with data.preset ({', '.join(d.presets)})")
     if d.preset is not None and d.mixture is not None:
         raise ConfigError("set data.mixture or data.preset, not both")
-    mix = d.presets[d.preset] if d.preset is not None else d.mixture
+    key, mix = active_mixture(d)
     if mix is None:
         return
-    key = f"data.presets.{d.preset}" if d.preset is not None else "data.mixture"
     if d.name not in (None, "arithmetic"):
         raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r} (or set it to null)")
     ignored = {"data.split": d.split != "train", "data.config_name": d.config_name is not None, "data.num_examples": d.num_examples != 0}

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from config import ConfigError, DataConfig, DataSource
+from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
 from rewards import import_function
 
 
@@ -99,7 +99,7 @@ def load_raw(cfg: DataConfig):
     path = local_path(cfg, cfg.name)
     if path.is_file():
         rows = _read_file(path)
-    elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet"):
+    elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES:
         raise DataError(f"data.name={cfg.name}: no such file; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
     else:
         import datasets
@@ -196,27 +196,22 @@ class Source:
     weight_end: float  # ... and at the last step
 
 
-def mixture(cfg: DataConfig) -> list[DataSource] | None:
-    """The sources of a mixed run (data.presets[data.preset] or data.mixture), or None for data.name."""
-    return cfg.presets[cfg.preset] if cfg.preset is not None else cfg.mixture
-
-
 def _label(name: str) -> str:
     path = Path(name)
-    return path.stem if path.suffix.lower() in (".jsonl", ".json", ".csv", ".parquet") else name.rstrip("/").split("/")[-1]
+    return path.stem if path.suffix.lower() in DATA_SUFFIXES else name.rstrip("/").split("/")[-1]
 
 
-def load_sources(cfg: DataConfig, select: list[int] | None = None) -> list[Source]:
-    """Every source loaded, split (`select` overrides data.select and each source's own select,
-    e.g. eval.select), mapped and checked up front, so a bad row stops the run before anything is
-    written."""
-    mix = mixture(cfg)
+def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | None = None) -> list[Source]:
+    """Every source loaded, split, mapped and checked up front, so a bad row stops the run before
+    anything is written. eval.py's held-out rows: `select` replaces data.select and each source's
+    own select, `split` replaces data.split and each source's split (eval.select, eval.split)."""
+    mix = active_mixture(cfg)[1]
     if mix is None:
-        rows = _prepare(cfg, select)
+        rows = _prepare(dataclasses.replace(cfg, split=split or cfg.split), select)
         return [Source(_label(cfg.name), rows, 1.0, 1.0)]
     out, seen = [], {}
     for src in mix:
-        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=src.split,
+        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=split or src.split,
                                   prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
                                   select=src.select or cfg.select, num_examples=src.num_examples)
         label = src.label or _label(src.name)
@@ -236,7 +231,7 @@ def check_not_data_file(cfg: DataConfig, path: str | None, key: str) -> None:
     if not path:
         return
     target = Path(path).expanduser().resolve()
-    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in mixture(cfg) or []] or [cfg.name]):
+    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in active_mixture(cfg)[1] or []] or [cfg.name]):
         raise DataError(f"{key}={path} is a data file; the run appends to it, so give it a file of its own")
 
 

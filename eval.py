@@ -57,7 +57,7 @@ from rich.table import Table
 
 import grpo
 from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
-from data import check_not_data_file, load_sources, mixture
+from data import check_not_data_file, load_sources
 from judge import Judge
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from rewards import RewardResult, check_specs, compute_rewards, reward_means
@@ -250,10 +250,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         raise ConfigError(f"judge or eval.api: {e}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
-    data = dataclasses.replace(cfg.data, split=cfg.eval.split or cfg.data.split,
-                               mixture=[dataclasses.replace(s, split=cfg.eval.split or s.split) for s in mixture(cfg.data) or []] or None,
-                               preset=None, presets={})
-    rows = [row for src in load_sources(data, select=cfg.eval.select)
+    rows = [row for src in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
             for row in (src.rows[: cfg.eval.limit] if cfg.eval.limit else src.rows)]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     return Plan(cfg, entries, rows, pick_device(cfg.run.device), judge, api, tokenizer)

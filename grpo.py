@@ -61,6 +61,22 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
     return (positions <= first[:, None]).float(), ~has_eos
 
 
+def _pick_and_lse(z: Tensor, ids: Tensor, temperature: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A chunk of logits z (c, V) -> (log softmax(z / T)[ids], logsumexp(z / T)), each (c,), in `acc`."""
+    lg = z.to(acc) / temperature  # (c, V)
+    lse = torch.logsumexp(lg, dim=-1)  # (c,)
+    return lg.gather(-1, ids[:, None]).squeeze(-1) - lse, lse
+
+
+def _logits_grad(z: Tensor, ids: Tensor, lse: Tensor, grad_out: Tensor, temperature: float, owned: bool) -> Tensor:
+    """d(sum_i g_i logp_i) / dz = (onehot(ids) - softmax(z / T)) * g / T for a chunk z (c, V), in
+    lse's dtype, built in place in one (c, V) buffer. owned: z is a temporary that may be
+    overwritten (else it is copied: fp32 logits would otherwise be the saved input itself)."""
+    g = grad_out[:, None].to(lse.dtype) / temperature  # (c, 1)
+    dz = z.to(lse.dtype, copy=not owned).div_(temperature).sub_(lse[:, None]).exp_().mul_(-g)  # -softmax * g
+    return dz.scatter_add_(-1, ids[:, None], g)
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
     """log softmax(x / T)[id] per row, with the backward written out:
 
@@ -76,9 +92,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         lse = logits.new_empty(logits.shape[0], dtype=acc)  # (rows,)
         out = torch.empty_like(lse)  # (rows,)
         for s in range(0, logits.shape[0], chunk):
-            lg = logits[s:s + chunk].to(acc) / temperature  # (c, V)
-            lse[s:s + chunk] = torch.logsumexp(lg, dim=-1)
-            out[s:s + chunk] = lg.gather(-1, ids[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(logits[s:s + chunk], ids[s:s + chunk], temperature, acc)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -89,11 +103,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         T, chunk = ctx.temperature, ctx.chunk
         grad = torch.empty_like(logits)  # (rows, V)
         for s in range(0, logits.shape[0], chunk):
-            g = grad_out[s:s + chunk, None].to(lse.dtype) / T  # (c, 1)
-            # in place on a copy (copy=True: fp32 logits would otherwise be the saved input itself): one fp32 (c, V) buffer
-            part = logits[s:s + chunk].to(lse.dtype, copy=True).div_(T).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # -softmax * g
-            part.scatter_add_(-1, ids[s:s + chunk, None], g)
-            grad[s:s + chunk] = part
+            e = slice(s, s + chunk)
+            grad[e] = _logits_grad(logits[e], ids[e], lse[e], grad_out[e], T, owned=False)
         return grad, None, None, None
 
 
@@ -215,10 +226,8 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         acc = torch.promote_types(hidden.dtype, torch.float32)
         lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # (rows,)
         out = torch.empty_like(lse)  # (rows,)
-        for s in range(0, hidden.shape[0], chunk):
-            lg = (hidden[s:s + chunk] @ weight.T).to(acc).div_(temperature)  # (c, V), as the model's head would give
-            lse[s:s + chunk] = torch.logsumexp(lg, dim=-1)
-            out[s:s + chunk] = lg.gather(-1, ids[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        for s in range(0, hidden.shape[0], chunk):  # each chunk's logits as the model's head would give them
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(hidden[s:s + chunk] @ weight.T, ids[s:s + chunk], temperature, acc)
         ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -231,13 +240,12 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if want_h else None  # (rows, H)
         grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_w else None  # (V, H)
         for s in range(0, hidden.shape[0], chunk):
-            g = grad_out[s:s + chunk, None].to(lse.dtype) / T  # (c, 1)
-            dz = (hidden[s:s + chunk] @ weight.T).to(lse.dtype).div_(T).sub_(lse[s:s + chunk, None]).exp_().mul_(-g)  # (c, V)
-            dz.scatter_add_(-1, ids[s:s + chunk, None], g)  # (onehot - p) g / T
+            e = slice(s, s + chunk)
+            dz = _logits_grad(hidden[e] @ weight.T, ids[e], lse[e], grad_out[e], T, owned=True)  # (c, V)
             if want_h:
-                grad_h[s:s + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[e] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
-                grad_w += dz.T @ hidden[s:s + chunk].to(lse.dtype)
+                grad_w += dz.T @ hidden[e].to(lse.dtype)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
