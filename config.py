@@ -119,6 +119,7 @@ class GrpoConfig:
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
     logprob_chunk: int = 4096  # rows of logits per chunk in the log-prob computation
     fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits never exist (GPU memory)
+    share_prompt: bool = True  # run each prompt through the model once per group, not G times (sampling prefill and loss forward; see grpo.py)
     tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
 
 

@@ -185,13 +185,14 @@ def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: l
 
 @torch.no_grad()
 def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, num_samples: int = 1,
-                   temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16) -> Generated:
+                   temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True) -> Generated:
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
-    greedy when temperature == 0. Completions end at (and include) the first EOS."""
+    greedy when temperature == 0. Completions end at (and include) the first EOS. share_prompt:
+    each prompt is prefilled once for its num_samples rows (grpo.prefill_shared)."""
     texts, num_tokens, truncated = [], [], []
     for s in range(0, len(prompts), batch_size):
         r = grpo.generate_rollout(model, tokenizer, prompts[s:s + batch_size], num_samples, max_new_tokens,
-                                  temperature, top_p)
+                                  temperature, top_p, share_prompt=share_prompt)
         texts += r.texts
         num_tokens += r.completion_mask.sum(1).long().tolist()
         truncated += r.truncated.tolist()
@@ -272,7 +273,7 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
         prompts = grpo.render_rows(tok, plan.rows, cfg.data)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
-        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size)
+        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt)
         del model, tok
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -267,14 +267,17 @@ def plain_output_head(model) -> nn.Linear | None:
 
 
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                       temperature: float = 1.0, chunk: int = 4096, fused_head: bool = False) -> Tensor:
+                       temperature: float = 1.0, chunk: int = 4096, fused_head: bool = False,
+                       share_prompt: bool = False) -> Tensor:
     """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
 
     The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
     position, absolute-position models do not); only the C logits that score a token are
     computed (`logits_to_keep`). fused_head (grpo.fused_lm_head): the decoder's hidden states go
     through the output head chunk by chunk (_FusedHeadLogSoftmax), so the (N, C, V) logits never
-    exist; models whose head is not plain (plain_output_head) take the usual path.
+    exist; models whose head is not plain (plain_output_head) take the usual path. share_prompt
+    (grpo.share_prompt): rows with the same prompt run it through the model once
+    (_shared_prompt_log_probs); the same values up to float rounding.
     input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
     assert input_ids.shape[1] > num_completion, "a completion needs at least one prompt token before it"
@@ -284,6 +287,10 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
                   position_ids=position_ids(attention_mask)[:, :-1], use_cache=False)
     ids = input_ids[:, -num_completion:]  # (N, C)
     head = plain_output_head(model) if fused_head else None
+    if share_prompt:
+        logp = _shared_prompt_log_probs(model, input_ids, attention_mask, num_completion, temperature, chunk, head)
+        if logp is not None:
+            return logp
     if head is not None:
         hidden = model.get_decoder()(**inputs).last_hidden_state[:, -num_completion:]  # (N, C, H)
         N, C, H = hidden.shape
@@ -291,6 +298,69 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
                                           temperature, chunk).view(N, C)  # (N, C)
     out = model(**inputs, logits_to_keep=num_completion)
     return selective_log_probs(out.logits, ids, temperature, chunk)  # (N, C)
+
+
+def prompt_cache(model):
+    """An empty DynamicCache for `model` when every layer keeps plain keys and values (no sliding
+    window, no recurrent state), else None: only such a cache can be filled once per prompt and
+    then indexed row by row (prompt sharing)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    try:
+        cache = DynamicCache(config=model.config)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return cache if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers) else None
+
+
+def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
+                             chunk: int, head: nn.Linear | None) -> Tensor | None:
+    """sequence_log_probs with each distinct prompt run through the model once (grpo.share_prompt).
+
+    A group's G rows share their prompt, so a plain forward computes the same P prompt positions
+    G times. Here the u distinct prompts go through the model once, filling a KV cache (u, P);
+    the cache is indexed out to the N rows (an index, so gradients from every row flow back into
+    the one prompt pass) and the completions run on top of it:
+
+        pass 1: prompts (u, P)        -> KV cache, and the logits of the last prompt position,
+                                         which score completion token 0
+        pass 2: completions (N, C - 1) on the cache -> the logits that score tokens 1 .. C-1
+
+    Attention mask and positions are those of the full rows, so each token sees exactly what it
+    sees in one pass. Returns None (the caller takes the one-pass path) when no two rows share a
+    prompt, under gradient checkpointing (HF drops the cache there), or when the model's cache is
+    not plain keys and values (prompt_cache).
+    """
+    N, W = input_ids.shape
+    P = W - C
+    key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)  # (N, 2P)
+    uniq, inv = torch.unique(key, dim=0, return_inverse=True)  # (u, 2P), (N,)
+    if len(uniq) == N or getattr(model, "is_gradient_checkpointing", False):
+        return None
+    cache = prompt_cache(model)
+    if cache is None:
+        return None
+    pos = position_ids(attention_mask)  # (N, W)
+    u_mask = uniq[:, P:]  # (u, P)
+    first_in = dict(input_ids=uniq[:, :P], attention_mask=u_mask, position_ids=position_ids(u_mask),
+                    past_key_values=cache, use_cache=True)
+    rest_in = dict(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
+                   past_key_values=cache, use_cache=True)  # (N, C - 1) on top of the (N, P) cache
+    ids = input_ids[:, P:]  # (N, C)
+    if head is not None:
+        decoder = model.get_decoder()
+        first = decoder(**first_in).last_hidden_state[:, -1:][inv]  # (N, 1, H)
+        cache.batch_select_indices(inv)
+        hidden = torch.cat([first, decoder(**rest_in).last_hidden_state], dim=1) if C > 1 else first  # (N, C, H)
+        H = hidden.shape[-1]
+        return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
+                                          temperature, chunk).view(N, C)  # (N, C)
+    first = selective_log_probs(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1], temperature, chunk)  # (N, 1)
+    if C == 1:
+        return first
+    cache.batch_select_indices(inv)
+    rest = selective_log_probs(model(**rest_in).logits, ids[:, 1:], temperature, chunk)  # (N, C - 1)
+    return torch.cat([first, rest], dim=1)  # (N, C)
 
 
 @dataclass
@@ -364,10 +434,13 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False) -> Rollout:
+                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
+                     share_prompt: bool = False) -> Rollout:
     """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
-    every completion has the same length (speed benchmarks; such completions count as truncated)."""
+    every completion has the same length (speed benchmarks; such completions count as truncated).
+    share_prompt (grpo.share_prompt): each prompt but its last token is run through the model once
+    and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared)."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     longest = int(enc.attention_mask.sum(1).max())
@@ -378,10 +451,14 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
         else dict(do_sample=False)
+    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if share_prompt else None
+    if cache is not None:  # generate runs only the last prompt token, then samples
+        rows = dict(input_ids=enc.input_ids.repeat_interleave(num_generations, 0),
+                    attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
+    else:
+        rows = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, num_return_sequences=num_generations)
     out = model.generate(
-        input_ids=enc.input_ids, attention_mask=enc.attention_mask, **decoding,
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
-        num_return_sequences=num_generations,
+        **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
         stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
     model.train(was_training)
@@ -395,6 +472,21 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     return Rollout(prompt_ids=enc.input_ids.repeat_interleave(num_generations, 0),
                    prompt_mask=enc.attention_mask.repeat_interleave(num_generations, 0),
                    completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
+
+
+def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int):
+    """The KV cache of every prompt but its last token, computed once per prompt and repeated to its
+    G rows (B * G, P - 1), for generate to continue from; None where sharing does not apply or pay:
+    G = 1, a prompt of one token, or a cache that is not plain keys and values (prompt_cache).
+    input_ids, attention_mask: (B, P), left-padded."""
+    cache = prompt_cache(model) if num_generations > 1 and int(attention_mask.sum(1).min()) >= 2 else None
+    if cache is None:
+        return None
+    mask = attention_mask[:, :-1]  # (B, P - 1)
+    model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(num_generations)  # (B * G, P - 1): rows i*G .. i*G+G-1 share prompt i
+    return cache
 
 
 def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:

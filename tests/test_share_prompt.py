@@ -1,0 +1,149 @@
+"""grpo.share_prompt: each prompt runs through the model once per group, in sampling and in the loss.
+The values, gradients and samples must equal the one-pass path's, and the fallbacks must engage."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+
+import grpo
+import train
+from config import LoraConfig, ModelConfig
+from model import load_policy
+
+
+def lora_policy(path):
+    """A LoRA policy whose adapter is not zero (B = 0 at init would hide a missing adapter path)."""
+    model, tok = load_policy(ModelConfig(name=str(path)), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    return model, tok
+
+
+def grouped_batch(tok, prompts, groups, completions):
+    """Rows as a rollout lays them out: prompt i repeated groups[i] times, left-padded prompts,
+    right-padded completions whose masks end at different lengths. -> (ids, attn, C)."""
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    rep = torch.tensor(groups)
+    p_ids, p_mask = enc.input_ids.repeat_interleave(rep, 0), enc.attention_mask.repeat_interleave(rep, 0)
+    comp = tok(completions, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="right")
+    assert comp.input_ids.shape[0] == p_ids.shape[0]
+    return torch.cat([p_ids, comp.input_ids], 1), torch.cat([p_mask, comp.attention_mask], 1), comp.input_ids.shape[1]
+
+
+def log_probs_and_grads(model, ids, attn, C, weights, **kw):
+    model.zero_grad(set_to_none=True)
+    lp = grpo.sequence_log_probs(model, ids, attn, C, temperature=0.7, chunk=5, **kw)
+    (lp * weights).sum().backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, fused, request):
+    """Two prompts of different lengths (left padding), a full and a partial group, completions of
+    different lengths; GPT-2's absolute positions catch a wrong position id."""
+    model, tok = lora_policy(request.getfixturevalue(arch))
+    ids, attn, C = grouped_batch(tok, ["What is 2 + 3? Reply with just the number.", "Hello"], [3, 2],
+                                 ["5", "The answer is 5.", "42 0 1", "world", "0 1 2 3 4 5 6"])
+    assert (attn == 0).any()
+    weights = torch.linspace(-1, 1, ids.shape[0] * C).view(-1, C)
+    head = grpo.plain_output_head(model) if fused else None
+    with torch.no_grad():  # the shared path itself runs (the comparison below would be vacuous otherwise)
+        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 0.7, 5, head) is not None
+    a, ga = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused)
+    b, gb = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused, share_prompt=True)
+    assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
+    assert all(torch.allclose(ga[k], gb[k], atol=1e-5) for k in ga)
+
+
+def test_shared_prompt_scores_a_single_completion_token(tiny_llama):
+    model, tok = lora_policy(tiny_llama)
+    ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [3], ["5", "4", "7"])
+    assert C == 1
+    with torch.no_grad():
+        want = grpo.sequence_log_probs(model, ids, attn, C)
+        got = grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None)
+    assert got is not None and torch.allclose(want, got, atol=1e-5)
+
+
+def test_shared_prompt_falls_back_where_it_cannot_or_need_not_share(tiny_llama, tmp_path):
+    model, tok = lora_policy(tiny_llama)
+    ids, attn, C = grouped_batch(tok, ["What is 2 + 3?", "Hello"], [1, 1], ["5", "world"])
+    with torch.no_grad():
+        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # nothing shared
+        ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [2], ["5", "4"])
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # HF drops the cache
+    # a sliding-window cache is not plain keys and values: the one-pass path runs, with the same result
+    eos = tok.eos_token_id
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                               eos_token_id=eos, pad_token_id=eos)).eval()
+    assert grpo.prompt_cache(mistral) is None and grpo.prompt_cache(model) is not None
+    with torch.no_grad():
+        assert grpo._shared_prompt_log_probs(mistral, ids, attn, C, 1.0, 4096, None) is None
+        assert torch.equal(grpo.sequence_log_probs(mistral, ids, attn, C, share_prompt=True),
+                           grpo.sequence_log_probs(mistral, ids, attn, C))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefill_samples_the_same_completions(tiny_llama, temperature):
+    """Same seed, same tokens: the prefill is the only thing that changes, and it draws no random numbers."""
+    model, tok = lora_policy(tiny_llama)
+    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        assert grpo.prefill_shared(model, enc.input_ids, enc.attention_mask, 3) is not None
+    out = []
+    for share in (False, True):
+        torch.manual_seed(0)
+        out.append(grpo.generate_rollout(model, tok, prompts, 3, 12, temperature, share_prompt=share))
+    a, b = out
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.prompt_ids, b.prompt_ids)
+    assert a.texts == b.texts and torch.equal(a.completion_mask, b.completion_mask)
+    assert len(set(a.texts[:3])) > 1  # sampled rows of one prompt differ: the seed matters
+
+
+def test_shared_prefill_is_skipped_for_one_sample_or_a_one_token_prompt(tiny_llama):
+    model, tok = lora_policy(tiny_llama)
+    enc = tok(["What is 2 + 3?", "Hello"], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        assert grpo.prefill_shared(model, enc.input_ids, enc.attention_mask, 1) is None
+        one = tok(["Hello"], return_tensors="pt", add_special_tokens=False)
+        assert one.input_ids.shape[1] == 1
+        assert grpo.prefill_shared(model, one.input_ids, one.attention_mask, 4) is None
+
+
+@pytest.fixture
+def train_config(tmp_path, tiny_llama):
+    import json
+    import yaml
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(3)))
+    cfg = {"model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
+           "data": {"name": str(data), "prompt": "{question} Reply with just the number."},
+           "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "temperature": 1.5},
+           "optim": {"lr": 1e-2, "micro_batch_size": 3}, "run": {"steps": 2, "save_every": 0, "sample_every": 0},
+           "rewards": [{"name": "short_answer", "args": {"max_words": 2}}]}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("extra", [[], ["--grpo.num_iterations=2", "--grpo.beta=0.1"]], ids=["on-policy", "mu2-kl"])
+def test_a_training_run_is_the_same_with_and_without_prompt_sharing(train_config, tmp_path, extra):
+    """Micro-batches of 3 with G = 4 mix whole and partial groups; mu = 2 and beta > 0 add the old and
+    reference passes. Two steps: the second step's rollout depends on the first update."""
+    import json
+    runs = []
+    for share in ("false", "true"):
+        out = tmp_path / f"run_{share}"
+        assert train.main(["--config", str(train_config), f"--grpo.share_prompt={share}", f"--run.out_dir={out}"] + extra) == 0
+        runs.append([json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()])
+    for a, b in zip(*runs):
+        assert a["reward"] == b["reward"]
+        assert a["grad_norm"] > 0 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
+        assert a.get("kl", 0.0) == pytest.approx(b.get("kl", 0.0), rel=1e-3, abs=1e-8)
