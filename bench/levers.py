@@ -6,6 +6,7 @@ in one run, reported as ratios. Not part of the test suite.
     .venv/bin/python bench/levers.py --lever generate [--compile]   # the built-in SmolLM2 + LoRA r=16
     .venv/bin/python bench/levers.py --lever microbatch
     .venv/bin/python bench/levers.py --lever fusedhead
+    .venv/bin/python bench/levers.py --lever share [--context-words 300]
 
 Levers measured:
   logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
@@ -23,6 +24,11 @@ Levers measured:
   fusedhead the training forward + backward of one micro-batch (8 x 110 tokens, 64 scored) with
             the model's head and logits (default) against grpo.fused_lm_head (the logits never
             exist): time alternating after a warm-up, and each mode's peak RSS in a fresh process.
+  share     grpo.share_prompt (each prompt through the model once per group) against G identical
+            prompt passes: HF generate of B=4 prompts x G=8 x 64 fixed new tokens, and the training
+            forward + backward of that rollout in micro-batches of 8, alternating after a warm-up.
+            --context-words N puts an N-word passage before each question (document-grounded
+            prompts, where most tokens are prompt).
 """
 from __future__ import annotations
 
@@ -180,9 +186,53 @@ def fusedhead_lever(args) -> None:
     print(f"  ratio fused / default: time {stats[True][0] / stats[False][0]:.3f}, peak RSS {stats[True][1] / stats[False][1]:.3f}")
 
 
+def share_lever(args) -> None:
+    model, tok = builtin_policy()
+    with torch.no_grad():  # a trained-looking adapter, as in the generate lever
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.01)
+    passage = " ".join(f"Fact {i}: the value of item {i} is {3 * i + 1}." for i in range(args.context_words // 8 + 1))
+    passage = " ".join(passage.split()[:args.context_words])
+    prompts = [grpo.render_prompt(tok, (passage + "\n\n" if passage else "") + f"What is {a} + {a + 3}? Reply with just the number.")
+               for a in range(4)]
+
+    def rollout(share: bool) -> tuple[float, grpo.Rollout]:
+        t0 = time.perf_counter()
+        r = grpo.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=share)
+        return time.perf_counter() - t0, r
+
+    def train(share: bool, r: grpo.Rollout) -> float:
+        model.train()
+        ids, attn = r.input_ids, r.attention_mask
+        t0 = time.perf_counter()
+        for s in range(0, ids.shape[0], 8):
+            grpo.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8], r.completion_ids.shape[1], 1.0,
+                                    share_prompt=share).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    _, r = rollout(False)
+    rollout(True), train(False, r), train(True, r)  # warm-up
+    times = {k: [] for k in ("rollout", "rollout shared", "train", "train shared")}
+    for _ in range(args.reps // 2 or 1):  # alternating
+        times["rollout"].append(rollout(False)[0])
+        times["rollout shared"].append(rollout(True)[0])
+        times["train"].append(train(False, r))
+        times["train shared"].append(train(True, r))
+    P = int(r.prompt_mask[0].sum())
+    print(f"share lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; 4 prompts of ~{P} tokens "
+          f"x G=8 x 64 fixed new tokens; training fwd+bwd in micro-batches of 8; seconds, alternating after a warm-up")
+    for k, v in times.items():
+        print(f"  {k:15s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"  ratio shared / one pass per row: rollout {med['rollout shared'] / med['rollout']:.3f}, "
+          f"training {med['train shared'] / med['train']:.3f}, both {(med['rollout shared'] + med['train shared']) / (med['rollout'] + med['train']):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead"])
+    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead", "share"])
     ap.add_argument("--compile", action="store_true", help="generate: also time torch.compile (slow to compile)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -192,11 +242,13 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--context-words", type=int, default=0, help="share: words of passage before each question")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.lever != "logprob":
-        return {"generate": generate_lever, "microbatch": microbatch_lever, "fusedhead": fusedhead_lever}[args.lever](args)
+        return {"generate": generate_lever, "microbatch": microbatch_lever, "fusedhead": fusedhead_lever,
+                "share": share_lever}[args.lever](args)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)
