@@ -99,6 +99,7 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling (0: off)
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
+    compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing
     merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest
@@ -132,6 +133,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
     micro_batch_size: int = 8  # completions per forward/backward; accumulation covers the rest
+    micro_batch_tokens: int = 0  # also cap a micro-batch at this many padded tokens (rows x longest row): flat memory with long, uneven completions (0: off)
 
 
 @dataclass
@@ -333,7 +335,8 @@ def _check(cfg: Config) -> None:
     non_negative = {"run.save_every": cfg.run.save_every, "run.sample_every": cfg.run.sample_every,
                     "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
-                    "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step}
+                    "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
+                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
@@ -352,6 +355,8 @@ def _check(cfg: Config) -> None:
     if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled or cfg.rollout.engine != "hf"):
         raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision weights for HF generate: "
                           "it needs lora.enabled, no model.quant and rollout.engine: hf")
+    if cfg.rollout.compile and cfg.rollout.engine != "hf":
+        raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling (set rollout.compile: false)")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:

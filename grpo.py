@@ -431,18 +431,25 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
         truncated[i] = False
 
 
+STATIC_BUCKET = 64  # rollout.compile: prompts are left-padded to a multiple of this many tokens
+
+
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                      stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
-                     share_prompt: bool = False) -> Rollout:
+                     share_prompt: bool = False, static_cache: bool = False) -> Rollout:
     """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
     share_prompt (grpo.share_prompt): each prompt but its last token is run through the model once
-    and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared)."""
+    and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared).
+    static_cache (rollout.compile): HF generate with a preallocated KV cache, which transformers
+    compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
+    tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then."""
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                    pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
     longest = int(enc.attention_mask.sum(1).max())
     if longest > max_prompt_tokens:
         raise ValueError(f"a prompt has {longest} tokens > rollout.max_prompt_tokens={max_prompt_tokens}")
@@ -451,7 +458,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
         else dict(do_sample=False)
-    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if share_prompt else None
+    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if share_prompt and not static_cache else None
     if cache is not None:  # generate runs only the last prompt token, then samples
         rows = dict(input_ids=enc.input_ids.repeat_interleave(num_generations, 0),
                     attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
@@ -460,7 +467,7 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     out = model.generate(
         **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-        stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+        cache_implementation="static" if static_cache else None, stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
     model.train(was_training)
     P = enc.input_ids.shape[1]
     completion_ids = out[:, P:]  # (N, C)

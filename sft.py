@@ -50,7 +50,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for mb in micro_batches(ids.shape[0], cfg.optim.micro_batch_size):
+    for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
         logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg, temperature=1.0)  # (m, C)
         loss = -torch.where(mask[mb, :C].bool(), logp, 0.0).sum() / tokens  # this micro-batch's share
         (r.scaler.scale(loss) if r.scaler else loss).backward()

@@ -166,7 +166,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     else:
         with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
             r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p,
-                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt)
+                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt, ro.compile)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
@@ -217,8 +217,23 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     return concat(kept, pad), concat(parts, pad), drawn
 
 
-def micro_batches(n: int, size: int) -> list[slice]:
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+def micro_batches(batch: grpo.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
+    """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
+    at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
+    what its forward pays for after trimming. A row over the budget on its own gets its own
+    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt)."""
+    n = batch.completion_ids.shape[0]
+    if not max_tokens:
+        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+    p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
+    out, start, longest_p, longest_c = [], 0, 0, 0
+    for i in range(n):
+        lp, lc = max(longest_p, p_len[i]), max(longest_c, c_len[i])
+        if i > start and (i - start >= size or (i - start + 1) * (lp + lc) > max_tokens):
+            out.append(slice(start, i))
+            start, lp, lc = i, p_len[i], c_len[i]
+        longest_p, longest_c = lp, lc
+    return out + [slice(start, n)]
 
 
 def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg: Config,
@@ -235,7 +250,7 @@ def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
     """(N, C) log-probs of the sampled tokens, zero past each row's end (old or reference policy)."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
     ids, attn = batch.input_ids, batch.attention_mask
-    for mb in micro_batches(ids.shape[0], cfg.optim.micro_batch_size):
+    for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
         logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
         out[mb, :C] = logp
     return out
@@ -262,7 +277,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         with reference_mode(model, r.ref_copy) as ref:
             ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
     N = batch.completion_ids.shape[0]
-    mbs = micro_batches(N, cfg.optim.micro_batch_size)
+    mbs = micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)
     norm = grpo.LossNorm(g.loss_type, N, int(mask.sum()), cfg.rollout.max_new_tokens, len(mbs))  # whole-step counts
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)

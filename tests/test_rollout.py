@@ -263,3 +263,32 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
     assert torch.autograd.gradcheck(lambda h, w: grpo._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+
+
+def test_static_cache_rollout_samples_what_the_dynamic_cache_samples(tiny_llama):
+    """rollout.compile: a preallocated cache and prompts padded to 64-token buckets change no sample."""
+    model, tok = load(tiny_llama)
+    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
+    out = []
+    for static in (False, True):
+        torch.manual_seed(0)
+        out.append(grpo.generate_rollout(model, tok, prompts, 3, 10, 1.0, share_prompt=True, static_cache=static))
+    dynamic, static = out
+    assert static.prompt_ids.shape[1] % grpo.STATIC_BUCKET == 0 and dynamic.prompt_ids.shape[1] < grpo.STATIC_BUCKET
+    assert static.texts == dynamic.texts and torch.equal(static.completion_ids, dynamic.completion_ids)
+    with torch.no_grad():  # the extra left padding is masked: the training forward scores the same
+        C = dynamic.completion_ids.shape[1]
+        a = grpo.sequence_log_probs(model, dynamic.input_ids, dynamic.attention_mask, C)
+        b = grpo.sequence_log_probs(model, static.input_ids, static.attention_mask, C)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: transformers compiles generate only there")
+def test_compiled_generate_on_cuda_decodes_like_eager(tiny_llama):
+    model, tok = load(tiny_llama)
+    model = model.cuda()
+    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    torch.manual_seed(0)
+    eager = grpo.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0)
+    compiled = grpo.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0, static_cache=True)
+    assert compiled.texts == eager.texts

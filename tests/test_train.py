@@ -173,15 +173,32 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
     """The loss normaliser is built from the whole step's counts, not the micro-batch's (dapo)."""
     cfg, run = setup
     norms = []
-    for size in (8, 3):
-        out = run.parent / f"run_mb{size}"
+    for size, tokens in ((8, 0), (3, 0), (8, 40)):
+        out = run.parent / f"run_mb{size}_{tokens}"
         assert train.main(["--config", str(cfg), "--run.steps=1", f"--optim.micro_batch_size={size}",
-                           f"--run.out_dir={out}"]) == 0
+                           f"--optim.micro_batch_tokens={tokens}", f"--run.out_dir={out}"]) == 0
         norms.append(lines(out / "metrics.jsonl")[0])
-    assert norms[0]["reward"] == norms[1]["reward"]  # same rollouts
     assert norms[0]["grad_norm"] > 0
-    assert norms[0]["grad_norm"] == pytest.approx(norms[1]["grad_norm"], rel=1e-4)
-    assert norms[0]["loss"] == pytest.approx(norms[1]["loss"], rel=1e-4, abs=1e-7)
+    for other in norms[1:]:
+        assert norms[0]["reward"] == other["reward"]  # same rollouts
+        assert norms[0]["grad_norm"] == pytest.approx(other["grad_norm"], rel=1e-4)
+        assert norms[0]["loss"] == pytest.approx(other["loss"], rel=1e-4, abs=1e-7)
+
+
+def test_micro_batches_by_token_budget():
+    """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows stay in order."""
+    import grpo
+    p_len, c_len = [5, 5, 5, 5, 9, 2], [3, 10, 1, 1, 40, 1]
+    P, C = max(p_len), max(c_len)
+    batch = grpo.Rollout(torch.zeros(6, P, dtype=torch.long), torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
+                         torch.zeros(6, C, dtype=torch.long), torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
+                         torch.zeros(6, dtype=torch.bool), [""] * 6)
+    assert train.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
+    mbs = train.micro_batches(batch, 4, max_tokens=32)
+    assert mbs == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]  # 2 x 15, 2 x 6, 1 x 49 (over, alone), 1 x 3
+    for mb in mbs:
+        rows = range(mb.start, mb.stop)
+        assert len(rows) == 1 or len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows)) <= 32
 
 
 def test_resume_refuses_a_different_lora_setup(setup, capsys):
