@@ -300,12 +300,17 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     return selective_log_probs(out.logits, ids, temperature, chunk)  # (N, C)
 
 
+SHARED_ATTENTION = ("sdpa", "eager")  # attention implementations prompt sharing is tested with
+
+
 def prompt_cache(model):
     """An empty DynamicCache for `model` when every layer keeps plain keys and values (no sliding
-    window, no recurrent state), else None: only such a cache can be filled once per prompt and
-    then indexed row by row (prompt sharing)."""
+    window, no recurrent state) and attention is one of SHARED_ATTENTION, else None: only then is a
+    cache filled once per prompt and indexed row by row (prompt sharing) known to score the same."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
+    if getattr(model.config, "_attn_implementation", None) not in SHARED_ATTENTION:
+        return None
     try:
         cache = DynamicCache(config=model.config)
     except (TypeError, ValueError, AttributeError):
@@ -328,8 +333,8 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
 
     Attention mask and positions are those of the full rows, so each token sees exactly what it
     sees in one pass. Returns None (the caller takes the one-pass path) when no two rows share a
-    prompt, under gradient checkpointing (HF drops the cache there), or when the model's cache is
-    not plain keys and values (prompt_cache).
+    prompt, under gradient checkpointing (HF drops the cache there), or when the model's cache or
+    attention is not one it is tested with (prompt_cache).
     """
     N, W = input_ids.shape
     P = W - C

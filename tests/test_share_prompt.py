@@ -10,13 +10,16 @@ from config import LoraConfig, ModelConfig
 from model import load_policy
 
 
-def lora_policy(path):
+def lora_policy(path, attn_implementation=None):
     """A LoRA policy whose adapter is not zero (B = 0 at init would hide a missing adapter path)."""
-    model, tok = load_policy(ModelConfig(name=str(path)), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    model, tok = load_policy(ModelConfig(name=str(path), attn_implementation=attn_implementation), LoraConfig(r=4, alpha=8),
+                             torch.device("cpu"))
+    assert model.config._attn_implementation == (attn_implementation or "sdpa")
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.3)
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model, tok
 
 
@@ -39,11 +42,11 @@ def log_probs_and_grads(model, ids, attn, C, weights, **kw):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
-def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, fused, request):
+@pytest.mark.parametrize("arch,attn", [("tiny_llama", "sdpa"), ("tiny_llama", "eager"), ("tiny_gpt2", "sdpa")])
+def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, attn, fused, request):
     """Two prompts of different lengths (left padding), a full and a partial group, completions of
     different lengths; GPT-2's absolute positions catch a wrong position id."""
-    model, tok = lora_policy(request.getfixturevalue(arch))
+    model, tok = lora_policy(request.getfixturevalue(arch), attn)
     ids, attn, C = grouped_batch(tok, ["What is 2 + 3? Reply with just the number.", "Hello"], [3, 2],
                                  ["5", "The answer is 5.", "42 0 1", "world", "0 1 2 3 4 5 6"])
     assert (attn == 0).any()
@@ -54,7 +57,8 @@ def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, fused, reque
     a, ga = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused)
     b, gb = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused, share_prompt=True)
     assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
-    assert all(torch.allclose(ga[k], gb[k], atol=1e-5) for k in ga)
+    # fp32 rounding differs between one pass and two (~1e-6 of each gradient's largest entry)
+    assert all((ga[k] - gb[k]).abs().max() <= 1e-4 * ga[k].abs().max() for k in ga)
 
 
 def test_shared_prompt_scores_a_single_completion_token(tiny_llama):
@@ -81,6 +85,8 @@ def test_shared_prompt_falls_back_where_it_cannot_or_need_not_share(tiny_llama, 
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
                                                eos_token_id=eos, pad_token_id=eos)).eval()
     assert grpo.prompt_cache(mistral) is None and grpo.prompt_cache(model) is not None
+    model.config._attn_implementation = "flash_attention_2"  # not tested with prompt sharing: one pass per row
+    assert grpo.prompt_cache(model) is None
     with torch.no_grad():
         assert grpo._shared_prompt_log_probs(mistral, ids, attn, C, 1.0, 4096, None) is None
         assert torch.equal(grpo.sequence_log_probs(mistral, ids, attn, C, share_prompt=True),

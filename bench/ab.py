@@ -1,0 +1,64 @@
+"""A/B a setting through train.py itself: alternating fresh processes, step time and peak memory.
+
+    .venv/bin/python bench/ab.py --config bench/cpu_step.yaml --a grpo.share_prompt=false --b grpo.share_prompt=true
+    .venv/bin/python bench/ab.py --config configs/quickstart.yaml --a optim.micro_batch_size=8 --b optim.micro_batch_size=16 --reps 3
+
+Each rep runs A then B, each a fresh `train.py --config CONFIG --SET ...` process into its own
+temporary run directory. Reported per run: step_time of every step and the largest peak_memory_mb
+(metrics.jsonl: on CPU the process's peak RSS so far, loading included; on a GPU the step's
+max_memory_allocated); then the medians over steps 2..n of all runs of a side, and B / A. Not part
+of the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(config: str, sets: list[str], out_dir: Path) -> list[dict]:
+    """One train.py process -> its metrics records."""
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", config, f"--run.out_dir={out_dir}"] + [f"--{s}" for s in sets]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"train.py {' '.join(sets)} failed ({proc.returncode}): {err.strip().splitlines()[-1:]}")
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return records
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--a", action="append", default=[], metavar="SECTION.KEY=VALUE", help="setting of side A (repeatable)")
+    ap.add_argument("--b", action="append", default=[], metavar="SECTION.KEY=VALUE", help="setting of side B (repeatable)")
+    ap.add_argument("--reps", type=int, default=2, help="alternations (A, B) to run")
+    args = ap.parse_args()
+    sides = {"A": args.a, "B": args.b}
+    steps: dict[str, list[float]] = {"A": [], "B": []}
+    peaks: dict[str, list[float]] = {"A": [], "B": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            for side, sets in sides.items():
+                records = run(args.config, sets, Path(tmp) / f"{side}{rep}")
+                peak = max(r["peak_memory_mb"] for r in records)
+                times = [r["step_time"] for r in records]
+                steps[side] += times[1:] if len(times) > 1 else times
+                peaks[side].append(peak)
+                print(f"{side} {' '.join(sets) or '(config as is)'} run {rep + 1}: step_time "
+                      f"{' '.join(f'{t:.2f}' for t in times)} s; peak memory {peak:.0f} MB", flush=True)
+    med = {s: (statistics.median(steps[s]), statistics.median(peaks[s])) for s in sides}
+    print(f"medians (steps 2..n of every run; peak memory per run): A {med['A'][0]:.2f} s / {med['A'][1]:.0f} MB, "
+          f"B {med['B'][0]:.2f} s / {med['B'][1]:.0f} MB; B / A: step time {med['B'][0] / med['A'][0]:.3f}, "
+          f"peak memory {med['B'][1] / med['A'][1]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
