@@ -340,7 +340,7 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
     P = W - C
     key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)  # (N, 2P)
     uniq, inv = torch.unique(key, dim=0, return_inverse=True)  # (u, 2P), (N,)
-    if len(uniq) == N or getattr(model, "is_gradient_checkpointing", False):
+    if len(uniq) == N or any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         return None
     cache = prompt_cache(model)
     if cache is None:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-import openai
 from scipy.stats import spearmanr
 
 log = logging.getLogger(__name__)
@@ -300,6 +299,7 @@ class Judge:
 
     # --- requests ----------------------------------------------------------------------------------
     def _bind_loop(self) -> None:
+        import openai  # imported on first use: runs without a judge do not need the package
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
@@ -346,6 +346,7 @@ class Judge:
         return reply
 
     async def _request(self, key: str, messages: list[dict], accept) -> str | None:
+        import openai
         cfg = self.cfg
         for attempt in range(cfg.max_retries + 1):
             if attempt:
