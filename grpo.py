@@ -354,9 +354,10 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
     ids = input_ids[:, P:]  # (N, C)
     if head is not None:
         decoder = model.get_decoder()
-        first = decoder(**first_in).last_hidden_state[:, -1:][inv]  # (N, 1, H)
-        cache.batch_select_indices(inv)
-        hidden = torch.cat([first, decoder(**rest_in).last_hidden_state], dim=1) if C > 1 else first  # (N, C, H)
+        hidden = decoder(**first_in).last_hidden_state[:, -1:][inv]  # (N, 1, H)
+        if C > 1:
+            cache.batch_select_indices(inv)
+            hidden = torch.cat([hidden, decoder(**rest_in).last_hidden_state], dim=1)  # (N, C, H)
         H = hidden.shape[-1]
         return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
                                           temperature, chunk).view(N, C)  # (N, C)
@@ -463,7 +464,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
         else dict(do_sample=False)
-    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if share_prompt and not static_cache else None
+    shared = share_prompt and not static_cache
+    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if shared else None
     if cache is not None:  # generate runs only the last prompt token, then samples
         rows = dict(input_ids=enc.input_ids.repeat_interleave(num_generations, 0),
                     attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
@@ -472,7 +474,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     out = model.generate(
         **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-        cache_implementation="static" if static_cache else None, stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+        cache_implementation="static" if static_cache else None,
+        stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
     model.train(was_training)
     P = enc.input_ids.shape[1]
     completion_ids = out[:, P:]  # (N, C)

@@ -61,13 +61,14 @@ def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, attn, fused,
     assert all((ga[k] - gb[k]).abs().max() <= 1e-4 * ga[k].abs().max() for k in ga)
 
 
-def test_shared_prompt_scores_a_single_completion_token(tiny_llama):
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
+def test_shared_prompt_scores_a_single_completion_token(tiny_llama, fused):
     model, tok = lora_policy(tiny_llama)
     ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [3], ["5", "4", "7"])
     assert C == 1
     with torch.no_grad():
         want = grpo.sequence_log_probs(model, ids, attn, C)
-        got = grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None)
+        got = grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, grpo.plain_output_head(model) if fused else None)
     assert got is not None and torch.allclose(want, got, atol=1e-5)
 
 
