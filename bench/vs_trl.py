@@ -34,9 +34,9 @@ micro-batch 8, 4 steps per run, 2 alternations, 2 threads on both sides):
     .venv-bench/bin/python bench/vs_trl.py --preset cpu --steps 2 --prompts-per-step 2 \\
         --num-generations 4 --max-new-tokens 8 --alternations 1          # smoke run (~2 min)
 
-GPU (for a session with a CUDA machine; needs .venv-bench with the CUDA build of torch 2.13.0
-installed first, and the built-in model's tokenizer directory ~/.cache/minigrpo/smollm2-135m, or
-any tokenizer directory with a chat template via --tokenizer): randomly initialised models of real
+GPU (a CUDA machine with torch, TRL and its dependencies, and a tokenizer directory with a chat
+template via --tokenizer, else the built-in model's; on the lent GPU machine, `sh bench/gpu_kit.sh
+bench` packs what it lacks and bench/RESULTS.md "GPU" gives the device command): randomly initialised models of real
 shapes (Qwen3-0.6B and Qwen2.5-1.5B, from hand-written configs below; no hub access), bf16, B=16,
 G=8, 512 fixed new tokens, micro-batch 8, 4 steps per run, 2 alternations:
 
