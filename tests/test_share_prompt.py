@@ -41,8 +41,26 @@ def log_probs_and_grads(model, ids, attn, C, weights, **kw):
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """Qwen3's shape (q/k norms, tied embeddings): the family the GPU configs train."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from conftest import make_tokenizer
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                                         max_position_embeddings=256, eos_token_id=eos, pad_token_id=eos))
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
-@pytest.mark.parametrize("arch,attn", [("tiny_llama", "sdpa"), ("tiny_llama", "eager"), ("tiny_gpt2", "sdpa")])
+@pytest.mark.parametrize("arch,attn", [("tiny_llama", "sdpa"), ("tiny_llama", "eager"), ("tiny_gpt2", "sdpa"),
+                                       ("tiny_qwen3", "sdpa")])
 def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, attn, fused, request):
     """Two prompts of different lengths (left padding), a full and a partial group, completions of
     different lengths; GPT-2's absolute positions catch a wrong position id."""
