@@ -249,6 +249,13 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
+def fused_head_log_probs(hidden: Tensor, head: nn.Linear, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+    """log softmax(head(hidden) / T)[ids] through _FusedHeadLogSoftmax. hidden (N, C, H), ids (N, C) -> (N, C)."""
+    N, C, H = hidden.shape
+    return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
+                                      temperature, chunk).view(N, C)
+
+
 _HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
@@ -293,9 +300,7 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
             return logp
     if head is not None:
         hidden = model.get_decoder()(**inputs).last_hidden_state[:, -num_completion:]  # (N, C, H)
-        N, C, H = hidden.shape
-        return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
-                                          temperature, chunk).view(N, C)  # (N, C)
+        return fused_head_log_probs(hidden, head, ids, temperature, chunk)  # (N, C)
     out = model(**inputs, logits_to_keep=num_completion)
     return selective_log_probs(out.logits, ids, temperature, chunk)  # (N, C)
 
@@ -358,9 +363,7 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
         if C > 1:
             cache.batch_select_indices(inv)
             hidden = torch.cat([hidden, decoder(**rest_in).last_hidden_state], dim=1)  # (N, C, H)
-        H = hidden.shape[-1]
-        return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
-                                          temperature, chunk).view(N, C)  # (N, C)
+        return fused_head_log_probs(hidden, head, ids, temperature, chunk)  # (N, C)
     first = selective_log_probs(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1], temperature, chunk)  # (N, 1)
     if C == 1:
         return first

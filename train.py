@@ -217,6 +217,23 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     return concat(kept, pad), concat(parts, pad), drawn
 
 
+def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
+                   sums: dict | None) -> torch.Tensor | None:
+    """Truncated importance weight min(pi_old / pi_sampler, cap) per token (None when cap is 0: off),
+    old, sampler_logp, mask (n, C). Adds the masked tokens' |log pi_old - log pi_sampler|, weights and
+    capped count to `sums` when given (the first iteration's metrics)."""
+    diff = old - sampler_logp  # (n, C)
+    weight = torch.clamp(torch.exp(diff), max=cap) if cap else None
+    if sums is not None:
+        m = mask.bool()
+        sums["tokens"] += float(m.sum())
+        sums["abs_diff"] += float(diff.abs()[m].sum())
+        if weight is not None:
+            sums["weight"] += float(weight[m].sum())
+            sums["capped"] += float((weight[m] >= cap).sum())
+    return weight
+
+
 def micro_batches(batch: grpo.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
     """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
     at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
@@ -226,13 +243,12 @@ def micro_batches(batch: grpo.Rollout, size: int, max_tokens: int = 0) -> list[s
     if not max_tokens:
         return [slice(s, min(s + size, n)) for s in range(0, n, size)]
     p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
-    out, start, longest_p, longest_c = [], 0, 0, 0
-    for i in range(n):
-        lp, lc = max(longest_p, p_len[i]), max(longest_c, c_len[i])
-        if i > start and (i - start >= size or (i - start + 1) * (lp + lc) > max_tokens):
+    out, start = [], 0
+    for i in range(1, n):  # does row i still fit in the micro-batch [start, i]?
+        padded = (i - start + 1) * (max(p_len[start:i + 1]) + max(c_len[start:i + 1]))
+        if i - start >= size or padded > max_tokens:
             out.append(slice(start, i))
-            start, lp, lc = i, p_len[i], c_len[i]
-        longest_p, longest_c = lp, lc
+            start = i
     return out + [slice(start, n)]
 
 
@@ -290,15 +306,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             old = None if old_logp is None else old_logp[mb, :C]
             weight = None
             if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
-                diff = (logp.detach() if old is None else old) - batch.sampler_logp[mb, :C]  # (n, C) log pi_old - log pi_vllm
-                weight = torch.clamp(torch.exp(diff), max=g.tis_cap) if g.tis_cap else None  # truncated IS
-                if it == 0:
-                    m = mask[mb, :C].bool()
-                    sampler["tokens"] += float(m.sum())
-                    sampler["abs_diff"] += float(diff.abs()[m].sum())
-                    if weight is not None:
-                        sampler["weight"] += float(weight[m].sum())
-                        sampler["capped"] += float((weight[m] >= g.tis_cap).sum())
+                weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
+                                        mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
             loss, stats = grpo.grpo_loss(
                 logp, old, None if ref_logp is None else ref_logp[mb, :C],
                 adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight)

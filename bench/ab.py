@@ -4,10 +4,10 @@
     .venv/bin/python bench/ab.py --config configs/quickstart.yaml --a optim.micro_batch_size=8 --b optim.micro_batch_size=16 --reps 3
 
 Each rep runs A then B, each a fresh `train.py --config CONFIG --SET ...` process into its own
-temporary run directory. Reported per run: step_time of every step and the largest peak_memory_mb
+temporary run directory. Reported per run: step_time and peak_memory_mb of every step
 (metrics.jsonl: on CPU the process's peak RSS so far, loading included; on a GPU the step's
-max_memory_allocated); then the medians over steps 2..n of all runs of a side, and B / A. Not part
-of the test suite.
+max_memory_allocated); then the medians over steps 2..n of all runs of a side (memory: each run's
+largest), and B / A. Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def main() -> int:
                 steps[side] += times[1:] if len(times) > 1 else times
                 peaks[side].append(peak)
                 print(f"{side} {' '.join(sets) or '(config as is)'} run {rep + 1}: step_time "
-                      f"{' '.join(f'{t:.2f}' for t in times)} s; peak memory {peak:.0f} MB", flush=True)
+                      f"{' '.join(f'{t:.2f}' for t in times)} s; peak memory by step "
+                      f"{' '.join(str(round(r['peak_memory_mb'])) for r in records)} MB", flush=True)
     med = {s: (statistics.median(steps[s]), statistics.median(peaks[s])) for s in sides}
     print(f"medians (steps 2..n of every run; peak memory per run): A {med['A'][0]:.2f} s / {med['A'][1]:.0f} MB, "
           f"B {med['B'][0]:.2f} s / {med['B'][1]:.0f} MB; B / A: step time {med['B'][0] / med['A'][0]:.3f}, "
