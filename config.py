@@ -118,9 +118,12 @@ class GrpoConfig:
     num_iterations: int = 1  # mu: optimizer updates per rollout batch
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
-    logprob_chunk: int = 4096  # rows of logits per chunk in the log-prob computation
+    logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26 logits a chunk
+    #   (256 MB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at SmolLM2's 49,152); see grpo.py
     fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits never exist (GPU memory)
-    share_prompt: bool = True  # run each prompt through the model once per group, not G times (sampling prefill and loss forward; see grpo.py)
+    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per group, not G times (see grpo.py):
+    #   true: in the sampling prefill and the loss forward; auto: the prefill always, the loss forward on CPU only
+    #   (on a GPU its second pass costs more kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
     tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
 
 
@@ -327,7 +330,7 @@ def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
-                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
+                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r,
                 "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length}
     for k, v in positive.items():
         if v <= 0:
@@ -336,7 +339,7 @@ def _check(cfg: Config) -> None:
                     "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
-                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens}
+                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")

@@ -273,7 +273,8 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
         prompts = grpo.render_rows(tok, plan.rows, cfg.data)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
-        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt)
+        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size,
+                             cfg.grpo.share_prompt is not False)
         del model, tok
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()

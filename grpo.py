@@ -63,7 +63,7 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
 
 def _pick_and_lse(z: Tensor, ids: Tensor, temperature: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
     """A chunk of logits z (c, V) -> (log softmax(z / T)[ids], logsumexp(z / T)), each (c,), in `acc`."""
-    lg = z.to(acc) / temperature  # (c, V)
+    lg = z.to(acc, copy=True).div_(temperature)  # (c, V): one fp32 buffer, not a cast and a quotient
     lse = torch.logsumexp(lg, dim=-1)  # (c,)
     return lg.gather(-1, ids[:, None]).squeeze(-1) - lse, lse
 
@@ -108,8 +108,19 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None
 
 
-def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = 4096) -> Tensor:
-    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows at a time.
+LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MB of fp32 logits a chunk)
+
+
+def chunk_rows(chunk: int, vocab: int) -> int:
+    """Rows of logits per chunk: `chunk`, or for 0 as many as make LOGITS_PER_CHUNK logits. A fixed
+    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k, and
+    the forward holds two such buffers (measured on an H100: bench/RESULTS.md, GPU)."""
+    return chunk or max(1, LOGITS_PER_CHUNK // vocab)
+
+
+def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = 0) -> Tensor:
+    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows at a time
+    (0: chunk_rows's automatic size).
 
     Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512):
     forward and backward (_SelectiveLogSoftmax) each hold one fp32 chunk at a time.
@@ -117,7 +128,7 @@ def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, c
     """
     N, T, V = logits.shape
     flat, flat_ids = logits.reshape(N * T, V), ids.reshape(N * T)  # (N*T, V), (N*T,)
-    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk).view(N, T)  # (N, T)
+    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk_rows(chunk, V)).view(N, T)  # (N, T)
 
 
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
@@ -253,7 +264,7 @@ def fused_head_log_probs(hidden: Tensor, head: nn.Linear, ids: Tensor, temperatu
     """log softmax(head(hidden) / T)[ids] through _FusedHeadLogSoftmax. hidden (N, C, H), ids (N, C) -> (N, C)."""
     N, C, H = hidden.shape
     return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
-                                      temperature, chunk).view(N, C)
+                                      temperature, chunk_rows(chunk, head.weight.shape[0])).view(N, C)
 
 
 _HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -273,8 +284,19 @@ def plain_output_head(model) -> nn.Linear | None:
     return head
 
 
+def share_prompt_in_loss(setting: bool | str, device: torch.device) -> bool:
+    """grpo.share_prompt for the loss forward: true or false as set; "auto" shares on CPU only.
+    Sharing runs a micro-batch through the model twice (the prompts, then the completions on their
+    cache), which doubles its kernel launches (34k against 16k aten ops for a 28-layer model,
+    counted on CPU). A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the
+    training time at 45-token prompts); a GPU running a small model is bound by launches, and on an
+    H100 (Qwen3-0.6B shape, 45-token prompts) minigrpo's training phase took 2.5x TRL's with it on.
+    The sampling prefill shares unless the setting is false: one extra forward per rollout."""
+    return setting is True or (setting == "auto" and device.type != "cuda")
+
+
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
-                       temperature: float = 1.0, chunk: int = 4096, fused_head: bool = False,
+                       temperature: float = 1.0, chunk: int = 0, fused_head: bool = False,
                        share_prompt: bool = False) -> Tensor:
     """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
 

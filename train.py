@@ -166,7 +166,8 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     else:
         with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
             r = grpo.generate_rollout(model, tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p,
-                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt, ro.compile)
+                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos,
+                                      cfg.grpo.share_prompt is not False, ro.compile)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
@@ -258,7 +259,8 @@ def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg:
     The temperature is the sampler's (rollout.temperature) unless given."""
     i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
     T = cfg.rollout.temperature if temperature is None else temperature
-    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, cfg.grpo.share_prompt), C
+    share = grpo.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
+    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@
 set -e
 kit=${1:?usage: sh bench/gpu_kit.sh bench|t4}
 cd "$(dirname "$0")/.."
-pinned="transformers==5.23.0 peft==0.21.2 huggingface_hub==2.4.0"
+# huggingface_hub stays the machine's (its 1.33 meets transformers' >=1.31; 2.x would need httpx2 and more)
+pinned="transformers==5.23.0 peft==0.21.2 regex==2026.11.15"
 case $kit in
   bench) pkgs="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 $pinned" ;;
   t4) pkgs="bitsandbytes==0.50.2 $pinned" ;;

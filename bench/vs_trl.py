@@ -85,6 +85,12 @@ RANDOM_MODELS = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True, hidden_act="silu"),  # Qwen2 has q/k/v biases built in
+    # Qwen3-0.6B's depth and vocabulary at width 64: as many kernels per forward as the real model, little
+    # arithmetic, so a CPU can count what a GPU would launch (bench/gpu_train_probe.py --count-ops)
+    "qwen3-0.6b-narrow": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=28,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=151936,
+                              max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                              tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=151936,
                  max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
@@ -350,8 +356,8 @@ METRICS = [("step_time", "step time (s)", "lower"), ("rollout_time", "rollout ti
            ("generate_tok_s", "generate() tok/s", "higher"), ("train_tok_s", "training tok/s", "higher")]
 
 
-def summarise(model: str, runs: dict[str, list[dict]], device: str) -> list[str]:
-    lines = [f"\n== {model}: medians over steps 2..n of every run (step 1 of each run is warm-up, left out) =="]
+def summarise(model: str, runs: dict[str, list[dict]], device: str, label: str = "") -> list[str]:
+    lines = [f"\n== {model}{label}: medians over steps 2..n of every run (step 1 of each run is warm-up, left out) =="]
     med = {}
     for who, rs in runs.items():
         kept = [s for r in rs for s in r["steps"][1:]]
@@ -401,6 +407,9 @@ def main() -> int:
     ap.add_argument("--json", help="write every per-step record to this file")
     ap.add_argument("--minigrpo-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a minigrpo-only setting (a speed lever TRL has no equivalent of), e.g. rollout.merged_sampling=true")
+    ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE[,...]",
+                    help="one more minigrpo run per alternation with these settings (comma-separated) on top of "
+                         "--minigrpo-set, reported against the same TRL runs (repeatable)")
     a = ap.parse_args()
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
@@ -413,32 +422,40 @@ def main() -> int:
     print(f"[bench] device {a.device}, B={a.prompts_per_step} G={a.num_generations} new tokens={a.max_new_tokens} "
           f"(fixed, EOS suppressed) micro-batch={a.micro_batch_size} LoRA r={a.lora_r} alpha={a.lora_alpha} "
           f"steps={a.steps} alternations={a.alternations} threads={a.threads or 'default'} "
-          f"(torch {torch.get_num_threads()} here)" + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else ""),
+          f"(torch {torch.get_num_threads()} here)" + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else "")
+          + (f"; minigrpo variants: {' | '.join(a.variant)}" if a.variant else ""),
           flush=True)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="minigrpo-vs-trl-"))
     everything, report = {}, []
     for spec in a.models:
         path = model_dir(spec, a.device, a.tokenizer, a.seed)
-        runs: dict[str, list[dict]] = {"minigrpo": [], "trl": []}
+        # "minigrpo", "trl", then one minigrpo run per --variant, in that order in every alternation
+        sides = [("minigrpo", "minigrpo", []), ("trl", "trl", [])] + [
+            (f"minigrpo+{v}", f"minigrpo-v{j + 1}", v.split(",")) for j, v in enumerate(a.variant)]
+        runs: dict[str, list[dict]] = {who: [] for who, _, _ in sides}
         prompts = None
         for i in range(a.alternations):
-            for who in ("minigrpo", "trl"):
-                wd = work / f"{spec.replace(':', '_').replace('/', '_')}-{who}-{i + 1}"
+            for who, tag, extra in sides:
+                child = "trl" if who == "trl" else "minigrpo"
+                wd = work / f"{spec.replace(':', '_').replace('/', '_')}-{tag}-{i + 1}"
                 cfg = minigrpo_config(a, path, a.device, wd / "run")
-                if who == "minigrpo":
-                    apply_settings(cfg, a.minigrpo_set)
-                if who == "trl" and prompts is None:
+                if child == "minigrpo":
+                    apply_settings(cfg, a.minigrpo_set + extra)
+                if child == "trl" and prompts is None:
                     raise SystemExit("[bench] no prompts recorded from minigrpo's run")
-                r = run_child(who, cfg, a, wd, prompts if who == "trl" else None)
+                r = run_child(child, cfg, a, wd, prompts if child == "trl" else None)
                 runs[who].append(r)
                 if who == "minigrpo":  # same seed, so every minigrpo run draws the same prompts; TRL gets them
                     prompts = wd / "prompts.json"
                     prompts.write_text(json.dumps(r["prompts"]))
                 st = ", ".join(f"{s['step_time']:.2f}" for s in r["steps"])
                 rt = ", ".join(f"{s['rollout_time']:.2f}" for s in r["steps"])
+                gpu = ", ".join(f"{s['peak_gpu_mb']:.0f}" for s in r["steps"]) if a.device == "cuda" else ""
                 print(f"[bench] {spec} {who} run {i + 1}: step times {st} s; rollout {rt} s; peak RSS "
-                      f"{r['peak_rss_mb']:.0f} MB; wall {r['wall_s']:.0f} s", flush=True)
-        lines = summarise(spec, runs, a.device)
+                      f"{r['peak_rss_mb']:.0f} MB" + (f"; peak GPU alloc {gpu} MB" if gpu else "")
+                      + f"; wall {r['wall_s']:.0f} s", flush=True)
+        lines = [x for who, _, extra in sides if who != "trl" for x in summarise(
+            spec, {"minigrpo": runs[who], "trl": runs["trl"]}, a.device, f" ({who})" if extra else "")]
         print("\n".join(lines), flush=True)
         report += lines
         everything[spec] = runs

@@ -62,3 +62,23 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_no_template(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_no_template"), chat_template=None)
+
+
+def write_run_config(tmp_path: Path, model_path: Path, **sections) -> Path:
+    """A small GRPO run config on 12 arithmetic rows: 2 prompts x G=4, 8 new tokens, 2 steps;
+    `sections` update the config's sections key by key."""
+    import json
+    import yaml
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(4) for b in range(3)))
+    cfg = {"model": {"name": str(model_path)}, "lora": {"r": 4, "alpha": 8},
+           "data": {"name": str(data), "prompt": "{question} Reply with just the number."},
+           "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "temperature": 1.5},
+           "optim": {"lr": 1e-2, "micro_batch_size": 4}, "run": {"steps": 2, "save_every": 0, "sample_every": 0},
+           "rewards": [{"name": "short_answer", "args": {"max_words": 2}}]}
+    for k, v in sections.items():
+        cfg.setdefault(k, {}).update(v)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

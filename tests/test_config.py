@@ -73,6 +73,17 @@ def test_cross_field_checks(tmp_path):
         load_config(write(tmp_path, "grpo: {beta: 0}\n"))
 
 
+def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):
+    path = write(tmp_path, "rewards: [{name: answer_match}]\n")
+    assert load_config(path).grpo.share_prompt == "auto" and load_config(path).grpo.logprob_chunk == 0
+    for v, want in (("true", True), ("false", False), ("auto", "auto")):
+        assert load_config(path, [f"--grpo.share_prompt={v}"]).grpo.share_prompt == want
+    with pytest.raises(ConfigError, match="grpo.share_prompt"):
+        load_config(path, ["--grpo.share_prompt=sometimes"])
+    with pytest.raises(ConfigError, match="grpo.logprob_chunk must be >= 0"):
+        load_config(path, ["--grpo.logprob_chunk=-1"])
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL), ["--grpo.beta=0.04"])
     config.save_config(cfg, tmp_path / "saved.yaml")

@@ -187,6 +187,27 @@ def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperatu
     assert torch.allclose(g1, g2, atol=1e-5)
 
 
+def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
+    """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per chunk."""
+    assert grpo.chunk_rows(0, 151_936) == 441 and grpo.chunk_rows(0, 49_152) == 1365 and grpo.chunk_rows(7, 151_936) == 7
+    assert grpo.chunk_rows(0, 2**27) == 1
+    monkeypatch.setattr(grpo, "LOGITS_PER_CHUNK", 100)  # 2 rows of 50 a chunk: the automatic size really chunks
+    seen = []
+    real = grpo._pick_and_lse
+    monkeypatch.setattr(grpo, "_pick_and_lse", lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 50, generator=g)
+    ids = torch.randint(0, 50, (3, 4), generator=g)
+    got = grpo.selective_log_probs(logits, ids, 0.7)
+    assert seen == [2] * 6 and torch.allclose(got, grpo.selective_log_probs(logits, ids, 0.7, 12), atol=1e-6)
+
+
+def test_prompt_sharing_in_the_loss_is_automatic_on_cpu_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert grpo.share_prompt_in_loss("auto", cpu) and not grpo.share_prompt_in_loss("auto", cuda)
+    assert grpo.share_prompt_in_loss(True, cuda) and not grpo.share_prompt_in_loss(False, cpu)
+
+
 def test_position_ids_skip_left_padding():
     attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert grpo.position_ids(attn).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]

@@ -142,19 +142,8 @@ def test_shared_prefill_is_skipped_for_one_sample_or_a_one_token_prompt(tiny_lla
 
 @pytest.fixture
 def train_config(tmp_path, tiny_llama):
-    import json
-    import yaml
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
-                            for a in range(4) for b in range(3)))
-    cfg = {"model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
-           "data": {"name": str(data), "prompt": "{question} Reply with just the number."},
-           "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8, "temperature": 1.5},
-           "optim": {"lr": 1e-2, "micro_batch_size": 3}, "run": {"steps": 2, "save_every": 0, "sample_every": 0},
-           "rewards": [{"name": "short_answer", "args": {"max_words": 2}}]}
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    from conftest import write_run_config
+    return write_run_config(tmp_path, tiny_llama, optim={"micro_batch_size": 3})
 
 
 @pytest.mark.parametrize("extra", [[], ["--grpo.num_iterations=2", "--grpo.beta=0.1"]], ids=["on-policy", "mu2-kl"])
@@ -172,3 +161,15 @@ def test_a_training_run_is_the_same_with_and_without_prompt_sharing(train_config
         assert a["grad_norm"] > 0 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-7)
         assert a.get("kl", 0.0) == pytest.approx(b.get("kl", 0.0), rel=1e-3, abs=1e-8)
+
+
+@pytest.mark.parametrize("setting,shares", [("auto", True), ("false", False)])
+def test_auto_shares_the_prompt_in_the_loss_on_cpu(train_config, tmp_path, monkeypatch, setting, shares):
+    """The default, auto, takes the shared path in train.py's loss on CPU (grpo.share_prompt_in_loss)."""
+    calls = []
+    real = grpo._shared_prompt_log_probs
+    monkeypatch.setattr(grpo, "_shared_prompt_log_probs", lambda *a: calls.append(1) or real(*a))
+    out = tmp_path / "run"
+    assert train.main(["--config", str(train_config), f"--grpo.share_prompt={setting}", f"--run.out_dir={out}",
+                       "--run.steps=1"]) == 0
+    assert bool(calls) == shares

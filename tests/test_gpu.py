@@ -1,0 +1,73 @@
+"""CUDA-only checks: bf16 training through train.py, prompt sharing and the fused head on the GPU,
+and QLoRA through bitsandbytes. Each test skips cleanly where there is no CUDA GPU (CI, CPUs);
+the lent GPU machine runs them with `pytest -q tests/test_gpu.py` (bench/RESULTS.md, "GPU")."""
+import json
+
+import pytest
+import torch
+
+import grpo
+import train
+from config import LoraConfig, ModelConfig
+from model import load_policy
+from conftest import write_run_config as run_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def metrics(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def test_bf16_training_run_on_cuda(tmp_path, tiny_llama):
+    """dtype auto picks bf16 on an Ampere+ GPU; two steps train, log GPU memory and save an adapter."""
+    out = tmp_path / "run"
+    assert train.main(["--config", str(run_config(tmp_path, tiny_llama)), f"--run.out_dir={out}"]) == 0
+    ms = metrics(out)
+    assert len(ms) == 2 and all(m["peak_memory_mb"] > 0 and m["grad_norm"] == m["grad_norm"] for m in ms)
+    assert any(out.rglob("adapter_model.safetensors"))
+
+
+def test_prompt_sharing_matches_one_pass_on_cuda(tiny_llama):
+    """The shared-prompt log-probs and LoRA gradients equal the one-pass path's on the GPU (fp32)."""
+    from test_share_prompt import grouped_batch, log_probs_and_grads
+    model, tok = load_policy(ModelConfig(name=str(tiny_llama), dtype="float32"), LoraConfig(r=4, alpha=8), CUDA)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)
+    ids, attn, C = grouped_batch(tok, ["What is 2 + 3? Reply with just the number.", "Hello"], [3, 2],
+                                 ["5", "The answer is 5.", "42 0 1", "world", "0 1 2 3 4 5 6"])
+    ids, attn = ids.to(CUDA), attn.to(CUDA)
+    weights = torch.linspace(-1, 1, ids.shape[0] * C, device=CUDA).view(-1, C)
+    for fused in (False, True):
+        a, ga = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused)
+        b, gb = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused, share_prompt=True)
+        assert torch.allclose(a, b, atol=1e-4) and ga.keys() == gb.keys() and ga
+        assert all((ga[k] - gb[k]).abs().max() <= 1e-3 * ga[k].abs().max() for k in ga)
+
+
+def test_fused_head_matches_the_logits_path_in_bf16():
+    """A vocabulary of Qwen's size in bf16: the fused head's log-probs match the full logits' (fp32 softmax)."""
+    torch.manual_seed(0)
+    N, C, H, V = 4, 64, 256, 151936
+    hidden = torch.randn(N, C, H, device=CUDA, dtype=torch.bfloat16)
+    weight = (torch.randn(V, H, device=CUDA) / H**0.5).to(torch.bfloat16)
+    targets = torch.randint(0, V, (N, C), device=CUDA)
+    head = torch.nn.Linear(H, V, bias=False, device=CUDA, dtype=torch.bfloat16)
+    head.weight.data.copy_(weight)
+    want = torch.log_softmax((hidden @ weight.T).float() / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    got = grpo.fused_head_log_probs(hidden, head, targets, 0.7, 1024)
+    assert got.shape == (N, C) and (got.float() - want).abs().max() < 0.05
+
+
+def test_qlora_4bit_trains_on_cuda(tmp_path, tiny_llama):
+    """model.quant=4bit loads NF4 base weights through bitsandbytes and trains fp32 LoRA weights over them."""
+    pytest.importorskip("bitsandbytes")
+    out = tmp_path / "run"
+    cfg = run_config(tmp_path, tiny_llama, model={"quant": "4bit", "dtype": "float16", "gradient_checkpointing": True},
+                     optim={"micro_batch_size": 2})
+    assert train.main(["--config", str(cfg), f"--run.out_dir={out}"]) == 0
+    ms = metrics(out)
+    assert len(ms) == 2 and all(m["grad_norm"] == m["grad_norm"] for m in ms)
