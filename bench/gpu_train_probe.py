@@ -7,7 +7,7 @@ smoke-test it and count operators with --device cpu).
 One micro-batch as bench/vs_trl.py's GPU preset makes it: 8 rows of one shared ~45-token prompt and
 512 completion tokens, bf16 weights, LoRA r=16 on q/k/v/o/gate/up/down. For each setting it times
 grpo.sequence_log_probs(...).sum().backward() (median of 3 after a warm-up, synchronised) and reads
-torch.cuda.max_memory_allocated over the call. "plain rows" is the textbook computation (the model's
+torch.cuda.max_memory_allocated over the call. On a CPU (--device cpu) "peak" is the process's peak RSS. "plain rows" is the textbook computation (the model's
 logits for all rows, then log_softmax in fp32 row by row), for reference. --profile prints the
 default setting's top CUDA kernels.
 
@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--count-ops", action="store_true", help="count dispatched operators instead of timing")
+    ap.add_argument("--only", help="run only the settings whose name contains this text (on CPU, the peak RSS then "
+                                   "printed is that setting's: run each in its own process)")
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test the script (memory then reads 0)")
     a = ap.parse_args()
     cuda = a.device == "cuda"
@@ -62,7 +64,9 @@ def main() -> int:
         return 2
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     allocated = (lambda: torch.cuda.memory_allocated() / 2**20) if cuda else (lambda: 0.0)
-    peak = (lambda: torch.cuda.max_memory_allocated() / 2**20) if cuda else (lambda: 0.0)
+    import resource
+    peak = (lambda: torch.cuda.max_memory_allocated() / 2**20) if cuda else (
+        lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # CPU: the process's peak RSS (MB)
     import grpo
     from config import LoraConfig, ModelConfig
     from model import load_policy
@@ -98,6 +102,7 @@ def main() -> int:
             lp = grpo.sequence_log_probs(model, ids, attn, C, 1.0, **kw)
         lp.sum().backward()
 
+    settings = {k: v for k, v in settings.items() if not a.only or a.only in k}
     if a.count_ops:
         from torch.profiler import ProfilerActivity, profile
         for name, kw in settings.items():
@@ -121,7 +126,7 @@ def main() -> int:
             times.append(time.perf_counter() - t)
             peaks.append(peak())
         print(f"[probe] {name:45s} {statistics.median(times) * 1e3:8.1f} ms   peak {max(peaks):8.0f} MB "
-              f"(+{max(peaks) - base:.0f} over the weights)", flush=True)
+              + (f"(+{max(peaks) - base:.0f} over the weights)" if cuda else "(the process's RSS)"), flush=True)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

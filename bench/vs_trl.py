@@ -49,6 +49,10 @@ vocabulary (151,936) is larger than the SmolLM2 tokenizer's: sampled ids past it
 which is harmless here (fixed-length sampling, rewards are meaningless on random weights).
 `--model random:tiny` is a 2-layer model of the same vocabulary to try the GPU path on a CPU.
 
+--variant SETTINGS adds one more minigrpo run per alternation (comma-separated section.key=value on
+top of --minigrpo-set), reported against the same TRL runs, so several minigrpo settings share one
+TRL baseline (what a 10-minute GPU call affords: bench/RESULTS.md, "GPU").
+
 Options not given take the preset's value; --json FILE writes every per-step record.
 """
 from __future__ import annotations
