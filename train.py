@@ -33,8 +33,8 @@ import grpo
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, check_not_data_file, load_sources
-from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, pick_device, pick_dtype, reference_mode,
-                   resolve_model_path, save_adapter, trainable_parameters)
+from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
+                   reference_mode, resolve_model_path, save_adapter, trainable_parameters)
 from judge import Judge
 from rewards import check_specs, compute_rewards, reward_means
 
@@ -260,7 +260,8 @@ def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg:
     i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
     T = cfg.rollout.temperature if temperature is None else temperature
     share = grpo.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
-    return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
+    with mixed_precision(model):  # bf16/fp16 matmuls over a half-precision base; nothing on an fp32 model
+        return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
 
 
 @torch.no_grad()

@@ -6,10 +6,10 @@ smoke-test it and count operators with --device cpu).
 
 One micro-batch as bench/vs_trl.py's GPU preset makes it: 8 rows of one shared ~45-token prompt and
 512 completion tokens, bf16 weights, LoRA r=16 on q/k/v/o/gate/up/down. For each setting it times
-grpo.sequence_log_probs(...).sum().backward() (median of 3 after a warm-up, synchronised) and reads
-torch.cuda.max_memory_allocated over the call. On a CPU (--device cpu) "peak" is the process's peak RSS. "plain rows" is the textbook computation (the model's
-logits for all rows, then log_softmax in fp32 row by row), for reference. --profile prints the
-default setting's top CUDA kernels.
+grpo.sequence_log_probs(...).sum().backward() under train.py's mixed precision (median of 3 after a
+warm-up, synchronised) and reads torch.cuda.max_memory_allocated over the call (on a CPU, the
+process's peak RSS). "plain rows" is the textbook computation (the model's logits for all rows,
+then log_softmax in fp32 row by row), for reference. --profile prints the GPU default's top kernels.
 
 --count-ops counts the aten operators each setting dispatches instead (each one a kernel launch or
 more on a GPU; views and other metadata-only operators left out). A GPU running a small model is
@@ -69,7 +69,7 @@ def main() -> int:
         lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # CPU: the process's peak RSS (MB)
     import grpo
     from config import LoraConfig, ModelConfig
-    from model import load_policy
+    from model import load_policy, mixed_precision
     from vs_trl import LORA_TARGETS, model_dir
     path = model_dir(a.model, a.device, a.tokenizer, 0)
     dev = torch.device(a.device)
@@ -96,10 +96,8 @@ def main() -> int:
 
     def once(kw):
         model.zero_grad(set_to_none=True)
-        if kw is None:
-            lp = plain_rows(model, ids, attn, C, 1.0)
-        else:
-            lp = grpo.sequence_log_probs(model, ids, attn, C, 1.0, **kw)
+        with mixed_precision(model):  # as train.py's training pass
+            lp = plain_rows(model, ids, attn, C, 1.0) if kw is None else grpo.sequence_log_probs(model, ids, attn, C, 1.0, **kw)
         lp.sum().backward()
 
     settings = {k: v for k, v in settings.items() if not a.only or a.only in k}

