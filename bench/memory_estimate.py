@@ -43,7 +43,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, preexisting=()):
         super().__init__()
         self.cur = self.peak = 0
-        self.live: dict[int, object] = {t.untyped_storage()._cdata: None for t in preexisting}
+        self.keep = list(preexisting)  # alive, so a fake tensor's storage keeps its identity (the converter's memo is weak)
+        self.live: dict[int, object] = {t.untyped_storage()._cdata: None for t in self.keep}
 
     def _freed(self, key: int, n: int) -> None:
         self.cur -= n

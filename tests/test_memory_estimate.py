@@ -1,0 +1,50 @@
+"""bench/memory_estimate.py's live-storage count: traced without arithmetic (FakeTensorMode), it must
+count what a real run allocates, and the micro-batch estimate must react to what it models."""
+import sys
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from memory_estimate import LiveBytes, kv_cache_bytes, micro_batch_peak  # noqa: E402
+
+
+def test_fake_trace_counts_what_a_real_run_allocates():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64)
+
+    def step(mem):
+        y = net(x).pow(2).sum()
+        forward = mem.cur  # saved: the two (32, 256) fp32 activations, the (32, 64) output (for pow), the sum
+        y.backward()
+        return forward
+
+    with LiveBytes(list(net.parameters()) + [x]) as real:
+        assert step(real) == 2 * 32 * 256 * 4 + 32 * 64 * 4 + 4  # weight views (W.t()) are not new memory
+    real_end = real.cur  # the gradients
+    net.zero_grad(set_to_none=True)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        with LiveBytes([fake.from_tensor(t) for t in list(net.parameters()) + [x]]) as traced:
+            assert step(traced) == 2 * 32 * 256 * 4 + 32 * 64 * 4 + 4
+    # the peak (in the backward) holds activations and gradients: more than the gradients alone
+    grads = sum(p.numel() * 4 for p in net.parameters())
+    assert traced.peak == real.peak > grads and traced.cur == real_end == grads
+
+
+def test_micro_batch_estimate_grows_with_tokens_and_shrinks_with_small_chunks(tiny_llama):
+    from config import LoraConfig, ModelConfig
+    from model import load_policy
+    model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype="bfloat16"), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    small = micro_batch_peak(model, 2, 5, 16)
+    big = micro_batch_peak(model, 4, 5, 16)
+    assert 0 < small[0] <= small[1] and big[1] > small[1]
+    assert micro_batch_peak(model, 4, 5, 16, chunk=1)[1] < micro_batch_peak(model, 4, 5, 16, chunk=4096, autocast=False)[1]
+
+
+def test_kv_cache_formula():
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    assert kv_cache_bytes(cfg, rows=3, positions=10, dtype=torch.bfloat16) == 2 * 3 * 10 * 2 * 16 * 2 * 2
