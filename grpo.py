@@ -113,8 +113,8 @@ LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (25
 
 def chunk_rows(chunk: int, vocab: int) -> int:
     """Rows of logits per chunk: `chunk`, or for 0 as many as make LOGITS_PER_CHUNK logits. A fixed
-    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k, and
-    the forward holds two such buffers (measured on an H100: bench/RESULTS.md, GPU)."""
+    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k, part
+    of the H100 run's excess memory (bench/RESULTS.md, GPU)."""
     return chunk or max(1, LOGITS_PER_CHUNK // vocab)
 
 
@@ -287,8 +287,8 @@ def plain_output_head(model) -> nn.Linear | None:
 def share_prompt_in_loss(setting: bool | str, device: torch.device) -> bool:
     """grpo.share_prompt for the loss forward: true or false as set; "auto" shares on CPU only.
     Sharing runs a micro-batch through the model twice (the prompts, then the completions on their
-    cache), which doubles its kernel launches (34k against 16k aten ops for a 28-layer model,
-    counted on CPU). A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the
+    cache), which doubles its kernel launches (25k against 12k aten operators for Qwen3-0.6B's 28
+    layers, counted on CPU: bench/gpu_h100/op_count_cpu.log). A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the
     training time at 45-token prompts); a GPU running a small model is bound by launches, and on an
     H100 (Qwen3-0.6B shape, 45-token prompts) minigrpo's training phase took 2.5x TRL's with it on.
     The sampling prefill shares unless the setting is false: one extra forward per rollout."""
