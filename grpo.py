@@ -108,7 +108,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None
 
 
-LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MB of fp32 logits a chunk)
+LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MiB of fp32 logits a chunk)
 
 
 def chunk_rows(chunk: int, vocab: int) -> int:

@@ -123,7 +123,7 @@ def main() -> int:
             sync()
             times.append(time.perf_counter() - t)
             peaks.append(peak())
-        print(f"[probe] {name:45s} {statistics.median(times) * 1e3:8.1f} ms   peak {max(peaks):8.0f} MB "
+        print(f"[probe] {name:45s} {statistics.median(times) * 1e3:8.1f} ms   peak {max(peaks):8.0f} MiB "
               + (f"(+{max(peaks) - base:.0f} over the weights)" if cuda else "(the process's RSS)"), flush=True)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile

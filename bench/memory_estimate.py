@@ -3,8 +3,8 @@
     python bench/memory_estimate.py --model random:qwen3-0.6b --rows 8 --prompt-tokens 45 --completion-tokens 512
     python bench/memory_estimate.py --model random:qwen3-0.6b --compare     # old and new defaults, fused head
 
-The model (a `random:` shape of bench/vs_trl.py, or a model directory's config.json; random weights)
-is built on the CPU in the GPU dtype with minigrpo's LoRA, then grpo.sequence_log_probs and its
+The model (a `random:` shape of bench/vs_trl.py, or a model directory) is loaded on the CPU in the
+GPU dtype by model.load_policy, as train.py loads it, then grpo.sequence_log_probs and its
 backward run under torch's FakeTensorMode: every operator computes only its output's shape, and a
 dispatch mode adds up the bytes of the tensor storage each operator creates, minus what autograd
 and Python have freed. Its peak is what torch.cuda.max_memory_allocated would show above the
@@ -13,15 +13,16 @@ follows train.py's training pass (mixed_precision's autocast included) in the on
 sharing (torch.unique) cannot be traced without data, and a GPU does not use it by default. The
 sampling KV cache is computed: layers x rows x positions x KV heads x head dim x 2 (keys, values).
 
-Checked once: for the H100 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing
-and 4096-row chunks, this gives 18.4 GB (one pass) against the 18.7 GB measured. 4-bit (QLoRA)
-bases are not modelled. Not part of the test suite; needs RAM for the weights in the GPU dtype.
+Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
+run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing and 4096-row chunks, this
+gives 17.15 GiB (one pass) against the 18.24 GiB measured: 6% under. 4-bit (QLoRA) bases are not
+modelled. Not part of the test suite; the first use of a `random:` shape writes its weights under
+~/.cache/minigrpo/bench, and the estimate needs RAM for them in the GPU dtype.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import weakref
 from pathlib import Path
@@ -67,24 +68,16 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def build(spec: str, dtype: torch.dtype, lora_r: int):
-    """(peft model in train mode, config) with random weights of the shape `spec`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from vs_trl import LORA_TARGETS, RANDOM_MODELS
-    if spec.startswith("random:"):
-        d = dict(RANDOM_MODELS[spec.split(":", 1)[1]])
-        cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    else:
-        d = json.loads((Path(spec) / "config.json").read_text())
-        cfg = AutoConfig.for_model(d.pop("model_type"), **d)
-    cfg._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules=LORA_TARGETS, lora_dropout=0.0))
-    for p in model.parameters():  # as model.load_policy: trained weights in fp32
-        if p.requires_grad:
-            p.data = p.data.float()
-    return model.train(), cfg
+def build(spec: str, dtype: str, lora_r: int, tokenizer: str | None = None):
+    """(model, config) as train.py trains it (model.load_policy: LoRA in fp32 on the GPU dtype), on
+    the CPU: a `random:` shape written once by bench/vs_trl.py's model_dir, or a model directory."""
+    from config import LoraConfig, ModelConfig
+    from model import load_policy
+    from vs_trl import LORA_TARGETS, model_dir
+    path = model_dir(spec, "cuda", tokenizer, 0)  # "cuda": the random weights are written in bf16
+    model, _ = load_policy(ModelConfig(name=str(path), dtype=dtype),
+                           LoraConfig(r=lora_r, alpha=2 * lora_r, target_modules=LORA_TARGETS), torch.device("cpu"))
+    return model.train(), model.config
 
 
 def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0, fused_head: bool = False,
@@ -117,6 +110,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="random:qwen3-0.6b", help="random:<shape> (bench/vs_trl.py) or a model directory")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--tokenizer", help="tokenizer directory for random shapes (default: the built-in model's)")
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--rows", type=int, default=8, help="completions in a training micro-batch (optim.micro_batch_size)")
     ap.add_argument("--prompt-tokens", type=int, default=45)
@@ -128,7 +122,7 @@ def main() -> int:
     ap.add_argument("--compare", action="store_true", help="the old defaults, the new ones, and the fused head")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    model, cfg = build(a.model, dtype, a.lora_r)
+    model, cfg = build(a.model, a.dtype, a.lora_r, a.tokenizer)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = kv_cache_bytes(cfg, a.rollout_rows, a.prompt_tokens + a.completion_tokens, dtype)
     print(f"[estimate] {a.model} in {a.dtype}, LoRA r={a.lora_r}: weights {weights / GiB:.2f} GiB; sampling "
@@ -144,7 +138,7 @@ def main() -> int:
         fwd, both = micro_batch_peak(model, a.rows, a.prompt_tokens, a.completion_tokens, **kw)
         total = weights + max(both, kv)
         print(f"[estimate]   {name:48s} forward {fwd / GiB:5.2f} GiB, forward + backward {both / GiB:5.2f} GiB "
-              f"above the weights; run peak ~{total / GiB:5.2f} GiB ({total / 1e9:.1f} GB)", flush=True)
+              f"above the weights; run peak ~{total / GiB:5.2f} GiB", flush=True)
     return 0
 
 
