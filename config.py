@@ -100,6 +100,8 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
     compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing
+    prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer caps the sampling KV cache
+    #   at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache) for more, smaller calls; see bench/memory_estimate.py
     merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest
@@ -339,7 +341,8 @@ def _check(cfg: Config) -> None:
                     "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
-                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk}
+                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
+                    "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
@@ -358,6 +361,9 @@ def _check(cfg: Config) -> None:
     if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled or cfg.rollout.engine != "hf"):
         raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision weights for HF generate: "
                           "it needs lora.enabled, no model.quant and rollout.engine: hf")
+    if cfg.rollout.prompts_per_generate and cfg.rollout.engine != "hf":
+        raise ConfigError("rollout.prompts_per_generate applies to HF generate; vLLM schedules its own batches "
+                          "(set rollout.prompts_per_generate: 0, or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
     if cfg.rollout.compile and cfg.rollout.engine != "hf":
         raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling (set rollout.compile: false)")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:

@@ -536,6 +536,8 @@ def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:
 
 def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
     """Join rollouts of different lengths: prompts stay left-padded, completions right-padded."""
+    if len(parts) == 1:
+        return parts[0]
     P = max(r.prompt_ids.shape[1] for r in parts)
     C = max(r.completion_ids.shape[1] for r in parts)
     return Rollout(

@@ -244,9 +244,8 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
                           "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
-    if mcfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+    if mcfg.gradient_checkpointing:  # also makes the embeddings' output require grad, so LoRA's gradients flow
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:
         from peft import LoraConfig as PeftLoraConfig, get_peft_model
         peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,

@@ -4,7 +4,7 @@
     .venv/bin/python bench/ab.py --config configs/quickstart.yaml --a optim.micro_batch_size=8 --b optim.micro_batch_size=16 --reps 3
 
 Each rep runs A then B, each a fresh `train.py --config CONFIG --SET ...` process into its own
-temporary run directory. Reported per run: step_time and peak_memory_mb of every step
+temporary run directory. Reported per run: step_time, rollout_time and peak_memory_mb of every step
 (metrics.jsonl: on CPU the process's peak RSS so far, loading included; on a GPU the step's
 max_memory_allocated); then the medians over steps 2..n of all runs of a side (memory: each run's
 largest), and B / A. Not part of the test suite.
@@ -42,6 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     sides = {"A": args.a, "B": args.b}
     steps: dict[str, list[float]] = {"A": [], "B": []}
+    rollouts: dict[str, list[float]] = {"A": [], "B": []}
     peaks: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
@@ -50,14 +51,17 @@ def main() -> int:
                 peak = max(r["peak_memory_mb"] for r in records)
                 times = [r["step_time"] for r in records]
                 steps[side] += times[1:] if len(times) > 1 else times
+                rollout = [r["rollout_time"] for r in records]
+                rollouts[side] += rollout[1:] if len(rollout) > 1 else rollout
                 peaks[side].append(peak)
                 print(f"{side} {' '.join(sets) or '(config as is)'} run {rep + 1}: step_time "
-                      f"{' '.join(f'{t:.2f}' for t in times)} s; peak memory by step "
+                      f"{' '.join(f'{t:.2f}' for t in times)} s (rollout {' '.join(f'{t:.2f}' for t in rollout)} s); peak memory by step "
                       f"{' '.join(str(round(r['peak_memory_mb'])) for r in records)} MB", flush=True)
-    med = {s: (statistics.median(steps[s]), statistics.median(peaks[s])) for s in sides}
+    med = {s: (statistics.median(steps[s]), statistics.median(peaks[s]), statistics.median(rollouts[s])) for s in sides}
     print(f"medians (steps 2..n of every run; peak memory per run): A {med['A'][0]:.2f} s / {med['A'][1]:.0f} MB, "
           f"B {med['B'][0]:.2f} s / {med['B'][1]:.0f} MB; B / A: step time {med['B'][0] / med['A'][0]:.3f}, "
-          f"peak memory {med['B'][1] / med['A'][1]:.3f}")
+          f"peak memory {med['B'][1] / med['A'][1]:.3f}; rollout time {med['B'][2] / med['A'][2]:.3f} "
+          f"({med['A'][2]:.2f} / {med['B'][2]:.2f} s)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Does a training config fit a GPU memory budget? train.py's own loop under a hard memory cap.
 
-    python bench/memory_cap.py --budget-gb 15 --model random:qwen2.5-1.5b -- \\
+    python bench/memory_cap.py --budget-gb 13.9 --model random:qwen2.5-1.5b -- \\
         --config configs/t4.yaml --model.dtype=float16 --data.name=tests/fixtures/gsm8k_sample.jsonl \\
         --rollout.ignore_eos=true --run.steps=3 --run.out_dir=/tmp/t4
 

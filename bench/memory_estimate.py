@@ -1,7 +1,14 @@
 """Estimate a GPU run's peak memory on a CPU: one training micro-batch traced without its arithmetic.
 
-    python bench/memory_estimate.py --model random:qwen3-0.6b --rows 8 --prompt-tokens 45 --completion-tokens 512
-    python bench/memory_estimate.py --model random:qwen3-0.6b --compare     # old and new defaults, fused head
+    python bench/memory_estimate.py --compare     # the H100 benchmark's work: old and new defaults, the memory levers
+    python bench/memory_estimate.py --config configs/t4.yaml --model random:qwen2.5-1.5b --prompt-tokens 160
+    python bench/memory_estimate.py --config my.yaml --optim.micro_batch_size=4    # train.py's overrides apply
+
+With --config, the run's own settings size the estimate: model dtype and 4-bit base, LoRA,
+gradient checkpointing, G, max_new_tokens, rollout.prompts_per_generate (rows a generate call
+holds), optim.micro_batch_size / micro_batch_tokens, grpo.logprob_chunk and fused_lm_head. Without
+it, the H100 benchmark's work (bench/vs_trl.py --preset gpu: random Qwen3-0.6B, 16 prompts x 8,
+512 new tokens). --prompt-tokens is the longest rendered prompt (chat template included).
 
 The model (a `random:` shape of bench/vs_trl.py, or a model directory) is loaded on the CPU in the
 GPU dtype by model.load_policy, as train.py loads it, then grpo.sequence_log_probs and its
@@ -10,14 +17,20 @@ dispatch mode adds up the bytes of the tensor storage each operator creates, min
 and Python have freed. Its peak is what torch.cuda.max_memory_allocated would show above the
 weights, before the CUDA allocator's rounding, cuBLAS workspaces and kernels' scratch memory. It
 follows train.py's training pass (mixed_precision's autocast included) in the one-pass form: prompt
-sharing (torch.unique) cannot be traced without data, and a GPU does not use it by default. The
-sampling KV cache is computed: layers x rows x positions x KV heads x head dim x 2 (keys, values).
+sharing (torch.unique) cannot be traced without data, and a GPU does not use it by default.
+Sampling is computed: the KV cache (layers x rows x positions x KV heads x head dim x 2) plus three
+fp32 (rows, vocab) buffers of the sampler. The run's peak is taken as weights + AdamW state +
+the larger of the two. A 4-bit base counts its frozen Linear weights as NF4 with double
+quantization (about 0.52 bytes a weight) and is otherwise traced in the compute dtype, which is
+what bitsandbytes computes in; its dequantized weight (one layer at a time) is not counted. Not
+counted either: the reference forward (grpo.beta > 0) and the old-policy forward (num_iterations >
+1), both without gradients and so below the training pass.
 
 Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing and 4096-row chunks, this
-gives 17.15 GiB (one pass) against the 18.24 GiB measured: 6% under. 4-bit (QLoRA) bases are not
-modelled. Not part of the test suite; the first use of a `random:` shape writes its weights under
-~/.cache/minigrpo/bench, and the estimate needs RAM for them in the GPU dtype.
+gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not part of the test suite;
+the first use of a `random:` shape writes its weights under ~/.cache/minigrpo/bench, and the
+estimate needs RAM for them in the GPU dtype.
 """
 from __future__ import annotations
 
@@ -68,35 +81,44 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def build(spec: str, dtype: str, lora_r: int, tokenizer: str | None = None):
+def build(mcfg: "ModelConfig", lora: "LoraConfig", tokenizer: str | None = None):
     """(model, config) as train.py trains it (model.load_policy: LoRA in fp32 on the GPU dtype), on
-    the CPU: a `random:` shape written once by bench/vs_trl.py's model_dir, or a model directory."""
-    from config import LoraConfig, ModelConfig
+    the CPU, with no 4-bit quantization and no checkpointing (micro_batch_peak sets that per trace):
+    a `random:` model.name is a shape written once by bench/vs_trl.py's model_dir."""
+    import dataclasses
     from model import load_policy
-    from vs_trl import LORA_TARGETS, model_dir
-    path = model_dir(spec, "cuda", tokenizer, 0)  # "cuda": the random weights are written in bf16
-    model, _ = load_policy(ModelConfig(name=str(path), dtype=dtype),
-                           LoraConfig(r=lora_r, alpha=2 * lora_r, target_modules=LORA_TARGETS), torch.device("cpu"))
+    from vs_trl import model_dir
+    name = str(model_dir(mcfg.name, "cuda", tokenizer, 0)) if mcfg.name.startswith("random:") else mcfg.name  # "cuda": bf16
+    mcfg = dataclasses.replace(mcfg, name=name, quant=None, gradient_checkpointing=False)
+    model, _ = load_policy(mcfg, lora, torch.device("cpu"))
     return model.train(), model.config
 
 
 def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0, fused_head: bool = False,
-                     autocast: bool = True) -> tuple[int, int]:
-    """(forward peak, forward + backward peak) bytes above the weights for one micro-batch."""
+                     autocast: bool = True, checkpointing: bool = False) -> tuple[int, int]:
+    """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
+    backward's include the trained weights' gradients."""
     import grpo
     from model import mixed_precision
     from torch._subclasses.fake_tensor import FakeTensorMode
-    model.zero_grad(set_to_none=True)
+    model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
+    if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
-        weights = [fake.from_tensor(p) for p in model.parameters()]
-        ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
-        with LiveBytes(weights) as mem:
-            with mixed_precision(model) if autocast else contextlib.nullcontext():
-                logp = grpo.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
-            forward = mem.peak
-            logp.sum().backward()
-    model.zero_grad(set_to_none=True)
+    try:
+        with fake:
+            weights = [fake.from_tensor(p) for p in model.parameters()]
+            ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
+            with LiveBytes(weights) as mem:
+                with mixed_precision(model) if autocast else contextlib.nullcontext():
+                    logp = grpo.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
+                forward = mem.peak
+                logp.sum().backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+        if checkpointing:
+            model.activation_checkpointing_disable()
+            model.disable_input_require_grads()  # which enabling turned on, and disabling leaves (transformers 5.23)
     return forward, mem.peak
 
 
@@ -106,39 +128,77 @@ def kv_cache_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * rows * positions * heads * head_dim * 2 * dtype.itemsize
 
 
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit block absmax (64 weights) and the fp32 absmax of those (256 blocks)
+
+
+def weight_bytes(model, quant: str | None) -> int:
+    """Bytes of all weights; with quant="4bit" the frozen Linear weights other than the output head
+    count as NF4 with double quantization, as bitsandbytes stores them (model.load_base's QLoRA)."""
+    if quant != "4bit":
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+    quantized = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                 and not m.weight.requires_grad and not n.endswith("lm_head")}
+    return int(sum(p.numel() * (NF4_BYTES if id(p) in quantized else p.element_size()) for p in model.parameters()))
+
+
+def sampling_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
+    """Sampling's peak above the weights: the KV cache plus a few fp32 (rows, vocab) buffers of the
+    sampler (logits, processed scores, probabilities)."""
+    return kv_cache_bytes(cfg, rows, positions, dtype) + 3 * rows * cfg.vocab_size * 4
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="random:qwen3-0.6b", help="random:<shape> (bench/vs_trl.py) or a model directory")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--config", help="a train.py config: its model, lora, rollout, grpo and optim settings size the estimate; "
+                    "--section.key=value overrides follow as for train.py")
+    ap.add_argument("--model", help="random:<shape> (bench/vs_trl.py) or a model directory; replaces model.name "
+                    "(default without --config: random:qwen3-0.6b)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], help="GPU compute dtype (default: model.dtype, auto as bfloat16)")
     ap.add_argument("--tokenizer", help="tokenizer directory for random shapes (default: the built-in model's)")
-    ap.add_argument("--lora-r", type=int, default=16)
-    ap.add_argument("--rows", type=int, default=8, help="completions in a training micro-batch (optim.micro_batch_size)")
-    ap.add_argument("--prompt-tokens", type=int, default=45)
-    ap.add_argument("--completion-tokens", type=int, default=512)
-    ap.add_argument("--rollout-rows", type=int, default=128, help="B x G rows sampled at once (KV cache)")
-    ap.add_argument("--chunk", type=int, default=0, help="grpo.logprob_chunk (0: by vocabulary)")
-    ap.add_argument("--fused-head", action="store_true", help="grpo.fused_lm_head")
-    ap.add_argument("--no-autocast", action="store_true", help="without train.py's mixed precision (before it existed)")
-    ap.add_argument("--compare", action="store_true", help="the old defaults, the new ones, and the fused head")
-    a = ap.parse_args()
-    dtype = getattr(torch, a.dtype)
-    model, cfg = build(a.model, a.dtype, a.lora_r, a.tokenizer)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = kv_cache_bytes(cfg, a.rollout_rows, a.prompt_tokens + a.completion_tokens, dtype)
-    print(f"[estimate] {a.model} in {a.dtype}, LoRA r={a.lora_r}: weights {weights / GiB:.2f} GiB; sampling "
-          f"{a.rollout_rows} rows x {a.prompt_tokens + a.completion_tokens} positions: KV cache {kv / GiB:.2f} GiB; "
-          f"training micro-batch {a.rows} x ({a.prompt_tokens} + {a.completion_tokens}) tokens:", flush=True)
-    settings = {"as given": dict(chunk=a.chunk, fused_head=a.fused_head, autocast=not a.no_autocast)}
+    ap.add_argument("--prompt-tokens", type=int, default=45, help="longest prompt in a micro-batch, chat template included")
+    ap.add_argument("--compare", action="store_true", help="the H100 run's old defaults, the defaults now, and the memory levers")
+    a, overrides = ap.parse_known_args()
+    from config import Config, load_config
+    cfg = load_config(a.config, overrides) if a.config else Config()
+    if not a.config and overrides:
+        ap.error(f"--section.key overrides need --config: {' '.join(overrides)}")
+    if not a.config:  # the H100 benchmark's work (bench/vs_trl.py --preset gpu)
+        cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = "random:qwen3-0.6b", 16, 512
+        cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    spec = cfg.model.name = a.model or cfg.model.name
+    dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype in ("bfloat16", "float16") else "bfloat16")
+    dtype = getattr(torch, dtype_name)
+    model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
+    weights = weight_bytes(model, cfg.model.quant)
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    P, C, G = a.prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.num_generations
+    print(f"[estimate] {spec} in {dtype_name}{', 4-bit base' if cfg.model.quant else ''}, "
+          f"{'LoRA r=' + str(cfg.lora.r) if cfg.lora.enabled else 'all weights trained'}: weights {weights / GiB:.2f} GiB, "
+          f"AdamW state {2 * trained / GiB:.2f} GiB; {cfg.rollout.prompts_per_step} prompts x G={G}, "
+          f"{P} + {C} tokens", flush=True)
+    o, g, ro = cfg.optim, cfg.grpo, cfg.rollout
+    now = dict(rows=o.micro_batch_size, chunk=g.logprob_chunk, fused_head=g.fused_lm_head,
+               checkpointing=cfg.model.gradient_checkpointing, prompts=ro.prompts_per_generate or ro.prompts_per_step)
+    settings = {"as configured": now}
     if a.compare:
-        settings = {"4096-row chunks, no autocast (before 83ae6c3)": dict(chunk=4096, autocast=False),
-                    "chunks by vocabulary, no autocast": dict(autocast=False),
-                    "chunks by vocabulary + autocast (the defaults)": dict(),
-                    "+ fused head (grpo.fused_lm_head)": dict(fused_head=True)}
-    for name, kw in settings.items():
-        fwd, both = micro_batch_peak(model, a.rows, a.prompt_tokens, a.completion_tokens, **kw)
-        total = weights + max(both, kv)
-        print(f"[estimate]   {name:48s} forward {fwd / GiB:5.2f} GiB, forward + backward {both / GiB:5.2f} GiB "
-              f"above the weights; run peak ~{total / GiB:5.2f} GiB", flush=True)
+        settings = {"4096-row chunks, no autocast (before 83ae6c3)": now | dict(chunk=4096, autocast=False),
+                    "chunks by vocabulary, no autocast": now | dict(autocast=False),
+                    "the defaults (chunks by vocabulary + autocast)": now,
+                    "+ grpo.fused_lm_head": now | dict(fused_head=True),
+                    "+ optim.micro_batch_size=4": now | dict(fused_head=True, rows=4),
+                    "+ rollout.prompts_per_generate=8": now | dict(fused_head=True, rows=4, prompts=8),
+                    "fused head, 2 prompts a call, gradient checkpointing": now | dict(fused_head=True, prompts=2,
+                                                                                         checkpointing=True)}
+    if o.micro_batch_tokens:
+        for s in settings.values():
+            s["rows"] = max(1, min(s["rows"], o.micro_batch_tokens // (P + C)))
+    for name, s in settings.items():
+        kw = {k: v for k, v in s.items() if k != "prompts"}
+        fwd, both = micro_batch_peak(model, prompt=P, completion=C, **kw)
+        sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype)
+        total = weights + 2 * trained + max(both, sample)
+        print(f"[estimate]   {name:54s} training {s['rows']} rows: {fwd / GiB:5.2f} GiB forward, {both / GiB:5.2f} with "
+              f"backward; sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; run peak ~{total / GiB:5.2f} GiB", flush=True)
     return 0
 
 

@@ -82,6 +82,8 @@ def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):
         load_config(path, ["--grpo.share_prompt=sometimes"])
     with pytest.raises(ConfigError, match="grpo.logprob_chunk must be >= 0"):
         load_config(path, ["--grpo.logprob_chunk=-1"])
+    with pytest.raises(ConfigError, match="rollout.prompts_per_generate must be >= 0"):
+        load_config(path, ["--rollout.prompts_per_generate=-2"])
 
 
 def test_saved_config_round_trips(tmp_path):

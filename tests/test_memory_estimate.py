@@ -48,3 +48,28 @@ def test_kv_cache_formula():
     from transformers import LlamaConfig
     cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     assert kv_cache_bytes(cfg, rows=3, positions=10, dtype=torch.bfloat16) == 2 * 3 * 10 * 2 * 16 * 2 * 2
+
+
+def test_gradient_checkpointing_keeps_less_and_leaves_the_model_as_it_was(tiny_llama):
+    from config import LoraConfig, ModelConfig
+    from model import load_policy
+    model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype="bfloat16"), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    plain = micro_batch_peak(model, 8, 5, 64)
+    ckpt = micro_batch_peak(model, 8, 5, 64, checkpointing=True)
+    assert ckpt[0] < plain[0]  # the forward keeps only each layer's input
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert micro_batch_peak(model, 8, 5, 64) == plain
+
+
+def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
+    from config import LoraConfig, ModelConfig
+    from memory_estimate import NF4_BYTES, weight_bytes
+    from model import load_policy
+    model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype="bfloat16"), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    linears = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+               and not n.endswith("lm_head")]
+    assert len(linears) == 2 * 7  # q k v o gate up down in each of 2 layers (the base layers under LoRA)
+    full = weight_bytes(model, None)
+    assert full == sum(p.numel() * p.element_size() for p in model.parameters())
+    saved = sum(w.numel() * (2 - NF4_BYTES) for w in linears)  # bf16 -> NF4
+    assert weight_bytes(model, "4bit") == int(full - saved) or abs(weight_bytes(model, "4bit") - (full - saved)) < 1

@@ -96,7 +96,7 @@ def test_shared_prompt_falls_back_where_it_cannot_or_need_not_share(tiny_llama, 
     with torch.no_grad():
         assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # nothing shared
         ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [2], ["5", "4"])
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # HF drops the cache
     # a sliding-window cache is not plain keys and values: the one-pass path runs, with the same result
     eos = tok.eos_token_id

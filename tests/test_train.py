@@ -185,6 +185,33 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
         assert norms[0]["loss"] == pytest.approx(other["loss"], rel=1e-4, abs=1e-7)
 
 
+def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch):
+    """rollout.prompts_per_generate: B prompts sampled k at a time (a k x G-row KV cache) keep each
+    row with its own prompt, and give what one call gives where sampling is deterministic (top_k=1)."""
+    import grpo
+    cfg, run = setup
+    calls, generate = [], grpo.generate_rollout
+    monkeypatch.setattr(grpo, "generate_rollout", lambda model, tok, prompts, *a, **k: (
+        calls.append(len(prompts)), generate(model, tok, prompts, *a, **k))[1])
+    r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
+    r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"  # a longer prompt
+    G, idx = r.cfg.rollout.num_generations, [0, 1, 2]
+    got = {}
+    for k in (0, 2):
+        calls.clear()
+        r.cfg.rollout.prompts_per_generate = k
+        got[k] = train.score(r.cfg, r.model, r.tokenizer, r.rows, idx, None)
+        assert calls == ([3] if k == 0 else [2, 1])
+        ro = got[k].rollout
+        rendered = grpo.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
+        for row in range(len(idx) * G):
+            ids = ro.prompt_ids[row][ro.prompt_mask[row].bool()]
+            assert r.tokenizer.decode(ids) == rendered[row // G], row
+    for a, b in zip(got[0].rollout.completion_ids, got[2].rollout.completion_ids):
+        assert a.tolist() == b.tolist()
+    assert got[0].rollout.texts == got[2].rollout.texts and torch.equal(got[0].total, got[2].total)
+
+
 def test_micro_batches_by_token_budget():
     """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows stay in order."""
     import grpo

@@ -172,7 +172,8 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
                           (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"], "export the merged"),
                           (["--model.quant=4bit"], "4-bit"),
                           (["--grpo.tis_cap=2", "--rollout.top_p=0.9"], "top_p 1 and top_k 0"),
-                          (["--rollout.compile=true"], "vLLM compiles its own sampling")):
+                          (["--rollout.compile=true"], "vLLM compiles its own sampling"),
+                          (["--rollout.prompts_per_generate=1"], "vLLM schedules its own batches")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
