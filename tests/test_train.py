@@ -212,6 +212,21 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     assert got[0].rollout.texts == got[2].rollout.texts and torch.equal(got[0].total, got[2].total)
 
 
+def test_gradient_checkpointing_gives_the_same_step(setup):
+    """model.gradient_checkpointing recomputes activations in the backward: same loss and gradient."""
+    cfg, run = setup
+    got = []
+    for on in ("false", "true"):
+        out = run.parent / f"run_gc_{on}"
+        assert train.main(["--config", str(cfg), "--run.steps=1", f"--model.gradient_checkpointing={on}",
+                           f"--run.out_dir={out}"]) == 0
+        got.append(lines(out / "metrics.jsonl")[0])
+    plain, ckpt = got
+    assert plain["grad_norm"] > 0 and plain["reward"] == ckpt["reward"]
+    assert plain["grad_norm"] == pytest.approx(ckpt["grad_norm"], rel=1e-4)
+    assert plain["loss"] == pytest.approx(ckpt["loss"], rel=1e-4, abs=1e-7)
+
+
 def test_micro_batches_by_token_budget():
     """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows stay in order."""
     import grpo
