@@ -153,20 +153,23 @@ def main() -> int:
                     "--section.key=value overrides follow as for train.py")
     ap.add_argument("--model", help="random:<shape> (bench/vs_trl.py) or a model directory; replaces model.name "
                     "(default without --config: random:qwen3-0.6b)")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16"], help="GPU compute dtype (default: model.dtype, auto as bfloat16)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="GPU dtype (default: model.dtype, auto as bfloat16)")
     ap.add_argument("--tokenizer", help="tokenizer directory for random shapes (default: the built-in model's)")
     ap.add_argument("--prompt-tokens", type=int, default=45, help="longest prompt in a micro-batch, chat template included")
     ap.add_argument("--compare", action="store_true", help="the H100 run's old defaults, the defaults now, and the memory levers")
     a, overrides = ap.parse_known_args()
-    from config import Config, load_config
-    cfg = load_config(a.config, overrides) if a.config else Config()
+    from config import Config, ConfigError, load_config
     if not a.config and overrides:
         ap.error(f"--section.key overrides need --config: {' '.join(overrides)}")
+    try:
+        cfg = load_config(a.config, overrides) if a.config else Config()
+    except ConfigError as e:
+        ap.error(str(e))
     if not a.config:  # the H100 benchmark's work (bench/vs_trl.py --preset gpu)
         cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = "random:qwen3-0.6b", 16, 512
         cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     spec = cfg.model.name = a.model or cfg.model.name
-    dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype in ("bfloat16", "float16") else "bfloat16")
+    dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16")
     dtype = getattr(torch, dtype_name)
     model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
     weights = weight_bytes(model, cfg.model.quant)
