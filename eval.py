@@ -189,14 +189,9 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
     greedy when temperature == 0. Completions end at (and include) the first EOS. share_prompt:
     each prompt is prefilled once for its num_samples rows (grpo.prefill_shared)."""
-    texts, num_tokens, truncated = [], [], []
-    for s in range(0, len(prompts), batch_size):
-        r = grpo.generate_rollout(model, tokenizer, prompts[s:s + batch_size], num_samples, max_new_tokens,
-                                  temperature, top_p, share_prompt=share_prompt)
-        texts += r.texts
-        num_tokens += r.completion_mask.sum(1).long().tolist()
-        truncated += r.truncated.tolist()
-    return Generated(texts, num_tokens, truncated)
+    r = grpo.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples, max_new_tokens, temperature, top_p,
+                                share_prompt=share_prompt)
+    return Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())
 
 
 def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Generated:

@@ -514,6 +514,15 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
                    completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
 
 
+def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args, **kwargs) -> Rollout:
+    """generate_rollout on `per_call` prompts at a time (0: all in one call), the slices joined in
+    order: each call's KV cache holds per_call x num_generations rows (rollout.prompts_per_generate,
+    eval.batch_size). Further arguments are generate_rollout's."""
+    k = per_call or len(prompts)
+    return concat_rollouts([generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs)
+                            for s in range(0, len(prompts), k)], tokenizer.pad_token_id)
+
+
 def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int):
     """The KV cache of every prompt but its last token, computed once per prompt and repeated to its
     G rows (B * G, P - 1), for generate to continue from; None where sharing does not apply or pay:

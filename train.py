@@ -164,13 +164,10 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     if engine is not None:
         r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
     else:
-        k = ro.prompts_per_generate or len(prompts)  # prompts per generate call: its KV cache holds k x G rows
         with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-            r = grpo.concat_rollouts([
-                grpo.generate_rollout(model, tokenizer, prompts[s:s + k], G, ro.max_new_tokens, ro.temperature, ro.top_p,
-                                      ro.top_k, ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos,
-                                      cfg.grpo.share_prompt is not False, ro.compile)
-                for s in range(0, len(prompts), k)], tokenizer.pad_token_id)
+            r = grpo.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
+                                        ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
+                                        ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile)
     samples = [rows[i] for i in idx for _ in range(G)]
     res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
                           context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})

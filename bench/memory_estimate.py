@@ -167,7 +167,8 @@ def main() -> int:
         ap.error(str(e))
     if not a.config:  # the H100 benchmark's work (bench/vs_trl.py --preset gpu)
         cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = "random:qwen3-0.6b", 16, 512
-        cfg.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        from vs_trl import LORA_TARGETS
+        cfg.lora.target_modules = LORA_TARGETS
     spec = cfg.model.name = a.model or cfg.model.name
     dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16")
     dtype = getattr(torch, dtype_name)
