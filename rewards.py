@@ -613,8 +613,10 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
 
 
 # ---------------------------------------------------------------- judge-based rewards (batched)
-# judge.py does not import this module, so registering its rewards here makes no import cycle.
+# judge.py and ratings.py do not import this module, so registering their rewards here makes no import cycle.
 from judge import judge_reward, rubric_alignment  # noqa: E402
+from ratings import human  # noqa: E402
 
 register("judge", batched=True)(judge_reward)
 register("rubric_alignment", batched=True)(rubric_alignment)
+register("human", batched=True)(human)

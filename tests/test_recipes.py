@@ -4,13 +4,16 @@ configs are used as shipped; only size, model, data location and endpoints are o
 import hashlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 
 import eval as ev
+import ratings
 import train
 from fake_openai_server import FakeOpenAIServer
+from test_ratings import rater
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures"
@@ -136,3 +139,29 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
     assert set(results) == {"base", "grpo", "fake-model"}
     assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)  # as in training: rescaled to 0-1
     assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
+
+
+def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_llama, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the config's ratings folder, runs/qgen_human/ratings, lands here
+    monkeypatch.setitem(ratings.human.__kwdefaults__, "timeout_s", 60.0)  # a broken page fails the test, not hangs it
+    ratings._STORES.clear()
+    page = ratings.make_server("runs/qgen_human/ratings", port=0)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    stop = threading.Event()
+    rater(f"http://127.0.0.1:{page.server_port}", lambda c: {"relevance": "5", "clarity": "3",
+                                                            "discriminative_power": "4"}, stop)
+    run = tmp_path / "run"
+    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]", "--model.init_adapter=null"]
+    try:
+        assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"), *small(tiny_llama, run), *data]) == 0
+    finally:
+        stop.set()
+        page.shutdown()
+        page.server_close()
+        ratings._STORES.clear()
+    for m in metrics(run):
+        assert m["rewards/human/mean"] == pytest.approx(0.75)  # mean((5-1)/4, (3-1)/4, (4-1)/4)
+        assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"]) == pytest.approx((1.0, 0.5))
+        assert m["reward_errors/human"] == 0
+    rated = tmp_path / "runs/qgen_human/ratings/ratings.jsonl"
+    assert 1 <= len(rated.read_text().splitlines()) <= 2 * 2 * 3  # at most every completion of 2 steps, once

@@ -1,0 +1,323 @@
+"""Human ratings as a GRPO reward: a queue in a folder, a rating page, and the `human` reward.
+
+The trainer queues each step's completions and waits; people rate them in a browser; the ratings
+are the rewards (the question-generation workflow's "online mode"). Two terminals:
+
+    python ratings.py serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
+    python train.py --config configs/qgen_human.yaml         # rewards: [{name: human, args: {dir: ...}}]
+
+    python ratings.py stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
+    python ratings.py export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores
+
+The folder holds two append-only JSONL files, each line fsynced when written, so no rating is
+lost to a kill (a line torn by one is skipped, and the next write starts a fresh line):
+
+    queue.jsonl     the trainer's: {"id", "batch", "prompt", "completion", "criteria", "scale", "time"}
+    ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
+
+An item's id hashes (prompt, completion), so a completion that repeats (within a group, or across
+steps and runs) is rated once and old ratings answer new runs. Two ratings of one item are
+averaged. The page offers the newest batch first: the one the trainer is waiting for.
+
+    reward = mean over criteria of (score - lo) / (hi - lo)       in [0, 1], scale = [lo, hi]
+
+The trainer waits until every completion of the batch is rated, saying every minute how many
+are left; with `timeout_s` it stops waiting then, and each unrated completion gets the reward's
+fallback and counts in reward_errors/<name>. The page has no login: it listens on 127.0.0.1
+unless --host says otherwise; reach it from elsewhere through an SSH tunnel.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import html
+import json
+import math
+import os
+import sys
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
+
+
+def say(msg: str) -> None:
+    """A status line on stderr, as train.py writes its own."""
+    print(f"[ratings {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def item_id(prompt: str, completion: str) -> str:
+    """Content address of one item: the same prompt and completion always get the same id."""
+    return hashlib.sha256(json.dumps([prompt, completion]).encode()).hexdigest()[:24]
+
+
+def append_line(path: Path, record: dict) -> None:
+    """Append one JSON line and fsync it; first end a line torn by a kill, so records never glue."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+        torn = size > 0 and f.read(1) != b"\n"
+        f.write((b"\n" if torn else b"") + (json.dumps(record, ensure_ascii=False) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class Store:
+    """What the folder holds, read incrementally: complete lines only, each file from where it was left."""
+    dir: Path
+    items: dict[str, dict] = field(default_factory=dict)  # id -> its latest queue record
+    scores: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # id -> criterion -> every score given
+    offsets: dict[str, int] = field(default_factory=dict)  # file name -> bytes read
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the page serves from several threads
+
+    def refresh(self) -> None:
+        for name, take in ((QUEUE, self._take_item), (RATINGS, self._take_rating)):
+            path = self.dir / name
+            if not path.exists():
+                continue
+            with open(path, "rb") as f:
+                if f.seek(0, os.SEEK_END) < self.offsets.get(name, 0):  # replaced or truncated: read it all again
+                    self.offsets[name] = 0
+                    (self.items if name == QUEUE else self.scores).clear()
+                f.seek(self.offsets.get(name, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next refresh
+            self.offsets[name] = self.offsets.get(name, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    take(json.loads(line))
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    say(f"{path}: skipped an unreadable line (torn by a kill?)")
+
+    def _take_item(self, rec: dict) -> None:
+        self.items[rec["id"]] = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
+
+    def _take_rating(self, rec: dict) -> None:
+        given = self.scores.setdefault(rec["id"], {})
+        for criterion, value in rec["scores"].items():
+            given.setdefault(criterion, []).append(int(value))
+
+    def rated(self, id_: str, criteria: list[str]) -> dict[str, float] | None:
+        """Mean score per criterion, or None while any criterion is unrated."""
+        given = self.scores.get(id_, {})
+        if not all(given.get(c) for c in criteria):
+            return None
+        return {c: sum(given[c]) / len(given[c]) for c in criteria}
+
+    def pending(self) -> list[dict]:
+        """Queued items not yet rated on their criteria: the newest batch first, then queue order."""
+        waiting = [it for it in self.items.values() if self.rated(it["id"], it["criteria"]) is None]
+        return sorted(waiting, key=lambda it: -it["batch"])  # sorted() is stable: queue order within a batch
+
+    def rate(self, id_: str, form: dict[str, str]) -> str | None:
+        """Record a rating from the page's form; the reason it is refused, or None."""
+        item = self.items.get(id_)
+        if item is None:
+            return f"unknown item {id_!r}"
+        lo, hi = item["scale"]
+        scores = {}
+        for c in item["criteria"]:
+            value = form.get(c, "")
+            if not value.lstrip("-").isdigit() or not lo <= int(value) <= hi:
+                return f"{c}: give a whole number from {lo} to {hi}, got {value!r}"
+            scores[c] = int(value)
+        append_line(self.dir / RATINGS, {"id": id_, "scores": scores, "time": time.time()})
+        self.refresh()  # read back from the file, like every other rating: counted once
+        return None
+
+    def rated_items(self) -> list[dict]:
+        """Every queued item with a rating on its criteria, with its mean scores."""
+        out = []
+        for it in self.items.values():
+            scores = self.rated(it["id"], it["criteria"])
+            if scores is not None:
+                out.append({"id": it["id"], "prompt": it["prompt"], "completion": it["completion"], "scores": scores})
+        return out
+
+    def stats(self) -> dict:
+        rated = self.rated_items()
+        criteria = sorted({c for it in rated for c in it["scores"]})
+        return {"queued": len(self.items), "rated": len(rated), "pending": len(self.pending()),
+                "mean_scores": {c: round(sum(s) / len(s), 3) for c in criteria
+                                if (s := [it["scores"][c] for it in rated if c in it["scores"]])}}
+
+
+_STORES: dict[Path, Store] = {}  # one per folder per process, so each step reads only what is new
+
+
+def store_for(dir: str | Path) -> Store:
+    path = Path(dir).expanduser().resolve()
+    if path not in _STORES:
+        _STORES[path] = Store(path)
+    return _STORES[path]
+
+
+# --- the reward ------------------------------------------------------------------------------------
+def human(completions: list[str], samples: list[dict], *, dir: str, criteria: list[str] = ("overall",),
+          scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0,
+          prompt_key: str = "prompt", assistant_prefix: str | None = None) -> list[float]:
+    """People's rating of each completion, (score - lo) / (hi - lo) averaged over the criteria.
+
+    `criterion` returns that one criterion instead (list the reward again with weight 0 and a label
+    to log each one; those calls find the ratings already there). Waits for every rating, or
+    `timeout_s` seconds when > 0; NaN where none came (the fallback, counted as an error).
+    """
+    criteria, (lo, hi) = list(criteria), scale
+    if not criteria or criterion is not None and criterion not in criteria:
+        raise ValueError(f"human: criterion {criterion!r} must be one of the criteria {criteria}")
+    if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
+        raise ValueError(f"human: scale must be two whole numbers [lo, hi] with lo < hi, got {scale!r}")
+    store = store_for(dir)
+    prefix = assistant_prefix or ""
+    shown = [(s[prompt_key], prefix + c) for c, s in zip(completions, samples, strict=True)]
+    ids = [item_id(p, c) for p, c in shown]
+    with store.lock:
+        store.refresh()
+        batch = time.time_ns()
+        for id_, (prompt, completion) in dict(zip(ids, shown)).items():  # each distinct item once
+            if store.rated(id_, criteria) is None:
+                append_line(store.dir / QUEUE, {"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
+                                                "criteria": criteria, "scale": [lo, hi], "time": time.time()})
+    start, last_said = time.monotonic(), -math.inf
+    while True:
+        with store.lock:
+            store.refresh()
+            got = [store.rated(i, criteria) for i in ids]
+        left = len({i for i, g in zip(ids, got) if g is None})
+        waited = time.monotonic() - start
+        if not left or (timeout_s > 0 and waited >= timeout_s):
+            break
+        if time.monotonic() - last_said >= 60:
+            last_said = time.monotonic()
+            say(f"waiting for people's ratings: {left} of {len(set(ids))} left ({waited:.0f} s so far); "
+                f"rate them on the page of `python ratings.py serve --dir {dir}`")
+        time.sleep(poll_s)
+    if left:
+        say(f"stopped waiting after {waited:.0f} s (timeout_s): {left} item(s) unrated get the fallback")
+
+    def value(g: dict[str, float] | None) -> float:
+        if g is None:
+            return math.nan
+        picked = [g[criterion]] if criterion else [g[c] for c in criteria]
+        return sum((v - lo) / (hi - lo) for v in picked) / len(picked)
+    return [value(g) for g in got]
+
+
+# --- the page --------------------------------------------------------------------------------------
+PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>minigrpo ratings</title>{refresh}
+<style>body{{font-family:sans-serif;max-width:52em;margin:2em auto;padding:0 1em}}
+pre{{white-space:pre-wrap;background:#f4f4f4;padding:1em;border-radius:4px}}
+fieldset{{border:0;padding:.3em 0}} legend{{font-weight:bold}} .err{{color:#b00}}</style></head><body>
+<p>{counts} &middot; <a href="/stats">stats</a> &middot; <a href="/export">export</a></p>{body}</body></html>"""
+
+
+def render_page(store: Store, error: str | None = None) -> str:
+    pending = store.pending()
+    counts = f"{len(pending)} to rate, {len(store.items) - len(pending)} rated"
+    if not pending:
+        body = "<p>Nothing to rate yet: this page reloads every 5 seconds.</p>"
+        return PAGE.format(refresh='<meta http-equiv="refresh" content="5">', counts=counts, body=body)
+    it, (lo, hi) = pending[0], pending[0]["scale"]
+    rows = "".join(
+        f'<fieldset><legend>{html.escape(c)}</legend>'
+        + " ".join(f'<label><input type="radio" name="{html.escape(c)}" value="{v}" required> {v}</label>'
+                   for v in range(lo, hi + 1)) + "</fieldset>"
+        for c in it["criteria"])
+    body = ((f'<p class="err">{html.escape(error)}</p>' if error else "")
+            + f"<h3>Prompt</h3><pre>{html.escape(it['prompt'])}</pre>"
+            + f"<h3>Completion</h3><pre>{html.escape(it['completion'])}</pre>"
+            + f'<form method="post" action="/rate"><input type="hidden" name="id" value="{it["id"]}">'
+            + f'{rows}<p>{lo} = worst, {hi} = best. <button type="submit">Save and next</button></p></form>')
+    return PAGE.format(refresh="", counts=counts, body=body)
+
+
+def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+    """The rating page on (host, port); port 0 picks a free one (server.server_port)."""
+    store = store_for(dir)
+    store.dir.mkdir(parents=True, exist_ok=True)
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: str, ctype: str = "text/html; charset=utf-8", **headers) -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            with store.lock:
+                store.refresh()
+                if path == "/":
+                    return self._send(200, render_page(store))
+                if path == "/stats":
+                    return self._send(200, json.dumps(store.stats(), indent=1), "application/json")
+                if path == "/export":
+                    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in store.rated_items())
+                    return self._send(200, lines, "application/jsonl; charset=utf-8")
+            self._send(404, "not found", "text/plain")
+
+        def do_POST(self) -> None:
+            if self.path != "/rate":
+                return self._send(404, "not found", "text/plain")
+            length = min(int(self.headers.get("Content-Length") or 0), 1 << 20)  # a form is a few bytes
+            form = {k: v[0] for k, v in urllib.parse.parse_qs(self.rfile.read(length).decode()).items()}
+            with store.lock:
+                store.refresh()
+                error = store.rate(form.get("id", ""), form)
+                if error:
+                    return self._send(400, render_page(store, error))
+            self._send(303, "", Location="/")
+
+        def log_message(self, fmt, *args) -> None:  # one line per rating, not one per page view
+            if self.command == "POST":
+                say(f"{self.address_string()} {fmt % args}")
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=["serve", "stats", "export"])
+    p.add_argument("--dir", required=True, help="the ratings folder named by the human reward's args.dir")
+    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login)")
+    p.add_argument("--port", type=int, default=8000, help="serve: port")
+    args = p.parse_args(argv)
+    if args.command != "serve":
+        if not Path(args.dir).is_dir():
+            print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)
+            return 2
+        store = store_for(args.dir)
+        store.refresh()
+        if args.command == "stats":
+            print(json.dumps(store.stats(), indent=1))
+        else:
+            sys.stdout.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in store.rated_items())
+        return 0
+    try:
+        server = make_server(args.dir, args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port", file=sys.stderr)
+        return 2
+    print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
