@@ -102,6 +102,7 @@ class RolloutConfig:
     compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing
     prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer caps the sampling KV cache
     #   at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache) for more, smaller calls; see bench/memory_estimate.py
+    overlap_rewards: bool = True  # with prompts_per_generate: score each slice (judge calls, ratings) while the next one samples
     merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest

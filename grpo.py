@@ -13,6 +13,7 @@ Departures from the paper (arXiv 2402.03300), all switchable in the config:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -514,13 +515,18 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
                    completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
 
 
-def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args, **kwargs) -> Rollout:
+def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,
+                       on_slice: Callable[[int, Rollout], None] | None = None, **kwargs) -> Rollout:
     """generate_rollout on `per_call` prompts at a time (0: all in one call), the slices joined in
     order: each call's KV cache holds per_call x num_generations rows (rollout.prompts_per_generate,
-    eval.batch_size). Further arguments are generate_rollout's."""
-    k = per_call or len(prompts)
-    return concat_rollouts([generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs)
-                            for s in range(0, len(prompts), k)], tokenizer.pad_token_id)
+    eval.batch_size). on_slice(first prompt's index, slice) runs after each call, before the next
+    one samples (train.score starts scoring the slice there). Further arguments are generate_rollout's."""
+    k, parts = per_call or len(prompts), []
+    for s in range(0, len(prompts), k):
+        parts.append(generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs))
+        if on_slice is not None:
+            on_slice(s, parts[-1])
+    return concat_rollouts(parts, tokenizer.pad_token_id)
 
 
 def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int):

@@ -17,7 +17,8 @@ lost to a kill (a line torn by one is skipped, and the next write starts a fresh
 
 An item's id hashes (prompt, completion), so a completion that repeats (within a group, or across
 steps and runs) is rated once and old ratings answer new runs. Two ratings of one item are
-averaged. The page offers the newest batch first: the one the trainer is waiting for.
+averaged. The page shows a prompt's completions together (GRPO learns from how they compare),
+the newest batch first: the one the trainer is waiting for.
 
     reward = mean over criteria of (score - lo) / (hi - lo)       in [0, 1], scale = [lo, hi]
 
@@ -116,19 +117,31 @@ class Store:
         waiting = [it for it in self.items.values() if self.rated(it["id"], it["criteria"]) is None]
         return sorted(waiting, key=lambda it: -it["batch"])  # sorted() is stable: queue order within a batch
 
-    def rate(self, id_: str, form: dict[str, str]) -> str | None:
-        """Record a rating from the page's form; the reason it is refused, or None."""
-        item = self.items.get(id_)
-        if item is None:
-            return f"unknown item {id_!r}"
-        lo, hi = item["scale"]
-        scores = {}
-        for c in item["criteria"]:
-            value = form.get(c, "")
-            if not value.lstrip("-").isdigit() or not lo <= int(value) <= hi:
-                return f"{c}: give a whole number from {lo} to {hi}, got {value!r}"
-            scores[c] = int(value)
-        append_line(self.dir / RATINGS, {"id": id_, "scores": scores, "time": time.time()})
+    def next_group(self) -> list[dict]:
+        """The pending completions of one prompt in the newest batch: rated side by side, since GRPO
+        learns only from how a group's completions compare."""
+        pending = self.pending()
+        return [it for it in pending if (it["batch"], it["prompt"]) == (pending[0]["batch"], pending[0]["prompt"])]
+
+    def rate(self, form: dict[str, str]) -> str | None:
+        """Record the page's form (`ids`, and `<id>.<criterion>` per item): all of it, or nothing and
+        the reason it is refused."""
+        records = []
+        for id_ in filter(None, form.get("ids", "").split(",")):
+            item = self.items.get(id_)
+            if item is None:
+                return f"unknown item {id_!r}"
+            (lo, hi), scores = item["scale"], {}
+            for c in item["criteria"]:
+                value = form.get(f"{id_}.{c}", "")
+                if not value.lstrip("-").isdigit() or not lo <= int(value) <= hi:
+                    return f"{c}: give every answer a whole number from {lo} to {hi} (got {value!r})"
+                scores[c] = int(value)
+            records.append({"id": id_, "scores": scores, "time": time.time()})
+        if not records:
+            return "nothing to save: the form named no items"
+        for rec in records:
+            append_line(self.dir / RATINGS, rec)
         self.refresh()  # read back from the file, like every other rating: counted once
         return None
 
@@ -224,17 +237,22 @@ def render_page(store: Store, error: str | None = None) -> str:
     if not pending:
         body = "<p>Nothing to rate yet: this page reloads every 5 seconds.</p>"
         return PAGE.format(refresh='<meta http-equiv="refresh" content="5">', counts=counts, body=body)
-    it, (lo, hi) = pending[0], pending[0]["scale"]
-    rows = "".join(
-        f'<fieldset><legend>{html.escape(c)}</legend>'
-        + " ".join(f'<label><input type="radio" name="{html.escape(c)}" value="{v}" required> {v}</label>'
-                   for v in range(lo, hi + 1)) + "</fieldset>"
-        for c in it["criteria"])
+    group = store.next_group()
+    lo, hi = group[0]["scale"]
+
+    def choices(it: dict) -> str:
+        return "".join(f'<fieldset><legend>{html.escape(c)}</legend>' + " ".join(
+            f'<label><input type="radio" name="{it["id"]}.{html.escape(c)}" value="{v}" required> {v}</label>'
+            for v in range(lo, hi + 1)) + "</fieldset>" for c in it["criteria"])
+    answers = "".join(f"<h3>Answer {n}</h3><pre>{html.escape(it['completion'])}</pre>{choices(it)}"
+                      for n, it in enumerate(group, 1))
     body = ((f'<p class="err">{html.escape(error)}</p>' if error else "")
-            + f"<h3>Prompt</h3><pre>{html.escape(it['prompt'])}</pre>"
-            + f"<h3>Completion</h3><pre>{html.escape(it['completion'])}</pre>"
-            + f'<form method="post" action="/rate"><input type="hidden" name="id" value="{it["id"]}">'
-            + f'{rows}<p>{lo} = worst, {hi} = best. <button type="submit">Save and next</button></p></form>')
+            + f"<h3>Prompt</h3><pre>{html.escape(group[0]['prompt'])}</pre>"
+            + f"<p>{len(group)} answer(s) to this prompt. {lo} = worst, {hi} = best; training learns from "
+            + "how they compare, so rate them against each other.</p>"
+            + f'<form method="post" action="/rate"><input type="hidden" name="ids" '
+            + f'value="{",".join(it["id"] for it in group)}">{answers}'
+            + '<p><button type="submit">Save and next</button></p></form>')
     return PAGE.format(refresh="", counts=counts, body=body)
 
 
@@ -274,7 +292,7 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
             form = {k: v[0] for k, v in urllib.parse.parse_qs(self.rfile.read(length).decode()).items()}
             with store.lock:
                 store.refresh()
-                error = store.rate(form.get("id", ""), form)
+                error = store.rate(form)
                 if error:
                     return self._send(400, render_page(store, error))
             self._send(303, "", Location="/")

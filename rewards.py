@@ -245,6 +245,22 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
     return result
 
 
+def join_results(parts: list[RewardResult]) -> RewardResult:
+    """Results of consecutive slices of one batch as one: values in order, errors summed.
+
+    >>> join_results([RewardResult([1.0], {"a": [1.0]}, {"a": 0}), RewardResult([0.0], {"a": [None]}, {"a": 1})])
+    RewardResult(total=[1.0, 0.0], per_reward={'a': [1.0, None]}, errors={'a': 1})
+    """
+    out = RewardResult(total=[], per_reward={}, errors={})
+    for p in parts:
+        out.total += p.total
+        for k, v in p.per_reward.items():
+            out.per_reward.setdefault(k, []).extend(v)
+        for k, n in p.errors.items():
+            out.errors[k] = out.errors.get(k, 0) + n
+    return out
+
+
 def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
     """Mean of the non-None values of each reward, for logging `rewards/<name>/mean`.
 

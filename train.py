@@ -13,8 +13,10 @@ leaves a half checkpoint). Bad input exits with code 2 and one line saying what 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -22,9 +24,11 @@ import random
 import resource
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -36,7 +40,7 @@ from data import PromptSampler, check_not_data_file, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
                    reference_mode, resolve_model_path, save_adapter, trainable_parameters)
 from judge import Judge
-from rewards import check_specs, compute_rewards, reward_means
+from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_means
 
 
 # ----------------------------------------------------------------------------- run directory
@@ -161,30 +165,56 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
     ro, G = cfg.rollout, cfg.rollout.num_generations
     prompts = grpo.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
+    samples = [rows[i] for i in idx for _ in range(G)]
+
+    def rewards_of(r: grpo.Rollout, first: int) -> RewardResult:  # rows first .. first + len(r.texts) - 1
+        return compute_rewards(r.texts, samples[first:first + len(r.texts)], cfg.rewards,
+                               num_tokens=r.completion_mask.sum(1).long().tolist(),
+                               context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
     if engine is not None:
         r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
-    else:
-        with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-            r = grpo.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
-                                        ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
-                                        ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile)
-    samples = [rows[i] for i in idx for _ in range(G)]
-    res = compute_rewards(r.texts, samples, cfg.rewards, num_tokens=r.completion_mask.sum(1).long().tolist(),
-                          context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
+        return scored(r, samples, rewards_of(r, 0))
+    # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
+    # computed in the background while the next slice samples; the results are joined in order.
+    overlap = ro.overlap_rewards and 0 < ro.prompts_per_generate < len(prompts)
+    pending: list[concurrent.futures.Future] = []
+
+    def start_rewards(i: int, part: grpo.Rollout) -> None:
+        pending.append(in_background(functools.partial(rewards_of, part, i * G), after=pending[-1] if pending else None))
+    with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
+        r = grpo.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
+                                    ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
+                                    ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
+                                    on_slice=start_rewards if overlap else None)
+    return scored(r, samples, join_results([f.result() for f in pending]) if overlap else rewards_of(r, 0))
+
+
+def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
+    """fn() in a daemon thread, started once `after` has finished: rewards run one slice at a time, in
+    order (a Judge serves one event loop at a time). A daemon, so a Ctrl-C while it waits for a judge
+    or for people's ratings exits at once instead of waiting for them."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if after is not None:
+            concurrent.futures.wait([after])  # its error, if any, is raised where it is read
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # handed to whoever reads the result
+            future.set_exception(err)
+    threading.Thread(target=run, name="rewards", daemon=True).start()
+    return future
+
+
+def scored(r: grpo.Rollout, samples: list[dict], res: RewardResult) -> Scored:
     return Scored(r, samples, torch.tensor(res.total, dtype=torch.float32), res.per_reward, res.errors)
 
 
 def concat(parts: list[Scored], pad_id: int) -> Scored:
     if len(parts) == 1:
         return parts[0]
-    per_reward, errors = {}, {}
-    for p in parts:
-        for k, v in p.per_reward.items():
-            per_reward.setdefault(k, []).extend(v)
-        for k, n in p.errors.items():
-            errors[k] = errors.get(k, 0) + n
-    return Scored(grpo.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples],
-                  torch.cat([p.total for p in parts]), per_reward, errors)
+    res = join_results([RewardResult(p.total.tolist(), p.per_reward, p.errors) for p in parts])
+    return scored(grpo.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
 
 
 def take_group(p: Scored, g: int, G: int) -> Scored:

@@ -2,12 +2,15 @@
 
     .venv/bin/python bench/ab.py --config bench/cpu_step.yaml --a grpo.share_prompt=false --b grpo.share_prompt=true
     .venv/bin/python bench/ab.py --config configs/quickstart.yaml --a optim.micro_batch_size=8 --b optim.micro_batch_size=16 --reps 3
+    .venv/bin/python bench/ab.py --config bench/judge_step.yaml --judge-delay 2 --a rollout.overlap_rewards=false ...
 
 Each rep runs A then B, each a fresh `train.py --config CONFIG --SET ...` process into its own
 temporary run directory. Reported per run: step_time, rollout_time and peak_memory_mb of every step
 (metrics.jsonl: on CPU the process's peak RSS so far, loading included; on a GPU the step's
 max_memory_allocated); then the medians over steps 2..n of all runs of a side (memory: each run's
-largest), and B / A. Not part of the test suite.
+largest), and B / A. --judge-delay S starts tests/fake_openai_server.py's judge, which answers every
+request after S seconds, and points judge.base_url at it (a config with a judge reward, e.g.
+bench/judge_step.yaml). Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -39,7 +42,16 @@ def main() -> int:
     ap.add_argument("--a", action="append", default=[], metavar="SECTION.KEY=VALUE", help="setting of side A (repeatable)")
     ap.add_argument("--b", action="append", default=[], metavar="SECTION.KEY=VALUE", help="setting of side B (repeatable)")
     ap.add_argument("--reps", type=int, default=2, help="alternations (A, B) to run")
+    ap.add_argument("--judge-delay", type=float, default=None, metavar="S",
+                    help="serve a fake judge that answers after S seconds, as judge.base_url")
     args = ap.parse_args()
+    if args.judge_delay is not None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from fake_openai_server import FakeOpenAIServer, ok
+        judge = FakeOpenAIServer(reply=lambda body: '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11),
+                                 default=ok(delay_s=args.judge_delay)).start()
+        args.a.insert(0, f"judge.base_url={judge.url}")
+        args.b.insert(0, f"judge.base_url={judge.url}")
     sides = {"A": args.a, "B": args.b}
     steps: dict[str, list[float]] = {"A": [], "B": []}
     rollouts: dict[str, list[float]] = {"A": [], "B": []}

@@ -46,20 +46,28 @@ def post(url: str, form: dict) -> int:
         return e.code
 
 
+def shown(text: str) -> tuple[list[str], list[str]]:
+    """The ids and the (escaped) answers of the group the page shows."""
+    m = re.search(r'name="ids" value="([\w,]+)"', text)
+    return (m.group(1).split(",") if m else []), re.findall(r"<h3>Answer \d+</h3><pre>(.*?)</pre>", text, re.S)
+
+
+def form(ids: list[str], scores: list[dict]) -> dict:
+    return {"ids": ",".join(ids), **{f"{i}.{c}": v for i, s in zip(ids, scores) for c, v in s.items()}}
+
+
 def rater(url: str, scores_for, stop: threading.Event) -> threading.Thread:
-    """A person at the page: reads the item shown, rates it with scores_for(completion), repeats."""
+    """A person at the page: reads the answers shown, rates each with scores_for(answer), repeats."""
     def run():
         while not stop.is_set():
             try:
-                text = get(url + "/")
+                ids, answers = shown(get(url + "/"))
             except OSError:  # the page is shutting down at the end of a test
                 return
-            m = re.search(r'name="id" value="(\w+)"', text)
-            if not m:
+            if not ids:
                 stop.wait(0.01)
                 continue
-            completion = re.search(r"<h3>Completion</h3><pre>(.*?)</pre>", text, re.S).group(1)
-            post(url, {"id": m.group(1), **scores_for(completion)})
+            post(url, form(ids, [scores_for(a) for a in answers]))
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -107,26 +115,33 @@ def test_unrated_completions_time_out_to_the_fallback_and_are_counted(tmp_path):
     assert len((tmp_path / "r/queue.jsonl").read_text().splitlines()) == 2  # still there for a person to rate
 
 
-def test_the_page_escapes_model_output_and_refuses_bad_forms(page):
+def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_forms(page):
     url, folder = page
     evil = '<script>alert(1)</script>"'
-    append_line(folder / "queue.jsonl", {"id": "old", "batch": 1, "prompt": "p", "completion": "older",
-                                         "criteria": CRITERIA, "scale": [1, 5], "time": 0})
-    append_line(folder / "queue.jsonl", {"id": "new", "batch": 2, "prompt": "<b>p</b>", "completion": evil,
-                                         "criteria": CRITERIA, "scale": [1, 5], "time": 0})
+
+    def queue(id_, batch, prompt, completion):
+        append_line(folder / "queue.jsonl", {"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
+                                             "criteria": CRITERIA, "scale": [1, 5], "time": 0})
+    queue("old", 1, "p", "older")
+    queue("new", 2, "<b>p</b>", evil)
+    queue("other", 2, "another prompt", "x")
+    queue("new2", 2, "<b>p</b>", "plain")
+    ids, answers = shown(get(url + "/"))
+    assert ids == ["new", "new2"]  # the newest batch first (the trainer waits for it), one prompt's answers together
     text = get(url + "/")
-    assert 'value="new"' in text  # the newest batch first: the one the trainer waits for
     assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;" in text and "<script>" not in text and "<b>p" not in text
-    assert post(url, {"id": "new", "relevance": "6", "clarity": "3"}) == 400  # out of the scale
-    assert post(url, {"id": "new", "relevance": "4"}) == 400  # a criterion missing
-    assert post(url, {"id": "nope", "relevance": "4", "clarity": "3"}) == 400
-    assert not (folder / "ratings.jsonl").exists()
-    assert post(url, {"id": "new", "relevance": "4", "clarity": "3"}) == 303
-    assert 'value="old"' in get(url + "/")
+    good = [{"relevance": "4", "clarity": "3"}, {"relevance": "2", "clarity": "2"}]
+    assert post(url, form(ids, [good[0], {"relevance": "6", "clarity": "3"}])) == 400  # out of the scale
+    assert post(url, form(ids, [good[0], {"relevance": "4"}])) == 400  # a criterion missing
+    assert post(url, form(["nope"], [good[0]])) == 400
+    assert post(url, {}) == 400
+    assert not (folder / "ratings.jsonl").exists()  # a refused form writes nothing, not even its good part
+    assert post(url, form(ids, good)) == 303
+    assert shown(get(url + "/"))[0] == ["other"]
     assert [json.loads(ln)["scores"] for ln in (folder / "ratings.jsonl").read_text().splitlines()] == \
-        [{"relevance": 4, "clarity": 3}]
-    assert get(url + "/export").strip() == json.dumps({"id": "new", "prompt": "<b>p</b>", "completion": evil,
-                                                       "scores": {"relevance": 4.0, "clarity": 3.0}})
+        [{"relevance": 4, "clarity": 3}, {"relevance": 2, "clarity": 2}]
+    assert get(url + "/export").splitlines()[0] == json.dumps({"id": "new", "prompt": "<b>p</b>", "completion": evil,
+                                                               "scores": {"relevance": 4.0, "clarity": 3.0}})
 
 
 def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line(tmp_path):

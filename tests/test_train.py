@@ -2,6 +2,7 @@
 uninterrupted run, and bad input exits with code 2 and writes nothing."""
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -210,6 +211,44 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for a, b in zip(got[0].rollout.completion_ids, got[2].rollout.completion_ids):
         assert a.tolist() == b.tolist()
     assert got[0].rollout.texts == got[2].rollout.texts and torch.equal(got[0].total, got[2].total)
+
+
+def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_order(setup, monkeypatch):
+    """rollout.overlap_rewards (on by default): with prompts_per_generate, slice i's rewards run in
+    the background while slice i+1 samples, and the joined results equal scoring after sampling."""
+    import grpo
+    import rewards
+    cfg, run = setup
+    started = threading.Event()
+
+    def marks_start(completion: str, sample: dict) -> float:
+        started.set()
+        return float(sample["answer"]) + len(completion) % 3  # differs by prompt: rows out of order would show
+    monkeypatch.setitem(rewards.REGISTRY, "test_marks_start", (marks_start, False))
+    seen, generate = [], grpo.generate_rollout  # per generate call: had a reward started before it returned?
+
+    def gen(model, tok, prompts, *a, **k):
+        out = generate(model, tok, prompts, *a, **k)
+        seen.append(started.wait(timeout=30) if seen and overlap else started.is_set())
+        return out
+    monkeypatch.setattr(grpo, "generate_rollout", gen)
+    r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
+    r.cfg.rewards = [rewards.RewardSpec("test_marks_start"), rewards.RewardSpec("answer_match", weight=2.0)]
+    got = {}
+    for overlap in (False, True):
+        seen.clear()
+        started.clear()
+        r.cfg.rollout.overlap_rewards = overlap
+        got[overlap] = train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], None)
+        # overlapped: slice 0's rewards started while slice 1 sampled
+        assert seen == ([False, True, True] if overlap else [False, False, False])
+    off, on = got[False], got[True]
+    assert on.rollout.texts == off.rollout.texts and torch.equal(on.total, off.total)
+    assert on.per_reward == off.per_reward and on.errors == off.errors
+    assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
+    r.cfg.rewards = [rewards.RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
+    with pytest.raises(ValueError, match="needs dir"):
+        train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], None)
 
 
 def test_gradient_checkpointing_gives_the_same_step(setup):
