@@ -19,10 +19,8 @@ import copy
 import functools
 import json
 import math
-import os
 import random
 import resource
-import shutil
 import sys
 import threading
 import time
@@ -38,101 +36,10 @@ import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, save_config
 from data import PromptSampler, check_not_data_file, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
-                   reference_mode, resolve_model_path, save_adapter, trainable_parameters)
+                   reference_mode, resolve_model_path, trainable_parameters)
+from checkpoint import append_jsonl, checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from judge import Judge
 from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_means
-
-
-# ----------------------------------------------------------------------------- run directory
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a .tmp directory is an interrupted write)."""
-    d = run_dir / "checkpoints"
-    return sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if d.is_dir() else []
-
-
-def save_checkpoint(r: Run, step: int) -> Path:
-    """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via .tmp + rename."""
-    model, optimizer, scheduler, scaler, cfg = r.model, r.optimizer, r.scheduler, r.scaler, r.cfg
-    final = r.run_dir / "checkpoints" / f"step_{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if is_peft(model):
-        save_adapter(model, tmp / "adapter")
-    else:
-        model.save_pretrained(tmp / "model")
-        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
-    torch.save({
-        "step": step, "data_position": r.sampler.state(),
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler else None,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-    }, tmp / "trainer_state.pt")
-    save_config(cfg, tmp / "config.yaml")
-    for f in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.replace(final)
-    for old in checkpoints(r.run_dir)[: -cfg.run.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in final.parent.glob("step_*.tmp"):  # left by a kill mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, scaler) -> dict:
-    from safetensors.torch import load_file
-    if is_peft(model):
-        from peft import set_peft_model_state_dict
-        set_peft_model_state_dict(model, load_file(ckpt / "adapter" / "adapter_model.safetensors"))
-    else:
-        state = {}
-        for f in sorted((ckpt / "model").glob("*.safetensors")):
-            state.update(load_file(f))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if unexpected or any(k for k in missing if "lm_head" not in k):
-            raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    rng = state["rng"]
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return state
-
-
-def keep_lines_up_to(path: Path, step: int) -> None:
-    """On resume, drop log lines of steps after the checkpoint (they will be redone). Atomic rewrite."""
-    if not path.exists():
-        return
-    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) is not None and _step_of(ln) <= step]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept))
-    tmp.replace(path)
-
-
-def _step_of(line: str) -> int | None:
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None  # a line torn by a kill
-
-
-def append_jsonl(path: Path, records: list[dict]) -> None:
-    with path.open("a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------- one step
