@@ -15,26 +15,30 @@ lost to a kill (a line torn by one is skipped, and the next write starts a fresh
     queue.jsonl     the trainer's: {"id", "batch", "prompt", "completion", "criteria", "scale", "time"}
     ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
 
-An item's id hashes (prompt, completion), so a completion that repeats (within a group, or across
-steps and runs) is rated once and old ratings answer new runs. Two ratings of one item are
-averaged. The page shows a prompt's completions together (GRPO learns from how they compare),
-the newest batch first: the one the trainer is waiting for.
+An item's id hashes (prompt, completion, scale), so a completion that repeats (within a group, or
+across steps and runs) is rated once and old ratings answer new runs. The page shows a prompt's
+completions together (GRPO learns from how they compare), the newest batch first: the one the
+trainer is waiting for. A form sent twice, or a second rater's form for answers rated meanwhile,
+is not counted again (should the file hold two ratings of an answer, they are averaged).
 
     reward = mean over criteria of (score - lo) / (hi - lo)       in [0, 1], scale = [lo, hi]
 
 The trainer waits until every completion of the batch is rated, saying every minute how many
-are left; with `timeout_s` it stops waiting then, and each unrated completion gets the reward's
-fallback and counts in reward_errors/<name>. The page has no login: it listens on 127.0.0.1
-unless --host says otherwise; reach it from elsewhere through an SSH tunnel.
+are left; with `timeout_s` a completion waits at most that long after it was queued, then gets
+the reward's fallback (counted in reward_errors/<name>) and stays on the page. The page has no
+login: it listens on 127.0.0.1 unless --host says otherwise; reach it from elsewhere through an
+SSH tunnel.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import html
 import json
 import math
 import os
+import secrets
 import sys
 import threading
 import time
@@ -51,20 +55,22 @@ def say(msg: str) -> None:
     print(f"[ratings {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def item_id(prompt: str, completion: str) -> str:
-    """Content address of one item: the same prompt and completion always get the same id."""
-    return hashlib.sha256(json.dumps([prompt, completion]).encode()).hexdigest()[:24]
+def item_id(prompt: str, completion: str, scale: list[int]) -> str:
+    """Content address of one item: the same prompt, completion and scale always get the same id (a
+    5 on a 1-5 scale is not a 5 on 1-10, so a new scale asks again)."""
+    return hashlib.sha256(json.dumps([prompt, completion, list(scale)]).encode()).hexdigest()[:24]
 
 
-def append_line(path: Path, record: dict) -> None:
-    """Append one JSON line and fsync it; first end a line torn by a kill, so records never glue."""
+def append_lines(path: Path, records: list[dict]) -> None:
+    """Append JSON lines in one write and fsync them; first end a line torn by a kill, so records
+    never glue onto it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
         size = f.seek(0, os.SEEK_END)
         if size:
             f.seek(size - 1)
         torn = size > 0 and f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + (json.dumps(record, ensure_ascii=False) + "\n").encode())
+        f.write((b"\n" if torn else b"") + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -76,6 +82,7 @@ class Store:
     items: dict[str, dict] = field(default_factory=dict)  # id -> its latest queue record
     scores: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # id -> criterion -> every score given
     offsets: dict[str, int] = field(default_factory=dict)  # file name -> bytes read
+    deadlines: dict[str, float] = field(default_factory=dict)  # id -> monotonic time its wait ends (queued by this process)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the page serves from several threads
 
     def refresh(self) -> None:
@@ -124,25 +131,32 @@ class Store:
         return [it for it in pending if (it["batch"], it["prompt"]) == (pending[0]["batch"], pending[0]["prompt"])]
 
     def rate(self, form: dict[str, str]) -> str | None:
-        """Record the page's form (`ids`, and `<id>.<criterion>` per item): all of it, or nothing and
-        the reason it is refused."""
+        """Record the page's form (`ids`, and `<id>.<criterion>` per item) in one write: all of it, or
+        nothing and the reason it is refused. Items rated meanwhile (a resent form, a second rater)
+        are skipped, so one person's rating is never counted twice."""
+        ids = list(dict.fromkeys(filter(None, form.get("ids", "").split(","))))
+        if not ids:
+            return "nothing to save: the form named no items"
         records = []
-        for id_ in filter(None, form.get("ids", "").split(",")):
+        for id_ in ids:
             item = self.items.get(id_)
             if item is None:
                 return f"unknown item {id_!r}"
+            if self.rated(id_, item["criteria"]) is not None:
+                continue
             (lo, hi), scores = item["scale"], {}
             for c in item["criteria"]:
                 value = form.get(f"{id_}.{c}", "")
-                if not value.lstrip("-").isdigit() or not lo <= int(value) <= hi:
+                try:
+                    scores[c] = int(value)
+                except ValueError:
+                    scores[c] = None
+                if scores[c] is None or not lo <= scores[c] <= hi or value.strip() != str(scores[c]):
                     return f"{c}: give every answer a whole number from {lo} to {hi} (got {value!r})"
-                scores[c] = int(value)
             records.append({"id": id_, "scores": scores, "time": time.time()})
-        if not records:
-            return "nothing to save: the form named no items"
-        for rec in records:
-            append_line(self.dir / RATINGS, rec)
-        self.refresh()  # read back from the file, like every other rating: counted once
+        if records:
+            append_lines(self.dir / RATINGS, records)
+            self.refresh()  # read back from the file, like every other rating: counted once
         return None
 
     def rated_items(self) -> list[dict]:
@@ -173,47 +187,65 @@ def store_for(dir: str | Path) -> Store:
 
 
 # --- the reward ------------------------------------------------------------------------------------
+def check_args(dir: str | None = None, criteria: list[str] = ("overall",), scale: list[int] = (1, 5),
+               criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0, **_) -> None:
+    """The human reward's args, checked before any model loads (rewards.check_specs); ValueError says what to fix."""
+    if not isinstance(dir, str) or not dir:
+        raise ValueError("reward 'human' needs args.dir: the ratings folder that `python ratings.py serve --dir` serves")
+    if isinstance(criteria, str) or not criteria or not all(isinstance(c, str) and c for c in criteria):
+        raise ValueError(f"reward 'human': criteria must be a list of names, e.g. [relevance, clarity]; got {criteria!r}")
+    if criterion is not None and criterion not in criteria:
+        raise ValueError(f"reward 'human': criterion {criterion!r} must be one of the criteria {list(criteria)}")
+    if (not isinstance(scale, (list, tuple)) or len(scale) != 2 or not all(type(v) is int for v in scale)
+            or scale[0] >= scale[1]):
+        raise ValueError(f"reward 'human': scale must be two whole numbers [lo, hi] with lo < hi; got {scale!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0 and isinstance(poll_s, (int, float)) and poll_s > 0):
+        raise ValueError(f"reward 'human': need timeout_s >= 0 (0: no limit) and poll_s > 0; got {timeout_s!r}, {poll_s!r}")
+
+
 def human(completions: list[str], samples: list[dict], *, dir: str, criteria: list[str] = ("overall",),
           scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0,
           prompt_key: str = "prompt", assistant_prefix: str | None = None) -> list[float]:
     """People's rating of each completion, (score - lo) / (hi - lo) averaged over the criteria.
 
-    `criterion` returns that one criterion instead (list the reward again with weight 0 and a label
-    to log each one; those calls find the ratings already there). Waits for every rating, or
-    `timeout_s` seconds when > 0; NaN where none came (the fallback, counted as an error).
+    Queues the completions not yet rated nor already queued by this process, and waits until each
+    is rated or, with timeout_s > 0, until timeout_s after it was queued; NaN where no rating came
+    (the fallback, counted as an error). `criterion` returns that one criterion instead: list the
+    reward again with weight 0 and a label to log each one; those calls queue nothing new and wait
+    no longer than the first.
     """
+    check_args(dir, criteria, scale, criterion, timeout_s, poll_s)
     criteria, (lo, hi) = list(criteria), scale
-    if not criteria or criterion is not None and criterion not in criteria:
-        raise ValueError(f"human: criterion {criterion!r} must be one of the criteria {criteria}")
-    if not (isinstance(lo, int) and isinstance(hi, int) and lo < hi):
-        raise ValueError(f"human: scale must be two whole numbers [lo, hi] with lo < hi, got {scale!r}")
     store = store_for(dir)
-    prefix = assistant_prefix or ""
-    shown = [(s[prompt_key], prefix + c) for c, s in zip(completions, samples, strict=True)]
-    ids = [item_id(p, c) for p, c in shown]
+    shown = [(s[prompt_key], (assistant_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
+    ids = [item_id(p, c, scale) for p, c in shown]
     with store.lock:
         store.refresh()
-        batch = time.time_ns()
+        now, batch, new = time.monotonic(), time.time_ns(), []
         for id_, (prompt, completion) in dict(zip(ids, shown)).items():  # each distinct item once
-            if store.rated(id_, criteria) is None:
-                append_line(store.dir / QUEUE, {"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
-                                                "criteria": criteria, "scale": [lo, hi], "time": time.time()})
+            if store.rated(id_, criteria) is None and id_ not in store.deadlines:
+                store.deadlines[id_] = now + timeout_s if timeout_s > 0 else math.inf
+                new.append({"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
+                            "criteria": criteria, "scale": [lo, hi], "time": time.time()})
+        if new:
+            append_lines(store.dir / QUEUE, new)
     start, last_said = time.monotonic(), -math.inf
     while True:
         with store.lock:
             store.refresh()
             got = [store.rated(i, criteria) for i in ids]
-        left = len({i for i, g in zip(ids, got) if g is None})
-        waited = time.monotonic() - start
-        if not left or (timeout_s > 0 and waited >= timeout_s):
+        now = time.monotonic()
+        waiting = {i for i, g in zip(ids, got) if g is None and store.deadlines.get(i, 0) > now}
+        if not waiting:
             break
-        if time.monotonic() - last_said >= 60:
-            last_said = time.monotonic()
-            say(f"waiting for people's ratings: {left} of {len(set(ids))} left ({waited:.0f} s so far); "
+        if now - last_said >= 60:
+            last_said = now
+            say(f"waiting for people's ratings: {len(waiting)} of {len(set(ids))} left ({now - start:.0f} s so far); "
                 f"rate them on the page of `python ratings.py serve --dir {dir}`")
         time.sleep(poll_s)
-    if left:
-        say(f"stopped waiting after {waited:.0f} s (timeout_s): {left} item(s) unrated get the fallback")
+    unrated = {i for i, g in zip(ids, got) if g is None}
+    if unrated:
+        say(f"{len(unrated)} item(s) unrated after timeout_s={timeout_s:g} s get the fallback; they stay on the page")
 
     def value(g: dict[str, float] | None) -> float:
         if g is None:
@@ -221,6 +253,9 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
         picked = [g[criterion]] if criterion else [g[c] for c in criteria]
         return sum((v - lo) / (hi - lo) for v in picked) / len(picked)
     return [value(g) for g in got]
+
+
+human.check_args = check_args  # rewards.check_specs calls a reward's check_args(**args), when it has one
 
 
 # --- the page --------------------------------------------------------------------------------------
@@ -231,18 +266,18 @@ fieldset{{border:0;padding:.3em 0}} legend{{font-weight:bold}} .err{{color:#b00}
 <p>{counts} &middot; <a href="/stats">stats</a> &middot; <a href="/export">export</a></p>{body}</body></html>"""
 
 
-def render_page(store: Store, error: str | None = None) -> str:
+def render_page(store: Store, token: str, error: str | None = None) -> str:
     pending = store.pending()
     counts = f"{len(pending)} to rate, {len(store.items) - len(pending)} rated"
     if not pending:
-        body = "<p>Nothing to rate yet: this page reloads every 5 seconds.</p>"
-        return PAGE.format(refresh='<meta http-equiv="refresh" content="5">', counts=counts, body=body)
+        body = "<p>Nothing to rate yet: this page reloads every 2 seconds.</p>"
+        return PAGE.format(refresh='<meta http-equiv="refresh" content="2">', counts=counts, body=body)
     group = store.next_group()
     lo, hi = group[0]["scale"]
 
     def choices(it: dict) -> str:
         return "".join(f'<fieldset><legend>{html.escape(c)}</legend>' + " ".join(
-            f'<label><input type="radio" name="{it["id"]}.{html.escape(c)}" value="{v}" required> {v}</label>'
+            f'<label><input type="radio" name="{html.escape(it["id"])}.{html.escape(c)}" value="{v}" required> {v}</label>'
             for v in range(lo, hi + 1)) + "</fieldset>" for c in it["criteria"])
     answers = "".join(f"<h3>Answer {n}</h3><pre>{html.escape(it['completion'])}</pre>{choices(it)}"
                       for n, it in enumerate(group, 1))
@@ -250,16 +285,21 @@ def render_page(store: Store, error: str | None = None) -> str:
             + f"<h3>Prompt</h3><pre>{html.escape(group[0]['prompt'])}</pre>"
             + f"<p>{len(group)} answer(s) to this prompt. {lo} = worst, {hi} = best; training learns from "
             + "how they compare, so rate them against each other.</p>"
-            + f'<form method="post" action="/rate"><input type="hidden" name="ids" '
-            + f'value="{",".join(it["id"] for it in group)}">{answers}'
+            + f'<form method="post" action="/rate"><input type="hidden" name="token" value="{token}">'
+            + f'<input type="hidden" name="ids" value="{html.escape(",".join(it["id"] for it in group))}">{answers}'
             + '<p><button type="submit">Save and next</button></p></form>')
     return PAGE.format(refresh="", counts=counts, body=body)
 
 
 def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """The rating page on (host, port); port 0 picks a free one (server.server_port)."""
+    """The rating page on (host, port); port 0 picks a free one (server.server_port).
+
+    It has no login. Two guards against other web pages the rater has open: on a loopback address
+    it answers only requests addressed to localhost (no DNS rebinding onto /export), and a form is
+    saved only with the token of the page that showed it (no rating posted from another site)."""
     store = store_for(dir)
-    store.dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(16)
+    loopback = host in ("127.0.0.1", "localhost", "::1")
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body: str, ctype: str = "text/html; charset=utf-8", **headers) -> None:
@@ -272,12 +312,21 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self) -> bool:
+            name = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
+            if loopback and name not in ("127.0.0.1", "localhost", "::1"):
+                self._send(403, "this page answers only at localhost", "text/plain")
+                return True
+            return False
+
         def do_GET(self) -> None:
+            if self._refused():
+                return
             path = self.path.split("?")[0]
             with store.lock:
                 store.refresh()
                 if path == "/":
-                    return self._send(200, render_page(store))
+                    return self._send(200, render_page(store, token))
                 if path == "/stats":
                     return self._send(200, json.dumps(store.stats(), indent=1), "application/json")
                 if path == "/export":
@@ -286,15 +335,25 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
             self._send(404, "not found", "text/plain")
 
         def do_POST(self) -> None:
+            if self._refused():
+                return
             if self.path != "/rate":
                 return self._send(404, "not found", "text/plain")
-            length = min(int(self.headers.get("Content-Length") or 0), 1 << 20)  # a form is a few bytes
-            form = {k: v[0] for k, v in urllib.parse.parse_qs(self.rfile.read(length).decode()).items()}
+            try:
+                length = int(self.headers.get("Content-Length") or "")
+                if not 0 <= length <= 1 << 20:  # a form is a few kilobytes
+                    raise ValueError
+                form = {k: v[0] for k, v in urllib.parse.parse_qs(self.rfile.read(length).decode()).items()}
+            except ValueError:  # no or bad Content-Length, or a body that is not UTF-8
+                return self._send(400, "a form body with a Content-Length under 1 MB, in UTF-8", "text/plain")
             with store.lock:
                 store.refresh()
+                if not hmac.compare_digest(form.get("token", ""), token):
+                    return self._send(403, render_page(store, token, "this form came from an older page or "
+                                                       "another site: nothing saved; rate the answers below"))
                 error = store.rate(form)
                 if error:
-                    return self._send(400, render_page(store, error))
+                    return self._send(400, render_page(store, token, error))
             self._send(303, "", Location="/")
 
         def log_message(self, fmt, *args) -> None:  # one line per rating, not one per page view
@@ -322,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in store.rated_items())
         return 0
+    try:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
+        return 2
     try:
         server = make_server(args.dir, args.host, args.port)
     except OSError as e:

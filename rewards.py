@@ -141,8 +141,9 @@ def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
 
 
 def check_specs(specs: list[RewardSpec], have_judge: bool = True) -> None:
-    """Fail early, before any model loads: every reward resolves and accepts its args, and a
-    judge-based reward (one taking `judge`) has a judge to call (`have_judge`: a judge: section)."""
+    """Fail early, before any model loads: every reward resolves and accepts its args (and passes
+    its own `check_args(**args)`, where it has one), and a judge-based reward (one taking `judge`)
+    has a judge to call (`have_judge`: a judge: section)."""
     if not specs:
         raise ValueError("no rewards configured: add at least one entry under `rewards:`")
     for spec in specs:
@@ -152,13 +153,13 @@ def check_specs(specs: list[RewardSpec], have_judge: bool = True) -> None:
         if "num_tokens" in spec.args:
             raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")
         params = _params(fn)
-        if any(p.kind is p.VAR_KEYWORD for p in params):
-            continue
         names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         for arg in spec.args:
-            if arg not in names:
+            if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
                 raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{_did_you_mean(arg, names)}; "
                                  f"it accepts: {', '.join(names) or 'no arguments'}")
+        if callable(getattr(fn, "check_args", None)):  # the reward's own check of its args' values (ratings.human)
+            fn.check_args(**spec.args)
 
 
 def _as_reward(value: Any) -> float | None:

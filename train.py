@@ -74,26 +74,30 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     prompts = grpo.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
     samples = [rows[i] for i in idx for _ in range(G)]
 
-    def rewards_of(r: grpo.Rollout, first: int) -> RewardResult:  # rows first .. first + len(r.texts) - 1
-        return compute_rewards(r.texts, samples[first:first + len(r.texts)], cfg.rewards,
-                               num_tokens=r.completion_mask.sum(1).long().tolist(),
+    def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
+        return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,
                                context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
+
+    def lengths(r: grpo.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
+        return r.completion_mask.sum(1).long().tolist()
     if engine is not None:
         r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
-        return scored(r, samples, rewards_of(r, 0))
+        return scored(r, samples, rewards_of(r.texts, lengths(r), 0))
     # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
     # computed in the background while the next slice samples; the results are joined in order.
     overlap = ro.overlap_rewards and 0 < ro.prompts_per_generate < len(prompts)
     pending: list[concurrent.futures.Future] = []
 
     def start_rewards(i: int, part: grpo.Rollout) -> None:
-        pending.append(in_background(functools.partial(rewards_of, part, i * G), after=pending[-1] if pending else None))
+        pending.append(in_background(functools.partial(rewards_of, part.texts, lengths(part), i * G),
+                                     after=pending[-1] if pending else None))
     with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
         r = grpo.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
                                     ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
                                     ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
                                     on_slice=start_rewards if overlap else None)
-    return scored(r, samples, join_results([f.result() for f in pending]) if overlap else rewards_of(r, 0))
+    res = join_results([f.result() for f in pending]) if overlap else rewards_of(r.texts, lengths(r), 0)
+    return scored(r, samples, res)
 
 
 def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:

@@ -1,9 +1,11 @@
 """Tests for ratings.py: the human reward waits for ratings given on the real page (over HTTP, a
-rater thread standing in for a person), the page escapes model output and refuses bad forms,
-the files survive a torn line, and unrated items time out to the reward's fallback."""
+rater thread standing in for a person), the page escapes model output and refuses bad or foreign
+forms, the files survive a torn line, and unrated items time out to the reward's fallback."""
+import http.client
 import json
 import re
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -11,8 +13,8 @@ import urllib.request
 import pytest
 
 import ratings
-from ratings import Store, append_line, human, item_id, make_server
-from rewards import RewardSpec, compute_rewards
+from ratings import Store, append_lines, human, item_id, make_server
+from rewards import RewardSpec, check_specs, compute_rewards
 
 CRITERIA = ["relevance", "clarity"]
 
@@ -46,14 +48,16 @@ def post(url: str, form: dict) -> int:
         return e.code
 
 
-def shown(text: str) -> tuple[list[str], list[str]]:
-    """The ids and the (escaped) answers of the group the page shows."""
-    m = re.search(r'name="ids" value="([\w,]+)"', text)
-    return (m.group(1).split(",") if m else []), re.findall(r"<h3>Answer \d+</h3><pre>(.*?)</pre>", text, re.S)
+def shown(text: str) -> tuple[list[str], list[str], str]:
+    """The ids, the (escaped) answers and the form token of the group the page shows."""
+    ids = re.search(r'name="ids" value="([\w,]+)"', text)
+    token = re.search(r'name="token" value="([\w-]+)"', text)
+    return ((ids.group(1).split(",") if ids else []), re.findall(r"<h3>Answer \d+</h3><pre>(.*?)</pre>", text, re.S),
+            token.group(1) if token else "")
 
 
-def form(ids: list[str], scores: list[dict]) -> dict:
-    return {"ids": ",".join(ids), **{f"{i}.{c}": v for i, s in zip(ids, scores) for c, v in s.items()}}
+def form(ids: list[str], scores: list[dict], token: str) -> dict:
+    return {"token": token, "ids": ",".join(ids), **{f"{i}.{c}": v for i, s in zip(ids, scores) for c, v in s.items()}}
 
 
 def rater(url: str, scores_for, stop: threading.Event) -> threading.Thread:
@@ -61,16 +65,21 @@ def rater(url: str, scores_for, stop: threading.Event) -> threading.Thread:
     def run():
         while not stop.is_set():
             try:
-                ids, answers = shown(get(url + "/"))
+                ids, answers, token = shown(get(url + "/"))
             except OSError:  # the page is shutting down at the end of a test
                 return
             if not ids:
                 stop.wait(0.01)
                 continue
-            post(url, form(ids, [scores_for(a) for a in answers]))
+            post(url, form(ids, [scores_for(a) for a in answers], token))
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
+
+
+def queue(folder, id_, batch, prompt, completion, criteria=CRITERIA):
+    append_lines(folder / "queue.jsonl", [{"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
+                                           "criteria": criteria, "scale": [1, 5], "time": 0}])
 
 
 def test_the_reward_waits_for_people_and_rescales_their_scores(page):
@@ -94,54 +103,90 @@ def test_the_reward_waits_for_people_and_rescales_their_scores(page):
     assert stats == {"queued": 2, "rated": 2, "pending": 0, "mean_scores": {"clarity": 5.0, "relevance": 2.0}}
 
 
-def test_ratings_answer_later_runs_and_two_ratings_are_averaged(tmp_path):
+def test_ratings_answer_later_runs_two_in_the_file_are_averaged_and_a_new_scale_asks_again(tmp_path):
     folder = tmp_path / "r"
     ratings._STORES.clear()
-    i = item_id("p", "q?")
-    append_line(folder / "queue.jsonl", {"id": i, "batch": 1, "prompt": "p", "completion": "q?",
-                                         "criteria": ["overall"], "scale": [1, 5], "time": 0})
-    append_line(folder / "ratings.jsonl", {"id": i, "scores": {"overall": 2}, "time": 0})
-    append_line(folder / "ratings.jsonl", {"id": i, "scores": {"overall": 5}, "time": 0})
+    i = item_id("p", "q?", [1, 5])
+    queue(folder, i, 1, "p", "q?", ["overall"])
+    append_lines(folder / "ratings.jsonl", [{"id": i, "scores": {"overall": 2}}, {"id": i, "scores": {"overall": 5}}])
     ratings._STORES.clear()  # a new process: nothing in memory
     assert human(["q?"], [{"prompt": "p"}], dir=str(folder), timeout_s=0.5) == [pytest.approx(0.625)]  # (3.5-1)/4
     assert len((folder / "queue.jsonl").read_text().splitlines()) == 1
+    assert human(["q?"], [{"prompt": "p"}], dir=str(folder), scale=[1, 10], timeout_s=0.05, poll_s=0.01) == \
+        [pytest.approx(float("nan"), nan_ok=True)]  # a 1-5 rating does not answer a 1-10 question
+    assert len((folder / "queue.jsonl").read_text().splitlines()) == 2
 
 
-def test_unrated_completions_time_out_to_the_fallback_and_are_counted(tmp_path):
+def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_path):
     ratings._STORES.clear()
-    spec = RewardSpec("human", fallback=-1.0, args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
-    res = compute_rewards(["x", "y"], [{"prompt": "p"}] * 2, [spec])
-    assert res.total == [-1.0, -1.0] and res.errors == {"human": 2}
+    args = {"dir": str(tmp_path / "r"), "timeout_s": 0.3, "poll_s": 0.01, "criteria": CRITERIA}
+    specs = [RewardSpec("human", fallback=-1.0, args=args),
+             RewardSpec("human", weight=0.0, label="clarity", args={**args, "criterion": "clarity"})]
+    start = time.monotonic()
+    res = compute_rewards(["x", "y"], [{"prompt": "p"}] * 2, specs)
+    assert time.monotonic() - start < 0.55  # the criterion entry waits out the same deadline, not a second one
+    assert res.total == [-1.0, -1.0] and res.errors == {"human": 2, "clarity": 2}
     assert len((tmp_path / "r/queue.jsonl").read_text().splitlines()) == 2  # still there for a person to rate
+
+
+def test_bad_args_are_refused_before_any_model_loads():
+    for args, match in [({}, "needs args.dir"), ({"dir": "r", "criteria": "overall"}, "list of names"),
+                        ({"dir": "r", "criterion": "tone"}, "one of the criteria"),
+                        ({"dir": "r", "scale": [5, 1]}, "scale"), ({"dir": "r", "scale": [1, 2, 3]}, "scale"),
+                        ({"dir": "r", "timeout_s": -1}, "timeout_s")]:
+        with pytest.raises(ValueError, match=match):
+            check_specs([RewardSpec("human", args=args)])
+    check_specs([RewardSpec("human", args={"dir": "r", "criteria": CRITERIA, "criterion": "clarity"})])
 
 
 def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_forms(page):
     url, folder = page
     evil = '<script>alert(1)</script>"'
-
-    def queue(id_, batch, prompt, completion):
-        append_line(folder / "queue.jsonl", {"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
-                                             "criteria": CRITERIA, "scale": [1, 5], "time": 0})
-    queue("old", 1, "p", "older")
-    queue("new", 2, "<b>p</b>", evil)
-    queue("other", 2, "another prompt", "x")
-    queue("new2", 2, "<b>p</b>", "plain")
-    ids, answers = shown(get(url + "/"))
-    assert ids == ["new", "new2"]  # the newest batch first (the trainer waits for it), one prompt's answers together
+    queue(folder, "old", 1, "p", "older")
+    queue(folder, "new", 2, "<b>p</b>", evil)
+    queue(folder, "other", 2, "another prompt", "x")
+    queue(folder, "new2", 2, "<b>p</b>", "plain")
     text = get(url + "/")
+    ids, answers, token = shown(text)
+    assert ids == ["new", "new2"]  # the newest batch first (the trainer waits for it), one prompt's answers together
     assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;" in text and "<script>" not in text and "<b>p" not in text
     good = [{"relevance": "4", "clarity": "3"}, {"relevance": "2", "clarity": "2"}]
-    assert post(url, form(ids, [good[0], {"relevance": "6", "clarity": "3"}])) == 400  # out of the scale
-    assert post(url, form(ids, [good[0], {"relevance": "4"}])) == 400  # a criterion missing
-    assert post(url, form(["nope"], [good[0]])) == 400
-    assert post(url, {}) == 400
+    for scores in ([good[0], {"relevance": "6", "clarity": "3"}],  # out of the scale
+                   [good[0], {"relevance": "4"}],  # a criterion missing
+                   [good[0], {"relevance": "²", "clarity": "3"}],  # a digit that int() refuses
+                   [good[0], {"relevance": "--3", "clarity": "3"}]):
+        assert post(url, form(ids, scores, token)) == 400
+    assert post(url, form(["nope"], [good[0]], token)) == 400
+    assert post(url, {"token": token}) == 400
+    assert post(url, form(ids, good, "forged")) == 403  # a form posted from another site
     assert not (folder / "ratings.jsonl").exists()  # a refused form writes nothing, not even its good part
-    assert post(url, form(ids, good)) == 303
+    assert post(url, form(ids, good, token)) == 303
+    assert post(url, form(ids + ids, good + good, token)) == 303  # sent again: not counted again
     assert shown(get(url + "/"))[0] == ["other"]
     assert [json.loads(ln)["scores"] for ln in (folder / "ratings.jsonl").read_text().splitlines()] == \
         [{"relevance": 4, "clarity": 3}, {"relevance": 2, "clarity": 2}]
     assert get(url + "/export").splitlines()[0] == json.dumps({"id": "new", "prompt": "<b>p</b>", "completion": evil,
                                                                "scores": {"relevance": 4.0, "clarity": 3.0}})
+
+
+def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
+    url, _ = page
+    port = int(url.rsplit(":", 1)[1])
+
+    def status(method, host, body=None, headers=()):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.putrequest(method, "/export" if method == "GET" else "/rate", skip_host=True)
+        c.putheader("Host", host)
+        for k, v in headers:
+            c.putheader(k, v)
+        c.endheaders(body)
+        code = c.getresponse().status
+        c.close()
+        return code
+    assert status("GET", f"localhost:{port}") == 200
+    assert status("GET", f"evil.example:{port}") == 403  # DNS rebinding: another site's name for 127.0.0.1
+    assert status("POST", f"127.0.0.1:{port}", b"x", [("Content-Length", "-1")]) == 400
+    assert status("POST", f"127.0.0.1:{port}", b"\xff\xfe", [("Content-Length", "2")]) == 400
 
 
 def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line(tmp_path):
@@ -150,7 +195,7 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line
     store = Store(tmp_path)
     store.refresh()
     assert store.rated("a", ["overall"]) == {"overall": 4.0}
-    append_line(path, {"id": "c", "scores": {"overall": 2}})
+    append_lines(path, [{"id": "c", "scores": {"overall": 2}}])
     store.refresh()
     assert store.rated("c", ["overall"]) == {"overall": 2.0} and store.rated("b", ["overall"]) is None
     assert path.read_text().splitlines()[1] == '{"id": "b", "sco'  # kept as it was, not glued to the next record
@@ -158,20 +203,14 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line
 
 def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(tmp_path, capsys):
     ratings._STORES.clear()
-    append_line(tmp_path / "queue.jsonl", {"id": "a", "batch": 1, "prompt": "p", "completion": "c",
-                                           "criteria": ["overall"], "scale": [1, 5], "time": 0})
-    append_line(tmp_path / "ratings.jsonl", {"id": "a", "scores": {"overall": 4}, "time": 0})
+    queue(tmp_path, "a", 1, "p", "c", ["overall"])
+    append_lines(tmp_path / "ratings.jsonl", [{"id": "a", "scores": {"overall": 4}}])
     assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["rated"] == 1
     assert ratings.main(["export", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["scores"] == {"overall": 4.0}
     assert ratings.main(["stats", "--dir", str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    assert ratings.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2  # a file, not a folder
+    assert "cannot use" in capsys.readouterr().err
     ratings._STORES.clear()
-
-
-def test_a_bad_criterion_or_scale_is_refused():
-    with pytest.raises(ValueError, match="criterion"):
-        human([], [], dir="unused", criteria=["clarity"], criterion="relevance")
-    with pytest.raises(ValueError, match="scale"):
-        human([], [], dir="unused", scale=[5, 1])
