@@ -108,9 +108,10 @@ class Store:
         self.items[rec["id"]] = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
 
     def _take_rating(self, rec: dict) -> None:
+        scores = {str(c): int(v) for c, v in rec["scores"].items()}  # a bad record raises before anything is kept
         given = self.scores.setdefault(rec["id"], {})
-        for criterion, value in rec["scores"].items():
-            given.setdefault(criterion, []).append(int(value))
+        for criterion, value in scores.items():
+            given.setdefault(criterion, []).append(value)
 
     def rated(self, id_: str, criteria: list[str]) -> dict[str, float] | None:
         """Mean score per criterion, or None while any criterion is unrated."""

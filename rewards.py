@@ -4,8 +4,12 @@ A reward scores one completion of one sample; None means "does not apply to this
 
     def my_reward(completion: str, sample: dict, **args) -> float | None
 
-A batched reward (LLM judges, see judge.py) takes and returns lists and is registered with
-`@register("name", batched=True)`. The config names rewards, weights and arguments:
+A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
+lists and is registered with `@register("name", batched=True)`. A reward may carry a
+`check_args(**args)` attribute that raises ValueError on bad values: `check_specs` calls it before
+any model loads. With rollout.prompts_per_generate, train.py calls rewards from a background
+thread (one call at a time, in order) while the next slice samples. The config names rewards,
+weights and arguments:
 
     rewards:
       - {name: json_valid}
