@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Callable, Literal
 
 from scipy.stats import spearmanr
 
@@ -59,8 +59,12 @@ class JudgeConfig:
     max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error only)
     backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
     backoff_max_s: float = 30.0  # cap on one wait, Retry-After included
-    temperature: float = 0.0  # judge sampling temperature (part of the cache key)
+    temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
+    #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
     max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
+    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field max_tokens goes in:
+    #   OpenAI's reasoning models (o-series, GPT-5) take only max_completion_tokens (which counts reasoning tokens too)
+    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {reasoning_effort: low} (part of the cache key)
     score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
     score_max: float = 10.0  # highest valid score
     cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
@@ -150,10 +154,15 @@ STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
 
 
-def cache_key(model: str, messages: list[dict], temperature: float, max_tokens: int) -> str:
-    """sha256 of the canonical JSON of everything that decides the reply."""
-    blob = json.dumps({"model": model, "messages": messages, "temperature": float(temperature),
-                       "max_tokens": int(max_tokens)}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+def cache_key(model: str, messages: list[dict], temperature: float | None, max_tokens: int,
+              extra_body: dict | None = None) -> str:
+    """sha256 of the canonical JSON of everything that decides the reply (extra_body only when set,
+    so caches written before it existed keep answering)."""
+    what = {"model": model, "messages": messages, "max_tokens": int(max_tokens),
+            "temperature": None if temperature is None else float(temperature)}
+    if extra_body:
+        what["extra_body"] = extra_body
+    blob = json.dumps(what, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -326,7 +335,7 @@ class Judge:
     async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None) -> str | None:
         self._bind_loop()
         self.add_stat("calls")
-        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens)
+        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body)
         reply = self._cache_get(key)
         if reply is not None:
             self.add_stat("cache_hits")
@@ -348,6 +357,11 @@ class Judge:
     async def _request(self, key: str, messages: list[dict], accept) -> str | None:
         import openai
         cfg = self.cfg
+        options = {cfg.token_param: cfg.max_tokens}
+        if cfg.temperature is not None:
+            options["temperature"] = cfg.temperature
+        if cfg.extra_body:
+            options["extra_body"] = cfg.extra_body
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 self.add_stat("retries")
@@ -356,8 +370,7 @@ class Judge:
                 async with self._sem:
                     self.add_stat("requests")
                     resp = await asyncio.wait_for(self._client.chat.completions.create(
-                        model=cfg.model, messages=messages, temperature=cfg.temperature,
-                        max_tokens=cfg.max_tokens), cfg.timeout_s)
+                        model=cfg.model, messages=messages, **options), cfg.timeout_s)
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
                 why, wait = type(e).__name__, None
             except openai.APIStatusError as e:

@@ -186,6 +186,24 @@ def test_cache_key_covers_model_and_sampling_settings(server, tmp_path):
     assert len(server.requests) == 3
 
 
+def test_reasoning_models_get_max_completion_tokens_no_temperature_and_extra_fields(server, tmp_path):
+    """OpenAI's o-series and GPT-5 answer HTTP 400 to max_tokens or a non-default temperature."""
+    make_judge(server).complete_many([chat("q")])
+    assert server.requests[-1].body["max_tokens"] == 512 and server.requests[-1].body["temperature"] == 0.0
+    path = str(tmp_path / "c.jsonl")
+    judge = make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens",
+                       extra_body={"reasoning_effort": "low"})
+    judge.complete_many([chat("q")])
+    body = server.requests[-1].body
+    assert body["max_completion_tokens"] == 512 and "max_tokens" not in body and "temperature" not in body
+    assert body["reasoning_effort"] == "low"
+    make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens").complete_many([chat("q")])
+    assert len(server.requests) == 3  # another extra_body is another reply: not answered from the cache
+    make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens",
+               extra_body={"reasoning_effort": "low"}).complete_many([chat("q")])
+    assert len(server.requests) == 3
+
+
 def test_torn_last_line_is_skipped_and_later_appends_stay_readable(server, tmp_path, caplog):
     path = tmp_path / "judge.jsonl"
     first = make_judge(server, cache_path=str(path))
