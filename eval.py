@@ -29,7 +29,8 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        (no usable answer is no correct usable answer; n_schema_pass tells them apart)
   pass@k             = mean over prompts of 1 - C(n-c, k) / C(n, k), c = correct samples of the
                        prompt (the unbiased estimator of Chen et al. 2021); only when n > 1
-  reward             = mean weighted total; reward/<name> = mean of the non-None values, as in
+  reward             = mean weighted total (over the completions not skipped: a reward with fallback:
+                       skip that failed leaves its completion out, counted in `skipped`); reward/<name> = mean of the non-None values, as in
                        training (judge rewards report their judge scores here); reward_errors/<name>
                        = completions whose reward raised and got its fallback (listed when > 0)
   mean_length        = mean completion tokens, up to and including the first EOS
@@ -173,7 +174,10 @@ def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1
 def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int]) -> dict:
     """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
     n = len(gen.texts)
-    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), "reward": sum(res.total) / n}
+    scored = [t for t in res.total if not math.isnan(t)]  # NaN: skipped (a reward's fallback: skip)
+    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), "reward": sum(scored) / max(len(scored), 1)}
+    if len(scored) < n:
+        out["skipped"] = n - len(scored)
     out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
     out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
     out["mean_length"] = sum(gen.num_tokens) / n
@@ -286,7 +290,7 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
     keys = list(res.per_reward)
     records = [{"row": e.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
-                "reward": total, "rewards": {k: res.per_reward[k][i] for k in keys}}
+                "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys}}
                for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
     return metrics, records
 

@@ -29,23 +29,44 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     (Dr. GRPO, arXiv 2503.20783: dividing by the group std up-weights too easy / too hard prompts).
     std is the unbiased sample std, as in TRL. A group whose rewards are equal (within
     zero_std_tol) gets exactly 0: rounding in the mean would otherwise leave ~1e-7 / eps.
+    A NaN reward (a judge or rating that failed, with fallback: skip) is left out: the mean and
+    std are over the group's other rewards, and the skipped completion's advantage is 0 (the
+    trainer also drops it from the loss). A group with fewer than 2 rewards carries no signal: 0.
     """
     r = rewards.view(-1, group_size)  # (B, G)
-    centered = r - r.mean(dim=1, keepdim=True)  # (B, G)
-    centered = torch.where(zero_std_groups(rewards, group_size, zero_std_tol)[:, None], 0.0, centered)
+    mean, std, n = group_stats(rewards, group_size)  # (B,) each
+    centered = torch.where(torch.isnan(r), 0.0, r - mean[:, None])  # (B, G)
+    flat = zero_std_groups(rewards, group_size, zero_std_tol) | (n < 2)  # (B,)
+    centered = torch.where(flat[:, None], 0.0, centered)
     if scale == "group":
-        centered = centered / (r.std(dim=1, keepdim=True) + eps)
+        centered = centered / (std[:, None] + eps)
     elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
+        kept = rewards[~torch.isnan(rewards)]  # (<= N,)
+        centered = centered / ((kept.std() if kept.numel() > 1 else 0.0) + eps)
     elif scale != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
     return centered.view(-1)  # (N,)
 
 
-def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tensor:
-    """(B,) bool: groups whose rewards are all equal (up to `tol`, as judge scores are noisy floats)."""
+def group_stats(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group of `group_size` consecutive rewards, over its non-NaN ones: (mean, unbiased std,
+    count), each (B,); mean 0 without rewards, std 0 with fewer than 2."""
     r = rewards.view(-1, group_size)  # (B, G)
-    return (r.max(dim=1).values - r.min(dim=1).values) <= tol
+    valid = ~torch.isnan(r)  # (B, G)
+    n = valid.sum(dim=1)  # (B,)
+    mean = torch.where(valid, r, 0.0).sum(dim=1) / n.clamp(min=1)  # (B,)
+    sq = torch.where(valid, (r - mean[:, None]) ** 2, 0.0).sum(dim=1)  # (B,)
+    return mean, (sq / (n - 1).clamp(min=1)).sqrt(), n
+
+
+def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tensor:
+    """(B,) bool: groups whose rewards are all equal (up to `tol`, as judge scores are noisy floats);
+    NaN rewards (skipped) are left out, and a group with none left counts as equal."""
+    r = rewards.view(-1, group_size)  # (B, G)
+    valid = ~torch.isnan(r)
+    high = torch.where(valid, r, -torch.inf).max(dim=1).values  # (B,)
+    low = torch.where(valid, r, torch.inf).min(dim=1).values  # (B,)
+    return (high - low) <= tol
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 log = logging.getLogger("minigrpo.rewards")
 
@@ -52,13 +52,14 @@ class RewardSpec:
     name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
     weight: float = 1.0  # weight of this reward in the total
     args: dict = field(default_factory=dict)  # keyword arguments passed to the function
-    fallback: float = 0.0  # value used when the function raises or returns a non-number
+    fallback: float | Literal["skip"] = 0.0  # value used when the function raises or returns a non-number;
+    #   "skip": no value at all, the completion is left out of its group's advantage and of the loss (judge, human)
     label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
 
 
 @dataclass
 class RewardResult:
-    total: list[float]  # (N,) weighted sum over rewards; a None component adds 0
+    total: list[float]  # (N,) weighted sum over rewards; a None component adds 0; NaN: skipped (fallback: skip)
     per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; a repeated name gets "name#2"
     errors: dict[str, int]  # per reward: failed calls here (a batched call that raises counts once)
 
@@ -223,7 +224,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
                             "sample=%s completion=%s", key, _one_line(err), spec.fallback,
                             _short(sample), _short(completion), exc_info=err)
-            return spec.fallback
+            return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, sorted out below
 
         values: list[float | None] = []
         if batched:
@@ -232,12 +233,13 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 if not isinstance(out, (list, tuple)) or len(out) != n:
                     raise TypeError(f"batched reward returned {_short(out, 80)}; expected a list of {n} values")
             except Exception as err:
-                out = [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
-            for value, completion, sample in zip(out, completions, samples):
-                try:
-                    values.append(_as_reward(value))
-                except TypeError as err:
-                    values.append(fail(err, completion, sample))
+                values = [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
+            else:
+                for value, completion, sample in zip(out, completions, samples):
+                    try:
+                        values.append(_as_reward(value))
+                    except TypeError as err:
+                        values.append(fail(err, completion, sample))
         else:
             for i, (completion, sample) in enumerate(zip(completions, samples)):
                 try:
@@ -245,8 +247,11 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                     values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
                 except Exception as err:
                     values.append(fail(err, completion, sample))
-        result.per_reward[key] = values
-        result.total = [t + spec.weight * v if v is not None else t for t, v in zip(result.total, values)]
+        # a skipped value (NaN, only from fallback: skip) is logged as missing and makes the total NaN,
+        # unless its weight is 0 (an entry that is only logged)
+        result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in values]
+        result.total = [t if v is None or (spec.weight == 0 and math.isnan(v)) else t + spec.weight * v
+                        for t, v in zip(result.total, values)]
     return result
 
 

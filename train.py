@@ -231,6 +231,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     mask = batch.completion_mask.clone()  # (N, C)
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
+    mask[torch.isnan(kept.total)] = 0  # a skipped reward (fallback: skip): no advantage, no tokens in the loss
     old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
     ref_logp = None
     if g.beta > 0:
@@ -273,7 +274,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **(judge.pop_step_stats() if judge else {})}
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": float(r), "advantage": float(a)}
+    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if r.isnan() else float(r), "advantage": float(a)}
              for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
 
@@ -299,8 +300,10 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     reward_std is the mean of the groups' stds, as in TRL."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
     lengths, truncated = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated
+    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
     return {
-        "loss": sums["loss"] / mu, "reward": float(r.mean()), "reward_std": float(r.view(-1, G).std(1).mean()),
+        "loss": sums["loss"] / mu, "reward": float(scored.mean()) if len(scored) else 0.0,
+        "reward_std": float(grpo.group_stats(r, G)[1].mean()), "frac_reward_skipped": 1 - len(scored) / len(r),
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
         "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),

@@ -145,6 +145,30 @@ def test_group_advantages_in_the_three_scale_modes():
         grpo.group_advantages(r, 4, "bogus")
 
 
+def test_skipped_rewards_are_left_out_of_their_groups_advantages():
+    """fallback: skip leaves NaN rewards: each group's mean and std are over its other rewards (a
+    slow per-group reference), a skipped completion gets 0, a group with < 2 rewards gets 0."""
+    nan = float("nan")
+    r = torch.tensor([1.0, nan, 0.0, 0.0, nan, nan, nan, 3.0, 0.5, nan, 1.5, 1.0])  # G=4: B=3
+    for scale in ("group", "batch", "none"):
+        adv = grpo.group_advantages(r, 4, scale, eps=1e-4)
+        kept = torch.tensor([x for x in r.tolist() if x == x])
+        want = []
+        for g in range(3):
+            vals = [x for x in r[4 * g:4 * g + 4].tolist() if x == x]
+            for x in r[4 * g:4 * g + 4].tolist():
+                if x != x or len(vals) < 2:
+                    want.append(0.0)
+                    continue
+                mean = sum(vals) / len(vals)
+                std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+                div = {"group": std + 1e-4, "batch": float(kept.std()) + 1e-4, "none": 1.0}[scale]
+                want.append((x - mean) / div)
+        assert torch.allclose(adv, torch.tensor(want), atol=1e-6), scale
+    assert grpo.zero_std_groups(r, 4).tolist() == [False, True, False]  # group 2 has one reward left
+    assert torch.equal(grpo.group_advantages(torch.full((4,), nan), 4, "batch"), torch.zeros(4))
+
+
 def test_equal_rewards_get_exactly_zero_advantage_despite_rounding_in_the_mean():
     r = torch.full((8,), 1.4583333730697632)  # fp32 mean of these is off by an ulp
     assert torch.equal(grpo.group_advantages(r, 8, "group"), torch.zeros(8))

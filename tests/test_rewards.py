@@ -4,6 +4,7 @@ registry, loading user functions, check_specs and compute_rewards.
     python -m pytest --doctest-modules rewards.py tests/test_rewards.py
 """
 import json
+import math
 import logging
 import time
 
@@ -543,3 +544,24 @@ def test_a_misconfigured_spec_fails_loudly_instead_of_silently_scoring(monkeypat
     # an arg the function accepts but rejects by value is only known per call: counted and logged
     result = compute_rewards(["{}"], [{}], [RewardSpec("json_schema", args={"schema": {"a": {"bad": 1}}})])
     assert result.per_reward == {"json_schema": [0.0]} and result.errors == {"json_schema": 1}
+
+
+def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
+    """fallback: skip gives a failed completion no value: its total is NaN (the trainer leaves it out
+    of the advantages and the loss), it logs as missing, and a weight-0 entry never makes it NaN."""
+    def shaky(completions, samples):
+        return [math.nan if c == "bad" else 1.0 for c in completions]  # a judge that failed on "bad"
+
+    def down(completions, samples):
+        raise ConnectionError("judge down")
+    monkeypatch.setitem(REGISTRY, "test_shaky", (shaky, True))
+    monkeypatch.setitem(REGISTRY, "test_down", (down, True))
+    texts, samples = ["ok", "bad", "ok"], [{}] * 3
+    res = compute_rewards(texts, samples, [RewardSpec("test_shaky", fallback="skip"), RewardSpec("short_answer")])
+    assert res.total[0] == 2.0 and math.isnan(res.total[1]) and res.total[2] == 2.0
+    assert res.per_reward["test_shaky"] == [1.0, None, 1.0] and res.errors["test_shaky"] == 1
+    logged = compute_rewards(texts, samples, [RewardSpec("short_answer"), RewardSpec("test_shaky", weight=0.0, fallback="skip")])
+    assert logged.total == [1.0, 1.0, 1.0]
+    down_res = compute_rewards(texts, samples, [RewardSpec("test_down", fallback="skip")])
+    assert all(math.isnan(t) for t in down_res.total) and down_res.errors["test_down"] == 1  # one failed call
+    assert compute_rewards(texts, samples, [RewardSpec("test_down", fallback=-1.0)]).total == [-1.0] * 3

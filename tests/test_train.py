@@ -1,6 +1,7 @@
 """End to end on a tiny random Llama: training changes the LoRA weights, resume reproduces the
 uninterrupted run, and bad input exits with code 2 and writes nothing."""
 import json
+import math
 import shutil
 import threading
 
@@ -249,6 +250,45 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     r.cfg.rewards = [rewards.RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
     with pytest.raises(ValueError, match="needs dir"):
         train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], None)
+
+
+def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
+    """fallback: skip: completions whose reward failed get advantage 0 and no tokens in the loss;
+    the rest of their group trains; metrics and samples stay strict JSON (no NaN)."""
+    import rewards
+    monkeypatch.setitem(rewards.REGISTRY, "test_half_fails", (
+        lambda completions, samples: [math.nan if i % 2 else float(len(c) % 5) for i, c in enumerate(completions)],
+        True))
+    import grpo
+    seen, loss = [], grpo.grpo_loss  # (advantages, mask) of each micro-batch
+
+    def recording(logp, old, ref, adv, mask, *a, **k):
+        seen.append((adv.clone(), mask.clone()))
+        return loss(logp, old, ref, adv, mask, *a, **k)
+    monkeypatch.setattr(grpo, "grpo_loss", recording)
+    cfg, run = setup
+    raw = yaml.safe_load(cfg.read_text())
+    raw["rewards"] = [{"name": "test_half_fails", "fallback": "skip"}]
+    for every, name in ((False, "half"), (True, "all")):
+        if every:  # every reward skipped: no completion scored, nothing to learn from
+            monkeypatch.setitem(rewards.REGISTRY, "test_half_fails", (lambda c, s: [math.nan] * len(c), True))
+        path = cfg.with_name(f"skip_{name}.yaml")
+        path.write_text(yaml.safe_dump({**raw, "run": {**raw["run"], "steps": 1, "out_dir": str(run.parent / name)}}))
+        assert train.main(["--config", str(path)]) == 0
+        text = (run.parent / name / "metrics.jsonl").read_text() + (run.parent / name / "samples.jsonl").read_text()
+        assert "NaN" not in text
+        m = lines(run.parent / name / "metrics.jsonl")[0]
+        shown = lines(run.parent / name / "samples.jsonl")
+        assert m["frac_reward_skipped"] == (1.0 if every else 0.5) and m["reward_errors/test_half_fails"] == (8 if every else 4)
+        assert all(s["advantage"] == 0.0 for s in shown if s["reward"] is None)
+        if every:
+            assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
+        else:
+            assert any(s["reward"] is None for s in shown) and any(s["reward"] is not None for s in shown)
+            adv, mask = torch.cat([a for a, _ in seen]), torch.cat([m.sum(1) for _, m in seen])  # (N,) each
+            assert mask[1::2].sum() == 0 and mask[0::2].min() > 0  # skipped (odd) rows: no tokens in the loss
+            assert (adv[1::2] == 0).all() and adv[0::2].abs().sum() > 0
+        seen.clear()
 
 
 def test_gradient_checkpointing_gives_the_same_step(setup):
