@@ -153,6 +153,8 @@ class RunConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
     samples_per_log: int = 4  # completions written each time
+    stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no
+    #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
 
 
 @dataclass
@@ -343,7 +345,8 @@ def _check(cfg: Config) -> None:
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
-                    "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate}
+                    "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
+                    "run.stop_without_signal": cfg.run.stop_without_signal}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")

@@ -458,6 +458,14 @@ def setup(args, overrides: list[str]) -> Run:
                scheduler, scaler, sampler, judge, start, engine)
 
 
+NO_SIGNAL_WARN_AFTER = 5
+NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards differed (frac_reward_zero_std = 1), "
+             "so every advantage was 0 and nothing was learned. Usually the model never earns the reward (a format it "
+             "does not produce, say): give partial credit (a graded reward), force the reply's start "
+             "(data.assistant_prefix), raise rollout.num_generations or temperature, or set rollout.resample_zero_std. "
+             "run.stop_without_signal: N stops such a run.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -478,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     from sft import sft_step  # sft.py imports from this module: import it late
     step_fn = sft_step if cfg.mode == "sft" else train_step
+    flat_steps = 0  # steps in a row without a learning signal
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
@@ -486,9 +495,17 @@ def main(argv: list[str] | None = None) -> int:
             append_jsonl(metrics_path, [metrics])
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
                 append_jsonl(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
-            if step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+            flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
+            stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
+            if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 save_checkpoint(r, step)
             show(step, metrics)
+            if flat_steps == (cfg.run.stop_without_signal or NO_SIGNAL_WARN_AFTER):
+                print(NO_SIGNAL.format(n=flat_steps), file=sys.stderr)
+            if stop:
+                print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
+                      f"checkpoint saved in {run_dir}", file=sys.stderr)
+                return 3
     if r.judge:
         r.judge.close()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)

@@ -291,6 +291,26 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         seen.clear()
 
 
+def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_checkpoint(setup, monkeypatch, capsys):
+    """A reward every completion earns alike: frac_reward_zero_std = 1, nothing learned. After 5 such
+    steps train.py says so; run.stop_without_signal=N checkpoints and exits 3 after N."""
+    import rewards
+    monkeypatch.setitem(rewards.REGISTRY, "test_constant", (lambda completion, sample: 1.0, False))
+    cfg, run = setup
+    raw = yaml.safe_load(cfg.read_text())
+    raw["rewards"] = [{"name": "test_constant"}]
+    raw["rollout"]["max_new_tokens"] = 2
+    cfg.write_text(yaml.safe_dump(raw))
+    assert train.main(["--config", str(cfg), "--run.steps=5", "--run.save_every=0"]) == 0
+    assert "in the last 5 steps no group's rewards differed" in capsys.readouterr().err
+    out = run.parent / "stopped"
+    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=2", f"--run.out_dir={out}"]) == 3
+    err = capsys.readouterr().err
+    assert "in the last 2 steps" in err and "stopped at step 2" in err
+    assert [m["step"] for m in lines(out / "metrics.jsonl")] == [1, 2]
+    assert (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
+
+
 def test_gradient_checkpointing_gives_the_same_step(setup):
     """model.gradient_checkpointing recomputes activations in the backward: same loss and gradient."""
     cfg, run = setup
