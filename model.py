@@ -224,12 +224,23 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
 
 
 def save_adapter(model, path: Path) -> None:
-    """peft's save_pretrained plus the provenance file that makes the chain reloadable."""
+    """peft's save_pretrained plus the provenance file that makes the chain reloadable.
+
+    An adapter trained on a base with other adapters merged in cannot be loaded onto the base
+    alone, yet peft records the bare base in adapter_config.json, where other tools (peft's
+    AutoPeftModel, an eval script, the Hub) read it. So there it names no loadable model and says
+    why: those tools fail at once instead of loading it onto the wrong base."""
     prov = getattr(model, "minigrpo_base", None)
     if not prov or not prov.get("base_model"):  # an adapter without its base is the bug this file exists to stop
         raise ValueError("save_adapter: the model carries no minigrpo_base provenance (load it with load_policy)")
     model.save_pretrained(path)
     (path / PROVENANCE).write_text(json.dumps(prov, indent=1))
+    if prov["merged"]:
+        config = path / "adapter_config.json"
+        cfg = json.loads(config.read_text())
+        cfg["base_model_name_or_path"] = (f"NOT-{prov['base_model']}: {prov['base_model']} with {len(prov['merged'])} "
+                                          f"adapter(s) merged in, see {PROVENANCE}; python export.py makes a loadable model")
+        config.write_text(json.dumps(cfg, indent=2))
 
 
 def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False, beta: float = 0.0):

@@ -108,6 +108,11 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     with torch.no_grad():
         lp = [grpo.sequence_log_probs(m, enc.input_ids, enc.attention_mask, 3) for m in (reloaded, naive)]
     assert not torch.allclose(lp[0], lp[1], atol=1e-4)  # the naive load is a different (wrong) model
+    named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named.startswith("NOT-") and "export.py" in named  # tools that read the base from here fail loudly
+    from peft import AutoPeftModelForCausalLM
+    with pytest.raises(Exception):
+        AutoPeftModelForCausalLM.from_pretrained(str(adapter))
     # the reloaded chain is base + SFT merged + GRPO adapter: it equals replaying that by hand
     manual, _ = load_inference(mcfg, torch.device("cpu"), adapter=cfg["run"]["out_dir"])
     manual = PeftModel.from_pretrained(manual.merge_and_unload(), str(adapter))
