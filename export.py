@@ -11,7 +11,9 @@ model.apply_adapter_chain replays the merges the adapter was trained on and refu
 another base. The sum is cast to --dtype, by default bfloat16: half of fp32's size with its range,
 what vLLM serves on Ampere and newer (float16 for a T4). OUT gets model.safetensors, config.json,
 generation_config.json (bos/eos/pad only: training sampled from logits / T alone), the tokenizer
-with its chat template and README.md, a model card naming the base and each adapter's sha256.
+with its chat template (rendering prompts as training did: the checkpoint config's
+data.chat_template_kwargs fixed and its data.assistant_prefix written after the generation prompt)
+and README.md, a model card naming the base and each adapter's sha256.
 Written to OUT.tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub uploads
 OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2, nothing
 written; a failed upload exits 1 and keeps OUT.
@@ -62,7 +64,30 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
-        f"or serve it: `vllm serve {name}`. The chat template is the one used in training.", ""])
+        f"or serve it: `vllm serve {name}`. The chat template renders prompts as training did"
+        + (f": chat template arguments {cfg.data.chat_template_kwargs} are fixed in it" if cfg.data.chat_template_kwargs else "")
+        + (f"{' and' if cfg.data.chat_template_kwargs else ':'} every reply starts with {cfg.data.assistant_prefix!r}, "
+           "which the template writes after the generation prompt (it is part of the prompt, not of the reply)"
+           if cfg.data.assistant_prefix else "") + ".", ""])
+
+
+def serving_template(template: str, kwargs: dict, prefix: str) -> str:
+    """The chat template that renders prompts as training did, for servers that only apply the
+    template (vLLM, TGI, AutoTokenizer): data.chat_template_kwargs fixed at its top (Qwen3's
+    enable_thinking: false, say) and data.assistant_prefix (a forced "<think>") after its generation
+    prompt. Without them a served Qwen3 would think before its JSON, and BioReasoner's model would
+    lose the prefix it was trained behind."""
+    def literal(v) -> str:
+        if v is None:
+            return "none"
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(v)  # strings, numbers, lists, mappings: JSON is valid Jinja there
+    if bad := [k for k in kwargs if not str(k).isidentifier()]:
+        raise ConfigError(f"data.chat_template_kwargs: {bad[0]!r} is not a template variable name")
+    head = "".join(f"{{%- set {k} = {literal(v)} %}}" for k, v in kwargs.items())
+    tail = f"{{% if add_generation_prompt %}}{{{{ {json.dumps(prefix)} }}}}{{% endif %}}" if prefix else ""
+    return head + template + tail
 
 
 def readable_by_older_transformers(folder: Path) -> None:
@@ -121,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(model.config, "quantization_config", None) is not None:
             raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs a base in full precision")
         model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
+        data = train_cfg.data
+        if tokenizer.chat_template and (data.chat_template_kwargs or data.assistant_prefix):
+            tokenizer.chat_template = serving_template(tokenizer.chat_template, data.chat_template_kwargs,
+                                                       data.assistant_prefix)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -144,3 +144,32 @@ def test_push_to_hub_uploads_the_export_to_the_repo_and_never_shows_the_token(tr
     assert all(secret not in p.read_bytes().decode("latin-1") for p in out.iterdir())
     card = (out / "README.md").read_text()
     assert "# tiny-grpo" in card and 'from_pretrained("me/tiny-grpo")' in card
+
+
+def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp_path):
+    """A forced assistant prefix and chat-template arguments are part of how training rendered
+    prompts; a server that only applies the saved template must render the same text."""
+    from transformers import AutoTokenizer
+
+    import grpo
+    from export import serving_template
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    ckpt = run / "checkpoints/step_000007"
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    cfg["data"] = {**cfg["data"], "assistant_prefix": "<think>\n", "chat_template_kwargs": {"enable_thinking": False}}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    assert export.main(["--config", str(trained["config"]), "--adapter", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    served = AutoTokenizer.from_pretrained(out)
+    messages = grpo.chat_messages("What is 2 + 2?", "Be brief.")
+    want = grpo.render_prompt(trained["tok"], "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False})
+    assert served.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    assert "every reply starts with '<think>\\n'" in (out / "README.md").read_text()
+    # a template that reads the argument (Qwen3's enable_thinking) sees the value training used
+    qwen_like = "{% if enable_thinking is defined and enable_thinking is false %}NO-THINK {% endif %}{{ messages[0]['content'] }}"
+    fixed = serving_template(qwen_like, {"enable_thinking": False}, "<think>")
+    assert served.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=fixed, tokenize=False,
+                                      add_generation_prompt=True) == "NO-THINK hi<think>"
+    assert served.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=fixed, tokenize=False,
+                                      add_generation_prompt=False) == "NO-THINK hi"
