@@ -576,19 +576,44 @@ def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*
     >>> citation_grounding("PMID: 111 and PMID: 999", s, normalize=True), citation_grounding("no refs", s)
     (-0.5, 0.0)
     """
+    found = _citations(completion, sample, pattern, valid_key, dedupe, ignore_case)
+    if found is None:
+        return None
+    cited, valid = found
+    if not cited:
+        return float(no_citation)
+    score = sum(reward_valid if c in valid else penalty_invalid for c in cited)
+    return score / len(cited) if normalize else float(score)
+
+
+def _citations(completion: str, sample: dict, pattern: str, valid_key: str, dedupe: bool,
+               ignore_case: bool) -> tuple[list[str], set[str]] | None:
+    """(ids cited in the completion, the sample's valid ids), or None when the sample has no valid_key."""
     valid = sample.get(valid_key)
     if valid is None:
         return None
     if isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset)):
         raise TypeError(f"sample[{valid_key!r}] must be a list of ids, not {type(valid).__name__}")
-    valid = {str(v).strip() for v in valid}
     cited = _find_all(pattern, completion, re.I if ignore_case else 0)
-    if dedupe:
-        cited = list(dict.fromkeys(cited))
-    if not cited:
-        return float(no_citation)
-    score = sum(reward_valid if c in valid else penalty_invalid for c in cited)
-    return score / len(cited) if normalize else float(score)
+    return (list(dict.fromkeys(cited)) if dedupe else cited), {str(v).strip() for v in valid}
+
+
+@register("invented_citation")
+def invented_citation(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)", valid_key: str = "valid_pmids",
+                      ignore_case: bool = True) -> float | None:
+    r"""1.0 when the completion cites at least one id that is not in sample[valid_key], else 0.0 (None
+    without valid_key). Its mean is BioReasoner's hallucination rate: list it with weight 0 and
+    `label: hallucinated` to log it in training and report it in eval.py.
+
+    >>> s = {"valid_pmids": ["111"]}
+    >>> invented_citation("PMID: 111", s), invented_citation("PMID: 111, PMID: 999", s), invented_citation("none", s)
+    (0.0, 1.0, 0.0)
+    """
+    found = _citations(completion, sample, pattern, valid_key, True, ignore_case)
+    if found is None:
+        return None
+    cited, valid = found
+    return float(any(c not in valid for c in cited))
 
 
 @register("length_penalty")

@@ -114,7 +114,7 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]", "--eval.select=[24,30]"]
     rules, judged = tmp_path / "rules", tmp_path / "judged"
     assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules), *data]) == 0
-    assert {"rewards/think_format/mean", "rewards/citation_grounding/mean"} <= set(metrics(rules)[0])
+    assert {"rewards/think_format/mean", "rewards/citation_grounding/mean", "rewards/hallucinated/mean"} <= set(metrics(rules)[0])
     assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged), *data,
                        *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
     m = metrics(judged)[0]

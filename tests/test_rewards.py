@@ -16,7 +16,7 @@ from rewards import (REGISTRY, RewardSpec, answer_match, check_specs, choice_acc
                      short_answer, think_format)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
-BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format",
+BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format", "invented_citation",
             "citation_grounding", "length_penalty", "short_answer"}
 
 
