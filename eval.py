@@ -33,6 +33,8 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        skip that failed leaves its completion out, counted in `skipped`); reward/<name> = mean of the non-None values, as in
                        training (judge rewards report their judge scores here); reward_errors/<name>
                        = completions whose reward raised and got its fallback (listed when > 0)
+  best_of_n_reward   = mean over prompts of the highest total among the prompt's n samples: best-of-n
+                       sampling with the reward as the picker (only when n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
   truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
   api_failures, api_cost_usd; judge_failures, judge_cost_usd: from the Judge clients' counters
@@ -171,6 +173,17 @@ def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1
     return out
 
 
+def best_of_n(totals: list[float], n: int) -> float:
+    """Mean over prompts of the best total among the prompt's n samples (skipped ones left out): what
+    best-of-n sampling with this reward as the picker would score.
+
+    >>> best_of_n([0.0, 1.0, 0.5, 0.5, float("nan"), 0.0], 3)
+    0.75
+    """
+    best = [max(ok) for s in range(0, len(totals), n) if (ok := [t for t in totals[s:s + n] if not math.isnan(t)])]
+    return sum(best) / max(len(best), 1)
+
+
 def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int]) -> dict:
     """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
     n = len(gen.texts)
@@ -178,6 +191,8 @@ def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: l
     out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), "reward": sum(scored) / max(len(scored), 1)}
     if len(scored) < n:
         out["skipped"] = n - len(scored)
+    if num_samples > 1:
+        out["best_of_n_reward"] = best_of_n(res.total, num_samples)
     out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
     out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
     out["mean_length"] = sum(gen.num_tokens) / n

@@ -214,6 +214,8 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     m = json.loads((tmp / "eval" / "results.json").read_text())["models"]["base"]["metrics"]
     assert m["n"] == 6 and m["pass@1"] == pytest.approx(m["accuracy"]) and 0 <= m["pass@1"] <= m["pass@3"] <= 1
     assert len({p["completion"] for p in preds}) > 1  # sampled, not greedy
+    best = [max(p["reward"] for p in preds if p["row"] == r) for r in (6, 7)]
+    assert m["best_of_n_reward"] == pytest.approx(sum(best) / 2) and m["best_of_n_reward"] >= m["reward"]
     assert ev.main(argv) == 0
     assert lines(tmp / "eval" / "predictions_base.jsonl") == preds
 
