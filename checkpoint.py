@@ -2,6 +2,7 @@
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
                                RNG states, step, data position), config.yaml
+    (run.keep_checkpoints newest are whole; older ones keep adapter/ and config.yaml, run.keep_adapters)
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
 last complete checkpoint and at most a .tmp directory, which is ignored and cleaned up. Used by
@@ -27,9 +28,22 @@ if TYPE_CHECKING:
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (a .tmp directory is an interrupted write)."""
+    """Checkpoints that --resume can continue from, oldest first: complete (a .tmp directory is an
+    interrupted write) and still holding their trainer state (an older one may keep only its adapter)."""
     d = run_dir / "checkpoints"
-    return sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")) if d.is_dir() else []
+    return sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (p / "trainer_state.pt").is_file()) if d.is_dir() else []
+
+
+def prune(ckpt: Path, keep_adapter: bool) -> None:
+    """An old checkpoint: keep only its adapter/ and config.yaml (for eval.py: RL runs often peak
+    before their last step), or delete it. The trainer state goes first, so a kill mid-way leaves a
+    checkpoint that --resume ignores, never one it would take as complete."""
+    if not (keep_adapter and (ckpt / "adapter").is_dir()):  # full fine-tuning saves whole models: too big to keep
+        shutil.rmtree(ckpt, ignore_errors=True)
+        return
+    (ckpt / "trainer_state.pt").unlink(missing_ok=True)
+    shutil.rmtree(ckpt / "model", ignore_errors=True)
 
 
 def save_checkpoint(r: Run, step: int) -> Path:
@@ -59,7 +73,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
     shutil.rmtree(final, ignore_errors=True)
     tmp.replace(final)
     for old in checkpoints(r.run_dir)[: -cfg.run.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
+        prune(old, cfg.run.keep_adapters)
     for stale in final.parent.glob("step_*.tmp"):  # left by a kill mid-write
         shutil.rmtree(stale, ignore_errors=True)
     return final

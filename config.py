@@ -150,7 +150,8 @@ class RunConfig:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     threads: int = 0  # CPU threads for torch (0: torch's default)
     save_every: int = 20  # checkpoint every n steps (and at the end); 0 = only at the end
-    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    keep_checkpoints: int = 2  # newest checkpoints kept whole (what --resume needs)
+    keep_adapters: bool = True  # older checkpoints keep their LoRA adapter (MBs, not the optimizer state), for eval.py
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
     samples_per_log: int = 4  # completions written each time
     stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no

@@ -77,6 +77,25 @@ def test_resume_reproduces_the_uninterrupted_run(setup):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
+def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
+    """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
+    optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
+    from model import find_adapter
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.steps=3", "--run.save_every=1", "--run.keep_checkpoints=1"]
+    assert train.main(args) == 0
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert steps == ["step_000001", "step_000002", "step_000003"]
+    for old in ("step_000001", "step_000002"):
+        assert not (run / "checkpoints" / old / "trainer_state.pt").exists()
+        assert find_adapter(str(run / "checkpoints" / old)) == run / "checkpoints" / old / "adapter"
+    assert [p.name for p in train.checkpoints(run)] == ["step_000003"]
+    assert train.main(args[:2] + ["--run.steps=4", "--run.save_every=1", "--run.keep_checkpoints=1",
+                                  "--run.keep_adapters=false", "--resume"]) == 0
+    assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000004"]
+
+
 def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     cfg, run = setup
     run.mkdir()
