@@ -188,7 +188,7 @@ def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: l
     """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
     n = len(gen.texts)
     scored = [t for t in res.total if not math.isnan(t)]  # NaN: skipped (a reward's fallback: skip)
-    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), "reward": sum(scored) / max(len(scored), 1)}
+    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), **({"reward": sum(scored) / len(scored)} if scored else {})}
     if len(scored) < n:
         out["skipped"] = n - len(scored)
     if num_samples > 1:

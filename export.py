@@ -77,17 +77,24 @@ def serving_template(template: str, kwargs: dict, prefix: str) -> str:
     enable_thinking: false, say) and data.assistant_prefix (a forced "<think>") after its generation
     prompt. Without them a served Qwen3 would think before its JSON, and BioReasoner's model would
     lose the prefix it was trained behind."""
-    def literal(v) -> str:
+    def literal(v) -> str:  # a Jinja literal: JSON's, but none/true/false and unescaped non-ASCII
         if v is None:
             return "none"
         if isinstance(v, bool):
             return "true" if v else "false"
-        return json.dumps(v)  # strings, numbers, lists, mappings: JSON is valid Jinja there
-    if bad := [k for k in kwargs if not str(k).isidentifier()]:
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(literal(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{literal(str(k))}: {literal(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v, ensure_ascii=False)  # strings and numbers
+    if bad := [k for k in kwargs if not str(k).isidentifier() or k in ("true", "false", "none", "True", "False", "None")]:
         raise ConfigError(f"data.chat_template_kwargs: {bad[0]!r} is not a template variable name")
-    head = "".join(f"{{%- set {k} = {literal(v)} %}}" for k, v in kwargs.items())
-    tail = f"{{% if add_generation_prompt %}}{{{{ {json.dumps(prefix)} }}}}{{% endif %}}" if prefix else ""
-    return head + template + tail
+    # `+%}` and `{%+` keep transformers' trim_blocks / lstrip_blocks off the template's own first and
+    # last whitespace, and Jinja drops one trailing newline of a source, which is no longer last here
+    head = "".join(f"{{%- set {k} = {literal(v)} +%}}" for k, v in kwargs.items())
+    tail = f"{{%+ if add_generation_prompt %}}{{{{ {literal(prefix)} }}}}{{% endif %}}" if prefix else ""
+    body = template[:-1] if tail and template.endswith("\n") else template
+    return head + body + tail
 
 
 def readable_by_older_transformers(folder: Path) -> None:
@@ -148,8 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
         data = train_cfg.data
         if tokenizer.chat_template and (data.chat_template_kwargs or data.assistant_prefix):
-            tokenizer.chat_template = serving_template(tokenizer.chat_template, data.chat_template_kwargs,
-                                                       data.assistant_prefix)
+            t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
+            tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, data.assistant_prefix)
+                                        for k, v in t.items()} if isinstance(t, dict)
+                                       else serving_template(t, data.chat_template_kwargs, data.assistant_prefix))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

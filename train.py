@@ -231,7 +231,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     mask = batch.completion_mask.clone()  # (N, C)
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
-    mask[torch.isnan(kept.total)] = 0  # a skipped reward (fallback: skip): no advantage, no tokens in the loss
+    skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
+    mask[skipped] = 0
     old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
     ref_logp = None
     if g.beta > 0:
@@ -239,7 +240,9 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
     N = batch.completion_ids.shape[0]
     mbs = micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)
-    norm = grpo.LossNorm(g.loss_type, N, int(mask.sum()), cfg.rollout.max_new_tokens, len(mbs))  # whole-step counts
+    # whole-step counts; skipped completions are not counted (truncated ones are, as in TRL)
+    norm = grpo.LossNorm(g.loss_type, max(N - int(skipped.sum()), 1), int(mask.sum()), cfg.rollout.max_new_tokens,
+                         max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
     sampler = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
@@ -301,9 +304,10 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     tok, r = max(sums["tokens"], 1.0), drawn.total
     lengths, truncated = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
+    _, std, n = grpo.group_stats(r, G)  # (B,) each
     return {
-        "loss": sums["loss"] / mu, "reward": float(scored.mean()) if len(scored) else 0.0,
-        "reward_std": float(grpo.group_stats(r, G)[1].mean()), "frac_reward_skipped": 1 - len(scored) / len(r),
+        "loss": sums["loss"] / mu, **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
+        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
         "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
@@ -500,8 +504,11 @@ def main(argv: list[str] | None = None) -> int:
             if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 save_checkpoint(r, step)
             show(step, metrics)
-            if flat_steps == (cfg.run.stop_without_signal or NO_SIGNAL_WARN_AFTER):
-                print(NO_SIGNAL.format(n=flat_steps), file=sys.stderr)
+            if flat_steps == NO_SIGNAL_WARN_AFTER or (stop and flat_steps < NO_SIGNAL_WARN_AFTER):
+                skipped = metrics.get("frac_reward_skipped", 0.0)
+                print(NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the completions had no reward "
+                      "(fallback: skip): a judge or rating outage? See reward_errors/* and judge_failures." if skipped
+                      else ""), file=sys.stderr)
             if stop:
                 print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
                       f"checkpoint saved in {run_dir}", file=sys.stderr)
@@ -531,7 +538,7 @@ class progress_display:
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:
-            keys = ("reward", "reward_std", "kl", "completions/mean_length") if "reward" in m else ("loss", "epoch")
+            keys = ("reward", "reward_std", "kl", "completions/mean_length") if "reward_std" in m else ("loss", "epoch")
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
         else:

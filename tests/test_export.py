@@ -173,3 +173,43 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
                                       add_generation_prompt=True) == "NO-THINK hi<think>"
     assert served.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=fixed, tokenize=False,
                                       add_generation_prompt=False) == "NO-THINK hi"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages[0]['content'] }}\n",  # Jinja drops one trailing newline of a source
+    "\n{{ messages[0]['content'] }}",  # a leading newline right after the fixed arguments
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}  ",
+    "{{ flag }}|{{ extra['a'] }}|{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+])
+def test_the_serving_template_renders_training_prompts_for_awkward_templates(trained, template):
+    """Whitespace at the template's edges, nested none, non-ASCII prefixes: the baked template gives
+    exactly training's render plus the prefix."""
+    from export import serving_template
+    tok, messages = trained["tok"], [{"role": "user", "content": "hi"}]
+    kwargs, prefix = {"flag": False, "extra": {"a": None, "b": ["é", 1]}}, "<think>😀 \"{{x}}\"\n"
+    want = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                   **kwargs) + prefix
+    got = tok.apply_chat_template(messages, chat_template=serving_template(template, kwargs, prefix), tokenize=False,
+                                  add_generation_prompt=True)
+    assert got == want
+
+
+def test_named_chat_templates_are_each_baked(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    ckpt = run / "checkpoints/step_000007"
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    (ckpt / "config.yaml").write_text(yaml.safe_dump({**cfg, "data": {**cfg["data"], "assistant_prefix": "<think>"}}))
+    tok_dir = tmp_path / "tok"
+    base = trained["tok"]
+    base.chat_template = {"default": base.chat_template, "tool_use": "{{ messages[0]['content'] }}"}
+    base.save_pretrained(tok_dir)
+    base.chat_template = base.chat_template["default"]
+    from transformers import AutoTokenizer
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(export, "load_base", lambda *a, **k: (load_base(*a, **k)[0], AutoTokenizer.from_pretrained(tok_dir)))
+        assert export.main(["--config", str(trained["config"]), "--adapter", str(run), "--out", str(tmp_path / "out"),
+                            "--dtype", "float32"]) == 0
+    served = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert served.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use", tokenize=False,
+                                      add_generation_prompt=True) == "hi<think>"

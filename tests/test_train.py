@@ -281,9 +281,9 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     import grpo
     seen, loss = [], grpo.grpo_loss  # (advantages, mask) of each micro-batch
 
-    def recording(logp, old, ref, adv, mask, *a, **k):
-        seen.append((adv.clone(), mask.clone()))
-        return loss(logp, old, ref, adv, mask, *a, **k)
+    def recording(logp, old, ref, adv, mask, norm, *a, **k):
+        seen.append((adv.clone(), mask.clone(), norm))
+        return loss(logp, old, ref, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
     cfg, run = setup
     raw = yaml.safe_load(cfg.read_text())
@@ -304,9 +304,10 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
             assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         else:
             assert any(s["reward"] is None for s in shown) and any(s["reward"] is not None for s in shown)
-            adv, mask = torch.cat([a for a, _ in seen]), torch.cat([m.sum(1) for _, m in seen])  # (N,) each
+            adv, mask = torch.cat([a for a, _, _ in seen]), torch.cat([m.sum(1) for _, m, _ in seen])  # (N,) each
             assert mask[1::2].sum() == 0 and mask[0::2].min() > 0  # skipped (odd) rows: no tokens in the loss
             assert (adv[1::2] == 0).all() and adv[0::2].abs().sum() > 0
+            assert seen[0][2].num_sequences == 4  # the loss is a mean over the 4 scored completions, not all 8
         seen.clear()
 
 
