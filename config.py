@@ -154,6 +154,8 @@ class RunConfig:
     keep_adapters: bool = True  # older checkpoints keep their LoRA adapter (MBs, not the optimizer state), for eval.py
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
     samples_per_log: int = 4  # completions written each time
+    eval_every: int = 0  # every n steps, score eval.py's held-out rows (eval.select, eval.limit of them) as eval.py
+    #   decodes them, logged as eval/* in metrics.jsonl (eval/reward, eval/accuracy, ...); 0 = never
     stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no
     #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
 
@@ -347,7 +349,7 @@ def _check(cfg: Config) -> None:
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
-                    "run.stop_without_signal": cfg.run.stop_without_signal}
+                    "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")

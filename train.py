@@ -343,7 +343,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
-SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
+SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
+         ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
          ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
          ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
 
@@ -379,6 +380,7 @@ class Run:
     judge: Judge | None
     start: int  # last completed step (0 for a new run)
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
+    eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -425,6 +427,14 @@ def setup(args, overrides: list[str]) -> Run:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
+    eval_rows = None
+    if cfg.run.eval_every and cfg.mode == "grpo":
+        if cfg.eval.select is None:
+            raise ConfigError("run.eval_every needs eval.select: the held-out rows to score, e.g. [1500, 1700]")
+        import eval as ev
+        ev.check_eval_config(cfg)
+        eval_rows = [row for s in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
+                     for row in (s.rows[: cfg.eval.limit] if cfg.eval.limit else s.rows)]
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
@@ -459,7 +469,25 @@ def setup(args, overrides: list[str]) -> Run:
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
-               scheduler, scaler, sampler, judge, start, engine)
+               scheduler, scaler, sampler, judge, start, engine, eval_rows)
+
+
+def held_out_metrics(r: Run) -> dict:
+    """eval/* metrics: the held-out rows decoded as eval.py decodes them (eval.temperature, eval.num_samples)
+    by the policy now, scored with the rewards. The random state is set aside and restored, so a run
+    with run.eval_every trains exactly as one without."""
+    import eval as ev
+    cfg, e, t0 = r.cfg, r.cfg.eval, time.time()
+    prompts = grpo.render_rows(r.tokenizer, r.eval_rows, cfg.data)
+    was_training = r.model.training
+    r.model.eval()
+    with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []):
+        gen = ev.generate_local(r.model, r.tokenizer, prompts, e.max_new_tokens, e.num_samples, e.temperature, e.top_p,
+                                e.batch_size, cfg.grpo.share_prompt is not False)
+    r.model.train(was_training)
+    res = ev.score(gen, [row for row in r.eval_rows for _ in range(e.num_samples)], cfg, cfg.data.assistant_prefix, r.judge)
+    m = ev.model_metrics(res, gen, e.num_samples, e.pass_k if e.num_samples > 1 else [])
+    return {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
 
 
 NO_SIGNAL_WARN_AFTER = 5
@@ -496,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
             metrics, shown = step_fn(r)
             metrics = {"step": step, **metrics}
+            if r.eval_rows and step % cfg.run.eval_every == 0:
+                metrics |= held_out_metrics(r)
             append_jsonl(metrics_path, [metrics])
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
                 append_jsonl(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
@@ -538,7 +568,7 @@ class progress_display:
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:
-            keys = ("reward", "reward_std", "kl", "completions/mean_length") if "reward_std" in m else ("loss", "epoch")
+            keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else ("loss", "epoch")
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
         else:

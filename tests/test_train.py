@@ -331,6 +331,23 @@ def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_c
     assert (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
 
 
+def test_eval_every_logs_held_out_metrics_and_leaves_training_as_it_was(setup, capsys):
+    """run.eval_every: eval/* metrics on eval.select's rows every n steps, from the policy of that
+    step; the random state is restored, so training's own metrics equal a run without it."""
+    cfg, run = setup
+    split = ["--data.select=[0,8]", "--eval.select=[8,12]", "--run.steps=2"]
+    assert train.main(["--config", str(cfg), *split, f"--run.out_dir={run.parent / 'plain'}"]) == 0
+    assert train.main(["--config", str(cfg), *split, "--run.eval_every=1", "--eval.temperature=1.0",
+                       "--eval.num_samples=2", f"--run.out_dir={run.parent / 'evaluated'}"]) == 0
+    plain, evaluated = lines(run.parent / "plain/metrics.jsonl"), lines(run.parent / "evaluated/metrics.jsonl")
+    for a, b in zip(plain, evaluated):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items()
+                                                                  if k not in TIMING and not k.startswith("eval/")}
+        assert b["eval/n"] == 8 and 0 <= b["eval/accuracy"] <= 1 and "eval/reward" in b and "eval/best_of_n_reward" in b
+    assert train.main(["--config", str(cfg), "--run.eval_every=1", f"--run.out_dir={run.parent / 'no_rows'}"]) == 2
+    assert "run.eval_every needs eval.select" in capsys.readouterr().err
+
+
 def test_gradient_checkpointing_gives_the_same_step(setup):
     """model.gradient_checkpointing recomputes activations in the backward: same loss and gradient."""
     cfg, run = setup
