@@ -154,6 +154,9 @@ class RunConfig:
     keep_adapters: bool = True  # older checkpoints keep their LoRA adapter (MBs, not the optimizer state), for eval.py
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
     samples_per_log: int = 4  # completions written each time
+    report_to: Literal["none", "wandb", "trackio"] = "none"  # also send each step's metrics to Weights & Biases
+    #   or Trackio (pip install wandb / trackio; their own env vars, e.g. WANDB_API_KEY, WANDB_MODE=offline, apply)
+    project: str = "minigrpo"  # the tracker's project; the run is named after run.out_dir
     eval_every: int = 0  # every n steps, score eval.py's held-out rows (eval.select, eval.limit of them) as eval.py
     #   decodes them, logged as eval/* in metrics.jsonl (eval/reward, eval/accuracy, ...); 0 = never
     stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no

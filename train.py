@@ -17,6 +17,8 @@ import concurrent.futures
 import contextlib
 import copy
 import functools
+import hashlib
+import importlib.util
 import json
 import math
 import random
@@ -33,7 +35,7 @@ import torch
 
 import grpo
 import vllm_engine
-from config import Config, ConfigError, config_to_dict, load_config, save_config
+from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from data import PromptSampler, check_not_data_file, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
                    reference_mode, resolve_model_path, trainable_parameters)
@@ -428,6 +430,8 @@ def setup(args, overrides: list[str]) -> Run:
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
     eval_rows = None
+    if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
+        raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
     if cfg.run.eval_every and cfg.mode == "grpo":
         if cfg.eval.select is None:
             raise ConfigError("run.eval_every needs eval.select: the held-out rows to score, e.g. [1500, 1700]")
@@ -470,6 +474,22 @@ def setup(args, overrides: list[str]) -> Run:
                                         lora_rank=model.peft_config["default"].r)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
                scheduler, scaler, sampler, judge, start, engine, eval_rows)
+
+
+def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
+    """run.report_to: the wandb or trackio module, initialised (the same run again on --resume), or
+    None. Both take init(project, name, config, resume) and log(metrics, step); the config sent is
+    the one saved to config.yaml, with extra_headers masked (keys live in env vars, never in it)."""
+    if cfg.run.report_to == "none":
+        return None
+    tracker = importlib.import_module(cfg.run.report_to)
+    options = {"project": cfg.run.project, "name": run_dir.name, "config": redacted(config_to_dict(cfg)),
+               "resume": "allow" if resumed else "never"}
+    if cfg.run.report_to == "wandb":  # wandb resumes by id: one per run directory
+        options["id"] = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        options["resume"] = "allow"
+    tracker.init(**options)
+    return tracker
 
 
 def held_out_metrics(r: Run) -> dict:
@@ -519,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     from sft import sft_step  # sft.py imports from this module: import it late
     step_fn = sft_step if cfg.mode == "sft" else train_step
     flat_steps = 0  # steps in a row without a learning signal
+    tracker = open_tracker(cfg, run_dir, resumed=start > 0)
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
@@ -527,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.eval_rows and step % cfg.run.eval_every == 0:
                 metrics |= held_out_metrics(r)
             append_jsonl(metrics_path, [metrics])
+            if tracker:
+                tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
                 append_jsonl(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
@@ -542,9 +565,13 @@ def main(argv: list[str] | None = None) -> int:
             if stop:
                 print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
                       f"checkpoint saved in {run_dir}", file=sys.stderr)
+                if tracker:
+                    tracker.finish()
                 return 3
     if r.judge:
         r.judge.close()
+    if tracker:
+        tracker.finish()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
 

@@ -3,6 +3,7 @@ uninterrupted run, and bad input exits with code 2 and writes nothing."""
 import json
 import math
 import shutil
+import sys
 import threading
 
 import pytest
@@ -346,6 +347,33 @@ def test_eval_every_logs_held_out_metrics_and_leaves_training_as_it_was(setup, c
         assert b["eval/n"] == 8 and 0 <= b["eval/accuracy"] <= 1 and "eval/reward" in b and "eval/best_of_n_reward" in b
     assert train.main(["--config", str(cfg), "--run.eval_every=1", f"--run.out_dir={run.parent / 'no_rows'}"]) == 2
     assert "run.eval_every needs eval.select" in capsys.readouterr().err
+
+
+def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(setup, monkeypatch, capsys):
+    """run.report_to: wandb (here a stand-in module with wandb's init/log/finish) gets every metrics
+    line at its step, the saved config, and on --resume the same run id."""
+    import importlib.machinery
+    import types
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda metrics, step: calls.append(("log", step, metrics))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.report_to=wandb", "--run.project=demo", "--run.steps=2"]
+    assert train.main(args) == 0
+    (_, init), *logs, finish = calls
+    assert init["project"] == "demo" and init["name"] == run.name and init["config"]["run"]["report_to"] == "wandb"
+    assert [(c[1], c[2]["reward"]) for c in logs] == [(m["step"], m["reward"]) for m in lines(run / "metrics.jsonl")]
+    assert finish == ("finish",)
+    calls.clear()
+    assert train.main(args[:-1] + ["--run.steps=3", "--resume"]) == 0
+    assert calls[0][1]["id"] == init["id"] and [c[1] for c in calls if c[0] == "log"] == [3]
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None)
+    assert train.main(["--config", str(cfg), "--run.report_to=trackio", f"--run.out_dir={run.parent / 'trk'}"]) == 2
+    assert "pip install trackio" in capsys.readouterr().err
 
 
 def test_gradient_checkpointing_gives_the_same_step(setup):
