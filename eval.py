@@ -227,6 +227,27 @@ def score(gen: Generated, samples: list[dict], cfg: Config, assistant_prefix: st
                            context={"assistant_prefix": assistant_prefix, "judge": judge})
 
 
+def held_out_rows(cfg: Config) -> list[dict]:
+    """eval.select's rows (from eval.split), the first eval.limit of each source when set."""
+    return [row for src in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
+            for row in (src.rows[: cfg.eval.limit] if cfg.eval.limit else src.rows)]
+
+
+def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
+    """A local model's eval.num_samples completions of each row, decoded as the eval section says."""
+    e = cfg.eval
+    return generate_local(model, tok, grpo.render_rows(tok, rows, cfg.data), e.max_new_tokens, e.num_samples,
+                          e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt is not False)
+
+
+def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,
+               judge: Judge | None) -> tuple[list[dict], RewardResult, dict]:
+    """-> (the row of each of the n-per-row completions, their rewards, model_metrics)."""
+    samples = [r for r in rows for _ in range(n)]
+    res = score(gen, samples, cfg, assistant_prefix, judge)
+    return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [])
+
+
 @dataclass
 class Plan:
     """Everything checked before any model loads or any file is written."""
@@ -265,8 +286,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         raise ConfigError(f"judge or eval.api: {e}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
-    rows = [row for src in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
-            for row in (src.rows[: cfg.eval.limit] if cfg.eval.limit else src.rows)]
+    rows = held_out_rows(cfg)
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     return Plan(cfg, entries, rows, pick_device(cfg.run.device), judge, api, tokenizer)
 
@@ -284,17 +304,13 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
             model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
         else:
             model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
-        prompts = grpo.render_rows(tok, plan.rows, cfg.data)
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
-        gen = generate_local(model, tok, prompts, e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size,
-                             cfg.grpo.share_prompt is not False)
+        gen = generate_rows(model, tok, plan.rows, cfg)
         del model, tok
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-    samples = [r for r in plan.rows for _ in range(n)]
-    res = score(gen, samples, cfg, prefix, plan.judge)
-    metrics = model_metrics(res, gen, n, e.pass_k if n > 1 else [])
+    samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judge)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
         metrics |= {"api_failures": gen.failures, "api_cost_usd": stats["judge_cost_usd"]}

@@ -429,16 +429,15 @@ def setup(args, overrides: list[str]) -> Run:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
-    eval_rows = None
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
+    eval_rows = None
     if cfg.run.eval_every and cfg.mode == "grpo":
         if cfg.eval.select is None:
             raise ConfigError("run.eval_every needs eval.select: the held-out rows to score, e.g. [1500, 1700]")
         import eval as ev
         ev.check_eval_config(cfg)
-        eval_rows = [row for s in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
-                     for row in (s.rows[: cfg.eval.limit] if cfg.eval.limit else s.rows)]
+        eval_rows = ev.held_out_rows(cfg)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
@@ -497,16 +496,13 @@ def held_out_metrics(r: Run) -> dict:
     by the policy now, scored with the rewards. The random state is set aside and restored, so a run
     with run.eval_every trains exactly as one without."""
     import eval as ev
-    cfg, e, t0 = r.cfg, r.cfg.eval, time.time()
-    prompts = grpo.render_rows(r.tokenizer, r.eval_rows, cfg.data)
+    cfg, t0 = r.cfg, time.time()
     was_training = r.model.training
     r.model.eval()
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []):
-        gen = ev.generate_local(r.model, r.tokenizer, prompts, e.max_new_tokens, e.num_samples, e.temperature, e.top_p,
-                                e.batch_size, cfg.grpo.share_prompt is not False)
+        gen = ev.generate_rows(r.model, r.tokenizer, r.eval_rows, cfg)
     r.model.train(was_training)
-    res = ev.score(gen, [row for row in r.eval_rows for _ in range(e.num_samples)], cfg, cfg.data.assistant_prefix, r.judge)
-    m = ev.model_metrics(res, gen, e.num_samples, e.pass_k if e.num_samples > 1 else [])
+    _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, cfg.data.assistant_prefix, r.judge)
     return {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
 
 
