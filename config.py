@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -182,6 +183,8 @@ class EvalConfig:
     limit: int = 0  # evaluate only the first n held-out rows of each data source (0: all)
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
     api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
+    agreement: list[list[str]] = field(default_factory=list)  # pairs of reward labels, e.g. [[logic, logic_second]]
+    #   (one criterion from two judges): eval reports agreement/<a>_vs_<b>/spearman and /mean_abs_diff
 
 
 @dataclass
@@ -196,6 +199,8 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
     judge: JudgeConfig | None = None  # OpenAI-compatible LLM judge for the judge-based rewards (judge.py)
+    judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a reward's args: {judge: NAME}
+    #   (two judges scoring the same completions: dual-judge evaluation); each a full judge section
     sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
 
@@ -283,9 +288,14 @@ def _is_text_field(dotted: str) -> bool:
     "{question}" stays text; only null / ~ mean None for an optional one."""
     tp: Any = Config
     for part in dotted.split("."):
-        if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+        if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):  # X | None: X
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if typing.get_origin(tp) is dict:  # a mapping of sections by name (judges): part is a name
+            tp = typing.get_args(tp)[1]
+        elif not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
             return False
-        tp = typing.get_type_hints(tp)[part]
+        else:
+            tp = typing.get_type_hints(tp)[part]
     return tp is str or set(typing.get_args(tp)) == {str, type(None)}
 
 
@@ -394,12 +404,29 @@ def _check(cfg: Config) -> None:
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
             raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
+    for name in cfg.judges:
+        if name == "judge" or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ConfigError(f"judges.{name}: a judge's name is letters, digits, _ and - (and not 'judge', the judge: section's)")
+    caches = [(k, j.cache_path) for k, j in judge_sections(cfg).items() if j.cache_path]
+    for i, (k, path) in enumerate(caches):
+        if other := next((k2 for k2, p2 in caches[:i] if Path(p2).resolve() == Path(path).resolve()), None):
+            raise ConfigError(f"{k}.cache_path and {other}.cache_path are both {path}: give each judge its own cache file")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
         raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
+
+
+def judge_sections(cfg: Config) -> dict[str, JudgeConfig]:
+    """The configured judges by config key: "judge" (the judge: section) and "judges.NAME"."""
+    return {**({"judge": cfg.judge} if cfg.judge else {}), **{f"judges.{n}": j for n, j in cfg.judges.items()}}
+
+
+def judge_names(cfg: Config) -> list[str]:
+    """The names a reward's args.judge may take: "judge" (the judge: section, the default) and the judges: keys."""
+    return [k.removeprefix("judges.") for k in judge_sections(cfg)]
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # the local data files data.py reads

@@ -37,7 +37,10 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        sampling with the reward as the picker (only when n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
   truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
-  api_failures, api_cost_usd; judge_failures, judge_cost_usd: from the Judge clients' counters
+  api_failures, api_cost_usd; judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
+                       the judges: section's): from the Judge clients' counters
+  agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one
+                       criterion from two judges), over the completions both scored (see `agreement`)
 Each task metric appears only when the reward it derives from is configured.
 """
 from __future__ import annotations
@@ -57,13 +60,14 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from scipy.stats import spearmanr
 
 import grpo
-from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
+from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names, judge_sections, load_config, redacted
 from data import check_not_data_file, load_sources
-from judge import Judge
+from judge import Judge, close_judges, judges_stats, open_judges
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from rewards import RewardResult, check_specs, compute_rewards, reward_means
+from rewards import RewardResult, check_specs, compute_rewards, reward_context, reward_keys, reward_means
 
 
 @dataclass
@@ -133,6 +137,10 @@ def check_eval_config(cfg: Config) -> None:
         raise ConfigError("eval.num_samples > 1 needs eval.temperature > 0: greedy decoding repeats one completion")
     if bad := [k for k in e.pass_k if not 1 <= k <= e.num_samples]:
         raise ConfigError(f"eval.pass_k {bad}: each k must be in [1, eval.num_samples={e.num_samples}]")
+    keys = reward_keys(cfg.rewards)
+    for pair in e.agreement:
+        if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(keys):
+            raise ConfigError(f"eval.agreement {pair}: each entry is two different reward labels of {keys}")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -184,7 +192,23 @@ def best_of_n(totals: list[float], n: int) -> float:
     return sum(best) / max(len(best), 1)
 
 
-def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int]) -> dict:
+def agreement(a: list[float | None], b: list[float | None]) -> dict:
+    """How two rewards (one criterion from two judges, say) agree over the completions both scored:
+    spearman = Spearman's rho of the two value lists (None when either is constant or fewer than 2 pairs),
+    mean_abs_diff = mean |a_i - b_i|, n = the completions both scored.
+
+    >>> agreement([1.0, 2.0, 3.0, None], [3.0, 5.0, 4.0, 0.0])
+    {'spearman': 0.5, 'mean_abs_diff': 2.0, 'n': 3}
+    """
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    ranked = len(set(xs)) > 1 and len(set(ys)) > 1  # a constant list has no ranking
+    return {"spearman": float(spearmanr(xs, ys).statistic) if ranked else None,
+            "mean_abs_diff": sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None, "n": len(pairs)}
+
+
+def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int],
+                  agree: list[list[str]] = ()) -> dict:
     """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
     n = len(gen.texts)
     scored = [t for t in res.total if not math.isnan(t)]  # NaN: skipped (a reward's fallback: skip)
@@ -195,6 +219,8 @@ def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: l
         out["best_of_n_reward"] = best_of_n(res.total, num_samples)
     out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
     out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
+    for a, b in agree:
+        out |= {f"agreement/{a}_vs_{b}/{k}": v for k, v in agreement(res.per_reward[a], res.per_reward[b]).items()}
     out["mean_length"] = sum(gen.num_tokens) / n
     if gen.truncated is not None:
         out["truncated_rate"] = sum(gen.truncated) / n
@@ -222,9 +248,9 @@ def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Genera
     return Generated(texts, num_tokens, None, failures=sum(r is None for r in replies))
 
 
-def score(gen: Generated, samples: list[dict], cfg: Config, assistant_prefix: str, judge: Judge | None) -> RewardResult:
+def score(gen: Generated, samples: list[dict], cfg: Config, assistant_prefix: str, judges: dict[str, Judge]) -> RewardResult:
     return compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
-                           context={"assistant_prefix": assistant_prefix, "judge": judge})
+                           context=reward_context(assistant_prefix, judges))
 
 
 def held_out_rows(cfg: Config) -> list[dict]:
@@ -241,11 +267,11 @@ def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
 
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,
-               judge: Judge | None) -> tuple[list[dict], RewardResult, dict]:
+               judges: dict[str, Judge]) -> tuple[list[dict], RewardResult, dict]:
     """-> (the row of each of the n-per-row completions, their rewards, model_metrics)."""
     samples = [r for r in rows for _ in range(n)]
-    res = score(gen, samples, cfg, assistant_prefix, judge)
-    return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [])
+    res = score(gen, samples, cfg, assistant_prefix, judges)
+    return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
 
 
 @dataclass
@@ -255,21 +281,20 @@ class Plan:
     entries: list[ModelEntry]
     rows: list[dict]  # the held-out rows, after eval.limit
     device: torch.device
-    judge: Judge | None  # for judge-based rewards
+    judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base model's tokenizer, counts API completion tokens (None without api entries)
 
     def close(self) -> None:
-        for client in [self.judge, *self.api.values()]:
-            if client:
-                client.close()
+        for client in [*self.judges.values(), *self.api.values()]:
+            client.close()
 
 
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
     try:
-        check_specs(cfg.rewards, have_judge=cfg.judge is not None)
+        check_specs(cfg.rewards, judges=judge_names(cfg))
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
     entries = parse_model_entries(args.models, cfg.model)
@@ -277,18 +302,23 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
-    check_not_data_file(cfg.data, cfg.judge and cfg.judge.cache_path, "judge.cache_path")
+    for key, j in judge_sections(cfg).items():
+        check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
     check_not_data_file(cfg.data, cfg.eval.api and cfg.eval.api.cache_path, "eval.api.cache_path")
     try:
-        judge = Judge(cfg.judge) if cfg.judge else None
+        judges = open_judges(cfg.judge, cfg.judges)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    try:
         api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
     except ValueError as e:
-        raise ConfigError(f"judge or eval.api: {e}") from None
+        close_judges(judges)
+        raise ConfigError(f"eval.api: {str(e).removeprefix('judge: ')}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     rows = held_out_rows(cfg)
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
-    return Plan(cfg, entries, rows, pick_device(cfg.run.device), judge, api, tokenizer)
+    return Plan(cfg, entries, rows, pick_device(cfg.run.device), judges, api, tokenizer)
 
 
 def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
@@ -310,13 +340,11 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
         del model, tok
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-    samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judge)
+    samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
         metrics |= {"api_failures": gen.failures, "api_cost_usd": stats["judge_cost_usd"]}
-    if plan.judge:
-        stats = plan.judge.pop_step_stats()
-        metrics |= {"judge_failures": stats["judge_failures"], "judge_cost_usd": stats["judge_cost_usd"]}
+    metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
     records = [{"row": e.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
@@ -354,7 +382,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--config", required=True, help="the training YAML (its eval section drives this script)")
     ap.add_argument("--models", nargs="+", required=True, help="base, [NAME=]PATH or [NAME=]api:MODEL entries")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing eval.out_dir/results.json")
-    return ap.parse_known_args(argv)
+    # --section.key=value overrides are taken out first: argparse reads one holding a space
+    # ("--eval.agreement=[[a, b]]") as another --models entry
+    own = {a.option_strings[0] for a in ap._actions}
+    overrides = [a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in own]
+    args, unknown = ap.parse_known_args([a for a in argv if a not in overrides])
+    return args, overrides + unknown
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,10 +222,10 @@ class Judge:
         self._step[name] += value
         self._total[name] += value
 
-    def pop_step_stats(self) -> dict[str, float]:
+    def pop_step_stats(self, prefix: str = "judge_") -> dict[str, float]:
         """Counters since the last pop (judge_<name>) plus run totals (judge_<name>_total)."""
-        out = {f"judge_{k}": v for k, v in self._step.items()}
-        out.update({f"judge_{k}_total": v for k, v in self._total.items()})
+        out = {f"{prefix}{k}": v for k, v in self._step.items()}
+        out.update({f"{prefix}{k}_total": v for k, v in self._total.items()})
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self._logged.clear()
         return out
@@ -529,6 +529,35 @@ def render(template: str, fields: dict) -> str:
 
 def _chat(text: str, system: str | None = None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+# --- several judges in one run ---------------------------------------------------------------------
+DEFAULT = "judge"  # the judge: section's name among a run's judges; the judges: section names the others
+
+
+def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> dict[str, Judge]:
+    """A run's judges by name: the judge: section as "judge", then the judges: section's. A judge-based
+    reward calls "judge", or the one its args name (`args: {judge: second}`). ValueError names the judge."""
+    judges: dict[str, Judge] = {}
+    for name, cfg in [*([(DEFAULT, default)] if default else []), *named.items()]:
+        try:
+            judges[name] = Judge(cfg)
+        except (ValueError, OSError) as e:
+            close_judges(judges)
+            raise ValueError(f"{'judge' if name == DEFAULT else f'judges.{name}'}: {str(e).removeprefix('judge: ')}") from None
+    return judges
+
+
+def judges_stats(judges: dict[str, Judge]) -> dict[str, float]:
+    """Every judge's counters since the last call: judge_<stat> for the judge: section (as always),
+    judges/<name>/<stat> for a named one; each with its run total (<stat>_total)."""
+    return {k: v for name, j in judges.items()
+            for k, v in j.pop_step_stats("judge_" if name == DEFAULT else f"judges/{name}/").items()}
+
+
+def close_judges(judges: dict[str, Judge]) -> None:
+    for j in judges.values():
+        j.close()
 
 
 # --- rewards ---------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ weights and arguments:
 
 `compute_rewards` fills parameters named `num_tokens` (the completion's token count) or after a
 key of its `context` (e.g. `judge`, or `assistant_prefix`: the text the trainer forced at the
-start of the reply, which the built-in rewards put back in front of the completion). A reward that raises or returns a non-number never stops a
+start of the reply, which the built-in rewards put back in front of the completion); a judge-based
+reward with `args: {judge: NAME}` gets that one of `context["judges"]` (several judges in a run). A reward that raises or returns a non-number never stops a
 run: it gets the spec's fallback, is counted in `errors` and its first failure is logged.
 Model output is only ever parsed here, never evaluated.
 """
@@ -41,7 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Collection, Literal
 
 log = logging.getLogger("minigrpo.rewards")
 
@@ -145,16 +146,22 @@ def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
     return tuple(inspect.signature(fn).parameters.values())[2:]
 
 
-def check_specs(specs: list[RewardSpec], have_judge: bool = True) -> None:
+def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -> None:
     """Fail early, before any model loads: every reward resolves and accepts its args (and passes
     its own `check_args(**args)`, where it has one), and a judge-based reward (one taking `judge`)
-    has a judge to call (`have_judge`: a judge: section)."""
+    has its judge to call: args.judge names one of `judges` ("judge" is the judge: section, the default)."""
     if not specs:
         raise ValueError("no rewards configured: add at least one entry under `rewards:`")
     for spec in specs:
-        if not have_judge and "judge" in {p.name for p in _params(resolve(spec)[0])}:
-            raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section (base_url, model, api_key_env)")
         fn, _ = resolve(spec)
+        if "judge" in {p.name for p in _params(fn)}:
+            name = spec.args.get("judge", "judge")
+            if name == "judge" and name not in judges:
+                raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section (base_url, model, api_key_env)"
+                                 + (f", or name one of judges: ({', '.join(judges)}) with args: {{judge: NAME}}" if judges else ""))
+            if name not in judges:
+                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} is not a configured judge; "
+                                 f"configured: {', '.join(map(repr, judges)) or 'none'} (judges: names them)")
         if "num_tokens" in spec.args:
             raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")
         params = _params(fn)
@@ -180,10 +187,10 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "...(truncated)"
 
 
-def _keys(specs: list[RewardSpec]) -> list[str]:
+def reward_keys(specs: list[RewardSpec]) -> list[str]:
     """Result keys: the spec's label or name, or "name#2", "name#3" when one repeats (other args).
 
-    >>> _keys([RewardSpec("judge"), RewardSpec("judge", label="clarity"), RewardSpec("judge")])
+    >>> reward_keys([RewardSpec("judge"), RewardSpec("judge", label="clarity"), RewardSpec("judge")])
     ['judge', 'clarity', 'judge#2']
     """
     seen: dict[str, int] = {}
@@ -203,10 +210,14 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
         raise ValueError(f"got {n} completions, {len(samples)} samples and "
                          f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; they must match")
     result = RewardResult(total=[0.0] * n, per_reward={}, errors={})
-    for spec, key in zip(specs, _keys(specs)):
+    for spec, key in zip(specs, reward_keys(specs)):
         fn, batched = resolve(spec)
         params = {p.name: p for p in _params(fn)}
         kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
+        if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
+            if kwargs["judge"] not in context.get("judges", {}):
+                raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} in context['judges']")
+            kwargs["judge"] = context["judges"][kwargs["judge"]]
         wants_tokens = "num_tokens" in params
         missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
                    and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -253,6 +264,12 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
         result.total = [t if v is None or (spec.weight == 0 and math.isnan(v)) else t + spec.weight * v
                         for t, v in zip(result.total, values)]
     return result
+
+
+def reward_context(assistant_prefix: str, judges: dict) -> dict:
+    """The context training and eval score with: the forced reply start, the judge: section's judge
+    (`judge`) and every judge by name (`judges`, for args: {judge: NAME})."""
+    return {"assistant_prefix": assistant_prefix, "judge": judges.get("judge"), "judges": judges}
 
 
 def join_results(parts: list[RewardResult]) -> RewardResult:

@@ -35,13 +35,13 @@ import torch
 
 import grpo
 import vllm_engine
-from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
+from config import Config, ConfigError, config_to_dict, judge_names, judge_sections, load_config, redacted, save_config
 from data import PromptSampler, check_not_data_file, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
                    reference_mode, resolve_model_path, trainable_parameters)
 from checkpoint import append_jsonl, checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge
-from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_means
+from judge import Judge, close_judges, judges_stats, open_judges
+from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_context, reward_means
 
 
 # ----------------------------------------------------------------------------- one step
@@ -69,7 +69,7 @@ class Scored:
     errors: dict[str, int]  # name -> failures counted
 
 
-def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge: Judge | None,
+def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judges: dict[str, Judge],
           engine: vllm_engine.VllmEngine | None = None) -> Scored:
     """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
     ro, G = cfg.rollout, cfg.rollout.num_generations
@@ -78,7 +78,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
 
     def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
         return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,
-                               context={"assistant_prefix": cfg.data.assistant_prefix, "judge": judge})
+                               context=reward_context(cfg.data.assistant_prefix, judges))
 
     def lengths(r: grpo.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
         return r.completion_mask.sum(1).long().tolist()
@@ -136,7 +136,7 @@ def take_group(p: Scored, g: int, G: int) -> Scored:
                   {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judge: Judge | None,
+def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judges: dict[str, Judge],
             engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
     """-> (the B groups to train on, everything drawn, prompts drawn).
 
@@ -144,14 +144,14 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
     reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
     B, G, tol = cfg.rollout.prompts_per_step, cfg.rollout.num_generations, cfg.grpo.zero_std_tol
-    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judge, engine)]
+    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judges, engine)]
     if not cfg.rollout.resample_zero_std:
         return parts[0], parts[0], B
     cap, drawn = max(cfg.rollout.max_prompts_per_step or 4 * B, B), B
     zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
     while sum(z.count(False) for z in zero) < B and drawn < cap:
         k = min(B - sum(z.count(False) for z in zero), cap - drawn)
-        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judge, engine))
+        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judges, engine))
         zero.append(grpo.zero_std_groups(parts[-1].total, G, tol).tolist())
         drawn += k
     signal = [(p, g) for p, z in zip(parts, zero) for g, flat in enumerate(z) if not flat]
@@ -220,13 +220,13 @@ def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
 
 def train_step(r: Run) -> tuple[dict, list[dict]]:
     """One rollout batch and its num_iterations optimizer updates -> (metrics, sampled completions)."""
-    cfg, model, optimizer, scaler, judge = r.cfg, r.model, r.optimizer, r.scaler, r.judge
+    cfg, model, optimizer, scaler = r.cfg, r.model, r.optimizer, r.scaler
     t0 = time.time()
     G, g = cfg.rollout.num_generations, cfg.grpo
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, judge, r.engine)
+    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
     t_rollout = time.time() - t0
     batch = kept.rollout
     adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
@@ -278,7 +278,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        "peak_memory_mb": peak_memory_mb(device), **(judge.pop_step_stats() if judge else {})}
+        "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
     shown = [{"prompt": s["prompt"], "completion": t, "reward": None if r.isnan() else float(r), "advantage": float(a)}
              for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
@@ -379,7 +379,7 @@ class Run:
     scheduler: object
     scaler: object  # a GradScaler for fp16, else None
     sampler: PromptSampler
-    judge: Judge | None
+    judges: dict[str, Judge]  # by name: "judge" (the judge: section) and the judges: section's
     start: int  # last completed step (0 for a new run)
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
     eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
@@ -407,14 +407,15 @@ def setup(args, overrides: list[str]) -> Run:
     vllm_engine.check_config(cfg)
     try:
         if cfg.rewards or cfg.mode == "grpo":
-            check_specs(cfg.rewards, have_judge=cfg.judge is not None)
+            check_specs(cfg.rewards, judges=judge_names(cfg))
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
-    check_not_data_file(cfg.data, cfg.judge and cfg.judge.cache_path, "judge.cache_path")
+    for key, j in judge_sections(cfg).items():
+        check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
     try:
-        judge = Judge(cfg.judge) if cfg.judge else None
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"judge: {e}") from None
+        judges = open_judges(cfg.judge, cfg.judges)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
@@ -472,7 +473,7 @@ def setup(args, overrides: list[str]) -> Run:
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
-               scheduler, scaler, sampler, judge, start, engine, eval_rows)
+               scheduler, scaler, sampler, judges, start, engine, eval_rows)
 
 
 def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
@@ -502,7 +503,7 @@ def held_out_metrics(r: Run) -> dict:
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []):
         gen = ev.generate_rows(r.model, r.tokenizer, r.eval_rows, cfg)
     r.model.train(was_training)
-    _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, cfg.data.assistant_prefix, r.judge)
+    _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, cfg.data.assistant_prefix, r.judges)
     return {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
 
 
@@ -564,8 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tracker:
                     tracker.finish()
                 return 3
-    if r.judge:
-        r.judge.close()
+    close_judges(r.judges)
     if tracker:
         tracker.finish()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)

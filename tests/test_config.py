@@ -165,3 +165,18 @@ def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
     assert load_config(write(tmp_path, text), ["--eval.split=test"]).eval.split == "test"
     with pytest.raises(ConfigError, match="data.name=rows.jsonl has none"):  # a local file has no splits
         load_config(write(tmp_path, text), ["--eval.split=test", "--data.name=rows.jsonl"])
+
+
+def test_named_judges_are_typed_sections_with_their_own_names_and_caches(tmp_path):
+    text = MINIMAL + "judge: {model: a, cache_path: c/a.jsonl}\njudges: {second: {model: b, cache_path: c/b.jsonl}}\n"
+    cfg = load_config(write(tmp_path, text), ["--judges.second.model=1234", "--judges.third.max_concurrent=2"])
+    assert cfg.judges["second"].model == "1234" and cfg.judges["second"].cache_path == "c/b.jsonl"  # text stays text
+    assert cfg.judges["third"].max_concurrent == 2 and config.judge_names(cfg) == ["judge", "second", "third"]
+    with pytest.raises(ConfigError, match="judges.second.max_concurrent: expected int"):
+        load_config(write(tmp_path, text), ["--judges.second.max_concurrent=many"])
+    with pytest.raises(ConfigError, match="unknown config key 'judges.second.modle'"):
+        load_config(write(tmp_path, text), ["--judges.second.modle=x"])
+    with pytest.raises(ConfigError, match="judges.judge: a judge's name"):
+        load_config(write(tmp_path, text), ["--judges.judge.model=x"])
+    with pytest.raises(ConfigError, match="judges.second.cache_path and judge.cache_path are both c/./a.jsonl"):
+        load_config(write(tmp_path, text), ["--judges.second.cache_path=c/./a.jsonl"])

@@ -232,6 +232,10 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--eval.select=[3,8]"], "overlap"),
     (["base"], ["--eval.top_p=0"], "eval.top_p=0.0 is out of range"),
     (["base"], ["--judge=null", "--rewards=[{name: judge}]"], "needs a judge: add a `judge:` section"),
+    (["base"], ["--eval.agreement=[[answer_match, judge]]"], "eval.agreement ['answer_match', 'judge']: each entry is two"),
+    (["base"], ["--eval.agreement=[[answer_match]]"], "two different reward labels"),
+    (["base"], ["--judges.second.cache_path=j.jsonl", "--judges.second.max_concurrent=0",
+                "--rewards=[{name: judge, args: {judge: second}}]"], "judges.second: need max_concurrent >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(project, capsys, models, overrides, message):
     cfg, tmp = project
@@ -273,3 +277,16 @@ def test_render_table_puts_metrics_in_rows_and_models_in_columns():
     text = console.export_text()
     rows = {ln.split()[1]: ln.split()[3:-1:2] for ln in text.splitlines() if ln.startswith("│")}
     assert rows["accuracy"] == ["0.250", "0.500"] and rows["n"] == ["4", "4"] and rows["api_failures"] == ["-", "1"]
+
+
+def test_agreement_leaves_out_unscored_pairs_and_has_no_rank_correlation_for_a_constant_judge():
+    assert ev.agreement([4.0, 4.0, None], [1.0, 5.0, 2.0]) == {"spearman": None, "mean_abs_diff": 2.0, "n": 2}
+    assert ev.agreement([None, 1.0], [2.0, None]) == {"spearman": None, "mean_abs_diff": None, "n": 0}
+    assert ev.agreement([1.0, 2.0, 3.0], [30.0, 20.0, 10.0])["spearman"] == pytest.approx(-1.0)
+
+
+def test_an_override_holding_a_space_is_an_override_even_right_after_the_model_entries():
+    args, overrides = ev.parse_args(["--config", "c.yaml", "--models", "base", "--eval.agreement=[[a, b]]", "grpo=runs/g",
+                                     "--overwrite", "--eval.limit=3"])
+    assert args.models == ["base", "grpo=runs/g"] and args.overwrite and args.config == "c.yaml"
+    assert overrides == ["--eval.agreement=[[a, b]]", "--eval.limit=3"]

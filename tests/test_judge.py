@@ -450,3 +450,17 @@ def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
     assert len(server.requests) == asked  # answered from the cache
     with pytest.raises(ValueError, match="criterion 'novelty' is not one of"):
         judge_reward(["x"], samples, judge=judge, criterion="novelty")
+
+
+def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
+    from judge import close_judges, judges_stats, open_judges
+    judges = open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(model="b", cache_path=str(tmp_path / "b.jsonl"))})
+    assert list(judges) == ["judge", "second"] and judges["second"].cfg.model == "b"
+    judges["second"].add_stat("requests", 3)
+    stats = judges_stats(judges)
+    assert stats["judge_requests"] == 0 and stats["judges/second/requests"] == 3 and stats["judges/second/requests_total"] == 3
+    assert judges_stats(judges)["judges/second/requests"] == 0  # counters restart each call; totals go on
+    close_judges(judges)
+    assert open_judges(None, {}) == {}
+    with pytest.raises(ValueError, match=r"^judges.second: need max_concurrent >= 1"):
+        open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(max_concurrent=0)})

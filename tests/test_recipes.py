@@ -13,6 +13,7 @@ import eval as ev
 import ratings
 import train
 from fake_openai_server import FakeOpenAIServer
+from scipy.stats import spearmanr
 from test_ratings import rater
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,46 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     m = metrics(judged)[0]
     assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # mean(logic 4, novelty 3) on a 0-5 scale
     assert m["reward_errors/judge"] == 0
+
+
+def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(tmp_path, tiny_llama, server):
+    """configs/bioreasoner_dual_judge.yaml: a second judge (its own server, cache and counters) scores the
+    same completions; eval.py reports both judges' scores and agreement/* recomputed here from the predictions."""
+    def varying(mult: int):  # scores that vary with the completion, a different way for each judge
+        def reply(body) -> str:
+            n = len(body["messages"][-1]["content"]) * mult
+            return json.dumps({"logic": n % 6, "novelty": n // 6 % 6})
+        return reply
+    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]", "--eval.select=[24,30]"]
+    run, out = tmp_path / "run", tmp_path / "eval"
+    with FakeOpenAIServer(reply=varying(1)) as second, FakeOpenAIServer(reply=varying(5)) as first:
+        judges = [*judge_overrides(server, tmp_path / "judge.jsonl"), f"--judges.second.base_url={second.url}",
+                  f"--judges.second.cache_path={tmp_path / 'second.jsonl'}",
+                  "--judges.second.api_key_env=MINIGRPO_NO_SUCH_KEY", "--judges.second.max_retries=0"]
+        assert train.main(["--config", "configs/bioreasoner_dual_judge.yaml", *small(tiny_llama, run), *data, *judges]) == 0
+        m = metrics(run)[0]
+        assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # the reward is still the first judge's
+        assert (m["rewards/logic/mean"], m["rewards/novelty/mean"]) == (4.0, 3.0)  # raw 0-5 scores
+        assert "rewards/logic_second/mean" in m and m["reward_errors/logic_second"] == 0
+        # the second judge is asked once per distinct completion (its novelty entry reads its cache)
+        assert 0 < m["judges/second/requests"] <= 6 and m["judges/second/cache_hits"] >= 6
+        assert m["judge_requests"] <= 6 and len(second.requests) == metrics(run)[-1]["judges/second/requests_total"]
+        judges[:2] = judge_overrides(first, tmp_path / "first.jsonl")[:2]  # eval: a first judge whose scores vary too
+        assert ev.main(["--config", "configs/bioreasoner_dual_judge.yaml", "--models", "base", f"grpo={run}",
+                        f"--model.name={tiny_llama}", *data, *judges, "--eval.max_new_tokens=8", "--eval.limit=6",
+                        f"--eval.out_dir={out}"]) == 0
+    results = json.loads((out / "results.json").read_text())["models"]
+    for name in ("base", "grpo"):
+        got = results[name]["metrics"]
+        preds = [json.loads(ln)["rewards"] for ln in (out / f"predictions_{name}.jsonl").read_text().splitlines()]
+        assert got["judges/second/failures"] == 0 and got["judge_failures"] == 0
+        for crit in ("logic", "novelty"):
+            a, b = [p[crit] for p in preds], [p[f"{crit}_second"] for p in preds]
+            key = f"agreement/{crit}_vs_{crit}_second"
+            assert got[f"reward/{crit}_second"] == pytest.approx(sum(b) / len(b))
+            assert got[f"{key}/n"] == 6 and got[f"{key}/mean_abs_diff"] == pytest.approx(sum(abs(x - y) for x, y in zip(a, b)) / 6)
+            rho = spearmanr(a, b).statistic if len(set(a)) > 1 and len(set(b)) > 1 else None
+            assert got[f"{key}/spearman"] == (pytest.approx(rho) if rho is not None else None)
 
 
 def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama, server):

@@ -479,6 +479,31 @@ def test_compute_rewards_passes_context_keys_a_reward_asks_for(monkeypatch):
         compute_rewards(["ab"], [{}], specs)
 
 
+def test_a_named_judge_in_args_picks_that_judge_from_context_judges(monkeypatch):
+    def judged(completion, sample, judge):
+        return judge(completion)
+    monkeypatch.setitem(REGISTRY, "test_named_judge", (judged, False))
+    first, second = len, lambda text: 10.0 * len(text)
+    specs = [RewardSpec("test_named_judge"), RewardSpec("test_named_judge", label="second", args={"judge": "second"})]
+    context = {"judge": first, "judges": {"judge": first, "second": second}}
+    result = compute_rewards(["ab", "c"], [{}, {}], specs, context=context)
+    assert result.per_reward == {"test_named_judge": [2.0, 1.0], "second": [20.0, 10.0]}
+    with pytest.raises(ValueError, match="no judge named 'third'"):  # a misconfiguration raises, it is not a fallback
+        compute_rewards(["ab"], [{}], [RewardSpec("test_named_judge", args={"judge": "third"})], context=context)
+
+
+def test_check_specs_wants_each_judge_based_reward_s_judge_configured():
+    default, named = RewardSpec("judge"), RewardSpec("judge", args={"judge": "second"})
+    check_specs([default, named], judges=["judge", "second"])
+    check_specs([named, RewardSpec("json_valid")], judges=["second"])  # no judge: section needed when none uses it
+    with pytest.raises(ValueError, match=r"needs a judge: add a `judge:` section.*or name one of judges: \(second\) with args"):
+        check_specs([default], judges=["second"])
+    with pytest.raises(ValueError, match=r"args.judge='third' is not a configured judge; configured: 'judge', 'second'"):
+        check_specs([RewardSpec("judge", args={"judge": "third"})], judges=["judge", "second"])
+    with pytest.raises(ValueError, match="needs a judge: add a `judge:` section"):
+        check_specs([default], judges=[])
+
+
 def test_a_raising_reward_gets_the_fallback_is_counted_and_logged_once(monkeypatch, caplog):
     def fragile(completion, sample):
         if completion == "boom":

@@ -222,7 +222,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for k in (0, 2):
         calls.clear()
         r.cfg.rollout.prompts_per_generate = k
-        got[k] = train.score(r.cfg, r.model, r.tokenizer, r.rows, idx, None)
+        got[k] = train.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
         rendered = grpo.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
@@ -260,7 +260,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.clear()
         started.clear()
         r.cfg.rollout.overlap_rewards = overlap
-        got[overlap] = train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], None)
+        got[overlap] = train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
         # overlapped: slice 0's rewards started while slice 1 sampled
         assert seen == ([False, True, True] if overlap else [False, False, False])
     off, on = got[False], got[True]
@@ -269,7 +269,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
     r.cfg.rewards = [rewards.RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
     with pytest.raises(ValueError, match="needs dir"):
-        train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], None)
+        train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
 
 
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
