@@ -1,4 +1,4 @@
-"""Checkpoints and the run directory's logs: atomic saves, loading for --resume, append-only JSONL.
+"""Checkpoints: atomic saves, loading for --resume, and trimming the run's logs (jsonl.py) back to the checkpoint.
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
                                RNG states, step, data position), config.yaml
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+import jsonl
 from config import ConfigError, save_config
 from model import is_peft, save_adapter
 
@@ -106,24 +107,11 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, scaler) -> dict:
 
 
 def keep_lines_up_to(path: Path, step: int) -> None:
-    """On resume, drop log lines of steps after the checkpoint (they will be redone). Atomic rewrite."""
+    """On resume, drop log lines of steps after the checkpoint (they will be redone), and lines torn
+    by a kill. Atomic rewrite."""
     if not path.exists():
         return
-    kept = [ln for ln in path.read_text().splitlines() if ln.strip() and _step_of(ln) is not None and _step_of(ln) <= step]
+    kept = [rec for _, _, rec in jsonl.read(path) if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in kept))
+    tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
     tmp.replace(path)
-
-
-def _step_of(line: str) -> int | None:
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None  # a line torn by a kill
-
-
-def append_jsonl(path: Path, records: list[dict]) -> None:
-    with path.open("a") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())

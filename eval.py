@@ -65,7 +65,7 @@ from scipy.stats import spearmanr
 import grpo
 from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names, judge_sections, load_config, redacted
 from data import check_not_data_file, load_sources
-from judge import Judge, close_judges, judges_stats, open_judges
+from judge import Judge, judges_stats, open_judges
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from rewards import RewardResult, check_specs, compute_rewards, reward_context, reward_keys, reward_means
 
@@ -285,10 +285,6 @@ class Plan:
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base model's tokenizer, counts API completion tokens (None without api entries)
 
-    def close(self) -> None:
-        for client in [*self.judges.values(), *self.api.values()]:
-            client.close()
-
 
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
@@ -312,7 +308,6 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     try:
         api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
     except ValueError as e:
-        close_judges(judges)
         raise ConfigError(f"eval.api: {str(e).removeprefix('judge: ')}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
@@ -405,13 +400,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
             metrics, records = evaluate(entry, plan)
             write_atomic(out_dir / f"predictions_{entry.name}.jsonl",
-                         "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records))
+                         "".join(json.dumps(r, default=str) + "\n" for r in records))
             results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": metrics}
     except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        plan.close()
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")

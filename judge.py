@@ -42,6 +42,8 @@ from typing import Callable, Literal
 
 from scipy.stats import spearmanr
 
+import jsonl
+
 log = logging.getLogger(__name__)
 
 
@@ -204,8 +206,6 @@ class Judge:
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
         self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
-        self._disk = None  # append handle, opened at the first write: constructing a Judge writes nothing
-        self._torn_tail = False  # the file ends mid-line (a kill during a write)
         if cfg.cache_path:
             self._load_disk_cache()
 
@@ -238,30 +238,16 @@ class Judge:
 
     # --- cache -------------------------------------------------------------------------------------
     def _load_disk_cache(self) -> None:
-        path, bad, offset, last = self.cfg.cache_path, 0, 0, b"\n"
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                        if not isinstance(rec["reply"], str):
-                            raise TypeError
-                        self._disk_index[rec["key"]] = offset
-                    except (ValueError, KeyError, TypeError):  # torn write (killed mid-line) or corruption
-                        bad += 1
-                    offset, last = offset + len(line), line
+        bad, end = 0, 0
+        for offset, end, rec in jsonl.read(self.cfg.cache_path):
+            if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
+                self._disk_index[rec["key"]] = offset
+            else:  # corrupt, or torn by a kill (the next append ends a torn last line)
+                bad += 1
+        if os.path.exists(self.cfg.cache_path) and os.path.getsize(self.cfg.cache_path) > end:
+            bad += 1  # a last line torn by a kill
         if bad:
-            log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", path, bad)
-        self._torn_tail = not last.endswith(b"\n")
-
-    def _open_disk_cache(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.cfg.cache_path)), exist_ok=True)
-        disk = open(self.cfg.cache_path, "ab")
-        if self._torn_tail:  # start a fresh line so the next record is not glued onto a torn one
-            disk.write(b"\n")
-            disk.flush()
-            self._torn_tail = False
-        return disk
+            log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", self.cfg.cache_path, bad)
 
     def _cache_get(self, key: str) -> str | None:
         if key in self._mem:
@@ -290,21 +276,8 @@ class Judge:
 
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         self._mem_put(key, reply)
-        if self.cfg.cache_path and key not in self._disk_index:
-            if self._disk is None:
-                self._disk = self._open_disk_cache()
-            line = json.dumps({"key": key, "reply": reply, "usage": usage}, ensure_ascii=False) + "\n"
-            offset = self._disk.seek(0, os.SEEK_END)
-            self._disk.write(line.encode())
-            self._disk.flush()
-            os.fsync(self._disk.fileno())  # each line paid for: it must survive a crash right after
-            self._disk_index[key] = offset
-
-    def close(self) -> None:
-        """Close the cache file (the HTTP client is closed after every complete_many/score_many)."""
-        if self._disk is not None:
-            self._disk.close()
-            self._disk = None
+        if self.cfg.cache_path and key not in self._disk_index:  # fsynced: each line was paid for
+            self._disk_index[key] = jsonl.append(self.cfg.cache_path, [{"key": key, "reply": reply, "usage": usage}])
 
     # --- requests ----------------------------------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -543,7 +516,6 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         try:
             judges[name] = Judge(cfg)
         except (ValueError, OSError) as e:
-            close_judges(judges)
             raise ValueError(f"{'judge' if name == DEFAULT else f'judges.{name}'}: {str(e).removeprefix('judge: ')}") from None
     return judges
 
@@ -553,11 +525,6 @@ def judges_stats(judges: dict[str, Judge]) -> dict[str, float]:
     judges/<name>/<stat> for a named one; each with its run total (<stat>_total)."""
     return {k: v for name, j in judges.items()
             for k, v in j.pop_step_stats("judge_" if name == DEFAULT else f"judges/{name}/").items()}
-
-
-def close_judges(judges: dict[str, Judge]) -> None:
-    for j in judges.values():
-        j.close()
 
 
 # --- rewards ---------------------------------------------------------------------------------------

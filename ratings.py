@@ -37,7 +37,6 @@ import hmac
 import html
 import json
 import math
-import os
 import secrets
 import sys
 import threading
@@ -46,6 +45,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import jsonl
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
 
@@ -59,20 +60,6 @@ def item_id(prompt: str, completion: str, scale: list[int]) -> str:
     """Content address of one item: the same prompt, completion and scale always get the same id (a
     5 on a 1-5 scale is not a 5 on 1-10, so a new scale asks again)."""
     return hashlib.sha256(json.dumps([prompt, completion, list(scale)]).encode()).hexdigest()[:24]
-
-
-def append_lines(path: Path, records: list[dict]) -> None:
-    """Append JSON lines in one write and fsync them; first end a line torn by a kill, so records
-    never glue onto it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
-        size = f.seek(0, os.SEEK_END)
-        if size:
-            f.seek(size - 1)
-        torn = size > 0 and f.read(1) != b"\n"
-        f.write((b"\n" if torn else b"") + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
-        f.flush()
-        os.fsync(f.fileno())
 
 
 @dataclass
@@ -90,17 +77,14 @@ class Store:
             path = self.dir / name
             if not path.exists():
                 continue
-            with open(path, "rb") as f:
-                if f.seek(0, os.SEEK_END) < self.offsets.get(name, 0):  # replaced or truncated: read it all again
-                    self.offsets[name] = 0
-                    (self.items if name == QUEUE else self.scores).clear()
-                f.seek(self.offsets.get(name, 0))
-                data = f.read()
-            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next refresh
-            self.offsets[name] = self.offsets.get(name, 0) + len(complete)
-            for line in complete.splitlines():
+            if path.stat().st_size < self.offsets.get(name, 0):  # replaced or truncated: read it all again
+                self.offsets[name] = 0
+                (self.items if name == QUEUE else self.scores).clear()
+            # complete lines only: one still being written waits for the next refresh
+            for _, end, rec in jsonl.read(path, self.offsets.get(name, 0)):
+                self.offsets[name] = end
                 try:
-                    take(json.loads(line))
+                    take(rec)
                 except (ValueError, KeyError, TypeError, AttributeError):
                     say(f"{path}: skipped an unreadable line (torn by a kill?)")
 
@@ -156,7 +140,7 @@ class Store:
                     return f"{c}: give every answer a whole number from {lo} to {hi} (got {value!r})"
             records.append({"id": id_, "scores": scores, "time": time.time()})
         if records:
-            append_lines(self.dir / RATINGS, records)
+            jsonl.append(self.dir / RATINGS, records)
             self.refresh()  # read back from the file, like every other rating: counted once
         return None
 
@@ -229,7 +213,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
                 new.append({"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
                             "criteria": criteria, "scale": [lo, hi], "time": time.time()})
         if new:
-            append_lines(store.dir / QUEUE, new)
+            jsonl.append(store.dir / QUEUE, new)
     start, last_said = time.monotonic(), -math.inf
     while True:
         with store.lock:
@@ -331,7 +315,7 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
                 if path == "/stats":
                     return self._send(200, json.dumps(store.stats(), indent=1), "application/json")
                 if path == "/export":
-                    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in store.rated_items())
+                    lines = "".join(json.dumps(r) + "\n" for r in store.rated_items())
                     return self._send(200, lines, "application/jsonl; charset=utf-8")
             self._send(404, "not found", "text/plain")
 
@@ -380,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "stats":
             print(json.dumps(store.stats(), indent=1))
         else:
-            sys.stdout.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in store.rated_items())
+            sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
         return 0
     try:
         Path(args.dir).mkdir(parents=True, exist_ok=True)

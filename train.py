@@ -34,13 +34,14 @@ import numpy as np
 import torch
 
 import grpo
+import jsonl
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, judge_names, judge_sections, load_config, redacted, save_config
 from data import PromptSampler, check_not_data_file, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
                    reference_mode, resolve_model_path, trainable_parameters)
-from checkpoint import append_jsonl, checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge, close_judges, judges_stats, open_judges
+from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
+from judge import Judge, judges_stats, open_judges
 from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_context, reward_means
 
 
@@ -544,11 +545,11 @@ def main(argv: list[str] | None = None) -> int:
             metrics = {"step": step, **metrics}
             if r.eval_rows and step % cfg.run.eval_every == 0:
                 metrics |= held_out_metrics(r)
-            append_jsonl(metrics_path, [metrics])
+            jsonl.append(metrics_path, [metrics])
             if tracker:
                 tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
-                append_jsonl(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
+                jsonl.append(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
             if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
@@ -565,7 +566,6 @@ def main(argv: list[str] | None = None) -> int:
                 if tracker:
                     tracker.finish()
                 return 3
-    close_judges(r.judges)
     if tracker:
         tracker.finish()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)

@@ -167,7 +167,6 @@ def test_disk_cache_hit_after_restart_makes_no_request(server, tmp_path):
     prompts = [chat(f"p{i}") for i in range(3)]
     first = make_judge(server, cache_path=str(path))
     assert first.complete_many(prompts) == ['{"score": 7}'] * 3
-    first.close()
     assert len(path.read_text().splitlines()) == 3
 
     server.reset()
@@ -208,7 +207,6 @@ def test_torn_last_line_is_skipped_and_later_appends_stay_readable(server, tmp_p
     path = tmp_path / "judge.jsonl"
     first = make_judge(server, cache_path=str(path))
     first.complete_many([chat("a"), chat("b")])
-    first.close()
     with open(path, "ab") as f:  # a kill mid-write leaves half a record and no newline
         f.write(b'{"key": "abc", "reply": "half a rec')
 
@@ -217,7 +215,6 @@ def test_torn_last_line_is_skipped_and_later_appends_stay_readable(server, tmp_p
     assert len([r for r in caplog.records if "skipped 1 unreadable" in r.getMessage()]) == 1
     assert second.complete_many([chat("a"), chat("b"), chat("c")]) == ['{"score": 7}'] * 3
     assert len(server.requests) == 1  # only "c" was asked
-    second.close()
 
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b""  # file ends with a newline
@@ -413,7 +410,6 @@ def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, cap
     print(judge, judge.cfg)
     judge.complete_many([chat("a")])
     judge.score_many([chat("b")])
-    judge.close()
 
     assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"
     assert any("HTTP 401" in r.getMessage() for r in caplog.records)  # the error was logged, redacted
@@ -453,14 +449,13 @@ def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
 
 
 def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
-    from judge import close_judges, judges_stats, open_judges
+    from judge import judges_stats, open_judges
     judges = open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(model="b", cache_path=str(tmp_path / "b.jsonl"))})
     assert list(judges) == ["judge", "second"] and judges["second"].cfg.model == "b"
     judges["second"].add_stat("requests", 3)
     stats = judges_stats(judges)
     assert stats["judge_requests"] == 0 and stats["judges/second/requests"] == 3 and stats["judges/second/requests_total"] == 3
     assert judges_stats(judges)["judges/second/requests"] == 0  # counters restart each call; totals go on
-    close_judges(judges)
     assert open_judges(None, {}) == {}
     with pytest.raises(ValueError, match=r"^judges.second: need max_concurrent >= 1"):
         open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(max_concurrent=0)})

@@ -12,8 +12,9 @@ import urllib.request
 
 import pytest
 
+import jsonl
 import ratings
-from ratings import Store, append_lines, human, item_id, make_server
+from ratings import Store, human, item_id, make_server
 from rewards import RewardSpec, check_specs, compute_rewards
 
 CRITERIA = ["relevance", "clarity"]
@@ -78,7 +79,7 @@ def rater(url: str, scores_for, stop: threading.Event) -> threading.Thread:
 
 
 def queue(folder, id_, batch, prompt, completion, criteria=CRITERIA):
-    append_lines(folder / "queue.jsonl", [{"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
+    jsonl.append(folder / "queue.jsonl", [{"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
                                            "criteria": criteria, "scale": [1, 5], "time": 0}])
 
 
@@ -108,7 +109,7 @@ def test_ratings_answer_later_runs_two_in_the_file_are_averaged_and_a_new_scale_
     ratings._STORES.clear()
     i = item_id("p", "q?", [1, 5])
     queue(folder, i, 1, "p", "q?", ["overall"])
-    append_lines(folder / "ratings.jsonl", [{"id": i, "scores": {"overall": 2}}, {"id": i, "scores": {"overall": 5}}])
+    jsonl.append(folder / "ratings.jsonl", [{"id": i, "scores": {"overall": 2}}, {"id": i, "scores": {"overall": 5}}])
     ratings._STORES.clear()  # a new process: nothing in memory
     assert human(["q?"], [{"prompt": "p"}], dir=str(folder), timeout_s=0.5) == [pytest.approx(0.625)]  # (3.5-1)/4
     assert len((folder / "queue.jsonl").read_text().splitlines()) == 1
@@ -195,7 +196,7 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line
     store = Store(tmp_path)
     store.refresh()
     assert store.rated("a", ["overall"]) == {"overall": 4.0}
-    append_lines(path, [{"id": "c", "scores": {"overall": 2}}])
+    jsonl.append(path, [{"id": "c", "scores": {"overall": 2}}])
     store.refresh()
     assert store.rated("c", ["overall"]) == {"overall": 2.0} and store.rated("b", ["overall"]) is None
     assert path.read_text().splitlines()[1] == '{"id": "b", "sco'  # kept as it was, not glued to the next record
@@ -204,7 +205,7 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line
 def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(tmp_path, capsys):
     ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
-    append_lines(tmp_path / "ratings.jsonl", [{"id": "a", "scores": {"overall": 4}}])
+    jsonl.append(tmp_path / "ratings.jsonl", [{"id": "a", "scores": {"overall": 4}}])
     assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["rated"] == 1
     assert ratings.main(["export", "--dir", str(tmp_path)]) == 0

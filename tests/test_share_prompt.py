@@ -2,7 +2,7 @@
 The values, gradients and samples must equal the one-pass path's, and the fallbacks must engage."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 import grpo
 import train

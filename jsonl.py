@@ -1,0 +1,57 @@
+"""Append-only JSON Lines that survive a kill: the judge cache, people's ratings and a run's logs.
+
+    import jsonl
+    offset = jsonl.append(path, [{"key": "...", "reply": "..."}])  # one write, fsynced; where the first record starts
+    for offset, end, record in jsonl.read(path):                  # complete lines only; record None: not a JSON object
+        ...
+
+A kill during a write leaves at most a torn last line. `append` first ends such a line, so new
+records never glue onto it, and `read` never yields a line without its newline (it may still be
+being written; a later read, from `end`, picks it up once whole). Standard library only: the
+rating page (ratings.py) imports this without torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+def append(path: str | Path, records: list[dict]) -> int:
+    """Append `records` as JSON lines in one write and fsync them (each line may have cost money or a
+    person's time: it must outlive a crash right after). Returns the byte offset of the first record."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
+        size = f.seek(0, os.SEEK_END)
+        torn = False
+        if size:
+            f.seek(size - 1)
+            torn = f.read(1) != b"\n"
+        # ASCII: a raw U+2028 or U+0085 in model output would split the line for readers that use str.splitlines
+        f.write((b"\n" if torn else b"") + "".join(json.dumps(r) + "\n" for r in records).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    return size + torn
+
+
+def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | None]]:
+    """(offset, end, record) for each complete line of `path` from byte `start` (nothing when the file
+    does not exist); record is None for a line that is not a JSON object (torn by a kill, or corrupt).
+    One line in memory at a time, so a large cache file costs no RAM to scan."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        f.seek(start)
+        offset = start
+        for line in f:
+            if not line.endswith(b"\n"):
+                return  # the last line, not yet (or never) finished
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            end = offset + len(line)
+            yield offset, end, record if isinstance(record, dict) else None
+            offset = end

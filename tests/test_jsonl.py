@@ -1,0 +1,36 @@
+"""Tests for jsonl.py: append-only JSON Lines that survive a kill."""
+import json
+
+import jsonl
+
+
+def test_append_returns_where_each_write_starts_and_read_gives_offsets_ends_and_records(tmp_path):
+    path = tmp_path / "sub" / "log.jsonl"
+    assert list(jsonl.read(path)) == []  # no file yet: nothing, no error
+    first = jsonl.append(path, [{"a": 1}, {"b": "é\u2028"}])  # the folder is created
+    second = jsonl.append(path, [{"c": [1, 2]}])
+    raw = path.read_bytes()
+    assert first == 0 and second == raw.index(b'{"c"') and raw.endswith(b"\n") and raw.isascii()
+    got = list(jsonl.read(path))
+    assert [rec for _, _, rec in got] == [{"a": 1}, {"b": "é\u2028"}, {"c": [1, 2]}]
+    assert len(path.read_text().splitlines()) == 3  # escaped: U+2028 would split a line for str.splitlines
+    assert [(o, e) for o, e, _ in got] == [(0, raw.index(b'{"b"')), (raw.index(b'{"b"'), second), (second, len(raw))]
+    assert [rec for _, _, rec in jsonl.read(path, start=second)] == [{"c": [1, 2]}]  # from a saved end
+
+
+def test_a_line_torn_by_a_kill_is_not_read_and_the_next_append_starts_a_fresh_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    jsonl.append(path, [{"a": 1}])
+    with open(path, "ab") as f:
+        f.write(b'{"key": "half a rec')  # a kill mid-write: no newline
+    assert [rec for _, _, rec in jsonl.read(path)] == [{"a": 1}]  # the unfinished line waits (or is torn)
+    offset = jsonl.append(path, [{"b": 2}])
+    assert path.read_bytes()[offset:] == b'{"b": 2}\n'
+    assert [rec for _, _, rec in jsonl.read(path)] == [{"a": 1}, None, {"b": 2}]  # the torn line: None, kept apart
+
+
+def test_lines_that_are_not_json_objects_read_as_none(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('[1, 2]\n"text"\nnot json\n{"ok": true}\n')
+    assert [rec for _, _, rec in jsonl.read(path)] == [None, None, None, {"ok": True}]
+    assert json.loads(path.read_text().splitlines()[-1]) == {"ok": True}
