@@ -14,6 +14,9 @@ Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/resul
 config and per-model metrics; never overwritten without --overwrite) and predictions_<name>.jsonl
 (one line per completion with its rewards), and prints the metrics as a table.
 
+Each model is scored (judge requests) in the background while the next one generates; `seconds` is
+a model's time from the start of its generation until it was scored.
+
 Local models see the prompt exactly as in training (chat template, system prompt, forced
 assistant_prefix) and decode greedily when eval.temperature is 0, else sample eval.num_samples
 completions per prompt (seeded with run.seed). API models get the same messages without the
@@ -46,7 +49,10 @@ Each task metric appears only when the reward it derives from is configured.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -67,7 +73,8 @@ from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names
 from data import check_not_data_file, load_sources
 from judge import Judge, judges_stats, open_judges
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from rewards import RewardResult, check_specs, compute_rewards, reward_context, reward_keys, reward_means
+from rewards import (RewardResult, check_specs, compute_rewards, in_background, reward_context, reward_keys,
+                     reward_means)
 
 
 @dataclass
@@ -316,25 +323,30 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     return Plan(cfg, entries, rows, pick_device(cfg.run.device), judges, api, tokenizer)
 
 
-def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
-    """Generate for every held-out row, score, and return (metrics, prediction records)."""
-    cfg, e, t0 = plan.cfg, plan.cfg.eval, time.time()
+def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
+    """One model's completions of every held-out row -> (them, samples per row, the forced prefix the
+    rewards put back: none for API models)."""
+    cfg = plan.cfg
     if entry.kind == "api":
-        n, prefix = 1, ""
         messages = [grpo.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
-        gen = generate_api(plan.api[entry.name], messages, plan.tokenizer)
+        return generate_api(plan.api[entry.name], messages, plan.tokenizer), 1, ""
+    if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
+        model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
     else:
-        n, prefix = e.num_samples, cfg.data.assistant_prefix
-        if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
-            model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
-        else:
-            model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
-        random.seed(cfg.run.seed)
-        torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
-        gen = generate_rows(model, tok, plan.rows, cfg)
-        del model, tok
-        if plan.device.type == "cuda":
-            torch.cuda.empty_cache()
+        model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
+    random.seed(cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
+    gen = generate_rows(model, tok, plan.rows, cfg)
+    del model, tok
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
+
+
+def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> tuple[dict, list[dict]]:
+    """Score one model's completions -> (metrics, prediction records). Runs in the background while
+    the next model generates (main), so the judges' counters it reads are this model's alone."""
+    cfg = plan.cfg
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
@@ -342,7 +354,7 @@ def evaluate(entry: ModelEntry, plan: Plan) -> tuple[dict, list[dict]]:
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
-    records = [{"row": e.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
+    records = [{"row": cfg.eval.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys}}
                for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
@@ -395,15 +407,30 @@ def main(argv: list[str] | None = None) -> int:
     cfg, out_dir, results = plan.cfg, Path(plan.cfg.eval.out_dir), {}
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    try:
-        for entry in plan.entries:
-            print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
-            metrics, records = evaluate(entry, plan)
+    # Each model is scored (judge requests: mostly waiting) in the background while the next one
+    # generates; scoring runs one model at a time, in order, and each is written once scored.
+    scoring: list[tuple[ModelEntry, concurrent.futures.Future]] = []
+
+    def write_scored(wait: bool) -> None:
+        while scoring and (wait or scoring[0][1].done()):
+            entry, future = scoring.pop(0)
+            metrics, records = future.result()
             write_atomic(out_dir / f"predictions_{entry.name}.jsonl",
                          "".join(json.dumps(r, default=str) + "\n" for r in records))
             results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": metrics}
+    try:
+        for entry in plan.entries:
+            print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
+            t0 = time.time()
+            gen, n, prefix = generate(entry, plan)
+            scoring.append((entry, in_background(functools.partial(score_model, entry, plan, gen, n, prefix, t0),
+                                                 after=scoring[-1][1] if scoring else None)))
+            write_scored(wait=False)
+        write_scored(wait=True)
     except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
         print(f"error: {e}", file=sys.stderr)
+        with contextlib.suppress(Exception):  # the models generated before it are still scored and written
+            write_scored(wait=True)
         return 2
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}

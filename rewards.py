@@ -7,8 +7,9 @@ A reward scores one completion of one sample; None means "does not apply to this
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: `check_specs` calls it before
-any model loads. With rollout.prompts_per_generate, train.py calls rewards from a background
-thread (one call at a time, in order) while the next slice samples. The config names rewards,
+any model loads. Rewards may be called from a background thread (`in_background`: one call at a
+time, in order): train.py's while the next slice samples (rollout.prompts_per_generate), eval.py's
+while the next model generates. The config names rewards,
 weights and arguments:
 
     rewards:
@@ -28,6 +29,7 @@ Model output is only ever parsed here, never evaluated.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import difflib
 import functools
 import importlib
@@ -39,6 +41,7 @@ import math
 import numbers
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -286,6 +289,23 @@ def join_results(parts: list[RewardResult]) -> RewardResult:
         for k, n in p.errors.items():
             out.errors[k] = out.errors.get(k, 0) + n
     return out
+
+
+def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
+    """fn() in a daemon thread, started once `after` has finished: rewards run one slice at a time, in
+    order (a Judge serves one event loop at a time). A daemon, so a Ctrl-C while it waits for a judge
+    or for people's ratings exits at once instead of waiting for them."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if after is not None:
+            concurrent.futures.wait([after])  # its error, if any, is raised where it is read
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # handed to whoever reads the result
+            future.set_exception(err)
+    threading.Thread(target=run, name="rewards", daemon=True).start()
+    return future
 
 
 def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:

@@ -24,11 +24,9 @@ import math
 import random
 import resource
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -42,7 +40,7 @@ from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_
                    reference_mode, resolve_model_path, trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from judge import Judge, judges_stats, open_judges
-from rewards import RewardResult, check_specs, compute_rewards, join_results, reward_context, reward_means
+from rewards import RewardResult, check_specs, compute_rewards, in_background, join_results, reward_context, reward_means
 
 
 # ----------------------------------------------------------------------------- one step
@@ -101,23 +99,6 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
                                     on_slice=start_rewards if overlap else None)
     res = join_results([f.result() for f in pending]) if overlap else rewards_of(r.texts, lengths(r), 0)
     return scored(r, samples, res)
-
-
-def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
-    """fn() in a daemon thread, started once `after` has finished: rewards run one slice at a time, in
-    order (a Judge serves one event loop at a time). A daemon, so a Ctrl-C while it waits for a judge
-    or for people's ratings exits at once instead of waiting for them."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        if after is not None:
-            concurrent.futures.wait([after])  # its error, if any, is raised where it is read
-        try:
-            future.set_result(fn())
-        except BaseException as err:  # handed to whoever reads the result
-            future.set_exception(err)
-    threading.Thread(target=run, name="rewards", daemon=True).start()
-    return future
 
 
 def scored(r: grpo.Rollout, samples: list[dict], res: RewardResult) -> Scored:

@@ -2,14 +2,15 @@
 end to end on a tiny random Llama (base, a LoRA adapter, an API model on a fake server)."""
 import itertools
 import json
+import time
 
 import pytest
 import torch
 import yaml
 
 import eval as ev
-from config import ModelConfig
-from fake_openai_server import FakeOpenAIServer, server_error
+from config import ConfigError, ModelConfig
+from fake_openai_server import FakeOpenAIServer, ok, server_error
 from model import save_adapter
 from rewards import RewardSpec, compute_rewards
 
@@ -290,3 +291,52 @@ def test_an_override_holding_a_space_is_an_override_even_right_after_the_model_e
                                      "--overwrite", "--eval.limit=3"])
     assert args.models == ["base", "grpo=runs/g"] and args.overwrite and args.config == "c.yaml"
     assert overrides == ["--eval.agreement=[[a, b]]", "--eval.limit=3"]
+
+
+JUDGED = ["--rewards=[{name: json_valid}, {name: judge, args: {template: 'Rate this: {completion}'}}]",
+          "--judge.api_key_env=MINIGRPO_TEST_NO_SUCH_KEY", "--judge.max_retries=0"]
+
+
+def test_each_model_is_scored_while_the_next_one_generates_and_written_in_order(project, tiny_llama, monkeypatch):
+    cfg, tmp = project
+    spans, generate, score_model = {}, ev.generate, ev.score_model
+
+    def timed(fn, kind):
+        def run(entry, *args):
+            t0 = time.monotonic()
+            out = fn(entry, *args)
+            spans[kind, entry.name] = (t0, time.monotonic())
+            return out
+        return run
+    monkeypatch.setattr(ev, "generate", timed(generate, "generate"))
+    monkeypatch.setattr(ev, "score_model", timed(score_model, "score"))
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as judge:
+        judge.default = ok(delay_s=1.0)  # a slow judge: every request answers after 1 s
+        assert ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3",
+                        f"--judge.base_url={judge.url}", *JUDGED]) == 0
+    assert spans["generate", "again"][0] < spans["score", "base"][1]  # overlapped with base's scoring
+    assert spans["score", "again"][0] >= spans["score", "base"][1]  # scoring: one model at a time, in order
+    results = json.loads((tmp / "eval/results.json").read_text())["models"]
+    assert list(results) == ["base", "again"]
+    for name in results:
+        assert results[name]["metrics"]["reward/judge"] == pytest.approx(0.7)
+        assert results[name]["metrics"]["judge_failures"] == 0
+        assert len((tmp / f"eval/predictions_{name}.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_model_that_fails_to_load_still_lets_the_ones_before_it_be_scored_and_written(project, tiny_llama, monkeypatch, capsys):
+    cfg, tmp = project
+    generate = ev.generate
+
+    def failing(entry, plan):
+        if entry.name == "again":
+            raise ConfigError("adapter moved")
+        return generate(entry, plan)
+    monkeypatch.setattr(ev, "generate", failing)
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as judge:
+        judge.default = ok(delay_s=0.5)
+        assert ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3",
+                        f"--judge.base_url={judge.url}", *JUDGED]) == 2
+    assert "error: adapter moved" in capsys.readouterr().err
+    assert len((tmp / "eval/predictions_base.jsonl").read_text().splitlines()) == 3  # its judge calls were paid for
+    assert not (tmp / "eval/results.json").exists()
