@@ -123,9 +123,9 @@ class GrpoConfig:
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
     logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26 logits a chunk
-    #   (256 MiB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at SmolLM2's 49,152); see grpo.py
+    #   (256 MiB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at SmolLM2's 49,152); see logprobs.py
     fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits never exist (GPU memory)
-    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per group, not G times (see grpo.py):
+    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per group, not G times (see logprobs.py):
     #   true: in the sampling prefill and the loss forward; auto: the prefill always, the loss forward on CPU only
     #   (on a GPU its second pass costs more kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
     tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)

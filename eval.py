@@ -68,7 +68,7 @@ from rich.console import Console
 from rich.table import Table
 from scipy.stats import spearmanr
 
-import grpo
+import rollout
 from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names, judge_sections, load_config, redacted
 from data import check_not_data_file, load_sources
 from judge import Judge, judges_stats, open_judges
@@ -240,8 +240,8 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
                    temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True) -> Generated:
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
     greedy when temperature == 0. Completions end at (and include) the first EOS. share_prompt:
-    each prompt is prefilled once for its num_samples rows (grpo.prefill_shared)."""
-    r = grpo.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples, max_new_tokens, temperature, top_p,
+    each prompt is prefilled once for its num_samples rows (rollout.prefill_shared)."""
+    r = rollout.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples, max_new_tokens, temperature, top_p,
                                 share_prompt=share_prompt)
     return Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())
 
@@ -269,7 +269,7 @@ def held_out_rows(cfg: Config) -> list[dict]:
 def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
     """A local model's eval.num_samples completions of each row, decoded as the eval section says."""
     e = cfg.eval
-    return generate_local(model, tok, grpo.render_rows(tok, rows, cfg.data), e.max_new_tokens, e.num_samples,
+    return generate_local(model, tok, rollout.render_rows(tok, rows, cfg.data), e.max_new_tokens, e.num_samples,
                           e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt is not False)
 
 
@@ -328,7 +328,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     rewards put back: none for API models)."""
     cfg = plan.cfg
     if entry.kind == "api":
-        messages = [grpo.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
+        messages = [rollout.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
         return generate_api(plan.api[entry.name], messages, plan.tokenizer), 1, ""
     if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
         model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-import grpo
+import rollout
 
 
-def sft_batch(tokenizer, rows: list[dict], cfg) -> grpo.Rollout:
+def sft_batch(tokenizer, rows: list[dict], cfg) -> rollout.Rollout:
     """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout."""
-    prompts = grpo.render_rows(tokenizer, rows, cfg.data)
+    prompts = rollout.render_rows(tokenizer, rows, cfg.data)
     replies = [r["target"] + tokenizer.eos_token for r in rows]
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"
@@ -32,7 +32,7 @@ def sft_batch(tokenizer, rows: list[dict], cfg) -> grpo.Rollout:
     if int(lengths.max()) > cfg.sft.max_length:
         i = int(lengths.argmax())
         raise ValueError(f"an SFT example has {int(lengths[i])} tokens > sft.max_length={cfg.sft.max_length}: {prompts[i][:80]!r}")
-    return grpo.Rollout(p.input_ids, p.attention_mask, c.input_ids, c.attention_mask.float(),
+    return rollout.Rollout(p.input_ids, p.attention_mask, c.input_ids, c.attention_mask.float(),
                         torch.zeros(len(rows), dtype=torch.bool), replies)
 
 
@@ -43,7 +43,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     device = next(model.parameters()).device
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
     batch = sft_batch(r.tokenizer, rows, cfg)
-    batch = grpo.Rollout(*(x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+    batch = rollout.Rollout(*(x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
                                                   batch.completion_mask, batch.truncated)), batch.texts)
     ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask  # (n, P + C) x2, (n, C)
     tokens = float(mask.sum())

@@ -33,6 +33,8 @@ import torch
 
 import grpo
 import jsonl
+import logprobs
+import rollout
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, judge_names, judge_sections, load_config, redacted, save_config
 from data import PromptSampler, check_not_data_file, load_sources
@@ -61,7 +63,7 @@ def lr_lambda(cfg: Config, total_updates: int):
 @dataclass
 class Scored:
     """Completions with their rewards; rows i*G .. i*G+G-1 form group i."""
-    rollout: grpo.Rollout
+    rollout: rollout.Rollout
     samples: list[dict]  # (n,) the data row behind each completion
     total: torch.Tensor  # (n,) weighted reward
     per_reward: dict[str, list]  # name -> (n,) values (None: does not apply)
@@ -72,28 +74,28 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
           engine: vllm_engine.VllmEngine | None = None) -> Scored:
     """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
     ro, G = cfg.rollout, cfg.rollout.num_generations
-    prompts = grpo.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
+    prompts = rollout.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
     samples = [rows[i] for i in idx for _ in range(G)]
 
     def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
         return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,
                                context=reward_context(cfg.data.assistant_prefix, judges))
 
-    def lengths(r: grpo.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
+    def lengths(r: rollout.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
         return r.completion_mask.sum(1).long().tolist()
     if engine is not None:
-        r = engine.generate(tokenizer, prompts, grpo.eos_token_ids(tokenizer, model), next(model.parameters()).device)
+        r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model), next(model.parameters()).device)
         return scored(r, samples, rewards_of(r.texts, lengths(r), 0))
     # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
     # computed in the background while the next slice samples; the results are joined in order.
     overlap = ro.overlap_rewards and 0 < ro.prompts_per_generate < len(prompts)
     pending: list[concurrent.futures.Future] = []
 
-    def start_rewards(i: int, part: grpo.Rollout) -> None:
+    def start_rewards(i: int, part: rollout.Rollout) -> None:
         pending.append(in_background(functools.partial(rewards_of, part.texts, lengths(part), i * G),
                                      after=pending[-1] if pending else None))
     with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-        r = grpo.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
+        r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
                                     ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
                                     ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
                                     on_slice=start_rewards if overlap else None)
@@ -101,7 +103,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     return scored(r, samples, res)
 
 
-def scored(r: grpo.Rollout, samples: list[dict], res: RewardResult) -> Scored:
+def scored(r: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
     return Scored(r, samples, torch.tensor(res.total, dtype=torch.float32), res.per_reward, res.errors)
 
 
@@ -109,12 +111,12 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
     if len(parts) == 1:
         return parts[0]
     res = join_results([RewardResult(p.total.tolist(), p.per_reward, p.errors) for p in parts])
-    return scored(grpo.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
+    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
 
 
 def take_group(p: Scored, g: int, G: int) -> Scored:
     rows = list(range(g * G, (g + 1) * G))
-    return Scored(grpo.select_rows(p.rollout, rows), p.samples[g * G:(g + 1) * G], p.total[g * G:(g + 1) * G],
+    return Scored(rollout.select_rows(p.rollout, rows), p.samples[g * G:(g + 1) * G], p.total[g * G:(g + 1) * G],
                   {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
 
 
@@ -160,7 +162,7 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
     return weight
 
 
-def micro_batches(batch: grpo.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
+def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
     """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
     at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
     what its forward pays for after trimming. A row over the budget on its own gets its own
@@ -178,19 +180,19 @@ def micro_batches(batch: grpo.Rollout, size: int, max_tokens: int = 0) -> list[s
     return out + [slice(start, n)]
 
 
-def micro_batch_log_probs(model, batch: grpo.Rollout, ids, attn, mb: slice, cfg: Config,
+def micro_batch_log_probs(model, batch: rollout.Rollout, ids, attn, mb: slice, cfg: Config,
                           temperature: float | None = None) -> tuple[torch.Tensor, int]:
     """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
     The temperature is the sampler's (rollout.temperature) unless given."""
-    i, a, C = grpo.trim(ids[mb], attn[mb], batch.completion_mask[mb])
+    i, a, C = logprobs.trim(ids[mb], attn[mb], batch.completion_mask[mb])
     T = cfg.rollout.temperature if temperature is None else temperature
-    share = grpo.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
+    share = logprobs.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
     with mixed_precision(model):  # bf16/fp16 matmuls over a half-precision base; nothing on an fp32 model
-        return grpo.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
+        return logprobs.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
 
 
 @torch.no_grad()
-def batch_log_probs(model, batch: grpo.Rollout, cfg: Config) -> torch.Tensor:
+def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
     """(N, C) log-probs of the sampled tokens, zero past each row's end (old or reference policy)."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
     ids, attn = batch.input_ids, batch.attention_mask
@@ -375,7 +377,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)."""
     texts = [p + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "")
-             for p, r in zip(grpo.render_rows(tokenizer, rows, cfg.data), rows)]
+             for p, r in zip(rollout.render_rows(tokenizer, rows, cfg.data), rows)]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
     longest = max(range(len(rows)), key=lengths.__getitem__)
     key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)

@@ -3,7 +3,7 @@ LoRA adapter reaches it after every optimizer step, and the trainer recomputes e
 
     engine = VllmEngine(cfg, base_path, run_dir)     # vllm.LLM(enable_lora=True, ...) on the same GPU
     engine.sync(model)                               # after each optimizer step: the new adapter
-    rollout = engine.generate(tokenizer, prompts)    # a grpo.Rollout; rollout.sampler_logp = vLLM's log-probs
+    rollout = engine.generate(tokenizer, prompts)    # a rollout.Rollout; rollout.sampler_logp = vLLM's log-probs
 
 Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a few MB) is saved to
 run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-import grpo
+import rollout
 from config import Config, ConfigError
 from model import save_adapter
 
@@ -88,8 +88,8 @@ class VllmEngine:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def generate(self, tokenizer, prompts: list[str], eos_ids: list[int], device: torch.device) -> grpo.Rollout:
-        """G samples of each rendered prompt -> a Rollout shaped like grpo.generate_rollout's, with
+    def generate(self, tokenizer, prompts: list[str], eos_ids: list[int], device: torch.device) -> rollout.Rollout:
+        """G samples of each rendered prompt -> a Rollout shaped like rollout.generate_rollout's, with
         sampler_logp (N, C): vLLM's log-prob of each sampled token (0 past the end)."""
         if self.request is None:
             raise RuntimeError("VllmEngine.generate before sync(): vLLM would sample from the bare base")
@@ -113,8 +113,8 @@ class VllmEngine:
         return to_rollout(tokenizer, ids, [c for o in outputs for c in o.outputs], G, device)
 
 
-def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int, device: torch.device) -> grpo.Rollout:
-    """vLLM CompletionOutputs (prompt-major, G each) -> grpo.Rollout with sampler_logp.
+def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int, device: torch.device) -> rollout.Rollout:
+    """vLLM CompletionOutputs (prompt-major, G each) -> rollout.Rollout with sampler_logp.
 
     A completion that vLLM ended with finish_reason "length" is truncated; its token ids include
     the EOS (or the stop string's tokens) otherwise, and the mask covers exactly those tokens."""
@@ -134,6 +134,6 @@ def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int
         if c.logprobs is not None:  # one {token_id: Logprob} per sampled token
             logp[i, :n] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-    return grpo.Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
+    return rollout.Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
                         c_ids.to(device), c_mask.to(device), truncated.to(device), [c.text for c in completions],
                         sampler_logp=logp.to(device))

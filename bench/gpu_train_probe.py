@@ -6,7 +6,7 @@ smoke-test it and count operators with --device cpu).
 
 One micro-batch as bench/vs_trl.py's GPU preset makes it: 8 rows of one shared ~45-token prompt and
 512 completion tokens, bf16 weights, LoRA r=16 on q/k/v/o/gate/up/down. For each setting it times
-grpo.sequence_log_probs(...).sum().backward() under train.py's mixed precision (median of 3 after a
+logprobs.sequence_log_probs(...).sum().backward() under train.py's mixed precision (median of 3 after a
 warm-up, synchronised) and reads torch.cuda.max_memory_allocated over the call (on a CPU, the
 process's peak RSS). "plain rows" is the textbook computation (the model's logits for all rows,
 then log_softmax in fp32 row by row), for reference. --profile prints the GPU default's top kernels.
@@ -67,7 +67,8 @@ def main() -> int:
     import resource
     peak = (lambda: torch.cuda.max_memory_allocated() / 2**20) if cuda else (
         lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # CPU: the process's peak RSS (MB)
-    import grpo
+    import logprobs
+    import rollout
     from config import LoraConfig, ModelConfig
     from model import load_policy, mixed_precision
     from vs_trl import LORA_TARGETS, model_dir
@@ -75,7 +76,7 @@ def main() -> int:
     dev = torch.device(a.device)
     model, tok = load_policy(ModelConfig(name=str(path)), LoraConfig(r=16, alpha=32, target_modules=LORA_TARGETS), dev)
     model.train()
-    prompt = tok(grpo.render_prompt(tok, "What is 17 + 25? Think step by step, then reply with just the number."),
+    prompt = tok(rollout.render_prompt(tok, "What is 17 + 25? Think step by step, then reply with just the number."),
                  return_tensors="pt", add_special_tokens=False).input_ids.to(dev)
     g = torch.Generator(device=dev).manual_seed(0)
     C = a.new_tokens
@@ -97,7 +98,7 @@ def main() -> int:
     def once(kw):
         model.zero_grad(set_to_none=True)
         with mixed_precision(model):  # as train.py's training pass
-            lp = plain_rows(model, ids, attn, C, 1.0) if kw is None else grpo.sequence_log_probs(model, ids, attn, C, 1.0, **kw)
+            lp = plain_rows(model, ids, attn, C, 1.0) if kw is None else logprobs.sequence_log_probs(model, ids, attn, C, 1.0, **kw)
         lp.sum().backward()
 
     settings = {k: v for k, v in settings.items() if not a.only or a.only in k}

@@ -9,7 +9,7 @@ in one run, reported as ratios. Not part of the test suite.
     .venv/bin/python bench/levers.py --lever share [--context-words 300]
 
 Levers measured:
-  logprob   grpo.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
+  logprob   logprobs.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
             per-row logsumexp) against the plain expression `logits[id] - logsumexp(logits)` run
             chunk by chunk under torch.utils.checkpoint (what grpo.py did before): forward +
             backward time, and the peak memory above the inputs (CUDA: max_memory_allocated; CPU:
@@ -43,7 +43,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import grpo  # noqa: E402
+import logprobs  # noqa: E402
+import rollout  # noqa: E402
 
 
 def checkpointed_expression(logits, ids, temperature, chunk):
@@ -56,7 +57,7 @@ def checkpointed_expression(logits, ids, temperature, chunk):
 
 
 def hand_written(logits, ids, temperature, chunk):
-    return grpo.selective_log_probs(logits[None], ids[None], temperature, chunk)[0]
+    return logprobs.selective_log_probs(logits[None], ids[None], temperature, chunk)[0]
 
 
 def measure(fn, logits, ids, args, reps: int) -> tuple[float, float]:
@@ -104,12 +105,12 @@ def generate_lever(args) -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
-    prompts = [grpo.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
+    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
 
     def once(merged: bool) -> float:
         t0 = time.perf_counter()  # the merge and the restore are timed too
         with merged_for_sampling(model) if merged else contextlib.nullcontext():
-            grpo.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True)
+            rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True)
         return time.perf_counter() - t0
 
     once(False), once(True)  # warm-up: the first call of each pays page faults and allocations
@@ -143,7 +144,7 @@ def microbatch_lever(args) -> None:
     for size in (8, 16, 32) * 3:  # alternating; the first round is warm-up
         t0 = time.perf_counter()
         for s in range(0, 32, size):
-            grpo.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64, 1.0).sum().backward()
+            logprobs.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64, 1.0).sum().backward()
         times.setdefault(size, []).append(time.perf_counter() - t0)
     print(f"microbatch lever: fwd+bwd of 32 x 110 tokens (64 scored), SmolLM2-135M + LoRA r=16, fp32 CPU, "
           f"{torch.get_num_threads()} threads; median of rounds 2-3")
@@ -159,7 +160,7 @@ def fusedhead_step(fused: bool, reps: int, chunk: int = 4096) -> list[float]:
     out = []
     for _ in range(reps + 1):  # the first is warm-up
         t0 = time.perf_counter()
-        grpo.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk, fused_head=fused).sum().backward()
+        logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk, fused_head=fused).sum().backward()
         out.append(time.perf_counter() - t0)
     return out[1:]
 
@@ -194,20 +195,20 @@ def share_lever(args) -> None:
                 p.normal_(0, 0.01)
     passage = " ".join(f"Fact {i}: the value of item {i} is {3 * i + 1}." for i in range(args.context_words // 8 + 1))
     passage = " ".join(passage.split()[:args.context_words])
-    prompts = [grpo.render_prompt(tok, (passage + "\n\n" if passage else "") + f"What is {a} + {a + 3}? Reply with just the number.")
+    prompts = [rollout.render_prompt(tok, (passage + "\n\n" if passage else "") + f"What is {a} + {a + 3}? Reply with just the number.")
                for a in range(4)]
 
-    def rollout(share: bool) -> tuple[float, grpo.Rollout]:
+    def rollout(share: bool) -> tuple[float, rollout.Rollout]:
         t0 = time.perf_counter()
-        r = grpo.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=share)
+        r = rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=share)
         return time.perf_counter() - t0, r
 
-    def train(share: bool, r: grpo.Rollout) -> float:
+    def train(share: bool, r: rollout.Rollout) -> float:
         model.train()
         ids, attn = r.input_ids, r.attention_mask
         t0 = time.perf_counter()
         for s in range(0, ids.shape[0], 8):
-            grpo.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8], r.completion_ids.shape[1], 1.0,
+            logprobs.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8], r.completion_ids.shape[1], 1.0,
                                     share_prompt=share).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

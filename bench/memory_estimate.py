@@ -11,7 +11,7 @@ it, the H100 benchmark's work (bench/vs_trl.py --preset gpu: random Qwen3-0.6B, 
 512 new tokens). --prompt-tokens is the longest rendered prompt (chat template included).
 
 The model (a `random:` shape of bench/vs_trl.py, or a model directory) is loaded on the CPU in the
-GPU dtype by model.load_policy, as train.py loads it, then grpo.sequence_log_probs and its
+GPU dtype by model.load_policy, as train.py loads it, then logprobs.sequence_log_probs and its
 backward run under torch's FakeTensorMode: every operator computes only its output's shape, and a
 dispatch mode adds up the bytes of the tensor storage each operator creates, minus what autograd
 and Python have freed. Its peak is what torch.cuda.max_memory_allocated would show above the
@@ -98,7 +98,7 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
                      autocast: bool = True, checkpointing: bool = False) -> tuple[int, int]:
     """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
     backward's include the trained weights' gradients."""
-    import grpo
+    import logprobs
     from model import mixed_precision
     from torch._subclasses.fake_tensor import FakeTensorMode
     model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
@@ -111,7 +111,7 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
             ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
             with LiveBytes(weights) as mem:
                 with mixed_precision(model) if autocast else contextlib.nullcontext():
-                    logp = grpo.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
+                    logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
                 forward = mem.peak
                 logp.sum().backward()
     finally:

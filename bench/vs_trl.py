@@ -175,10 +175,10 @@ def sync() -> None:
 
 def child_minigrpo(cfg_path: Path, result: Path) -> None:
     """train.py's own main loop; generate_rollout wrapped only to read the generate time and token counts."""
-    import grpo
+    import rollout
     import train
     calls = []
-    real = grpo.generate_rollout
+    real = rollout.generate_rollout
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
@@ -186,7 +186,7 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
         calls.append({"generate_time": time.perf_counter() - t, "prompt_tokens": int(r.prompt_mask.sum()),
                       "completion_tokens": int(r.completion_mask.sum())})
         return r
-    grpo.generate_rollout = timed
+    rollout.generate_rollout = timed
     drawn = []
     real_score = train.score
 
@@ -221,7 +221,7 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     import trl
     import trl.trainer.grpo_trainer as gt
     from config import load_config
-    from grpo import chat_messages
+    from rollout import chat_messages
     from model import pick_device, pick_dtype, resolve_model_path
     from rewards import compute_rewards
 

@@ -85,7 +85,7 @@ def test_pass_at_k_averages_over_prompts_of_num_samples_completions():
 
 
 def test_greedy_generation_in_left_padded_batches_equals_argmax_decoding_one_prompt_at_a_time(tiny_llama):
-    from grpo import eos_token_ids
+    from rollout import eos_token_ids
     from model import load_inference
     model, tok = load_inference(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)

@@ -151,7 +151,7 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
     prompts; a server that only applies the saved template must render the same text."""
     from transformers import AutoTokenizer
 
-    import grpo
+    import rollout
     from export import serving_template
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
@@ -162,8 +162,8 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
     out = tmp_path / "out"
     assert export.main(["--config", str(trained["config"]), "--adapter", str(run), "--out", str(out), "--dtype", "float32"]) == 0
     served = AutoTokenizer.from_pretrained(out)
-    messages = grpo.chat_messages("What is 2 + 2?", "Be brief.")
-    want = grpo.render_prompt(trained["tok"], "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False})
+    messages = rollout.chat_messages("What is 2 + 2?", "Be brief.")
+    want = rollout.render_prompt(trained["tok"], "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False})
     assert served.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
     assert "every reply starts with '<think>\\n'" in (out / "README.md").read_text()
     # a template that reads the argument (Qwen3's enable_thinking) sees the value training used

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-import grpo
+import logprobs
 import train
 from config import LoraConfig, ModelConfig
 from model import load_policy
@@ -58,7 +58,7 @@ def test_fused_head_matches_the_logits_path_in_bf16():
     head = torch.nn.Linear(H, V, bias=False, device=CUDA, dtype=torch.bfloat16)
     head.weight.data.copy_(weight)
     want = torch.log_softmax((hidden @ weight.T).float() / 0.7, -1).gather(-1, targets[..., None])[..., 0]
-    got = grpo.fused_head_log_probs(hidden, head, targets, 0.7, 1024)
+    got = logprobs.fused_head_log_probs(hidden, head, targets, 0.7, 1024)
     assert got.shape == (N, C) and (got.float() - want).abs().max() < 0.05
 
 

@@ -4,6 +4,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
+import logprobs
+import rollout
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig
 from model import load_policy, load_tokenizer, reference_mode
 
@@ -27,10 +29,10 @@ def test_left_padded_batch_log_probs_equal_each_unpadded_sample(arch, request):
     ids, attn = padded_batch(tok, texts)
     assert (attn == 0).any(), "the batch must actually be padded"
     with torch.no_grad():
-        batched = grpo.sequence_log_probs(model, ids, attn, C, temperature=0.7)
+        batched = logprobs.sequence_log_probs(model, ids, attn, C, temperature=0.7)
         for i, t in enumerate(texts):
             one_ids, one_attn = padded_batch(tok, [t])
-            alone = grpo.sequence_log_probs(model, one_ids, one_attn, C, temperature=0.7)
+            alone = logprobs.sequence_log_probs(model, one_ids, one_attn, C, temperature=0.7)
             assert torch.allclose(batched[i], alone[0], atol=1e-5)
 
 
@@ -39,7 +41,7 @@ def test_without_position_ids_an_absolute_position_model_would_disagree(tiny_gpt
     model, tok = load(tiny_gpt2)
     ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, 42"])
     with torch.no_grad():
-        right = model(input_ids=ids, attention_mask=attn, position_ids=grpo.position_ids(attn)).logits[1, -1]
+        right = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids(attn)).logits[1, -1]
         wrong = model(input_ids=ids, attention_mask=attn, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits[1, -1]
     assert not torch.allclose(right, wrong, atol=1e-4)
 
@@ -48,7 +50,7 @@ def test_log_probs_use_the_sampling_temperature(tiny_llama):
     model, tok = load(tiny_llama)
     ids, attn = padded_batch(tok, ["Hello world, this is a tiny tokenizer."])
     with torch.no_grad():
-        lp = grpo.sequence_log_probs(model, ids, attn, 3, temperature=0.5)
+        lp = logprobs.sequence_log_probs(model, ids, attn, 3, temperature=0.5)
         logits = model(input_ids=ids).logits[0, -4:-1] / 0.5
     want = torch.log_softmax(logits, -1).gather(-1, ids[0, -3:, None]).squeeze(-1)
     assert torch.allclose(lp[0], want, atol=1e-5)
@@ -57,8 +59,8 @@ def test_log_probs_use_the_sampling_temperature(tiny_llama):
 def test_generate_rollout_groups_masks_and_texts(tiny_llama):
     torch.manual_seed(0)
     model, tok = load(tiny_llama)
-    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
-    r = grpo.generate_rollout(model, tok, prompts, num_generations=3, max_new_tokens=6)
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    r = rollout.generate_rollout(model, tok, prompts, num_generations=3, max_new_tokens=6)
     N, C = r.completion_ids.shape
     assert N == 6 and C <= 6
     assert torch.equal(r.prompt_ids[0], r.prompt_ids[2]) and not torch.equal(r.prompt_ids[0], r.prompt_ids[3])
@@ -75,7 +77,7 @@ def test_generate_rollout_groups_masks_and_texts(tiny_llama):
 
 def test_render_prompt_adds_system_prompt_and_forced_prefix(tiny_llama):
     _, tok = load(tiny_llama)
-    text = grpo.render_prompt(tok, "Q?", system_prompt="Be brief.", assistant_prefix="<think>")
+    text = rollout.render_prompt(tok, "Q?", system_prompt="Be brief.", assistant_prefix="<think>")
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n<think>")
 
@@ -84,7 +86,7 @@ def test_stop_strings_end_the_completion_mask_at_the_stop(tiny_llama):
     _, tok = load(tiny_llama)
     ids = tok(" the answer is 5. Hello world", return_tensors="pt", add_special_tokens=False).input_ids
     mask, truncated = grpo.completion_mask(ids, [tok.eos_token_id])
-    grpo._cut_at_stop_strings(tok, ids, mask, truncated, ["5."])
+    rollout._cut_at_stop_strings(tok, ids, mask, truncated, ["5."])
     n = int(mask[0].sum())
     assert tok.decode(ids[0, :n]).endswith("5.") and not truncated[0]
 
@@ -98,7 +100,7 @@ def test_a_configured_chat_template_rescues_such_a_model(tiny_no_template, tmp_p
     from conftest import CHATML
     (tmp_path / "t.jinja").write_text(CHATML)
     tok = load_tokenizer(ModelConfig(name=str(tiny_no_template), chat_template=str(tmp_path / "t.jinja")), str(tiny_no_template))
-    assert grpo.render_prompt(tok, "hi").endswith("<|im_start|>assistant\n")
+    assert rollout.render_prompt(tok, "hi").endswith("<|im_start|>assistant\n")
 
 
 def test_a_missing_model_path_is_a_clear_error(tmp_path):
@@ -120,11 +122,11 @@ def test_reference_is_the_policy_with_the_adapter_disabled(tiny_llama):
         for p in model.parameters():
             if p.requires_grad:
                 p.add_(0.5)  # move the LoRA weights away from the identity
-        policy = grpo.sequence_log_probs(model, ids, attn, 3)
+        policy = logprobs.sequence_log_probs(model, ids, attn, 3)
         with reference_mode(model) as ref:
-            reference = grpo.sequence_log_probs(ref, ids, attn, 3)
+            reference = logprobs.sequence_log_probs(ref, ids, attn, 3)
         base = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-        plain = grpo.sequence_log_probs(base, ids, attn, 3)
+        plain = logprobs.sequence_log_probs(base, ids, attn, 3)
     assert torch.allclose(reference, plain, atol=1e-5)
     assert not torch.allclose(policy, plain, atol=1e-3)
     assert sum(p.numel() for p in model.parameters()) < 1.5 * sum(p.numel() for p in base.parameters())  # no second copy
@@ -160,9 +162,9 @@ def test_ignore_eos_generates_fixed_length_completions_where_the_model_wants_to_
     head.bias.data.zero_()
     head.bias.data[eos] = 8.0  # EOS now wins almost every draw
     model.lm_head = head
-    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
-    free = grpo.generate_rollout(model, tok, prompts, 4, max_new_tokens=6)
-    fixed = grpo.generate_rollout(model, tok, prompts, 4, max_new_tokens=6, ignore_eos=True)
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    free = rollout.generate_rollout(model, tok, prompts, 4, max_new_tokens=6)
+    fixed = rollout.generate_rollout(model, tok, prompts, 4, max_new_tokens=6, ignore_eos=True)
     assert free.completion_mask.sum(1).float().mean() < 3  # without the flag most completions stop at once
     assert fixed.completion_mask.sum(1).tolist() == [6] * 8 and fixed.truncated.all()
 
@@ -173,8 +175,8 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
     tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                          "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
     data = DataConfig(system_prompt=None, assistant_prefix="{", chat_template_kwargs={"enable_thinking": False})
-    assert grpo.render_rows(tok, [{"prompt": "Q"}], data) == ["Q<think></think>{"]
-    assert grpo.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
+    assert rollout.render_rows(tok, [{"prompt": "Q"}], data) == ["Q<think></think>{"]
+    assert rollout.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
 
 
 def test_merged_sampling_is_the_same_policy_in_fp32_and_restores_the_base_weights_exactly(tiny_llama):
@@ -187,11 +189,11 @@ def test_merged_sampling_is_the_same_policy_in_fp32_and_restores_the_base_weight
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
     with torch.no_grad():
-        unmerged = grpo.sequence_log_probs(model, ids, attn, 4)
+        unmerged = logprobs.sequence_log_probs(model, ids, attn, 4)
         with merged_for_sampling(model):
-            merged = grpo.sequence_log_probs(model, ids, attn, 4)
+            merged = logprobs.sequence_log_probs(model, ids, attn, 4)
             inside = {n: p.detach().clone() for n, p in model.named_parameters()}
-        after_lp = grpo.sequence_log_probs(model, ids, attn, 4)
+        after_lp = logprobs.sequence_log_probs(model, ids, attn, 4)
     assert torch.allclose(merged, unmerged, atol=1e-5)  # same policy
     assert any(not torch.equal(inside[n], before[n]) for n in before if "base_layer" in n)  # it did merge
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # restored bit for bit
@@ -228,9 +230,9 @@ def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, pe
     ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
     model.eval()
     with torch.no_grad():
-        unmerged = grpo.sequence_log_probs(model, ids, attn, 4)
+        unmerged = logprobs.sequence_log_probs(model, ids, attn, 4)
         with merged_for_sampling(model):
-            merged = grpo.sequence_log_probs(model, ids, attn, 4)
+            merged = logprobs.sequence_log_probs(model, ids, attn, 4)
     assert torch.allclose(merged, unmerged, atol=1e-5)
 
 
@@ -238,7 +240,7 @@ def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, pe
 def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
     """grpo.fused_lm_head never builds the (N, C, V) logits; values and LoRA gradients must not change."""
     model, tok = load_policy(ModelConfig(name=str(request.getfixturevalue(arch))), LoraConfig(r=4, alpha=8), torch.device("cpu"))
-    assert grpo.plain_output_head(model) is not None  # else the test would compare the default path with itself
+    assert logprobs.plain_output_head(model) is not None  # else the test would compare the default path with itself
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -248,7 +250,7 @@ def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
     results = []
     for fused in (False, True):
         model.zero_grad(set_to_none=True)
-        lp = grpo.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=fused)
+        lp = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=fused)
         (lp * weights).sum().backward()
         results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (a, ga), (b, gb) = results
@@ -262,24 +264,24 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
-    assert torch.autograd.gradcheck(lambda h, w: grpo._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+    assert torch.autograd.gradcheck(lambda h, w: logprobs._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
 
 
 def test_static_cache_rollout_samples_what_the_dynamic_cache_samples(tiny_llama):
     """rollout.compile: a preallocated cache and prompts padded to 64-token buckets change no sample."""
     model, tok = load(tiny_llama)
-    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
     out = []
     for static in (False, True):
         torch.manual_seed(0)
-        out.append(grpo.generate_rollout(model, tok, prompts, 3, 10, 1.0, share_prompt=True, static_cache=static))
+        out.append(rollout.generate_rollout(model, tok, prompts, 3, 10, 1.0, share_prompt=True, static_cache=static))
     dynamic, static = out
-    assert static.prompt_ids.shape[1] % grpo.STATIC_BUCKET == 0 and dynamic.prompt_ids.shape[1] < grpo.STATIC_BUCKET
+    assert static.prompt_ids.shape[1] % rollout.STATIC_BUCKET == 0 and dynamic.prompt_ids.shape[1] < rollout.STATIC_BUCKET
     assert static.texts == dynamic.texts and torch.equal(static.completion_ids, dynamic.completion_ids)
     with torch.no_grad():  # the extra left padding is masked: the training forward scores the same
         C = dynamic.completion_ids.shape[1]
-        a = grpo.sequence_log_probs(model, dynamic.input_ids, dynamic.attention_mask, C)
-        b = grpo.sequence_log_probs(model, static.input_ids, static.attention_mask, C)
+        a = logprobs.sequence_log_probs(model, dynamic.input_ids, dynamic.attention_mask, C)
+        b = logprobs.sequence_log_probs(model, static.input_ids, static.attention_mask, C)
     assert torch.allclose(a, b, atol=1e-5)
 
 
@@ -287,8 +289,8 @@ def test_static_cache_rollout_samples_what_the_dynamic_cache_samples(tiny_llama)
 def test_compiled_generate_on_cuda_decodes_like_eager(tiny_llama):
     model, tok = load(tiny_llama)
     model = model.cuda()
-    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
     torch.manual_seed(0)
-    eager = grpo.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0)
-    compiled = grpo.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0, static_cache=True)
+    eager = rollout.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0)
+    compiled = rollout.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0, static_cache=True)
     assert compiled.texts == eager.texts

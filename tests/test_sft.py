@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-import grpo
+import logprobs
 import train
 from config import ConfigError, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
@@ -74,9 +74,9 @@ def test_grpo_starts_from_the_sft_policy(sft_config, tmp_path, merge):
                             LoraConfig(r=4), torch.device("cpu"))
     enc = tok(["What is 3 + 1? The answer is 4.", "Hello world"], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        want = grpo.sequence_log_probs(sft_model, enc.input_ids, enc.attention_mask, 3)
-        got = grpo.sequence_log_probs(policy, enc.input_ids, enc.attention_mask, 3)
-        base = grpo.sequence_log_probs(base_model, enc.input_ids, enc.attention_mask, 3)
+        want = logprobs.sequence_log_probs(sft_model, enc.input_ids, enc.attention_mask, 3)
+        got = logprobs.sequence_log_probs(policy, enc.input_ids, enc.attention_mask, 3)
+        base = logprobs.sequence_log_probs(base_model, enc.input_ids, enc.attention_mask, 3)
     assert torch.allclose(got, want, atol=1e-5)
     assert not torch.allclose(base, want, atol=1e-3)  # SFT did move the policy
     assert len(policy.minigrpo_base["merged"]) == (1 if merge else 0)
@@ -106,7 +106,7 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     naive = PeftModel.from_pretrained(naive, str(adapter))  # what a plain peft load would do: the wrong base
     enc = tok(["What is 3 + 1? The answer is 4."], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        lp = [grpo.sequence_log_probs(m, enc.input_ids, enc.attention_mask, 3) for m in (reloaded, naive)]
+        lp = [logprobs.sequence_log_probs(m, enc.input_ids, enc.attention_mask, 3) for m in (reloaded, naive)]
     assert not torch.allclose(lp[0], lp[1], atol=1e-4)  # the naive load is a different (wrong) model
     named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert named.startswith("NOT-") and "export.py" in named  # tools that read the base from here fail loudly
@@ -117,7 +117,7 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     manual, _ = load_inference(mcfg, torch.device("cpu"), adapter=cfg["run"]["out_dir"])
     manual = PeftModel.from_pretrained(manual.merge_and_unload(), str(adapter))
     with torch.no_grad():
-        assert torch.allclose(lp[0], grpo.sequence_log_probs(manual, enc.input_ids, enc.attention_mask, 3), atol=1e-5)
+        assert torch.allclose(lp[0], logprobs.sequence_log_probs(manual, enc.input_ids, enc.attention_mask, 3), atol=1e-5)
 
 
 def test_an_adapter_on_another_base_is_an_error(sft_config, tmp_path, tiny_gpt2):

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-import grpo
+import logprobs
+import rollout
 import train
 from config import LoraConfig, ModelConfig
 from model import load_policy
@@ -36,7 +37,7 @@ def grouped_batch(tok, prompts, groups, completions):
 
 def log_probs_and_grads(model, ids, attn, C, weights, **kw):
     model.zero_grad(set_to_none=True)
-    lp = grpo.sequence_log_probs(model, ids, attn, C, temperature=0.7, chunk=5, **kw)
+    lp = logprobs.sequence_log_probs(model, ids, attn, C, temperature=0.7, chunk=5, **kw)
     (lp * weights).sum().backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -69,9 +70,9 @@ def test_shared_prompt_gives_the_same_log_probs_and_gradients(arch, attn, fused,
                                  ["5", "The answer is 5.", "42 0 1", "world", "0 1 2 3 4 5 6"])
     assert (attn == 0).any()
     weights = torch.linspace(-1, 1, ids.shape[0] * C).view(-1, C)
-    head = grpo.plain_output_head(model) if fused else None
+    head = logprobs.plain_output_head(model) if fused else None
     with torch.no_grad():  # the shared path itself runs (the comparison below would be vacuous otherwise)
-        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 0.7, 5, head) is not None
+        assert logprobs._shared_prompt_log_probs(model, ids, attn, C, 0.7, 5, head) is not None
     a, ga = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused)
     b, gb = log_probs_and_grads(model, ids, attn, C, weights, fused_head=fused, share_prompt=True)
     assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
@@ -85,8 +86,8 @@ def test_shared_prompt_scores_a_single_completion_token(tiny_llama, fused):
     ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [3], ["5", "4", "7"])
     assert C == 1
     with torch.no_grad():
-        want = grpo.sequence_log_probs(model, ids, attn, C)
-        got = grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, grpo.plain_output_head(model) if fused else None)
+        want = logprobs.sequence_log_probs(model, ids, attn, C)
+        got = logprobs._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, logprobs.plain_output_head(model) if fused else None)
     assert got is not None and torch.allclose(want, got, atol=1e-5)
 
 
@@ -94,36 +95,36 @@ def test_shared_prompt_falls_back_where_it_cannot_or_need_not_share(tiny_llama, 
     model, tok = lora_policy(tiny_llama)
     ids, attn, C = grouped_batch(tok, ["What is 2 + 3?", "Hello"], [1, 1], ["5", "world"])
     with torch.no_grad():
-        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # nothing shared
+        assert logprobs._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # nothing shared
         ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [2], ["5", "4"])
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        assert grpo._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # HF drops the cache
+        assert logprobs._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None  # HF drops the cache
     # a sliding-window cache is not plain keys and values: the one-pass path runs, with the same result
     eos = tok.eos_token_id
     mistral = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
                                                eos_token_id=eos, pad_token_id=eos)).eval()
-    assert grpo.prompt_cache(mistral) is None and grpo.prompt_cache(model) is not None
+    assert logprobs.prompt_cache(mistral) is None and logprobs.prompt_cache(model) is not None
     model.config._attn_implementation = "flash_attention_2"  # not tested with prompt sharing: one pass per row
-    assert grpo.prompt_cache(model) is None
+    assert logprobs.prompt_cache(model) is None
     with torch.no_grad():
-        assert grpo._shared_prompt_log_probs(mistral, ids, attn, C, 1.0, 4096, None) is None
-        assert torch.equal(grpo.sequence_log_probs(mistral, ids, attn, C, share_prompt=True),
-                           grpo.sequence_log_probs(mistral, ids, attn, C))
+        assert logprobs._shared_prompt_log_probs(mistral, ids, attn, C, 1.0, 4096, None) is None
+        assert torch.equal(logprobs.sequence_log_probs(mistral, ids, attn, C, share_prompt=True),
+                           logprobs.sequence_log_probs(mistral, ids, attn, C))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_shared_prefill_samples_the_same_completions(tiny_llama, temperature):
     """Same seed, same tokens: the prefill is the only thing that changes, and it draws no random numbers."""
     model, tok = lora_policy(tiny_llama)
-    prompts = [grpo.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello world, this is a tiny tokenizer."]]
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        assert grpo.prefill_shared(model, enc.input_ids, enc.attention_mask, 3) is not None
+        assert rollout.prefill_shared(model, enc.input_ids, enc.attention_mask, 3) is not None
     out = []
     for share in (False, True):
         torch.manual_seed(0)
-        out.append(grpo.generate_rollout(model, tok, prompts, 3, 12, temperature, share_prompt=share))
+        out.append(rollout.generate_rollout(model, tok, prompts, 3, 12, temperature, share_prompt=share))
     a, b = out
     assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.prompt_ids, b.prompt_ids)
     assert a.texts == b.texts and torch.equal(a.completion_mask, b.completion_mask)
@@ -134,10 +135,10 @@ def test_shared_prefill_is_skipped_for_one_sample_or_a_one_token_prompt(tiny_lla
     model, tok = lora_policy(tiny_llama)
     enc = tok(["What is 2 + 3?", "Hello"], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
-        assert grpo.prefill_shared(model, enc.input_ids, enc.attention_mask, 1) is None
+        assert rollout.prefill_shared(model, enc.input_ids, enc.attention_mask, 1) is None
         one = tok(["Hello"], return_tensors="pt", add_special_tokens=False)
         assert one.input_ids.shape[1] == 1
-        assert grpo.prefill_shared(model, one.input_ids, one.attention_mask, 4) is None
+        assert rollout.prefill_shared(model, one.input_ids, one.attention_mask, 4) is None
 
 
 @pytest.fixture
@@ -165,10 +166,10 @@ def test_a_training_run_is_the_same_with_and_without_prompt_sharing(train_config
 
 @pytest.mark.parametrize("setting,shares", [("auto", True), ("false", False)])
 def test_auto_shares_the_prompt_in_the_loss_on_cpu(train_config, tmp_path, monkeypatch, setting, shares):
-    """The default, auto, takes the shared path in train.py's loss on CPU (grpo.share_prompt_in_loss)."""
+    """The default, auto, takes the shared path in train.py's loss on CPU (logprobs.share_prompt_in_loss)."""
     calls = []
-    real = grpo._shared_prompt_log_probs
-    monkeypatch.setattr(grpo, "_shared_prompt_log_probs", lambda *a: calls.append(1) or real(*a))
+    real = logprobs._shared_prompt_log_probs
+    monkeypatch.setattr(logprobs, "_shared_prompt_log_probs", lambda *a: calls.append(1) or real(*a))
     out = tmp_path / "run"
     assert train.main(["--config", str(train_config), f"--grpo.share_prompt={setting}", f"--run.out_dir={out}",
                        "--run.steps=1"]) == 0

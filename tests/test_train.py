@@ -210,10 +210,10 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
 def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch):
     """rollout.prompts_per_generate: B prompts sampled k at a time (a k x G-row KV cache) keep each
     row with its own prompt, and give what one call gives where sampling is deterministic (top_k=1)."""
-    import grpo
+    import rollout
     cfg, run = setup
-    calls, generate = [], grpo.generate_rollout
-    monkeypatch.setattr(grpo, "generate_rollout", lambda model, tok, prompts, *a, **k: (
+    calls, generate = [], rollout.generate_rollout
+    monkeypatch.setattr(rollout, "generate_rollout", lambda model, tok, prompts, *a, **k: (
         calls.append(len(prompts)), generate(model, tok, prompts, *a, **k))[1])
     r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
     r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"  # a longer prompt
@@ -225,7 +225,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
         got[k] = train.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
-        rendered = grpo.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
+        rendered = rollout.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
         for row in range(len(idx) * G):
             ids = ro.prompt_ids[row][ro.prompt_mask[row].bool()]
             assert r.tokenizer.decode(ids) == rendered[row // G], row
@@ -237,8 +237,8 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
 def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_order(setup, monkeypatch):
     """rollout.overlap_rewards (on by default): with prompts_per_generate, slice i's rewards run in
     the background while slice i+1 samples, and the joined results equal scoring after sampling."""
-    import grpo
     import rewards
+    import rollout
     cfg, run = setup
     started = threading.Event()
 
@@ -246,13 +246,13 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         started.set()
         return float(sample["answer"]) + len(completion) % 3  # differs by prompt: rows out of order would show
     monkeypatch.setitem(rewards.REGISTRY, "test_marks_start", (marks_start, False))
-    seen, generate = [], grpo.generate_rollout  # per generate call: had a reward started before it returned?
+    seen, generate = [], rollout.generate_rollout  # per generate call: had a reward started before it returned?
 
     def gen(model, tok, prompts, *a, **k):
         out = generate(model, tok, prompts, *a, **k)
         seen.append(started.wait(timeout=30) if seen and overlap else started.is_set())
         return out
-    monkeypatch.setattr(grpo, "generate_rollout", gen)
+    monkeypatch.setattr(rollout, "generate_rollout", gen)
     r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
     r.cfg.rewards = [rewards.RewardSpec("test_marks_start"), rewards.RewardSpec("answer_match", weight=2.0)]
     got = {}
@@ -393,10 +393,10 @@ def test_gradient_checkpointing_gives_the_same_step(setup):
 
 def test_micro_batches_by_token_budget():
     """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows stay in order."""
-    import grpo
+    import rollout
     p_len, c_len = [5, 5, 5, 5, 9, 2], [3, 10, 1, 1, 40, 1]
     P, C = max(p_len), max(c_len)
-    batch = grpo.Rollout(torch.zeros(6, P, dtype=torch.long), torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
+    batch = rollout.Rollout(torch.zeros(6, P, dtype=torch.long), torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
                          torch.zeros(6, C, dtype=torch.long), torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
                          torch.zeros(6, dtype=torch.bool), [""] * 6)
     assert train.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]

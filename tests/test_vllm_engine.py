@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-import grpo
+import rollout
 import train
 import vllm_engine
 from config import ConfigError, load_config
@@ -163,7 +163,7 @@ def test_vllm_outputs_become_a_rollout_with_masks_and_sampler_log_probs(tiny_lla
     assert r.completion_ids.tolist() == [[5, 6, eos, pad], [7, 8, 9, 10]]
     assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]] and r.truncated.tolist() == [False, True]
     assert r.sampler_logp.tolist() == [[-0.5, -1.0, -0.25, 0.0], [-2.0] * 4] and r.texts == ["a", "b"]
-    both = grpo.concat_rollouts([r, grpo.select_rows(r, [1])], pad)
+    both = rollout.concat_rollouts([r, rollout.select_rows(r, [1])], pad)
     assert both.sampler_logp.shape == (3, 4) and both.sampler_logp[2].tolist() == [-2.0] * 4
 
 

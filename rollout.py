@@ -1,0 +1,195 @@
+"""The rollout: prompts rendered as in training, G completions sampled per prompt with HF generate.
+
+    prompts = render_rows(tokenizer, rows, cfg.data)                      # chat template + forced prefix
+    r = generate_rollout(model, tokenizer, prompts, G, max_new_tokens, temperature, ...)   # Rollout
+    r.input_ids, r.attention_mask, r.completion_mask                      # (N, P + C), ..., (N, C)
+
+Completions are masked by position up to and including the first EOS (pad may equal EOS), cut at
+stop strings, and decoded; with grpo.share_prompt each prompt's KV cache is computed once for its G
+rows. vLLM rollouts (vllm_engine.py) return the same Rollout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from grpo import completion_mask
+from logprobs import position_ids, prompt_cache
+
+@dataclass
+class Rollout:
+    """B x G sampled completions; rows i*G .. i*G+G-1 share prompt i."""
+    prompt_ids: Tensor  # (N, P) left-padded
+    prompt_mask: Tensor  # (N, P)
+    completion_ids: Tensor  # (N, C) right-padded
+    completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
+    truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
+    texts: list[str]  # decoded completions, EOS and padding removed
+    sampler_logp: Tensor | None = None  # (N, C) the sampler's own log-probs (vLLM), for importance weights
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # (N, P + C)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)  # (N, P + C)
+
+
+def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) -> list[dict]:
+    """A prompt (a user message, or a list of messages) with the system prompt in front."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}] + messages
+    return messages
+
+
+def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "",
+                  template_kwargs: dict | None = None) -> str:
+    """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
+    to the chat template (Qwen3: {"enable_thinking": False})."""
+    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True, **(template_kwargs or {})) + assistant_prefix
+
+
+def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:
+    """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
+    forced assistant prefix unless `assistant_prefix` is given)."""
+    prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
+    return [render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs) for r in rows]
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor, stops: list[str]) -> None:
+    """Shorten masks in place so a completion ends with the token that completes its first stop string."""
+    for i in range(ids.shape[0]):
+        n = int(mask[i].sum())
+        text = tokenizer.decode(ids[i, :n], skip_special_tokens=True)
+        if not any(s in text for s in stops):
+            continue
+        lo, hi = 1, n  # smallest prefix length whose text contains a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in tokenizer.decode(ids[i, :mid], skip_special_tokens=True) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        mask[i, lo:] = 0
+        truncated[i] = False
+
+
+STATIC_BUCKET = 64  # rollout.compile: prompts are left-padded to a multiple of this many tokens
+
+
+@torch.no_grad()
+def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
+                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
+                     share_prompt: bool = False, static_cache: bool = False) -> Rollout:
+    """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
+    temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
+    every completion has the same length (speed benchmarks; such completions count as truncated).
+    share_prompt (grpo.share_prompt): each prompt but its last token is run through the model once
+    and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared).
+    static_cache (rollout.compile): HF generate with a preallocated KV cache, which transformers
+    compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
+    tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                    pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
+    longest = int(enc.attention_mask.sum(1).max())
+    if longest > max_prompt_tokens:
+        raise ValueError(f"a prompt has {longest} tokens > rollout.max_prompt_tokens={max_prompt_tokens}")
+    eos = eos_token_ids(tokenizer, model)
+    was_training = model.training
+    model.eval()
+    decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
+        else dict(do_sample=False)
+    shared = share_prompt and not static_cache
+    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if shared else None
+    if cache is not None:  # generate runs only the last prompt token, then samples
+        rows = dict(input_ids=enc.input_ids.repeat_interleave(num_generations, 0),
+                    attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
+    else:
+        rows = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, num_return_sequences=num_generations)
+    out = model.generate(
+        **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+        cache_implementation="static" if static_cache else None,
+        stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+    model.train(was_training)
+    P = enc.input_ids.shape[1]
+    completion_ids = out[:, P:]  # (N, C)
+    mask, truncated = completion_mask(completion_ids, eos)  # (N, C), (N,)
+    if stop_strings:
+        _cut_at_stop_strings(tokenizer, completion_ids, mask, truncated, list(stop_strings))
+    lengths = mask.sum(1).long().tolist()
+    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)], skip_special_tokens=True)
+    return Rollout(prompt_ids=enc.input_ids.repeat_interleave(num_generations, 0),
+                   prompt_mask=enc.attention_mask.repeat_interleave(num_generations, 0),
+                   completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
+
+
+def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,
+                       on_slice: Callable[[int, Rollout], None] | None = None, **kwargs) -> Rollout:
+    """generate_rollout on `per_call` prompts at a time (0: all in one call), the slices joined in
+    order: each call's KV cache holds per_call x num_generations rows (rollout.prompts_per_generate,
+    eval.batch_size). on_slice(first prompt's index, slice) runs after each call, before the next
+    one samples (train.score starts scoring the slice there). Further arguments are generate_rollout's."""
+    k, parts = per_call or len(prompts), []
+    for s in range(0, len(prompts), k):
+        parts.append(generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs))
+        if on_slice is not None:
+            on_slice(s, parts[-1])
+    return concat_rollouts(parts, tokenizer.pad_token_id)
+
+
+def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int):
+    """The KV cache of every prompt but its last token, computed once per prompt and repeated to its
+    G rows (B * G, P - 1), for generate to continue from; None where sharing does not apply or pay:
+    G = 1, a prompt of one token, or a cache that is not plain keys and values (prompt_cache).
+    input_ids, attention_mask: (B, P), left-padded."""
+    cache = prompt_cache(model) if num_generations > 1 and int(attention_mask.sum(1).min()) >= 2 else None
+    if cache is None:
+        return None
+    mask = attention_mask[:, :-1]  # (B, P - 1)
+    model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
+          past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(num_generations)  # (B * G, P - 1): rows i*G .. i*G+G-1 share prompt i
+    return cache
+
+
+def _pad_to(x: Tensor, width: int, value: int, left: bool) -> Tensor:
+    pad = x.new_full((x.shape[0], width - x.shape[1]), value)
+    return torch.cat([pad, x] if left else [x, pad], dim=1)
+
+
+def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
+    """Join rollouts of different lengths: prompts stay left-padded, completions right-padded."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    C = max(r.completion_ids.shape[1] for r in parts)
+    return Rollout(
+        prompt_ids=torch.cat([_pad_to(r.prompt_ids, P, pad_id, True) for r in parts]),
+        prompt_mask=torch.cat([_pad_to(r.prompt_mask, P, 0, True) for r in parts]),
+        completion_ids=torch.cat([_pad_to(r.completion_ids, C, pad_id, False) for r in parts]),
+        completion_mask=torch.cat([_pad_to(r.completion_mask, C, 0, False) for r in parts]),
+        truncated=torch.cat([r.truncated for r in parts]),
+        texts=[t for r in parts for t in r.texts],
+        sampler_logp=None if parts[0].sampler_logp is None else torch.cat([_pad_to(r.sampler_logp, C, 0, False) for r in parts]))
+
+
+def select_rows(r: Rollout, rows: list[int]) -> Rollout:
+    ix = torch.tensor(rows, dtype=torch.long, device=r.prompt_ids.device)
+    return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
+                   r.truncated[ix], [r.texts[i] for i in rows], None if r.sampler_logp is None else r.sampler_logp[ix])
