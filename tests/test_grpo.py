@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import grpo
-import logprobs
 from grpo import LossNorm
 
 
@@ -196,64 +195,6 @@ def test_completion_mask_keeps_the_real_eos_when_pad_equals_eos():
 def test_completion_mask_accepts_several_eos_ids():
     mask, truncated = grpo.completion_mask(torch.tensor([[5, 7, 9, 3]]), [3, 7])
     assert mask.tolist() == [[1, 1, 0, 0]] and truncated.tolist() == [False]
-
-
-@pytest.mark.parametrize("chunk", [1, 5, 7, 10_000])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperature):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 4, 50, generator=g, requires_grad=True)
-    ids = torch.randint(0, 50, (3, 4), generator=g)
-    got = logprobs.selective_log_probs(logits, ids, temperature, chunk)
-    want = torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
-    assert torch.allclose(got, want, atol=1e-5)
-    (g1,) = torch.autograd.grad(got.sum(), logits)
-    (g2,) = torch.autograd.grad(want.sum(), logits)
-    assert torch.allclose(g1, g2, atol=1e-5)
-
-
-def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
-    """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per chunk."""
-    assert logprobs.chunk_rows(0, 151_936) == 441 and logprobs.chunk_rows(0, 49_152) == 1365 and logprobs.chunk_rows(7, 151_936) == 7
-    assert logprobs.chunk_rows(0, 2**27) == 1
-    monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 100)  # 2 rows of 50 a chunk: the automatic size really chunks
-    seen = []
-    real = logprobs._pick_and_lse
-    monkeypatch.setattr(logprobs, "_pick_and_lse", lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 4, 50, generator=g)
-    ids = torch.randint(0, 50, (3, 4), generator=g)
-    got = logprobs.selective_log_probs(logits, ids, 0.7)
-    assert seen == [2] * 6 and torch.allclose(got, logprobs.selective_log_probs(logits, ids, 0.7, 12), atol=1e-6)
-
-
-def test_prompt_sharing_in_the_loss_is_automatic_on_cpu_only():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert logprobs.share_prompt_in_loss("auto", cpu) and not logprobs.share_prompt_in_loss("auto", cuda)
-    assert logprobs.share_prompt_in_loss(True, cuda) and not logprobs.share_prompt_in_loss(False, cpu)
-
-
-def test_position_ids_skip_left_padding():
-    attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    assert logprobs.position_ids(attn).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
-
-
-def test_trim_drops_only_padding_columns():
-    ids = torch.arange(16).view(2, 8)
-    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])  # prompt = 4 cols, completion = 4
-    cmask = attn[:, 4:].clone()
-    i, a, C = logprobs.trim(ids, attn, cmask)
-    assert C == 3 and i.tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14]]
-
-
-def test_selective_log_probs_keep_the_logits_dtype_in_the_gradient_and_pass_gradcheck():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(2, 3, 11, generator=g, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 11, (2, 3), generator=g)
-    assert torch.autograd.gradcheck(lambda x: logprobs.selective_log_probs(x, ids, 0.7, 4), (logits,))
-    half = torch.randn(2, 3, 11, generator=g).bfloat16().requires_grad_()
-    logprobs.selective_log_probs(half, ids, 1.0, 4).sum().backward()
-    assert half.grad.dtype == torch.bfloat16
 
 
 def test_importance_weights_scale_the_policy_gradient_term_only():

@@ -1,4 +1,5 @@
-"""Rollouts and the log-prob forward on tiny random models: padding, positions, temperature, EOS, stops."""
+"""Rollouts (rollout.py) and the policy they sample from, on tiny random models: groups, masks, EOS, stops,
+chat templates, merged and static-cache sampling."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -19,41 +20,6 @@ def load(path):
 def padded_batch(tok, texts):
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return enc.input_ids, enc.attention_mask
-
-
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
-def test_left_padded_batch_log_probs_equal_each_unpadded_sample(arch, request):
-    model, tok = load(request.getfixturevalue(arch))
-    texts = ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"]
-    C = 4  # score the last 4 tokens of each row
-    ids, attn = padded_batch(tok, texts)
-    assert (attn == 0).any(), "the batch must actually be padded"
-    with torch.no_grad():
-        batched = logprobs.sequence_log_probs(model, ids, attn, C, temperature=0.7)
-        for i, t in enumerate(texts):
-            one_ids, one_attn = padded_batch(tok, [t])
-            alone = logprobs.sequence_log_probs(model, one_ids, one_attn, C, temperature=0.7)
-            assert torch.allclose(batched[i], alone[0], atol=1e-5)
-
-
-def test_without_position_ids_an_absolute_position_model_would_disagree(tiny_gpt2):
-    """Shows the test above has teeth: GPT-2 counts pads as positions unless told otherwise."""
-    model, tok = load(tiny_gpt2)
-    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, 42"])
-    with torch.no_grad():
-        right = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids(attn)).logits[1, -1]
-        wrong = model(input_ids=ids, attention_mask=attn, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits[1, -1]
-    assert not torch.allclose(right, wrong, atol=1e-4)
-
-
-def test_log_probs_use_the_sampling_temperature(tiny_llama):
-    model, tok = load(tiny_llama)
-    ids, attn = padded_batch(tok, ["Hello world, this is a tiny tokenizer."])
-    with torch.no_grad():
-        lp = logprobs.sequence_log_probs(model, ids, attn, 3, temperature=0.5)
-        logits = model(input_ids=ids).logits[0, -4:-1] / 0.5
-    want = torch.log_softmax(logits, -1).gather(-1, ids[0, -3:, None]).squeeze(-1)
-    assert torch.allclose(lp[0], want, atol=1e-5)
 
 
 def test_generate_rollout_groups_masks_and_texts(tiny_llama):
@@ -234,37 +200,6 @@ def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, pe
         with merged_for_sampling(model):
             merged = logprobs.sequence_log_probs(model, ids, attn, 4)
     assert torch.allclose(merged, unmerged, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
-def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
-    """grpo.fused_lm_head never builds the (N, C, V) logits; values and LoRA gradients must not change."""
-    model, tok = load_policy(ModelConfig(name=str(request.getfixturevalue(arch))), LoraConfig(r=4, alpha=8), torch.device("cpu"))
-    assert logprobs.plain_output_head(model) is not None  # else the test would compare the default path with itself
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3)
-    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
-    weights = torch.linspace(-1, 1, 8).view(2, 4)
-    results = []
-    for fused in (False, True):
-        model.zero_grad(set_to_none=True)
-        lp = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=fused)
-        (lp * weights).sum().backward()
-        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-    (a, ga), (b, gb) = results
-    assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
-    assert all(torch.allclose(ga[k], gb[k], atol=1e-5) for k in ga)
-
-
-def test_fused_lm_head_gradient_reaches_a_trained_head():
-    """Full fine-tuning trains the head too: d/dW by gradcheck."""
-    g = torch.Generator().manual_seed(0)
-    h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 7, (5,), generator=g)
-    assert torch.autograd.gradcheck(lambda h, w: logprobs._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
 
 
 def test_static_cache_rollout_samples_what_the_dynamic_cache_samples(tiny_llama):
