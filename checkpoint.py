@@ -112,6 +112,4 @@ def keep_lines_up_to(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [rec for _, _, rec in jsonl.read(path) if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(rec) + "\n" for rec in kept))
-    tmp.replace(path)
+    jsonl.write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in kept))

@@ -50,12 +50,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import json
 import math
-import os
 import random
 import re
 import sys
@@ -68,6 +66,7 @@ from rich.console import Console
 from rich.table import Table
 from scipy.stats import spearmanr
 
+import jsonl
 import rollout
 from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names, judge_sections, load_config, redacted
 from data import check_not_data_file, load_sources
@@ -144,10 +143,13 @@ def check_eval_config(cfg: Config) -> None:
         raise ConfigError("eval.num_samples > 1 needs eval.temperature > 0: greedy decoding repeats one completion")
     if bad := [k for k in e.pass_k if not 1 <= k <= e.num_samples]:
         raise ConfigError(f"eval.pass_k {bad}: each k must be in [1, eval.num_samples={e.num_samples}]")
-    keys = reward_keys(cfg.rewards)
+    keys = dict(zip(reward_keys(cfg.rewards), cfg.rewards))
     for pair in e.agreement:
         if len(pair) != 2 or pair[0] == pair[1] or not set(pair) <= set(keys):
-            raise ConfigError(f"eval.agreement {pair}: each entry is two different reward labels of {keys}")
+            raise ConfigError(f"eval.agreement {pair}: each entry is two different reward labels of {list(keys)}")
+        if bad := [k for k in pair if keys[k].fallback != "skip"]:  # a failed call must not count as a score
+            raise ConfigError(f"eval.agreement {pair}: set fallback: skip on reward {bad[0]!r}, so that a failed "
+                              "judge call is left out rather than compared as a score")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -343,9 +345,10 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
 
 
-def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> tuple[dict, list[dict]]:
-    """Score one model's completions -> (metrics, prediction records). Runs in the background while
-    the next model generates (main), so the judges' counters it reads are this model's alone."""
+def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> dict:
+    """Score one model's completions, write its predictions_<name>.jsonl at once (a later model's
+    failure loses nothing paid for) -> its metrics. Runs in the background while the next model
+    generates (main), one model at a time, so the judges' counters it reads are this model's alone."""
     cfg = plan.cfg
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     if entry.kind == "api":
@@ -358,14 +361,9 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys}}
                for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
-    return metrics, records
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    jsonl.write_atomic(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
+                       "".join(json.dumps(r, default=str) + "\n" for r in records))
+    return metrics
 
 
 def _fmt(v) -> str:
@@ -408,16 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     # Each model is scored (judge requests: mostly waiting) in the background while the next one
-    # generates; scoring runs one model at a time, in order, and each is written once scored.
+    # generates; scoring runs one model at a time, in order, each writing its predictions once scored.
     scoring: list[tuple[ModelEntry, concurrent.futures.Future]] = []
-
-    def write_scored(wait: bool) -> None:
-        while scoring and (wait or scoring[0][1].done()):
-            entry, future = scoring.pop(0)
-            metrics, records = future.result()
-            write_atomic(out_dir / f"predictions_{entry.name}.jsonl",
-                         "".join(json.dumps(r, default=str) + "\n" for r in records))
-            results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": metrics}
+    errors = []
     try:
         for entry in plan.entries:
             print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
@@ -425,16 +416,28 @@ def main(argv: list[str] | None = None) -> int:
             gen, n, prefix = generate(entry, plan)
             scoring.append((entry, in_background(functools.partial(score_model, entry, plan, gen, n, prefix, t0),
                                                  after=scoring[-1][1] if scoring else None)))
-            write_scored(wait=False)
-        write_scored(wait=True)
     except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
+        errors.append(e)
         print(f"error: {e}", file=sys.stderr)
-        with contextlib.suppress(Exception):  # the models generated before it are still scored and written
-            write_scored(wait=True)
+    except Exception:  # a crash (out of memory, say): what was generated is still scored and written first
+        concurrent.futures.wait([f for _, f in scoring])
+        raise
+    crash = None
+    for entry, future in scoring:
+        try:
+            results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": future.result()}
+        except ConfigError as e:
+            errors.append(e)
+            print(f"error: scoring {entry.name}: {e}", file=sys.stderr)
+        except Exception as e:  # a bug: raised once every other model is written
+            crash = crash or e
+    if crash is not None:
+        raise crash
+    if errors:
         return 2
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
-    write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
+    jsonl.write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
     title = f"{cfg.data.name or 'mixture'}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
     Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))
     print(f"[eval] wrote {out_dir / 'results.json'}", file=sys.stderr)

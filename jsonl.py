@@ -1,14 +1,18 @@
-"""Append-only JSON Lines that survive a kill: the judge cache, people's ratings and a run's logs.
+"""Files that survive a kill: append-only JSON Lines (the judge cache, people's ratings, a run's logs)
+and atomic rewrites (results, configs).
 
     import jsonl
     offset = jsonl.append(path, [{"key": "...", "reply": "..."}])  # one write, fsynced; where the first record starts
     for offset, end, record in jsonl.read(path):                  # complete lines only; record None: not a JSON object
         ...
+    jsonl.write_atomic(path, text)                                # whole old file or whole new one, never half
 
 A kill during a write leaves at most a torn last line. `append` first ends such a line, so new
 records never glue onto it, and `read` never yields a line without its newline (it may still be
-being written; a later read, from `end`, picks it up once whole). Standard library only: the
-rating page (ratings.py) imports this without torch.
+being written; a later read, from `end`, picks it up once whole). Appends hold an exclusive lock
+(flock, where the OS has it) from the torn-line check to the fsync, so writers sharing a file (a
+training run and an eval on one judge cache) neither interleave nor misreport offsets. Standard
+library only: the rating page (ratings.py) imports this without torch.
 """
 from __future__ import annotations
 
@@ -17,6 +21,11 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+try:
+    import fcntl
+except ImportError:  # Windows: appends from one process at a time
+    fcntl = None
+
 
 def append(path: str | Path, records: list[dict]) -> int:
     """Append `records` as JSON lines in one write and fsync them (each line may have cost money or a
@@ -24,6 +33,8 @@ def append(path: str | Path, records: list[dict]) -> int:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
+        if fcntl is not None:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         size = f.seek(0, os.SEEK_END)
         torn = False
         if size:
@@ -55,3 +66,16 @@ def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | No
             end = offset + len(line)
             yield offset, end, record if isinstance(record, dict) else None
             offset = end
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Replace `path` with `text`: written to path.tmp, fsynced, then renamed over it, so a kill or a
+    power cut leaves the old file or the new one, never a half-written one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -168,7 +168,8 @@ def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
 
 
 def test_named_judges_are_typed_sections_with_their_own_names_and_caches(tmp_path):
-    text = MINIMAL + "judge: {model: a, cache_path: c/a.jsonl}\njudges: {second: {model: b, cache_path: c/b.jsonl}}\n"
+    rewards = "rewards: [{name: judge}, {name: judge, args: {judge: second}}, {name: judge, args: {judge: third}}]\n"
+    text = rewards + "judge: {model: a, cache_path: c/a.jsonl}\njudges: {second: {model: b, cache_path: c/b.jsonl}}\n"
     cfg = load_config(write(tmp_path, text), ["--judges.second.model=1234", "--judges.third.max_concurrent=2"])
     assert cfg.judges["second"].model == "1234" and cfg.judges["second"].cache_path == "c/b.jsonl"  # text stays text
     assert cfg.judges["third"].max_concurrent == 2 and config.judge_names(cfg) == ["judge", "second", "third"]
@@ -180,3 +181,9 @@ def test_named_judges_are_typed_sections_with_their_own_names_and_caches(tmp_pat
         load_config(write(tmp_path, text), ["--judges.judge.model=x"])
     with pytest.raises(ConfigError, match="judges.second.cache_path and judge.cache_path are both c/./a.jsonl"):
         load_config(write(tmp_path, text), ["--judges.second.cache_path=c/./a.jsonl"])
+    # a mistyped name in an override would make a new judge that no reward calls
+    with pytest.raises(ConfigError, match=r"judges.secnd is used by no reward .*did you mean judges.second\?"):
+        load_config(write(tmp_path, text), ["--judges.secnd.model=x"])
+    for name in ("2", "true"):  # YAML reads these as an int and a bool
+        with pytest.raises(ConfigError, match="a judge's name is letters"):
+            load_config(write(tmp_path, text + f"judges: {{{name}: {{model: x}}}}\n"))

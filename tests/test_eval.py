@@ -235,6 +235,7 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--judge=null", "--rewards=[{name: judge}]"], "needs a judge: add a `judge:` section"),
     (["base"], ["--eval.agreement=[[answer_match, judge]]"], "eval.agreement ['answer_match', 'judge']: each entry is two"),
     (["base"], ["--eval.agreement=[[answer_match]]"], "two different reward labels"),
+    (["base"], ["--eval.agreement=[[json_valid, json_schema]]"], "set fallback: skip on reward 'json_valid'"),
     (["base"], ["--judges.second.cache_path=j.jsonl", "--judges.second.max_concurrent=0",
                 "--rewards=[{name: judge, args: {judge: second}}]"], "judges.second: need max_concurrent >= 1"),
 ])
@@ -324,19 +325,42 @@ def test_each_model_is_scored_while_the_next_one_generates_and_written_in_order(
         assert len((tmp / f"eval/predictions_{name}.jsonl").read_text().splitlines()) == 3
 
 
-def test_a_model_that_fails_to_load_still_lets_the_ones_before_it_be_scored_and_written(project, tiny_llama, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [ConfigError("adapter moved"), RuntimeError("CUDA out of memory")])
+def test_a_model_that_fails_to_load_still_lets_the_ones_before_it_be_scored_and_written(project, tiny_llama, monkeypatch,
+                                                                                       capsys, error):
     cfg, tmp = project
     generate = ev.generate
 
     def failing(entry, plan):
         if entry.name == "again":
-            raise ConfigError("adapter moved")
+            raise error
         return generate(entry, plan)
     monkeypatch.setattr(ev, "generate", failing)
+    argv = ["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3", *JUDGED]
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as judge:
         judge.default = ok(delay_s=0.5)
-        assert ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3",
-                        f"--judge.base_url={judge.url}", *JUDGED]) == 2
-    assert "error: adapter moved" in capsys.readouterr().err
+        if isinstance(error, ConfigError):  # bad input: one line, exit 2
+            assert ev.main([*argv, f"--judge.base_url={judge.url}"]) == 2
+            assert "error: adapter moved" in capsys.readouterr().err
+        else:  # a crash is raised as it is, once what was generated is written
+            with pytest.raises(RuntimeError, match="out of memory"):
+                ev.main([*argv, f"--judge.base_url={judge.url}"])
     assert len((tmp / "eval/predictions_base.jsonl").read_text().splitlines()) == 3  # its judge calls were paid for
     assert not (tmp / "eval/results.json").exists()
+
+
+def test_a_model_whose_scoring_fails_is_reported_and_the_next_one_is_still_written(project, tiny_llama, monkeypatch, capsys):
+    cfg, tmp = project
+    score_model = ev.score_model
+
+    def failing(entry, *args):
+        if entry.name == "base":
+            time.sleep(0.5)  # still scoring while the next model generates
+            raise ConfigError("the judge template needs field(s) ['question']")
+        return score_model(entry, *args)
+    monkeypatch.setattr(ev, "score_model", failing)
+    assert ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3"]) == 2
+    err = capsys.readouterr().err
+    assert "error: scoring base: the judge template needs" in err and err.count("error:") == 1
+    assert not (tmp / "eval/predictions_base.jsonl").exists()
+    assert len((tmp / "eval/predictions_again.jsonl").read_text().splitlines()) == 3

@@ -1,5 +1,6 @@
 """Tests for jsonl.py: append-only JSON Lines that survive a kill."""
 import json
+import multiprocessing
 
 import jsonl
 
@@ -34,3 +35,28 @@ def test_lines_that_are_not_json_objects_read_as_none(tmp_path):
     path.write_text('[1, 2]\n"text"\nnot json\n{"ok": true}\n')
     assert [rec for _, _, rec in jsonl.read(path)] == [None, None, None, {"ok": True}]
     assert json.loads(path.read_text().splitlines()[-1]) == {"ok": True}
+
+
+def _append_many(path: str, who: str, n: int, queue) -> None:
+    queue.put((who, [(jsonl.append(path, [{"who": who, "i": i, "pad": "x" * 1500}]), i) for i in range(n)]))
+
+
+def test_two_processes_appending_to_one_file_keep_whole_lines_and_true_offsets(tmp_path):
+    """A training run and an eval sharing a judge cache: the lock keeps each append whole and each
+    returned offset pointing at the writer's own record."""
+    path, n = tmp_path / "shared.jsonl", 200
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_append_many, args=(str(path), who, n, queue)) for who in ("a", "b")]
+    for p in procs:
+        p.start()
+    offsets = dict(queue.get(timeout=60) for _ in procs)  # read before join: a full pipe would block
+    for p in procs:
+        p.join(timeout=60)
+    raw = path.read_bytes()
+    records = [rec for _, _, rec in jsonl.read(path)]
+    assert len(records) == 2 * n and None not in records and raw.count(b"\n") == 2 * n  # no blank or torn line
+    for who, got in offsets.items():
+        for offset, i in got:
+            rec = json.loads(raw[offset:raw.index(b"\n", offset)])
+            assert (rec["who"], rec["i"]) == (who, i)

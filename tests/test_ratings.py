@@ -202,6 +202,19 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line
     assert path.read_text().splitlines()[1] == '{"id": "b", "sco'  # kept as it was, not glued to the next record
 
 
+def test_a_ratings_file_replaced_by_a_longer_one_is_read_again_from_the_start(tmp_path):
+    path = tmp_path / "ratings.jsonl"
+    jsonl.append(path, [{"id": "a", "scores": {"overall": 4}}])
+    store = Store(tmp_path)
+    store.refresh()
+    other = tmp_path / "new.jsonl"  # e.g. restored from a backup, or edited and saved by a tool: a new file
+    jsonl.append(other, [{"id": "b", "scores": {"overall": 1}}, {"id": "c", "scores": {"overall": 5}}])
+    other.replace(path)
+    store.refresh()
+    assert store.rated("a", ["overall"]) is None  # gone with the old file
+    assert store.rated("b", ["overall"]) == {"overall": 1.0} and store.rated("c", ["overall"]) == {"overall": 5.0}
+
+
 def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(tmp_path, capsys):
     ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
