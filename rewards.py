@@ -205,34 +205,44 @@ def reward_keys(specs: list[RewardSpec]) -> list[str]:
     return keys
 
 
+def _prepare(spec: RewardSpec, key: str, context: dict, have_tokens: bool) -> tuple[Callable, bool, dict, bool]:
+    """(function, batched, its keyword arguments, wants num_tokens) for one spec; ValueError on a
+    misconfiguration, which would fail the same way on every sample."""
+    fn, batched = resolve(spec)
+    params = {p.name: p for p in _params(fn)}
+    kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
+    if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
+        if kwargs["judge"] not in context.get("judges", {}):
+            raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} in context['judges']")
+        kwargs["judge"] = context["judges"][kwargs["judge"]]
+    wants_tokens = "num_tokens" in params
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
+               and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args or pass it in context")
+    if wants_tokens and not have_tokens:
+        raise ValueError(f"reward {key!r} needs num_tokens: pass num_tokens= to compute_rewards")
+    return fn, batched, kwargs, wants_tokens
+
+
 def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
                     num_tokens: list[int] | None = None, context: dict | None = None) -> RewardResult:
-    """Score N completions with every reward; per-sample failures become the spec's fallback."""
+    """Score N completions with every reward; per-sample failures become the spec's fallback.
+    Rewards calling different judges run at the same time (each judge's in config order, so its
+    cache answers its later entries): a second judge does not wait for the first."""
     n, context = len(completions), context or {}
     if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
         raise ValueError(f"got {n} completions, {len(samples)} samples and "
                          f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; they must match")
-    result = RewardResult(total=[0.0] * n, per_reward={}, errors={})
-    for spec, key in zip(specs, reward_keys(specs)):
-        fn, batched = resolve(spec)
-        params = {p.name: p for p in _params(fn)}
-        kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
-        if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
-            if kwargs["judge"] not in context.get("judges", {}):
-                raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} in context['judges']")
-            kwargs["judge"] = context["judges"][kwargs["judge"]]
-        wants_tokens = "num_tokens" in params
-        missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
-                   and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        # a misconfiguration fails the same way on every sample: raise it instead of counting it
-        if missing:
-            raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args or pass it in context")
-        if wants_tokens and num_tokens is None:
-            raise ValueError(f"reward {key!r} needs num_tokens: pass num_tokens= to compute_rewards")
-        result.errors[key] = 0
+    keys = reward_keys(specs)
+    calls = [_prepare(spec, key, context, num_tokens is not None) for spec, key in zip(specs, keys)]
+    errors = dict.fromkeys(keys, 0)
+
+    def values_of(k: int) -> list[float | None]:
+        (fn, batched, kwargs, wants_tokens), spec, key = calls[k], specs[k], keys[k]
 
         def fail(err: Exception, completion: str, sample: dict) -> float:
-            result.errors[key] += 1
+            errors[key] += 1
             if key not in _LOGGED:
                 _LOGGED.add(key)
                 log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
@@ -247,25 +257,41 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 if not isinstance(out, (list, tuple)) or len(out) != n:
                     raise TypeError(f"batched reward returned {_short(out, 80)}; expected a list of {n} values")
             except Exception as err:
-                values = [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
-            else:
-                for value, completion, sample in zip(out, completions, samples):
-                    try:
-                        values.append(_as_reward(value))
-                    except TypeError as err:
-                        values.append(fail(err, completion, sample))
-        else:
-            for i, (completion, sample) in enumerate(zip(completions, samples)):
+                return [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
+            for value, completion, sample in zip(out, completions, samples):
                 try:
-                    extra = {"num_tokens": num_tokens[i]} if wants_tokens else {}
-                    values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
-                except Exception as err:
+                    values.append(_as_reward(value))
+                except TypeError as err:
                     values.append(fail(err, completion, sample))
+            return values
+        for i, (completion, sample) in enumerate(zip(completions, samples)):
+            try:
+                extra = {"num_tokens": num_tokens[i]} if wants_tokens else {}
+                values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
+            except Exception as err:
+                values.append(fail(err, completion, sample))
+        return values
+
+    lanes: dict[int, list[int]] = {}  # one per judge (by identity), one (0) for the rest
+    for k, (_, _, kwargs, _) in enumerate(calls):
+        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else 0, []).append(k)
+    values: list = [None] * len(specs)
+
+    def run(lane: list[int]) -> None:
+        for k in lane:
+            values[k] = values_of(k)
+    if len([lane for lane in lanes if lane]) > 1:
+        for future in [in_background(functools.partial(run, lane)) for lane in lanes.values()]:
+            future.result()  # raises what its lane raised
+    else:
+        run(list(range(len(specs))))
+    result = RewardResult(total=[0.0] * n, per_reward={}, errors=errors)
+    for spec, key, vals in zip(specs, keys, values):
         # a skipped value (NaN, only from fallback: skip) is logged as missing and makes the total NaN,
         # unless its weight is 0 (an entry that is only logged)
-        result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in values]
+        result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in vals]
         result.total = [t if v is None or (spec.weight == 0 and math.isnan(v)) else t + spec.weight * v
-                        for t, v in zip(result.total, values)]
+                        for t, v in zip(result.total, vals)]
     return result
 
 
@@ -292,9 +318,9 @@ def join_results(parts: list[RewardResult]) -> RewardResult:
 
 
 def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
-    """fn() in a daemon thread, started once `after` has finished: rewards run one slice at a time, in
-    order (a Judge serves one event loop at a time). A daemon, so a Ctrl-C while it waits for a judge
-    or for people's ratings exits at once instead of waiting for them."""
+    """fn() in a daemon thread, started once `after` has finished (train.py scores its slices, eval.py
+    its models, one at a time and in order: a Judge serves one event loop at a time). A daemon, so a
+    Ctrl-C while it waits for a judge or for people's ratings exits at once instead of waiting for them."""
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:

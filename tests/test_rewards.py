@@ -6,7 +6,9 @@ registry, loading user functions, check_specs and compute_rewards.
 import json
 import math
 import logging
+import threading
 import time
+import types
 
 import pytest
 
@@ -490,6 +492,24 @@ def test_a_named_judge_in_args_picks_that_judge_from_context_judges(monkeypatch)
     assert result.per_reward == {"test_named_judge": [2.0, 1.0], "second": [20.0, 10.0]}
     with pytest.raises(ValueError, match="no judge named 'third'"):  # a misconfiguration raises, it is not a fallback
         compute_rewards(["ab"], [{}], [RewardSpec("test_named_judge", args={"judge": "third"})], context=context)
+
+
+def test_rewards_on_different_judges_run_at_once_and_each_judge_s_own_in_order(monkeypatch):
+    started = {"a": threading.Event(), "b": threading.Event()}
+    order = []
+
+    def judged(completions, samples, *, judge, tag):
+        order.append((judge.name, tag))
+        started[judge.name].set()
+        met = started["b" if judge.name == "a" else "a"].wait(timeout=5)  # at once: each sees the other start
+        return [1.0 if met else 0.0] * len(completions)
+    monkeypatch.setitem(REGISTRY, "test_lanes", (judged, True))
+    judges = {"first": types.SimpleNamespace(name="a"), "second": types.SimpleNamespace(name="b")}
+    specs = [RewardSpec("test_lanes", label=f"{j}_{t}", args={"judge": j, "tag": t})
+             for j, t in [("first", "x"), ("second", "x"), ("first", "y")]]
+    result = compute_rewards(["c"], [{}], specs, context={"judges": judges})
+    assert result.per_reward == {"first_x": [1.0], "second_x": [1.0], "first_y": [1.0]}  # in config order
+    assert order.index(("a", "x")) < order.index(("a", "y"))  # one judge's rewards in order: its cache serves the later
 
 
 def test_check_specs_wants_each_judge_based_reward_s_judge_configured():
