@@ -405,14 +405,9 @@ def _check(cfg: Config) -> None:
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
             raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
-    used = {name for spec in cfg.rewards if isinstance(name := spec.args.get("judge"), str)}
     for name in cfg.judges:
         if not isinstance(name, str) or name == "judge" or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
             raise ConfigError(f"judges.{name}: a judge's name is letters, digits, _ and - (and not 'judge', the judge: section's)")
-        if name not in used:  # most often a typo in an override, which would otherwise make a new judge
-            close = difflib.get_close_matches(name, [n for n in cfg.judges if n in used], n=1, cutoff=0.5)
-            raise ConfigError(f"judges.{name} is used by no reward (args: {{judge: {name}}})"
-                              + (f"; did you mean judges.{close[0]}?" if close else "; remove it or name it in a reward"))
     caches = [(k, j.cache_path) for k, j in judge_sections(cfg).items() if j.cache_path]
     for i, (k, path) in enumerate(caches):
         if other := next((k2 for k2, p2 in caches[:i] if Path(p2).resolve() == Path(path).resolve()), None):

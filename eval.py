@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     # Each model is scored (judge requests: mostly waiting) in the background while the next one
     # generates; scoring runs one model at a time, in order, each writing its predictions once scored.
     scoring: list[tuple[ModelEntry, concurrent.futures.Future]] = []
-    errors = []
+    errors, crash = [], None
     try:
         for entry in plan.entries:
             print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
@@ -419,10 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
         errors.append(e)
         print(f"error: {e}", file=sys.stderr)
-    except Exception:  # a crash (out of memory, say): what was generated is still scored and written first
-        concurrent.futures.wait([f for _, f in scoring])
-        raise
-    crash = None
+    except Exception as e:  # a crash (out of memory, say): raised once what was generated is scored and written
+        crash = e
     for entry, future in scoring:
         try:
             results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": future.result()}

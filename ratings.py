@@ -69,7 +69,7 @@ class Store:
     items: dict[str, dict] = field(default_factory=dict)  # id -> its latest queue record
     scores: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # id -> criterion -> every score given
     offsets: dict[str, int] = field(default_factory=dict)  # file name -> bytes read
-    files: dict[str, tuple[int, int]] = field(default_factory=dict)  # file name -> (device, inode) read
+    files: dict[str, tuple] = field(default_factory=dict)  # file name -> (device, inode, first bytes) read
     deadlines: dict[str, float] = field(default_factory=dict)  # id -> monotonic time its wait ends (queued by this process)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the page serves from several threads
 
@@ -79,10 +79,13 @@ class Store:
             if not path.exists():
                 continue
             st = path.stat()
-            if st.st_size < self.offsets.get(name, 0) or self.files.get(name, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+            with open(path, "rb") as f:
+                head = f.read(256)  # appends never change it; a file copied over this one (same inode) does
+            dev, ino, old_head = self.files.get(name, (st.st_dev, st.st_ino, b""))
+            if st.st_size < self.offsets.get(name, 0) or (dev, ino) != (st.st_dev, st.st_ino) or not head.startswith(old_head):
                 self.offsets[name] = 0  # truncated, or replaced by another file: read it all again
                 (self.items if name == QUEUE else self.scores).clear()
-            self.files[name] = (st.st_dev, st.st_ino)
+            self.files[name] = (st.st_dev, st.st_ino, head)
             # complete lines only: one still being written waits for the next refresh
             for _, end, rec in jsonl.read(path, self.offsets.get(name, 0)):
                 self.offsets[name] = end

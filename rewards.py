@@ -7,9 +7,9 @@ A reward scores one completion of one sample; None means "does not apply to this
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: `check_specs` calls it before
-any model loads. Rewards may be called from a background thread (`in_background`: one call at a
-time, in order): train.py's while the next slice samples (rollout.prompts_per_generate), eval.py's
-while the next model generates. The config names rewards,
+any model loads. compute_rewards may be called from a background thread (`in_background`: one
+call at a time, in order): train.py's while the next slice samples (rollout.prompts_per_generate),
+eval.py's while the next model generates; within a call, rewards on different judges run at once. The config names rewards,
 weights and arguments:
 
     rewards:
@@ -152,13 +152,20 @@ def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
 def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -> None:
     """Fail early, before any model loads: every reward resolves and accepts its args (and passes
     its own `check_args(**args)`, where it has one), and a judge-based reward (one taking `judge`)
-    has its judge to call: args.judge names one of `judges` ("judge" is the judge: section, the default)."""
+    has its judge to call: args.judge names one of `judges` ("judge" is the judge: section, the default).
+    A named judge that no reward calls is an error too: most often a mistyped override made it."""
     if not specs:
         raise ValueError("no rewards configured: add at least one entry under `rewards:`")
+    used = {"judge"}  # the judge: section may go unused (a recipe's judge, overridden rewards)
     for spec in specs:
         fn, _ = resolve(spec)
+        if "judges" in {p.name for p in _params(fn)}:  # a reward that may call any of them
+            used.update(judges)
         if "judge" in {p.name for p in _params(fn)}:
             name = spec.args.get("judge", "judge")
+            if not isinstance(name, str):
+                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} must be the name of a judge")
+            used.add(name)
             if name == "judge" and name not in judges:
                 raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section (base_url, model, api_key_env)"
                                  + (f", or name one of judges: ({', '.join(judges)}) with args: {{judge: NAME}}" if judges else ""))
@@ -175,6 +182,10 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
                                  f"it accepts: {', '.join(names) or 'no arguments'}")
         if callable(getattr(fn, "check_args", None)):  # the reward's own check of its args' values (ratings.human)
             fn.check_args(**spec.args)
+    for name in [n for n in judges if n not in used]:  # most often a typo in an override, making a new judge
+        close = difflib.get_close_matches(name, sorted(used & set(judges) - {"judge"}), n=1, cutoff=0.5)
+        raise ValueError(f"judges.{name} is called by no reward (args: {{judge: {name}}})"
+                         + (f"; did you mean judges.{close[0]}?" if close else "; remove it or name it in a reward"))
 
 
 def _as_reward(value: Any) -> float | None:
@@ -272,16 +283,20 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 values.append(fail(err, completion, sample))
         return values
 
-    lanes: dict[int, list[int]] = {}  # one per judge (by identity), one (0) for the rest
+    # One lane per judge (by identity) and one (None) for the rest; a reward that takes `judges` may
+    # call any of them, so then nothing runs at once (a Judge serves one event loop at a time).
+    lanes: dict[int | None, list[int]] = {}
     for k, (_, _, kwargs, _) in enumerate(calls):
-        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else 0, []).append(k)
+        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else None, []).append(k)
     values: list = [None] * len(specs)
 
     def run(lane: list[int]) -> None:
         for k in lane:
             values[k] = values_of(k)
-    if len([lane for lane in lanes if lane]) > 1:
-        for future in [in_background(functools.partial(run, lane)) for lane in lanes.values()]:
+    if sum(key is not None for key in lanes) > 1 and not any("judges" in kwargs for _, _, kwargs, _ in calls):
+        futures = [in_background(functools.partial(run, lane)) for lane in lanes.values()]
+        concurrent.futures.wait(futures)  # every lane done before anything is raised or returned
+        for future in futures:
             future.result()  # raises what its lane raised
     else:
         run(list(range(len(specs))))

@@ -198,7 +198,7 @@ def share_lever(args) -> None:
     prompts = [rollout.render_prompt(tok, (passage + "\n\n" if passage else "") + f"What is {a} + {a + 3}? Reply with just the number.")
                for a in range(4)]
 
-    def rollout(share: bool) -> tuple[float, rollout.Rollout]:
+    def sample(share: bool) -> tuple[float, rollout.Rollout]:
         t0 = time.perf_counter()
         r = rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=share)
         return time.perf_counter() - t0, r
@@ -213,12 +213,12 @@ def share_lever(args) -> None:
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    _, r = rollout(False)
-    rollout(True), train(False, r), train(True, r)  # warm-up
+    _, r = sample(False)
+    sample(True), train(False, r), train(True, r)  # warm-up
     times = {k: [] for k in ("rollout", "rollout shared", "train", "train shared")}
     for _ in range(args.reps // 2 or 1):  # alternating
-        times["rollout"].append(rollout(False)[0])
-        times["rollout shared"].append(rollout(True)[0])
+        times["rollout"].append(sample(False)[0])
+        times["rollout shared"].append(sample(True)[0])
         times["train"].append(train(False, r))
         times["train shared"].append(train(True, r))
     P = int(r.prompt_mask[0].sum())

@@ -364,3 +364,15 @@ def test_a_model_whose_scoring_fails_is_reported_and_the_next_one_is_still_writt
     assert "error: scoring base: the judge template needs" in err and err.count("error:") == 1
     assert not (tmp / "eval/predictions_base.jsonl").exists()
     assert len((tmp / "eval/predictions_again.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_scoring_error_is_still_reported_when_a_later_model_crashes(project, tiny_llama, monkeypatch, capsys):
+    cfg, tmp = project
+    score_model = ev.score_model
+    monkeypatch.setattr(ev, "score_model", lambda entry, *a: (_ for _ in ()).throw(ConfigError("bad template"))
+                        if entry.name == "base" else score_model(entry, *a))
+    monkeypatch.setattr(ev, "generate", lambda entry, plan, real=ev.generate: real(entry, plan) if entry.name == "base"
+                        else (_ for _ in ()).throw(RuntimeError("CUDA out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3"])
+    assert "error: scoring base: bad template" in capsys.readouterr().err

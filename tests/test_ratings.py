@@ -213,6 +213,10 @@ def test_a_ratings_file_replaced_by_a_longer_one_is_read_again_from_the_start(tm
     store.refresh()
     assert store.rated("a", ["overall"]) is None  # gone with the old file
     assert store.rated("b", ["overall"]) == {"overall": 1.0} and store.rated("c", ["overall"]) == {"overall": 5.0}
+    # copied over in place (the inode stays): the first bytes differ
+    path.write_bytes(b"".join(json.dumps({"id": i, "scores": {"overall": 3}}).encode() + b"\n" for i in "dbe"))
+    store.refresh()
+    assert [store.rated(i, ["overall"]) for i in "bcde"] == [{"overall": 3.0}, None, {"overall": 3.0}, {"overall": 3.0}]
 
 
 def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(tmp_path, capsys):

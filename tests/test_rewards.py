@@ -522,6 +522,32 @@ def test_check_specs_wants_each_judge_based_reward_s_judge_configured():
         check_specs([RewardSpec("judge", args={"judge": "third"})], judges=["judge", "second"])
     with pytest.raises(ValueError, match="needs a judge: add a `judge:` section"):
         check_specs([default], judges=[])
+    # a mistyped name in an override (--judges.secnd.model=...) makes a judge that no reward calls
+    with pytest.raises(ValueError, match=r"judges.secnd is called by no reward .*did you mean judges.second\?"):
+        check_specs([default, named], judges=["judge", "second", "secnd"])
+    check_specs([RewardSpec("json_valid")], judges=["judge"])  # the judge: section may go unused
+    with pytest.raises(ValueError, match="args.judge=3 must be the name of a judge"):
+        check_specs([RewardSpec("judge", args={"judge": 3})], judges=["judge"])
+
+
+def test_a_reward_taking_all_judges_uses_them_all_and_runs_nothing_at_once(monkeypatch):
+    calls = []
+
+    def either(completions, samples, *, judges):  # a custom reward that picks its judge itself
+        calls.append(("either", threading.current_thread().name))
+        return [judges["second"].score] * len(completions)
+
+    def one(completions, samples, *, judge):
+        calls.append((judge.score, threading.current_thread().name))
+        return [judge.score] * len(completions)
+    monkeypatch.setitem(REGISTRY, "test_either", (either, True))
+    monkeypatch.setitem(REGISTRY, "test_one", (one, True))
+    specs = [RewardSpec("test_either"), RewardSpec("test_one"), RewardSpec("test_one", args={"judge": "second"})]
+    check_specs(specs[:1], judges=["judge", "second"])  # `judges` counts as calling every judge
+    first, second = types.SimpleNamespace(score=1.0), types.SimpleNamespace(score=2.0)
+    result = compute_rewards(["c"], [{}], specs, context={"judge": first, "judges": {"judge": first, "second": second}})
+    assert result.per_reward == {"test_either": [2.0], "test_one": [1.0], "test_one#2": [2.0]}
+    assert {thread for _, thread in calls} == {threading.current_thread().name}  # one thread: a Judge never shared
 
 
 def test_a_raising_reward_gets_the_fallback_is_counted_and_logged_once(monkeypatch, caplog):
