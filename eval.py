@@ -72,7 +72,7 @@ from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names
 from data import check_not_data_file, load_sources
 from judge import Judge, judges_stats, open_judges
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from rewards import (RewardResult, check_specs, compute_rewards, in_background, reward_context, reward_keys,
+from scoring import (RewardResult, check_specs, compute_rewards, in_background, reward_context, reward_keys,
                      reward_means)
 
 

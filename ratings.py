@@ -180,7 +180,7 @@ def store_for(dir: str | Path) -> Store:
 # --- the reward ------------------------------------------------------------------------------------
 def check_args(dir: str | None = None, criteria: list[str] = ("overall",), scale: list[int] = (1, 5),
                criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0, **_) -> None:
-    """The human reward's args, checked before any model loads (rewards.check_specs); ValueError says what to fix."""
+    """The human reward's args, checked before any model loads (scoring.check_specs); ValueError says what to fix."""
     if not isinstance(dir, str) or not dir:
         raise ValueError("reward 'human' needs args.dir: the ratings folder that `python ratings.py serve --dir` serves")
     if isinstance(criteria, str) or not criteria or not all(isinstance(c, str) and c for c in criteria):
@@ -246,7 +246,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     return [value(g) for g in got]
 
 
-human.check_args = check_args  # rewards.check_specs calls a reward's check_args(**args), when it has one
+human.check_args = check_args  # scoring.check_specs calls a reward's check_args(**args), when it has one
 
 
 # --- the page --------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-r"""Rewards: plain functions in a registry, combined with the weights from the config.
+r"""Rewards: plain functions in a registry; scoring.py runs them over completions with the config's weights.
 
 A reward scores one completion of one sample; None means "does not apply to this sample":
 
@@ -6,11 +6,8 @@ A reward scores one completion of one sample; None means "does not apply to this
 
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
-`check_args(**args)` attribute that raises ValueError on bad values: `check_specs` calls it before
-any model loads. compute_rewards may be called from a background thread (`in_background`: one
-call at a time, in order): train.py's while the next slice samples (rollout.prompts_per_generate),
-eval.py's while the next model generates; within a call, rewards on different judges run at once. The config names rewards,
-weights and arguments:
+`check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
+before any model loads. The config names rewards, weights and arguments:
 
     rewards:
       - {name: json_valid}
@@ -20,35 +17,26 @@ weights and arguments:
 
     total_i = sum_k weight_k * r_k(completion_i, sample_i)    (a None r_k adds 0)
 
-`compute_rewards` fills parameters named `num_tokens` (the completion's token count) or after a
-key of its `context` (e.g. `judge`, or `assistant_prefix`: the text the trainer forced at the
-start of the reply, which the built-in rewards put back in front of the completion); a judge-based
-reward with `args: {judge: NAME}` gets that one of `context["judges"]` (several judges in a run). A reward that raises or returns a non-number never stops a
-run: it gets the spec's fallback, is counted in `errors` and its first failure is logged.
-Model output is only ever parsed here, never evaluated.
+Parameters after (completion, sample) named `num_tokens` (the completion's token count),
+`assistant_prefix` (the text the trainer forced at the start of the reply, which the built-in
+rewards put back in front of the completion), `judge` or `judges` are filled in by
+scoring.compute_rewards. Model output is only ever parsed here, never evaluated.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import difflib
 import functools
 import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import math
-import numbers
 import re
 import sys
-import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, Collection, Literal
-
-log = logging.getLogger("minigrpo.rewards")
-
+from typing import Any, Callable, Literal
 
 @dataclass
 class RewardSpec:
@@ -61,17 +49,7 @@ class RewardSpec:
     label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
 
 
-@dataclass
-class RewardResult:
-    total: list[float]  # (N,) weighted sum over rewards; a None component adds 0; NaN: skipped (fallback: skip)
-    per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; a repeated name gets "name#2"
-    errors: dict[str, int]  # per reward: failed calls here (a batched call that raises counts once)
-
-
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
-_LOGGED: set[str] = set()  # rewards whose first failure was logged: one traceback, not thousands
-
-
 def register(name: str, batched: bool = False):
     """Decorator that makes a reward available to configs under `name`."""
     def decorate(fn):
@@ -147,215 +125,6 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
 def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
     """The parameters after (completion, sample): those that args, num_tokens or context fill."""
     return tuple(inspect.signature(fn).parameters.values())[2:]
-
-
-def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -> None:
-    """Fail early, before any model loads: every reward resolves and accepts its args (and passes
-    its own `check_args(**args)`, where it has one), and a judge-based reward (one taking `judge`)
-    has its judge to call: args.judge names one of `judges` ("judge" is the judge: section, the default).
-    A named judge that no reward calls is an error too: most often a mistyped override made it."""
-    if not specs:
-        raise ValueError("no rewards configured: add at least one entry under `rewards:`")
-    used = {"judge"}  # the judge: section may go unused (a recipe's judge, overridden rewards)
-    for spec in specs:
-        fn, _ = resolve(spec)
-        if "judges" in {p.name for p in _params(fn)}:  # a reward that may call any of them
-            used.update(judges)
-        if "judge" in {p.name for p in _params(fn)}:
-            name = spec.args.get("judge", "judge")
-            if not isinstance(name, str):
-                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} must be the name of a judge")
-            used.add(name)
-            if name == "judge" and name not in judges:
-                raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section (base_url, model, api_key_env)"
-                                 + (f", or name one of judges: ({', '.join(judges)}) with args: {{judge: NAME}}" if judges else ""))
-            if name not in judges:
-                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} is not a configured judge; "
-                                 f"configured: {', '.join(map(repr, judges)) or 'none'} (judges: names them)")
-        if "num_tokens" in spec.args:
-            raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")
-        params = _params(fn)
-        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for arg in spec.args:
-            if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
-                raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{_did_you_mean(arg, names)}; "
-                                 f"it accepts: {', '.join(names) or 'no arguments'}")
-        if callable(getattr(fn, "check_args", None)):  # the reward's own check of its args' values (ratings.human)
-            fn.check_args(**spec.args)
-    for name in [n for n in judges if n not in used]:  # most often a typo in an override, making a new judge
-        close = difflib.get_close_matches(name, sorted(used & set(judges) - {"judge"}), n=1, cutoff=0.5)
-        raise ValueError(f"judges.{name} is called by no reward (args: {{judge: {name}}})"
-                         + (f"; did you mean judges.{close[0]}?" if close else "; remove it or name it in a reward"))
-
-
-def _as_reward(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real) and math.isfinite(value):  # bool is a Real: True -> 1.0
-        return float(value)
-    raise TypeError(f"reward returned {value!r}; expected a finite number or None")
-
-
-def _short(value: Any, limit: int = 300) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "...(truncated)"
-
-
-def reward_keys(specs: list[RewardSpec]) -> list[str]:
-    """Result keys: the spec's label or name, or "name#2", "name#3" when one repeats (other args).
-
-    >>> reward_keys([RewardSpec("judge"), RewardSpec("judge", label="clarity"), RewardSpec("judge")])
-    ['judge', 'clarity', 'judge#2']
-    """
-    seen: dict[str, int] = {}
-    keys = []
-    for spec in specs:
-        key = spec.label or spec.name
-        seen[key] = seen.get(key, 0) + 1
-        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
-    return keys
-
-
-def _prepare(spec: RewardSpec, key: str, context: dict, have_tokens: bool) -> tuple[Callable, bool, dict, bool]:
-    """(function, batched, its keyword arguments, wants num_tokens) for one spec; ValueError on a
-    misconfiguration, which would fail the same way on every sample."""
-    fn, batched = resolve(spec)
-    params = {p.name: p for p in _params(fn)}
-    kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
-    if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
-        if kwargs["judge"] not in context.get("judges", {}):
-            raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} in context['judges']")
-        kwargs["judge"] = context["judges"][kwargs["judge"]]
-    wants_tokens = "num_tokens" in params
-    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
-               and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if missing:
-        raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args or pass it in context")
-    if wants_tokens and not have_tokens:
-        raise ValueError(f"reward {key!r} needs num_tokens: pass num_tokens= to compute_rewards")
-    return fn, batched, kwargs, wants_tokens
-
-
-def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
-                    num_tokens: list[int] | None = None, context: dict | None = None) -> RewardResult:
-    """Score N completions with every reward; per-sample failures become the spec's fallback.
-    Rewards calling different judges run at the same time (each judge's in config order, so its
-    cache answers its later entries): a second judge does not wait for the first."""
-    n, context = len(completions), context or {}
-    if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
-        raise ValueError(f"got {n} completions, {len(samples)} samples and "
-                         f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; they must match")
-    keys = reward_keys(specs)
-    calls = [_prepare(spec, key, context, num_tokens is not None) for spec, key in zip(specs, keys)]
-    errors = dict.fromkeys(keys, 0)
-
-    def values_of(k: int) -> list[float | None]:
-        (fn, batched, kwargs, wants_tokens), spec, key = calls[k], specs[k], keys[k]
-
-        def fail(err: Exception, completion: str, sample: dict) -> float:
-            errors[key] += 1
-            if key not in _LOGGED:
-                _LOGGED.add(key)
-                log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
-                            "sample=%s completion=%s", key, _one_line(err), spec.fallback,
-                            _short(sample), _short(completion), exc_info=err)
-            return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, sorted out below
-
-        values: list[float | None] = []
-        if batched:
-            try:
-                out = fn(completions, samples, **kwargs, **({"num_tokens": num_tokens} if wants_tokens else {}))
-                if not isinstance(out, (list, tuple)) or len(out) != n:
-                    raise TypeError(f"batched reward returned {_short(out, 80)}; expected a list of {n} values")
-            except Exception as err:
-                return [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
-            for value, completion, sample in zip(out, completions, samples):
-                try:
-                    values.append(_as_reward(value))
-                except TypeError as err:
-                    values.append(fail(err, completion, sample))
-            return values
-        for i, (completion, sample) in enumerate(zip(completions, samples)):
-            try:
-                extra = {"num_tokens": num_tokens[i]} if wants_tokens else {}
-                values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
-            except Exception as err:
-                values.append(fail(err, completion, sample))
-        return values
-
-    # One lane per judge (by identity) and one (None) for the rest; a reward that takes `judges` may
-    # call any of them, so then nothing runs at once (a Judge serves one event loop at a time).
-    lanes: dict[int | None, list[int]] = {}
-    for k, (_, _, kwargs, _) in enumerate(calls):
-        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else None, []).append(k)
-    values: list = [None] * len(specs)
-
-    def run(lane: list[int]) -> None:
-        for k in lane:
-            values[k] = values_of(k)
-    if sum(key is not None for key in lanes) > 1 and not any("judges" in kwargs for _, _, kwargs, _ in calls):
-        futures = [in_background(functools.partial(run, lane)) for lane in lanes.values()]
-        concurrent.futures.wait(futures)  # every lane done before anything is raised or returned
-        for future in futures:
-            future.result()  # raises what its lane raised
-    else:
-        run(list(range(len(specs))))
-    result = RewardResult(total=[0.0] * n, per_reward={}, errors=errors)
-    for spec, key, vals in zip(specs, keys, values):
-        # a skipped value (NaN, only from fallback: skip) is logged as missing and makes the total NaN,
-        # unless its weight is 0 (an entry that is only logged)
-        result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in vals]
-        result.total = [t if v is None or (spec.weight == 0 and math.isnan(v)) else t + spec.weight * v
-                        for t, v in zip(result.total, vals)]
-    return result
-
-
-def reward_context(assistant_prefix: str, judges: dict) -> dict:
-    """The context training and eval score with: the forced reply start, the judge: section's judge
-    (`judge`) and every judge by name (`judges`, for args: {judge: NAME})."""
-    return {"assistant_prefix": assistant_prefix, "judge": judges.get("judge"), "judges": judges}
-
-
-def join_results(parts: list[RewardResult]) -> RewardResult:
-    """Results of consecutive slices of one batch as one: values in order, errors summed.
-
-    >>> join_results([RewardResult([1.0], {"a": [1.0]}, {"a": 0}), RewardResult([0.0], {"a": [None]}, {"a": 1})])
-    RewardResult(total=[1.0, 0.0], per_reward={'a': [1.0, None]}, errors={'a': 1})
-    """
-    out = RewardResult(total=[], per_reward={}, errors={})
-    for p in parts:
-        out.total += p.total
-        for k, v in p.per_reward.items():
-            out.per_reward.setdefault(k, []).extend(v)
-        for k, n in p.errors.items():
-            out.errors[k] = out.errors.get(k, 0) + n
-    return out
-
-
-def in_background(fn: Callable[[], Any], after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
-    """fn() in a daemon thread, started once `after` has finished (train.py scores its slices, eval.py
-    its models, one at a time and in order: a Judge serves one event loop at a time). A daemon, so a
-    Ctrl-C while it waits for a judge or for people's ratings exits at once instead of waiting for them."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        if after is not None:
-            concurrent.futures.wait([after])  # its error, if any, is raised where it is read
-        try:
-            future.set_result(fn())
-        except BaseException as err:  # handed to whoever reads the result
-            future.set_exception(err)
-    threading.Thread(target=run, name="rewards", daemon=True).start()
-    return future
-
-
-def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
-    """Mean of the non-None values of each reward, for logging `rewards/<name>/mean`.
-
-    >>> reward_means({"a": [1.0, None, 0.0], "b": [None, None]})
-    {'a': 0.5}
-    """
-    return {k: sum(vs) / len(vs) for k, v in per_reward.items() if (vs := [x for x in v if x is not None])}
 
 
 # ---------------------------------------------------------------- parsing helpers

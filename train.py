@@ -42,7 +42,8 @@ from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_
                    reference_mode, resolve_model_path, trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from judge import Judge, judges_stats, open_judges
-from rewards import RewardResult, check_specs, compute_rewards, in_background, join_results, reward_context, reward_means
+from scoring import (RewardResult, check_specs, compute_rewards, in_background, join_results, reward_context,
+                     reward_means)
 
 
 # ----------------------------------------------------------------------------- one step

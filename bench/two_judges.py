@@ -21,7 +21,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from fake_openai_server import FakeOpenAIServer, ok  # noqa: E402
 from judge import JudgeConfig, open_judges  # noqa: E402
-from rewards import RewardSpec, compute_rewards, reward_context  # noqa: E402
+from rewards import RewardSpec  # noqa: E402
+from scoring import compute_rewards, reward_context  # noqa: E402
 
 
 def main() -> int:

@@ -223,7 +223,7 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     from config import load_config
     from rollout import chat_messages
     from model import pick_device, pick_dtype, resolve_model_path
-    from rewards import compute_rewards
+    from scoring import compute_rewards
 
     cfg = load_config(cfg_path)
     ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run

@@ -12,7 +12,8 @@ import eval as ev
 from config import ConfigError, ModelConfig
 from fake_openai_server import FakeOpenAIServer, ok, server_error
 from model import save_adapter
-from rewards import RewardSpec, compute_rewards
+from rewards import RewardSpec
+from scoring import compute_rewards
 
 MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
 

@@ -15,7 +15,8 @@ import pytest
 import jsonl
 import ratings
 from ratings import Store, human, item_id, make_server
-from rewards import RewardSpec, check_specs, compute_rewards
+from rewards import RewardSpec
+from scoring import check_specs, compute_rewards
 
 CRITERIA = ["relevance", "clarity"]
 

@@ -1,0 +1,245 @@
+"""Tests for scoring.py: check_specs before anything loads, then compute_rewards: weights, repeated
+names, num_tokens and context, named judges (at once, each in order), fallbacks, batched rewards."""
+import logging
+import math
+import threading
+import types
+
+import pytest
+
+from rewards import REGISTRY, RewardSpec
+from scoring import check_specs, compute_rewards, reward_means
+from test_rewards import _pred
+
+
+# ---------------------------------------------------------------- check_specs
+
+def test_check_specs_accepts_good_specs():
+    assert check_specs([RewardSpec("json_valid", args={"allow_fence": True}),
+                        RewardSpec("choice_accuracy", weight=2.0, args={"gold_key": "cop"}),
+                        RewardSpec("length_penalty", args={"max_tokens": 256, "cache_tokens": 64})]) is None
+
+
+def test_check_specs_rejects_an_empty_list_unknown_names_and_unknown_args():
+    with pytest.raises(ValueError, match="no rewards"):
+        check_specs([])
+    with pytest.raises(ValueError, match="json_schema"):
+        check_specs([RewardSpec("json_valid"), RewardSpec("json_shema")])
+    with pytest.raises(ValueError, match=r"'json_valid' has no argument 'allow_fences'.*'allow_fence'"):
+        check_specs([RewardSpec("json_valid", args={"allow_fences": True})])
+    with pytest.raises(ValueError, match="'completion'"):
+        check_specs([RewardSpec("json_valid", args={"completion": "x"})])
+    with pytest.raises(ValueError, match="num_tokens"):
+        check_specs([RewardSpec("length_penalty", args={"num_tokens": 3})])
+
+
+def test_check_specs_lets_a_function_with_kwargs_take_any_arg(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "test_kwargs", (lambda completion, sample, **kw: 1.0, False))
+    check_specs([RewardSpec("test_kwargs", args={"anything": 1})])
+
+
+# ---------------------------------------------------------------- compute_rewards
+
+def test_compute_rewards_weights_components_and_skips_none_in_the_total():
+    completions = [_pred("B"), _pred("C"), "not json"]
+    samples = [{"answer": "B"}, {"answer": "B"}, {}]
+    specs = [RewardSpec("json_valid", weight=0.5), RewardSpec("choice_accuracy", weight=2.0, fallback=-1.0)]
+    result = compute_rewards(completions, samples, specs)
+    assert result.per_reward == {"json_valid": [1.0, 1.0, 0.0], "choice_accuracy": [1.0, 0.0, None]}
+    assert result.total == [2.5, 0.5, 0.0]
+    assert result.errors == {"json_valid": 0, "choice_accuracy": 0}
+    assert reward_means(result.per_reward) == {"json_valid": 2 / 3, "choice_accuracy": 0.5}
+    assert reward_means({"choice_accuracy": [None, None]}) == {}
+
+
+def test_compute_rewards_keeps_a_repeated_name_apart_with_its_own_args():
+    specs = [RewardSpec("short_answer"), RewardSpec("short_answer", weight=-1.0, args={"max_words": 1})]
+    result = compute_rewards(["a b c"], [{}], specs)
+    assert result.per_reward == {"short_answer": [1.0], "short_answer#2": [pytest.approx(1 / 3)]}
+    assert result.total == [pytest.approx(1 - 1 / 3)]
+
+
+def test_compute_rewards_passes_num_tokens_only_to_rewards_that_take_it():
+    specs = [RewardSpec("length_penalty", args={"max_tokens": 100, "cache_tokens": 50}), RewardSpec("short_answer")]
+    result = compute_rewards(["a", "b", "c"], [{}, {}, {}], specs, num_tokens=[10, 75, 500])
+    assert result.per_reward["length_penalty"] == [0.0, -0.5, -1.0]
+    assert result.total == [1.0, 0.5, 0.0]
+    with pytest.raises(ValueError, match="num_tokens"):
+        compute_rewards(["a"], [{}], specs)
+    with pytest.raises(ValueError, match="must match"):
+        compute_rewards(["a"], [{}], specs, num_tokens=[1, 2])
+    with pytest.raises(ValueError, match="must match"):
+        compute_rewards(["a", "b"], [{}], specs, num_tokens=[1, 2])
+
+
+def test_compute_rewards_passes_context_keys_a_reward_asks_for(monkeypatch):
+    seen = []
+
+    def judged(completion, sample, judge, scale=1.0):
+        seen.append(judge)
+        return judge(completion) * scale
+    monkeypatch.setitem(REGISTRY, "test_judged", (judged, False))
+    judge = len
+    specs = [RewardSpec("test_judged", args={"scale": 2.0}), RewardSpec("json_valid")]  # json_valid takes no judge
+    result = compute_rewards(["ab", "{}"], [{}, {}], specs, context={"judge": judge, "unused": object()})
+    assert result.per_reward == {"test_judged": [4.0, 4.0], "json_valid": [0.0, 1.0]}
+    assert seen == [judge, judge]
+    with pytest.raises(ValueError, match="'test_judged' needs judge"):
+        compute_rewards(["ab"], [{}], specs)
+
+
+def test_a_named_judge_in_args_picks_that_judge_from_context_judges(monkeypatch):
+    def judged(completion, sample, judge):
+        return judge(completion)
+    monkeypatch.setitem(REGISTRY, "test_named_judge", (judged, False))
+    first, second = len, lambda text: 10.0 * len(text)
+    specs = [RewardSpec("test_named_judge"), RewardSpec("test_named_judge", label="second", args={"judge": "second"})]
+    context = {"judge": first, "judges": {"judge": first, "second": second}}
+    result = compute_rewards(["ab", "c"], [{}, {}], specs, context=context)
+    assert result.per_reward == {"test_named_judge": [2.0, 1.0], "second": [20.0, 10.0]}
+    with pytest.raises(ValueError, match="no judge named 'third'"):  # a misconfiguration raises, it is not a fallback
+        compute_rewards(["ab"], [{}], [RewardSpec("test_named_judge", args={"judge": "third"})], context=context)
+
+
+def test_rewards_on_different_judges_run_at_once_and_each_judge_s_own_in_order(monkeypatch):
+    started = {"a": threading.Event(), "b": threading.Event()}
+    order = []
+
+    def judged(completions, samples, *, judge, tag):
+        order.append((judge.name, tag))
+        started[judge.name].set()
+        met = started["b" if judge.name == "a" else "a"].wait(timeout=5)  # at once: each sees the other start
+        return [1.0 if met else 0.0] * len(completions)
+    monkeypatch.setitem(REGISTRY, "test_lanes", (judged, True))
+    judges = {"first": types.SimpleNamespace(name="a"), "second": types.SimpleNamespace(name="b")}
+    specs = [RewardSpec("test_lanes", label=f"{j}_{t}", args={"judge": j, "tag": t})
+             for j, t in [("first", "x"), ("second", "x"), ("first", "y")]]
+    result = compute_rewards(["c"], [{}], specs, context={"judges": judges})
+    assert result.per_reward == {"first_x": [1.0], "second_x": [1.0], "first_y": [1.0]}  # in config order
+    assert order.index(("a", "x")) < order.index(("a", "y"))  # one judge's rewards in order: its cache serves the later
+
+
+def test_check_specs_wants_each_judge_based_reward_s_judge_configured():
+    default, named = RewardSpec("judge"), RewardSpec("judge", args={"judge": "second"})
+    check_specs([default, named], judges=["judge", "second"])
+    check_specs([named, RewardSpec("json_valid")], judges=["second"])  # no judge: section needed when none uses it
+    with pytest.raises(ValueError, match=r"needs a judge: add a `judge:` section.*or name one of judges: \(second\) with args"):
+        check_specs([default], judges=["second"])
+    with pytest.raises(ValueError, match=r"args.judge='third' is not a configured judge; configured: 'judge', 'second'"):
+        check_specs([RewardSpec("judge", args={"judge": "third"})], judges=["judge", "second"])
+    with pytest.raises(ValueError, match="needs a judge: add a `judge:` section"):
+        check_specs([default], judges=[])
+    # a mistyped name in an override (--judges.secnd.model=...) makes a judge that no reward calls
+    with pytest.raises(ValueError, match=r"judges.secnd is called by no reward .*did you mean judges.second\?"):
+        check_specs([default, named], judges=["judge", "second", "secnd"])
+    check_specs([RewardSpec("json_valid")], judges=["judge"])  # the judge: section may go unused
+    with pytest.raises(ValueError, match="args.judge=3 must be the name of a judge"):
+        check_specs([RewardSpec("judge", args={"judge": 3})], judges=["judge"])
+
+
+def test_a_reward_taking_all_judges_uses_them_all_and_runs_nothing_at_once(monkeypatch):
+    calls = []
+
+    def either(completions, samples, *, judges):  # a custom reward that picks its judge itself
+        calls.append(("either", threading.current_thread().name))
+        return [judges["second"].score] * len(completions)
+
+    def one(completions, samples, *, judge):
+        calls.append((judge.score, threading.current_thread().name))
+        return [judge.score] * len(completions)
+    monkeypatch.setitem(REGISTRY, "test_either", (either, True))
+    monkeypatch.setitem(REGISTRY, "test_one", (one, True))
+    specs = [RewardSpec("test_either"), RewardSpec("test_one"), RewardSpec("test_one", args={"judge": "second"})]
+    check_specs(specs[:1], judges=["judge", "second"])  # `judges` counts as calling every judge
+    first, second = types.SimpleNamespace(score=1.0), types.SimpleNamespace(score=2.0)
+    result = compute_rewards(["c"], [{}], specs, context={"judge": first, "judges": {"judge": first, "second": second}})
+    assert result.per_reward == {"test_either": [2.0], "test_one": [1.0], "test_one#2": [2.0]}
+    assert {thread for _, thread in calls} == {threading.current_thread().name}  # one thread: a Judge never shared
+
+
+def test_a_raising_reward_gets_the_fallback_is_counted_and_logged_once(monkeypatch, caplog):
+    def fragile(completion, sample):
+        if completion == "boom":
+            raise RuntimeError("parser exploded")
+        return 1.0
+    monkeypatch.setitem(REGISTRY, "test_fragile_1b7", (fragile, False))
+    specs = [RewardSpec("test_fragile_1b7", fallback=-1.0), RewardSpec("json_valid", weight=0.0)]
+    samples = [{"id": "sample-one"}, {"id": "sample-two"}, {"id": "x" * 10_000}]
+    with caplog.at_level(logging.WARNING, logger="minigrpo.scoring"):
+        first = compute_rewards(["boom", "fine", "boom"], samples, specs)
+        second = compute_rewards(["boom", "boom", "fine"], samples, specs)
+    assert first.per_reward["test_fragile_1b7"] == [-1.0, 1.0, -1.0] and first.total == [-1.0, 1.0, -1.0]
+    assert first.errors == {"test_fragile_1b7": 2, "json_valid": 0} and second.errors["test_fragile_1b7"] == 2
+    logged = [r for r in caplog.records if r.name == "minigrpo.scoring"]
+    assert len(logged) == 1
+    message = logged[0].getMessage()
+    assert "test_fragile_1b7" in message and "parser exploded" in message and "sample-one" in message
+    assert len(message) < 2000  # the sample is truncated
+
+
+@pytest.mark.parametrize("value", ["yes", float("nan"), float("inf"), [1.0], {"score": 1}])
+def test_a_non_number_result_counts_as_an_error(monkeypatch, value):
+    monkeypatch.setitem(REGISTRY, "test_bad_value", (lambda completion, sample: value, False))
+    result = compute_rewards(["a", "b"], [{}, {}], [RewardSpec("test_bad_value", fallback=0.25)])
+    assert result.per_reward["test_bad_value"] == [0.25, 0.25] and result.errors["test_bad_value"] == 2
+
+
+def test_bool_and_int_results_become_floats(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "test_bool", (lambda completion, sample: completion == "y", False))
+    monkeypatch.setitem(REGISTRY, "test_int", (lambda completion, sample: 2, False))
+    result = compute_rewards(["y", "n"], [{}, {}], [RewardSpec("test_bool"), RewardSpec("test_int")])
+    assert result.per_reward == {"test_bool": [1.0, 0.0], "test_int": [2.0, 2.0]}
+    assert all(type(v) is float for vs in result.per_reward.values() for v in vs)
+    assert result.total == [3.0, 2.0] and result.errors == {"test_bool": 0, "test_int": 0}
+
+
+def test_a_batched_reward_gets_whole_lists_and_fails_as_a_batch(monkeypatch):
+    calls = []
+
+    def batch(completions, samples, num_tokens, bonus=0.0):
+        calls.append((list(completions), list(num_tokens)))
+        return [len(c) + bonus if c != "skip" else None for c in completions]
+
+    def broken(completions, samples):
+        raise TimeoutError("judge timed out")
+    monkeypatch.setitem(REGISTRY, "test_batch", (batch, True))
+    monkeypatch.setitem(REGISTRY, "test_broken_batch", (broken, True))
+    monkeypatch.setitem(REGISTRY, "test_short_batch", (lambda completions, samples: [1.0], True))
+    specs = [RewardSpec("test_batch", args={"bonus": 1.0}), RewardSpec("test_broken_batch", fallback=-0.5),
+             RewardSpec("test_short_batch", fallback=0.0)]
+    result = compute_rewards(["ab", "skip", "abcd"], [{}, {}, {}], specs, num_tokens=[2, 1, 4])
+    assert calls == [(["ab", "skip", "abcd"], [2, 1, 4])]
+    assert result.per_reward["test_batch"] == [3.0, None, 5.0]
+    assert result.per_reward["test_broken_batch"] == [-0.5, -0.5, -0.5]
+    assert result.per_reward["test_short_batch"] == [0.0, 0.0, 0.0]
+    assert result.errors == {"test_batch": 0, "test_broken_batch": 1, "test_short_batch": 1}
+    assert result.total == [2.5, -0.5, 4.5]
+
+
+def test_a_misconfigured_spec_fails_loudly_instead_of_silently_scoring(monkeypatch):
+    with pytest.raises(ValueError, match="unknown reward"):
+        compute_rewards(["a"], [{}], [RewardSpec("nope")])
+    # an arg the function accepts but rejects by value is only known per call: counted and logged
+    result = compute_rewards(["{}"], [{}], [RewardSpec("json_schema", args={"schema": {"a": {"bad": 1}}})])
+    assert result.per_reward == {"json_schema": [0.0]} and result.errors == {"json_schema": 1}
+
+
+def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
+    """fallback: skip gives a failed completion no value: its total is NaN (the trainer leaves it out
+    of the advantages and the loss), it logs as missing, and a weight-0 entry never makes it NaN."""
+    def shaky(completions, samples):
+        return [math.nan if c == "bad" else 1.0 for c in completions]  # a judge that failed on "bad"
+
+    def down(completions, samples):
+        raise ConnectionError("judge down")
+    monkeypatch.setitem(REGISTRY, "test_shaky", (shaky, True))
+    monkeypatch.setitem(REGISTRY, "test_down", (down, True))
+    texts, samples = ["ok", "bad", "ok"], [{}] * 3
+    res = compute_rewards(texts, samples, [RewardSpec("test_shaky", fallback="skip"), RewardSpec("short_answer")])
+    assert res.total[0] == 2.0 and math.isnan(res.total[1]) and res.total[2] == 2.0
+    assert res.per_reward["test_shaky"] == [1.0, None, 1.0] and res.errors["test_shaky"] == 1
+    logged = compute_rewards(texts, samples, [RewardSpec("short_answer"), RewardSpec("test_shaky", weight=0.0, fallback="skip")])
+    assert logged.total == [1.0, 1.0, 1.0]
+    down_res = compute_rewards(texts, samples, [RewardSpec("test_down", fallback="skip")])
+    assert all(math.isnan(t) for t in down_res.total) and down_res.errors["test_down"] == 1  # one failed call
+    assert compute_rewards(texts, samples, [RewardSpec("test_down", fallback=-1.0)]).total == [-1.0] * 3
