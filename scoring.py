@@ -78,7 +78,8 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
     for name in [n for n in judges if n not in used]:  # most often a typo in an override, making a new judge
         close = difflib.get_close_matches(name, sorted(used & set(judges) - {"judge"}), n=1, cutoff=0.5)
         raise ValueError(f"judges.{name} is called by no reward (args: {{judge: {name}}})"
-                         + (f"; did you mean judges.{close[0]}?" if close else "; remove it or name it in a reward"))
+                         + (f"; did you mean judges.{close[0]}?" if close else
+                            "; name it in a reward, or drop the judges: section (--judges={} on the command line)"))
 
 
 def _as_reward(value: Any) -> float | None:
