@@ -4,6 +4,7 @@
     judge = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))
     rewards = judge_reward(completions, samples, judge=judge)  # list[float | None]; None = judge failed
     judge.pop_step_stats()  # {"judge_requests": 8.0, "judge_cost_usd": 0.0012, ..., "judge_cost_usd_total": ...}
+    judges = open_judges(cfg.judge, cfg.judges)  # {"judge": ..., "second": ...}: the judge: and judges: sections
 
 Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at most
 `max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request timeout,
