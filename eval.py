@@ -257,11 +257,6 @@ def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Genera
     return Generated(texts, num_tokens, None, failures=sum(r is None for r in replies))
 
 
-def score(gen: Generated, samples: list[dict], cfg: Config, assistant_prefix: str, judges: dict[str, Judge]) -> RewardResult:
-    return compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
-                           context=reward_context(assistant_prefix, judges))
-
-
 def held_out_rows(cfg: Config) -> list[dict]:
     """eval.select's rows (from eval.split), the first eval.limit of each source when set."""
     return [row for src in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
@@ -279,7 +274,8 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
                judges: dict[str, Judge]) -> tuple[list[dict], RewardResult, dict]:
     """-> (the row of each of the n-per-row completions, their rewards, model_metrics)."""
     samples = [r for r in rows for _ in range(n)]
-    res = score(gen, samples, cfg, assistant_prefix, judges)
+    res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
+                          context=reward_context(assistant_prefix, judges))
     return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
 
 

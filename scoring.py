@@ -52,9 +52,10 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
     used = {"judge"}  # the judge: section may go unused (a recipe's judge, overridden rewards)
     for spec in specs:
         fn, _ = resolve(spec)
-        if "judges" in {p.name for p in _params(fn)}:  # a reward that may call any of them
+        params = _params(fn)
+        if "judges" in {p.name for p in params}:  # a reward that may call any of them
             used.update(judges)
-        if "judge" in {p.name for p in _params(fn)}:
+        if "judge" in {p.name for p in params}:
             name = spec.args.get("judge", "judge")
             if not isinstance(name, str):
                 raise ValueError(f"reward {spec.name!r}: args.judge={name!r} must be the name of a judge")
@@ -67,7 +68,6 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
                                  f"configured: {', '.join(map(repr, judges)) or 'none'} (judges: names them)")
         if "num_tokens" in spec.args:
             raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; remove it from args")
-        params = _params(fn)
         names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         for arg in spec.args:
             if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):

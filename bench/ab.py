@@ -47,8 +47,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.judge_delay is not None:
         sys.path.insert(0, str(ROOT / "tests"))
-        from fake_openai_server import FakeOpenAIServer, ok
-        judge = FakeOpenAIServer(reply=lambda body: '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11),
+        from fake_openai_server import FakeOpenAIServer, length_score, ok
+        judge = FakeOpenAIServer(reply=length_score,
                                  default=ok(delay_s=args.judge_delay)).start()
         args.a.insert(0, f"judge.base_url={judge.url}")
         args.b.insert(0, f"judge.base_url={judge.url}")

@@ -25,18 +25,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import eval as ev  # noqa: E402
-from fake_openai_server import FakeOpenAIServer, ok  # noqa: E402
+from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from model import resolve_model_path  # noqa: E402
+from scoring import in_background  # noqa: E402
 
 
 def synchronous(fn, after=None) -> concurrent.futures.Future:
-    """ev.in_background, but fn() runs here and now: eval.py scoring each model before the next."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    try:
-        future.set_result(fn())
-    except BaseException as err:
-        future.set_exception(err)
+    """ev.in_background, waited for: eval.py scoring each model before the next one generates."""
+    future = in_background(fn, after)
+    concurrent.futures.wait([future])
     return future
 
 
@@ -49,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
     base = resolve_model_path(ModelConfig(name="smollm2-135m"))  # converted once, then cached
     times: dict[str, list[float]] = {"sequential": [], "overlapped": []}
-    with FakeOpenAIServer(reply=lambda body: '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11),
+    with FakeOpenAIServer(reply=length_score,
                           default=ok(delay_s=args.judge_delay)) as judge, tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             for way in times:

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from fake_openai_server import FakeOpenAIServer, ok  # noqa: E402
+from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
 from judge import JudgeConfig, open_judges  # noqa: E402
 from rewards import RewardSpec  # noqa: E402
 from scoring import compute_rewards, reward_context  # noqa: E402
@@ -31,9 +31,8 @@ def main() -> int:
     ap.add_argument("--completions", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3, help="alternations (one after the other, at once)")
     args = ap.parse_args()
-    reply = lambda body: '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11)  # noqa: E731
-    with FakeOpenAIServer(reply=reply, default=ok(delay_s=args.judge_delay)) as a, \
-            FakeOpenAIServer(reply=reply, default=ok(delay_s=args.judge_delay)) as b:
+    with FakeOpenAIServer(reply=length_score, default=ok(delay_s=args.judge_delay)) as a, \
+            FakeOpenAIServer(reply=length_score, default=ok(delay_s=args.judge_delay)) as b:
         config = dict(api_key_env="MINIGRPO_BENCH_NO_KEY", max_concurrent=8, max_retries=0, memory_cache=False)
         judges = open_judges(JudgeConfig(base_url=a.url, model="first", **config),
                              {"second": JudgeConfig(base_url=b.url, model="second", **config)})

@@ -43,6 +43,12 @@ class Behaviour:
     delay_s: float = 0.0  # wait this long before answering (longer than the client timeout = a stall)
 
 
+def length_score(body: dict) -> str:
+    """A reply for `reply=`: a 0-10 score that varies with the last message's length, so different
+    completions get different scores (the benchmarks' fake judge)."""
+    return '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11)
+
+
 def ok(text: str | None = None, delay_s: float = 0.0) -> Behaviour:
     """A normal 200 answer (fixed text, or server.reply(body) when text is None)."""
     return Behaviour(text=text, delay_s=delay_s)
