@@ -68,11 +68,11 @@ from scipy.stats import spearmanr
 
 import jsonl
 import rollout
-from config import Config, ConfigError, ModelConfig, config_to_dict, judge_names, judge_sections, load_config, redacted
+from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
 from data import check_not_data_file, load_sources
-from judge import Judge, judges_stats, open_judges
+from judge import Judge, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from scoring import (RewardResult, check_specs, compute_rewards, in_background, reward_context, reward_keys,
+from scoring import (RewardResult, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
                      reward_means)
 
 
@@ -294,22 +294,13 @@ class Plan:
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
-    try:
-        check_specs(cfg.rewards, judges=judge_names(cfg))
-    except ValueError as e:
-        raise ConfigError(f"rewards: {e}") from None
     entries = parse_model_entries(args.models, cfg.model)
     if any(e.kind == "api" for e in entries) and cfg.eval.api is None:
         raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
-    for key, j in judge_sections(cfg).items():
-        check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
     check_not_data_file(cfg.data, cfg.eval.api and cfg.eval.api.cache_path, "eval.api.cache_path")
-    try:
-        judges = open_judges(cfg.judge, cfg.judges)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    judges = open_scoring(cfg)
     try:
         api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
     except ValueError as e:

@@ -27,6 +27,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
+from config import Config, ConfigError, judge_names, judge_sections
+from data import check_not_data_file
+from judge import Judge, open_judges
 from rewards import RewardSpec, _did_you_mean, _one_line, _params, resolve
 
 log = logging.getLogger("minigrpo.scoring")
@@ -37,6 +40,22 @@ class RewardResult:
     total: list[float]  # (N,) weighted sum over rewards; a None component adds 0; NaN: skipped (fallback: skip)
     per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; a repeated name gets "name#2"
     errors: dict[str, int]  # per reward: failed calls here (a batched call that raises counts once)
+
+
+def open_scoring(cfg: Config, check_rewards: bool = True) -> dict[str, Judge]:
+    """train.py's and eval.py's checks of the rewards and judges, then the judges opened, by name
+    ("judge" for the judge: section). Everything here fails as ConfigError, before any model loads."""
+    try:
+        if check_rewards:
+            check_specs(cfg.rewards, judges=judge_names(cfg))
+    except ValueError as e:
+        raise ConfigError(f"rewards: {e}") from None
+    for key, j in judge_sections(cfg).items():
+        check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
+    try:
+        return open_judges(cfg.judge, cfg.judges)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 _LOGGED: set[str] = set()  # rewards whose first failure was logged: one traceback, not thousands

@@ -36,13 +36,13 @@ import jsonl
 import logprobs
 import rollout
 import vllm_engine
-from config import Config, ConfigError, config_to_dict, judge_names, judge_sections, load_config, redacted, save_config
-from data import PromptSampler, check_not_data_file, load_sources
+from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
+from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
                    reference_mode, resolve_model_path, trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge, judges_stats, open_judges
-from scoring import (RewardResult, check_specs, compute_rewards, in_background, join_results, reward_context,
+from judge import Judge, judges_stats
+from scoring import (RewardResult, compute_rewards, in_background, join_results, open_scoring, reward_context,
                      reward_means)
 
 
@@ -390,17 +390,7 @@ def setup(args, overrides: list[str]) -> Run:
     """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
     vllm_engine.check_config(cfg)
-    try:
-        if cfg.rewards or cfg.mode == "grpo":
-            check_specs(cfg.rewards, judges=judge_names(cfg))
-    except ValueError as e:
-        raise ConfigError(f"rewards: {e}") from None
-    for key, j in judge_sections(cfg).items():
-        check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
-    try:
-        judges = open_judges(cfg.judge, cfg.judges)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
     if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
