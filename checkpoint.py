@@ -80,7 +80,9 @@ def save_checkpoint(r: Run, step: int) -> Path:
     return final
 
 
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler, scaler) -> dict:
+def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
+    """Weights, optimizer, scaler and RNG states back in place; the returned state holds the step, the
+    data position and the schedule's update count (the caller rebuilds the schedule from the config)."""
     from safetensors.torch import load_file
     if is_peft(model):
         from peft import set_peft_model_state_dict
@@ -94,7 +96,6 @@ def load_checkpoint(ckpt: Path, model, optimizer, scheduler, scaler) -> dict:
             raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])
     rng = state["rng"]

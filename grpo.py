@@ -148,14 +148,18 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
     old_logp None means on-policy (num_iterations = 1): old_logp = logp.detach().
+    Outside the mask (padding, skipped or masked truncated rows) old_logp and ref_logp are replaced
+    by logp.detach(), so rho = 1 and KL = 0 there: masking the loss afterwards hides only the value,
+    and exp(ref - logp) overflowing at a padding token would still make the gradient 0 * inf = NaN.
     Clip fractions count tokens where the clip is active: rho < 1 - eps with A < 0 (low),
     rho > 1 + eps_high with A > 0 (high). Divide the sums by `tokens` for means.
     """
-    if old_logp is None:
-        old_logp = logp.detach()
+    m = mask.bool()  # (n, C)
+    old_logp = logp.detach() if old_logp is None else torch.where(m, old_logp, logp.detach())  # (n, C)
+    if ref_logp is not None:
+        ref_logp = torch.where(m, ref_logp, logp.detach())  # (n, C)
     loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight)  # (n, C) x3
     loss = aggregate(loss_tok, mask, norm)
-    m = mask.bool()
     a = adv[:, None].expand_as(rho)  # (n, C)
     with torch.no_grad():
         stats = {

@@ -25,6 +25,7 @@ import random
 import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,7 +195,8 @@ def micro_batch_log_probs(model, batch: rollout.Rollout, ids, attn, mb: slice, c
 
 @torch.no_grad()
 def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
-    """(N, C) log-probs of the sampled tokens, zero past each row's end (old or reference policy)."""
+    """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each micro-batch's longest
+    completion; between a row's end and that, the log-probs of padding, which the loss masks out."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
     ids, attn = batch.input_ids, batch.attention_mask
     for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
@@ -270,17 +272,25 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
 
 
 def optimizer_step(r: Run) -> tuple[float, float]:
-    """Unscale (fp16), clip, step the optimizer and the schedule -> (grad norm, lr used)."""
+    """Unscale (fp16), clip, step the optimizer and the schedule -> (grad norm, lr used).
+    A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
+    would write NaN into every trained weight for the rest of the run."""
     if r.scaler:
         r.scaler.unscale_(r.optimizer)
     max_norm = r.cfg.optim.max_grad_norm if r.cfg.optim.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, max_norm))
     lr = r.scheduler.get_last_lr()[0]
     if r.scaler:
-        r.scaler.step(r.optimizer)
+        r.scaler.step(r.optimizer)  # skips non-finite gradients itself, and lowers the loss scale
         r.scaler.update()
-    else:
+    elif math.isfinite(grad_norm):
         r.optimizer.step()
+    else:
+        print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped", file=sys.stderr)
+        with warnings.catch_warnings():  # torch warns when no optimizer.step came first; LambdaLR reads only the count
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            r.scheduler.step()
+        return grad_norm, lr
     r.scheduler.step()
     return grad_norm, lr
 
@@ -431,22 +441,26 @@ def setup(args, overrides: list[str]) -> Run:
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     updates = cfg.run.steps * (cfg.grpo.num_iterations if cfg.mode == "grpo" else 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates))
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
     sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed, [(s.weight, s.weight_end) for s in sources])
-    start = 0
+    start, updates_done = 0, 0
     if ckpts:
-        state = load_checkpoint(ckpts[-1], model, optimizer, scheduler, scaler)
-        start = state["step"]
+        state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
+        start, updates_done = state["step"], state["scheduler"]["last_epoch"]
+        for group in optimizer.param_groups:  # Adam's moments from the checkpoint, its settings from the config
+            group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                         weight_decay=cfg.optim.weight_decay)
         sampler.load_state(state["data_position"])
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
+    # resumed: the schedule continues from the updates done, on the config's peak lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates), last_epoch=updates_done - 1)
     engine = None
     if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
-                                        lora_rank=model.peft_config["default"].r)
+                                        lora_rank=model.peft_config["default"].r, start=start)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
                scheduler, scaler, sampler, judges, start, engine, eval_rows)
 
@@ -490,6 +504,12 @@ NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards diffe
              "run.stop_without_signal: N stops such a run.")
 
 
+def flat_steps_at_end(metrics_path: Path) -> int:
+    """How many of the logged steps, counted back from the last, had no learning signal (frac_reward_zero_std = 1)."""
+    flags = [rec.get("frac_reward_zero_std") == 1.0 for _, _, rec in jsonl.read(metrics_path) if rec]
+    return next((i for i, flat in enumerate(reversed(flags)) if not flat), len(flags))
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -510,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     from sft import sft_step  # sft.py imports from this module: import it late
     step_fn = sft_step if cfg.mode == "sft" else train_step
-    flat_steps = 0  # steps in a row without a learning signal
+    flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
     tracker = open_tracker(cfg, run_dir, resumed=start > 0)
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):

@@ -54,8 +54,10 @@ def check_config(cfg: Config) -> None:
 
 
 class VllmEngine:
-    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype, lora_rank: int):
-        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its own)."""
+    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype, lora_rank: int, start: int = 0):
+        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its own).
+        start: the step a resumed run goes on from; vLLM's seed is run.seed + start, so a resumed run
+        draws new samples instead of replaying the sampling noise of step 1."""
         if lora_rank > LORA_RANKS[-1]:
             raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, the adapter has rank {lora_rank}")
         try:
@@ -69,7 +71,7 @@ class VllmEngine:
         ro, m = cfg.rollout, cfg.model
         self.llm = LLM(
             model=base_path, tokenizer=base_path, revision=m.revision, tokenizer_revision=m.revision,
-            trust_remote_code=m.trust_remote_code, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed,
+            trust_remote_code=m.trust_remote_code, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed + start,
             gpu_memory_utilization=ro.vllm_gpu_memory_utilization, enable_sleep_mode=ro.vllm_sleep,
             max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
             enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),

@@ -130,6 +130,23 @@ def test_kl_is_zero_when_policy_equals_reference_and_positive_otherwise():
     assert diff["kl_sum"] / diff["tokens"] == pytest.approx(float(torch.exp(d) - d - 1), rel=1e-5)
 
 
+@pytest.mark.parametrize("old_given", [False, True])
+def test_extreme_log_probs_outside_the_mask_leave_the_gradient_finite(old_given):
+    # a padding token's log-prob can be anything: exp(ref - logp) overflows to inf there, and masking
+    # the loss afterwards would still give it a 0 * inf = NaN gradient, spreading to every weight
+    logp = torch.tensor([[-1.0, -1.0, -95.0]], requires_grad=True)
+    ref = torch.tensor([[-1.1, -0.9, -2.0]])
+    old = torch.tensor([[-1.0, -1.0, -300.0]]) if old_given else None
+    mask, adv = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1.0])
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, LossNorm("dapo", 1, 2, 3, 1), beta=0.04)
+    (g,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(g).all() and g[0, 2] == 0
+    expected = reference_loss(logp.detach().clone().requires_grad_(), logp.detach() if old is None else old,
+                              ref, adv, mask, "dapo", 0.2, 0.2, 0.04, 3)
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-6)
+    assert stats["kl_sum"] == pytest.approx(sum(math.exp(d) - d - 1 for d in (-0.1, 0.1)), rel=1e-5)
+
+
 def test_group_advantages_in_the_three_scale_modes():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])  # group 2 has zero std
     g = torch.tensor([1.0, 0.0, 0.0, 0.0])

@@ -5,6 +5,7 @@ import math
 import shutil
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -76,6 +77,19 @@ def test_resume_reproduces_the_uninterrupted_run(setup):
     assert [x["step"] for x in resumed] == [1, 2, 3, 4]
     for a, b in zip(uninterrupted, resumed):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_resume_with_a_changed_lr_uses_it_from_the_next_update(setup, capsys):
+    """Adam's moments come from the checkpoint; lr, betas and weight decay from the config, as the
+    "resuming with changed settings" line says (the optimizer's state would otherwise keep the old)."""
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.steps=1", "--run.save_every=1", "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0"]
+    assert train.main(args + ["--optim.lr=0.01"]) == 0
+    assert train.main(args + ["--optim.lr=0.001", "--run.steps=2", "--optim.weight_decay=0.5", "--resume"]) == 0
+    assert "changed settings: optim.lr, optim.weight_decay, run.steps" in capsys.readouterr().err
+    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == [0.01, 0.001]
+    state = torch.load(run / "checkpoints/step_000002/trainer_state.pt", weights_only=False)
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5 and state["scheduler"]["last_epoch"] == 2
 
 
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
@@ -330,6 +344,10 @@ def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_c
     assert "in the last 2 steps" in err and "stopped at step 2" in err
     assert [m["step"] for m in lines(out / "metrics.jsonl")] == [1, 2]
     assert (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
+    # resumed, the count goes on: the flat steps before the stop count towards the new limit
+    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=3", f"--run.out_dir={out}",
+                       "--resume"]) == 3
+    assert "stopped at step 3" in capsys.readouterr().err
 
 
 def test_eval_every_logs_held_out_metrics_and_leaves_training_as_it_was(setup, capsys):
@@ -427,3 +445,17 @@ def test_full_finetuning_in_half_precision_is_refused(setup, capsys):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--lora.enabled=false", "--model.dtype=bfloat16"]) == 2
     assert "needs fp32 master weights" in capsys.readouterr().err and not run.exists()
+
+
+def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    cfg = train.Config()
+    r = types.SimpleNamespace(cfg=cfg, scaler=None, params=[w], optimizer=opt, scheduler=sched)
+    w.grad = torch.tensor([1.0, float("nan"), 0.0])
+    gn, _ = train.optimizer_step(r)
+    assert math.isnan(gn) and w.tolist() == [1.0, 1.0, 1.0] and "update is skipped" in capsys.readouterr().err
+    w.grad = torch.tensor([1.0, 0.0, 0.0])
+    gn, _ = train.optimizer_step(r)
+    assert gn == 1.0 and w[0] < 1.0 and sched.last_epoch == 2

@@ -144,6 +144,9 @@ def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fak
     assert isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)  # token ids, no second BOS
     m = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(m) == 3 and all(x["grad_norm"] >= 0 for x in m)
+    # resumed at step 3, vLLM is seeded run.seed + 3: new sampling noise, not a replay of step 1's
+    assert train.main(["--config", str(cfg_path), "--run.steps=4", "--resume"]) == 0
+    assert llm.kwargs["seed"] == 0 and fake_vllm.instances[-1].kwargs["seed"] == 3
 
 
 def test_truncated_importance_sampling_weights_are_logged(fake_vllm, cfg_path, tmp_path):
