@@ -446,6 +446,15 @@ def active_mixture(d: DataConfig) -> tuple[str, list[DataSource] | None]:
     return "data.mixture", d.mixture
 
 
+def data_label(d: DataConfig) -> str:
+    """What a run trained on, for titles and model cards: data.name, or the mixture's sources."""
+    key, sources = active_mixture(d)
+    if not sources:
+        return d.name
+    names = " + ".join(s.name for s in sources)
+    return f"preset {d.preset} ({names})" if d.preset is not None else f"mixture ({names})"
+
+
 def _check_mixture(d: DataConfig) -> None:
     if d.preset is not None and d.preset not in d.presets:
         raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets ({', '.join(d.presets) or 'none defined'})")

@@ -68,7 +68,7 @@ from scipy.stats import spearmanr
 
 import jsonl
 import rollout
-from config import Config, ConfigError, ModelConfig, config_to_dict, load_config, redacted
+from config import Config, ConfigError, ModelConfig, config_to_dict, data_label, load_config, redacted
 from data import check_not_data_file, load_sources
 from judge import Judge, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     jsonl.write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
-    title = f"{cfg.data.name or 'mixture'}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
+    title = f"{data_label(cfg.data)}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
     Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))
     print(f"[eval] wrote {out_dir / 'results.json'}", file=sys.stderr)
     return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, data_label, load_config
 from model import BUILTIN, apply_adapter_chain, find_adapter, load_base
 
 
@@ -53,14 +53,18 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
     base = f"`{m.name}`" + (f" (revision `{m.revision}`)" if m.revision else "") + (
         f" (minigrpo's built-in model, de-quantized from `{BUILTIN[m.name][1]}`)" if m.name in BUILTIN else "")
     rewards = ", ".join(f"{s.name} x {s.weight:g}" for s in cfg.rewards)
-    return "\n".join(["---", "library_name: transformers", "tags: [minigrpo, grpo]"] + [f"base_model: {m.name}"] * hub_base + [
-        "---", f"# {Path(name).name}", "", "A GRPO fine-tune trained with minigrpo and exported by its `export.py`: "
+    if cfg.mode == "sft":
+        kind, training = "An SFT fine-tune", f"supervised on `{data_label(cfg.data)}` (target `{cfg.data.target}`)"
+    else:
+        kind, training = "A GRPO fine-tune", (f"data `{data_label(cfg.data)}`, rewards {rewards}; loss `{cfg.grpo.loss_type}`, "
+                                              f"beta {cfg.grpo.beta:g}, G = {r.num_generations}, temperature {r.temperature:g}")
+    return "\n".join(["---", "library_name: transformers", f"tags: [minigrpo, {cfg.mode}]"] + [f"base_model: {m.name}"] * hub_base + [
+        "---", f"# {Path(name).name}", "", f"{kind} trained with minigrpo and exported by its `export.py`: "
         "the LoRA adapters below are merged into the base, so this is a plain transformers model.", "",
         f"- base: {base}", "- adapters merged, in order:",
         *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)" for i, a in enumerate(prov["merged"], 1)],
-        f"- weights: {dtype}", f"- training (the final adapter's config): data `{cfg.data.name}`, rewards {rewards}; "
-        f"loss `{cfg.grpo.loss_type}`, beta {cfg.grpo.beta:g}, {cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {cfg.lora.r} "
-        f"alpha {cfg.lora.alpha}, G = {r.num_generations}, temperature {r.temperature:g}"
+        f"- weights: {dtype}", f"- training (the final adapter's config): {training}; "
+        f"{cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {cfg.lora.r} alpha {cfg.lora.alpha}"
         + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",

@@ -50,9 +50,11 @@ def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) ->
 def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "",
                   template_kwargs: dict | None = None) -> str:
     """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
-    to the chat template (Qwen3: {"enable_thinking": False})."""
-    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {})) + assistant_prefix
+    to the chat template (Qwen3: {"enable_thinking": False}). A template that writes the prefix itself
+    (export.py's, on a model exported from a run that forced it) does not get it a second time."""
+    text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True, **(template_kwargs or {}))
+    return text if assistant_prefix and text.endswith(assistant_prefix) else text + assistant_prefix
 
 
 def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:

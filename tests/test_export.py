@@ -165,6 +165,8 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
     messages = rollout.chat_messages("What is 2 + 2?", "Be brief.")
     want = rollout.render_prompt(trained["tok"], "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False})
     assert served.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    # eval.py or a further GRPO run on the export renders the same prompt: the prefix is not added twice
+    assert rollout.render_prompt(served, "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False}) == want
     assert "every reply starts with '<think>\\n'" in (out / "README.md").read_text()
     # a template that reads the argument (Qwen3's enable_thinking) sees the value training used
     qwen_like = "{% if enable_thinking is defined and enable_thinking is false %}NO-THINK {% endif %}{{ messages[0]['content'] }}"
@@ -213,3 +215,15 @@ def test_named_chat_templates_are_each_baked(trained, tmp_path):
     served = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert served.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="tool_use", tokenize=False,
                                       add_generation_prompt=True) == "hi<think>"
+
+
+def test_the_model_card_says_how_the_run_trained_sft_or_grpo_and_names_a_mixture():
+    from config import Config, DataSource
+    cfg = Config(mode="sft")
+    cfg.data.target = "answer"
+    cfg.data.mixture = [DataSource("a.jsonl"), DataSource("b.jsonl")]
+    card = export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
+    assert "An SFT fine-tune" in card and "tags: [minigrpo, sft]" in card and "GRPO" not in card
+    assert "supervised on `mixture (a.jsonl + b.jsonl)` (target `answer`)" in card and "temperature" not in card
+    cfg.mode = "grpo"
+    assert "A GRPO fine-tune" in export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
