@@ -227,11 +227,13 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | 
 
 def check_not_data_file(cfg: DataConfig, path: str | None, key: str) -> None:
     """A file the run writes (the judge's cache) must not be one of the data files, which are only
-    read (GRubrics' pre-computed answers cost money: never touch them)."""
+    read (GRubrics' pre-computed answers cost money: never touch them). Every source the config
+    names counts, in any preset, not only the ones this run reads."""
     if not path:
         return
     target = Path(path).expanduser().resolve()
-    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in active_mixture(cfg)[1] or []] or [cfg.name]):
+    sources = [s for mix in [cfg.mixture or [], *cfg.presets.values()] for s in mix or []]
+    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in sources] + [cfg.name] if n):
         raise DataError(f"{key}={path} is a data file; the run appends to it, so give it a file of its own")
 
 
@@ -259,11 +261,26 @@ def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
         if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
+        extra = {}
+        if cfg.target:
+            prompt, extra["target"] = split_reply(prompt, build_prompt(row, cfg.target, i), cfg, i)
         if not isinstance(prompt, (str, list)) or not prompt:
             raise DataError(f"row {i}: the prompt is empty or not text")
-        extra = {"target": str(build_prompt(row, cfg.target, i))} if cfg.target else {}
         out.append({**row, "prompt": prompt, **extra})
     return out
+
+
+def split_reply(prompt, target, cfg: DataConfig, i: int) -> tuple:
+    """(prompt, reply text) of an SFT row. A target holding chat messages (TRL's conversational
+    formats: `messages`, or a `completion` list) is replied to by its last message, which must be
+    the assistant's; when data.prompt names the same column, the messages before it are the prompt."""
+    if isinstance(target, str):
+        return prompt, target
+    last = target[-1] if isinstance(target, list) and target else None
+    if not (isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)):
+        raise DataError(f"row {i}: data.target={cfg.target} holds a {type(target).__name__}, not text or chat messages "
+                        "ending with the assistant's reply ({role: assistant, content: ...})")
+    return (target[:-1] if cfg.prompt == cfg.target else prompt), last["content"]
 
 
 class PromptSampler:

@@ -160,6 +160,11 @@ def test_relative_data_files_are_read_from_data_root(tmp_path):
     assert load_rows(cfg)[0]["prompt"] == "a"
     with pytest.raises(DataError, match="is a data file"):
         check_not_data_file(cfg, str(tmp_path / "cache/easy.jsonl"), "judge.cache_path")
+    # a paid-for file in a preset this run does not read is protected too
+    cfg = DataConfig(root=str(tmp_path / "cache"), presets={"open": [DataSource(name="open.jsonl")],
+                                                            "paid": [DataSource(name="paid.jsonl")]}, preset="open")
+    with pytest.raises(DataError, match="is a data file"):
+        check_not_data_file(cfg, str(tmp_path / "cache/paid.jsonl"), "judge.cache_path")
 
 
 def test_each_source_may_bring_its_own_range_and_column_adapter(tmp_path):

@@ -8,7 +8,7 @@ import yaml
 
 import logprobs
 import train
-from config import ConfigError, LoraConfig, ModelConfig, load_config
+from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
 from model import find_adapter, load_inference, load_policy
 
@@ -58,6 +58,25 @@ def test_sft_loss_covers_the_reply_and_its_eos_but_not_the_prompt(sft_config, ti
         assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == reply
         assert b.completion_mask[i, n:].sum() == 0
     assert tok.decode(b.prompt_ids[1][b.prompt_mask[1].bool()]).endswith("<|im_start|>assistant\n")
+
+
+
+def test_chat_message_rows_train_on_the_last_assistant_turn(tmp_path):
+    """TRL's conversational SFT data: a `messages` column (prompt and target both name it) or
+    prompt/completion message lists. A target that is neither text nor such a list is refused."""
+    system = {"role": "system", "content": "Answer in JSON."}
+    rows = [{"messages": [system, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": '{"a": 1}'}],
+             "prompt": [system, {"role": "user", "content": "Q2"}],
+             "completion": [{"role": "assistant", "content": '{"a": 2}'}], "tags": ["x"]}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n")
+    (row,) = load_rows(DataConfig(name=str(data), prompt="messages", target="messages", answer_key=None))
+    assert row["prompt"] == rows[0]["messages"][:2] and row["target"] == '{"a": 1}'
+    (row,) = load_rows(DataConfig(name=str(data), prompt="prompt", target="completion", answer_key=None))
+    assert row["prompt"] == rows[0]["prompt"] and row["target"] == '{"a": 2}'
+    for target in ("tags", "prompt"):  # a list of strings; messages ending with the user's turn
+        with pytest.raises(DataError, match=f"data.target={target} holds a list, not text or chat messages"):
+            load_rows(DataConfig(name=str(data), prompt="prompt", target=target, answer_key=None))
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["continue-adapter", "merge-then-new-lora"])
