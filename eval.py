@@ -40,7 +40,7 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        sampling with the reward as the picker (only when n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
   truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
-  api_failures, api_cost_usd; judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
+  api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
                        the judges: section's): from the Judge clients' counters
   agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one
                        criterion from two judges), over the completions both scored (see `agreement`)
@@ -89,7 +89,7 @@ class Generated:
     texts: list[str]  # (N,) completions, prompt-major: prompt i's samples are i*n .. i*n+n-1
     num_tokens: list[int]  # (N,) completion tokens up to and including the first EOS
     truncated: list[bool] | None  # (N,) no EOS within max_new_tokens; None when unknown (API)
-    failures: int = 0  # API requests that got no reply (scored as an empty completion)
+    failed: list[bool] | None = None  # (N,) API requests that got no reply: not scored, not in the metrics
 
 
 def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]:
@@ -250,11 +250,11 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
 
 def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Generated:
     """One chat completion per prompt through Judge.complete_many (cache, retries, concurrency, cost);
-    a failed request becomes an empty completion and is counted."""
+    a failed request leaves an empty completion, marked failed."""
     replies = client.complete_many(messages)
     texts = [r or "" for r in replies]
     num_tokens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-    return Generated(texts, num_tokens, None, failures=sum(r is None for r in replies))
+    return Generated(texts, num_tokens, None, failed=[r is None for r in replies])
 
 
 def held_out_rows(cfg: Config) -> list[dict]:
@@ -272,8 +272,22 @@ def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,
                judges: dict[str, Judge]) -> tuple[list[dict], RewardResult, dict]:
-    """-> (the row of each of the n-per-row completions, their rewards, model_metrics)."""
+    """-> (the row of each of the n-per-row completions, their rewards, model_metrics). Completions
+    whose API request failed are not scored (no judge is paid for them) and are left out of the
+    metrics, which count them as api_failures instead: an outage must not read as wrong answers."""
     samples = [r for r in rows for _ in range(n)]
+    keep = [i for i in range(len(samples)) if not (gen.failed and gen.failed[i])]
+    if len(keep) < len(samples):  # API entries only, where n = 1
+        answered = Generated([gen.texts[i] for i in keep], [gen.num_tokens[i] for i in keep], None)
+        _, res, metrics = score_rows(answered, [samples[i] for i in keep], 1, cfg, assistant_prefix, judges) if keep \
+            else (None, RewardResult([], {}, {}), {"n": 0})
+        per_reward = {k: [None] * len(samples) for k in res.per_reward}
+        total = [math.nan] * len(samples)
+        for j, i in enumerate(keep):
+            total[i] = res.total[j]
+            for k in per_reward:
+                per_reward[k][i] = res.per_reward[k][j]
+        return samples, RewardResult(total, per_reward, res.errors), metrics
     res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
                           context=reward_context(assistant_prefix, judges))
     return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
@@ -302,7 +316,8 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     check_not_data_file(cfg.data, cfg.eval.api and cfg.eval.api.cache_path, "eval.api.cache_path")
     judges = open_scoring(cfg)
     try:
-        api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target)) for e in entries if e.kind == "api"}
+        api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target), label=f"eval.api ({e.target})")
+               for e in entries if e.kind == "api"}
     except ValueError as e:
         raise ConfigError(f"eval.api: {str(e).removeprefix('judge: ')}") from None
     if cfg.data.select is None:
@@ -340,13 +355,18 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
-        metrics |= {"api_failures": gen.failures, "api_cost_usd": stats["judge_cost_usd"]}
+        failures = sum(gen.failed)
+        metrics |= {"api_failures": failures, "api_cost_usd": stats["judge_cost_usd"]}
+        if failures:
+            print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics are over "
+                  f"the {len(gen.failed) - failures} answered (see the warnings above for why)", file=sys.stderr)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
     records = [{"row": cfg.eval.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
-                "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys}}
+                "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
+                **({"api_failed": True} if gen.failed and gen.failed[i] else {})}
                for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
     jsonl.write_atomic(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
                        "".join(json.dumps(r, default=str) + "\n" for r in records))

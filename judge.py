@@ -190,12 +190,13 @@ def _run_sync(coro):
 class Judge:
     """Cached, rate-limited, retrying chat client; see the module docstring."""
 
-    def __init__(self, cfg: JudgeConfig):
+    def __init__(self, cfg: JudgeConfig, label: str = "judge"):
+        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api)."""
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
             raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
-        self.cfg = cfg
+        self.cfg, self.label = cfg, label
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self._total = dict.fromkeys(STAT_NAMES, 0.0)
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
@@ -349,12 +350,12 @@ class Judge:
                 why, wait = type(e).__name__, None
             except openai.APIStatusError as e:
                 if not (e.status_code in (408, 429) or e.status_code >= 500):
-                    self._warn_once(f"http{e.status_code}", f"judge: HTTP {e.status_code} from "
+                    self._warn_once(f"http{e.status_code}", f"{self.label}: HTTP {e.status_code} from "
                                     f"{self._endpoint}, not retried: {str(e.message)[:300]}")
                     return None
                 why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
             except openai.APIError as e:  # a 200 whose body is not a chat completion
-                self._warn_once("badbody", f"judge: unusable response from {self._endpoint}: {type(e).__name__}")
+                self._warn_once("badbody", f"{self.label}: unusable response from {self._endpoint}: {type(e).__name__}")
                 return None
             else:
                 return self._take_response(key, resp, accept)
@@ -362,7 +363,7 @@ class Judge:
                 if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
                     wait = cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
                 await asyncio.sleep(min(wait, cfg.backoff_max_s))
-        self._warn_once(f"gaveup:{why}", f"judge: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
+        self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
         return None
 
     async def _rate_slot(self) -> None:
@@ -386,7 +387,7 @@ class Judge:
         except (AttributeError, IndexError, TypeError):
             reply = None
         if not isinstance(reply, str):
-            self._warn_once("nocontent", f"judge: a response from {self._endpoint} had no text content")
+            self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} had no text content")
             return None
         if accept is None or accept(reply):  # malformed replies are returned (to be counted) but never cached
             self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
@@ -410,7 +411,7 @@ class Judge:
         for r, s in zip(replies, scores):
             if r is not None and s is None:
                 self.add_stat("failures")
-                self._warn_once("unparsable", f"judge: no score in [{lo:g}, {hi:g}] in reply {r[:160]!r}")
+                self._warn_once("unparsable", f"{self.label}: no score in [{lo:g}, {hi:g}] in reply {r[:160]!r}")
         return scores
 
 
@@ -514,10 +515,11 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
     reward calls "judge", or the one its args name (`args: {judge: second}`). ValueError names the judge."""
     judges: dict[str, Judge] = {}
     for name, cfg in [*([(DEFAULT, default)] if default else []), *named.items()]:
+        key = "judge" if name == DEFAULT else f"judges.{name}"
         try:
-            judges[name] = Judge(cfg)
+            judges[name] = Judge(cfg, label=key)
         except (ValueError, OSError) as e:
-            raise ValueError(f"{'judge' if name == DEFAULT else f'judges.{name}'}: {str(e).removeprefix('judge: ')}") from None
+            raise ValueError(f"{key}: {str(e).removeprefix('judge: ')}") from None
     return judges
 
 

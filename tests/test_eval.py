@@ -2,6 +2,7 @@
 end to end on a tiny random Llama (base, a LoRA adapter, an API model on a fake server)."""
 import itertools
 import json
+import math
 import time
 
 import pytest
@@ -157,7 +158,7 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
     make_adapter(tiny_llama, run / "checkpoints" / "step_000001" / "adapter", "someone/other-base")
     adapter = make_adapter(tiny_llama, run / "checkpoints" / "step_000002" / "adapter", str(tiny_llama))
     out = tmp / "eval"
-    server.script(server_error(400))  # one API request fails (400 is not retried): an empty completion
+    server.script(server_error(400))  # one API request fails (400 is not retried): left out of the metrics
     argv = ["--config", str(cfg), "--models", "base", f"grpo={run}", "api:fake-model"]
     assert ev.main(argv) == 0
     table = capsys.readouterr().out
@@ -170,7 +171,7 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
     assert results["models"]["grpo"]["source"] == str(adapter)
     for name, r in results["models"].items():
         m = r["metrics"]
-        assert m["n"] == 5, name
+        assert m["n"] == (4 if name == "fake-model" else 5), name
         for key in ("accuracy", "valid_json_rate", "schema_pass_rate", "accuracy_on_schema", "n_schema_pass", "reward",
                     "reward/json_valid", "reward/length_penalty", "mean_length"):
             assert key in m, (name, key)
@@ -182,12 +183,14 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
     preds = {name: lines(out / f"predictions_{name}.jsonl") for name in results["models"]}
     assert all(len(p) == 5 for p in preds.values())
     api, api_m = preds["fake-model"], results["models"]["fake-model"]["metrics"]
-    assert api_m["api_failures"] == 1 and sum(p["completion"] == "" for p in api) == 1
+    assert api_m["api_failures"] == 1 and [p["completion"] == "" for p in api] == [p.get("api_failed", False) for p in api]
+    (failed,) = [p for p in api if p.get("api_failed")]
+    assert failed["reward"] is None and set(failed["rewards"].values()) == {None}  # not scored, no judge paid
     assert [p["row"] for p in api] == [6, 7, 8, 9, 10]
     answered = [p for p in api if p["completion"]]
     assert all(p["completion"] == API_REPLY and p["rewards"]["json_schema"] == 1.0 for p in answered)
     right = sum(p["gold"] == "A" for p in answered)
-    assert api_m["accuracy"] == pytest.approx(right / 5) and api_m["valid_json_rate"] == pytest.approx(4 / 5)
+    assert api_m["accuracy"] == pytest.approx(right / 4) and api_m["valid_json_rate"] == 1.0
     assert api_m["accuracy_on_schema"] == pytest.approx(right / 4) and "truncated_rate" not in api_m
     # the API saw the system prompt and the filled-in template, and the model named in the entry
     bodies = [r.body for r in server.requests]
@@ -271,6 +274,20 @@ def test_model_metrics_count_lengths_truncation_and_reward_failures():
     assert m["reward_errors/choice_accuracy"] == 1 and "reward_errors/json_valid" not in m
     assert m["n"] == 2 and m["mean_length"] == 9.0 and m["truncated_rate"] == 0.5
     assert m["reward"] == pytest.approx((3.0 + 0.0) / 2) and m["reward/json_schema"] == 0.5
+
+
+
+def test_failed_api_requests_are_left_out_of_scoring_and_metrics():
+    from config import Config
+    cfg = Config(rewards=MEDMCQA)
+    rows = [{"prompt": "q", "answer": "A"}, {"prompt": "q2", "answer": "B"}]
+    gen = ev.Generated(texts=["", answer("B")], num_tokens=[0, 12], truncated=None, failed=[True, False])
+    _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
+    assert m["n"] == 1 and m["accuracy"] == 1.0 and m["valid_json_rate"] == 1.0 and m["mean_length"] == 12
+    assert math.isnan(res.total[0]) and all(v[0] is None for v in res.per_reward.values())
+    gen = ev.Generated(texts=["", ""], num_tokens=[0, 0], truncated=None, failed=[True, True])  # an outage
+    _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
+    assert m == {"n": 0} and all(math.isnan(t) for t in res.total)
 
 
 def test_render_table_puts_metrics_in_rows_and_models_in_columns():
