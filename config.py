@@ -184,6 +184,8 @@ class EvalConfig:
     limit: int = 0  # evaluate only the first n held-out rows of each data source (0: all)
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
     api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
+    apis: dict[str, JudgeConfig] = field(default_factory=dict)  # named endpoints, each with its own model and
+    #   settings (temperature: null for GPT-5, ...): an `api:NAME` entry uses eval.apis.NAME
     agreement: list[list[str]] = field(default_factory=list)  # pairs of reward labels, e.g. [[logic, logic_second]]
     #   (one criterion from two judges): eval reports agreement/<a>_vs_<b>/spearman and /mean_abs_diff
 

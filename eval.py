@@ -9,7 +9,8 @@ the data.split_seed shuffle; required) and the decoding. Model entries:
   [NAME=]PATH      a run directory (newest checkpoint), checkpoint or adapter directory, loaded on
                    model.name with the merges it was trained on (an adapter of another base is an
                    error); or a full model directory holding config.json (a merged export)
-  [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL)
+  [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL), or
+                   from eval.apis.MODEL (a named endpoint with its own model and settings)
 Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/results.json (the
 config and per-model metrics; never overwritten without --overwrite) and predictions_<name>.jsonl
 (one line per completion with its rewards), and prints the metrics as a table.
@@ -68,9 +69,9 @@ from scipy.stats import spearmanr
 
 import jsonl
 import rollout
-from config import Config, ConfigError, ModelConfig, config_to_dict, data_label, load_config, redacted
+from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
 from data import check_not_data_file, load_sources
-from judge import Judge, judges_stats
+from judge import Judge, JudgeConfig, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from scoring import (RewardResult, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
                      reward_means)
@@ -293,6 +294,19 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
     return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
 
 
+def api_section(e: EvalConfig, target: str) -> tuple[str, JudgeConfig]:
+    """(config key, client settings) of an api:TARGET entry: eval.apis.TARGET as written, else
+    eval.api asking for model TARGET."""
+    if target in e.apis:
+        if not e.apis[target].model:
+            raise ConfigError(f"eval.apis.{target}.model is not set: name the model this endpoint should answer with")
+        return f"eval.apis.{target}", e.apis[target]
+    if e.api is None:
+        raise ConfigError(f"model entry api:{target}: {target!r} is not one of eval.apis ({', '.join(e.apis) or 'none'}) "
+                          "and there is no eval.api section (base_url, api_key_env; the model comes from the entry)")
+    return "eval.api", dataclasses.replace(e.api, model=target)
+
+
 @dataclass
 class Plan:
     """Everything checked before any model loads or any file is written."""
@@ -309,17 +323,17 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
     entries = parse_model_entries(args.models, cfg.model)
-    if any(e.kind == "api" for e in entries) and cfg.eval.api is None:
-        raise ConfigError("api:MODEL entries need an eval.api section (base_url, api_key_env; the model comes from the entry)")
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
-    check_not_data_file(cfg.data, cfg.eval.api and cfg.eval.api.cache_path, "eval.api.cache_path")
     judges = open_scoring(cfg)
-    try:
-        api = {e.name: Judge(dataclasses.replace(cfg.eval.api, model=e.target), label=f"eval.api ({e.target})")
-               for e in entries if e.kind == "api"}
-    except ValueError as e:
-        raise ConfigError(f"eval.api: {str(e).removeprefix('judge: ')}") from None
+    api = {}
+    for e in [e for e in entries if e.kind == "api"]:
+        key, section = api_section(cfg.eval, e.target)
+        check_not_data_file(cfg.data, section.cache_path, f"{key}.cache_path")
+        try:
+            api[e.name] = Judge(section, label=f"{key} ({section.model})")
+        except ValueError as err:
+            raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
     if cfg.data.select is None:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     rows = held_out_rows(cfg)

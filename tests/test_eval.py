@@ -209,6 +209,24 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
     assert ((out / "predictions_base.jsonl").read_text(), (out / "predictions_grpo.jsonl").read_text()) == first
 
 
+
+def test_named_api_endpoints_each_send_their_own_model_and_settings(project, server, capsys):
+    """eval.apis: models that need different request settings (GPT-5 takes no temperature) side by
+    side with eval.api's plain api:MODEL entries."""
+    cfg, tmp = project
+    gpt5 = (f"--eval.apis={{gpt5: {{base_url: '{server.url}', api_key_env: MINIGRPO_TEST_NO_SUCH_KEY, model: gpt-5-mini, "
+            "temperature: null, token_param: max_completion_tokens, max_retries: 0}}")
+    assert ev.main(["--config", str(cfg), "--models", "api:gpt5", "api:fake-model", gpt5, "--eval.limit=2"]) == 0
+    sent = {b["model"]: b for b in (r.body for r in server.requests)}
+    assert set(sent) == {"gpt-5-mini", "fake-model"}
+    assert "temperature" not in sent["gpt-5-mini"] and "max_completion_tokens" in sent["gpt-5-mini"]
+    assert "temperature" in sent["fake-model"]
+    results = json.loads((tmp / "eval/results.json").read_text())["models"]
+    assert list(results) == ["gpt5", "fake-model"] and results["gpt5"]["metrics"]["n"] == 2
+    assert ev.main(["--config", str(cfg), "--models", "api:gpt5", "--eval.api=null", "--overwrite"]) == 2
+    assert "'gpt5' is not one of eval.apis (none) and there is no eval.api section" in capsys.readouterr().err
+
+
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     cfg, tmp = project
     argv = ["--config", str(cfg), "--models", "base", "--eval.temperature=1.0", "--eval.num_samples=3",
