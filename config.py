@@ -175,6 +175,8 @@ class SftConfig:
 class EvalConfig:
     select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
     split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
+    name: str | None = None  # a held-out file (or hub dataset) of its own, read in its own order with data's
+    #   prompt, map and answer_key; eval.select then picks its rows (None: all of them). None: data's rows
     num_samples: int = 1  # completions per prompt; more gives pass@k
     temperature: float = 0.0  # 0: greedy decoding
     top_p: float = 1.0  # nucleus sampling when temperature > 0
@@ -399,11 +401,12 @@ def _check(cfg: Config) -> None:
     for key, sel in train_ranges + [("eval.select", cfg.eval.select)]:
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    if cfg.eval.split is not None and is_local_data(cfg.data.name) and mix is None:
-        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; data.name={cfg.data.name} has none: "
+    eval_key, eval_name = ("eval.name", cfg.eval.name) if cfg.eval.name else ("data.name", cfg.data.name)
+    if cfg.eval.split is not None and is_local_data(eval_name) and (mix is None or cfg.eval.name):
+        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; {eval_key}={eval_name} has none: "
                           "hold rows out with eval.select instead")
-    # another split of one hub dataset holds other rows; a mixture's sources keep the overlap check
-    same_split = cfg.eval.split in (None, cfg.data.split) or mix is not None
+    # another split of one hub dataset, or another file, holds other rows; a mixture's sources keep the check
+    same_split = (cfg.eval.split in (None, cfg.data.split) or mix is not None) and not cfg.eval.name
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
             raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")

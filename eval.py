@@ -70,7 +70,7 @@ from scipy.stats import spearmanr
 import jsonl
 import rollout
 from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
-from data import check_not_data_file, load_sources
+from data import Source, check_not_data_file, load_sources
 from judge import Judge, JudgeConfig, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from scoring import (RewardResult, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
@@ -133,8 +133,9 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
 
 def check_eval_config(cfg: Config) -> None:
     e = cfg.eval
-    if e.select is None:
-        raise ConfigError("eval.select is not set: give the held-out rows [start, end), e.g. --eval.select=[1500,1700]")
+    if e.select is None and not e.name:
+        raise ConfigError("eval.select is not set: give the held-out rows [start, end), e.g. --eval.select=[1500,1700], "
+                          "or a held-out file of their own, eval.name")
     ranges = {"num_samples": e.num_samples >= 1, "batch_size": e.batch_size >= 1, "max_new_tokens": e.max_new_tokens >= 1,
               "limit": e.limit >= 0, "temperature": e.temperature >= 0, "top_p": 0 < e.top_p <= 1}
     if bad := [k for k, ok in ranges.items() if not ok]:
@@ -258,10 +259,19 @@ def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Genera
     return Generated(texts, num_tokens, None, failed=[r is None for r in replies])
 
 
+def held_out_sources(cfg: Config) -> list[Source]:
+    """eval.select's rows (from eval.split) of each data source, or of the file eval.name (in its own
+    order), the first eval.limit of each when set."""
+    e, data = cfg.eval, cfg.data
+    if e.name:
+        data = dataclasses.replace(data, name=e.name, config_name=None, mixture=None, presets={}, preset=None,
+                                   split_seed=None, select=None)
+    sources = load_sources(data, select=e.select, split=e.split)
+    return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
+
+
 def held_out_rows(cfg: Config) -> list[dict]:
-    """eval.select's rows (from eval.split), the first eval.limit of each source when set."""
-    return [row for src in load_sources(cfg.data, select=cfg.eval.select, split=cfg.eval.split)
-            for row in (src.rows[: cfg.eval.limit] if cfg.eval.limit else src.rows)]
+    return [row for src in held_out_sources(cfg) for row in src.rows]
 
 
 def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
@@ -313,6 +323,7 @@ class Plan:
     cfg: Config
     entries: list[ModelEntry]
     rows: list[dict]  # the held-out rows, after eval.limit
+    where: list[dict]  # each row's position in its source ("row": after the split's shuffle) and, with several, its source
     device: torch.device
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
@@ -334,11 +345,14 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             api[e.name] = Judge(section, label=f"{key} ({section.model})")
         except ValueError as err:
             raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
-    if cfg.data.select is None:
+    if cfg.data.select is None and not cfg.eval.name:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
-    rows = held_out_rows(cfg)
+    sources = held_out_sources(cfg)
+    start = cfg.eval.select[0] if cfg.eval.select else 0
+    where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
-    return Plan(cfg, entries, rows, pick_device(cfg.run.device), judges, api, tokenizer)
+    return Plan(cfg, entries, [row for s in sources for row in s.rows], where, pick_device(cfg.run.device), judges, api,
+                tokenizer)
 
 
 def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
@@ -377,7 +391,7 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
-    records = [{"row": cfg.eval.select[0] + i // n, "sample": i % n, "prompt": s["prompt"], "completion": text,
+    records = [{**plan.where[i // n], "sample": i % n, "prompt": s["prompt"], "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
                 **({"api_failed": True} if gen.failed and gen.failed[i] else {})}
@@ -457,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     jsonl.write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
-    title = f"{data_label(cfg.data)}: held-out rows [{cfg.eval.select[0]}, {cfg.eval.select[0] + len(plan.rows)})"
+    title = (f"{cfg.eval.name or data_label(cfg.data)}: held-out rows {cfg.eval.select or 'all'}, {len(plan.rows)} prompts"
+             + (" (eval.limit per source)" if cfg.eval.limit else ""))
     Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))
     print(f"[eval] wrote {out_dir / 'results.json'}", file=sys.stderr)
     return 0

@@ -419,8 +419,8 @@ def setup(args, overrides: list[str]) -> Run:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
     eval_rows = None
     if cfg.run.eval_every and cfg.mode == "grpo":
-        if cfg.eval.select is None:
-            raise ConfigError("run.eval_every needs eval.select: the held-out rows to score, e.g. [1500, 1700]")
+        if cfg.eval.select is None and not cfg.eval.name:
+            raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, e.g. [1500, 1700]) or eval.name")
         import eval as ev
         ev.check_eval_config(cfg)
         eval_rows = ev.held_out_rows(cfg)

@@ -227,6 +227,27 @@ def test_named_api_endpoints_each_send_their_own_model_and_settings(project, ser
     assert "'gpt5' is not one of eval.apis (none) and there is no eval.api section" in capsys.readouterr().err
 
 
+
+def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_rows_source(project, server, capsys):
+    """eval.name: BioReasoner's "first 10 samples of test_84.jsonl", with no overlap check against
+    data.select (another file) and no shuffle; with a mixture, each prediction names its source."""
+    cfg, tmp = project
+    test = tmp / "test.jsonl"
+    test.write_text("".join(json.dumps({"question": f"Test {i}", "answer": "A"}) + "\n" for i in range(4)))
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=[0,3]"]) == 0
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")
+    assert [(p["row"], p["prompt"]) for p in preds] == [(i, f"Question: Test {i}") for i in range(3)]
+    assert "data.select is not set" not in capsys.readouterr().err
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=null",
+                    "--overwrite"]) == 0
+    assert len(lines(tmp / "eval/predictions_fake-model.jsonl")) == 4 and "all, 4 prompts" in capsys.readouterr().out
+    mix = f"--data.mixture=[{{name: '{tmp / 'data.jsonl'}', label: a}}, {{name: '{test}', label: b, select: [0, 1]}}]"
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", mix, "--eval.select=[2,4]", "--overwrite",
+                    "--data.select=[0,2]", "--data.name=null"]) == 0
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")
+    assert [(p["source"], p["row"]) for p in preds] == [("a", 2), ("a", 3), ("b", 2), ("b", 3)]
+
+
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     cfg, tmp = project
     argv = ["--config", str(cfg), "--models", "base", "--eval.temperature=1.0", "--eval.num_samples=3",
