@@ -269,7 +269,7 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["api:"], [], "names no API model"),
     (["base", "base"], [], "appears twice"),
     (["my model=api:x"], [], "the name must be"),
-    (["api:gpt-4o-mini"], ["--eval.api=null"], "need an eval.api section"),
+    (["api:gpt-4o-mini"], ["--eval.api=null"], "there is no eval.api section"),
     (["base"], ["--eval.select=null"], "eval.select is not set"),
     (["base"], ["--eval.num_samples=2"], "needs eval.temperature > 0"),
     (["base"], ["--eval.temperature=1.0", "--eval.num_samples=2", "--eval.pass_k=[4]"], "eval.pass_k [4]"),
