@@ -18,8 +18,8 @@ import torch
 import rollout
 
 
-def sft_batch(tokenizer, rows: list[dict], cfg) -> rollout.Rollout:
-    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout."""
+def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
+    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on device)."""
     prompts = rollout.render_rows(tokenizer, rows, cfg.data)
     replies = [r["target"] + tokenizer.eos_token for r in rows]
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -32,8 +32,8 @@ def sft_batch(tokenizer, rows: list[dict], cfg) -> rollout.Rollout:
     if int(lengths.max()) > cfg.sft.max_length:
         i = int(lengths.argmax())
         raise ValueError(f"an SFT example has {int(lengths[i])} tokens > sft.max_length={cfg.sft.max_length}: {prompts[i][:80]!r}")
-    return rollout.Rollout(p.input_ids, p.attention_mask, c.input_ids, c.attention_mask.float(),
-                        torch.zeros(len(rows), dtype=torch.bool), replies)
+    return rollout.Rollout(*(x.to(device or "cpu") for x in (p.input_ids, p.attention_mask, c.input_ids,
+                           c.attention_mask.float(), torch.zeros(len(rows), dtype=torch.bool))), replies)
 
 
 def sft_step(r) -> tuple[dict, list[dict]]:
@@ -42,9 +42,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
-    batch = sft_batch(r.tokenizer, rows, cfg)
-    batch = rollout.Rollout(*(x.to(device) for x in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
-                                                  batch.completion_mask, batch.truncated)), batch.texts)
+    batch = sft_batch(r.tokenizer, rows, cfg, device)
     ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask  # (n, P + C) x2, (n, C)
     tokens = float(mask.sum())
     model.train()
@@ -59,3 +57,23 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     return {"loss": total, "tokens": tokens, "learning_rate": lr, "grad_norm": grad_norm,
             "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
             "peak_memory_mb": peak_memory_mb(device)}, []
+
+
+@torch.no_grad()
+def held_out_loss(r) -> float:
+    """eval/loss: the mean reply-token cross-entropy on the held-out rows (eval.select's), the
+    training loss on rows it never saw: where it turns up while the training loss falls, SFT overfits."""
+    from train import micro_batch_log_probs, micro_batches
+    cfg, model = r.cfg, r.model
+    device = next(model.parameters()).device
+    was_training, nll, tokens = model.training, 0.0, 0.0
+    model.eval()
+    for i in range(0, len(r.eval_rows), cfg.sft.batch_size):
+        batch = sft_batch(r.tokenizer, r.eval_rows[i:i + cfg.sft.batch_size], cfg, device)
+        for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
+            logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, cfg, temperature=1.0)
+            mask = batch.completion_mask[mb, :C].bool()  # (m, C)
+            nll -= float(torch.where(mask, logp, 0.0).sum())
+            tokens += float(mask.sum())
+    model.train(was_training)
+    return nll / max(tokens, 1.0)

@@ -418,7 +418,7 @@ def setup(args, overrides: list[str]) -> Run:
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
     eval_rows = None
-    if cfg.run.eval_every and cfg.mode == "grpo":
+    if cfg.run.eval_every:
         if cfg.eval.select is None and not cfg.eval.name:
             raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, e.g. [1500, 1700]) or eval.name")
         import eval as ev
@@ -483,17 +483,21 @@ def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
 
 def held_out_metrics(r: Run) -> dict:
     """eval/* metrics: the held-out rows decoded as eval.py decodes them (eval.temperature, eval.num_samples)
-    by the policy now, scored with the rewards. The random state is set aside and restored, so a run
-    with run.eval_every trains exactly as one without."""
+    by the policy now, scored with the rewards (SFT: eval/loss, and these when it has rewards). The
+    random state is set aside and restored, so a run with run.eval_every trains exactly as one without."""
     import eval as ev
+    from sft import held_out_loss
     cfg, t0 = r.cfg, time.time()
+    loss = {"eval/loss": held_out_loss(r)} if cfg.mode == "sft" else {}
+    if not cfg.rewards:
+        return loss | {"eval/seconds": time.time() - t0}
     was_training = r.model.training
     r.model.eval()
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []):
         gen = ev.generate_rows(r.model, r.tokenizer, r.eval_rows, cfg)
     r.model.train(was_training)
     _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, cfg.data.assistant_prefix, r.judges)
-    return {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
+    return loss | {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
 
 
 NO_SIGNAL_WARN_AFTER = 5

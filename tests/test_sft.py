@@ -225,3 +225,22 @@ def test_the_builtin_task_holds_400_distinct_problems():
     from config import DataConfig
     rows = load_rows(DataConfig(name="arithmetic"))
     assert len(rows) == 400 and len({r["prompt"] for r in rows}) == 400
+
+
+def test_sft_eval_every_logs_the_held_out_loss_and_trains_as_without_it(sft_config, tmp_path):
+    path, cfg = sft_config
+    args = ["--config", str(path), "--run.steps=4", "--lora.enabled=false", "--optim.lr=0.01"]
+    assert train.main(args) == 0
+    plain = metrics(train.Path(cfg["run"]["out_dir"]))
+    out = tmp_path / "with_eval"
+    assert train.main(args + ["--run.eval_every=2", "--eval.select=[12,20]", f"--run.out_dir={out}"]) == 0
+    m = metrics(out)
+    assert [("eval/loss" in x) for x in m] == [False, True, False, True]
+    assert m[3]["eval/loss"] < m[1]["eval/loss"]  # 20 rows of one pattern: what it learns carries over
+    assert [x["loss"] for x in m] == [x["loss"] for x in plain]
+    # with rewards configured (MedMCQA's SFT config has them), the held-out rows are also decoded and scored
+    out = tmp_path / "with_rewards"
+    assert train.main(args + ["--run.eval_every=4", "--eval.select=[12,20]", f"--run.out_dir={out}", "--run.steps=4",
+                              "--rewards=[{name: answer_match}]", "--eval.max_new_tokens=4"]) == 0
+    last = metrics(out)[-1]
+    assert "eval/loss" in last and 0 <= last["eval/accuracy"] <= 1 and last["eval/n"] == 8
