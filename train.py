@@ -337,6 +337,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field: --section.key=value")
     ap.add_argument("--config", required=True, help="YAML config file")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir")
+    ap.add_argument("--dry-run", action="store_true", help="check config, data, model and judges, show the first "
+                    "prompt as the model sees it, and exit without training or writing anything")
     return ap.parse_known_args(argv)
 
 
@@ -385,8 +387,9 @@ def flat(d: dict, prefix: str = "") -> dict:
             (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
 
 
-def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
-    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)."""
+def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> str:
+    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT);
+    -> which row is the longest, for --dry-run."""
     texts = [p + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "")
              for p, r in zip(rollout.render_rows(tokenizer, rows, cfg.data), rows)]
     lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
@@ -394,6 +397,7 @@ def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> None:
     key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)
     if lengths[longest] > limit:
         raise ConfigError(f"row {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
+    return f"row {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
 def setup(args, overrides: list[str]) -> Run:
@@ -514,6 +518,22 @@ def flat_steps_at_end(metrics_path: Path) -> int:
     return next((i for i, flat in enumerate(reversed(flags)) if not flat), len(flags))
 
 
+def dry_run_report(r: Run) -> str:
+    """What --dry-run prints: the data as loaded and the first row exactly as the model will see it."""
+    cfg, row = r.cfg, r.rows[0]
+    sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
+    shown = rollout.render_rows(r.tokenizer, [row], cfg.data)[0] + (row["target"] + r.tokenizer.eos_token if cfg.mode == "sft" else "")
+    lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
+             f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
+             f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
+    lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"] if cfg.rewards else []
+    lines += [f"  judges: {', '.join(r.judges)} (not called)"] if r.judges else []
+    lines += [f"  held-out rows for run.eval_every: {len(r.eval_rows)}"] if r.eval_rows else []
+    lines += [f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"] if cfg.data.answer_key and cfg.mode == "grpo" else []
+    return "\n".join(lines + ["  row 0 as the model sees it" + (" (prompt, then the reply trained on):" if cfg.mode == "sft"
+                                                                  else " (the completion follows):"), shown])
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -521,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        print(dry_run_report(r))
+        return 0
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")

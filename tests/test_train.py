@@ -459,3 +459,13 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
     w.grad = torch.tensor([1.0, 0.0, 0.0])
     gn, _ = train.optimizer_step(r)
     assert gn == 1.0 and w[0] < 1.0 and sched.last_epoch == 2
+
+
+def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing was trained or written" in out and "rows: " in out and out.rstrip().splitlines()[-1] == "<|im_start|>assistant"
+    assert not run.exists()
+    assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2  # the same checks
+    assert "no field 'missing_field'" in capsys.readouterr().err
