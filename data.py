@@ -115,6 +115,12 @@ def load_raw(cfg: DataConfig):
     return rows
 
 
+class _Listed(list):
+    """A list column in a template reads "Go, Postgres", not "['Go', 'Postgres']"; {col[0]} still indexes."""
+    def __format__(self, spec: str) -> str:
+        return format(", ".join(map(str, self)), spec)
+
+
 def build_prompt(row: dict, template: str, index: int) -> str:
     """A column's value, or the template filled from the row's columns."""
     if "{" not in template:
@@ -125,7 +131,7 @@ def build_prompt(row: dict, template: str, index: int) -> str:
     if empty:  # a null would be rendered as the text "None"
         raise DataError(f"row {index} has an empty field '{empty[0]}' used in the template {template!r}")
     try:
-        return template.format_map(row)
+        return template.format_map({k: _Listed(v) if isinstance(v, list) else v for k, v in row.items()})
     except KeyError as e:
         raise DataError(f"row {index} has no field {e} used in the data.prompt template; its fields: {', '.join(row)}") from None
     except (ValueError, IndexError, AttributeError) as e:

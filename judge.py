@@ -480,7 +480,8 @@ def load_template(spec: str) -> str:
     raise ValueError(f"template {spec!r} is not one of {sorted(TEMPLATES)}, a file, or text with a {{placeholder}}")
 
 
-def _as_text(value) -> str:
+def as_text(value) -> str:
+    """A row's value as a judge or a rater reads it: chat messages as "role: content" blocks."""
     if isinstance(value, str):
         return value
     if isinstance(value, float):
@@ -499,7 +500,7 @@ def render(template: str, fields: dict) -> str:
     missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(template)} - fields.keys())
     if missing:
         raise KeyError(f"judge template needs field(s) {missing}; the sample has {sorted(fields)}")
-    return _PLACEHOLDER.sub(lambda m: _as_text(fields[m.group(1)]), template)
+    return _PLACEHOLDER.sub(lambda m: as_text(fields[m.group(1)]), template)
 
 
 def _chat(text: str, system: str | None = None) -> list[dict]:

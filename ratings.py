@@ -47,6 +47,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonl
+from judge import as_text
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
 
@@ -208,7 +209,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     check_args(dir, criteria, scale, criterion, timeout_s, poll_s)
     criteria, (lo, hi) = list(criteria), scale
     store = store_for(dir)
-    shown = [(s[prompt_key], (assistant_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
+    shown = [(as_text(s[prompt_key]), (assistant_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
     ids = [item_id(p, c, scale) for p, c in shown]
     with store.lock:
         store.refresh()

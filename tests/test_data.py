@@ -180,3 +180,10 @@ def test_each_source_may_bring_its_own_range_and_column_adapter(tmp_path):
     assert len(held_out.rows) == 2 and {r["q"] for r in held_out.rows}.isdisjoint(r["q"] for r in adapted.rows)
     with pytest.raises(ConfigError, match=r"data.mixture\[1\].select \[0, 4\] and eval.select \[3, 6\] overlap"):
         load_config(path, ["--eval.select=[3,6]"])
+
+
+def test_a_list_column_reads_as_a_comma_separated_list_in_a_template(tmp_path):
+    write_jsonl(tmp_path / "roles.jsonl", [{"role": "backend", "skills": ["Go", "Postgres"]}])
+    (row,) = load_rows(DataConfig(name=str(tmp_path / "roles.jsonl"), prompt="A {role} role: {skills}; first {skills[0]}",
+                                  answer_key=None))
+    assert row["prompt"] == "A backend role: Go, Postgres; first Go" and row["skills"] == ["Go", "Postgres"]

@@ -3,6 +3,7 @@ rater thread standing in for a person), the page escapes model output and refuse
 forms, the files survive a torn line, and unrated items time out to the reward's fallback."""
 import http.client
 import json
+import math
 import re
 import threading
 import time
@@ -117,6 +118,17 @@ def test_ratings_answer_later_runs_two_in_the_file_are_averaged_and_a_new_scale_
     assert human(["q?"], [{"prompt": "p"}], dir=str(folder), scale=[1, 10], timeout_s=0.05, poll_s=0.01) == \
         [pytest.approx(float("nan"), nan_ok=True)]  # a 1-5 rating does not answer a 1-10 question
     assert len((folder / "queue.jsonl").read_text().splitlines()) == 2
+
+
+
+def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
+    ratings._STORES.clear()
+    folder = tmp_path / "r"
+    prompt = [{"role": "system", "content": "Be a recruiter."}, {"role": "user", "content": "A Go question?"}]
+    assert math.isnan(human(["q?"], [{"prompt": prompt}], dir=str(folder), timeout_s=0.05, poll_s=0.01)[0])
+    (item,) = [json.loads(ln) for ln in (folder / "queue.jsonl").read_text().splitlines()]
+    assert item["prompt"] == "system: Be a recruiter.\n\nuser: A Go question?"
+    assert "user: A Go question?" in ratings.render_page(ratings.store_for(folder), "tok")  # it used to crash here
 
 
 def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_path):
