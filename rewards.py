@@ -235,7 +235,8 @@ def json_schema(completion: str, sample: dict, schema: dict | None = None, exact
     integer, boolean, object, array, null; number and integer exclude booleans and inf),
     enum (a list; matched with equal type), min/max (numbers, inclusive), min_length/max_length
     (strings, counted after stripping whitespace, or arrays). {} accepts any value.
-    exact: the keys must be exactly the schema's (the seed's format); False allows extra keys.
+    exact: the keys must be exactly the schema's (the format the seed's prompt asks for); False
+    allows extra keys, as the seed's own schema_compliance_reward did.
     allow_fence, strip_think: as in json_valid.
 
     >>> good = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is in meat"}'
