@@ -4,11 +4,12 @@
     python eval.py --config configs/quickstart.yaml --models base runs/quickstart --eval.limit=50   # any --section.key=value
 
 The config is the training YAML; its `eval` section picks the held-out rows (eval.select, after
-the data.split_seed shuffle; required) and the decoding. Model entries:
+the data.split_seed shuffle; or eval.name, a test file of its own) and the decoding. Model entries:
   base             model.name as configured
   [NAME=]PATH      a run directory (newest checkpoint), checkpoint or adapter directory, loaded on
                    model.name with the merges it was trained on (an adapter of another base is an
                    error); or a full model directory holding config.json (a merged export)
+  [NAME=]hf:ORG/REPO[@REV] a hub model or adapter, downloaded, then read as PATH is
   [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL), or
                    from eval.apis.MODEL (a named endpoint with its own model and settings)
 Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/results.json (the
@@ -93,13 +94,25 @@ class Generated:
     failed: list[bool] | None = None  # (N,) API requests that got no reply: not scored, not in the metrics
 
 
+def hub_download(spec: str, repo: str) -> Path:
+    """hf:ORG/REPO[@REVISION]: a hub model or adapter (a pushed SFT phase, say), downloaded (or found
+    in the hub cache) and then read as a local directory."""
+    from huggingface_hub import snapshot_download
+    repo_id, _, revision = repo.partition("@")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None))
+    except Exception as e:  # offline, private without HF_TOKEN, no such repo: one line
+        raise ConfigError(f"model entry {spec!r}: could not download {repo_id} from the hub "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]:
     """Command-line entries -> ModelEntry list; ConfigError names the first bad one.
 
     >>> [(e.name, e.kind, e.target) for e in parse_model_entries(["base", "mini=api:gpt-4o-mini"], ModelConfig())]
     [('base', 'base', None), ('mini', 'api', 'gpt-4o-mini')]
     """
-    usage = "use base, [NAME=]PATH (run, checkpoint, adapter or model directory) or [NAME=]api:MODEL"
+    usage = "use base, [NAME=]PATH (run, checkpoint, adapter or model directory), [NAME=]hf:ORG/REPO or [NAME=]api:MODEL"
     entries: list[ModelEntry] = []
     for spec in specs:
         name, _, what = spec.partition("=") if "=" in spec else (None, "", spec)
@@ -112,18 +125,19 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
             if not target:
                 raise ConfigError(f"model entry {spec!r} names no API model; write api:MODEL, e.g. api:gpt-4o-mini")
         else:
-            p = Path(what).expanduser()
+            p = hub_download(spec, what[3:]) if what.startswith("hf:") else Path(what).expanduser()
             if not what or not p.exists():
                 raise ConfigError(f"model entry {spec!r}: no such file or directory {what!r}; {usage}")
             if (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
                 kind, target = "full", str(p)
             else:
-                kind, target = "adapter", str(find_adapter(what))
+                kind, target = "adapter", str(find_adapter(str(p)))
                 try:
                     check_adapter_base(Path(target), mcfg)
                 except ConfigError as e:
                     raise ConfigError(f"model entry {spec!r}: {e}") from None
-        default = {"base": "base", "api": target}.get(kind) or Path(what).expanduser().resolve().name
+        default = {"base": "base", "api": target}.get(kind) or (what.split("/")[-1].split("@")[0] if what.startswith("hf:")
+                                                                else Path(what).expanduser().resolve().name)
         name = name or re.sub(r"[^\w.-]", "_", default)
         if name in [e.name for e in entries]:
             raise ConfigError(f"model name {name!r} appears twice; give each entry its own NAME=")

@@ -208,13 +208,17 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
     prov = check_adapter_base(adapter, mcfg)
     if (merge or prov["merged"]) and mcfg.quant == "4bit":
         raise ConfigError("merging an adapter into a 4-bit base is lossy; export the merged model first (export.py), then quantize it")
+    merged = []
     for step in prov["merged"]:
-        done = Path(step["adapter"])
-        if not (done / "adapter_model.safetensors").is_file() or _sha256(done / "adapter_model.safetensors") != step["sha256"]:
-            raise ConfigError(f"adapter {adapter} was trained on a base with {done} merged in, and that adapter is "
+        # where it was, else where it sits relative to this adapter (a project moved or copied whole)
+        places = [Path(step["adapter"])] + ([adapter / step["relative"]] if step.get("relative") else [])
+        done = next((p for p in places if (p / "adapter_model.safetensors").is_file()
+                     and _sha256(p / "adapter_model.safetensors") == step["sha256"]), None)
+        if done is None:
+            raise ConfigError(f"adapter {adapter} was trained on a base with {step['adapter']} merged in, and that adapter is "
                               "missing or changed; restore it or export the merged model")
         model = PeftModel.from_pretrained(model, str(done)).merge_and_unload()
-    merged = list(prov["merged"])
+        merged.append({"adapter": str(done.resolve()), "sha256": step["sha256"]})
     if merge:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
         merged.append({"adapter": str(adapter.resolve()), "sha256": _sha256(adapter / "adapter_model.safetensors")})
@@ -234,7 +238,8 @@ def save_adapter(model, path: Path) -> None:
     if not prov or not prov.get("base_model"):  # an adapter without its base is the bug this file exists to stop
         raise ValueError("save_adapter: the model carries no minigrpo_base provenance (load it with load_policy)")
     model.save_pretrained(path)
-    (path / PROVENANCE).write_text(json.dumps(prov, indent=1))
+    relative = [{**m, "relative": os.path.relpath(m["adapter"], Path(path).resolve())} for m in prov["merged"]]
+    (path / PROVENANCE).write_text(json.dumps({**prov, "merged": relative}, indent=1))
     if prov["merged"]:
         config = path / "adapter_config.json"
         cfg = json.loads(config.read_text())

@@ -306,6 +306,31 @@ def test_bare_paths_are_named_after_their_directory_and_merged_exports_load_as_f
         (tiny_llama.name, "full", str(tiny_llama)), ("org_model-7b", "api", "org/model-7b"), ("ref", "base", None)]
 
 
+
+def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, tmp_path, monkeypatch):
+    """hf:ORG/REPO: the MedMCQA seed pushed each phase to the hub; a pushed adapter (plain peft,
+    as TRL pushes it) or a merged model is evaluated as if it were local. Offline: one line."""
+    import huggingface_hub
+    adapter = make_adapter(tiny_llama, tmp_path / "pushed", str(tiny_llama))
+    (adapter / "minigrpo_base.json").unlink()  # as another tool saved it: the base is in adapter_config.json
+    cfg_path = adapter / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "base_model_name_or_path": str(tiny_llama)}))
+    repos = {"me/sft": adapter, "me/merged": tiny_llama}
+    calls = []
+
+    def fake_download(repo_id, revision=None):
+        calls.append((repo_id, revision))
+        if repo_id not in repos:
+            raise OSError("We couldn't connect to 'https://huggingface.co'")
+        return str(repos[repo_id])
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    entries = ev.parse_model_entries(["hf:me/sft@v1", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
+    assert [(e.name, e.kind, e.target) for e in entries] == [("sft", "adapter", str(adapter)), ("m", "full", str(tiny_llama))]
+    assert calls == [("me/sft", "v1"), ("me/merged", None)]
+    with pytest.raises(ConfigError, match="could not download me/other from the hub .*couldn't connect"):
+        ev.parse_model_entries(["hf:me/other"], ModelConfig(name=str(tiny_llama)))
+
+
 def test_model_metrics_count_lengths_truncation_and_reward_failures():
     gen = ev.Generated(texts=[answer("A"), "oops"], num_tokens=[12, 6], truncated=[False, True])
     res = compute_rewards(gen.texts, [{"answer": "A"}, {"answer": "Z"}], MEDMCQA)  # "Z" is no option: raises

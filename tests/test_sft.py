@@ -137,6 +137,19 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     manual = PeftModel.from_pretrained(manual.merge_and_unload(), str(adapter))
     with torch.no_grad():
         assert torch.allclose(lp[0], logprobs.sequence_log_probs(manual, enc.input_ids, enc.attention_mask, 3), atol=1e-5)
+    # the SFT and GRPO runs moved together (another machine, a renamed folder): the chain is found
+    # where it sits relative to the GRPO adapter, and checked by its hash as before
+    import shutil
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in ("sft", "grpo"):
+        shutil.move(str(tmp_path / name), str(moved / name))
+    again, _ = load_inference(mcfg, torch.device("cpu"), adapter=str(moved / "grpo"))
+    with torch.no_grad():
+        assert torch.allclose(lp[0], logprobs.sequence_log_probs(again, enc.input_ids, enc.attention_mask, 3), atol=1e-5)
+    shutil.rmtree(moved / "sft")
+    with pytest.raises(ConfigError, match="missing or changed"):
+        load_inference(mcfg, torch.device("cpu"), adapter=str(moved / "grpo"))
 
 
 def test_an_adapter_on_another_base_is_an_error(sft_config, tmp_path, tiny_gpt2):
