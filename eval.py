@@ -46,6 +46,7 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        the judges: section's): from the Judge clients' counters
   agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one
                        criterion from two judges), over the completions both scored (see `agreement`)
+With a mixture, <source>/n, <source>/reward and <source>/accuracy give each source's share.
 Each task metric appears only when the reward it derives from is configured.
 """
 from __future__ import annotations
@@ -389,12 +390,29 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
 
 
+def per_source_metrics(where: list[dict], n: int, res: RewardResult) -> dict:
+    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable)."""
+    out = {}
+    for label in dict.fromkeys(w["source"] for w in where):
+        idx = [i for i in range(len(res.total)) if where[i // n]["source"] == label]
+        scored = [res.total[i] for i in idx if not math.isnan(res.total[i])]
+        out[f"{label}/n"] = len(idx)
+        if scored:
+            out[f"{label}/reward"] = sum(scored) / len(scored)
+        task = task_metrics({k: [v[i] for i in idx] for k, v in res.per_reward.items()})
+        if "accuracy" in task:
+            out[f"{label}/accuracy"] = task["accuracy"]
+    return out
+
+
 def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> dict:
     """Score one model's completions, write its predictions_<name>.jsonl at once (a later model's
     failure loses nothing paid for) -> its metrics. Runs in the background while the next model
     generates (main), one model at a time, so the judges' counters it reads are this model's alone."""
     cfg = plan.cfg
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
+    if plan.where and "source" in plan.where[0]:
+        metrics |= per_source_metrics(plan.where, n, res)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
         failures = sum(gen.failed)

@@ -246,6 +246,11 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
                     "--data.select=[0,2]", "--data.name=null"]) == 0
     preds = lines(tmp / "eval/predictions_fake-model.jsonl")
     assert [(p["source"], p["row"]) for p in preds] == [("a", 2), ("a", 3), ("b", 2), ("b", 3)]
+    m = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    gold = {"a": [p["gold"] for p in preds if p["source"] == "a"], "b": ["A", "A"]}  # the fake always answers A
+    for s in "ab":
+        assert m[f"{s}/n"] == 2 and m[f"{s}/accuracy"] == gold[s].count("A") / 2
+    assert m["a/reward"] == pytest.approx(sum(p["reward"] for p in preds if p["source"] == "a") / 2)
 
 
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
