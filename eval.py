@@ -14,7 +14,8 @@ the data.split_seed shuffle; or eval.name, a test file of its own) and the decod
                    from eval.apis.MODEL (a named endpoint with its own model and settings)
 Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/results.json (the
 config and per-model metrics; never overwritten without --overwrite) and predictions_<name>.jsonl
-(one line per completion with its rewards), and prints the metrics as a table.
+(one line per completion: its row, the prompt, the forced assistant_prefix, the completion, its
+rewards, and the row's eval.keep_columns), and prints the metrics as a table.
 
 Each model is scored (judge requests) in the background while the next one generates; `seconds` is
 a model's time from the start of its generation until it was scored.
@@ -363,6 +364,10 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     if cfg.data.select is None and not cfg.eval.name:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     sources = held_out_sources(cfg)
+    for col in cfg.eval.keep_columns:
+        if missing := [s.label for s in sources if col not in s.rows[0]]:
+            raise ConfigError(f"eval.keep_columns: the rows of {missing[0]} have no column {col!r}; "
+                              f"they have: {', '.join(sources[0].rows[0])}")
     start = cfg.eval.select[0] if cfg.eval.select else 0
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
@@ -423,7 +428,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
-    records = [{**plan.where[i // n], "sample": i % n, "prompt": s["prompt"], "completion": text,
+    records = [{**plan.where[i // n], **{k: s.get(k) for k in cfg.eval.keep_columns}, "sample": i % n,
+                "prompt": s["prompt"], **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
                 **({"api_failed": True} if gen.failed and gen.failed[i] else {})}

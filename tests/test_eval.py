@@ -234,10 +234,14 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
     cfg, tmp = project
     test = tmp / "test.jsonl"
     test.write_text("".join(json.dumps({"question": f"Test {i}", "answer": "A"}) + "\n" for i in range(4)))
-    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=[0,3]"]) == 0
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=[0,3]",
+                    "--eval.keep_columns=[question]"]) == 0
     preds = lines(tmp / "eval/predictions_fake-model.jsonl")
-    assert [(p["row"], p["prompt"]) for p in preds] == [(i, f"Question: Test {i}") for i in range(3)]
+    assert [(p["row"], p["prompt"], p["question"]) for p in preds] == [(i, f"Question: Test {i}", f"Test {i}") for i in range(3)]
     assert "data.select is not set" not in capsys.readouterr().err
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=null",
+                    "--eval.keep_columns=[id]", "--overwrite"]) == 2
+    assert "eval.keep_columns: the rows of test have no column 'id'" in capsys.readouterr().err
     assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=null",
                     "--overwrite"]) == 0
     assert len(lines(tmp / "eval/predictions_fake-model.jsonl")) == 4 and "all, 4 prompts" in capsys.readouterr().out
@@ -256,10 +260,11 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     cfg, tmp = project
     argv = ["--config", str(cfg), "--models", "base", "--eval.temperature=1.0", "--eval.num_samples=3",
-            "--eval.pass_k=[1,3]", "--eval.limit=2", "--overwrite"]
+            "--eval.pass_k=[1,3]", "--eval.limit=2", "--overwrite", "--data.assistant_prefix={"]
     assert ev.main(argv) == 0
     preds = lines(tmp / "eval" / "predictions_base.jsonl")
     assert [(p["row"], p["sample"]) for p in preds] == [(r, s) for r in (6, 7) for s in range(3)]
+    assert {p["assistant_prefix"] for p in preds} == {"{"}  # best-of-n picks read the whole reply: prefix + completion
     m = json.loads((tmp / "eval" / "results.json").read_text())["models"]["base"]["metrics"]
     assert m["n"] == 6 and m["pass@1"] == pytest.approx(m["accuracy"]) and 0 <= m["pass@1"] <= m["pass@3"] <= 1
     assert len({p["completion"] for p in preds}) > 1  # sampled, not greedy
