@@ -67,6 +67,18 @@ def _read_file(path: Path) -> list[dict]:
                 return json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
+        if suffix == ".json" and text.lstrip().startswith("{"):  # one object holding the rows: {"data": [...]}
+            try:
+                whole = json.loads(text)
+            except json.JSONDecodeError:
+                whole = None  # JSON lines in a .json file
+            if isinstance(whole, dict):
+                lists = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+                if len(lists) > 1:
+                    raise DataError(f"{path} holds one JSON object with several lists of rows ({', '.join(lists)}); "
+                                    "write the one to train on as a list of rows, or one row per line")
+                if lists:
+                    return whole[lists[0]]
         rows = []
         for i, line in enumerate(text.splitlines(), 1):
             if line.strip():

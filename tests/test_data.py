@@ -187,3 +187,14 @@ def test_a_list_column_reads_as_a_comma_separated_list_in_a_template(tmp_path):
     (row,) = load_rows(DataConfig(name=str(tmp_path / "roles.jsonl"), prompt="A {role} role: {skills}; first {skills[0]}",
                                   answer_key=None))
     assert row["prompt"] == "A backend role: Go, Postgres; first Go" and row["skills"] == ["Go", "Postgres"]
+
+
+def test_a_json_file_holding_one_object_reads_the_rows_under_its_one_list(tmp_path):
+    f = tmp_path / "roles.json"
+    f.write_text(json.dumps({"version": 2, "roles": [{"q": "a"}, {"q": "b"}]}, indent=1))
+    assert [r["prompt"] for r in load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))] == ["a", "b"]
+    f.write_text(json.dumps({"a": [{"q": "a"}], "b": [{"q": "b"}]}))
+    with pytest.raises(DataError, match=r"holds one JSON object with several lists of rows \(a, b\)"):
+        load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))
+    f.write_text(json.dumps({"q": "a"}) + "\n" + json.dumps({"q": "b"}) + "\n")  # JSON lines named .json
+    assert len(load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))) == 2
