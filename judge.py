@@ -408,10 +408,12 @@ class Judge:
         lo, hi = self.cfg.score_min, self.cfg.score_max
         replies = _run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
         scores = [None if r is None else parse(r, lo, hi) for r in replies]
+        criteria = getattr(parse, "keywords", {}).get("criteria")  # judge_reward's partial(parse_score, criteria=...)
+        want = f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else "")
         for r, s in zip(replies, scores):
             if r is not None and s is None:
                 self.add_stat("failures")
-                self._warn_once("unparsable", f"{self.label}: no score in [{lo:g}, {hi:g}] in reply {r[:160]!r}")
+                self._warn_once("unparsable", f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
         return scores
 
 

@@ -101,11 +101,18 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
                             "; name it in a reward, or drop the judges: section (--judges={} on the command line)"))
 
 
+class _NoValue(TypeError):
+    """A reward returned NaN, its way of saying it has no value here (a judge call that failed and
+    was reported by the judge itself): counted and given the fallback, logged without a traceback."""
+
+
 def _as_reward(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, numbers.Real) and math.isfinite(value):  # bool is a Real: True -> 1.0
         return float(value)
+    if isinstance(value, numbers.Real) and math.isnan(value):
+        raise _NoValue("returned NaN (no value: a failed judge call, say)")
     raise TypeError(f"reward returned {value!r}; expected a finite number or None")
 
 
@@ -171,7 +178,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 _LOGGED.add(key)
                 log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
                             "sample=%s completion=%s", key, _one_line(err), spec.fallback,
-                            _short(sample), _short(completion), exc_info=err)
+                            _short(sample), _short(completion), exc_info=None if isinstance(err, _NoValue) else err)
             return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, sorted out below
 
         values: list[float | None] = []

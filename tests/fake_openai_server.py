@@ -1,4 +1,7 @@
 """A tiny OpenAI-compatible chat server for tests: stdlib only, runs in a background thread.
+Also a stand-in judge for trying a judge recipe offline:
+
+    python tests/fake_openai_server.py --port 8001    # then --judge.base_url=http://127.0.0.1:8001/v1
 
 It serves `POST /v1/chat/completions` and the Azure form
 `POST /openai/deployments/{deployment}/chat/completions?api-version=...`, records every request,
@@ -23,6 +26,7 @@ tests can check the client redacts it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -43,10 +47,10 @@ class Behaviour:
     delay_s: float = 0.0  # wait this long before answering (longer than the client timeout = a stall)
 
 
-def length_score(body: dict) -> str:
-    """A reply for `reply=`: a 0-10 score that varies with the last message's length, so different
+def length_score(body: dict, top: int = 10) -> str:
+    """A reply for `reply=`: a 0-top score that varies with the last message's length, so different
     completions get different scores (the benchmarks' fake judge)."""
-    return '{"score": %d}' % (len(body["messages"][-1]["content"]) % 11)
+    return '{"score": %d}' % (len(body["messages"][-1]["content"]) % (top + 1))
 
 
 def ok(text: str | None = None, delay_s: float = 0.0) -> Behaviour:
@@ -107,7 +111,8 @@ def _words(text: str) -> int:
 class FakeOpenAIServer:
     """OpenAI-compatible chat server on 127.0.0.1 at a free port; see the module docstring."""
 
-    def __init__(self, reply: Callable[[dict], str] | None = None, default: Behaviour | None = None):
+    def __init__(self, reply: Callable[[dict], str] | None = None, default: Behaviour | None = None, port: int = 0):
+        self.port = port  # 0: a free one
         self.reply = reply or (lambda body: '{"score": 5}')  # content for 200s without fixed text
         self.default = default or ok()  # behaviour once the script queue is empty
         self.requests: list[Recorded] = []  # every request, in arrival order
@@ -121,7 +126,7 @@ class FakeOpenAIServer:
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> "FakeOpenAIServer":
-        self._httpd = _HTTPServer(("127.0.0.1", 0), _make_handler(self))
+        self._httpd = _HTTPServer(("127.0.0.1", self.port), _make_handler(self))
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), daemon=True)
         self._thread.start()
         return self
@@ -245,3 +250,24 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
                 pass  # the client gave up (timeout) before we answered
 
     return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="A fake OpenAI-compatible judge on 127.0.0.1, to try judge recipes offline.")
+    ap.add_argument("--port", type=int, default=8001)
+    ap.add_argument("--top", type=int, default=10, help="scores run 0..top (the judge section's score_max)")
+    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: a 0..top score '
+                    "that varies with the last message's length)")
+    args = ap.parse_args(argv)
+    reply = (lambda body: args.reply) if args.reply else (lambda body: length_score(body, args.top))
+    with FakeOpenAIServer(reply=reply, port=args.port) as server:
+        print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

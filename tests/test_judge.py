@@ -12,6 +12,8 @@ import pytest
 from fake_openai_server import FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
 from judge import (Judge, JudgeConfig, JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score,
                    render, rubric_alignment)
+from rewards import RewardSpec
+from scoring import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
 KEY_ENV = "MINIGRPO_TEST_JUDGE_KEY"  # not OPENAI_API_KEY, so a developer's real key is never picked up
@@ -357,7 +359,7 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
     assert judge.pop_step_stats()["judge_constant_scores"] == 1
 
 
-def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server):
+def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, caplog):
     server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
     judge = make_judge(server)
     samples = [{"prompt": "Backend role, {skills}: Go, Postgres"}] * 2
@@ -370,7 +372,17 @@ def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server):
     assert "Backend role, {skills}: Go, Postgres" in sent[1]["content"]
 
     server.reply = lambda body: '{"relevance": 6, "clarity": 8}'  # a criterion missing -> failure
-    assert [math.isnan(x) for x in judge_reward(["new"], samples[:1], judge=judge)] == [True]
+    with caplog.at_level(logging.WARNING):
+        assert [math.isnan(x) for x in judge_reward(["new"], samples[:1], judge=judge)] == [True]
+    assert "want a number in [0, 10] for each of relevance, clarity, discriminative_power" in caplog.text
+    # through compute_rewards: the fallback, counted, and one line without a traceback (the judge said why)
+    caplog.clear()
+    _LOGGED.discard("judge")  # each reward's first failure is logged once per process
+    with caplog.at_level(logging.WARNING, logger="minigrpo.scoring"):
+        res = compute_rewards(["newer"], samples[:1], [RewardSpec("judge", fallback=0.0)], context={"judge": judge})
+    assert res.total == [0.0] and res.errors == {"judge": 1}
+    (rec,) = [r for r in caplog.records if r.name == "minigrpo.scoring"]
+    assert "returned NaN" in rec.getMessage() and rec.exc_info is None
 
 
 def test_judge_reward_with_custom_score_range(server):
