@@ -220,6 +220,11 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     mask = batch.completion_mask.clone()  # (N, C)
     if g.mask_truncated_completions:
         mask[batch.truncated] = 0
+        if bool(batch.truncated.all()) and not r.warned_all_truncated:
+            r.warned_all_truncated = True
+            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens={cfg.rollout.max_new_tokens} and "
+                  "grpo.mask_truncated_completions masks them all out: this step trains nothing. Raise "
+                  "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
     skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
     mask[skipped] = 0
     old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
@@ -380,6 +385,7 @@ class Run:
     start: int  # last completed step (0 for a new run)
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
     eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
+    warned_all_truncated: bool = False  # the all-truncated warning is given once a run
 
 
 def flat(d: dict, prefix: str = "") -> dict:

@@ -469,3 +469,12 @@ def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(set
     assert not run.exists()
     assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2  # the same checks
     assert "no field 'missing_field'" in capsys.readouterr().err
+
+
+def test_a_step_whose_completions_are_all_masked_as_truncated_warns_once(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=2", "--rollout.max_new_tokens=1", "--rollout.ignore_eos=true",
+                       "--grpo.mask_truncated_completions=true"]) == 0
+    m = lines(run / "metrics.jsonl")
+    assert [x["completions/clipped_ratio"] for x in m] == [1.0, 1.0] and [x["grad_norm"] for x in m] == [0.0, 0.0]
+    assert capsys.readouterr().err.count("masks them all out: this step trains nothing") == 1
