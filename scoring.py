@@ -177,7 +177,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
             if key not in _LOGGED:
                 _LOGGED.add(key)
                 log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
-                            "sample=%s completion=%s", key, _one_line(err), spec.fallback,
+                            "sample=%s completion=%s", key, str(err) if isinstance(err, _NoValue) else _one_line(err), spec.fallback,
                             _short(sample), _short(completion), exc_info=None if isinstance(err, _NoValue) else err)
             return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, sorted out below
 

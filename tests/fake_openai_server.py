@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -51,6 +52,14 @@ def length_score(body: dict, top: int = 10) -> str:
     """A reply for `reply=`: a 0-top score that varies with the last message's length, so different
     completions get different scores (the benchmarks' fake judge)."""
     return '{"score": %d}' % (len(body["messages"][-1]["content"]) % (top + 1))
+
+
+def shaped_score(body: dict, top: int = 10) -> str:
+    """A reply in the shape the prompt asks for: each key of its `{"key": <number>, ...}` (a
+    template's criteria) gets a 0-top score that varies with the message's length, else "score"."""
+    text = body["messages"][-1]["content"]
+    keys = re.findall(r'"(\w+)": <number>', text) or ["score"]
+    return json.dumps({k: (len(text) + i) % (top + 1) for i, k in enumerate(keys)})
 
 
 def ok(text: str | None = None, delay_s: float = 0.0) -> Behaviour:
@@ -256,10 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="A fake OpenAI-compatible judge on 127.0.0.1, to try judge recipes offline.")
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--top", type=int, default=10, help="scores run 0..top (the judge section's score_max)")
-    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: a 0..top score '
-                    "that varies with the last message's length)")
+    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: 0..top scores '
+                    "for the keys the prompt asks for, varying with its length)")
     args = ap.parse_args(argv)
-    reply = (lambda body: args.reply) if args.reply else (lambda body: length_score(body, args.top))
+    reply = (lambda body: args.reply) if args.reply else (lambda body: shaped_score(body, args.top))
     with FakeOpenAIServer(reply=reply, port=args.port) as server:
         print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
         try:
