@@ -471,3 +471,15 @@ def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
     assert open_judges(None, {}) == {}
     with pytest.raises(ValueError, match=r"^judges.second: need max_concurrent >= 1"):
         open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(max_concurrent=0)})
+
+
+@pytest.mark.parametrize("template", ["pointwise_criteria", "logic_novelty", "rubric_scoring"])
+def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape(template):
+    from fake_openai_server import shaped_score
+
+    from judge import TEMPLATE_CRITERIA
+    prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q", "rubric": "r",
+                                              "answer": "a", "score_min": 0, "score_max": 5})
+    reply = shaped_score({"messages": [{"role": "user", "content": prompt}]}, top=5)
+    parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
+    assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
