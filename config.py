@@ -185,7 +185,8 @@ class EvalConfig:
     batch_size: int = 16  # prompts per generate call
     limit: int = 0  # evaluate only the first n held-out rows of each data source (0: all)
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
-    keep_columns: list[str] = field(default_factory=list)  # row columns copied into each prediction line, e.g. [id]
+    keep_columns: list[str] = field(default_factory=list)  # row columns copied into each prediction line (under
+    #   "columns"), e.g. [id, prompt_type]
     api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
     apis: dict[str, JudgeConfig] = field(default_factory=dict)  # named endpoints, each with its own model and
     #   settings (temperature: null for GPT-5, ...): an `api:NAME` entry uses eval.apis.NAME

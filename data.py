@@ -67,7 +67,8 @@ def _read_file(path: Path) -> list[dict]:
                 return json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
-        if suffix == ".json" and text.lstrip().startswith("{"):  # one object holding the rows: {"data": [...]}
+        if suffix == ".json" and text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
+            # one object spread over lines, holding the rows: {"data": [...]} (one line is one row of JSON lines)
             try:
                 whole = json.loads(text)
             except json.JSONDecodeError:
@@ -292,12 +293,12 @@ def split_reply(prompt, target, cfg: DataConfig, i: int) -> tuple:
     """(prompt, reply text) of an SFT row. A target holding chat messages (TRL's conversational
     formats: `messages`, or a `completion` list) is replied to by its last message, which must be
     the assistant's; when data.prompt names the same column, the messages before it are the prompt."""
-    if isinstance(target, str):
-        return prompt, target
+    if not isinstance(target, (list, dict)):
+        return prompt, str(target)  # text, or a number column (an answer of 5 is the reply "5")
     last = target[-1] if isinstance(target, list) and target else None
     if not (isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)):
-        raise DataError(f"row {i}: data.target={cfg.target} holds a {type(target).__name__}, not text or chat messages "
-                        "ending with the assistant's reply ({role: assistant, content: ...})")
+        raise DataError(f"row {i}: data.target={cfg.target} holds {'a list' if isinstance(target, list) else 'an object'}, "
+                        "not text or chat messages ending with the assistant's reply ({role: assistant, content: ...})")
     return (target[:-1] if cfg.prompt == cfg.target else prompt), last["content"]
 
 

@@ -12,10 +12,10 @@ the data.split_seed shuffle; or eval.name, a test file of its own) and the decod
   [NAME=]hf:ORG/REPO[@REV] a hub model or adapter, downloaded, then read as PATH is
   [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL), or
                    from eval.apis.MODEL (a named endpoint with its own model and settings)
-Names default to `base`, the directory name, or MODEL. Writes eval.out_dir/results.json (the
+Names default to `base`, the directory or repo name, or MODEL. Writes eval.out_dir/results.json (the
 config and per-model metrics; never overwritten without --overwrite) and predictions_<name>.jsonl
 (one line per completion: its row, the prompt, the forced assistant_prefix, the completion, its
-rewards, and the row's eval.keep_columns), and prints the metrics as a table.
+rewards, and under "columns" the row's eval.keep_columns), and prints the metrics as a table.
 
 Each model is scored (judge requests) in the background while the next one generates; `seconds` is
 a model's time from the start of its generation until it was scored.
@@ -138,7 +138,7 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
                     check_adapter_base(Path(target), mcfg)
                 except ConfigError as e:
                     raise ConfigError(f"model entry {spec!r}: {e}") from None
-        default = {"base": "base", "api": target}.get(kind) or (what.split("/")[-1].split("@")[0] if what.startswith("hf:")
+        default = {"base": "base", "api": target}.get(kind) or (what[3:].partition("@")[0].split("/")[-1] if what.startswith("hf:")
                                                                 else Path(what).expanduser().resolve().name)
         name = name or re.sub(r"[^\w.-]", "_", default)
         if name in [e.name for e in entries]:
@@ -280,8 +280,7 @@ def held_out_sources(cfg: Config) -> list[Source]:
     order), the first eval.limit of each when set."""
     e, data = cfg.eval, cfg.data
     if e.name:
-        data = dataclasses.replace(data, name=e.name, config_name=None, mixture=None, presets={}, preset=None,
-                                   split_seed=None, select=None)
+        data = dataclasses.replace(data, name=e.name, mixture=None, presets={}, preset=None, split_seed=None, select=None)
     sources = load_sources(data, select=e.select, split=e.split)
     return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
 
@@ -349,9 +348,9 @@ class Plan:
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
-    entries = parse_model_entries(args.models, cfg.model)
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
+    entries = parse_model_entries(args.models, cfg.model)  # hf: entries download here
     judges = open_scoring(cfg)
     api = {}
     for e in [e for e in entries if e.kind == "api"]:
@@ -365,9 +364,9 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     sources = held_out_sources(cfg)
     for col in cfg.eval.keep_columns:
-        if missing := [s.label for s in sources if col not in s.rows[0]]:
-            raise ConfigError(f"eval.keep_columns: the rows of {missing[0]} have no column {col!r}; "
-                              f"they have: {', '.join(sources[0].rows[0])}")
+        if missing := [s for s in sources if col not in s.rows[0]]:
+            raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column {col!r}; "
+                              f"they have: {', '.join(missing[0].rows[0])}")
     start = cfg.eval.select[0] if cfg.eval.select else 0
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
@@ -395,13 +394,16 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
 
 
-def per_source_metrics(where: list[dict], n: int, res: RewardResult) -> dict:
-    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable)."""
+def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None) -> dict:
+    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable),
+    over the answered completions (failed API requests left out, as in the totals)."""
     out = {}
     for label in dict.fromkeys(w["source"] for w in where):
-        idx = [i for i in range(len(res.total)) if where[i // n]["source"] == label]
-        scored = [res.total[i] for i in idx if not math.isnan(res.total[i])]
+        idx = [i for i in range(len(res.total)) if where[i // n]["source"] == label and not (failed and failed[i])]
         out[f"{label}/n"] = len(idx)
+        if not idx:
+            continue
+        scored = [res.total[i] for i in idx if not math.isnan(res.total[i])]
         if scored:
             out[f"{label}/reward"] = sum(scored) / len(scored)
         task = task_metrics({k: [v[i] for i in idx] for k, v in res.per_reward.items()})
@@ -417,7 +419,7 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     cfg = plan.cfg
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     if plan.where and "source" in plan.where[0]:
-        metrics |= per_source_metrics(plan.where, n, res)
+        metrics |= per_source_metrics(plan.where, n, res, gen.failed)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
         failures = sum(gen.failed)
@@ -428,8 +430,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
-    records = [{**plan.where[i // n], **{k: s.get(k) for k in cfg.eval.keep_columns}, "sample": i % n,
-                "prompt": s["prompt"], **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
+    records = [{**plan.where[i // n], **({"columns": {k: s.get(k) for k in cfg.eval.keep_columns}} if cfg.eval.keep_columns
+                                         else {}), "sample": i % n, "prompt": s["prompt"], **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
                 **({"api_failed": True} if gen.failed and gen.failed[i] else {})}
@@ -458,7 +460,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field: --section.key=value",
                                  allow_abbrev=False)
     ap.add_argument("--config", required=True, help="the training YAML (its eval section drives this script)")
-    ap.add_argument("--models", nargs="+", required=True, help="base, [NAME=]PATH or [NAME=]api:MODEL entries")
+    ap.add_argument("--models", nargs="+", required=True, help="base, [NAME=]PATH, [NAME=]hf:ORG/REPO or [NAME=]api:MODEL entries")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing eval.out_dir/results.json")
     # --section.key=value overrides are taken out first: argparse reads one holding a space
     # ("--eval.agreement=[[a, b]]") as another --models entry

@@ -54,7 +54,8 @@ def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None
     (export.py's, on a model exported from a run that forced it) does not get it a second time."""
     text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
                                          add_generation_prompt=True, **(template_kwargs or {}))
-    return text if assistant_prefix and text.endswith(assistant_prefix) else text + assistant_prefix
+    # (a whitespace prefix could end any template by chance: it is always added)
+    return text if assistant_prefix.strip() and text.endswith(assistant_prefix) else text + assistant_prefix
 
 
 def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:

@@ -2,8 +2,9 @@
 into group advantages, and take num_iterations clipped-surrogate updates on the LoRA weights.
 
     python train.py --config configs/quickstart.yaml
-    python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --rollout.num_generations=8
+    python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --run.out_dir=runs/quickstart_kl
     python train.py --config configs/quickstart.yaml --resume      # continue from the last checkpoint
+    python train.py --config configs/quickstart.yaml --dry-run     # check everything, show the first prompt
 
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,
@@ -40,7 +41,7 @@ import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
-                   reference_mode, resolve_model_path, trainable_parameters)
+                   reference_mode, resolve_model_path, same_base, trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from judge import Judge, judges_stats
 from scoring import (RewardResult, compute_rewards, in_background, join_results, open_scoring, reward_context,
@@ -393,7 +394,7 @@ def flat(d: dict, prefix: str = "") -> dict:
             (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
 
 
-def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> str:
+def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT);
     -> which row is the longest, for --dry-run."""
     texts = [p + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "")
@@ -402,8 +403,8 @@ def check_lengths(cfg: Config, rows: list[dict], tokenizer) -> str:
     longest = max(range(len(rows)), key=lengths.__getitem__)
     key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)
     if lengths[longest] > limit:
-        raise ConfigError(f"row {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
-    return f"row {longest}, {lengths[longest]} tokens ({key} {limit})"
+        raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
+    return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
 def setup(args, overrides: list[str]) -> Run:
@@ -412,7 +413,7 @@ def setup(args, overrides: list[str]) -> Run:
     vllm_engine.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
-    if not args.resume and run_dir.exists() and any(run_dir.iterdir()):
+    if not args.resume and not args.dry_run and run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
     ckpts = checkpoints(run_dir) if args.resume else []
     if ckpts:
@@ -441,10 +442,12 @@ def setup(args, overrides: list[str]) -> Run:
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, beta=cfg.grpo.beta if cfg.mode == "grpo" else 0.0)
     if ckpts and (ckpts[-1] / "adapter" / PROVENANCE).is_file():
         saved = json.loads((ckpts[-1] / "adapter" / PROVENANCE).read_text())
-        if saved != model.minigrpo_base:  # e.g. init_adapter names a run whose newest checkpoint has changed since
+        if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
                               f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
     check_lengths(cfg, rows, tokenizer)
+    if eval_rows and cfg.mode == "sft":  # eval/loss runs them through the same batches
+        check_lengths(cfg, eval_rows, tokenizer, "held-out row")
     ref_copy = None
     if cfg.grpo.beta > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
@@ -457,7 +460,8 @@ def setup(args, overrides: list[str]) -> Run:
     start, updates_done = 0, 0
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
-        start, updates_done = state["step"], state["scheduler"]["last_epoch"]
+        start = state["step"]
+        updates_done = start * (cfg.grpo.num_iterations if cfg.mode == "grpo" else 1)  # as far along as the steps are
         for group in optimizer.param_groups:  # Adam's moments from the checkpoint, its settings from the config
             group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                          weight_decay=cfg.optim.weight_decay)
@@ -468,7 +472,7 @@ def setup(args, overrides: list[str]) -> Run:
     # resumed: the schedule continues from the updates done, on the config's peak lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates), last_epoch=updates_done - 1)
     engine = None
-    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":
+    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo" and not args.dry_run:  # a dry run checks, starts nothing
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r, start=start)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,

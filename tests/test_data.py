@@ -193,8 +193,10 @@ def test_a_json_file_holding_one_object_reads_the_rows_under_its_one_list(tmp_pa
     f = tmp_path / "roles.json"
     f.write_text(json.dumps({"version": 2, "roles": [{"q": "a"}, {"q": "b"}]}, indent=1))
     assert [r["prompt"] for r in load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))] == ["a", "b"]
-    f.write_text(json.dumps({"a": [{"q": "a"}], "b": [{"q": "b"}]}))
+    f.write_text(json.dumps({"a": [{"q": "a"}], "b": [{"q": "b"}]}, indent=1))
     with pytest.raises(DataError, match=r"holds one JSON object with several lists of rows \(a, b\)"):
         load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))
     f.write_text(json.dumps({"q": "a"}) + "\n" + json.dumps({"q": "b"}) + "\n")  # JSON lines named .json
     assert len(load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))) == 2
+    f.write_text(json.dumps({"q": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")  # one row, one line
+    assert load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))[0]["messages"][0]["content"] == "hi"

@@ -237,7 +237,8 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
     assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=[0,3]",
                     "--eval.keep_columns=[question]"]) == 0
     preds = lines(tmp / "eval/predictions_fake-model.jsonl")
-    assert [(p["row"], p["prompt"], p["question"]) for p in preds] == [(i, f"Question: Test {i}", f"Test {i}") for i in range(3)]
+    assert [(p["row"], p["prompt"], p["columns"]) for p in preds] == [(i, f"Question: Test {i}", {"question": f"Test {i}"})
+                                                                       for i in range(3)]
     assert "data.select is not set" not in capsys.readouterr().err
     assert ev.main(["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=null",
                     "--eval.keep_columns=[id]", "--overwrite"]) == 2
@@ -334,9 +335,9 @@ def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, t
             raise OSError("We couldn't connect to 'https://huggingface.co'")
         return str(repos[repo_id])
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    entries = ev.parse_model_entries(["hf:me/sft@v1", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
+    entries = ev.parse_model_entries(["hf:me/sft@refs/pr/3", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
     assert [(e.name, e.kind, e.target) for e in entries] == [("sft", "adapter", str(adapter)), ("m", "full", str(tiny_llama))]
-    assert calls == [("me/sft", "v1"), ("me/merged", None)]
+    assert calls == [("me/sft", "refs/pr/3"), ("me/merged", None)]
     with pytest.raises(ConfigError, match="could not download me/other from the hub .*couldn't connect"):
         ev.parse_model_entries(["hf:me/other"], ModelConfig(name=str(tiny_llama)))
 
@@ -359,6 +360,9 @@ def test_failed_api_requests_are_left_out_of_scoring_and_metrics():
     _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
     assert m["n"] == 1 and m["accuracy"] == 1.0 and m["valid_json_rate"] == 1.0 and m["mean_length"] == 12
     assert math.isnan(res.total[0]) and all(v[0] is None for v in res.per_reward.values())
+    where = [{"row": 0, "source": "a"}, {"row": 0, "source": "b"}]  # a mixture: per source, the answered too
+    assert ev.per_source_metrics(where, 1, res, gen.failed) == {"a/n": 0, "b/n": 1, "b/reward": res.total[1],
+                                                                "b/accuracy": 1.0}
     gen = ev.Generated(texts=["", ""], num_tokens=[0, 0], truncated=None, failed=[True, True])  # an outage
     _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
     assert m == {"n": 0} and all(math.isnan(t) for t in res.total)

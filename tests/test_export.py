@@ -167,6 +167,8 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
     assert served.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
     # eval.py or a further GRPO run on the export renders the same prompt: the prefix is not added twice
     assert rollout.render_prompt(served, "What is 2 + 2?", "Be brief.", "<think>\n", {"enable_thinking": False}) == want
+    # a whitespace prefix that the plain template happens to end with is still added
+    assert rollout.render_prompt(trained["tok"], "hi", None, "\n").endswith("<|im_start|>assistant\n\n")
     assert "every reply starts with '<think>\\n'" in (out / "README.md").read_text()
     # a template that reads the argument (Qwen3's enable_thinking) sees the value training used
     qwen_like = "{% if enable_thinking is defined and enable_thinking is false %}NO-THINK {% endif %}{{ messages[0]['content'] }}"

@@ -77,6 +77,8 @@ def test_chat_message_rows_train_on_the_last_assistant_turn(tmp_path):
     for target in ("tags", "prompt"):  # a list of strings; messages ending with the user's turn
         with pytest.raises(DataError, match=f"data.target={target} holds a list, not text or chat messages"):
             load_rows(DataConfig(name=str(data), prompt="prompt", target=target, answer_key=None))
+    data.write_text(json.dumps({"q": "2 + 3?", "a": 5}) + "\n")  # a number column is the reply "5"
+    assert load_rows(DataConfig(name=str(data), prompt="q", target="a", answer_key=None))[0]["target"] == "5"
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["continue-adapter", "merge-then-new-lora"])
@@ -115,6 +117,7 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     grpo_path = tmp_path / "grpo.yaml"
     grpo_path.write_text(yaml.safe_dump(grpo_cfg))
     assert train.main(["--config", str(grpo_path)]) == 0
+    assert train.main(["--config", str(grpo_path), "--run.steps=2", "--resume"]) == 0  # resumes on the same chain
     adapter = find_adapter(str(tmp_path / "grpo"))
     prov = json.loads((adapter / "minigrpo_base.json").read_text())
     assert prov["base_model"] == cfg["model"]["name"] and len(prov["merged"]) == 1

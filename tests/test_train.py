@@ -92,6 +92,18 @@ def test_resume_with_a_changed_lr_uses_it_from_the_next_update(setup, capsys):
     assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5 and state["scheduler"]["last_epoch"] == 2
 
 
+
+def test_resume_with_another_num_iterations_puts_the_schedule_where_the_steps_are(setup):
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--optim.warmup_steps=3", "--optim.lr=0.01"]
+    assert train.main(args + ["--grpo.num_iterations=2"]) == 0
+    shutil.rmtree(run / "checkpoints/step_000004")
+    assert train.main(args + ["--grpo.num_iterations=1", "--resume"]) == 0
+    # 4 updates in all now, 2 done by step 2: steps 3 and 4 use the schedule's updates 2 and 3
+    f = train.lr_lambda(train.load_config(str(cfg), ["--optim.warmup_steps=3", "--run.steps=4"]), 4)
+    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == pytest.approx([0.01 * f(2), 0.01 * f(3)])
+
+
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
     """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
     optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
@@ -468,6 +480,10 @@ def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(set
     assert "nothing was trained or written" in out and "rows: " in out and out.rstrip().splitlines()[-1] == "<|im_start|>assistant"
     assert not run.exists()
     assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2  # the same checks
+    assert "no field 'missing_field'" in capsys.readouterr().err
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0  # a run's folder does not stop a dry run
+    assert train.main(["--config", str(cfg), "--dry-run"]) == 0
+    assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2
     assert "no field 'missing_field'" in capsys.readouterr().err
 
 
