@@ -14,6 +14,8 @@ generation_config.json (bos/eos/pad only: training sampled from logits / T alone
 with its chat template (rendering prompts as training did: the checkpoint config's
 data.chat_template_kwargs fixed and its data.assistant_prefix written after the generation prompt)
 and README.md, a model card naming the base and each adapter's sha256.
+--verify [PROMPT] reloads OUT.tmp as a server would and checks it against the merged model before
+it is kept (the saved template must render the prompt as training did: else exit 1, nothing written).
 Written to OUT.tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub uploads
 OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2, nothing
 written; a failed upload exits 1 and keeps OUT.
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+import rollout
 from config import Config, ConfigError, data_label, load_config
 from model import BUILTIN, apply_adapter_chain, find_adapter, load_base
 
@@ -43,6 +46,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repo (token from $HF_TOKEN)")
     ap.add_argument("--private", action="store_true", help="create the hub repo private")
+    ap.add_argument("--verify", nargs="?", const="What is 2 + 2?", metavar="PROMPT",
+                    help="reload the export as a server would and check it against the merged model (default prompt: "
+                         "'What is 2 + 2?'); a template that renders the prompt otherwise than training fails the export")
     return ap.parse_known_args(argv)
 
 
@@ -99,6 +105,38 @@ def serving_template(template: str, kwargs: dict, prefix: str) -> str:
     tail = f"{{%+ if add_generation_prompt %}}{{{{ {literal(prefix)} }}}}{{% endif %}}" if prefix else ""
     body = template[:-1] if tail and template.endswith("\n") else template
     return head + body + tail
+
+
+class ExportCheckFailed(Exception):
+    pass
+
+
+@torch.no_grad()
+def greedy(model, tokenizer, text: str, new_tokens: int = 16) -> tuple[str, list[int], torch.Tensor]:
+    """(the rendered prompt, its first greedy tokens, the first next-token logits) of `model`."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    logits = model(ids).logits[0, -1].float()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return text, out[0, ids.shape[1]:].tolist(), logits
+
+
+def verify(folder: Path, reference: tuple, prompt: str, system_prompt: str | None) -> str:
+    """--verify: load `folder` as a server would (AutoTokenizer, AutoModelForCausalLM) and compare it with
+    the merged model before the cast. The saved template must render the prompt as training did
+    (else ExportCheckFailed); the logits and greedy tokens are reported (a bf16 cast moves them a little)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template(rollout.chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True)
+    want_text, want_tokens, want_logits = reference
+    if text != want_text:
+        raise ExportCheckFailed(f"the saved chat template renders {text[-80:]!r} where training rendered {want_text[-80:]!r}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    _, tokens, logits = greedy(model, tok, text, len(want_tokens))
+    same = sum(a == b for a, b in zip(tokens, want_tokens))
+    return (f"[minigrpo] verify: the saved template renders the prompt as training did; next-token logits within "
+            f"{float((logits - want_logits).abs().max()):.3g} of the merged model's; {same}/{len(want_tokens)} greedy tokens "
+            f"the same ({tok.decode(tokens)!r})")
 
 
 def readable_by_older_transformers(folder: Path) -> None:
@@ -158,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs a base in full precision")
         model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
         data = train_cfg.data
+        reference = greedy(model, tokenizer, rollout.render_prompt(tokenizer, args.verify, data.system_prompt,
+                                                                   data.assistant_prefix, data.chat_template_kwargs)) \
+            if args.verify else None  # before the template is rewritten and the weights cast
         if tokenizer.chat_template and (data.chat_template_kwargs or data.assistant_prefix):
             t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
             tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, data.assistant_prefix)
@@ -181,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         readable_by_older_transformers(tmp)
         (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov, args.dtype))
+        if reference is not None:
+            print(verify(tmp, reference, args.verify, train_cfg.data.system_prompt))
+    except ExportCheckFailed as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"error: --verify: {e}; nothing was written", file=sys.stderr)
+        return 1
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

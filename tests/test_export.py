@@ -229,3 +229,20 @@ def test_the_model_card_says_how_the_run_trained_sft_or_grpo_and_names_a_mixture
     assert "supervised on `mixture (a.jsonl + b.jsonl)` (target `answer`)" in card and "temperature" not in card
     cfg.mode = "grpo"
     assert "A GRPO fine-tune" in export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
+
+
+def test_verify_reloads_the_export_and_refuses_a_template_that_renders_otherwise(trained, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    ckpt = run / "checkpoints/step_000007"
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    cfg["data"] = {**cfg["data"], "assistant_prefix": "<think>\n"}
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    argv = ["--config", str(trained["config"]), "--adapter", str(run), "--dtype", "float32", "--verify"]
+    assert export.main(argv + ["--out", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "renders the prompt as training did; next-token logits within 0 of" in out and "greedy tokens the same" in out
+    monkeypatch.setattr(export, "serving_template", lambda template, kwargs, prefix: template)  # the prefix lost
+    assert export.main(argv + ["--out", str(tmp_path / "bad")]) == 1
+    assert "where training rendered" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()
