@@ -67,14 +67,14 @@ def _read_file(path: Path) -> list[dict]:
                 return json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
-        if suffix == ".json" and text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
-            # one object spread over lines, holding the rows: {"data": [...]} (one line is one row of JSON lines)
+        if suffix == ".json" and text.lstrip().startswith("{"):  # one object holding the rows: {"data": [...]}
             try:
                 whole = json.loads(text)
             except json.JSONDecodeError:
                 whole = None  # JSON lines in a .json file
-            if isinstance(whole, dict):
-                lists = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)]
+            if isinstance(whole, dict):  # a list of chat messages is a row's column, not the rows
+                lists = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+                         and not all({"role", "content"} <= set(x) for x in v)]
                 if len(lists) > 1:
                     raise DataError(f"{path} holds one JSON object with several lists of rows ({', '.join(lists)}); "
                                     "write the one to train on as a list of rows, or one row per line")

@@ -15,7 +15,8 @@ with its chat template (rendering prompts as training did: the checkpoint config
 data.chat_template_kwargs fixed and its data.assistant_prefix written after the generation prompt)
 and README.md, a model card naming the base and each adapter's sha256.
 --verify [PROMPT] reloads OUT.tmp as a server would and checks it against the merged model before
-it is kept (the saved template must render the prompt as training did: else exit 1, nothing written).
+it is kept (the saved template must render the prompt as training did: else exit 1, nothing written);
+it holds a second copy of the model in fp32 meanwhile.
 Written to OUT.tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub uploads
 OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2, nothing
 written; a failed upload exits 1 and keeps OUT.
@@ -117,6 +118,7 @@ def greedy(model, tokenizer, text: str, new_tokens: int = 16) -> tuple[str, list
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     logits = model(ids).logits[0, -1].float()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=rollout.eos_token_ids(tokenizer, model),  # where training stopped
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return text, out[0, ids.shape[1]:].tolist(), logits
 
@@ -199,11 +201,15 @@ def main(argv: list[str] | None = None) -> int:
         reference = greedy(model, tokenizer, rollout.render_prompt(tokenizer, args.verify, data.system_prompt,
                                                                    data.assistant_prefix, data.chat_template_kwargs)) \
             if args.verify else None  # before the template is rewritten and the weights cast
-        if tokenizer.chat_template and (data.chat_template_kwargs or data.assistant_prefix):
+        # a template that already ends with the prefix (an R1-style "<think>\n") wrote it in training too
+        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True,
+                                              **data.chat_template_kwargs) if tokenizer.chat_template else ""
+        prefix = "" if data.assistant_prefix.strip() and probe.endswith(data.assistant_prefix) else data.assistant_prefix
+        if tokenizer.chat_template and (data.chat_template_kwargs or prefix):
             t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
-            tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, data.assistant_prefix)
+            tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, prefix)
                                         for k, v in t.items()} if isinstance(t, dict)
-                                       else serving_template(t, data.chat_template_kwargs, data.assistant_prefix))
+                                       else serving_template(t, data.chat_template_kwargs, prefix))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -235,7 +235,7 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
 def same_base(a: dict, b: dict) -> bool:
     """Two provenance records name the same base: model, revision and the merged adapters' hashes
     (not where those adapters sat, which a moved project changes)."""
-    key = lambda p: (p.get("base_model"), p.get("revision"), [m["sha256"] for m in p.get("merged", [])])  # noqa: E731
+    key = lambda p: (p.get("base_model"), p.get("revision"), [m.get("sha256") for m in p.get("merged") or []])  # noqa: E731
     return key(a) == key(b)
 
 

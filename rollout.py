@@ -51,7 +51,9 @@ def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None
                   template_kwargs: dict | None = None) -> str:
     """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
     to the chat template (Qwen3: {"enable_thinking": False}). A template that writes the prefix itself
-    (export.py's, on a model exported from a run that forced it) does not get it a second time."""
+    (export.py's, on a model exported from a run that forced it) does not get it a second time. A
+    whitespace-only prefix is always added (any template could end with it by chance), so an export of
+    a run that forced one renders it twice here: evaluate that run's adapter instead."""
     text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
                                          add_generation_prompt=True, **(template_kwargs or {}))
     # (a whitespace prefix could end any template by chance: it is always added)

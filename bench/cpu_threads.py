@@ -1,6 +1,6 @@
 """Two runs on one CPU at once: what torch's threads cost when they outnumber the cores.
 
-    python bench/cpu_threads.py            # ~5 min on 2 cores; writes nothing outside a temp folder
+    python bench/cpu_threads.py            # ~7 min on 2 cores; writes nothing outside a temp folder
 
 Each case starts one or two short quickstart trainings (4 steps, 2 prompts x 8 completions, 16
 new tokens) as separate processes, at the same time, and reports the median step time:

@@ -200,3 +200,5 @@ def test_a_json_file_holding_one_object_reads_the_rows_under_its_one_list(tmp_pa
     assert len(load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))) == 2
     f.write_text(json.dumps({"q": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")  # one row, one line
     assert load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))[0]["messages"][0]["content"] == "hi"
+    f.write_text(json.dumps({"data": [{"q": "a"}, {"q": "b"}]}))  # json.dump's default: one line
+    assert [r["prompt"] for r in load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))] == ["a", "b"]

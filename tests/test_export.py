@@ -242,6 +242,12 @@ def test_verify_reloads_the_export_and_refuses_a_template_that_renders_otherwise
     assert export.main(argv + ["--out", str(tmp_path / "ok")]) == 0
     out = capsys.readouterr().out
     assert "renders the prompt as training did; next-token logits within 0 of" in out and "greedy tokens the same" in out
+    # a template that already ends with the forced prefix (R1-style "<think>\n"): written once, as in training
+    cfg["data"]["assistant_prefix"] = "assistant\n"  # what ChatML's generation prompt ends with
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert export.main(argv + ["--out", str(tmp_path / "once")]) == 0
+    cfg["data"]["assistant_prefix"] = "<think>\n"
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
     monkeypatch.setattr(export, "serving_template", lambda template, kwargs, prefix: template)  # the prefix lost
     assert export.main(argv + ["--out", str(tmp_path / "bad")]) == 1
     assert "where training rendered" in capsys.readouterr().err
