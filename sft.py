@@ -38,7 +38,7 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
 
 def sft_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
-    from train import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb
+    from step import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
@@ -63,7 +63,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
 def held_out_loss(r) -> float:
     """eval/loss: the mean reply-token cross-entropy on the held-out rows (eval.select's), the
     training loss on rows it never saw: where it turns up while the training loss falls, SFT overfits."""
-    from train import micro_batch_log_probs, micro_batches
+    from step import micro_batch_log_probs, micro_batches
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     was_training, nll, tokens = model.training, 0.0, 0.0

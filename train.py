@@ -1,5 +1,6 @@
 """Train a policy with GRPO. The loop: sample B prompts x G completions, score them, turn rewards
-into group advantages, and take num_iterations clipped-surrogate updates on the LoRA weights.
+into group advantages, and take num_iterations clipped-surrogate updates on the LoRA weights (one
+such step is step.train_step; this file sets the run up, loops, logs and checkpoints).
 
     python train.py --config configs/quickstart.yaml
     python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --run.out_dir=runs/quickstart_kl
@@ -14,41 +15,34 @@ leaves a half checkpoint). Bad input exits with code 2 and one line saying what 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import contextlib
 import copy
-import functools
 import hashlib
 import importlib.util
 import json
 import math
 import random
-import resource
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-import grpo
 import jsonl
-import logprobs
 import rollout
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from data import PromptSampler, load_sources
-from model import (PROVENANCE, is_peft, load_policy, merged_for_sampling, mixed_precision, pick_device, pick_dtype,
-                   reference_mode, resolve_model_path, same_base, trainable_parameters)
+from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
+                   trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge, judges_stats
-from scoring import (RewardResult, compute_rewards, in_background, join_results, open_scoring, reward_context,
-                     reward_means)
+from judge import Judge
+from scoring import open_scoring
+from step import train_step
 
 
-# ----------------------------------------------------------------------------- one step
+# ----------------------------------------------------------------------------- schedule
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -61,279 +55,6 @@ def lr_lambda(cfg: Config, total_updates: int):
         progress = min(1.0, (u - w) / max(1, total_updates - w))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
-
-
-@dataclass
-class Scored:
-    """Completions with their rewards; rows i*G .. i*G+G-1 form group i."""
-    rollout: rollout.Rollout
-    samples: list[dict]  # (n,) the data row behind each completion
-    total: torch.Tensor  # (n,) weighted reward
-    per_reward: dict[str, list]  # name -> (n,) values (None: does not apply)
-    errors: dict[str, int]  # name -> failures counted
-
-
-def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judges: dict[str, Judge],
-          engine: vllm_engine.VllmEngine | None = None) -> Scored:
-    """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
-    ro, G = cfg.rollout, cfg.rollout.num_generations
-    prompts = rollout.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
-    samples = [rows[i] for i in idx for _ in range(G)]
-
-    def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
-        return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,
-                               context=reward_context(cfg.data.assistant_prefix, judges))
-
-    def lengths(r: rollout.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
-        return r.completion_mask.sum(1).long().tolist()
-    if engine is not None:
-        r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model), next(model.parameters()).device)
-        return scored(r, samples, rewards_of(r.texts, lengths(r), 0))
-    # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
-    # computed in the background while the next slice samples; the results are joined in order.
-    overlap = ro.overlap_rewards and 0 < ro.prompts_per_generate < len(prompts)
-    pending: list[concurrent.futures.Future] = []
-
-    def start_rewards(i: int, part: rollout.Rollout) -> None:
-        pending.append(in_background(functools.partial(rewards_of, part.texts, lengths(part), i * G),
-                                     after=pending[-1] if pending else None))
-    with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-        r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
-                                    ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
-                                    ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
-                                    on_slice=start_rewards if overlap else None)
-    res = join_results([f.result() for f in pending]) if overlap else rewards_of(r.texts, lengths(r), 0)
-    return scored(r, samples, res)
-
-
-def scored(r: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
-    return Scored(r, samples, torch.tensor(res.total, dtype=torch.float32), res.per_reward, res.errors)
-
-
-def concat(parts: list[Scored], pad_id: int) -> Scored:
-    if len(parts) == 1:
-        return parts[0]
-    res = join_results([RewardResult(p.total.tolist(), p.per_reward, p.errors) for p in parts])
-    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
-
-
-def take_group(p: Scored, g: int, G: int) -> Scored:
-    rows = list(range(g * G, (g + 1) * G))
-    return Scored(rollout.select_rows(p.rollout, rows), p.samples[g * G:(g + 1) * G], p.total[g * G:(g + 1) * G],
-                  {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
-
-
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judges: dict[str, Judge],
-            engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
-    """-> (the B groups to train on, everything drawn, prompts drawn).
-
-    With rollout.resample_zero_std (DAPO dynamic sampling), groups whose rewards are all equal are
-    set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
-    reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
-    B, G, tol = cfg.rollout.prompts_per_step, cfg.rollout.num_generations, cfg.grpo.zero_std_tol
-    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judges, engine)]
-    if not cfg.rollout.resample_zero_std:
-        return parts[0], parts[0], B
-    cap, drawn = max(cfg.rollout.max_prompts_per_step or 4 * B, B), B
-    zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
-    while sum(z.count(False) for z in zero) < B and drawn < cap:
-        k = min(B - sum(z.count(False) for z in zero), cap - drawn)
-        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judges, engine))
-        zero.append(grpo.zero_std_groups(parts[-1].total, G, tol).tolist())
-        drawn += k
-    signal = [(p, g) for p, z in zip(parts, zero) for g, flat in enumerate(z) if not flat]
-    flat = [(p, g) for p, z in zip(parts, zero) for g, f in enumerate(z) if f]
-    kept = [take_group(p, g, G) for p, g in (signal + flat)[:B]]
-    pad = tokenizer.pad_token_id
-    return concat(kept, pad), concat(parts, pad), drawn
-
-
-def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
-                   sums: dict | None) -> torch.Tensor | None:
-    """Truncated importance weight min(pi_old / pi_sampler, cap) per token (None when cap is 0: off),
-    old, sampler_logp, mask (n, C). Adds the masked tokens' |log pi_old - log pi_sampler|, weights and
-    capped count to `sums` when given (the first iteration's metrics)."""
-    diff = old - sampler_logp  # (n, C)
-    weight = torch.clamp(torch.exp(diff), max=cap) if cap else None
-    if sums is not None:
-        m = mask.bool()
-        sums["tokens"] += float(m.sum())
-        sums["abs_diff"] += float(diff.abs()[m].sum())
-        if weight is not None:
-            sums["weight"] += float(weight[m].sum())
-            sums["capped"] += float((weight[m] >= cap).sum())
-    return weight
-
-
-def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
-    """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
-    at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
-    what its forward pays for after trimming. A row over the budget on its own gets its own
-    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt)."""
-    n = batch.completion_ids.shape[0]
-    if not max_tokens:
-        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-    p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
-    out, start = [], 0
-    for i in range(1, n):  # does row i still fit in the micro-batch [start, i]?
-        padded = (i - start + 1) * (max(p_len[start:i + 1]) + max(c_len[start:i + 1]))
-        if i - start >= size or padded > max_tokens:
-            out.append(slice(start, i))
-            start = i
-    return out + [slice(start, n)]
-
-
-def micro_batch_log_probs(model, batch: rollout.Rollout, ids, attn, mb: slice, cfg: Config,
-                          temperature: float | None = None) -> tuple[torch.Tensor, int]:
-    """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
-    The temperature is the sampler's (rollout.temperature) unless given."""
-    i, a, C = logprobs.trim(ids[mb], attn[mb], batch.completion_mask[mb])
-    T = cfg.rollout.temperature if temperature is None else temperature
-    share = logprobs.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
-    with mixed_precision(model):  # bf16/fp16 matmuls over a half-precision base; nothing on an fp32 model
-        return logprobs.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
-
-
-@torch.no_grad()
-def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
-    """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each micro-batch's longest
-    completion; between a row's end and that, the log-probs of padding, which the loss masks out."""
-    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    ids, attn = batch.input_ids, batch.attention_mask
-    for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
-        logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
-        out[mb, :C] = logp
-    return out
-
-
-def train_step(r: Run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its num_iterations optimizer updates -> (metrics, sampled completions)."""
-    cfg, model, optimizer, scaler = r.cfg, r.model, r.optimizer, r.scaler
-    t0 = time.time()
-    G, g = cfg.rollout.num_generations, cfg.grpo
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
-    t_rollout = time.time() - t0
-    batch = kept.rollout
-    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
-    mask = batch.completion_mask.clone()  # (N, C)
-    if g.mask_truncated_completions:
-        mask[batch.truncated] = 0
-        if bool(batch.truncated.all()) and not r.warned_all_truncated:
-            r.warned_all_truncated = True
-            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens={cfg.rollout.max_new_tokens} and "
-                  "grpo.mask_truncated_completions masks them all out: this step trains nothing. Raise "
-                  "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
-    skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
-    mask[skipped] = 0
-    old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
-    ref_logp = None
-    if g.beta > 0:
-        with reference_mode(model, r.ref_copy) as ref:
-            ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
-    N = batch.completion_ids.shape[0]
-    mbs = micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)
-    # whole-step counts; skipped completions are not counted (truncated ones are, as in TRL)
-    norm = grpo.LossNorm(g.loss_type, max(N - int(skipped.sum()), 1), int(mask.sum()), cfg.rollout.max_new_tokens,
-                         max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))
-    ids, attn = batch.input_ids, batch.attention_mask
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
-    sampler = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
-    model.train()
-    for it in range(g.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        for mb in mbs:
-            logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
-            old = None if old_logp is None else old_logp[mb, :C]
-            weight = None
-            if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
-                weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                        mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
-            loss, stats = grpo.grpo_loss(
-                logp, old, None if ref_logp is None else ref_logp[mb, :C],
-                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight)
-            (scaler.scale(loss) if scaler else loss).backward()
-            sums["loss"] += float(loss.detach())
-            for k, v in stats.items():
-                sums[k] += v
-        gn, lr = optimizer_step(r)
-        sums["grad_norm"] += gn
-    if r.engine:
-        r.engine.sync(model)  # the next rollout samples from the updated policy
-    tis = {}
-    if batch.sampler_logp is not None:
-        n = max(sampler["tokens"], 1.0)
-        tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
-        if g.tis_cap:
-            tis |= {"tis/weight_mean": sampler["weight"] / n, "tis/capped_frac": sampler["capped"] / n}
-    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | tis | {
-        "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
-        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if r.isnan() else float(r), "advantage": float(a)}
-             for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
-    return metrics, shown
-
-
-def optimizer_step(r: Run) -> tuple[float, float]:
-    """Unscale (fp16), clip, step the optimizer and the schedule -> (grad norm, lr used).
-    A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
-    would write NaN into every trained weight for the rest of the run."""
-    if r.scaler:
-        r.scaler.unscale_(r.optimizer)
-    max_norm = r.cfg.optim.max_grad_norm if r.cfg.optim.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, max_norm))
-    lr = r.scheduler.get_last_lr()[0]
-    if r.scaler:
-        r.scaler.step(r.optimizer)  # skips non-finite gradients itself, and lowers the loss scale
-        r.scaler.update()
-    elif math.isfinite(grad_norm):
-        r.optimizer.step()
-    else:
-        print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped", file=sys.stderr)
-        with warnings.catch_warnings():  # torch warns when no optimizer.step came first; LambdaLR reads only the count
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            r.scheduler.step()
-        return grad_norm, lr
-    r.scheduler.step()
-    return grad_norm, lr
-
-
-def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens.
-    reward_std is the mean of the groups' stds, as in TRL."""
-    tok, r = max(sums["tokens"], 1.0), drawn.total
-    lengths, truncated = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated
-    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
-    _, std, n = grpo.group_stats(r, G)  # (B,) each
-    return {
-        "loss": sums["loss"] / mu, **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
-        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
-        **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
-        **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
-        "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        "kl": sums["kl_sum"] / tok, "ratio_mean": sums["ratio_sum"] / tok,
-        "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
-        "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
-        "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / mu,
-    }
-
-
-def source_shares(r: Run) -> dict:
-    """data/<label>: the share of this step's prompts drawn from each source of a mixture."""
-    counts = r.sampler.pop_counts()
-    if len(counts) < 2:
-        return {}
-    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------- CLI and loop

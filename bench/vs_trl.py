@@ -176,6 +176,7 @@ def sync() -> None:
 def child_minigrpo(cfg_path: Path, result: Path) -> None:
     """train.py's own main loop; generate_rollout wrapped only to read the generate time and token counts."""
     import rollout
+    import step
     import train
     calls = []
     real = rollout.generate_rollout
@@ -188,12 +189,12 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
         return r
     rollout.generate_rollout = timed
     drawn = []
-    real_score = train.score
+    real_score = step.score
 
     def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):  # the prompts drawn, for TRL's run
         drawn.append([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in idx])
         return real_score(cfg, model, tokenizer, rows, idx, *args, **kwargs)
-    train.score = recording
+    step.score = recording  # step.collect looks it up there
     rc = train.main(["--config", str(cfg_path)])
     if rc:
         raise SystemExit(rc)

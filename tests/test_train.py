@@ -12,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import step
 import train
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
@@ -248,7 +249,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for k in (0, 2):
         calls.clear()
         r.cfg.rollout.prompts_per_generate = k
-        got[k] = train.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
+        got[k] = step.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
         rendered = rollout.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
@@ -286,7 +287,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.clear()
         started.clear()
         r.cfg.rollout.overlap_rewards = overlap
-        got[overlap] = train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
+        got[overlap] = step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
         # overlapped: slice 0's rewards started while slice 1 sampled
         assert seen == ([False, True, True] if overlap else [False, False, False])
     off, on = got[False], got[True]
@@ -295,7 +296,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
     r.cfg.rewards = [rewards.RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
     with pytest.raises(ValueError, match="needs dir"):
-        train.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
+        step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
 
 
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
@@ -429,8 +430,8 @@ def test_micro_batches_by_token_budget():
     batch = rollout.Rollout(torch.zeros(6, P, dtype=torch.long), torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
                          torch.zeros(6, C, dtype=torch.long), torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
                          torch.zeros(6, dtype=torch.bool), [""] * 6)
-    assert train.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
-    mbs = train.micro_batches(batch, 4, max_tokens=32)
+    assert step.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
+    mbs = step.micro_batches(batch, 4, max_tokens=32)
     assert mbs == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]  # 2 x 15, 2 x 6, 1 x 49 (over, alone), 1 x 3
     for mb in mbs:
         rows = range(mb.start, mb.stop)
@@ -466,10 +467,10 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
     cfg = train.Config()
     r = types.SimpleNamespace(cfg=cfg, scaler=None, params=[w], optimizer=opt, scheduler=sched)
     w.grad = torch.tensor([1.0, float("nan"), 0.0])
-    gn, _ = train.optimizer_step(r)
+    gn, _ = step.optimizer_step(r)
     assert math.isnan(gn) and w.tolist() == [1.0, 1.0, 1.0] and "update is skipped" in capsys.readouterr().err
     w.grad = torch.tensor([1.0, 0.0, 0.0])
-    gn, _ = train.optimizer_step(r)
+    gn, _ = step.optimizer_step(r)
     assert gn == 1.0 and w[0] < 1.0 and sched.last_epoch == 2
 
 
