@@ -430,8 +430,9 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
-    records = [{**plan.where[i // n], **({"columns": {k: s.get(k) for k in cfg.eval.keep_columns}} if cfg.eval.keep_columns
-                                         else {}), "sample": i % n, "prompt": s["prompt"], **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
+    kept = lambda s: {"columns": {k: s.get(k) for k in cfg.eval.keep_columns}} if cfg.eval.keep_columns else {}  # noqa: E731
+    records = [{**plan.where[i // n], **kept(s), "sample": i % n, "prompt": s["prompt"],
+                **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
                 **({"api_failed": True} if gen.failed and gen.failed[i] else {})}
