@@ -109,7 +109,7 @@ def serving_template(template: str, kwargs: dict, prefix: str) -> str:
 
 
 class ExportCheckFailed(Exception):
-    pass
+    """--verify found the saved model rendering prompts otherwise than training did."""
 
 
 @torch.no_grad()
