@@ -202,9 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                    data.assistant_prefix, data.chat_template_kwargs)) \
             if args.verify else None  # before the template is rewritten and the weights cast
         # a template that already ends with the prefix (an R1-style "<think>\n") wrote it in training too
-        probe = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True,
-                                              **data.chat_template_kwargs) if tokenizer.chat_template else ""
-        prefix = "" if data.assistant_prefix.strip() and probe.endswith(data.assistant_prefix) else data.assistant_prefix
+        probe = rollout.render_prompt(tokenizer, "x", None, "", data.chat_template_kwargs) if tokenizer.chat_template else ""
+        prefix = rollout.prefix_to_add(probe, data.assistant_prefix)
         if tokenizer.chat_template and (data.chat_template_kwargs or prefix):
             t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
             tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, prefix)

@@ -56,8 +56,13 @@ def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None
     a run that forced one renders it twice here: evaluate that run's adapter instead."""
     text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
                                          add_generation_prompt=True, **(template_kwargs or {}))
-    # (a whitespace prefix could end any template by chance: it is always added)
-    return text if assistant_prefix.strip() and text.endswith(assistant_prefix) else text + assistant_prefix
+    return text + prefix_to_add(text, assistant_prefix)
+
+
+def prefix_to_add(rendered: str, prefix: str) -> str:
+    """The forced prefix still to write after a rendered prompt: none when the template wrote it
+    already (a whitespace-only one is always written: any template could end with it by chance)."""
+    return "" if prefix.strip() and rendered.endswith(prefix) else prefix
 
 
 def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:
