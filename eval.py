@@ -23,8 +23,9 @@ a model's time from the start of its generation until it was scored.
 Local models see the prompt exactly as in training (chat template, system prompt, forced
 assistant_prefix) and decode greedily when eval.temperature is 0, else sample eval.num_samples
 completions per prompt (seeded with run.seed). API models get the same messages without the
-forced prefix (rewards then see assistant_prefix=""), one completion per prompt at eval.api's own
-temperature and max_tokens; their length is counted in the base model's tokens.
+forced prefix (rewards then see assistant_prefix=""), eval.num_samples completions per prompt at
+the endpoint's own temperature and max_tokens (each sample cached under its own index); their length
+is counted in the base model's tokens. A prompt with a failed request is left out whole.
 
 Metrics, over the N completions (prompt-major, n = num_samples per prompt). ok_r(i): reward r of
 completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy, else answer_match:
@@ -266,10 +267,10 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
     return Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())
 
 
-def generate_api(client: Judge, messages: list[list[dict]], tokenizer) -> Generated:
-    """One chat completion per prompt through Judge.complete_many (cache, retries, concurrency, cost);
+def generate_api(client: Judge, messages: list[list[dict]], tokenizer, n: int = 1) -> Generated:
+    """n chat completions per prompt through Judge.complete_many (cache, retries, concurrency, cost);
     a failed request leaves an empty completion, marked failed."""
-    replies = client.complete_many(messages)
+    replies = client.complete_many(messages, n)
     texts = [r or "" for r in replies]
     num_tokens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     return Generated(texts, num_tokens, None, failed=[r is None for r in replies])
@@ -302,10 +303,11 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
     whose API request failed are not scored (no judge is paid for them) and are left out of the
     metrics, which count them as api_failures instead: an outage must not read as wrong answers."""
     samples = [r for r in rows for _ in range(n)]
-    keep = [i for i in range(len(samples)) if not (gen.failed and gen.failed[i])]
-    if len(keep) < len(samples):  # API entries only, where n = 1
-        answered = Generated([gen.texts[i] for i in keep], [gen.num_tokens[i] for i in keep], None)
-        _, res, metrics = score_rows(answered, [samples[i] for i in keep], 1, cfg, assistant_prefix, judges) if keep \
+    answered = [p for p in range(len(rows)) if not (gen.failed and any(gen.failed[p * n: (p + 1) * n]))]
+    if len(answered) < len(rows):  # API entries only; a prompt with a failed sample is left out whole (pass@k needs all n)
+        keep = [i for p in answered for i in range(p * n, (p + 1) * n)]
+        sub = Generated([gen.texts[i] for i in keep], [gen.num_tokens[i] for i in keep], None)
+        _, res, metrics = score_rows(sub, [rows[p] for p in answered], n, cfg, assistant_prefix, judges) if keep \
             else (None, RewardResult([], {}, {}), {"n": 0})
         per_reward = {k: [None] * len(samples) for k in res.per_reward}
         total = [math.nan] * len(samples)
@@ -356,6 +358,9 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     for e in [e for e in entries if e.kind == "api"]:
         key, section = api_section(cfg.eval, e.target)
         check_not_data_file(cfg.data, section.cache_path, f"{key}.cache_path")
+        if cfg.eval.num_samples > 1 and section.temperature == 0:
+            raise ConfigError(f"{key}.temperature is 0 but eval.num_samples={cfg.eval.num_samples}: the samples would "
+                              "repeat one answer; set a temperature (or null: the model's default)")
         try:
             api[e.name] = Judge(section, label=f"{key} ({section.model})")
         except ValueError as err:
@@ -380,7 +385,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     cfg = plan.cfg
     if entry.kind == "api":
         messages = [rollout.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
-        return generate_api(plan.api[entry.name], messages, plan.tokenizer), 1, ""
+        return generate_api(plan.api[entry.name], messages, plan.tokenizer, cfg.eval.num_samples), cfg.eval.num_samples, ""
     if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
         model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
     else:

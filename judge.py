@@ -158,13 +158,16 @@ STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
 
 
 def cache_key(model: str, messages: list[dict], temperature: float | None, max_tokens: int,
-              extra_body: dict | None = None) -> str:
+              extra_body: dict | None = None, sample: int = 0) -> str:
     """sha256 of the canonical JSON of everything that decides the reply (extra_body only when set,
-    so caches written before it existed keep answering)."""
+    so caches written before it existed keep answering). sample > 0: the sample-th extra reply to the
+    same request (K sampled answers to one prompt are K cached replies, not one reply K times)."""
     what = {"model": model, "messages": messages, "max_tokens": int(max_tokens),
             "temperature": None if temperature is None else float(temperature)}
     if extra_body:
         what["extra_body"] = extra_body
+    if sample:
+        what["sample"] = int(sample)
     blob = json.dumps(what, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -307,10 +310,10 @@ class Judge:
         """One chat completion (cached, rate-limited, retried); None after a fault, never raises for one."""
         return await self._acomplete(messages, None)
 
-    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None) -> str | None:
+    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None, sample: int = 0) -> str | None:
         self._bind_loop()
         self.add_stat("calls")
-        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body)
+        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
         reply = self._cache_get(key)
         if reply is not None:
             self.add_stat("cache_hits")
@@ -393,15 +396,19 @@ class Judge:
             self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
         return reply
 
-    async def _gather(self, message_lists: list[list[dict]], accept) -> list[str | None]:
+    async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
+        samples = samples or [0] * len(message_lists)
         try:
-            return await asyncio.gather(*(self._acomplete(m, accept) for m in message_lists))
+            return await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
         finally:
             await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
 
-    def complete_many(self, message_lists: list[list[dict]]) -> list[str | None]:
-        """All completions concurrently in one event loop; same order as the input."""
-        return _run_sync(self._gather(message_lists, None))
+    def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:
+        """All completions concurrently in one event loop; same order as the input. n > 1: n sampled
+        replies to each request (request-major), each cached under its own sample index, so a rerun
+        gets the same n back and pays for none of them (sampling needs temperature > 0 or null)."""
+        return _run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
+                                      [i for _ in message_lists for i in range(n)]))
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable = parse_score) -> list[JudgeScore | None]:
         """Complete then parse(reply, score_min, score_max); unparsable or out-of-range -> None + a failure."""

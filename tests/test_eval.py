@@ -228,6 +228,34 @@ def test_named_api_endpoints_each_send_their_own_model_and_settings(project, ser
 
 
 
+def test_an_api_model_samples_n_answers_each_cached_and_a_prompt_with_a_failed_sample_is_left_out_whole(project, server,
+                                                                                                     capsys):
+    """eval.num_samples for API models: n requests per prompt, each its own cache entry (a rerun pays
+    for none), pass@k and best-of-n over them; one failed sample leaves its prompt out of the metrics."""
+    cfg, tmp = project
+    letters = iter("ABCD" * 10)
+    server.reply = lambda body: answer(next(letters))  # each request a different answer
+    server.script(server_error(400))  # the first prompt's first sample fails
+    cache = tmp / "api_cache.jsonl"
+    args = ["--config", str(cfg), "--models", "api:fake-model", "--eval.limit=3", "--eval.num_samples=2",
+            "--eval.temperature=0.7", "--eval.pass_k=[1,2]", f"--eval.api.cache_path={cache}", "--eval.api.temperature=0.7"]
+    assert ev.main(args) == 0
+    m = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")
+    assert len(server.requests) == 6 and [(p["row"], p["sample"]) for p in preds] == [(r, i) for r in (6, 7, 8) for i in (0, 1)]
+    assert [p.get("api_failed", False) for p in preds] == [True] + [False] * 5
+    assert preds[1]["reward"] is None and all(p["reward"] is not None for p in preds[2:])  # its sibling is left out too
+    assert m["n"] == 4 and m["api_failures"] == 1 and {"pass@1", "pass@2", "best_of_n_reward"} <= set(m)
+    answered = [p["completion"] for p in preds[1:]]
+    assert len(set(answered)) > 1 and len(cache.read_text().splitlines()) == 5  # distinct samples, each cached
+    server.reset()
+    assert ev.main(args + ["--overwrite"]) == 0
+    again = lines(tmp / "eval/predictions_fake-model.jsonl")
+    assert len(server.requests) == 1 and [p["completion"] for p in again[1:]] == answered  # only the failed one is asked again
+    assert ev.main(args[:-1] + ["--eval.api.temperature=0", "--overwrite"]) == 2
+    assert "eval.api.temperature is 0 but eval.num_samples=2" in capsys.readouterr().err
+
+
 def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_rows_source(project, server, capsys):
     """eval.name: BioReasoner's "first 10 samples of test_84.jsonl", with no overlap check against
     data.select (another file) and no shuffle; with a mixture, each prediction names its source."""

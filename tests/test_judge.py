@@ -156,6 +156,21 @@ def test_identical_prompts_in_flight_share_one_request(server):
     assert (stats["judge_calls"], stats["judge_requests"], stats["judge_cache_hits"]) == (5, 1, 4)
 
 
+def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_own_index(server, tmp_path):
+    from judge import cache_key
+    count = iter(range(100))
+    server.reply = lambda body: f"answer {next(count)}"
+    path = tmp_path / "answers.jsonl"
+    first = make_judge(server, cache_path=str(path), temperature=1.0)
+    assert first.complete_many([chat("q1"), chat("q2")], n=3) == [f"answer {i}" for i in range(6)]  # request-major
+    server.reset()
+    restarted = make_judge(server, cache_path=str(path), temperature=1.0, memory_cache=False)
+    assert restarted.complete_many([chat("q1"), chat("q2")], n=4)[:3] == ["answer 0", "answer 1", "answer 2"]
+    assert len(server.requests) == 2  # the fourth sample of each: all others came from the cache
+    key = cache_key("m", chat("q"), 1.0, 512)  # sample 0 keeps the key caches were written with
+    assert cache_key("m", chat("q"), 1.0, 512, sample=0) == key != cache_key("m", chat("q"), 1.0, 512, sample=1)
+
+
 def test_requests_per_minute_spaces_request_starts(server):
     judge = make_judge(server, requests_per_minute=600)  # one every 0.1 s
     t0 = time.monotonic()
