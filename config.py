@@ -195,6 +195,25 @@ class EvalConfig:
 
 
 @dataclass
+class PrecomputeConfig:
+    questions: str | None = None  # questions to answer, one a row: a local .jsonl/.json/.csv/.parquet file or a hub dataset id
+    split: str = "train"  # hub dataset split
+    map: str | None = None  # row mapping first: a built-in adapter (healthbench, medqa, medmcqa_json) or "file.py:fn"
+    question: str = "{question}"  # column or template of the question text the answer policy is asked
+    limit: int = 0  # the first n questions only (0: all): try a few before paying for all
+    num_answers: int = 4  # K answers per question, the answers a rubric must rank
+    system_prompt: str | None = None  # the answer policy's system message
+    answers: JudgeConfig | None = None  # the answer policy: an OpenAI-compatible endpoint (model, temperature > 0 or
+    #   null, cache_path: required, every answer is paid for)
+    rubric_key: str = "rubric"  # gold by the judge: section: the column of the expert rubric it grades each answer by
+    template: str = "rubric_scoring"  # ... with this judge template (as rubric_alignment's); scores scaled to [0, 1]
+    gold_reward: RewardSpec | None = None  # gold by a rule instead, e.g. {name: choice_accuracy, args: {gold_key: answer}}:
+    #   each answer's value of this reward (1 right, 0 wrong)
+    keep_constant: bool = False  # keep questions whose K gold scores are all equal (rubric_alignment scores them 0: no signal)
+    out: str | None = None  # the answer file written (JSON Lines: the row's columns, answers, gold_scores); never overwritten
+
+
+@dataclass
 class Config:
     mode: Literal["grpo", "sft"] = "grpo"  # what train.py does: GRPO, or supervised fine-tuning on data.target
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -210,6 +229,7 @@ class Config:
     #   (two judges scoring the same completions: dual-judge evaluation); each a full judge section
     sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
 
 
 def _type_name(tp: Any) -> str:

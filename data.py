@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
+import judge
 from rewards import import_function
 
 
@@ -190,7 +191,40 @@ def medmcqa_json(row: dict) -> dict:
     return {**row, "answer_letter": letter, "target_json": json.dumps(target, ensure_ascii=False)}
 
 
-MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json}
+def healthbench(row: dict) -> dict:
+    """HealthBench (openai/simple-evals' JSON Lines: `prompt` a conversation, `rubrics` the physicians'
+    criteria with points) for GRubrics: adds `question` (a lone user turn as its text, a longer
+    conversation as "role: content" blocks), `rubric` (one criterion a line, its points first) and `id`.
+
+    >>> r = healthbench({"prompt": [{"role": "user", "content": "Is 145/92 high?"}], "prompt_id": "p1",
+    ...                  "rubrics": [{"criterion": "Says it is stage 2 hypertension", "points": 5}]})
+    >>> r["question"], r["rubric"], r["id"]
+    ('Is 145/92 high?', '[+5] Says it is stage 2 hypertension', 'p1')
+    """
+    conv, rubrics = row["prompt"], row["rubrics"]
+    if not (isinstance(conv, list) and conv and isinstance(rubrics, list) and rubrics):
+        raise ValueError("a HealthBench row needs a conversation under 'prompt' and criteria under 'rubrics'")
+    question = conv[0]["content"] if len(conv) == 1 else judge.as_text(conv)
+    rubric = "\n".join(f"[{float(c['points']):+g}] {c['criterion']}" for c in rubrics)
+    return {**row, "question": question, "rubric": rubric, "id": row.get("prompt_id", row.get("id"))}
+
+
+def medqa(row: dict) -> dict:
+    r"""MedQA (GBaker/MedQA-USMLE-4-options: `options` {"A": text, ...}, or bigbio's [{key, value}],
+    and `answer_idx`) for GRubrics' verifiable questions: `question` with its lettered options
+    appended, `answer` the gold letter (the answer's text kept as `answer_text`).
+
+    >>> r = medqa({"question": "Most likely cause?", "options": {"A": "Iron", "B": "B12"}, "answer_idx": "A", "answer": "Iron"})
+    >>> r["question"], r["answer"], r["answer_text"]
+    ('Most likely cause?\nA) Iron\nB) B12', 'A', 'Iron')
+    """
+    opts = row["options"]
+    items = sorted(opts.items()) if isinstance(opts, dict) else [(o["key"], o["value"]) for o in opts]
+    question = str(row["question"]).strip() + "\n" + "\n".join(f"{k}) {v}" for k, v in items)
+    return {**row, "question": question, "answer": row["answer_idx"], "answer_text": row.get("answer")}
+
+
+MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "healthbench": healthbench, "medqa": medqa}
 
 
 def resolve_map(name: str) -> Callable[[dict], dict]:
@@ -261,22 +295,32 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
     return [row for s in load_sources(cfg, select) for row in s.rows]
 
 
-def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
-    rows = split(load_raw(cfg), cfg.split_seed, select if select is not None else cfg.select)
+def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") -> list[dict]:
+    """Each row (of the data `name`) as a dict rewritten by the row map `map_name` (built-in or
+    file.py:fn, the config key `key`); DataError names the row that failed."""
     if not rows:
-        raise DataError(f"data.name={cfg.name} holds no rows")
-    fn = resolve_map(cfg.map) if cfg.map else None
+        raise DataError(f"{name} holds no rows")
+    fn = resolve_map(map_name) if map_name else None
     out = []
-    for i, row in enumerate(rows):
+    for i in range(len(rows)):  # a hub Dataset too
+        row = rows[i]
         if not isinstance(row, dict):
-            raise DataError(f"row {i} of {cfg.name} is not an object with fields")
+            raise DataError(f"row {i} of {name} is not an object with fields")
         if fn is not None:
             try:
                 row = fn(dict(row))
             except Exception as e:
-                raise DataError(f"data.map={cfg.map} failed on row {i}: {type(e).__name__}: {e}") from None
+                raise DataError(f"{key}={map_name} failed on row {i}: {type(e).__name__}: {e}") from None
             if not isinstance(row, dict):
-                raise DataError(f"data.map={cfg.map} returned {type(row).__name__} for row {i}; it must return a dict")
+                raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; it must return a dict")
+        out.append(row)
+    return out
+
+
+def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
+    rows = split(load_raw(cfg), cfg.split_seed, select if select is not None else cfg.select)
+    out = []
+    for i, row in enumerate(mapped_rows(rows, f"data.name={cfg.name}", cfg.map)):
         if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)

@@ -566,6 +566,24 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, t
     return [math.nan if v is None else ((v - cfg.score_min) / span if normalize else v) for v in values]
 
 
+def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template: str = "rubric_scoring",
+                  answers_key: str = "answers", question_key: str = "question") -> list[list[float | None]]:
+    """The judge's score of each of sample i's answers (samples[i][answers_key]) under rubrics[i]:
+    one list per sample, None where a call failed. All calls run concurrently. Used by
+    rubric_alignment (the rubric a completion) and precompute.py (the rubric an expert's)."""
+    text, cfg = load_template(template), judge.cfg
+    scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
+    chats, spans = [], []
+    for rubric, s in zip(rubrics, samples, strict=True):
+        start = len(chats)
+        for answer in s[answers_key]:
+            fields = {**s, **scale, "question": s[question_key], "rubric": rubric, "answer": answer}
+            chats.append(_chat(render(text, fields)))
+        spans.append((start, len(chats)))
+    scores = judge.score_many(chats)
+    return [[None if g is None else g.score for g in scores[a:b]] for a, b in spans]
+
+
 def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",
                      answers_key: str = "answers", gold_key: str = "gold_scores",
                      question_key: str = "question") -> list[float]:
@@ -575,27 +593,19 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
     All K x N judge calls run concurrently. A constant score (or gold) vector has no ranking: 0.0,
     counted as judge_constant_scores. Any failed call -> NaN for that completion (the fallback).
     """
-    text, cfg = load_template(template), judge.cfg
-    scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
-    chats, spans = [], []
-    for rubric, s in zip(completions, samples, strict=True):
+    for s in samples:
         answers, gold = s[answers_key], s[gold_key]
         if len(answers) != len(gold) or len(answers) < 2:
             raise ValueError(f"rubric_alignment needs >= 2 answers and as many gold scores; "
                              f"got {len(answers)} answers, {len(gold)} gold scores")
-        start = len(chats)
-        for answer in answers:
-            fields = {**s, **scale, "question": s[question_key], "rubric": rubric, "answer": answer}
-            chats.append(_chat(render(text, fields)))
-        spans.append((start, len(chats)))
-    scores = judge.score_many(chats)
+    graded = grade_answers(judge, completions, samples, template=template, answers_key=answers_key,
+                           question_key=question_key)
     rewards: list[float] = []
-    for (a, b), s in zip(spans, samples):
-        got = scores[a:b]
-        if any(x is None for x in got):
+    for x, s in zip(graded, samples):
+        if any(v is None for v in x):
             rewards.append(math.nan)
             continue
-        x, y = [g.score for g in got], [float(v) for v in s[gold_key]]
+        y = [float(v) for v in s[gold_key]]
         if len(set(x)) < 2 or len(set(y)) < 2:
             judge.add_stat("constant_scores")
             rewards.append(0.0)

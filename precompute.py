@@ -1,0 +1,182 @@
+"""Pre-compute the answers a rubric is judged on (GRubrics): K answers to each question from an
+answer policy (any OpenAI-compatible model), and each answer's gold score, written once to the file
+that rubric_alignment training reads.
+
+    python precompute.py --config configs/grubrics.yaml --precompute.questions=data/healthbench.jsonl \\
+        --precompute.map=healthbench --precompute.out=data/cache/grubrics_open.jsonl
+    python precompute.py --config configs/grubrics.yaml --precompute.questions=GBaker/MedQA-USMLE-4-options \\
+        --precompute.map=medqa --precompute.gold_reward="{name: choice_accuracy, args: {...}}" \\
+        --precompute.out=data/cache/grubrics_verifiable.jsonl --precompute.limit=300
+
+Settings are the config's `precompute:` section (see config.py; configs/grubrics.yaml has one).
+Gold scores, one per answer:
+  by the judge (default): the judge: section grades the answer under the row's expert rubric
+      (precompute.rubric_key) with precompute.template, the same prompt rubric_alignment uses in
+      training; gold = (score - score_min) / (score_max - score_min), in [0, 1]
+  by a rule (precompute.gold_reward): that reward of the answer, e.g. choice_accuracy: 1 right, 0 wrong
+A question is left out, and counted, when one of its answer requests or grades failed, or (unless
+precompute.keep_constant) when its K gold scores are all equal: rubric_alignment scores such a
+question 0 whatever the rubric, so it only costs judge calls.
+
+Nothing paid for is lost: every answer is cached in precompute.answers.cache_path and every grade in
+judge.cache_path (append-only, fsynced, both required), so a killed or failed run is rerun with the
+same command and pays only for what it lacked. precompute.out is written atomically at the end, and
+an existing one is never overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+import jsonl
+from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
+from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
+from judge import Judge, grade_answers
+from rollout import chat_messages
+from scoring import check_specs, compute_rewards
+
+
+def check(cfg: Config) -> PrecomputeConfig:
+    """Every precompute setting checked before a request is sent; ConfigError names the key."""
+    p = cfg.precompute
+    for key in ("questions", "out", "answers"):
+        if getattr(p, key) is None:
+            raise ConfigError(f"precompute.{key} is not set (see precompute.py's docstring)")
+    if p.num_answers < 2:
+        raise ConfigError(f"precompute.num_answers={p.num_answers}: a rubric needs at least 2 answers to rank")
+    if p.answers.temperature == 0:
+        raise ConfigError("precompute.answers.temperature is 0: the K answers would repeat one; "
+                          "set one (0.7-1.0) or null (the model's default)")
+    if not p.answers.model:
+        raise ConfigError("precompute.answers.model is not set: name the model that answers the questions")
+    caches = {"precompute.answers.cache_path": p.answers.cache_path}
+    if p.gold_reward is not None:
+        try:
+            check_specs([p.gold_reward], judges=[])
+        except ValueError as e:
+            raise ConfigError(f"precompute.gold_reward: {e}") from None
+    else:
+        if cfg.judge is None:
+            raise ConfigError("gold scores by the judge need a judge: section (or set precompute.gold_reward)")
+        caches["judge.cache_path"] = cfg.judge.cache_path
+    for key, path in caches.items():
+        if not path:
+            raise ConfigError(f"{key} is not set: every request is paid for, so give it a file to be cached in")
+        check_not_data_file(cfg.data, path, key)
+        if Path(path).resolve() in (Path(p.out).resolve(), Path(p.questions).resolve()):
+            raise ConfigError(f"{key}={path} is precompute.out or precompute.questions; give the cache a file of its own")
+    if Path(p.out).exists():
+        raise ConfigError(f"precompute.out={p.out} exists and is never overwritten; write a new file (everything "
+                          "paid for is cached, so a rerun into a new file costs nothing more)")
+    return p
+
+
+def load_questions(p: PrecomputeConfig) -> list[dict]:
+    """The question rows, mapped (precompute.map), each with the text asked under "_question"."""
+    rows = mapped_rows(load_raw(DataConfig(name=p.questions, split=p.split, num_examples=p.limit)),
+                       f"precompute.questions={p.questions}", p.map, key="precompute.map")
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append({**row, "_question": build_prompt(row, p.question, i)})
+        except DataError as e:
+            raise DataError(f"precompute.question={p.question!r}: {e}") from None
+        if p.gold_reward is None and row.get(p.rubric_key) in (None, "", []):
+            raise DataError(f"row {i} has no {p.rubric_key!r} (precompute.rubric_key) to grade its answers by; "
+                            f"its fields: {', '.join(row)}")
+    return out
+
+
+def gold_scores(cfg: Config, judge: Judge | None, rows: list[dict], answers: list[list[str]]) -> list[list[float | None]]:
+    """Each answer's gold score (None where it could not be had), by the judge or by the rule."""
+    p = cfg.precompute
+    samples = [{**r, "question": r["_question"], "answers": a} for r, a in zip(rows, answers)]
+    if p.gold_reward is None:
+        span = judge.cfg.score_max - judge.cfg.score_min
+        graded = grade_answers(judge, [r[p.rubric_key] for r in rows], samples, template=p.template)
+        return [[None if v is None else (v - judge.cfg.score_min) / span for v in g] for g in graded]
+    flat = [(a, s) for s in samples for a in s["answers"]]
+    res = compute_rewards([a for a, _ in flat], [s for _, s in flat], [dataclasses.replace(p.gold_reward, fallback="skip")])
+    values = next(iter(res.per_reward.values()))
+    k = p.num_answers
+    return [values[i:i + k] for i in range(0, len(values), k)]
+
+
+def keep(answers: list[str | None], gold: list[float | None], keep_constant: bool) -> str | None:
+    """Why a question is left out (None: it is kept)."""
+    if any(a is None for a in answers):
+        return "a failed answer request"
+    if any(g is None or not math.isfinite(g) for g in gold):
+        return "a failed gold score"
+    if not keep_constant and len(set(gold)) < 2:
+        return "equal gold scores (nothing to rank)"
+    return None
+
+
+def run(cfg: Config) -> dict:
+    """Answer, grade, write -> a summary (counts and costs)."""
+    p = check(cfg)
+    rows = load_questions(p)
+    policy = Judge(p.answers, label=f"precompute.answers ({p.answers.model})")
+    judge = Judge(cfg.judge, label="judge") if p.gold_reward is None else None
+    k = p.num_answers
+    print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: {len(rows) * k} answer requests"
+          + ("" if judge is None else f", {len(rows) * k} judge requests") + " (cached ones are free)")
+    replies = policy.complete_many([chat_messages(r["_question"], p.system_prompt) for r in rows], n=k)
+    answers = [replies[i:i + k] for i in range(0, len(replies), k)]
+    answered = [i for i, a in enumerate(answers) if None not in a]
+    gold: list[list[float | None]] = [[None] * k for _ in rows]
+    for i, g in zip(answered, gold_scores(cfg, judge, [rows[i] for i in answered], [answers[i] for i in answered])
+                    if answered else []):
+        gold[i] = g
+    left_out: dict[str, int] = {}
+    records = []
+    for r, a, g in zip(rows, answers, gold):
+        why = keep(a, g, p.keep_constant)
+        if why:
+            left_out[why] = left_out.get(why, 0) + 1
+            continue
+        records.append({**{c: v for c, v in r.items() if c != "_question"}, "question": r["_question"],
+                        "answers": a, "gold_scores": [round(float(v), 6) for v in g]})
+    if records:
+        Path(p.out).parent.mkdir(parents=True, exist_ok=True)
+        jsonl.write_atomic(p.out, "".join(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for rec in records))
+    cost = {"answers": policy.pop_step_stats()["judge_cost_usd_total"]}
+    if judge is not None:
+        cost["judge"] = judge.pop_step_stats()["judge_cost_usd_total"]
+    golds = [v for rec in records for v in rec["gold_scores"]]
+    return {"questions": len(rows), "written": len(records), "left_out": left_out, "cost_usd": cost,
+            "mean_gold": sum(golds) / len(golds) if golds else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the training YAML, with a precompute: section")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        summary = run(cfg)
+    except (ConfigError, DataError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    p = cfg.precompute
+    cost = ", ".join(f"{k} ${v:.4f}" for k, v in summary["cost_usd"].items())
+    if summary["written"]:
+        print(f"[precompute] wrote {summary['written']} of {summary['questions']} questions to {p.out} "
+              f"(mean gold score {summary['mean_gold']:.3f}); cost this run: {cost}")
+    else:
+        print(f"[precompute] no question was kept, so {p.out} was not written; cost this run: {cost}", file=sys.stderr)
+    for why, n in summary["left_out"].items():
+        print(f"[precompute] left out {n} question(s) with {why}", file=sys.stderr)
+    if any(w.startswith("a failed") for w in summary["left_out"]):
+        print("[precompute] to retry the failed ones, rerun into a new precompute.out: what was paid for is cached "
+              f"({p.answers.cache_path}" + ("" if p.gold_reward else f", {cfg.judge.cache_path}") + ")", file=sys.stderr)
+    return 0 if summary["written"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""precompute.py against the local fake OpenAI-compatible server: answers from a policy, gold scores
+from the judge (expert rubric) or from a rule, what is left out, what a rerun pays, and that
+training reads the file it writes."""
+import json
+import re
+
+import pytest
+
+import precompute
+import train
+from fake_openai_server import FakeOpenAIServer, server_error
+
+CONSTANT = "Any answer scores 5."  # a rubric under which the fake judge gives every answer the same score
+
+
+def reply(body) -> str:
+    """The answer policy says 'Answer N' (N counts its requests); the judge scores answer N as N % 3
+    (so K = 3 consecutive answers get three different scores), except under the CONSTANT rubric."""
+    text = body["messages"][-1]["content"]
+    if body["model"] == "policy":
+        reply.n += 1
+        return f"Answer {reply.n}. The answer is {'AB'[reply.n % 2]}."
+    if CONSTANT in text:
+        return '{"score": 5}'
+    n = int(re.search(r"Answer to grade:\s*Answer (\d+)", text).group(1))
+    return '{"score": %d}' % (2 * (n % 3))
+
+
+reply.n = 0
+
+
+@pytest.fixture
+def server():
+    reply.n = 0
+    with FakeOpenAIServer(reply=reply) as s:
+        yield s
+
+
+def args(server, tmp_path, questions, out, *more):
+    return ["--config", "configs/grubrics.yaml", f"--precompute.questions={questions}", f"--precompute.out={out}",
+            "--precompute.num_answers=3", f"--precompute.answers.base_url={server.url}", "--precompute.answers.model=policy",
+            "--precompute.answers.api_key_env=MINIGRPO_NO_SUCH_KEY", "--precompute.answers.max_retries=0",
+            f"--precompute.answers.cache_path={tmp_path / 'answers.jsonl'}", f"--judge.base_url={server.url}",
+            "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY", "--judge.max_retries=0", "--judge.requests_per_minute=null",
+            f"--judge.cache_path={tmp_path / 'judge.jsonl'}", *more]
+
+
+def read(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_only_for_the_failed(tmp_path, server,
+                                                                                                   capsys, tiny_llama):
+    questions = tmp_path / "healthbench.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Question {i}?"}], "prompt_id": f"q{i}",
+             "rubrics": [{"criterion": CONSTANT if i == 2 else f"Mentions fact {i}", "points": 5}]} for i in range(4)]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cache" / "grubrics_open.jsonl"
+    server.script(server_error(400))  # the first answer request fails: question 0 is left out
+    assert precompute.main(args(server, tmp_path, questions, out, "--precompute.map=healthbench")) == 0
+    err = capsys.readouterr().err
+    assert "left out 1 question(s) with a failed answer request" in err and "equal gold scores" in err
+    written = read(out)
+    assert [r["id"] for r in written] == ["q1", "q3"]  # q0: failed request; q2: every answer scored 5
+    for r in written:
+        assert r["question"] == f"Question {r['id'][1]}?" and len(r["answers"]) == 3 == len(r["gold_scores"])
+        nums = [int(re.match(r"Answer (\d+)", a).group(1)) for a in r["answers"]]
+        assert r["gold_scores"] == [pytest.approx(2 * (n % 3) / 10) for n in nums]  # the judge's 0-10, scaled
+    policy = [b for b in (q.body for q in server.requests) if b["model"] == "policy"]
+    assert len(policy) == 12 and policy[0]["messages"][0]["role"] == "system"
+    assert policy[0]["temperature"] == 1.0 and len(server.requests) == 12 + 9  # 3 answered questions graded
+
+    # an existing answer file is never overwritten; a rerun into a new one asks again only for what failed
+    assert precompute.main(args(server, tmp_path, questions, out, "--precompute.map=healthbench")) == 2
+    assert "never overwritten" in capsys.readouterr().err
+    server.reset()
+    again = tmp_path / "cache" / "open_2.jsonl"
+    assert precompute.main(args(server, tmp_path, questions, again, "--precompute.map=healthbench")) == 0
+    assert [r["id"] for r in read(again)] == ["q0", "q1", "q3"] and read(again)[1:] == written
+    assert len(server.requests) == 1 + 3  # q0's failed answer, then q0's three grades
+
+    # training reads the file as written
+    run = tmp_path / "run"
+    assert train.main(["--config", "configs/grubrics.yaml", f"--model.name={tiny_llama}", f"--data.root={again.parent}",
+                       "--data.presets={open_only: [{name: open_2.jsonl, label: open}]}", "--rollout.prompts_per_step=2",
+                       "--rollout.num_generations=2", "--rollout.max_new_tokens=4", "--run.steps=1", f"--run.out_dir={run}",
+                       "--model.gradient_checkpointing=false", f"--judge.base_url={server.url}",
+                       "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY", f"--judge.cache_path={tmp_path / 'judge_train.jsonl'}"]) == 0
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["reward_errors/rubric_alignment"] == 0 and m["judge_requests"] > 0
+
+
+def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):
+    questions = tmp_path / "medqa.jsonl"
+    rows = [{"question": f"Which {i}?", "options": {"A": "yes", "B": "no"}, "answer_idx": "AB"[i % 2], "answer": "x"}
+            for i in range(3)]
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "verifiable.jsonl"
+    rule = r"--precompute.gold_reward={name: choice_accuracy, args: {fallback_pattern: 'answer is ([AB])', letters: AB}}"
+    assert precompute.main(args(server, tmp_path, questions, out, "--precompute.map=medqa", rule,
+                                "--judge.base_url=http://127.0.0.1:9/v1")) == 0  # no judge request is made
+    written = read(out)
+    assert len(written) == 3 and written[0]["question"] == "Which 0?\nA) yes\nB) no"
+    for r in written:
+        said = [re.search(r"answer is ([AB])", a).group(1) for a in r["answers"]]
+        assert r["gold_scores"] == [float(s == r["answer"]) for s in said]
+    assert all(b["model"] == "policy" for b in (q.body for q in server.requests))
+    assert "judge $" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--precompute.answers.cache_path=null", "precompute.answers.cache_path is not set"),
+    ("--judge.cache_path=null", "judge.cache_path is not set"),
+    ("--precompute.answers.temperature=0", "the K answers would repeat one"),
+    ("--precompute.num_answers=1", "at least 2 answers"),
+    ("--precompute.gold_reward={name: choice_acuracy}", "precompute.gold_reward"),
+    ("--precompute.rubric_key=criteria", "has no 'criteria' (precompute.rubric_key)"),
+    ("--precompute.question={prompt_text}", "precompute.question='{prompt_text}'"),
+])
+def test_bad_settings_stop_before_anything_is_written(tmp_path, server, capsys, override, message):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "Q?", "rubric": "R"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert precompute.main(args(server, tmp_path, questions, out, override)) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not out.exists() and not server.requests
