@@ -1,0 +1,127 @@
+"""Best-of-n data from eval.py's predictions: each prompt's best completion as SFT data (rejection
+sampling / RAFT: sample n, keep the best, fine-tune on it), and its best against its worst as
+preference pairs (TRL's prompt / chosen / rejected, for DPO).
+
+    python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8
+    python bestofn.py runs/eval/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
+    python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
+        --data.target=completion --data.answer_key=null --run.out_dir=runs/raft
+
+A prompt is its predictions' (source, row). Completions without a reward (a failed API request, a
+reward with fallback: skip that failed) are never picked. For SFT the best completion is kept when
+its reward >= --min-reward; a pair is kept when best - worst >= --min-margin (> 0: a tie is no
+preference). --require NAME=V keeps only completions whose reward NAME is >= V (e.g. think_format=1:
+never pick a reply without its think block). `completion` (and chosen, rejected) is the text after
+the forced prefix the eval recorded (`assistant_prefix`, when there was one): train with the same
+data.assistant_prefix. Outputs are written atomically and never overwritten.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jsonl
+
+
+def groups(records: list[dict]) -> dict[tuple, list[dict]]:
+    """Predictions by prompt: (source, row) -> its completions, in file order."""
+    out: dict[tuple, list[dict]] = {}
+    for r in records:
+        out.setdefault((r.get("source"), r["row"]), []).append(r)
+    return out
+
+
+def eligible(rec: dict, require: dict[str, float]) -> bool:
+    """Has a reward, and every required reward reaches its bar."""
+    if rec.get("reward") is None or rec.get("api_failed"):
+        return False
+    return all((rec.get("rewards") or {}).get(k) is not None and rec["rewards"][k] >= v for k, v in require.items())
+
+
+def select(records: list[dict], min_reward: float | None = None, min_margin: float = 1e-9,
+           require: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+    """-> (SFT rows: each prompt's best, pairs: each prompt's best vs worst). The best is the first
+    of the highest reward (file order), the worst the first of the lowest.
+
+    >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r} for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
+    >>> sft, pairs = select(recs, min_reward=0.5)
+    >>> sft[0]["completion"], pairs[0]["chosen"], pairs[0]["rejected"]
+    ('b', 'b', 'a')
+    """
+    require = require or {}
+    sft, pairs = [], []
+    for (source, row), recs in groups(records).items():
+        ok = [r for r in recs if eligible(r, require)]
+        if not ok:
+            continue
+        best = max(ok, key=lambda r: r["reward"])  # max/min keep the first of equals
+        worst = min([r for r in recs if r.get("reward") is not None and not r.get("api_failed")], key=lambda r: r["reward"])
+        where = {"row": row, **({"source": source} if source is not None else {}), **best.get("columns", {})}
+        prefix = {"assistant_prefix": best["assistant_prefix"]} if best.get("assistant_prefix") else {}
+        if min_reward is None or best["reward"] >= min_reward:
+            sft.append({"prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"], **where})
+        if best["reward"] - worst["reward"] >= min_margin:
+            pairs.append({"prompt": best["prompt"], **prefix, "chosen": best["completion"], "rejected": worst["completion"],
+                          "chosen_reward": best["reward"], "rejected_reward": worst["reward"], **where})
+    return sft, pairs
+
+
+def parse_require(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise ValueError(f"--require {item!r}: write NAME=VALUE, e.g. think_format=1")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: pooled per prompt)")
+    ap.add_argument("--sft", help="write each prompt's best completion here (prompt, completion, reward)")
+    ap.add_argument("--pairs", help="write best-vs-worst pairs here (prompt, chosen, rejected)")
+    ap.add_argument("--min-reward", type=float, default=None, help="SFT: keep a best completion only from this reward up")
+    ap.add_argument("--min-margin", type=float, default=1e-9, help="pairs: keep only when best - worst >= this")
+    ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V", help="only completions whose reward NAME >= V")
+    args = ap.parse_args(argv)
+    try:
+        if not (args.sft or args.pairs):
+            raise ValueError("nothing to write: give --sft FILE, --pairs FILE or both")
+        for out in filter(None, [args.sft, args.pairs]):
+            if Path(out).exists() or out in args.predictions:
+                raise ValueError(f"{out} exists; give a new file (outputs are never overwritten)")
+        require = parse_require(args.require)
+        records = []
+        for path in args.predictions:
+            if not Path(path).is_file():
+                raise ValueError(f"{path}: no such file (eval.py writes eval.out_dir/predictions_<name>.jsonl)")
+            for _, _, rec in jsonl.read(path):
+                if not (isinstance(rec, dict) and {"row", "prompt", "completion"} <= set(rec)):
+                    raise ValueError(f"{path}: not eval.py's predictions (each line needs row, prompt, completion)")
+                records.append(rec)
+        if not records:
+            raise ValueError(f"{', '.join(args.predictions)}: no predictions")
+        sft, pairs = select(records, args.min_reward, args.min_margin, require)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = len(groups(records))
+    for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
+        if path:
+            jsonl.write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            mean = sum(r.get("reward", r.get("chosen_reward")) for r in rows) / len(rows) if rows else float("nan")
+            print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts (mean reward of the kept {mean:.3f})")
+    scored = [r["reward"] for r in records if r.get("reward") is not None]
+    if scored:
+        print(f"[bestofn] mean reward of all {len(scored)} scored completions: {sum(scored) / len(scored):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

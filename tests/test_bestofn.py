@@ -1,0 +1,81 @@
+"""bestofn.py: picking each prompt's best completion (SFT / RAFT data) and best-vs-worst pairs (DPO
+data) from eval.py's predictions, then training on the picks."""
+import json
+
+import pytest
+import yaml
+
+import bestofn
+import eval as ev
+import train
+
+
+def rec(row, completion, reward, source=None, **more):
+    return {"row": row, **({"source": source} if source else {}), "prompt": f"p{row}", "completion": completion,
+            "reward": reward, **more}
+
+
+def test_best_and_worst_per_prompt_with_bars_requirements_and_unscored_completions_left_out():
+    records = [rec(0, "a", 0.5), rec(0, "b", 2.0), rec(0, "c", 2.0), rec(0, "x", None), rec(0, "y", 9.0, api_failed=True),
+               rec(1, "d", 0.2), rec(1, "e", 0.2),  # a tie: no preference, and below the SFT bar
+               rec(1, "f", 0.9, "other"), rec(1, "g", 0.1, "other")]  # the same row of another source is another prompt
+    sft, pairs = bestofn.select(records, min_reward=0.5)
+    assert [(r["prompt"], r["completion"], r.get("source")) for r in sft] == [("p0", "b", None), ("p1", "f", "other")]
+    assert [(p["chosen"], p["rejected"], p["chosen_reward"], p["rejected_reward"]) for p in pairs] == \
+        [("b", "a", 2.0, 0.5), ("f", "g", 0.9, 0.1)]
+    sft, pairs = bestofn.select(records, min_margin=1.6)
+    assert [r["completion"] for r in sft] == ["b", "d", "f"] and pairs == []  # no SFT bar; margins 1.5 and 0.8
+    assert [p["chosen"] for p in bestofn.select(records, min_margin=1.5)[1]] == ["b"]
+    # a requirement keeps a completion that misses it from being picked, but it can still be the rejected one
+    think = [rec(0, "no think", 3.0, rewards={"think_format": 0.0}), rec(0, "think", 1.0, rewards={"think_format": 1.0}),
+             rec(0, "weak think", 0.5, rewards={"think_format": 1.0})]
+    sft, pairs = bestofn.select(think, require={"think_format": 1.0})
+    assert sft[0]["completion"] == "think" and (pairs[0]["chosen"], pairs[0]["rejected"]) == ("think", "weak think")
+    assert bestofn.parse_require(["think_format=1", "a=0.5"]) == {"think_format": 1.0, "a": 0.5}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        bestofn.parse_require(["think_format"])
+
+
+def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys):
+    preds = tmp_path / "predictions_x.jsonl"
+    preds.write_text(json.dumps({"row": 0, "prompt": "p", "completion": "c", "reward": 1.0}) + "\n")
+    out = tmp_path / "best.jsonl"
+    for argv, message in [([str(preds)], "nothing to write"),
+                          ([str(tmp_path / "nope.jsonl"), "--sft", str(out)], "no such file"),
+                          ([str(preds), "--sft", str(preds)], "never overwritten"),
+                          ([str(preds), "--pairs", str(out), "--require", "x"], "NAME=VALUE")]:
+        assert bestofn.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    (tmp_path / "other.jsonl").write_text(json.dumps({"key": "k", "reply": "r"}) + "\n")  # a judge cache, say
+    assert bestofn.main([str(tmp_path / "other.jsonl"), "--sft", str(out)]) == 2
+    assert "not eval.py's predictions" in capsys.readouterr().err and not out.exists()
+
+
+def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, tiny_llama, capsys):
+    """The rejection-sampling loop: eval.py samples n per prompt and scores them, bestofn keeps each
+    prompt's best, train.py's SFT mode trains on those picks."""
+    (tmp_path / "varied.py").write_text("def varied(completion, sample):\n    return float(len(set(completion)) % 3)\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"name": str(tiny_llama), "gradient_checkpointing": False},
+        "data": {"name": "arithmetic", "num_examples": 20, "select": [0, 10], "assistant_prefix": "Sum:"},
+        "rewards": [{"name": f"{tmp_path / 'varied.py'}:varied"}],
+        "eval": {"select": [0, 4], "num_samples": 3, "temperature": 1.0, "max_new_tokens": 6, "out_dir": str(tmp_path / "eval")},
+        "run": {"steps": 1, "out_dir": str(tmp_path / "raft")}, "sft": {"batch_size": 2}}))
+    assert ev.main(["--config", str(cfg), "--models", "base", "--data.select=null"]) == 0
+    preds = [json.loads(ln) for ln in (tmp_path / "eval/predictions_base.jsonl").read_text().splitlines()]
+    best, pairs = tmp_path / "best.jsonl", tmp_path / "pairs.jsonl"
+    assert bestofn.main([str(tmp_path / "eval/predictions_base.jsonl"), "--sft", str(best), "--pairs", str(pairs)]) == 0
+    assert "from 4 prompts" in capsys.readouterr().out
+    picks = [json.loads(ln) for ln in best.read_text().splitlines()]
+    assert len(picks) == 4 and all(p["assistant_prefix"] == "Sum:" for p in picks)
+    for p in picks:
+        same = [q["reward"] for q in preds if q["row"] == p["row"]]
+        assert len(same) == 3 and p["reward"] == max(same)
+    made = [json.loads(ln) for ln in pairs.read_text().splitlines()]
+    assert made and all(p["chosen_reward"] > p["rejected_reward"] for p in made)
+    assert train.main(["--config", str(cfg), "--mode=sft", f"--data.name={best}", "--data.prompt=prompt",
+                       "--data.target=completion", "--data.answer_key=null", "--data.select=null",
+                       "--data.num_examples=0", "--eval.select=null"]) == 0
+    assert (tmp_path / "raft/metrics.jsonl").read_text()
