@@ -168,8 +168,15 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> None:
 
 def check_args(args) -> str | None:
     """Cheap checks first, so bad input fails before the base is loaded. -> the hub token, if pushing."""
-    if Path(args.out).exists() and not args.overwrite:
+    out = Path(args.out).resolve()
+    if out.exists() and not args.overwrite:
         raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another directory")
+    if out.exists():  # --overwrite deletes it: only ever an earlier export
+        keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(), Path(args.config).resolve(), Path.cwd()]
+        if any(p == out or out in p.parents for p in keep) or \
+                any((out / n).exists() for n in ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml")):
+            raise ConfigError(f"--out {args.out} holds a training run, an adapter, the config or this directory; "
+                              "--overwrite replaces only an earlier export, so choose another directory")
     if not args.push_to_hub:
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id

@@ -106,6 +106,13 @@ def test_an_existing_out_is_refused_unless_overwrite(trained, tmp_path, capsys):
     assert run_export(trained, out, "--overwrite") == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert not (tmp_path / "merged.old").exists()
+    # --overwrite never deletes the run being exported, nor a folder holding it
+    run = trained["run"]
+    for target in (run, run / "checkpoints", run.parent):
+        before = sorted(p.relative_to(run) for p in run.rglob("*"))
+        assert run_export(trained, target, "--overwrite") == 2
+        assert "replaces only an earlier export" in error_line(capsys.readouterr().err)
+        assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
 def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_nothing(trained, tmp_path, capsys):
