@@ -512,9 +512,11 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def redacted(d: Any) -> Any:
-    """The config as a dict, with extra_headers values (often an Authorization header) masked."""
+    """The config as a dict, with extra_headers values (often an Authorization header) masked, except
+    those written with a ${NAME} reference, whose secret lives in the environment."""
     if isinstance(d, dict):
-        return {k: ({h: "***" for h in v} if k == "extra_headers" and isinstance(v, dict) else redacted(v)) for k, v in d.items()}
+        return {k: ({h: x if "${" in str(x) else "***" for h, x in v.items()} if k == "extra_headers" and isinstance(v, dict)
+                    else redacted(v)) for k, v in d.items()}
     return [redacted(x) for x in d] if isinstance(d, list) else d
 
 

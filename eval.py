@@ -75,7 +75,7 @@ import jsonl
 import rollout
 from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
 from data import Source, check_not_data_file, load_sources
-from judge import Judge, JudgeConfig, judges_stats
+from judge import Judge, JudgeConfig, JudgeUnusable, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from scoring import (RewardResult, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
                      reward_means)
@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             gen, n, prefix = generate(entry, plan)
             scoring.append((entry, in_background(functools.partial(score_model, entry, plan, gen, n, prefix, t0),
                                                  after=scoring[-1][1] if scoring else None)))
-    except ConfigError as e:  # e.g. an adapter merged into the base was moved since training
+    except (ConfigError, JudgeUnusable) as e:  # an adapter merged into the base was moved since training; a refused key
         errors.append(e)
         print(f"error: {e}", file=sys.stderr)
     except Exception as e:  # a crash (out of memory, say): raised once what was generated is scored and written
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     for entry, future in scoring:
         try:
             results[entry.name] = {"kind": entry.kind, "source": entry.target, "metrics": future.result()}
-        except ConfigError as e:
+        except (ConfigError, JudgeUnusable) as e:
             errors.append(e)
             print(f"error: scoring {entry.name}: {e}", file=sys.stderr)
         except Exception as e:  # a bug: raised once every other model is written

@@ -55,7 +55,8 @@ class JudgeConfig:
     api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
     azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com; when set, Azure is used, base_url ignored
     api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
-    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request
+    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
+    #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
     max_concurrent: int = 8  # most requests in flight at once
     requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
     timeout_s: float = 60.0  # hard limit on one request
@@ -180,6 +181,31 @@ def _retry_after(headers) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class JudgeUnusable(RuntimeError):
+    """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
+    URL): raised from complete_many / score_many so that a run stops instead of training on nothing."""
+
+
+def _expand(value: str, key: str) -> str:
+    """A header value with each ${NAME} replaced by that environment variable (ValueError when unset).
+
+    >>> import os; os.environ["MINIGRPO_DOC_TOKEN"] = "t0k"
+    >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization")
+    'Bearer t0k'
+    """
+    if value == "***":
+        raise ValueError(f"judge: {key} is '***', a value masked when a run saved its config; put the secret in an "
+                         "environment variable and write the header as ${NAME}")
+    missing = [m.group(1) for m in _ENV_REF.finditer(value) if m.group(1) not in os.environ]
+    if missing:
+        raise ValueError(f"judge: {key} reads ${{{missing[0]}}}, which is not set in the environment")
+    return _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+
+
 def _run_sync(coro):
     try:
         asyncio.get_running_loop()
@@ -199,7 +225,12 @@ class Judge:
             raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
             raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
+        if not _ENV_NAME.fullmatch(cfg.api_key_env or ""):
+            raise ValueError("judge: api_key_env is the NAME of the environment variable that holds the key "
+                             "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
+        self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
         self.cfg, self.label = cfg, label
+        self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404): the caller stops
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self._total = dict.fromkeys(STAT_NAMES, 0.0)
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
@@ -238,8 +269,17 @@ class Judge:
     def _warn_once(self, kind: str, msg: str) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
-            key = os.environ.get(self.cfg.api_key_env)
-            log.warning(msg.replace(key, "***") if key else msg)  # servers echo bad keys in 401 messages
+            log.warning(self.masked(msg))
+
+    def masked(self, text: str) -> str:
+        """text with the key and every header value (and each long word of one) replaced by ***:
+        servers echo a rejected key in their 401 messages."""
+        secrets = [os.environ.get(self.cfg.api_key_env) or ""]
+        for v in self.headers.values():
+            secrets += [v, *(w for w in v.split() if len(w) >= 8)]
+        for secret in sorted(filter(None, secrets), key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
 
     # --- cache -------------------------------------------------------------------------------------
     def _load_disk_cache(self) -> None:
@@ -292,7 +332,7 @@ class Judge:
             return
         cfg = self.cfg
         common = dict(api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
-                      max_retries=0, default_headers=cfg.extra_headers or None)
+                      max_retries=0, default_headers=self.headers or None)
         if cfg.azure_endpoint:
             self._client = openai.AsyncAzureOpenAI(azure_endpoint=cfg.azure_endpoint,
                                                    api_version=cfg.api_version, **common)
@@ -353,8 +393,11 @@ class Judge:
                 why, wait = type(e).__name__, None
             except openai.APIStatusError as e:
                 if not (e.status_code in (408, 429) or e.status_code >= 500):
-                    self._warn_once(f"http{e.status_code}", f"{self.label}: HTTP {e.status_code} from "
-                                    f"{self._endpoint}, not retried: {str(e.message)[:300]}")
+                    msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {str(e.message)[:300]}"
+                    if e.status_code in (401, 403, 404) and self.fatal is None:  # a key, model or URL to fix
+                        self.fatal = self.masked(" ".join(msg.split()) + f" (check {self.label}'s base_url, model and "
+                                                 f"the key in ${cfg.api_key_env})")
+                    self._warn_once(f"http{e.status_code}", msg)
                     return None
                 why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
             except openai.APIError as e:  # a 200 whose body is not a chat completion
@@ -399,9 +442,12 @@ class Judge:
     async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
         samples = samples or [0] * len(message_lists)
         try:
-            return await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
+            replies = await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
         finally:
             await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
+        if self.fatal:
+            raise JudgeUnusable(self.fatal)
+        return replies
 
     def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:
         """All completions concurrently in one event loop; same order as the input. n > 1: n sampled

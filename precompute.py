@@ -35,7 +35,7 @@ from pathlib import Path
 import jsonl
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
-from judge import Judge, grade_answers
+from judge import Judge, JudgeUnusable, grade_answers
 from rollout import chat_messages
 from scoring import check_specs, compute_rewards
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         summary = run(cfg)
-    except (ConfigError, DataError, ValueError, OSError) as e:
+    except (ConfigError, DataError, ValueError, OSError, JudgeUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     p = cfg.precompute

@@ -29,7 +29,7 @@ from typing import Any, Callable, Collection
 
 from config import Config, ConfigError, judge_names, judge_sections
 from data import check_not_data_file
-from judge import Judge, open_judges
+from judge import Judge, JudgeUnusable, open_judges
 from rewards import RewardSpec, _did_you_mean, _one_line, _params, resolve
 
 log = logging.getLogger("minigrpo.scoring")
@@ -173,6 +173,8 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
         (fn, batched, kwargs, wants_tokens), spec, key = calls[k], specs[k], keys[k]
 
         def fail(err: Exception, completion: str, sample: dict) -> float:
+            if isinstance(err, JudgeUnusable):  # a refused key or an unknown model: every later call fails too
+                raise err
             errors[key] += 1
             if key not in _LOGGED:
                 _LOGGED.add(key)

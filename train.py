@@ -37,7 +37,7 @@ from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
                    trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge
+from judge import Judge, JudgeUnusable
 from scoring import open_scoring
 from step import train_step
 
@@ -128,18 +128,27 @@ def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -
     return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints")  # what makes run.out_dir a run
+
+
 def setup(args, overrides: list[str]) -> Run:
     """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
     vllm_engine.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
-    if not args.resume and not args.dry_run and run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run.out_dir={run_dir} is a file; give a directory")
+    holds_run = any((run_dir / n).exists() for n in RUN_FILES)  # other files (a ratings/ queue, notes) are not a run
+    if holds_run and not args.resume and not args.dry_run:
         raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
+    if args.resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to continue; "
+                          "check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
     if ckpts:
         before = flat(config_to_dict(load_config(ckpts[-1] / "config.yaml")))
-        changed = sorted(k for k, v in flat(config_to_dict(cfg)).items() if before.get(k) != v)
+        changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items() if before.get(k) != v)  # as saved
         if any(k.startswith(("model.", "lora.")) for k in changed):
             raise ConfigError(f"--resume with a different model or LoRA setup than {ckpts[-1]} ({', '.join(changed)}); "
                               "resume with the run's own config.yaml")
@@ -274,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         print(dry_run_report(r))
+        if not args.resume and any((r.run_dir / n).exists() for n in RUN_FILES):
+            print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it without --resume "
+                  "(or set another run.out_dir)")
         return 0
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -293,10 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
-            metrics, shown = step_fn(r)
+            try:
+                metrics, shown = step_fn(r)
+                if r.eval_rows and step % cfg.run.eval_every == 0:
+                    metrics |= held_out_metrics(r)
+            except JudgeUnusable as e:  # a refused key or a wrong model name: no later step would score either
+                print(f"error: {e}; stopped at step {step}: fix it, then --resume from the last checkpoint in {run_dir}"
+                      if any(checkpoints(run_dir)) else f"error: {e}; stopped at step {step}, nothing trained yet",
+                      file=sys.stderr)
+                if tracker:
+                    tracker.finish()
+                return 2
             metrics = {"step": step, **metrics}
-            if r.eval_rows and step % cfg.run.eval_every == 0:
-                metrics |= held_out_metrics(r)
             jsonl.append(metrics_path, [metrics])
             if tracker:
                 tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)

@@ -235,7 +235,7 @@ def test_an_api_model_samples_n_answers_each_cached_and_a_prompt_with_a_failed_s
     cfg, tmp = project
     letters = iter("ABCD" * 10)
     server.reply = lambda body: answer(next(letters))  # each request a different answer
-    server.script(server_error(400))  # the first prompt's first sample fails
+    server.script(server_error(400))  # one sample (whichever request arrives first) fails
     cache = tmp / "api_cache.jsonl"
     args = ["--config", str(cfg), "--models", "api:fake-model", "--eval.limit=3", "--eval.num_samples=2",
             "--eval.temperature=0.7", "--eval.pass_k=[1,2]", f"--eval.api.cache_path={cache}", "--eval.api.temperature=0.7"]
@@ -243,15 +243,16 @@ def test_an_api_model_samples_n_answers_each_cached_and_a_prompt_with_a_failed_s
     m = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
     preds = lines(tmp / "eval/predictions_fake-model.jsonl")
     assert len(server.requests) == 6 and [(p["row"], p["sample"]) for p in preds] == [(r, i) for r in (6, 7, 8) for i in (0, 1)]
-    assert [p.get("api_failed", False) for p in preds] == [True] + [False] * 5
-    assert preds[1]["reward"] is None and all(p["reward"] is not None for p in preds[2:])  # its sibling is left out too
+    (bad,) = [i for i, p in enumerate(preds) if p.get("api_failed")]
+    sibling = bad ^ 1  # the other sample of the same prompt is left out too
+    assert [p["reward"] is None for p in preds] == [i in (bad, sibling) for i in range(6)]
     assert m["n"] == 4 and m["api_failures"] == 1 and {"pass@1", "pass@2", "best_of_n_reward"} <= set(m)
-    answered = [p["completion"] for p in preds[1:]]
-    assert len(set(answered)) > 1 and len(cache.read_text().splitlines()) == 5  # distinct samples, each cached
+    answered = {i: p["completion"] for i, p in enumerate(preds) if i != bad}
+    assert len(set(answered.values())) > 1 and len(cache.read_text().splitlines()) == 5  # distinct samples, each cached
     server.reset()
     assert ev.main(args + ["--overwrite"]) == 0
     again = lines(tmp / "eval/predictions_fake-model.jsonl")
-    assert len(server.requests) == 1 and [p["completion"] for p in again[1:]] == answered  # only the failed one is asked again
+    assert len(server.requests) == 1 and {i: again[i]["completion"] for i in answered} == answered  # only the failed one is asked again
     assert ev.main(args[:-1] + ["--eval.api.temperature=0", "--overwrite"]) == 2
     assert "eval.api.temperature is 0 but eval.num_samples=2" in capsys.readouterr().err
 

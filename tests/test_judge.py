@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fake_openai_server import FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
-from judge import (Judge, JudgeConfig, JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score,
+from judge import (Judge, JudgeConfig, JudgeScore, JudgeUnusable, POINTWISE_CRITERIA, judge_reward, load_template, parse_score,
                    render, rubric_alignment)
 from rewards import RewardSpec
 from scoring import _LOGGED, compute_rewards
@@ -80,12 +80,44 @@ def test_final_failure_yields_none_and_counts_without_raising(server):
 
 @pytest.mark.parametrize("status", [400, 401, 404])
 def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
+    """400 is one request's problem (a content filter): a failure. 401/403/404 are the key, the model
+    or the URL, which no later call fixes either: JudgeUnusable, so that a run stops."""
+    from judge import JudgeUnusable
     judge = make_judge(server)
     server.default = server_error(status)
-    assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
+    if status == 400:
+        assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
+    else:
+        with pytest.raises(JudgeUnusable, match=f"HTTP {status}.*check judge's base_url, model and the key in \\${KEY_ENV}"):
+            judge.complete_many([chat("a"), chat("b")])
     assert len(server.requests) == 2
     assert judge.pop_step_stats()["judge_failures"] == 2
     assert len([r for r in caplog.records if f"HTTP {status}" in r.getMessage()]) == 1  # one line, not one per call
+
+
+def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(server, monkeypatch, caplog):
+    from judge import JudgeUnusable
+    from config import redacted
+    monkeypatch.setenv("MINIGRPO_TEST_HEADER_TOKEN", "hdr-SECRET-456789")
+    judge = make_judge(server, extra_headers={"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "X-Team": "ml"})
+    server.default = ok(text='{"score": 7}')
+    judge.complete_many([chat("a")])
+    assert server.requests[0].headers["authorization"] == "Bearer hdr-SECRET-456789"
+    assert server.requests[0].headers["x-team"] == "ml"
+    server.default = server_error(401)  # the fake echoes the presented Authorization value in its error
+    with pytest.raises(JudgeUnusable) as err:
+        judge.complete_many([chat("b")])
+    assert "Incorrect API key provided: ***" in str(err.value)
+    assert "hdr-SECRET-456789" not in str(err.value) + caplog.text
+    # a saved config keeps the reference (no secret) and masks a literal value; '***' is refused when a client is built
+    saved = redacted({"judge": {"extra_headers": {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "K": "lit"}}})
+    assert saved["judge"]["extra_headers"] == {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "K": "***"}
+    with pytest.raises(ValueError, match="masked when a run saved its config"):
+        make_judge(server, extra_headers={"K": "***"})
+    with pytest.raises(ValueError, match=r"reads \$\{MINIGRPO_NO_SUCH_VAR\}, which is not set"):
+        make_judge(server, extra_headers={"K": "${MINIGRPO_NO_SUCH_VAR}"})
+    with pytest.raises(ValueError, match="the NAME of the environment variable"):
+        make_judge(server, api_key_env="sk-proj-LITERALKEY999")
 
 
 def test_stall_beyond_timeout_is_a_failure_after_retries_and_does_not_hang(server):
@@ -162,10 +194,12 @@ def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_ow
     server.reply = lambda body: f"answer {next(count)}"
     path = tmp_path / "answers.jsonl"
     first = make_judge(server, cache_path=str(path), temperature=1.0)
-    assert first.complete_many([chat("q1"), chat("q2")], n=3) == [f"answer {i}" for i in range(6)]  # request-major
+    replies = first.complete_many([chat("q1"), chat("q2")], n=3)  # request-major: q1's three, then q2's
+    assert len(set(replies)) == 6 and len(server.requests) == 6
     server.reset()
     restarted = make_judge(server, cache_path=str(path), temperature=1.0, memory_cache=False)
-    assert restarted.complete_many([chat("q1"), chat("q2")], n=4)[:3] == ["answer 0", "answer 1", "answer 2"]
+    again = restarted.complete_many([chat("q1"), chat("q2")], n=4)
+    assert again[:3] == replies[:3] and again[4:7] == replies[3:]
     assert len(server.requests) == 2  # the fourth sample of each: all others came from the cache
     key = cache_key("m", chat("q"), 1.0, 512)  # sample 0 keeps the key caches were written with
     assert cache_key("m", chat("q"), 1.0, 512, sample=0) == key != cache_key("m", chat("q"), 1.0, 512, sample=1)
@@ -435,7 +469,10 @@ def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, cap
     judge = make_judge(server, cache_path=str(path))
     server.script(server_error(401))  # the fake echoes the presented key in its error, as OpenAI does
     print(judge, judge.cfg)
-    judge.complete_many([chat("a")])
+    with pytest.raises(JudgeUnusable) as err:
+        judge.complete_many([chat("a")])
+    print(err.value)
+    judge.fatal = None  # (a caller would have stopped; carry on to fill the cache)
     judge.score_many([chat("b")])
 
     assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"

@@ -212,6 +212,31 @@ def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_d
             assert secret.encode() not in f.read_bytes(), f
 
 
+def test_a_judge_refusing_the_key_stops_the_run_with_one_line_and_keeps_its_checkpoints(setup, capsys):
+    from fake_openai_server import FakeOpenAIServer, ok, server_error
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        judge = f"--judge={{base_url: '{server.url}', model: fake-judge, api_key_env: MINIGRPO_NO_SUCH_KEY, max_retries: 0}}"
+        rewards = "--rewards=[{name: judge, fallback: skip, args: {template: 'Rate {completion}', criteria: []}}]"
+        server.script(*[ok()] * 8)  # step 1 is scored, then every call is refused
+        server.default = server_error(401)
+        assert train.main(["--config", str(cfg), judge, rewards, "--run.steps=3", "--run.save_every=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: judge: HTTP 401") and "stopped at step 2" in err and "--resume" in err
+    assert len(lines(run / "metrics.jsonl")) == 1 and (run / "checkpoints/step_000001").is_dir()
+
+
+def test_resume_of_a_missing_run_and_what_counts_as_a_run(setup, capsys):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--resume", f"--run.out_dir={run}_typo"]) == 2
+    assert "does not exist, so there is no run to continue" in capsys.readouterr().err
+    (run / "ratings").mkdir(parents=True)  # ratings.py serve's queue folder: not a run
+    (run / "ratings" / "queue.jsonl").write_text("")
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
+    assert train.main(["--config", str(cfg), "--dry-run"]) == 0
+    assert "already holds a run; the real run refuses it" in capsys.readouterr().out
+
+
 def test_a_judge_reward_without_a_judge_section_is_a_config_error(setup, capsys):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--rewards=[{name: judge}]"]) == 2
