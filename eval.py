@@ -77,7 +77,7 @@ from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict,
 from data import Source, check_not_data_file, load_sources
 from judge import Judge, JudgeConfig, JudgeUnusable, judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from scoring import (RewardResult, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
+from scoring import (RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
                      reward_means)
 
 
@@ -368,6 +368,10 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     if cfg.data.select is None and not cfg.eval.name:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     sources = held_out_sources(cfg)
+    try:
+        check_rows(cfg.rewards, [row for s in sources for row in s.rows], "held-out")
+    except ValueError as e:
+        raise ConfigError(f"rewards: {e}") from None
     for col in cfg.eval.keep_columns:
         if missing := [s for s in sources if col not in s.rows[0]]:
             raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column {col!r}; "

@@ -659,3 +659,31 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
         rho = float(spearmanr(x, y).statistic)
         rewards.append(rho if math.isfinite(rho) else 0.0)
     return rewards
+
+
+# --- checks before a run (scoring.check_specs / check_rows) ------------------------------------------
+def _check_judge_args(template: str = "pointwise_criteria", criteria: list[str] | None = None,
+                      criterion: str | None = None, **_) -> None:
+    """judge_reward's args, checked before any model loads: the template exists, criterion is one of the criteria."""
+    load_template(template)
+    criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
+    if criterion is not None and criterion not in (criteria or []):
+        raise ValueError(f"reward 'judge': criterion {criterion!r} is not one of the judge's criteria {criteria or []}")
+
+
+def _judge_row_fields(template: str = "pointwise_criteria", **_) -> set[str]:
+    """The row columns judge_reward's template reads (the rest it fills itself)."""
+    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {"completion", "score_min", "score_max"}
+
+
+def _rubric_row_fields(template: str = "rubric_scoring", **_) -> set[str]:
+    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {
+        "question", "rubric", "answer", "score_min", "score_max"}
+
+
+def _check_rubric_args(template: str = "rubric_scoring", **_) -> None:
+    load_template(template)
+
+
+judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row_fields
+rubric_alignment.check_args, rubric_alignment.row_fields = _check_rubric_args, _rubric_row_fields

@@ -37,7 +37,7 @@ from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_confi
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from judge import Judge, JudgeUnusable, grade_answers
 from rollout import chat_messages
-from scoring import check_specs, compute_rewards
+from scoring import check_rows, check_specs, compute_rewards
 
 
 def check(cfg: Config) -> PrecomputeConfig:
@@ -121,6 +121,11 @@ def run(cfg: Config) -> dict:
     """Answer, grade, write -> a summary (counts and costs)."""
     p = check(cfg)
     rows = load_questions(p)
+    if p.gold_reward is not None:
+        try:
+            check_rows([p.gold_reward], rows, "question")
+        except ValueError as e:
+            raise ConfigError(f"precompute.gold_reward: {e}") from None
     policy = Judge(p.answers, label=f"precompute.answers ({p.answers.model})")
     judge = Judge(cfg.judge, label="judge") if p.gold_reward is None else None
     k = p.num_answers

@@ -38,7 +38,7 @@ from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, re
                    trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from judge import Judge, JudgeUnusable
-from scoring import open_scoring
+from scoring import check_rows, open_scoring
 from step import train_step
 
 
@@ -156,6 +156,11 @@ def setup(args, overrides: list[str]) -> Run:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
+    if cfg.rewards:
+        try:
+            check_rows(cfg.rewards, rows)
+        except ValueError as e:
+            raise ConfigError(f"rewards: {e}") from None
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
     eval_rows = None
@@ -165,6 +170,11 @@ def setup(args, overrides: list[str]) -> Run:
         import eval as ev
         ev.check_eval_config(cfg)
         eval_rows = ev.held_out_rows(cfg)
+        if cfg.rewards:
+            try:
+                check_rows(cfg.rewards, eval_rows, "held-out")
+            except ValueError as e:
+                raise ConfigError(f"rewards: {e}") from None
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)

@@ -153,6 +153,27 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, overr
     assert not run.exists()
 
 
+JUDGE = "--judge={base_url: 'http://127.0.0.1:9/v1', model: m}"  # never called: these fail before any request
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["--rewards=[{name: choice_accuracy, args: {gold_key: cop}}]"], "gold_key='cop' but no data row has a column 'cop'"),
+    ([JUDGE, "--rewards=[{name: judge, args: {template: pointwise_critera}}]"], "template 'pointwise_critera' is not one of"),
+    ([JUDGE, "--rewards=[{name: judge, args: {template: 'Rate {rubric}: {completion}'}}]"],
+     "its template reads {rubric}, which data row 0 lacks"),
+    ([JUDGE, "--rewards=[{name: judge, args: {criterion: clarity, criteria: [logic]}}]"], "'clarity' is not one of"),
+])
+def test_rewards_that_could_never_score_these_rows_stop_before_the_run(setup, capsys, overrides, message):
+    """A reward reading a column no row has would score every completion None or its fallback: a run
+    that learns nothing, silently. These fail like any other bad input, dry run included."""
+    cfg, run = setup
+    for extra in ([], ["--dry-run"]):
+        assert train.main(["--config", str(cfg), *overrides, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0] and err[0].startswith("error: rewards: ")
+    assert not run.exists()
+
+
 def test_model_without_chat_template_exits_2(setup, capsys, tiny_no_template):
     cfg, run = setup
     assert train.main(["--config", str(cfg), f"--model.name={tiny_no_template}"]) == 2
