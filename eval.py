@@ -368,10 +368,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     if cfg.data.select is None and not cfg.eval.name:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
     sources = held_out_sources(cfg)
-    try:
-        check_rows(cfg.rewards, [row for s in sources for row in s.rows], "held-out")
-    except ValueError as e:
-        raise ConfigError(f"rewards: {e}") from None
+    check_rows(cfg.rewards, [row for s in sources for row in s.rows], "held-out")
     for col in cfg.eval.keep_columns:
         if missing := [s for s in sources if col not in s.rows[0]]:
             raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column {col!r}; "

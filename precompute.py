@@ -122,10 +122,7 @@ def run(cfg: Config) -> dict:
     p = check(cfg)
     rows = load_questions(p)
     if p.gold_reward is not None:
-        try:
-            check_rows([p.gold_reward], rows, "question")
-        except ValueError as e:
-            raise ConfigError(f"precompute.gold_reward: {e}") from None
+        check_rows([p.gold_reward], rows, "question", key="precompute.gold_reward")
     policy = Judge(p.answers, label=f"precompute.answers ({p.answers.model})")
     judge = Judge(cfg.judge, label="judge") if p.gold_reward is None else None
     k = p.num_answers

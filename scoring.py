@@ -101,23 +101,24 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
                             "; name it in a reward, or drop the judges: section (--judges={} on the command line)"))
 
 
-def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data") -> None:
+def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", key: str = "rewards") -> None:
     """Fail early when the rewards read columns the rows lack: an argument named *_key (gold_key,
     valid_key, answers_key: given, or its default) names a column that no row has, or a row lacks a
     field of a judge template (a reward's `row_fields(**args)`). Otherwise the reward would score
-    every completion None or its fallback and the run would learn nothing, silently."""
-    for key, spec in zip(reward_keys(specs), specs):
+    every completion None or its fallback and the run would learn nothing, silently. ConfigError
+    names the config `key` the rewards sit under."""
+    for name, spec in zip(reward_keys(specs), specs):
         fn, _ = resolve(spec)
         for p in _params(fn):
             column = spec.args.get(p.name, p.default)
             if p.name.endswith("_key") and isinstance(column, str) and rows and not any(column in r for r in rows):
-                raise ValueError(f"reward {key!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
+                raise ConfigError(f"{key}: reward {name!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
                                  f"the rows have: {', '.join(rows[0])}")
         if callable(getattr(fn, "row_fields", None)):
             needed = fn.row_fields(**spec.args)
             for i, row in enumerate(rows):
                 if missing := sorted(needed - row.keys()):
-                    raise ValueError(f"reward {key!r}: its template reads {{{missing[0]}}}, which {what} row {i} lacks; "
+                    raise ConfigError(f"{key}: reward {name!r}: its template reads {{{missing[0]}}}, which {what} row {i} lacks; "
                                      f"the row has: {', '.join(row)}")
 
 

@@ -157,10 +157,7 @@ def setup(args, overrides: list[str]) -> Run:
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
     if cfg.rewards:
-        try:
-            check_rows(cfg.rewards, rows)
-        except ValueError as e:
-            raise ConfigError(f"rewards: {e}") from None
+        check_rows(cfg.rewards, rows)
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
     eval_rows = None
@@ -171,10 +168,7 @@ def setup(args, overrides: list[str]) -> Run:
         ev.check_eval_config(cfg)
         eval_rows = ev.held_out_rows(cfg)
         if cfg.rewards:
-            try:
-                check_rows(cfg.rewards, eval_rows, "held-out")
-            except ValueError as e:
-                raise ConfigError(f"rewards: {e}") from None
+            check_rows(cfg.rewards, eval_rows, "held-out")
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
