@@ -389,7 +389,8 @@ def _check(cfg: Config) -> None:
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
-                    "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every}
+                    "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every,
+                    "run.threads": cfg.run.threads}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")

@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from safetensors import SafetensorError
 from rich.table import Table
 from scipy.stats import spearmanr
 
@@ -133,6 +134,9 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
                 raise ConfigError(f"model entry {spec!r}: no such file or directory {what!r}; {usage}")
             if (p / "config.json").is_file() and not (p / "adapter_config.json").is_file():
                 kind, target = "full", str(p)
+                if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
+                    raise ConfigError(f"model entry {spec!r}: {p} has a config.json but no weights (*.safetensors); "
+                                      "is the export or download complete?")
             else:
                 kind, target = "adapter", str(find_adapter(str(p)))
                 try:
@@ -350,6 +354,8 @@ class Plan:
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
+    if Path(cfg.eval.out_dir).exists() and not Path(cfg.eval.out_dir).is_dir():
+        raise ConfigError(f"eval.out_dir={cfg.eval.out_dir} is a file; give a directory")
     if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
         raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or set another eval.out_dir")
     entries = parse_model_entries(args.models, cfg.model)  # hf: entries download here
@@ -387,10 +393,16 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     if entry.kind == "api":
         messages = [rollout.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
         return generate_api(plan.api[entry.name], messages, plan.tokenizer, cfg.eval.num_samples), cfg.eval.num_samples, ""
-    if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
-        model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
-    else:
-        model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
+    try:
+        if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
+            model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
+        else:
+            model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # truncated or corrupt weights
+        if isinstance(e, ConfigError) or "out of memory" in str(e).lower():
+            raise
+        raise ConfigError(f"model entry {entry.spec!r}: could not load it: {type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:300]}") from None
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
     gen = generate_rows(model, tok, plan.rows, cfg)

@@ -39,7 +39,10 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"run.device={name} but no CUDA GPU is visible; use run.device=cpu")
-    return torch.device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"run.device={name!r} is not a device; use auto, cpu, cuda, cuda:1, mps") from None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -205,10 +208,20 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _load_adapter(model, path: Path, trainable: bool = False):
+    """peft's PeftModel.from_pretrained; a truncated or corrupt adapter is a ConfigError naming it."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+    try:
+        return PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ConfigError(f"adapter {path} could not be loaded ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+                          "is it complete?") from None
+
+
 def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool, trainable: bool):
     """Put `adapter_path` on the base `model`, after replaying the merges it was trained on.
     -> (model, provenance of what is now the base). merge=True folds the adapter into the weights."""
-    from peft import PeftModel
     adapter = find_adapter(adapter_path)
     prov = check_adapter_base(adapter, mcfg)
     if (merge or prov["merged"]) and mcfg.quant == "4bit":
@@ -222,13 +235,13 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
         if done is None:
             raise ConfigError(f"adapter {adapter} was trained on a base with {step['adapter']} merged in, and that adapter is "
                               "missing or changed; restore it or export the merged model")
-        model = PeftModel.from_pretrained(model, str(done)).merge_and_unload()
+        model = _load_adapter(model, done).merge_and_unload()
         merged.append({"adapter": str(done.resolve()), "sha256": step["sha256"]})
     if merge:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        model = _load_adapter(model, adapter).merge_and_unload()
         merged.append({"adapter": str(adapter.resolve()), "sha256": _sha256(adapter / "adapter_model.safetensors")})
     else:
-        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=trainable)
+        model = _load_adapter(model, adapter, trainable)
     return model, {"base_model": mcfg.name, "revision": mcfg.revision, "merged": merged}
 
 
@@ -278,7 +291,12 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         from peft import LoraConfig as PeftLoraConfig, get_peft_model
         peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,
                                   target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
-        model = get_peft_model(model, peft_cfg)
+        try:
+            model = get_peft_model(model, peft_cfg)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model does not have
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"lora.target_modules={lcfg.target_modules}: {str(e).splitlines()[0][:200]}; "
+                              f"this model's linear layers: {', '.join(linear)} (or all-linear)") from None
     if lcfg.enabled:
         for p in model.parameters():  # fp16 has too little range for the trained weights: keep them fp32
             if p.requires_grad and p.dtype != torch.float32:

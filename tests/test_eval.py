@@ -210,6 +210,25 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
 
 
 
+def test_unloadable_model_entries_and_a_file_as_out_dir_are_one_line_errors(project, tiny_llama, capsys):
+    cfg, tmp = project
+    broken = tmp / "broken_export"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_llama / "config.json").read_text())  # config, no weights
+    assert ev.main(["--config", str(cfg), "--models", f"x={broken}"]) == 2
+    assert "has a config.json but no weights" in capsys.readouterr().err
+    corrupt = make_adapter(tiny_llama, tmp / "corrupt", str(tiny_llama))
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    assert ev.main(["--config", str(cfg), "--models", f"x={corrupt}", "--eval.limit=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: adapter ") and "could not be loaded" in err[-1]
+    assert not (tmp / "eval/results.json").exists()
+    (tmp / "afile").write_text("")
+    assert ev.main(["--config", str(cfg), "--models", "base", f"--eval.out_dir={tmp / 'afile'}"]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+
+
 def test_named_api_endpoints_each_send_their_own_model_and_settings(project, server, capsys):
     """eval.apis: models that need different request settings (GPT-5 takes no temperature) side by
     side with eval.api's plain api:MODEL entries."""

@@ -120,7 +120,12 @@ def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_
     shutil.copytree(trained["run"] / "checkpoints/step_000007/adapter", other)
     (other / PROVENANCE).write_text(json.dumps({"base_model": "someone/else", "revision": None, "merged": []}))
     out = tmp_path / "merged"
-    for adapter, says in ((other, "trained on base 'someone/else'"), (tmp_path / "nowhere", "no LoRA adapter")):
+    corrupt = tmp_path / "corrupt_adapter"
+    shutil.copytree(trained["run"] / "checkpoints/step_000007/adapter", corrupt)
+    weights = corrupt / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    for adapter, says in ((other, "trained on base 'someone/else'"), (tmp_path / "nowhere", "no LoRA adapter"),
+                          (corrupt, "could not be loaded")):
         code = export.main(["--config", str(trained["config"]), "--adapter", str(adapter), "--out", str(out)])
         err = capsys.readouterr().err
         assert code == 2 and says in error_line(err)

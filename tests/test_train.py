@@ -144,6 +144,9 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--rollout.max_prompt_tokens=5", "tokens > rollout.max_prompt_tokens=5"),
     ("--run.keep_checkpoints=0", "keep_checkpoints must be >= 1"),
     ("--model.chat_template=no/such/template.jinja", "no such file"),
+    ("--run.device=gpu", "run.device='gpu' is not a device"),
+    ("--run.threads=-3", "run.threads must be >= 0"),
+    ("--lora.target_modules=[q_projj]", "this model's linear layers: "),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, override, message):
     cfg, run = setup
