@@ -32,6 +32,7 @@ SSH tunnel.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import hmac
 import html
@@ -92,11 +93,17 @@ class Store:
                 self.offsets[name] = end
                 try:
                     take(rec)
-                except (ValueError, KeyError, TypeError, AttributeError):
+                except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
                     say(f"{path}: skipped an unreadable line (torn by a kill?)")
 
     def _take_item(self, rec: dict) -> None:
-        self.items[rec["id"]] = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
+        item = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
+        if not (isinstance(item["id"], str) and type(item["batch"]) is int and isinstance(item["prompt"], str)
+                and isinstance(item["completion"], str) and isinstance(item["criteria"], list)
+                and all(isinstance(c, str) for c in item["criteria"]) and isinstance(item["scale"], list)
+                and len(item["scale"]) == 2 and all(type(v) is int for v in item["scale"])):
+            raise ValueError("not a queue record")  # one bad line must not stop the page, the stats or training
+        self.items[rec["id"]] = item
 
     def _take_rating(self, rec: dict) -> None:
         scores = {str(c): int(v) for c, v in rec["scores"].items()}  # a bad record raises before anything is kept
@@ -373,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
         return 0
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
+        return 2
+    created = not Path(args.dir).exists()
     try:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -381,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.dir, args.host, args.port)
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port", file=sys.stderr)
+        if created:
+            Path(args.dir).rmdir()  # nothing is left behind by a start that failed
+        why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
         return 2
     print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")
     try:

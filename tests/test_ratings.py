@@ -244,4 +244,21 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     assert "is not a folder" in capsys.readouterr().err
     assert ratings.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2  # a file, not a folder
     assert "cannot use" in capsys.readouterr().err
+    for argv, says in ((["--port", "99999"], "is not a port"), (["--host", "no.such.host.invalid"], "check --host")):
+        assert ratings.main(["serve", "--dir", str(tmp_path / "new"), *argv]) == 2
+        assert says in capsys.readouterr().err and not (tmp_path / "new").exists()  # nothing left behind
+    ratings._STORES.clear()
+
+
+def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
+    ratings._STORES.clear()
+    queue(tmp_path, "a", 1, "p", "c", ["overall"])
+    jsonl.append(tmp_path / "queue.jsonl", [{"id": "b", "batch": "x", "prompt": "p", "completion": "d",
+                                             "criteria": ["overall"], "scale": [1, 5]}])
+    (tmp_path / "ratings.jsonl").write_text('{"id": "a", "scores": {"overall": 1e400}}\n'
+                                            + json.dumps({"id": "a", "scores": {"overall": 4}}) + "\n")
+    assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) == {"queued": 1, "rated": 1, "pending": 0, "mean_scores": {"overall": 4.0}}
+    assert out.err.count("skipped an unreadable line") == 2
     ratings._STORES.clear()
