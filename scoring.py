@@ -262,8 +262,8 @@ def reward_context(assistant_prefix: str, judges: dict) -> dict:
 def join_results(parts: list[RewardResult]) -> RewardResult:
     """Results of consecutive slices of one batch as one: values in order, errors summed.
 
-    >>> join_results([RewardResult([1.0], {"a": [1.0]}, {"a": 0}), RewardResult([0.0], {"a": [None]}, {"a": 1})])
-    RewardResult(total=[1.0, 0.0], per_reward={'a': [1.0, None]}, errors={'a': 1})
+    >>> join_results([RewardResult([1.0], {"a": [1.0]}, {"a": 2}), RewardResult([0.0], {"a": [None]}, {"a": 3})])
+    RewardResult(total=[1.0, 0.0], per_reward={'a': [1.0, None]}, errors={'a': 5})
     """
     out = RewardResult(total=[], per_reward={}, errors={})
     for p in parts:

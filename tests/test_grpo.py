@@ -117,6 +117,10 @@ def test_clip_fractions_count_tokens_where_the_clip_is_active():
     # row 0: rho .5 < .8 with A < 0 -> low; row 1: rho 1.5 > 1.28 with A > 0 -> high;
     # rows 2, 3: the same ratios with the other sign of A are not clipped (min picks the unclipped term)
     assert (s["clip_low_sum"], s["clip_high_sum"], s["tokens"]) == (1.0, 1.0, 8.0)
+    for row, low, high in ((0, 1.0, 0.0), (1, 0.0, 1.0), (2, 0.0, 0.0), (3, 0.0, 0.0)):  # each row on its own
+        _, s = grpo.grpo_loss(logp[row:row + 1], old[row:row + 1], None, adv[row:row + 1], mask[row:row + 1],
+                              LossNorm("dapo", 1, 2, 2, 1), epsilon=0.2, epsilon_high=0.28)
+        assert (s["clip_low_sum"], s["clip_high_sum"]) == (low, high), row
 
 
 def test_kl_is_zero_when_policy_equals_reference_and_positive_otherwise():
@@ -197,6 +201,7 @@ def test_zero_std_groups_use_a_tolerance_for_noisy_judge_scores():
     r = torch.tensor([0.7, 0.7 + 1e-9, 0.7, 0.7, 0.1, 0.9, 0.5, 0.5], dtype=torch.float64)
     assert grpo.zero_std_groups(r, 4, tol=1e-6).tolist() == [True, False]
     assert grpo.zero_std_groups(r, 4, tol=0.0).tolist() == [False, False]
+    assert grpo.zero_std_groups(torch.ones(4), 4, tol=0.0).tolist() == [True]  # exactly equal is equal at tol 0
 
 
 def test_completion_mask_keeps_the_real_eos_when_pad_equals_eos():

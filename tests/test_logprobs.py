@@ -131,3 +131,14 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
     assert torch.autograd.gradcheck(lambda h, w: logprobs._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+
+
+def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):
+    """Gemma-style final_logit_softcapping (or a logit scale) changes the logits after hidden @ W^T:
+    the fused head would compute the wrong log-probs, so it must decline."""
+    model, _ = load(tiny_llama)
+    assert logprobs.plain_output_head(model) is not None
+    for key, value in (("final_logit_softcapping", 30.0), ("logit_scale", 0.5)):
+        setattr(model.config, key, value)
+        assert logprobs.plain_output_head(model) is None, key
+        setattr(model.config, key, None)

@@ -1,5 +1,7 @@
 """Rollouts (rollout.py) and the policy they sample from, on tiny random models: groups, masks, EOS, stops,
 chat templates, merged and static-cache sampling."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -229,3 +231,27 @@ def test_compiled_generate_on_cuda_decodes_like_eager(tiny_llama):
     eager = rollout.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0)
     compiled = rollout.generate_rollout(model, tok, prompts, 1, 8, temperature=0.0, static_cache=True)
     assert compiled.texts == eager.texts
+
+
+def test_a_stop_string_completed_by_the_last_token_keeps_every_token(tiny_llama):
+    _, tok = load(tiny_llama)
+    ids = tok(" the answer is 5.", return_tensors="pt", add_special_tokens=False).input_ids
+    mask, truncated = grpo.completion_mask(ids, [tok.eos_token_id])
+    rollout._cut_at_stop_strings(tok, ids, mask, truncated, ["5."])
+    assert mask.tolist() == [[1] * ids.shape[1]] and not truncated[0]
+
+
+def test_eos_ids_are_the_tokenizers_and_the_generation_configs():
+    tok, model = SimpleNamespace(eos_token_id=2), SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[5, 7]))
+    assert rollout.eos_token_ids(tok, model) == [2, 5, 7]
+    model.generation_config.eos_token_id = 9
+    assert rollout.eos_token_ids(tok, model) == [2, 9]
+
+
+def test_joined_rollouts_pad_completions_outside_the_mask():
+    def ro(C):
+        return rollout.Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.full((1, C), 7),
+                               torch.ones(1, C), torch.zeros(1, dtype=torch.bool), ["x"])
+    both = rollout.concat_rollouts([ro(4), ro(2)], pad_id=0)
+    assert both.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert both.completion_ids.tolist() == [[7, 7, 7, 7], [7, 7, 0, 0]]

@@ -118,6 +118,10 @@ def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newe
         assert not (run / "checkpoints" / old / "trainer_state.pt").exists()
         assert find_adapter(str(run / "checkpoints" / old)) == run / "checkpoints" / old / "adapter"
     assert [p.name for p in train.checkpoints(run)] == ["step_000003"]
+    import shutil
+    shutil.copytree(run / "checkpoints/step_000003", run / "checkpoints/step_000009.tmp")  # a write cut by a kill
+    assert [p.name for p in train.checkpoints(run)] == ["step_000003"]
+    shutil.rmtree(run / "checkpoints/step_000009.tmp")
     assert train.main(args[:2] + ["--run.steps=4", "--run.save_every=1", "--run.keep_checkpoints=1",
                                   "--run.keep_adapters=false", "--resume"]) == 0
     assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -1,0 +1,155 @@
+"""step.py's bookkeeping, each pinned by a test that a plausible bug would fail (written after a
+mutation audit of the step found these unguarded): what the step logs, what it keeps from one
+iteration to the next, what the reference is, which temperature the loss uses, and the small
+helpers (micro-batches, clipping, importance weights, dynamic sampling, rows behind completions)."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import grpo
+import logprobs
+import rewards
+import rollout
+import step
+import train
+from conftest import write_run_config
+
+
+def make_run(tmp_path, tiny_llama, *overrides, **sections):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")}, **sections)
+    args, extra = train.parse_args(["--config", str(cfg), *overrides])
+    return train.setup(args, extra)
+
+
+def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iteration(tmp_path, tiny_llama, monkeypatch):
+    """loss = (sum of every micro-batch's loss share) / num_iterations, grad_norm = mean of the
+    iterations' norms; each iteration starts from zeroed gradients (so with lr 0 both iterations see
+    the same gradient)."""
+    losses, norms, real_loss, real_step = [], [], grpo.grpo_loss, step.optimizer_step
+
+    def loss(*a, **k):
+        out = real_loss(*a, **k)
+        losses.append(float(out[0].detach()))
+        return out
+
+    def opt(r):
+        out = real_step(r)
+        norms.append(out[0])
+        return out
+    monkeypatch.setattr(grpo, "grpo_loss", loss)
+    monkeypatch.setattr(step, "optimizer_step", opt)
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.micro_batch_size=3",
+                 "--rollout.max_new_tokens=12", "--optim.lr=0.0", "--optim.max_grad_norm=0")
+    m, _ = step.train_step(r)
+    assert len(losses) == 2 * 3 and len(norms) == 2  # 8 completions in micro-batches of 3, twice
+    assert m["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6, abs=1e-12)
+    assert m["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-6) and norms[0] > 0
+    assert norms[1] == pytest.approx(norms[0], rel=1e-4)  # not the sum of two iterations' gradients
+
+
+def test_a_second_iteration_is_off_policy_and_the_reference_is_the_policy_without_its_update(tmp_path, tiny_llama):
+    """num_iterations > 1 compares with the sampling policy's log-probs (ratio != 1 after an
+    update); beta > 0 compares with the reference (KL > 0 once the policy moved), for LoRA (the
+    adapter switched off) and for full fine-tuning (a frozen copy)."""
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5")
+    m, _ = step.train_step(r)
+    assert abs(m["ratio_mean"] - 1) > 1e-4  # exactly 1 if the second iteration compared with itself
+    for lora in ("true", "false"):
+        r = make_run(tmp_path / lora, tiny_llama, "--grpo.beta=0.1", "--optim.lr=0.05", f"--lora.enabled={lora}")
+        first, _ = step.train_step(r)
+        second, _ = step.train_step(r)
+        assert first["kl"] == pytest.approx(0, abs=1e-9) and second["kl"] > 1e-7, lora
+
+
+def test_the_loss_scores_tokens_at_the_sampling_temperature(tmp_path, tiny_llama, monkeypatch):
+    seen, real = [], logprobs.sequence_log_probs
+
+    def recording(model, ids, attn, C, temperature, *a, **k):
+        seen.append(temperature)
+        return real(model, ids, attn, C, temperature, *a, **k)
+    monkeypatch.setattr(logprobs, "sequence_log_probs", recording)
+    r = make_run(tmp_path, tiny_llama, "--rollout.temperature=0.7")
+    step.train_step(r)
+    assert seen and set(seen) == {0.7}
+
+
+def test_each_completion_is_scored_against_its_own_row(tmp_path, tiny_llama, monkeypatch):
+    """Rows i*G .. i*G+G-1 are prompt i's: a reward reading the row's answer gives each group its row's value."""
+    monkeypatch.setitem(rewards.REGISTRY, "test_row_answer", (lambda completion, sample: float(sample["answer"]), False))
+    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_row_answer}]", "--rollout.prompts_per_step=3")
+    idx = [5, 0, 7]
+    s = step.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
+    G = r.cfg.rollout.num_generations
+    assert s.samples == [r.rows[i] for i in idx for _ in range(G)]
+    assert s.total.tolist() == [float(r.rows[i]["answer"]) for i in idx for _ in range(G)]
+
+
+def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_llama, monkeypatch):
+    G = 4
+    flat = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2), torch.ones(G, 3, dtype=torch.long),
+                           torch.ones(G, 3), torch.zeros(G, dtype=torch.bool), ["flat"] * G)
+    varied = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2), torch.ones(G, 3, dtype=torch.long),
+                             torch.ones(G, 3), torch.zeros(G, dtype=torch.bool), ["varied"] * G)
+    draws = iter([(flat, [1.0] * G), (varied, [0.0, 1.0, 0.0, 1.0])])
+
+    def fake_score(cfg, model, tok, rows, idx, judges, engine=None):
+        ro, total = next(draws)
+        return step.Scored(ro, [{}] * G, torch.tensor(total), {}, {})
+    monkeypatch.setattr(step, "score", fake_score)
+    r = make_run(tmp_path, tiny_llama, "--rollout.prompts_per_step=1", "--rollout.resample_zero_std=true",
+                 "--rollout.max_prompts_per_step=2")
+    kept, drawn, n = step.collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)
+    assert kept.rollout.texts == ["varied"] * G and n == 2 and len(drawn.rollout.texts) == 2 * G
+
+
+def test_micro_batches_hold_at_most_size_rows_with_or_without_a_token_budget():
+    n = 6
+    batch = rollout.Rollout(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2), torch.ones(n, 3, dtype=torch.long),
+                            torch.ones(n, 3), torch.zeros(n, dtype=torch.bool), [""] * n)
+    for budget in (0, 10_000):
+        assert step.micro_batches(batch, 2, budget) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert step.micro_batches(batch, 6, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]  # 2 rows x 5 tokens
+
+
+def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    run = SimpleNamespace(scaler=None, optimizer=opt, scheduler=sched, params=[w],
+                          cfg=SimpleNamespace(optim=SimpleNamespace(max_grad_norm=1.0)))
+    w.grad = torch.tensor([3.0, 4.0, 0.0])
+    norm, lr = step.optimizer_step(run)
+    assert norm == pytest.approx(5.0) and lr == 1.0
+    assert w.detach().tolist() == pytest.approx([-0.6, -0.8, 0.0])  # one step along the clipped gradient
+
+
+def test_importance_weights_are_capped_and_counted():
+    sums = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)
+    old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
+    w = step.sampler_weight(old, sampler, mask, 2.0, sums)
+    assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 and sums["tokens"] == 2
+    assert step.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
+
+
+def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_llama, monkeypatch):
+    """bnpo divides by the micro-batches that train; dapo by the tokens that train (not skipped ones)."""
+    monkeypatch.setitem(rewards.REGISTRY, "test_first_two_fail", (
+        lambda completions, samples: [math.nan if i < 2 else float(i % 3) for i in range(len(completions))], True))
+    seen, real = [], grpo.grpo_loss
+
+    def recording(logp, old, ref, adv, mask, norm, *a, **k):
+        seen.append((mask.clone(), norm))
+        return real(logp, old, ref, adv, mask, norm, *a, **k)
+    monkeypatch.setattr(grpo, "grpo_loss", recording)
+    for loss_type in ("bnpo", "dapo"):
+        r = make_run(tmp_path / loss_type, tiny_llama, "--rewards=[{name: test_first_two_fail, fallback: skip}]",
+                     "--optim.micro_batch_size=2", f"--grpo.loss_type={loss_type}")
+        step.train_step(r)
+        norm = seen[0][1]
+        assert norm.num_micro_batches == 3 and norm.num_sequences == 6  # 4 micro-batches, the first all skipped
+        assert norm.num_tokens == sum(int(m.sum()) for m, _ in seen) and int(seen[0][0].sum()) == 0
+        seen.clear()
+
