@@ -360,7 +360,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = _read_yaml(Path(path)) if path is not None else {}
     for o in overrides:
         if not o.startswith("--") or "=" not in o:
-            raise ConfigError(f"override '{o}' must look like --section.key=value")
+            raise ConfigError(f"'{o}' is neither an option of this command (see --help) nor an override "
+                              "--section.key=value")
         dotted, text = o[2:].split("=", 1)
         try:
             value = yaml.safe_load(text)

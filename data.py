@@ -114,7 +114,7 @@ def load_raw(cfg: DataConfig):
     if path.is_file():
         rows = _read_file(path)
     elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES:
-        raise DataError(f"data.name={cfg.name}: no such file; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
+        raise DataError(f"data.name={cfg.name}: no such file{f' ({path})' if cfg.root else ''}; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
     else:
         import datasets
         try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA has 183k)
@@ -162,6 +162,8 @@ def split(rows, seed: int | None, select: list[int] | None) -> list:
     """
     order = np.random.default_rng(seed).permutation(len(rows)).tolist() if seed is not None else range(len(rows))
     if select is not None:
+        if not len(rows):
+            raise DataError("the data holds no rows")
         if select[1] > len(rows):
             raise DataError(f"select {select} reaches past the {len(rows)} rows of the dataset")
         order = order[select[0]:select[1]]

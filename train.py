@@ -77,7 +77,8 @@ SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward
 
 def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
     """One plain line per step; with `keys`, only those metrics (the progress bar's short form)."""
-    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in SHOWN if k in m and (not keys or k in keys)]
+    shown = [(k, fmt) for k, fmt in SHOWN if k in m and (not keys or k in keys) and (k != "reward_std" or "reward" in m)]
+    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in shown]
     return " | ".join(parts).replace(" | ±", " ±")
 
 

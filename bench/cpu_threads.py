@@ -13,6 +13,7 @@ The cases alternate once through in one process, so they share the machine's sta
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ def run_case(tmp: Path, name: str, n: int, env: dict, extra: list[str]) -> list[
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, and nothing else
     with tempfile.TemporaryDirectory() as tmp:
         medians = {}
         for name, n, env, extra in CASES:

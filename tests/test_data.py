@@ -167,6 +167,15 @@ def test_relative_data_files_are_read_from_data_root(tmp_path):
         check_not_data_file(cfg, str(tmp_path / "cache/paid.jsonl"), "judge.cache_path")
 
 
+def test_an_empty_or_missing_file_says_so_and_where_it_was_looked_for(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    for select in (None, [0, 8]):
+        with pytest.raises(DataError, match="holds no rows"):
+            load_rows(DataConfig(name=str(tmp_path / "empty.jsonl"), prompt="q", answer_key=None, select=select))
+    with pytest.raises(DataError, match=f"no such file \\({tmp_path / 'cache' / 'gone.jsonl'}\\)"):
+        load_rows(DataConfig(name="gone.jsonl", root=str(tmp_path / "cache"), prompt="q"))
+
+
 def test_each_source_may_bring_its_own_range_and_column_adapter(tmp_path):
     (tmp_path / "adapt.py").write_text("def qa(row):\n    return {'q': row['question'], 'answer': row['gold']}\n")
     other = write_jsonl(tmp_path / "other.jsonl", [{"question": f"c{i}", "gold": "3"} for i in range(10)])
