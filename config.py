@@ -22,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 import jsonl
-from judge import JudgeConfig
+from client import JudgeConfig
 from rewards import RewardSpec
 
 

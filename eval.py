@@ -76,7 +76,8 @@ import jsonl
 import rollout
 from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
 from data import Source, check_not_data_file, load_sources
-from judge import Judge, JudgeConfig, JudgeUnusable, judges_stats
+from client import Judge, JudgeConfig, JudgeUnusable
+from judge import judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from scoring import (RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
                      reward_means)

@@ -35,7 +35,8 @@ from pathlib import Path
 import jsonl
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
-from judge import Judge, JudgeUnusable, grade_answers
+from client import Judge, JudgeUnusable
+from judge import grade_answers
 from rollout import chat_messages
 from scoring import check_rows, check_specs, compute_rewards
 

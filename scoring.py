@@ -29,7 +29,8 @@ from typing import Any, Callable, Collection
 
 from config import Config, ConfigError, judge_names, judge_sections
 from data import check_not_data_file
-from judge import Judge, JudgeUnusable, open_judges
+from client import Judge, JudgeUnusable
+from judge import open_judges
 from rewards import RewardSpec, _did_you_mean, _one_line, _params, resolve
 
 log = logging.getLogger("minigrpo.scoring")

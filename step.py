@@ -30,7 +30,8 @@ import rollout
 import vllm_engine
 from config import Config
 from data import PromptSampler
-from judge import Judge, judges_stats
+from client import Judge
+from judge import judges_stats
 from model import merged_for_sampling, mixed_precision, reference_mode
 from scoring import RewardResult, compute_rewards, in_background, join_results, reward_context, reward_means
 

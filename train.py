@@ -37,7 +37,7 @@ from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
                    trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from judge import Judge, JudgeUnusable
+from client import Judge, JudgeUnusable
 from scoring import check_rows, open_scoring
 from step import train_step
 

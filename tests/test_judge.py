@@ -1,4 +1,4 @@
-"""Tests for judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
+"""Tests for client.py and judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
 
 import asyncio
 import math
@@ -10,8 +10,8 @@ import time
 import pytest
 
 from fake_openai_server import FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
-from judge import (Judge, JudgeConfig, JudgeScore, JudgeUnusable, POINTWISE_CRITERIA, judge_reward, load_template, parse_score,
-                   render, rubric_alignment)
+from client import Judge, JudgeConfig, JudgeUnusable, cache_key
+from judge import JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score, render, rubric_alignment
 from rewards import RewardSpec
 from scoring import _LOGGED, compute_rewards
 
@@ -82,7 +82,6 @@ def test_final_failure_yields_none_and_counts_without_raising(server):
 def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
     """400 is one request's problem (a content filter): a failure. 401/403/404 are the key, the model
     or the URL, which no later call fixes either: JudgeUnusable, so that a run stops."""
-    from judge import JudgeUnusable
     judge = make_judge(server)
     server.default = server_error(status)
     if status == 400:
@@ -96,7 +95,6 @@ def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
 
 
 def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(server, monkeypatch, caplog):
-    from judge import JudgeUnusable
     from config import redacted
     monkeypatch.setenv("MINIGRPO_TEST_HEADER_TOKEN", "hdr-SECRET-456789")
     judge = make_judge(server, extra_headers={"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "X-Team": "ml"})
@@ -189,7 +187,6 @@ def test_identical_prompts_in_flight_share_one_request(server):
 
 
 def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_own_index(server, tmp_path):
-    from judge import cache_key
     count = iter(range(100))
     server.reply = lambda body: f"answer {next(count)}"
     path = tmp_path / "answers.jsonl"
@@ -295,18 +292,18 @@ def test_malformed_reply_is_a_failure_and_is_not_cached(server, tmp_path):
     path = tmp_path / "c.jsonl"
     judge = make_judge(server, cache_path=str(path))
     server.script(malformed())
-    assert judge.score_many([chat("q")]) == [None]
+    assert judge.score_many([chat("q")], parse_score) == [None]
     assert len(server.requests) == 1  # not retried: same prompt at temperature 0
     assert judge.pop_step_stats()["judge_failures"] == 1
     assert not path.exists()  # nothing cached, and a Judge creates its cache file only at the first good reply
-    assert judge.score_many([chat("q")]) == [JudgeScore(7.0, {})]  # asked again, not served from cache
+    assert judge.score_many([chat("q")], parse_score) == [JudgeScore(7.0, {})]  # asked again, not served from cache
     assert len(server.requests) == 2
 
 
 def test_out_of_range_score_is_rejected(server):
     judge = make_judge(server)
     server.script(out_of_range(42))
-    assert judge.score_many([chat("q"), chat("r")]) in ([None, JudgeScore(7.0, {})], [JudgeScore(7.0, {}), None])
+    assert judge.score_many([chat("q"), chat("r")], parse_score) in ([None, JudgeScore(7.0, {})], [JudgeScore(7.0, {}), None])
     assert judge.pop_step_stats()["judge_failures"] == 1
 
 
@@ -473,7 +470,7 @@ def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, cap
         judge.complete_many([chat("a")])
     print(err.value)
     judge.fatal = None  # (a caller would have stopped; carry on to fill the cache)
-    judge.score_many([chat("b")])
+    judge.score_many([chat("b")], parse_score)
 
     assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"
     assert any("HTTP 401" in r.getMessage() for r in caplog.records)  # the error was logged, redacted

@@ -1,0 +1,396 @@
+"""The chat client behind every API call minigrpo makes (judges, API models in eval.py, the answer
+policy of precompute.py): any OpenAI-compatible endpoint, cached, rate-limited, retried, costed.
+
+    from client import Judge, JudgeConfig
+    client = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))
+    replies = client.complete_many([[{"role": "user", "content": "Hi"}]])  # list[str | None]; None = failed
+    client.pop_step_stats()  # {"judge_requests": 1.0, "judge_cost_usd": 0.0, ..., "judge_cost_usd_total": ...}
+
+Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at most
+`max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request timeout,
+and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts and connection errors, honouring
+Retry-After. Faults never raise: the call yields None, `judge_failures` counts it, the caller applies
+its fallback. A 401, 403 or 404 (the key, the model, the URL) raises JudgeUnusable once the batch is
+done: no retry or later call fixes those. judge.py builds the judge rewards on it.
+
+Choices worth knowing:
+- The openai client's own retries are off (max_retries=0): the retry policy lives here and is tested.
+- A reply that `score_many`'s parser rejects is a failure; it is not retried (at temperature 0 the same
+  prompt mostly gets the same reply, so re-asking pays twice for nothing) and never cached.
+- The disk cache keeps only key -> byte offset in RAM, so a long run does not grow RAM with reply text
+  (GRubrics had to switch its in-memory cache off during RL for that reason); `memory_cache` is the
+  separate bounded LRU of recent replies.
+- Identical prompts in flight at once share one request (GRPO groups often repeat a completion); the
+  n samples of one prompt (complete_many n=) are n requests, each cached under its own index.
+- The API key is read from the env var named by `api_key_env` only when a client is built; it is not
+  stored in the config and is masked, with every header value, in every log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import jsonl
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI
+    model: str = ""  # model name sent with each request (the deployment name on Azure)
+    api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
+    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com; when set, Azure is used, base_url ignored
+    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
+    #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
+    max_concurrent: int = 8  # most requests in flight at once
+    requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
+    timeout_s: float = 60.0  # hard limit on one request
+    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error only)
+    backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
+    backoff_max_s: float = 30.0  # cap on one wait, Retry-After included
+    temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
+    #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
+    max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
+    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field max_tokens goes in:
+    #   OpenAI's reasoning models (o-series, GPT-5) take only max_completion_tokens (which counts reasoning tokens too)
+    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {reasoning_effort: low} (part of the cache key)
+    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
+    score_max: float = 10.0  # highest valid score
+    cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
+    memory_cache: bool = True  # keep recent replies in RAM
+    memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
+    price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
+    price_completion_per_m: float = 0.0  # USD per million completion tokens
+
+
+
+
+STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
+              "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
+
+
+def cache_key(model: str, messages: list[dict], temperature: float | None, max_tokens: int,
+              extra_body: dict | None = None, sample: int = 0) -> str:
+    """sha256 of the canonical JSON of everything that decides the reply (extra_body only when set,
+    so caches written before it existed keep answering). sample > 0: the sample-th extra reply to the
+    same request (K sampled answers to one prompt are K cached replies, not one reply K times)."""
+    what = {"model": model, "messages": messages, "max_tokens": int(max_tokens),
+            "temperature": None if temperature is None else float(temperature)}
+    if extra_body:
+        what["extra_body"] = extra_body
+    if sample:
+        what["sample"] = int(sample)
+    blob = json.dumps(what, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _retry_after(headers) -> float | None:
+    try:
+        value = float(headers.get("retry-after"))
+    except (TypeError, ValueError):  # absent, or an HTTP date: use our own backoff
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class JudgeUnusable(RuntimeError):
+    """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
+    URL): raised from complete_many / score_many so that a run stops instead of training on nothing."""
+
+
+def _expand(value: str, key: str) -> str:
+    """A header value with each ${NAME} replaced by that environment variable (ValueError when unset).
+
+    >>> import os; os.environ["MINIGRPO_DOC_TOKEN"] = "t0k"
+    >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization")
+    'Bearer t0k'
+    """
+    if value == "***":
+        raise ValueError(f"judge: {key} is '***', a value masked when a run saved its config; put the secret in an "
+                         "environment variable and write the header as ${NAME}")
+    missing = [m.group(1) for m in _ENV_REF.finditer(value) if m.group(1) not in os.environ]
+    if missing:
+        raise ValueError(f"judge: {key} reads ${{{missing[0]}}}, which is not set in the environment")
+    return _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+
+
+def _run_sync(coro):
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    # Called from inside a running loop (a notebook): asyncio.run refuses there, so use a private thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class Judge:
+    """Cached, rate-limited, retrying chat client; see the module docstring."""
+
+    def __init__(self, cfg: JudgeConfig, label: str = "judge"):
+        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api)."""
+        if cfg.azure_endpoint and not cfg.api_version:
+            raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
+        if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
+            raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
+        if not _ENV_NAME.fullmatch(cfg.api_key_env or ""):
+            raise ValueError("judge: api_key_env is the NAME of the environment variable that holds the key "
+                             "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
+        self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
+        self.cfg, self.label = cfg, label
+        self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404): the caller stops
+        self._step = dict.fromkeys(STAT_NAMES, 0.0)
+        self._total = dict.fromkeys(STAT_NAMES, 0.0)
+        self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
+        self._mem: OrderedDict[str, str] = OrderedDict()
+        self._next_slot = 0.0  # monotonic time the next request may start (requests_per_minute)
+        # Client, semaphore and in-flight table belong to one event loop; rebuilt when the loop changes.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client = None
+        self._sem: asyncio.Semaphore | None = None
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
+        if cfg.cache_path:
+            self._load_disk_cache()
+
+    def __repr__(self) -> str:
+        return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "
+                f"max_concurrent={self.cfg.max_concurrent}, cache_path={self.cfg.cache_path!r})")
+
+    @property
+    def _endpoint(self) -> str:
+        return self.cfg.azure_endpoint or self.cfg.base_url
+
+    # --- stats -------------------------------------------------------------------------------------
+    def add_stat(self, name: str, value: float = 1.0) -> None:
+        self._step[name] += value
+        self._total[name] += value
+
+    def pop_step_stats(self, prefix: str = "judge_") -> dict[str, float]:
+        """Counters since the last pop (judge_<name>) plus run totals (judge_<name>_total)."""
+        out = {f"{prefix}{k}": v for k, v in self._step.items()}
+        out.update({f"{prefix}{k}_total": v for k, v in self._total.items()})
+        self._step = dict.fromkeys(STAT_NAMES, 0.0)
+        self._logged.clear()
+        return out
+
+    def _warn_once(self, kind: str, msg: str) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning(self.masked(msg))
+
+    def masked(self, text: str) -> str:
+        """text with the key and every header value (and each long word of one) replaced by ***:
+        servers echo a rejected key in their 401 messages."""
+        secrets = [os.environ.get(self.cfg.api_key_env) or ""]
+        for v in self.headers.values():
+            secrets += [v, *(w for w in v.split() if len(w) >= 8)]
+        for secret in sorted(filter(None, secrets), key=len, reverse=True):
+            text = text.replace(secret, "***")
+        return text
+
+    # --- cache -------------------------------------------------------------------------------------
+    def _load_disk_cache(self) -> None:
+        bad, end = 0, 0
+        for offset, end, rec in jsonl.read(self.cfg.cache_path):
+            if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
+                self._disk_index[rec["key"]] = offset
+            else:  # corrupt, or torn by a kill (the next append ends a torn last line)
+                bad += 1
+        if os.path.exists(self.cfg.cache_path) and os.path.getsize(self.cfg.cache_path) > end:
+            bad += 1  # a last line torn by a kill
+        if bad:
+            log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", self.cfg.cache_path, bad)
+
+    def _cache_get(self, key: str) -> str | None:
+        if key in self._mem:
+            self._mem.move_to_end(key)
+            return self._mem[key]
+        offset = self._disk_index.get(key)
+        if offset is None:
+            return None
+        with open(self.cfg.cache_path, "rb") as f:
+            f.seek(offset)
+            try:
+                rec = json.loads(f.readline())
+            except ValueError:
+                rec = {}
+        if rec.get("key") != key:  # another process appended meanwhile and the offset is stale
+            return None
+        self._mem_put(key, rec["reply"])
+        return rec["reply"]
+
+    def _mem_put(self, key: str, reply: str) -> None:
+        if self.cfg.memory_cache and self.cfg.memory_cache_size > 0:
+            self._mem[key] = reply
+            self._mem.move_to_end(key)
+            while len(self._mem) > self.cfg.memory_cache_size:
+                self._mem.popitem(last=False)
+
+    def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
+        self._mem_put(key, reply)
+        if self.cfg.cache_path and key not in self._disk_index:  # fsynced: each line was paid for
+            self._disk_index[key] = jsonl.append(self.cfg.cache_path, [{"key": key, "reply": reply, "usage": usage}])
+
+    # --- requests ----------------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        import openai  # imported on first use: runs without a judge do not need the package
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        cfg = self.cfg
+        common = dict(api_key=os.environ.get(cfg.api_key_env) or "EMPTY", timeout=cfg.timeout_s,
+                      max_retries=0, default_headers=self.headers or None)
+        if cfg.azure_endpoint:
+            self._client = openai.AsyncAzureOpenAI(azure_endpoint=cfg.azure_endpoint,
+                                                   api_version=cfg.api_version, **common)
+        else:
+            self._client = openai.AsyncOpenAI(base_url=cfg.base_url, **common)
+        self._loop, self._sem, self._inflight = loop, asyncio.Semaphore(cfg.max_concurrent), {}
+
+    async def aclose(self) -> None:
+        """Close the HTTP client of the current loop (call it if you use acomplete in your own loop)."""
+        if self._client is not None:
+            await self._client.close()
+        self._client = self._loop = None
+
+    async def acomplete(self, messages: list[dict]) -> str | None:
+        """One chat completion (cached, rate-limited, retried); None after a fault, never raises for one."""
+        return await self._acomplete(messages, None)
+
+    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None, sample: int = 0) -> str | None:
+        self._bind_loop()
+        self.add_stat("calls")
+        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
+        reply = self._cache_get(key)
+        if reply is not None:
+            self.add_stat("cache_hits")
+            return reply
+        shared = key in self._inflight
+        if not shared:
+            self._inflight[key] = asyncio.ensure_future(self._request(key, messages, accept))
+        try:
+            reply = await asyncio.shield(self._inflight[key])
+        finally:
+            if not shared:
+                self._inflight.pop(key, None)
+        if reply is None:
+            self.add_stat("failures")
+        elif shared:
+            self.add_stat("cache_hits")
+        return reply
+
+    async def _request(self, key: str, messages: list[dict], accept) -> str | None:
+        import openai
+        cfg = self.cfg
+        options = {cfg.token_param: cfg.max_tokens}
+        if cfg.temperature is not None:
+            options["temperature"] = cfg.temperature
+        if cfg.extra_body:
+            options["extra_body"] = cfg.extra_body
+        for attempt in range(cfg.max_retries + 1):
+            if attempt:
+                self.add_stat("retries")
+            await self._rate_slot()
+            try:
+                async with self._sem:
+                    self.add_stat("requests")
+                    resp = await asyncio.wait_for(self._client.chat.completions.create(
+                        model=cfg.model, messages=messages, **options), cfg.timeout_s)
+            except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
+                why, wait = type(e).__name__, None
+            except openai.APIStatusError as e:
+                if not (e.status_code in (408, 429) or e.status_code >= 500):
+                    msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {str(e.message)[:300]}"
+                    if e.status_code in (401, 403, 404) and self.fatal is None:  # a key, model or URL to fix
+                        self.fatal = self.masked(" ".join(msg.split()) + f" (check {self.label}'s base_url, model and "
+                                                 f"the key in ${cfg.api_key_env})")
+                    self._warn_once(f"http{e.status_code}", msg)
+                    return None
+                why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
+            except openai.APIError as e:  # a 200 whose body is not a chat completion
+                self._warn_once("badbody", f"{self.label}: unusable response from {self._endpoint}: {type(e).__name__}")
+                return None
+            else:
+                return self._take_response(key, resp, accept)
+            if attempt < cfg.max_retries:
+                if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
+                    wait = cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
+                await asyncio.sleep(min(wait, cfg.backoff_max_s))
+        self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
+        return None
+
+    async def _rate_slot(self) -> None:
+        rpm = self.cfg.requests_per_minute
+        if not rpm:
+            return
+        now = time.monotonic()
+        start = max(now, self._next_slot)  # no await before this update, so no lock is needed
+        self._next_slot = start + 60.0 / rpm
+        if start > now:
+            await asyncio.sleep(start - now)
+
+    def _take_response(self, key: str, resp, accept) -> str | None:
+        usage = getattr(resp, "usage", None)
+        p, c = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+        self.add_stat("prompt_tokens", p)
+        self.add_stat("completion_tokens", c)
+        self.add_stat("cost_usd", (p * self.cfg.price_prompt_per_m + c * self.cfg.price_completion_per_m) / 1e6)
+        try:
+            reply = resp.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            reply = None
+        if not isinstance(reply, str):
+            self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} had no text content")
+            return None
+        if accept is None or accept(reply):  # malformed replies are returned (to be counted) but never cached
+            self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
+        return reply
+
+    async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
+        samples = samples or [0] * len(message_lists)
+        try:
+            replies = await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
+        finally:
+            await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
+        if self.fatal:
+            raise JudgeUnusable(self.fatal)
+        return replies
+
+    def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:
+        """All completions concurrently in one event loop; same order as the input. n > 1: n sampled
+        replies to each request (request-major), each cached under its own sample index, so a rerun
+        gets the same n back and pays for none of them (sampling needs temperature > 0 or null)."""
+        return _run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
+                                      [i for _ in message_lists for i in range(n)]))
+
+    def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
+        """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);
+        a reply it rejects -> None, counted as a failure and never cached."""
+        lo, hi = self.cfg.score_min, self.cfg.score_max
+        replies = _run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
+        scores = [None if r is None else parse(r, lo, hi) for r in replies]
+        criteria = getattr(parse, "keywords", {}).get("criteria")  # judge_reward's partial(parse_score, criteria=...)
+        want = f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else "")
+        for r, s in zip(replies, scores):
+            if r is not None and s is None:
+                self.add_stat("failures")
+                self._warn_once("unparsable", f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
+        return scores
