@@ -27,29 +27,7 @@ forced prefix (rewards then see assistant_prefix=""), eval.num_samples completio
 the endpoint's own temperature and max_tokens (each sample cached under its own index); their length
 is counted in the base model's tokens. A prompt with a failed request is left out whole.
 
-Metrics, over the N completions (prompt-major, n = num_samples per prompt). ok_r(i): reward r of
-completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy, else answer_match:
-  accuracy           = #correct / #completions with a gold answer (r not None)
-  valid_json_rate    = #ok_json_valid / N
-  schema_pass_rate   = #ok_json_schema / N                       (n_schema_pass = the count)
-  accuracy_on_schema = #(correct and ok_json_schema) / n_schema_pass; 0.0 when n_schema_pass = 0
-                       (no usable answer is no correct usable answer; n_schema_pass tells them apart)
-  pass@k             = mean over prompts of 1 - C(n-c, k) / C(n, k), c = correct samples of the
-                       prompt (the unbiased estimator of Chen et al. 2021); only when n > 1
-  reward             = mean weighted total (over the completions not skipped: a reward with fallback:
-                       skip that failed leaves its completion out, counted in `skipped`); reward/<name> = mean of the non-None values, as in
-                       training (judge rewards report their judge scores here); reward_errors/<name>
-                       = completions whose reward raised and got its fallback (listed when > 0)
-  best_of_n_reward   = mean over prompts of the highest total among the prompt's n samples: best-of-n
-                       sampling with the reward as the picker (only when n > 1)
-  mean_length        = mean completion tokens, up to and including the first EOS
-  truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
-  api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
-                       the judges: section's): from the Judge clients' counters
-  agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one
-                       criterion from two judges), over the completions both scored (see `agreement`)
-With a mixture, <source>/n, <source>/reward and <source>/accuracy give each source's share.
-Each task metric appears only when the reward it derives from is configured.
+Metrics: see metrics.py, which computes them (formulas in its docstring).
 """
 from __future__ import annotations
 
@@ -68,9 +46,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from safetensors import SafetensorError
 from rich.table import Table
-from scipy.stats import spearmanr
+from safetensors import SafetensorError
 
 import jsonl
 import rollout
@@ -79,8 +56,8 @@ from data import Source, check_not_data_file, load_sources
 from client import Judge, JudgeConfig, JudgeUnusable
 from judge import judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
-from scoring import (RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys,
-                     reward_means)
+from metrics import model_metrics, per_source_metrics
+from scoring import RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys
 
 
 @dataclass
@@ -176,91 +153,6 @@ def check_eval_config(cfg: Config) -> None:
                               "judge call is left out rather than compared as a score")
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k: the chance that k of the n samples, drawn without replacement, hold one of the c correct.
-
-    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 3), pass_at_k(4, 3, 2)
-    (0.25, 0.5, 0.0, 1.0)
-    """
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1, pass_k: list[int] = ()) -> dict:
-    """accuracy, valid_json_rate, schema_pass_rate, accuracy_on_schema, pass@k (module docstring).
-
-    >>> task_metrics({"answer_match": [1.0, 0.0, 1.0, 1.0]}, num_samples=2, pass_k=[1, 2])
-    {'accuracy': 0.75, 'pass@1': 0.75, 'pass@2': 1.0}
-    """
-    ok = {k: [v is not None and v >= 1 for v in vs] for k, vs in per_reward.items()}
-    out: dict = {}
-    key = next((k for k in ("choice_accuracy", "answer_match") if k in per_reward), None)
-    if key:
-        graded = [i for i, v in enumerate(per_reward[key]) if v is not None]
-        out["accuracy"] = sum(ok[key][i] for i in graded) / max(len(graded), 1)
-    if "json_valid" in ok:
-        out["valid_json_rate"] = sum(ok["json_valid"]) / len(ok["json_valid"])
-    if "json_schema" in ok:
-        passed = [i for i, p in enumerate(ok["json_schema"]) if p]
-        out["schema_pass_rate"] = len(passed) / len(ok["json_schema"])
-        if key:
-            out["accuracy_on_schema"] = sum(ok[key][i] for i in passed) / len(passed) if passed else 0.0
-        out["n_schema_pass"] = len(passed)
-    if key and num_samples > 1:
-        values = per_reward[key]
-        groups = [range(s, s + num_samples) for s in range(0, len(values), num_samples)]
-        groups = [g for g in groups if all(values[i] is not None for i in g)]  # prompts with a gold answer
-        for k in pass_k:
-            out[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(ok[key][i] for i in g), k) for g in groups) / max(len(groups), 1)
-    return out
-
-
-def best_of_n(totals: list[float], n: int) -> float:
-    """Mean over prompts of the best total among the prompt's n samples (skipped ones left out): what
-    best-of-n sampling with this reward as the picker would score.
-
-    >>> best_of_n([0.0, 1.0, 0.5, 0.5, float("nan"), 0.0], 3)
-    0.75
-    """
-    best = [max(ok) for s in range(0, len(totals), n) if (ok := [t for t in totals[s:s + n] if not math.isnan(t)])]
-    return sum(best) / max(len(best), 1)
-
-
-def agreement(a: list[float | None], b: list[float | None]) -> dict:
-    """How two rewards (one criterion from two judges, say) agree over the completions both scored:
-    spearman = Spearman's rho of the two value lists (None when either is constant or fewer than 2 pairs),
-    mean_abs_diff = mean |a_i - b_i|, n = the completions both scored.
-
-    >>> agreement([1.0, 2.0, 3.0, None], [3.0, 5.0, 4.0, 0.0])
-    {'spearman': 0.5, 'mean_abs_diff': 2.0, 'n': 3}
-    """
-    pairs = [(x, y) for x, y in zip(a, b, strict=True) if x is not None and y is not None]
-    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
-    ranked = len(set(xs)) > 1 and len(set(ys)) > 1  # a constant list has no ranking
-    return {"spearman": float(spearmanr(xs, ys).statistic) if ranked else None,
-            "mean_abs_diff": sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None, "n": len(pairs)}
-
-
-def model_metrics(res: RewardResult, gen: Generated, num_samples: int, pass_k: list[int],
-                  agree: list[list[str]] = ()) -> dict:
-    """Everything reported for one model: counts, task metrics, reward means and errors, lengths."""
-    n = len(gen.texts)
-    scored = [t for t in res.total if not math.isnan(t)]  # NaN: skipped (a reward's fallback: skip)
-    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), **({"reward": sum(scored) / len(scored)} if scored else {})}
-    if len(scored) < n:
-        out["skipped"] = n - len(scored)
-    if num_samples > 1:
-        out["best_of_n_reward"] = best_of_n(res.total, num_samples)
-    out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
-    out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
-    for a, b in agree:
-        out |= {f"agreement/{a}_vs_{b}/{k}": v for k, v in agreement(res.per_reward[a], res.per_reward[b]).items()}
-    out["mean_length"] = sum(gen.num_tokens) / n
-    if gen.truncated is not None:
-        out["truncated_rate"] = sum(gen.truncated) / n
-    return out
-
-
-
 @torch.no_grad()
 def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, num_samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True) -> Generated:
@@ -323,7 +215,7 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
         return samples, RewardResult(total, per_reward, res.errors), metrics
     res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
                           context=reward_context(assistant_prefix, judges))
-    return samples, res, model_metrics(res, gen, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
+    return samples, res, model_metrics(res, gen.num_tokens, gen.truncated, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
 
 
 def api_section(e: EvalConfig, target: str) -> tuple[str, JudgeConfig]:
@@ -411,24 +303,6 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
     return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
-
-
-def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None) -> dict:
-    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable),
-    over the answered completions (failed API requests left out, as in the totals)."""
-    out = {}
-    for label in dict.fromkeys(w["source"] for w in where):
-        idx = [i for i in range(len(res.total)) if where[i // n]["source"] == label and not (failed and failed[i])]
-        out[f"{label}/n"] = len(idx)
-        if not idx:
-            continue
-        scored = [res.total[i] for i in idx if not math.isnan(res.total[i])]
-        if scored:
-            out[f"{label}/reward"] = sum(scored) / len(scored)
-        task = task_metrics({k: [v[i] for i in idx] for k, v in res.per_reward.items()})
-        if "accuracy" in task:
-            out[f"{label}/accuracy"] = task["accuracy"]
-    return out
 
 
 def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> dict:

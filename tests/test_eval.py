@@ -10,6 +10,7 @@ import torch
 import yaml
 
 import eval as ev
+import metrics
 from config import ConfigError, ModelConfig
 from fake_openai_server import FakeOpenAIServer, ok, server_error
 from model import save_adapter
@@ -42,7 +43,7 @@ def test_medmcqa_metrics_on_hand_written_completions(gold_as):
         specs = MEDMCQA[:2] + [RewardSpec("choice_accuracy", args={"gold_key": "cop"})]
         samples = [{"cop": "ABCD".index(g)} for _, g in HAND_WRITTEN]
     res = compute_rewards([c for c, _ in HAND_WRITTEN], samples, specs)
-    m = ev.task_metrics(res.per_reward)
+    m = metrics.task_metrics(res.per_reward)
     assert m["accuracy"] == pytest.approx(3 / 6)
     assert m["valid_json_rate"] == pytest.approx(5 / 6)
     assert m["schema_pass_rate"] == pytest.approx(3 / 6) and m["n_schema_pass"] == 3
@@ -52,17 +53,17 @@ def test_medmcqa_metrics_on_hand_written_completions(gold_as):
 
 def test_accuracy_on_schema_is_zero_when_no_completion_passes_the_schema():
     res = compute_rewards(["A", '{"predicted_category": "A"}'], [{"answer": "A"}] * 2, MEDMCQA)
-    m = ev.task_metrics(res.per_reward)
+    m = metrics.task_metrics(res.per_reward)
     assert m["n_schema_pass"] == 0 and m["accuracy_on_schema"] == 0.0 and m["accuracy"] == 0.5
 
 
 def test_accuracy_falls_back_to_answer_match_and_skips_rows_without_gold():
-    m = ev.task_metrics({"answer_match": [1.0, None, 0.0, 1.0], "short_answer": [0.5, 1.0, 1.0, 0.2]})
+    m = metrics.task_metrics({"answer_match": [1.0, None, 0.0, 1.0], "short_answer": [0.5, 1.0, 1.0, 0.2]})
     assert m == {"accuracy": pytest.approx(2 / 3)}  # no JSON rewards: no JSON metrics
 
 
 def test_task_metrics_report_nothing_without_the_rewards_they_derive_from():
-    assert ev.task_metrics({"short_answer": [1.0, 0.0]}) == {}
+    assert metrics.task_metrics({"short_answer": [1.0, 0.0]}) == {}
 
 
 def brute_force_pass_at_k(n, c, k):
@@ -75,12 +76,12 @@ def test_pass_at_k_matches_brute_force_enumeration():
     for n in range(1, 7):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert ev.pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k)), (n, c, k)
+                assert metrics.pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(n, c, k)), (n, c, k)
 
 
 def test_pass_at_k_averages_over_prompts_of_num_samples_completions():
     correct = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]  # prompts with 1, 3 and 0 right of 3
-    m = ev.task_metrics({"choice_accuracy": correct}, num_samples=3, pass_k=[1, 2, 3])
+    m = metrics.task_metrics({"choice_accuracy": correct}, num_samples=3, pass_k=[1, 2, 3])
     assert m["pass@1"] == pytest.approx((1 / 3 + 1 + 0) / 3) == pytest.approx(m["accuracy"])
     assert m["pass@2"] == pytest.approx((2 / 3 + 1 + 0) / 3)
     assert m["pass@3"] == pytest.approx(2 / 3)
@@ -393,7 +394,7 @@ def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, t
 def test_model_metrics_count_lengths_truncation_and_reward_failures():
     gen = ev.Generated(texts=[answer("A"), "oops"], num_tokens=[12, 6], truncated=[False, True])
     res = compute_rewards(gen.texts, [{"answer": "A"}, {"answer": "Z"}], MEDMCQA)  # "Z" is no option: raises
-    m = ev.model_metrics(res, gen, num_samples=1, pass_k=[])
+    m = metrics.model_metrics(res, gen.num_tokens, gen.truncated, num_samples=1, pass_k=[])
     assert m["reward_errors/choice_accuracy"] == 1 and "reward_errors/json_valid" not in m
     assert m["n"] == 2 and m["mean_length"] == 9.0 and m["truncated_rate"] == 0.5
     assert m["reward"] == pytest.approx((3.0 + 0.0) / 2) and m["reward/json_schema"] == 0.5
@@ -409,7 +410,7 @@ def test_failed_api_requests_are_left_out_of_scoring_and_metrics():
     assert m["n"] == 1 and m["accuracy"] == 1.0 and m["valid_json_rate"] == 1.0 and m["mean_length"] == 12
     assert math.isnan(res.total[0]) and all(v[0] is None for v in res.per_reward.values())
     where = [{"row": 0, "source": "a"}, {"row": 0, "source": "b"}]  # a mixture: per source, the answered too
-    assert ev.per_source_metrics(where, 1, res, gen.failed) == {"a/n": 0, "b/n": 1, "b/reward": res.total[1],
+    assert metrics.per_source_metrics(where, 1, res, gen.failed) == {"a/n": 0, "b/n": 1, "b/reward": res.total[1],
                                                                 "b/accuracy": 1.0}
     gen = ev.Generated(texts=["", ""], num_tokens=[0, 0], truncated=None, failed=[True, True])  # an outage
     _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
@@ -426,9 +427,9 @@ def test_render_table_puts_metrics_in_rows_and_models_in_columns():
 
 
 def test_agreement_leaves_out_unscored_pairs_and_has_no_rank_correlation_for_a_constant_judge():
-    assert ev.agreement([4.0, 4.0, None], [1.0, 5.0, 2.0]) == {"spearman": None, "mean_abs_diff": 2.0, "n": 2}
-    assert ev.agreement([None, 1.0], [2.0, None]) == {"spearman": None, "mean_abs_diff": None, "n": 0}
-    assert ev.agreement([1.0, 2.0, 3.0], [30.0, 20.0, 10.0])["spearman"] == pytest.approx(-1.0)
+    assert metrics.agreement([4.0, 4.0, None], [1.0, 5.0, 2.0]) == {"spearman": None, "mean_abs_diff": 2.0, "n": 2}
+    assert metrics.agreement([None, 1.0], [2.0, None]) == {"spearman": None, "mean_abs_diff": None, "n": 0}
+    assert metrics.agreement([1.0, 2.0, 3.0], [30.0, 20.0, 10.0])["spearman"] == pytest.approx(-1.0)
 
 
 def test_an_override_holding_a_space_is_an_override_even_right_after_the_model_entries():
