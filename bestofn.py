@@ -5,7 +5,8 @@ preference pairs (TRL's prompt / chosen / rejected, for DPO).
     python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8
     python bestofn.py runs/eval/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
     python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
-        --data.target=completion --data.answer_key=null --run.out_dir=runs/raft
+        --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
+        --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
 A prompt is its predictions' (source, row). Completions without a reward (a failed API request, a
 reward with fallback: skip that failed) are never picked. For SFT the best completion is kept when
@@ -58,13 +59,14 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
             continue
         best = max(ok, key=lambda r: r["reward"])  # max/min keep the first of equals
         worst = min([r for r in recs if r.get("reward") is not None and not r.get("api_failed")], key=lambda r: r["reward"])
-        where = {"row": row, **({"source": source} if source is not None else {}), **best.get("columns", {})}
+        where = {"row": row, **({"source": source} if source is not None else {}),
+                 **({"columns": best["columns"]} if best.get("columns") else {})}  # eval.keep_columns, nested as there
         prefix = {"assistant_prefix": best["assistant_prefix"]} if best.get("assistant_prefix") else {}
         if min_reward is None or best["reward"] >= min_reward:
-            sft.append({"prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"], **where})
+            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"]})
         if best["reward"] - worst["reward"] >= min_margin:
-            pairs.append({"prompt": best["prompt"], **prefix, "chosen": best["completion"], "rejected": worst["completion"],
-                          "chosen_reward": best["reward"], "rejected_reward": worst["reward"], **where})
+            pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": best["completion"],
+                          "rejected": worst["completion"], "chosen_reward": best["reward"], "rejected_reward": worst["reward"]})
     return sft, pairs
 
 
@@ -93,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not (args.sft or args.pairs):
             raise ValueError("nothing to write: give --sft FILE, --pairs FILE or both")
-        for out in filter(None, [args.sft, args.pairs]):
-            if Path(out).exists() or out in args.predictions:
+        outs = [Path(o).resolve() for o in filter(None, [args.sft, args.pairs])]
+        if len(set(outs)) < len(outs):
+            raise ValueError("--sft and --pairs name the same file; give each its own")
+        for out in outs:
+            if out.exists():
                 raise ValueError(f"{out} exists; give a new file (outputs are never overwritten)")
         require = parse_require(args.require)
         records = []

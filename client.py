@@ -283,6 +283,9 @@ class Judge:
         if reply is not None:
             self.add_stat("cache_hits")
             return reply
+        if self.fatal:  # the endpoint refused the key or the model: send nothing more
+            self.add_stat("failures")
+            return None
         shared = key in self._inflight
         if not shared:
             self._inflight[key] = asyncio.ensure_future(self._request(key, messages, accept))
@@ -309,8 +312,12 @@ class Judge:
             if attempt:
                 self.add_stat("retries")
             await self._rate_slot()
+            if self.fatal:  # refused while this one waited for its turn
+                return None
             try:
                 async with self._sem:
+                    if self.fatal:
+                        return None
                     self.add_stat("requests")
                     resp = await asyncio.wait_for(self._client.chat.completions.create(
                         model=cfg.model, messages=messages, **options), cfg.timeout_s)

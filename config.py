@@ -513,11 +513,22 @@ def config_to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _only_references(value: Any) -> bool:
+    """A header value whose secret lives in the environment: ${NAME} references and short words only.
+
+    >>> _only_references("Bearer ${TOKEN}"), _only_references("Bearer sk-live-1234 ${X}"), _only_references("ml")
+    (True, False, False)
+    """
+    text = str(value)
+    rest = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", "", text)
+    return rest != text and all(len(word) < 8 for word in rest.split())
+
+
 def redacted(d: Any) -> Any:
     """The config as a dict, with extra_headers values (often an Authorization header) masked, except
-    those written with a ${NAME} reference, whose secret lives in the environment."""
+    those that hold only ${NAME} references (and words like Bearer): their secret is in the environment."""
     if isinstance(d, dict):
-        return {k: ({h: x if "${" in str(x) else "***" for h, x in v.items()} if k == "extra_headers" and isinstance(v, dict)
+        return {k: ({h: x if _only_references(x) else "***" for h, x in v.items()} if k == "extra_headers" and isinstance(v, dict)
                     else redacted(v)) for k, v in d.items()}
     return [redacted(x) for x in d] if isinstance(d, list) else d
 

@@ -318,8 +318,9 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
         failures = sum(gen.failed)
         metrics |= {"api_failures": failures, "api_cost_usd": stats["judge_cost_usd"]}
         if failures:
-            print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics are over "
-                  f"the {len(gen.failed) - failures} answered (see the warnings above for why)", file=sys.stderr)
+            left = sum(any(gen.failed[p * n:(p + 1) * n]) for p in range(len(gen.failed) // n))
+            print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics leave out "
+                  f"the {left} prompt(s) they belong to (see the warnings above for why)", file=sys.stderr)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)

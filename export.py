@@ -171,12 +171,13 @@ def check_args(args) -> str | None:
     out = Path(args.out).resolve()
     if out.exists() and not args.overwrite:
         raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another directory")
-    if out.exists():  # --overwrite deletes it: only ever an earlier export
+    if out.exists():  # --overwrite deletes it: only ever an earlier export (a model folder, nothing around it)
         keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(), Path(args.config).resolve(), Path.cwd()]
-        if any(p == out or out in p.parents for p in keep) or \
-                any((out / n).exists() for n in ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml")):
-            raise ConfigError(f"--out {args.out} holds a training run, an adapter, the config or this directory; "
-                              "--overwrite replaces only an earlier export, so choose another directory")
+        an_export = (out / "config.json").is_file() and any(out.glob("*.safetensors")) and not \
+            any((out / n).exists() for n in ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml"))
+        if not an_export or any(p == out or out in p.parents for p in keep):
+            raise ConfigError(f"--out {args.out} is not an earlier export (a folder with config.json and *.safetensors "
+                              "weights, holding nothing you train with); --overwrite replaces only that, so choose another directory")
     if not args.push_to_hub:
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id

@@ -36,7 +36,7 @@ import jsonl
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from client import Judge, JudgeUnusable
-from judge import grade_answers
+from judge import grade_answers, load_template, rubric_alignment
 from rollout import chat_messages
 from scoring import check_rows, check_specs, compute_rewards
 
@@ -63,6 +63,10 @@ def check(cfg: Config) -> PrecomputeConfig:
     else:
         if cfg.judge is None:
             raise ConfigError("gold scores by the judge need a judge: section (or set precompute.gold_reward)")
+        try:
+            load_template(p.template)
+        except ValueError as e:
+            raise ConfigError(f"precompute.template: {e}") from None
         caches["judge.cache_path"] = cfg.judge.cache_path
     for key, path in caches.items():
         if not path:
@@ -89,6 +93,8 @@ def load_questions(p: PrecomputeConfig) -> list[dict]:
         if p.gold_reward is None and row.get(p.rubric_key) in (None, "", []):
             raise DataError(f"row {i} has no {p.rubric_key!r} (precompute.rubric_key) to grade its answers by; "
                             f"its fields: {', '.join(row)}")
+        if p.gold_reward is None and (missing := sorted(rubric_alignment.row_fields(template=p.template) - row.keys())):
+            raise DataError(f"precompute.template reads {{{missing[0]}}}, which row {i} lacks; its fields: {', '.join(row)}")
     return out
 
 
@@ -118,14 +124,22 @@ def keep(answers: list[str | None], gold: list[float | None], keep_constant: boo
     return None
 
 
+def open_client(section, key: str, label: str) -> Judge:
+    """A client for a config section; its own checks (api_key_env, headers, Azure) as ConfigError naming `key`."""
+    try:
+        return Judge(section, label=label)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {str(e).removeprefix('judge: ')}") from None
+
+
 def run(cfg: Config) -> dict:
     """Answer, grade, write -> a summary (counts and costs)."""
     p = check(cfg)
     rows = load_questions(p)
     if p.gold_reward is not None:
         check_rows([p.gold_reward], rows, "question", key="precompute.gold_reward")
-    policy = Judge(p.answers, label=f"precompute.answers ({p.answers.model})")
-    judge = Judge(cfg.judge, label="judge") if p.gold_reward is None else None
+    policy = open_client(p.answers, "precompute.answers", f"precompute.answers ({p.answers.model})")
+    judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
     k = p.num_answers
     print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: {len(rows) * k} answer requests"
           + ("" if judge is None else f", {len(rows) * k} judge requests") + " (cached ones are free)")
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         summary = run(cfg)
-    except (ConfigError, DataError, ValueError, OSError, JudgeUnusable) as e:
+    except (ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     p = cfg.precompute

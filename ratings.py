@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
         return 2
-    created = not Path(args.dir).exists()
+    created = [d for d in [Path(args.dir), *Path(args.dir).parents] if not d.exists()]  # deepest first
     try:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -392,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = make_server(args.dir, args.host, args.port)
     except OSError as e:
-        if created:
-            Path(args.dir).rmdir()  # nothing is left behind by a start that failed
+        for d in created:
+            d.rmdir()  # nothing is left behind by a start that failed
         why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
         return 2

@@ -7,7 +7,9 @@ A reward scores one completion of one sample; None means "does not apply to this
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
-before any model loads. The config names rewards, weights and arguments:
+before any model loads; and a `row_keys` attribute naming its arguments that hold a data column
+(as every built-in *_key argument does): a column no row has stops the run before it starts
+(scoring.check_rows). The config names rewards, weights and arguments:
 
     rewards:
       - {name: json_valid}

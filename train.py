@@ -157,7 +157,7 @@ def setup(args, overrides: list[str]) -> Run:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
     sources = load_sources(cfg.data)
     rows = [row for s in sources for row in s.rows]
-    if cfg.rewards:
+    if cfg.rewards and cfg.mode == "grpo":  # SFT scores only held-out rows (checked below)
         check_rows(cfg.rewards, rows)
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")

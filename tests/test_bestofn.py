@@ -32,6 +32,9 @@ def test_best_and_worst_per_prompt_with_bars_requirements_and_unscored_completio
     sft, pairs = bestofn.select(think, require={"think_format": 1.0})
     assert sft[0]["completion"] == "think" and (pairs[0]["chosen"], pairs[0]["rejected"]) == ("think", "weak think")
     assert bestofn.parse_require(["think_format=1", "a=0.5"]) == {"think_format": 1.0, "a": 0.5}
+    kept = [rec(0, "a", 1.0, columns={"completion": "a column, not the pick", "id": "x"}), rec(0, "b", 0.0)]
+    sft, pairs = bestofn.select(kept)
+    assert sft[0]["completion"] == "a" and sft[0]["columns"] == {"completion": "a column, not the pick", "id": "x"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
         bestofn.parse_require(["think_format"])
 
@@ -43,7 +46,8 @@ def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys)
     for argv, message in [([str(preds)], "nothing to write"),
                           ([str(tmp_path / "nope.jsonl"), "--sft", str(out)], "no such file"),
                           ([str(preds), "--sft", str(preds)], "never overwritten"),
-                          ([str(preds), "--pairs", str(out), "--require", "x"], "NAME=VALUE")]:
+                          ([str(preds), "--pairs", str(out), "--require", "x"], "NAME=VALUE"),
+                          ([str(preds), "--sft", str(out), "--pairs", str(out)], "name the same file")]:
         assert bestofn.main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
@@ -54,13 +58,14 @@ def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys)
 
 def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, tiny_llama, capsys):
     """The rejection-sampling loop: eval.py samples n per prompt and scores them, bestofn keeps each
-    prompt's best, train.py's SFT mode trains on those picks."""
+    prompt's best, train.py's SFT mode trains on those picks (whose rows lack the gold column the
+    config's rewards read: SFT never scores its training rows)."""
     (tmp_path / "varied.py").write_text("def varied(completion, sample):\n    return float(len(set(completion)) % 3)\n")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({
         "model": {"name": str(tiny_llama), "gradient_checkpointing": False},
         "data": {"name": "arithmetic", "num_examples": 20, "select": [0, 10], "assistant_prefix": "Sum:"},
-        "rewards": [{"name": f"{tmp_path / 'varied.py'}:varied"}],
+        "rewards": [{"name": f"{tmp_path / 'varied.py'}:varied"}, {"name": "answer_match", "weight": 0.0}],
         "eval": {"select": [0, 4], "num_samples": 3, "temperature": 1.0, "max_new_tokens": 6, "out_dir": str(tmp_path / "eval")},
         "run": {"steps": 1, "out_dir": str(tmp_path / "raft")}, "sft": {"batch_size": 2}}))
     assert ev.main(["--config", str(cfg), "--models", "base", "--data.select=null"]) == 0

@@ -412,6 +412,9 @@ def test_failed_api_requests_are_left_out_of_scoring_and_metrics():
     where = [{"row": 0, "source": "a"}, {"row": 0, "source": "b"}]  # a mixture: per source, the answered too
     assert metrics.per_source_metrics(where, 1, res, gen.failed) == {"a/n": 0, "b/n": 1, "b/reward": res.total[1],
                                                                 "b/accuracy": 1.0}
+    res2 = metrics.RewardResult([0.0, 1.0, 1.0, 0.0], {"choice_accuracy": [0.0, 1.0, 1.0, 0.0]}, {})
+    assert metrics.per_source_metrics(where, 2, res2, [True, False, False, False]) == {  # 2 samples a prompt
+        "a/n": 0, "b/n": 2, "b/reward": 0.5, "b/accuracy": 0.5}  # a's answered sample is left out with its prompt
     gen = ev.Generated(texts=["", ""], num_tokens=[0, 0], truncated=None, failed=[True, True])  # an outage
     _, res, m = ev.score_rows(gen, rows, 1, cfg, "", {})
     assert m == {"n": 0} and all(math.isnan(t) for t in res.total)

@@ -96,22 +96,27 @@ def test_default_export_is_bfloat16_with_a_model_card_naming_base_adapter_and_tr
     assert "7 steps" in card and "answer_match x 2" in card and "Be brief." in card and "- weights: bfloat16" in card
 
 
-def test_an_existing_out_is_refused_unless_overwrite(trained, tmp_path, capsys):
+def test_an_existing_out_is_refused_unless_overwrite_and_overwrite_replaces_only_an_export(trained, tmp_path, capsys):
     out = tmp_path / "merged"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert run_export(trained, out) == 2
     assert "--overwrite" in error_line(capsys.readouterr().err)
+    assert run_export(trained, out, "--overwrite") == 2  # a folder of the user's files is not an export
+    assert "replaces only that" in error_line(capsys.readouterr().err)
     assert (out / "keep.txt").read_text() == "mine" and not (tmp_path / "merged.tmp").exists()
-    assert run_export(trained, out, "--overwrite") == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
-    assert not (tmp_path / "merged.old").exists()
-    # --overwrite never deletes the run being exported, nor a folder holding it
+    export_dir = tmp_path / "exported"
+    assert run_export(trained, export_dir) == 0
+    (export_dir / "stale.txt").write_text("from the last export")
+    assert run_export(trained, export_dir, "--overwrite") == 0
+    assert not (export_dir / "stale.txt").exists() and (export_dir / "model.safetensors").is_file()
+    assert not (tmp_path / "exported.old").exists()
+    # never the run being exported, a folder holding it, or a folder of runs
     run = trained["run"]
-    for target in (run, run / "checkpoints", run.parent):
+    for target in (run, run / "checkpoints", run.parent, tmp_path):
         before = sorted(p.relative_to(run) for p in run.rglob("*"))
         assert run_export(trained, target, "--overwrite") == 2
-        assert "replaces only an earlier export" in error_line(capsys.readouterr().err)
+        assert "replaces only that" in error_line(capsys.readouterr().err)
         assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 

@@ -94,6 +94,14 @@ def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
     assert len([r for r in caplog.records if f"HTTP {status}" in r.getMessage()]) == 1  # one line, not one per call
 
 
+def test_once_the_key_is_refused_no_further_request_is_sent(server):
+    judge = make_judge(server, max_concurrent=1)
+    server.default = server_error(401)
+    with pytest.raises(JudgeUnusable):
+        judge.complete_many([chat(f"p{i}") for i in range(10)])
+    assert len(server.requests) == 1 and judge.pop_step_stats()["judge_failures"] == 10
+
+
 def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(server, monkeypatch, caplog):
     from config import redacted
     monkeypatch.setenv("MINIGRPO_TEST_HEADER_TOKEN", "hdr-SECRET-456789")

@@ -3,6 +3,7 @@ from the judge (expert rubric) or from a rule, what is left out, what a rerun pa
 training reads the file it writes."""
 import json
 import re
+import threading
 
 import pytest
 
@@ -14,24 +15,26 @@ CONSTANT = "Any answer scores 5."  # a rubric under which the fake judge gives e
 
 
 def reply(body) -> str:
-    """The answer policy says 'Answer N' (N counts its requests); the judge scores answer N as N % 3
-    (so K = 3 consecutive answers get three different scores), except under the CONSTANT rubric."""
+    """The answer policy's k-th answer to a question says 'Answer k' (k counted per question, so the
+    order in which concurrent requests arrive does not matter); the judge scores answer k as
+    2 * (k % 3), so a question's K = 3 answers get three different scores, except under CONSTANT."""
     text = body["messages"][-1]["content"]
     if body["model"] == "policy":
-        reply.n += 1
-        return f"Answer {reply.n}. The answer is {'AB'[reply.n % 2]}."
+        with reply.lock:
+            reply.seen[text] = k = reply.seen.get(text, 0) + 1
+        return f"Answer {k}. The answer is {'AB'[k % 2]}."
     if CONSTANT in text:
         return '{"score": 5}'
-    n = int(re.search(r"Answer to grade:\s*Answer (\d+)", text).group(1))
-    return '{"score": %d}' % (2 * (n % 3))
+    k = int(re.search(r"Answer to grade:\s*Answer (\d+)", text).group(1))
+    return '{"score": %d}' % (2 * (k % 3))
 
 
-reply.n = 0
+reply.lock = threading.Lock()
 
 
 @pytest.fixture
 def server():
-    reply.n = 0
+    reply.seen = {}
     with FakeOpenAIServer(reply=reply) as s:
         yield s
 
@@ -56,17 +59,17 @@ def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_o
              "rubrics": [{"criterion": CONSTANT if i == 2 else f"Mentions fact {i}", "points": 5}]} for i in range(4)]
     questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "cache" / "grubrics_open.jsonl"
-    server.script(server_error(400))  # one answer request fails (whichever arrives first): its question is left out
-    assert precompute.main(args(server, tmp_path, questions, out, "--precompute.map=healthbench")) == 0
+    server.script(server_error(400))  # the first answer request (one at a time: q0's) fails: q0 is left out
+    one_at_a_time = "--precompute.answers.max_concurrent=1"
+    assert precompute.main(args(server, tmp_path, questions, out, "--precompute.map=healthbench", one_at_a_time)) == 0
     err = capsys.readouterr().err
     assert "left out 1 question(s) with a failed answer request" in err and "equal gold scores" in err
-    written = read(out)
-    (failed,) = {"q0", "q1", "q3"} - {r["id"] for r in written}  # q2: every answer scored 5
-    assert [r["id"] for r in written] == [q for q in ("q0", "q1", "q3") if q != failed]
+    written, failed = read(out), "q0"
+    assert [r["id"] for r in written] == ["q1", "q3"]  # q2: every answer scored 5
     for r in written:
         assert r["question"] == f"Question {r['id'][1]}?" and len(r["answers"]) == 3 == len(r["gold_scores"])
-        nums = [int(re.match(r"Answer (\d+)", a).group(1)) for a in r["answers"]]
-        assert r["gold_scores"] == [pytest.approx(2 * (n % 3) / 10) for n in nums]  # the judge's 0-10, scaled
+        ks = [int(re.match(r"Answer (\d+)", a).group(1)) for a in r["answers"]]
+        assert sorted(ks) == [1, 2, 3] and r["gold_scores"] == [pytest.approx(2 * (k % 3) / 10) for k in ks]  # 0-10, scaled
     policy = [b for b in (q.body for q in server.requests) if b["model"] == "policy"]
     assert len(policy) == 12 and policy[0]["messages"][0]["role"] == "system"
     assert policy[0]["temperature"] == 1.0 and len(server.requests) == 12 + 9  # 3 answered questions graded
@@ -117,6 +120,9 @@ def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):
     ("--precompute.gold_reward={name: choice_acuracy}", "precompute.gold_reward"),
     ("--precompute.rubric_key=criteria", "has no 'criteria' (precompute.rubric_key)"),
     ("--precompute.question={prompt_text}", "precompute.question='{prompt_text}'"),
+    ("--precompute.answers.api_key_env=sk-proj-LITERALKEY999", "precompute.answers: api_key_env is the NAME"),
+    ("--precompute.template=rubric_scorin", "precompute.template: template 'rubric_scorin' is not one of"),
+    ("--precompute.template=Grade {answer} by {rubric}; {criteria}", "precompute.template reads {criteria}, which row 0"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, server, capsys, override, message):
     questions = tmp_path / "q.jsonl"

@@ -245,7 +245,7 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     assert ratings.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2  # a file, not a folder
     assert "cannot use" in capsys.readouterr().err
     for argv, says in ((["--port", "99999"], "is not a port"), (["--host", "no.such.host.invalid"], "check --host")):
-        assert ratings.main(["serve", "--dir", str(tmp_path / "new"), *argv]) == 2
+        assert ratings.main(["serve", "--dir", str(tmp_path / "new" / "deeper"), *argv]) == 2
         assert says in capsys.readouterr().err and not (tmp_path / "new").exists()  # nothing left behind
     ratings._STORES.clear()
 

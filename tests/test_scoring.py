@@ -243,3 +243,19 @@ def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
     down_res = compute_rewards(texts, samples, [RewardSpec("test_down", fallback="skip")])
     assert all(math.isnan(t) for t in down_res.total) and down_res.errors["test_down"] == 1  # one failed call
     assert compute_rewards(texts, samples, [RewardSpec("test_down", fallback=-1.0)]).total == [-1.0] * 3
+
+
+def test_check_rows_knows_the_built_in_rewards_columns_and_only_the_ones_a_user_reward_declares(tmp_path):
+    from config import ConfigError
+    from scoring import check_rows
+    rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q"}]  # a mixture: one source without gold
+    check_rows([RewardSpec("answer_match")], rows)  # some row has the gold column: fine
+    with pytest.raises(ConfigError, match="rewards: reward 'choice_accuracy': gold_key='cop' but no data row has"):
+        check_rows([RewardSpec("choice_accuracy", args={"gold_key": "cop"})], rows)
+    (tmp_path / "mine.py").write_text(
+        "def verdict(completion, sample, json_key='verdict'):\n    return 1.0\n"  # json_key reads the completion
+        "def graded(completion, sample, label_key='label'):\n    return float(sample[label_key] == completion)\n"
+        "graded.row_keys = ('label_key',)\n")
+    check_rows([RewardSpec(f"{tmp_path / 'mine.py'}:verdict")], rows)
+    with pytest.raises(ConfigError, match="label_key='label' but no held-out row has a column 'label'"):
+        check_rows([RewardSpec(f"{tmp_path / 'mine.py'}:graded")], rows, "held-out")
