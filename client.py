@@ -166,6 +166,7 @@ class Judge:
         self._client = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
+        self._requests: set[asyncio.Future] = set()  # every request task not yet done (shielded: they outlive a cancel)
         self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
         if cfg.cache_path:
             self._load_disk_cache()
@@ -208,16 +209,20 @@ class Judge:
 
     # --- cache -------------------------------------------------------------------------------------
     def _load_disk_cache(self) -> None:
-        bad, end = 0, 0
+        bad, foreign, end = 0, 0, 0
         for offset, end, rec in jsonl.read(self.cfg.cache_path):
             if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
                 self._disk_index[rec["key"]] = offset
             else:  # corrupt, or torn by a kill (the next append ends a torn last line)
                 bad += 1
+                foreign += rec is not None  # a whole JSON record of another kind
+        if foreign and not self._disk_index:  # not a cache at all: a data file (paid answers?) must not be appended to
+            raise ValueError(f"judge: cache_path={self.cfg.cache_path} holds records but no cache records: is it a data "
+                             "file? Give the cache a file of its own")
         if os.path.exists(self.cfg.cache_path) and os.path.getsize(self.cfg.cache_path) > end:
             bad += 1  # a last line torn by a kill
         if bad:
-            log.warning("judge cache %s: skipped %d unreadable line(s); the rest loaded", self.cfg.cache_path, bad)
+            log.warning("%s cache %s: skipped %d unreadable line(s); the rest loaded", self.label, self.cfg.cache_path, bad)
 
     def _cache_get(self, key: str) -> str | None:
         if key in self._mem:
@@ -288,7 +293,9 @@ class Judge:
             return None
         shared = key in self._inflight
         if not shared:
-            self._inflight[key] = asyncio.ensure_future(self._request(key, messages, accept))
+            self._inflight[key] = task = asyncio.ensure_future(self._request(key, messages, accept))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
         try:
             reply = await asyncio.shield(self._inflight[key])
         finally:
@@ -376,6 +383,10 @@ class Judge:
         try:
             replies = await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
         finally:
+            pending = [f for f in self._requests if not f.done()]  # interrupted (Ctrl-C): requests still out
+            for f in pending:
+                f.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
             await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
         if self.fatal:
             raise JudgeUnusable(self.fatal)
@@ -387,6 +398,12 @@ class Judge:
         gets the same n back and pays for none of them (sampling needs temperature > 0 or null)."""
         return _run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
                                       [i for _ in message_lists for i in range(n)]))
+
+    def cached(self, message_lists: list[list[dict]], n: int = 1) -> int:
+        """How many of complete_many(message_lists, n)'s requests the cache would answer (free)."""
+        keys = (cache_key(self.cfg.model, m, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, i)
+                for m in message_lists for i in range(n))
+        return sum(k in self._disk_index or k in self._mem for k in keys)
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);

@@ -141,9 +141,11 @@ def run(cfg: Config) -> dict:
     policy = open_client(p.answers, "precompute.answers", f"precompute.answers ({p.answers.model})")
     judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
     k = p.num_answers
-    print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: {len(rows) * k} answer requests"
-          + ("" if judge is None else f", {len(rows) * k} judge requests") + " (cached ones are free)")
-    replies = policy.complete_many([chat_messages(r["_question"], p.system_prompt) for r in rows], n=k)
+    asks = [chat_messages(r["_question"], p.system_prompt) for r in rows]
+    print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: {len(rows) * k} answer requests "
+          f"({policy.cached(asks, k)} of them cached, free)" + ("" if judge is None else f", then up to {len(rows) * k} "
+                                                             "judge requests (cached ones free)"))
+    replies = policy.complete_many(asks, n=k)
     answers = [replies[i:i + k] for i in range(0, len(replies), k)]
     answered = [i for i, a in enumerate(answers) if None not in a]
     gold: list[list[float | None]] = [[None] * k for _ in rows]
@@ -171,7 +173,8 @@ def run(cfg: Config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Any config field: --section.key=value (the precompute: section's in config.py)")
     ap.add_argument("--config", required=True, help="the training YAML, with a precompute: section")
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -180,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: every answer and grade received is cached (precompute.answers.cache_path, judge.cache_path); "
+              "rerun the same command: it pays only for the rest", file=sys.stderr)
+        return 130
     p = cfg.precompute
     cost = ", ".join(f"{k} ${v:.4f}" for k, v in summary["cost_usd"].items())
     if summary["written"]:
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     for why, n in summary["left_out"].items():
         print(f"[precompute] left out {n} question(s) with {why}", file=sys.stderr)
     if any(w.startswith("a failed") for w in summary["left_out"]):
-        print("[precompute] to retry the failed ones, rerun into a new precompute.out: what was paid for is cached "
+        where = "the same command" if not summary["written"] else "into a new precompute.out (this one is kept)"
+        print(f"[precompute] to retry the failed ones, rerun {where}: what was paid for is cached "
               f"({p.answers.cache_path}" + ("" if p.gold_reward else f", {cfg.judge.cache_path}") + ")", file=sys.stderr)
     return 0 if summary["written"] else 1
 

@@ -2,6 +2,7 @@
 Also a stand-in judge for trying a judge recipe offline:
 
     python tests/fake_openai_server.py --port 8001    # then --judge.base_url=http://127.0.0.1:8001/v1
+                                                      # (and precompute.answers.base_url: it answers questions too)
 
 It serves `POST /v1/chat/completions` and the Azure form
 `POST /openai/deployments/{deployment}/chat/completions?api-version=...`, records every request,
@@ -60,6 +61,33 @@ def shaped_score(body: dict, top: int = 10) -> str:
     text = body["messages"][-1]["content"]
     keys = re.findall(r'"(\w+)": <number>', text) or ["score"]
     return json.dumps({k: (len(text) + i) % (top + 1) for i, k in enumerate(keys)})
+
+
+class Answers:
+    """Replies for an answer policy (precompute.py, API models in eval.py): the k-th request with the
+    same messages gets the k-th of answers that differ in length and in the letter they pick, so the
+    K samples of one question differ (and a length-based judge grades them differently)."""
+
+    def __init__(self):
+        self.seen: dict[str, int] = {}
+        self.lock = threading.Lock()  # requests arrive on several handler threads
+
+    def __call__(self, body: dict) -> str:
+        key = json.dumps(body["messages"], sort_keys=True)
+        with self.lock:
+            self.seen[key] = k = self.seen.get(key, 0) + 1
+        return "Let me think this through. " * (k % 4) + f"Answer {k}: the answer is {'ABCD'[k % 4]}."
+
+
+def judge_or_answer(top: int = 10) -> Callable[[dict], str]:
+    """The command line's default: a judge's scores (shaped_score) for a prompt that asks for a score,
+    else an answer (Answers): one server plays both the judge and the answer policy."""
+    answers = Answers()
+
+    def reply(body: dict) -> str:
+        text = body["messages"][-1]["content"]
+        return shaped_score(body, top) if "<number>" in text or "score" in text.lower() else answers(body)
+    return reply
 
 
 def ok(text: str | None = None, delay_s: float = 0.0) -> Behaviour:
@@ -265,10 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="A fake OpenAI-compatible judge on 127.0.0.1, to try judge recipes offline.")
     ap.add_argument("--port", type=int, default=8001)
     ap.add_argument("--top", type=int, default=10, help="scores run 0..top (the judge section's score_max)")
-    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: 0..top scores '
-                    "for the keys the prompt asks for, varying with its length)")
+    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: to a prompt '
+                    "asking for a score, 0..top scores for the keys it asks for, varying with its length; to any "
+                    "other, an answer that differs each time the same prompt is asked: an answer policy)")
     args = ap.parse_args(argv)
-    reply = (lambda body: args.reply) if args.reply else (lambda body: shaped_score(body, args.top))
+    reply = (lambda body: args.reply) if args.reply else judge_or_answer(args.top)
     with FakeOpenAIServer(reply=reply, port=args.port) as server:
         print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
         try:

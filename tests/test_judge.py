@@ -203,11 +203,40 @@ def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_ow
     assert len(set(replies)) == 6 and len(server.requests) == 6
     server.reset()
     restarted = make_judge(server, cache_path=str(path), temperature=1.0, memory_cache=False)
+    assert restarted.cached([chat("q1"), chat("q2")], n=4) == 6  # what a rerun would get for free
     again = restarted.complete_many([chat("q1"), chat("q2")], n=4)
     assert again[:3] == replies[:3] and again[4:7] == replies[3:]
     assert len(server.requests) == 2  # the fourth sample of each: all others came from the cache
     key = cache_key("m", chat("q"), 1.0, 512)  # sample 0 keeps the key caches were written with
     assert cache_key("m", chat("q"), 1.0, 512, sample=0) == key != cache_key("m", chat("q"), 1.0, 512, sample=1)
+
+
+def test_an_interrupted_batch_cancels_its_requests_and_keeps_what_arrived(server, tmp_path, caplog):
+    """Ctrl-C during complete_many: the requests still out are cancelled before the loop closes
+    (no 'unhandled exception during shutdown'), and replies that arrived are in the cache."""
+    path = tmp_path / "c.jsonl"
+    judge = make_judge(server, cache_path=str(path), max_concurrent=1)
+    server.script(ok())  # the first answers at once, the rest stall
+    server.default = stall(5)
+
+    async def main():
+        task = asyncio.ensure_future(judge._gather([chat(f"p{i}") for i in range(4)], None))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+    assert not judge._requests and len(path.read_text().splitlines()) == 1
+    assert "unhandled" not in caplog.text
+
+
+def test_a_data_file_given_as_the_cache_is_refused_not_appended_to(server, tmp_path):
+    answers = tmp_path / "grubrics_open.jsonl"  # paid answers, say
+    answers.write_text(json.dumps({"question": "q", "answers": ["a", "b"], "gold_scores": [1, 0]}) + "\n")
+    before = answers.read_bytes()
+    with pytest.raises(ValueError, match="holds records but no cache records"):
+        make_judge(server, cache_path=str(answers))
+    assert answers.read_bytes() == before
 
 
 def test_requests_per_minute_spaces_request_starts(server):
