@@ -244,7 +244,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
         if g.tis_cap:
             tis |= {"tis/weight_mean": sampler["weight"] / n, "tis/capped_frac": sampler["capped"] / n}
-    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_shares(r) | tis | {
+    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
@@ -298,12 +298,22 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     }
 
 
-def source_shares(r: Run) -> dict:
-    """data/<label>: the share of this step's prompts drawn from each source of a mixture."""
+def source_metrics(r: Run, drawn: Scored) -> dict:
+    """For a mixture: data/<label>, the share of this step's prompts drawn from each source, and
+    data/<label>/reward, the mean reward of its completions (skipped ones left out)."""
     counts = r.sampler.pop_counts()
     if len(counts) < 2:
         return {}
-    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+    out = {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+    label_of, start = {}, 0  # a sample is one of r.rows itself: its source by identity
+    for label, size in zip(r.source_labels, r.sampler.sizes):
+        label_of.update((id(row), label) for row in r.rows[start:start + size])
+        start += size
+    rewards: dict[str, list[float]] = {}
+    for sample, total in zip(drawn.samples, drawn.total.tolist()):
+        if not math.isnan(total) and id(sample) in label_of:
+            rewards.setdefault(label_of[id(sample)], []).append(total)
+    return out | {f"data/{label}/reward": sum(v) / len(v) for label, v in rewards.items()}
 
 
 def peak_memory_mb(device: torch.device) -> float:

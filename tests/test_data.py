@@ -140,10 +140,15 @@ def test_a_mixed_run_logs_source_shares_and_resumes_exactly(tmp_path, tiny_llama
                                              {"name": "HARD", "weight": 0.0, "weight_end": 1.0}]})
     args = ["--config", str(path), f"--model.name={tiny_llama}", "--lora.r=2", "--rollout.prompts_per_step=2",
             "--rollout.num_generations=2", "--rollout.max_new_tokens=4", f"--run.out_dir={tmp_path / 'run'}",
-            "--run.steps=3", "--run.save_every=1", "--run.sample_every=1", "--run.samples_per_log=4"]
+            "--run.steps=3", "--run.save_every=1", "--run.sample_every=1", "--run.samples_per_log=4",
+            f"--rewards=[{{name: '{tmp_path / 'gold.py'}:gold'}}]"]
+    (tmp_path / "gold.py").write_text("def gold(completion, sample):\n    return float(sample['answer'])\n")
     assert train.main(args) == 0
     lines = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [(m["data/easy"], m["data/hard"]) for m in (lines[0], lines[-1])] == [(1.0, 0.0), (0.0, 1.0)]
+    # each source's reward: easy rows score 1, hard rows 2 (a source not drawn in a step has none)
+    assert (lines[0]["data/easy/reward"], lines[-1]["data/hard/reward"]) == (1.0, 2.0)
+    assert "data/hard/reward" not in lines[0] and "data/easy/reward" not in lines[-1]
     def drawn():  # the prompts each step trained on, and what it sampled
         return [(s["step"], s["prompt"], s["completion"]) for s in map(json.loads, (tmp_path / "run/samples.jsonl").read_text().splitlines())]
     before = drawn()
