@@ -337,7 +337,14 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
 
 
 def _fmt(v) -> str:
-    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    """A table cell: 3 decimals, or 3 significant digits for a small nonzero value (a cost of $0.00027).
+
+    >>> _fmt(0.75), _fmt(0.00027), _fmt(0.0), _fmt(None), _fmt(12)
+    ('0.750', '0.00027', '0.000', '-', '12')
+    """
+    if not isinstance(v, float):
+        return "-" if v is None else str(v)
+    return f"{v:.3g}" if 0 < abs(v) < 0.001 else f"{v:.3f}"
 
 
 def render_table(results: dict[str, dict], title: str = "held-out evaluation") -> Table:
