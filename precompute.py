@@ -5,8 +5,9 @@ that rubric_alignment training reads.
     python precompute.py --config configs/grubrics.yaml --precompute.questions=data/healthbench.jsonl \\
         --precompute.map=healthbench --precompute.out=data/cache/grubrics_open.jsonl
     python precompute.py --config configs/grubrics.yaml --precompute.questions=GBaker/MedQA-USMLE-4-options \\
-        --precompute.map=medqa --precompute.gold_reward="{name: choice_accuracy, args: {...}}" \\
-        --precompute.out=data/cache/grubrics_verifiable.jsonl --precompute.limit=300
+        --precompute.map=medqa --precompute.out=data/cache/grubrics_verifiable.jsonl --precompute.limit=300 \\
+        --precompute.system_prompt="Answer the question. End with: The answer is <letter>." \\
+        --precompute.gold_reward="{name: choice_accuracy, args: {fallback_pattern: 'answer is ([A-D])'}}"
 
 Settings are the config's `precompute:` section (see config.py; configs/grubrics.yaml has one).
 Gold scores, one per answer:
