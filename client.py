@@ -209,15 +209,14 @@ class Judge:
 
     # --- cache -------------------------------------------------------------------------------------
     def _load_disk_cache(self) -> None:
-        bad, foreign, end = 0, 0, 0
-        for offset, end, rec in jsonl.read(self.cfg.cache_path):
+        bad, end = 0, 0
+        for offset, end, rec in jsonl.read(self.cfg.cache_path):  # complete lines: a torn last one is not read
             if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
                 self._disk_index[rec["key"]] = offset
-            else:  # corrupt, or torn by a kill (the next append ends a torn last line)
+            else:  # corrupt, or another kind of record
                 bad += 1
-                foreign += rec is not None  # a whole JSON record of another kind
-        if foreign and not self._disk_index:  # not a cache at all: a data file (paid answers?) must not be appended to
-            raise ValueError(f"judge: cache_path={self.cfg.cache_path} holds records but no cache records: is it a data "
+        if bad and not self._disk_index:  # not a cache at all: a data file (paid answers?) must not be appended to
+            raise ValueError(f"judge: cache_path={self.cfg.cache_path} holds lines but no cache records: is it a data "
                              "file? Give the cache a file of its own")
         if os.path.exists(self.cfg.cache_path) and os.path.getsize(self.cfg.cache_path) > end:
             bad += 1  # a last line torn by a kill
@@ -383,7 +382,8 @@ class Judge:
         try:
             replies = await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
         finally:
-            pending = [f for f in self._requests if not f.done()]  # interrupted (Ctrl-C): requests still out
+            loop = asyncio.get_running_loop()  # interrupted (Ctrl-C): this loop's requests still out
+            pending = [f for f in self._requests if not f.done() and f.get_loop() is loop]
             for f in pending:
                 f.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

@@ -166,18 +166,21 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> None:
     api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload model exported by minigrpo")
 
 
-def check_args(args) -> str | None:
+def check_args(args, cfg: Config) -> str | None:
     """Cheap checks first, so bad input fails before the base is loaded. -> the hub token, if pushing."""
     out = Path(args.out).resolve()
     if out.exists() and not args.overwrite:
         raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another directory")
-    if out.exists():  # --overwrite deletes it: only ever an earlier export (a model folder, nothing around it)
-        keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(), Path(args.config).resolve(), Path.cwd()]
-        an_export = (out / "config.json").is_file() and any(out.glob("*.safetensors")) and not \
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):  # --overwrite deletes it: only an earlier export
+        keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(), Path(args.config).resolve(), Path.cwd(),
+                Path(cfg.model.name).expanduser().resolve()]  # the base (itself an export, maybe)
+        card = out / "README.md"
+        an_export = (out / "config.json").is_file() and any(out.glob("*.safetensors")) and card.is_file() and \
+            "tags: [minigrpo," in card.read_text(errors="replace")[:2000] and not \
             any((out / n).exists() for n in ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml"))
         if not an_export or any(p == out or out in p.parents for p in keep):
-            raise ConfigError(f"--out {args.out} is not an earlier export (a folder with config.json and *.safetensors "
-                              "weights, holding nothing you train with); --overwrite replaces only that, so choose another directory")
+            raise ConfigError(f"--out {args.out} is not an earlier export of export.py (its model card, config.json and "
+                              "*.safetensors, holding nothing you train with); --overwrite replaces only that, so choose another directory")
     if not args.push_to_hub:
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
-        token = check_args(args)
+        token = check_args(args, cfg)
         adapter = find_adapter(args.adapter)
         try:  # the checkpoint's own config describes its training best; an older one may not parse
             train_cfg = load_config(adapter.parent / "config.yaml") if (adapter.parent / "config.yaml").is_file() else cfg

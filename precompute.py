@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted: every answer and grade received is cached (precompute.answers.cache_path, judge.cache_path); "
-              "rerun the same command: it pays only for the rest", file=sys.stderr)
+        print("\ninterrupted: every answer (and grade) received is cached (precompute.answers.cache_path, and "
+              "judge.cache_path for gold by the judge); rerun the same command: it pays only for the rest", file=sys.stderr)
         return 130
     p = cfg.precompute
     cost = ", ".join(f"{k} ${v:.4f}" for k, v in summary["cost_usd"].items())

@@ -85,8 +85,9 @@ def judge_or_answer(top: int = 10) -> Callable[[dict], str]:
     answers = Answers()
 
     def reply(body: dict) -> str:
-        text = body["messages"][-1]["content"]
-        return shaped_score(body, top) if "<number>" in text or "score" in text.lower() else answers(body)
+        text = body["messages"][-1]["content"]  # a judge template asks to "Score ... from a to b" or for "<number>"s
+        asks_score = "<number>" in text or re.search(r"\bscore\b.{0,60}?\b(from|between|out of)\b", text, re.I | re.S)
+        return shaped_score(body, top) if asks_score else answers(body)
     return reply
 
 

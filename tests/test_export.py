@@ -111,6 +111,13 @@ def test_an_existing_out_is_refused_unless_overwrite_and_overwrite_replaces_only
     assert run_export(trained, export_dir, "--overwrite") == 0
     assert not (export_dir / "stale.txt").exists() and (export_dir / "model.safetensors").is_file()
     assert not (tmp_path / "exported.old").exists()
+    # an export that holds the config being used (or is the base, the adapter, this directory) is kept too
+    shutil.copy(trained["config"], export_dir / "cfg.yaml")
+    assert export.main(["--config", str(export_dir / "cfg.yaml"), "--adapter", str(trained["run"]), "--out",
+                        str(export_dir), "--overwrite"]) == 2
+    assert (export_dir / "cfg.yaml").is_file() and "replaces only that" in error_line(capsys.readouterr().err)
+    (tmp_path / "empty").mkdir()  # an empty folder has nothing to lose
+    assert run_export(trained, tmp_path / "empty", "--overwrite") == 0
     # never the run being exported, a folder holding it, or a folder of runs
     run = trained["run"]
     for target in (run, run / "checkpoints", run.parent, tmp_path):

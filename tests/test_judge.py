@@ -221,7 +221,11 @@ def test_an_interrupted_batch_cancels_its_requests_and_keeps_what_arrived(server
 
     async def main():
         task = asyncio.ensure_future(judge._gather([chat(f"p{i}") for i in range(4)], None))
-        await asyncio.sleep(0.5)
+        for _ in range(200):  # until the first reply is cached (a cold `import openai` takes a while)
+            await asyncio.sleep(0.05)
+            if path.exists() and path.read_text().count("\n") == 1:
+                break
+        await asyncio.sleep(0.1)  # the second request is out, stalled
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -234,9 +238,16 @@ def test_a_data_file_given_as_the_cache_is_refused_not_appended_to(server, tmp_p
     answers = tmp_path / "grubrics_open.jsonl"  # paid answers, say
     answers.write_text(json.dumps({"question": "q", "answers": ["a", "b"], "gold_scores": [1, 0]}) + "\n")
     before = answers.read_bytes()
-    with pytest.raises(ValueError, match="holds records but no cache records"):
+    with pytest.raises(ValueError, match="holds lines but no cache records"):
         make_judge(server, cache_path=str(answers))
     assert answers.read_bytes() == before
+    pretty = tmp_path / "rows.json"  # a pretty-printed JSON array, or a CSV: no line is a cache record either
+    pretty.write_text(json.dumps([{"question": "q"}], indent=1) + "\n")
+    with pytest.raises(ValueError, match="holds lines but no cache records"):
+        make_judge(server, cache_path=str(pretty))
+    torn = tmp_path / "torn.jsonl"  # a cache whose only line was cut by a kill is still a cache
+    torn.write_text('{"key": "k", "rep')
+    make_judge(server, cache_path=str(torn))
 
 
 def test_requests_per_minute_spaces_request_starts(server):
