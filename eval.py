@@ -51,7 +51,8 @@ from safetensors import SafetensorError
 
 import jsonl
 import rollout
-from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
+from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture, config_to_dict, data_label, load_config,
+                    redacted)
 from data import Source, check_not_data_file, load_sources
 from client import Judge, JudgeConfig, JudgeUnusable
 from judge import judges_stats
@@ -231,6 +232,30 @@ def api_section(e: EvalConfig, target: str) -> tuple[str, JudgeConfig]:
     return "eval.api", dataclasses.replace(e.api, model=target)
 
 
+def trained_on_held_out(adapter: Path, cfg: Config) -> str | None:
+    """What is wrong, when the run that saved `adapter` (its checkpoint's config.yaml) trained on rows
+    of the data eval.select holds out: same file or dataset, split, shuffle and size, and an
+    overlapping data.select (or none). None when they are apart, or when it cannot tell (a mixture,
+    eval.name, no saved config)."""
+    saved = adapter.parent / "config.yaml"
+    if cfg.eval.name or cfg.eval.select is None or not saved.is_file():
+        return None
+    try:
+        d = load_config(saved).data
+    except (ConfigError, OSError):
+        return None
+    here = cfg.data
+    if active_mixture(d)[1] is not None or active_mixture(here)[1] is not None or \
+            (d.name, d.split, d.split_seed, d.num_examples) != (here.name, cfg.eval.split or here.split, here.split_seed, here.num_examples):
+        return None
+    sel, held = d.select, cfg.eval.select
+    if sel is None:
+        return f"was trained on every row of {d.name}, the held-out rows {held} included (see {saved})"
+    if sel[0] < held[1] and held[0] < sel[1]:
+        return f"was trained on rows {sel} of {d.name}, which overlap the held-out rows {held} (see {saved})"
+    return None
+
+
 @dataclass
 class Plan:
     """Everything checked before any model loads or any file is written."""
@@ -266,6 +291,9 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
     if cfg.data.select is None and not cfg.eval.name:
         print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
+    for e in entries:
+        if e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):
+            print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
     sources = held_out_sources(cfg)
     check_rows(cfg.rewards, [row for s in sources for row in s.rows], "held-out")
     for col in cfg.eval.keep_columns:

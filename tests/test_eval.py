@@ -211,6 +211,22 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
 
 
 
+def test_a_model_trained_on_the_held_out_rows_is_flagged_from_its_runs_own_config(project, tiny_llama, capsys):
+    """The MedMCQA workflow's disjoint splits: eval.py reads each adapter's saved training config and
+    warns when its data.select overlaps eval.select (same data, split and shuffle)."""
+    from config import load_config, save_config
+    cfg, tmp = project
+    for name, select, warned in (("apart", "[0,6]", False), ("leaky", "[0,8]", True), ("all", "null", True)):
+        ckpt = tmp / name / "checkpoints" / "step_000001"
+        make_adapter(tiny_llama, ckpt / "adapter", str(tiny_llama))
+        save_config(load_config(cfg, [f"--data.select={select}", "--eval.select=null"]), ckpt / "config.yaml")
+        assert ev.main(["--config", str(cfg), "--models", f"{name}={tmp / name}", "--eval.limit=1", "--overwrite"]) == 0
+        err = capsys.readouterr().err
+        assert (f"warning: {name} was trained on" in err) == warned, err
+        if name == "leaky":
+            assert "rows [0, 8]" in err and "overlap the held-out rows [6, 11]" in err
+
+
 def test_unloadable_model_entries_and_a_file_as_out_dir_are_one_line_errors(project, tiny_llama, capsys):
     cfg, tmp = project
     broken = tmp / "broken_export"
