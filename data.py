@@ -34,6 +34,7 @@ import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
 import judge
+from hub import offline_if_unreachable
 from rewards import import_function
 
 
@@ -118,7 +119,8 @@ def load_raw(cfg: DataConfig):
     else:
         import datasets
         try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA has 183k)
-            rows = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split)
+            with offline_if_unreachable():
+                rows = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split)
         except Exception as e:  # the hub raises many types; the user needs the first line
             raise DataError(f"could not load hub dataset data.name={cfg.name} (split {cfg.split}): {str(e).splitlines()[0]}") from None
         if cfg.num_examples:

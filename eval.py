@@ -55,6 +55,7 @@ from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture
                     redacted)
 from data import Source, check_not_data_file, load_sources
 from client import Judge, JudgeConfig, JudgeUnusable
+from hub import offline_if_unreachable
 from judge import judges_stats
 from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
 from metrics import model_metrics, per_source_metrics
@@ -83,7 +84,8 @@ def hub_download(spec: str, repo: str) -> Path:
     from huggingface_hub import snapshot_download
     repo_id, _, revision = repo.partition("@")
     try:
-        return Path(snapshot_download(repo_id, revision=revision or None))
+        with offline_if_unreachable():
+            return Path(snapshot_download(repo_id, revision=revision or None))
     except Exception as e:  # offline, private without HF_TOKEN, no such repo: one line
         raise ConfigError(f"model entry {spec!r}: could not download {repo_id} from the hub "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

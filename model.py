@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from config import ConfigError, LoraConfig, ModelConfig
+from hub import offline_if_unreachable
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
 # FutureWarning on every run that a user can do nothing about
@@ -100,7 +101,8 @@ def resolve_model_path(cfg: ModelConfig) -> str:
 def load_tokenizer(cfg: ModelConfig, path: str):
     from transformers import AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        with offline_if_unreachable():
+            tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except OSError as e:
         raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {str(e).splitlines()[0]}") from None
     if cfg.chat_template:
@@ -151,7 +153,8 @@ def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: b
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with offline_if_unreachable():
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
         raise ConfigError(f"could not load model.name={mcfg.name}: {str(e).splitlines()[0]}") from None
     if mcfg.quant != "4bit":

@@ -216,3 +216,20 @@ def test_a_json_file_holding_one_object_reads_the_rows_under_its_one_list(tmp_pa
     assert load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))[0]["messages"][0]["content"] == "hi"
     f.write_text(json.dumps({"data": [{"q": "a"}, {"q": "b"}]}))  # json.dump's default: one line
     assert [r["prompt"] for r in load_rows(DataConfig(name=str(f), prompt="q", answer_key=None))] == ["a", "b"]
+
+
+def test_an_unreachable_hub_is_used_offline_at_once(monkeypatch):
+    """No network: one DNS lookup decides, and hub calls use the local cache instead of retrying for
+    ~25 s per file (a dataset id that is not cached fails at once, with one line)."""
+    import time
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+    import hub
+    monkeypatch.setattr(hub, "reachable", lambda endpoint: False)
+    with hub.offline_if_unreachable():
+        assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert not hub_constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE  # restored
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match="could not load hub dataset data.name=minigrpo-test/no-such-dataset"):
+        load_rows(DataConfig(name="minigrpo-test/no-such-dataset", prompt="q"))
+    assert time.monotonic() - t0 < 10
