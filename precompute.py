@@ -23,6 +23,13 @@ Nothing paid for is lost: every answer is cached in precompute.answers.cache_pat
 judge.cache_path (append-only, fsynced, both required), so a killed or failed run is rerun with the
 same command and pays only for what it lacked. precompute.out is written atomically at the end, and
 an existing one is never overwritten.
+
+    python precompute.py --config configs/grubrics.yaml --validate data/cache/grubrics_open.jsonl
+
+--validate scores the expert rubrics themselves: rubric_alignment of each row's precompute.rubric_key
+against its gold_scores, through the judge: section, exactly as training scores a generated rubric.
+Its mean is the ceiling a trained rubric is measured against; with gold scores from people, it says
+how far the judge agrees with them. It writes nothing but the judge's cache.
 """
 from __future__ import annotations
 
@@ -173,13 +180,40 @@ def run(cfg: Config) -> dict:
             "mean_gold": sum(golds) / len(golds) if golds else None}
 
 
+def validate(cfg: Config, path: str) -> dict:
+    """The reward the expert rubrics earn on an answer file (module docstring)."""
+    p = cfg.precompute
+    if cfg.judge is None:
+        raise ConfigError("--validate grades through the judge: section; add one")
+    rows = mapped_rows(load_raw(DataConfig(name=path)), path, None)
+    for i, row in enumerate(rows):
+        if missing := [c for c in (p.rubric_key, "answers", "gold_scores") if row.get(c) in (None, "", [])]:
+            raise DataError(f"{path} row {i} has no {missing[0]!r}: --validate needs an answer file with the expert "
+                            f"rubric (precompute.rubric_key={p.rubric_key}), answers and gold_scores")
+    samples = [{**r, "question": build_prompt(r, p.question, i)} for i, r in enumerate(rows)]
+    judge = open_client(cfg.judge, "judge", "judge")
+    rho = rubric_alignment([r[p.rubric_key] for r in rows], samples, judge=judge, template=p.template)
+    scored = [v for v in rho if math.isfinite(v)]
+    stats = judge.pop_step_stats()
+    return {"rows": len(rows), "scored": len(scored), "mean_rho": sum(scored) / len(scored) if scored else None,
+            "constant": int(stats["judge_constant_scores"]), "cost_usd": stats["judge_cost_usd_total"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Any config field: --section.key=value (the precompute: section's in config.py)")
     ap.add_argument("--config", required=True, help="the training YAML, with a precompute: section")
+    ap.add_argument("--validate", metavar="ANSWER_FILE", help="score the expert rubrics of an answer file instead")
     args, overrides = ap.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
+        if args.validate:
+            v = validate(cfg, args.validate)
+            print(f"[precompute] the expert rubrics of {args.validate} earn a mean Spearman of "
+                  + ("-" if v["mean_rho"] is None else f"{v['mean_rho']:.3f}")
+                  + f" over {v['scored']} of {v['rows']} questions ({v['rows'] - v['scored']} with a failed judge call, "
+                  f"{v['constant']} with grades or gold that do not rank); cost this run: ${v['cost_usd']:.4f}")
+            return 0 if v["scored"] else 1
         summary = run(cfg)
     except (ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -83,6 +83,19 @@ def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_o
     assert [r["id"] for r in read(again)] == ["q0", "q1", "q3"] and [r for r in read(again) if r["id"] != failed] == written
     assert len(server.requests) == 1 + 3  # the failed answer, then that question's three grades
 
+    # --validate: the expert rubric ranks its own gold (made by the same judge and prompt) perfectly, from the cache;
+    # against reversed "human" scores it ranks them backwards
+    server.reset()
+    assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(again))) == 0
+    said = capsys.readouterr().out
+    assert "earn a mean Spearman of 1.000 over 3 of 3 questions" in said and "$0.0000" in said and not server.requests
+    reversed_ = tmp_path / "human.jsonl"
+    reversed_.write_text("".join(json.dumps({**r, "gold_scores": [-g for g in r["gold_scores"]]}) + "\n" for r in read(again)))
+    assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(reversed_))) == 0
+    assert "mean Spearman of -1.000" in capsys.readouterr().out
+    assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(questions))) == 2
+    assert "needs an answer file" in capsys.readouterr().err
+
     # training reads the file as written
     run = tmp_path / "run"
     assert train.main(["--config", "configs/grubrics.yaml", f"--model.name={tiny_llama}", f"--data.root={again.parent}",
