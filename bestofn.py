@@ -9,12 +9,16 @@ preference pairs (TRL's prompt / chosen / rejected, for DPO).
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
 A prompt is its predictions' (source, row). Completions without a reward (a failed API request, a
-reward with fallback: skip that failed) are never picked. For SFT the best completion is kept when
-its reward >= --min-reward; a pair is kept when best - worst >= --min-margin (> 0: a tie is no
-preference). --require NAME=V keeps only completions whose reward NAME is >= V (e.g. think_format=1:
-never pick a reply without its think block). `completion` (and chosen, rejected) is the text after
-the forced prefix the eval recorded (`assistant_prefix`, when there was one): train with the same
-data.assistant_prefix. Outputs are written atomically and never overwritten.
+reward with fallback: skip that failed) are never picked, nor is one cut at max_new_tokens
+(`truncated`; SFT on it would teach stopping mid-thought) unless --keep-truncated. For SFT the best
+completion is kept when its reward >= --min-reward; a pair is kept when best - worst >= --min-margin
+(> 0: a tie is no preference). --require NAME=V keeps only completions whose reward NAME is >= V
+(e.g. think_format=1: never pick a reply without its think block); the rejected one may miss it.
+SFT rows hold `completion`, the text after the forced prefix the eval recorded (`assistant_prefix`):
+train them with the same data.assistant_prefix, which SFT puts back. Pairs are for other trainers
+(TRL's DPOTrainer), so their chosen and rejected include that prefix (a forced <think>); their
+prompt is the user prompt as built by data.prompt, without data.system_prompt. Outputs are written
+atomically and never overwritten; nothing is written when a requested output would be empty.
 """
 from __future__ import annotations
 
@@ -34,15 +38,15 @@ def groups(records: list[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
-def eligible(rec: dict, require: dict[str, float]) -> bool:
-    """Has a reward, and every required reward reaches its bar."""
-    if rec.get("reward") is None or rec.get("api_failed"):
+def eligible(rec: dict, require: dict[str, float], keep_truncated: bool = False) -> bool:
+    """Has a reward, was not cut at max_new_tokens (unless keep_truncated), and every required reward reaches its bar."""
+    if rec.get("reward") is None or rec.get("api_failed") or (rec.get("truncated") and not keep_truncated):
         return False
     return all((rec.get("rewards") or {}).get(k) is not None and rec["rewards"][k] >= v for k, v in require.items())
 
 
 def select(records: list[dict], min_reward: float | None = None, min_margin: float = 1e-9,
-           require: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+           require: dict[str, float] | None = None, keep_truncated: bool = False) -> tuple[list[dict], list[dict]]:
     """-> (SFT rows: each prompt's best, pairs: each prompt's best vs worst). The best is the first
     of the highest reward (file order), the worst the first of the lowest.
 
@@ -54,19 +58,21 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
     require = require or {}
     sft, pairs = [], []
     for (source, row), recs in groups(records).items():
-        ok = [r for r in recs if eligible(r, require)]
+        ok = [r for r in recs if eligible(r, require, keep_truncated)]
         if not ok:
             continue
         best = max(ok, key=lambda r: r["reward"])  # max/min keep the first of equals
         worst = min([r for r in recs if r.get("reward") is not None and not r.get("api_failed")], key=lambda r: r["reward"])
         where = {"row": row, **({"source": source} if source is not None else {}),
                  **({"columns": best["columns"]} if best.get("columns") else {})}  # eval.keep_columns, nested as there
-        prefix = {"assistant_prefix": best["assistant_prefix"]} if best.get("assistant_prefix") else {}
+        forced = best.get("assistant_prefix") or ""
+        prefix = {"assistant_prefix": forced} if forced else {}
         if min_reward is None or best["reward"] >= min_reward:
             sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"]})
         if best["reward"] - worst["reward"] >= min_margin:
-            pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": best["completion"],
-                          "rejected": worst["completion"], "chosen_reward": best["reward"], "rejected_reward": worst["reward"]})
+            pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
+                          "rejected": forced + worst["completion"], "chosen_reward": best["reward"],
+                          "rejected_reward": worst["reward"]})
     return sft, pairs
 
 
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-reward", type=float, default=None, help="SFT: keep a best completion only from this reward up")
     ap.add_argument("--min-margin", type=float, default=1e-9, help="pairs: keep only when best - worst >= this")
     ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V", help="only completions whose reward NAME >= V")
+    ap.add_argument("--keep-truncated", action="store_true", help="also pick completions cut at max_new_tokens")
     args = ap.parse_args(argv)
     try:
         if not (args.sft or args.pairs):
@@ -112,10 +119,14 @@ def main(argv: list[str] | None = None) -> int:
                 records.append(rec)
         if not records:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")
-        sft, pairs = select(records, args.min_reward, args.min_margin, require)
+        sft, pairs = select(records, args.min_reward, args.min_margin, require, args.keep_truncated)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if empty := [flag for flag, path, rows in (("--sft", args.sft, sft), ("--pairs", args.pairs, pairs)) if path and not rows]:
+        print(f"error: nothing passed the bars for {' and '.join(empty)} (see --min-reward, --min-margin, --require, "
+              "--keep-truncated); nothing was written", file=sys.stderr)
+        return 1
     prompts = len(groups(records))
     for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
         if path:

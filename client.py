@@ -41,6 +41,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
+from urllib.parse import urlsplit
 
 import jsonl
 
@@ -178,6 +179,12 @@ class Judge:
     @property
     def _endpoint(self) -> str:
         return self.cfg.azure_endpoint or self.cfg.base_url
+
+    @property
+    def key_missing(self) -> bool:
+        """api_key_env is unset while the endpoint is not on this machine: every call would be refused."""
+        host = urlsplit(self._endpoint).hostname or ""
+        return not os.environ.get(self.cfg.api_key_env) and host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
     # --- stats -------------------------------------------------------------------------------------
     def add_stat(self, name: str, value: float = 1.0) -> None:

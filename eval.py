@@ -359,7 +359,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
                 **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
-                **({"api_failed": True} if gen.failed and gen.failed[i] else {})}
+                **({"api_failed": True} if gen.failed and gen.failed[i] else {}),
+                **({"truncated": True} if gen.truncated and gen.truncated[i] else {})}
                for i, (s, text, nt, total) in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
     jsonl.write_atomic(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
                        "".join(json.dumps(r, default=str) + "\n" for r in records))

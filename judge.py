@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -209,6 +210,9 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
             judges[name] = Judge(cfg, label=key)
         except (ValueError, OSError) as e:
             raise ValueError(f"{key}: {str(e).removeprefix('judge: ')}") from None
+        if judges[name].key_missing:
+            print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {cfg.azure_endpoint or cfg.base_url} "
+                  "is not on this machine: its calls will be refused (export the key, or set api_key_env)", file=sys.stderr)
     return judges
 
 

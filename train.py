@@ -273,6 +273,7 @@ def dry_run_report(r: Run) -> str:
              f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
     lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"] if cfg.rewards else []
     lines += [f"  judges: {', '.join(r.judges)} (not called)"] if r.judges else []
+    lines += [f"  warning: {n}'s key ${j.cfg.api_key_env} is not set" for n, j in r.judges.items() if j.key_missing]
     lines += [f"  held-out rows for run.eval_every: {len(r.eval_rows)}"] if r.eval_rows else []
     lines += [f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"] if cfg.data.answer_key and cfg.mode == "grpo" else []
     return "\n".join(lines + ["  row 0 as the model sees it" + (" (prompt, then the reply trained on):" if cfg.mode == "sft"

@@ -27,6 +27,10 @@ def test_best_and_worst_per_prompt_with_bars_requirements_and_unscored_completio
     assert [r["completion"] for r in sft] == ["b", "d", "f"] and pairs == []  # no SFT bar; margins 1.5 and 0.8
     assert [p["chosen"] for p in bestofn.select(records, min_margin=1.5)[1]] == ["b"]
     # a requirement keeps a completion that misses it from being picked, but it can still be the rejected one
+    cut = [rec(0, "cut off", 2.0, truncated=True), rec(0, "whole", 1.0), rec(0, "weak", 0.0)]
+    assert bestofn.select(cut)[0][0]["completion"] == "whole"  # a truncated reply is not a pick ...
+    assert bestofn.select(cut, keep_truncated=True)[0][0]["completion"] == "cut off"
+    assert bestofn.select(cut)[1][0]["rejected"] == "weak"
     think = [rec(0, "no think", 3.0, rewards={"think_format": 0.0}), rec(0, "think", 1.0, rewards={"think_format": 1.0}),
              rec(0, "weak think", 0.5, rewards={"think_format": 1.0})]
     sft, pairs = bestofn.select(think, require={"think_format": 1.0})
@@ -71,7 +75,11 @@ def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, ti
     assert ev.main(["--config", str(cfg), "--models", "base", "--data.select=null"]) == 0
     preds = [json.loads(ln) for ln in (tmp_path / "eval/predictions_base.jsonl").read_text().splitlines()]
     best, pairs = tmp_path / "best.jsonl", tmp_path / "pairs.jsonl"
-    assert bestofn.main([str(tmp_path / "eval/predictions_base.jsonl"), "--sft", str(best), "--pairs", str(pairs)]) == 0
+    assert all(p["truncated"] for p in preds)  # a random model never stops within 6 tokens
+    assert bestofn.main([str(tmp_path / "eval/predictions_base.jsonl"), "--sft", str(best), "--pairs", str(pairs)]) == 1
+    assert "nothing passed the bars for --sft and --pairs" in capsys.readouterr().err and not best.exists()
+    assert bestofn.main([str(tmp_path / "eval/predictions_base.jsonl"), "--sft", str(best), "--pairs", str(pairs),
+                         "--keep-truncated"]) == 0
     assert "from 4 prompts" in capsys.readouterr().out
     picks = [json.loads(ln) for ln in best.read_text().splitlines()]
     assert len(picks) == 4 and all(p["assistant_prefix"] == "Sum:" for p in picks)
@@ -80,6 +88,8 @@ def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, ti
         assert len(same) == 3 and p["reward"] == max(same)
     made = [json.loads(ln) for ln in pairs.read_text().splitlines()]
     assert made and all(p["chosen_reward"] > p["rejected_reward"] for p in made)
+    assert all(p["chosen"].startswith("Sum:") and p["rejected"].startswith("Sum:") for p in made)  # the forced prefix
+    assert not any(p["completion"].startswith("Sum:") for p in picks)  # SFT puts it back itself
     assert train.main(["--config", str(cfg), "--mode=sft", f"--data.name={best}", "--data.prompt=prompt",
                        "--data.target=completion", "--data.answer_key=null", "--data.select=null",
                        "--data.num_examples=0", "--eval.select=null"]) == 0

@@ -580,3 +580,13 @@ def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape
     reply = shaped_score({"messages": [{"role": "user", "content": prompt}]}, top=5)
     parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
     assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
+
+
+def test_a_missing_key_for_a_remote_endpoint_is_said_before_any_call(monkeypatch, capsys):
+    from judge import open_judges
+    remote = JudgeConfig(base_url="https://api.example.com/v1", model="m", api_key_env="MINIGRPO_TEST_UNSET_KEY")
+    assert Judge(remote).key_missing and not Judge(JudgeConfig(model="m", api_key_env="MINIGRPO_TEST_UNSET_KEY")).key_missing
+    open_judges(remote, {})
+    assert "$MINIGRPO_TEST_UNSET_KEY is not set" in capsys.readouterr().err
+    monkeypatch.setenv("MINIGRPO_TEST_UNSET_KEY", "sk-x")
+    assert not Judge(remote).key_missing
