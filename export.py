@@ -35,11 +35,11 @@ import torch
 
 import rollout
 from config import Config, ConfigError, data_label, load_config
-from model import BUILTIN, apply_adapter_chain, find_adapter, load_base
+from model import BUILTIN, apply_adapter_chain, check_adapter_base, find_adapter, load_base
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="Any config field: --section.key=value")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Any config field: --section.key=value")
     ap.add_argument("--config", required=True, help="the YAML config the adapter was trained with (its model section)")
     ap.add_argument("--adapter", required=True, help="run directory, checkpoint or adapter directory")
     ap.add_argument("--out", required=True, help="directory to write the merged model to")
@@ -199,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         token = check_args(args, cfg)
         adapter = find_adapter(args.adapter)
+        try:  # before the base loads: a recipe config names the recipe's model, the run may have trained another
+            check_adapter_base(adapter, cfg.model)
+        except ConfigError as e:
+            saved = adapter.parent / "config.yaml"
+            raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})" if saved.is_file() else "")) from None
         try:  # the checkpoint's own config describes its training best; an older one may not parse
             train_cfg = load_config(adapter.parent / "config.yaml") if (adapter.parent / "config.yaml").is_file() else cfg
         except ConfigError:

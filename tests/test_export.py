@@ -131,6 +131,10 @@ def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_
     other = tmp_path / "other_adapter"
     shutil.copytree(trained["run"] / "checkpoints/step_000007/adapter", other)
     (other / PROVENANCE).write_text(json.dumps({"base_model": "someone/else", "revision": None, "merged": []}))
+    # a recipe's config names the recipe's model; the error says which config the run saved
+    wrong = export.main(["--config", "configs/bioreasoner.yaml", "--adapter", str(trained["run"]), "--out", str(tmp_path / "x")])
+    err = error_line(capsys.readouterr().err)
+    assert wrong == 2 and "but model.name is 'Qwen/Qwen2.5-7B-Instruct'" in err and "--config " in err and "config.yaml" in err
     out = tmp_path / "merged"
     corrupt = tmp_path / "corrupt_adapter"
     shutil.copytree(trained["run"] / "checkpoints/step_000007/adapter", corrupt)
