@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="*", help="run directories (or their metrics.jsonl)")
     ap.add_argument("--eval", metavar="RESULTS_JSON", help="eval results: a bar chart per metric")
     ap.add_argument("--out", default="plots", help="directory for the PNG files")
-    ap.add_argument("--metrics", nargs="+", help="metric keys to draw (default: the training curves listed above)")
+    ap.add_argument("--metrics", nargs="+", help="metric keys to draw (default: the training curves the module docstring lists)")
     ap.add_argument("--smooth", type=float, default=0.0, help="EMA weight A in [0, 1) for the curves (0: raw)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     plt = pyplot()
