@@ -145,11 +145,11 @@ def plot_eval(plt, models: dict[str, dict[str, float]], metrics: list[str], out:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", help="run directories (or their metrics.jsonl)")
     ap.add_argument("--eval", metavar="RESULTS_JSON", help="eval results: a bar chart per metric")
     ap.add_argument("--out", default="plots", help="directory for the PNG files")
-    ap.add_argument("--metrics", nargs="+", help="metric keys to draw (default: the training curves the module docstring lists)")
+    ap.add_argument("--metrics", nargs="+", help="metric keys to draw (default: the curves listed above)")
     ap.add_argument("--smooth", type=float, default=0.0, help="EMA weight A in [0, 1) for the curves (0: raw)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     plt = pyplot()
