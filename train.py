@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                     metrics |= held_out_metrics(r)
             except JudgeUnusable as e:  # a refused key or a wrong model name: no later step would score either
                 print(f"error: {e}; stopped at step {step}: fix it, then --resume from the last checkpoint in {run_dir}"
-                      if any(checkpoints(run_dir)) else f"error: {e}; stopped at step {step}, nothing trained yet",
+                      if any(checkpoints(run_dir)) else f"error: {e}; stopped at step {step}, before any checkpoint",
                       file=sys.stderr)
                 if tracker:
                     tracker.finish()
