@@ -27,7 +27,9 @@ The trainer waits until every completion of the batch is rated, saying every min
 are left; with `timeout_s` a completion waits at most that long after it was queued, then gets
 the reward's fallback (counted in reward_errors/<name>) and stays on the page. The page has no
 login: it listens on 127.0.0.1 unless --host says otherwise; reach it from elsewhere through an
-SSH tunnel.
+SSH tunnel. Its form posts to /rate: `token` (the hidden field of the page, which refuses forms
+from other sites), `ids` (the comma-separated item ids shown) and `<id>.<criterion>=N` for each;
+a script can rate through it with curl, or append to ratings.jsonl in the format above.
 """
 from __future__ import annotations
 
