@@ -12,12 +12,15 @@ and what is not fails at once with their usual "not in the cached files" error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 from urllib.parse import urlsplit
 
 
+@functools.lru_cache(maxsize=None)
 def reachable(endpoint: str) -> bool:
-    """Whether the endpoint's host resolves (a DNS lookup, no request)."""
+    """Whether the endpoint's host resolves (a DNS lookup, no request; once a process: a slow failing
+    lookup is not paid again for the tokenizer, the model and the data)."""
     try:
         socket.getaddrinfo(urlsplit(endpoint).hostname or endpoint, 443)
         return True

@@ -7,9 +7,9 @@ A reward scores one completion of one sample; None means "does not apply to this
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
-before any model loads; and a `row_keys` attribute naming its arguments that hold a data column
-(as every built-in *_key argument does): a column no row has stops the run before it starts
-(scoring.check_rows). The config names rewards, weights and arguments:
+before any model loads; and a `row_keys` attribute (or `register(..., row_keys=...)`) naming its
+arguments that hold a data column, as the built-ins' gold_key and valid_key do: a column no row
+has stops the run before it starts (scoring.check_rows). The config names rewards, weights and arguments:
 
     rewards:
       - {name: json_valid}
@@ -52,9 +52,12 @@ class RewardSpec:
 
 
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
-def register(name: str, batched: bool = False):
-    """Decorator that makes a reward available to configs under `name`."""
+def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
+    """Decorator that makes a reward available to configs under `name`; row_keys: its arguments that
+    name a data column (scoring.check_rows checks the rows have it)."""
     def decorate(fn):
+        if row_keys:
+            fn.row_keys = row_keys
         old = REGISTRY.get(name)
         # the same module imported twice (doctest and tests) re-registers the same function: fine
         if old and (old[0].__module__, old[0].__qualname__) != (fn.__module__, fn.__qualname__):
@@ -267,7 +270,7 @@ def _gold_letter(gold: Any, letters: list[str]) -> str:
     raise ValueError(f"gold answer {gold!r} is neither one of {letters} nor an index 0-{len(letters) - 1}")
 
 
-@register("choice_accuracy")
+@register("choice_accuracy", row_keys=("gold_key",))
 def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", field: str = "predicted_category",
                     letters: str = "ABCD", fallback_pattern: str | None = None, allow_fence: bool = False,
                     strip_think: bool = True, assistant_prefix: str = "") -> float | None:
@@ -345,7 +348,7 @@ def _final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
-@register("answer_match")
+@register("answer_match", row_keys=("gold_key",))
 def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: str = "last",
                  tolerance: float = 1e-6, strip_think: bool = True, assistant_prefix: str = "") -> float | None:
     r"""1.0 if the completion's final number equals the gold number, else 0.0; None without gold.
@@ -404,7 +407,7 @@ def think_format(completion: str, sample: dict, min_think_chars: int = 10, requi
     return float(len(thought.strip()) >= min_think_chars and (bool(answer.strip()) or not require_answer))
 
 
-@register("citation_grounding")
+@register("citation_grounding", row_keys=("valid_key",))
 def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)",
                        valid_key: str = "valid_pmids", reward_valid: float = 1.0, penalty_invalid: float = -2.0,
                        normalize: bool = False, dedupe: bool = True, no_citation: float = 0.0,
@@ -448,7 +451,7 @@ def _citations(completion: str, sample: dict, pattern: str, valid_key: str, dedu
     return (list(dict.fromkeys(cited)) if dedupe else cited), {str(v).strip() for v in valid}
 
 
-@register("invented_citation")
+@register("invented_citation", row_keys=("valid_key",))
 def invented_citation(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)", valid_key: str = "valid_pmids",
                       ignore_case: bool = True) -> float | None:
     r"""1.0 when the completion cites at least one id that is not in sample[valid_key], else 0.0 (None
@@ -519,5 +522,5 @@ from judge import judge_reward, rubric_alignment  # noqa: E402
 from ratings import human  # noqa: E402
 
 register("judge", batched=True)(judge_reward)
-register("rubric_alignment", batched=True)(rubric_alignment)
-register("human", batched=True)(human)
+register("rubric_alignment", batched=True, row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)
+register("human", batched=True, row_keys=("prompt_key",))(human)

@@ -103,18 +103,16 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
 
 
 def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", key: str = "rewards") -> None:
-    """Fail early when the rewards read columns the rows lack: a built-in reward's argument named
-    *_key (gold_key, valid_key, answers_key: given, or its default), or one your reward lists in its
-    `row_keys` attribute, names a column that no row has; or a row lacks a field of a judge template
+    """Fail early when the rewards read columns the rows lack: an argument the reward lists in its
+    `row_keys` (the built-ins' gold_key, valid_key, answers_key; given, or its default) names a
+    column that no row has; or a row lacks a field of a judge template
     (a reward's `row_fields(**args)`). Otherwise the reward would score every completion None or its
     fallback and the run would learn nothing, silently. ConfigError names the config `key`."""
     for name, spec in zip(reward_keys(specs), specs):
         fn, _ = resolve(spec)
-        builtin = fn.__module__ in ("rewards", "judge", "ratings")
         for p in _params(fn):
             column = spec.args.get(p.name, p.default)
-            named = p.name.endswith("_key") if builtin else p.name in getattr(fn, "row_keys", ())
-            if named and isinstance(column, str) and rows and not any(column in r for r in rows):
+            if p.name in getattr(fn, "row_keys", ()) and isinstance(column, str) and rows and not any(column in r for r in rows):
                 raise ConfigError(f"{key}: reward {name!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
                                  f"the rows have: {', '.join(rows[0])}")
         if callable(getattr(fn, "row_fields", None)):
