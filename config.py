@@ -76,6 +76,8 @@ class DataConfig:
     split: str = "train"  # hub dataset split
     prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
     target: str | None = None  # SFT: column or template of the assistant reply to learn
+    chosen: str | None = None  # DPO: column or template of the preferred reply (e.g. bestofn.py's pairs: chosen)
+    rejected: str | None = None  # DPO: column or template of the dispreferred reply (rejected)
     answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
     assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
@@ -172,6 +174,13 @@ class SftConfig:
 
 
 @dataclass
+class DpoConfig:
+    beta: float = 0.1  # strength of the pull to the reference: the implicit reward is beta x the log-ratio
+    batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows, a pair's two together)
+    max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error
+
+
+@dataclass
 class EvalConfig:
     select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
     split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
@@ -215,7 +224,8 @@ class PrecomputeConfig:
 
 @dataclass
 class Config:
-    mode: Literal["grpo", "sft"] = "grpo"  # what train.py does: GRPO, or supervised fine-tuning on data.target
+    mode: Literal["grpo", "sft", "dpo"] = "grpo"  # what train.py does: GRPO, supervised fine-tuning on data.target,
+    #   or DPO on preference pairs (data.chosen over data.rejected)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -228,6 +238,7 @@ class Config:
     judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a reward's args: {judge: NAME}
     #   (two judges scoring the same completions: dual-judge evaluation); each a full judge section
     sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
+    dpo: DpoConfig = field(default_factory=DpoConfig)  # direct preference optimization (mode: dpo)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
 
@@ -380,7 +391,8 @@ def _check(cfg: Config) -> None:
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
                 "run.steps": cfg.run.steps, "lora.r": cfg.lora.r,
-                "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length}
+                "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
+                "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
@@ -445,6 +457,9 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
         raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
+    if cfg.mode == "dpo" and not (cfg.data.chosen and cfg.data.rejected):
+        raise ConfigError("mode: dpo learns data.chosen over data.rejected: set both to the columns (or templates) of "
+                          "the two replies, e.g. data.chosen: chosen, data.rejected: rejected (bestofn.py's pairs)")
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
 

@@ -331,23 +331,32 @@ def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
         extra = {}
         if cfg.target:
             prompt, extra["target"] = split_reply(prompt, build_prompt(row, cfg.target, i), cfg, i)
+        for key in ("chosen", "rejected"):  # DPO: both replies of a pair, after the same prompt
+            if column := getattr(cfg, key):
+                prompt, extra[key] = split_reply(prompt, build_prompt(row, column, i), cfg, i, key)
+                if cfg.assistant_prefix and extra[key].startswith(cfg.assistant_prefix):
+                    raise DataError(f"row {i}: data.{key} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
+                                    "the prompt already ends with; set data.assistant_prefix: '' for replies that carry it "
+                                    "(bestofn.py's pairs do)")
         if not isinstance(prompt, (str, list)) or not prompt:
             raise DataError(f"row {i}: the prompt is empty or not text")
         out.append({**row, "prompt": prompt, **extra})
     return out
 
 
-def split_reply(prompt, target, cfg: DataConfig, i: int) -> tuple:
-    """(prompt, reply text) of an SFT row. A target holding chat messages (TRL's conversational
-    formats: `messages`, or a `completion` list) is replied to by its last message, which must be
-    the assistant's; when data.prompt names the same column, the messages before it are the prompt."""
+def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") -> tuple:
+    """(prompt, reply text) of an SFT row (or a DPO reply: key chosen, rejected). A reply holding chat
+    messages (TRL's conversational formats: `messages`, or a `completion` list) is its last message,
+    which must be the assistant's; when data.prompt names the same column, the messages before it are
+    the prompt."""
     if not isinstance(target, (list, dict)):
         return prompt, str(target)  # text, or a number column (an answer of 5 is the reply "5")
     last = target[-1] if isinstance(target, list) and target else None
+    column = getattr(cfg, key)
     if not (isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)):
-        raise DataError(f"row {i}: data.target={cfg.target} holds {'a list' if isinstance(target, list) else 'an object'}, "
+        raise DataError(f"row {i}: data.{key}={column} holds {'a list' if isinstance(target, list) else 'an object'}, "
                         "not text or chat messages ending with the assistant's reply ({role: assistant, content: ...})")
-    return (target[:-1] if cfg.prompt == cfg.target else prompt), last["content"]
+    return (target[:-1] if cfg.prompt == column else prompt), last["content"]
 
 
 class PromptSampler:

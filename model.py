@@ -276,15 +276,17 @@ def save_adapter(model, path: Path) -> None:
         config.write_text(json.dumps(cfg, indent=2))
 
 
-def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False, beta: float = 0.0):
+def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False, beta: float = 0.0,
+                beta_key: str = "grpo.beta"):
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
     starting from model.init_adapter when set: continued (the adapter keeps its own r, alpha and
-    target modules; lora.* are not used), or merged into the base under a fresh LoRA."""
+    target modules; lora.* are not used), or merged into the base under a fresh LoRA. beta > 0 (the
+    config key beta_key) means a reference policy, which a continued adapter cannot give."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
     prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
     continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter
     if continuing and beta > 0:  # the reference is the policy with its adapter off: here that is the base, not the SFT model
-        raise ConfigError("grpo.beta > 0 with a continued model.init_adapter would pull the policy back to the base, not to "
+        raise ConfigError(f"{beta_key} > 0 with a continued model.init_adapter would pull the policy back to the base, not to "
                           "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)

@@ -18,10 +18,13 @@ import torch
 import rollout
 
 
-def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
-    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on device)."""
+def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None, replies: list[str] | None = None,
+              limit: tuple[str, int] | None = None) -> rollout.Rollout:
+    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on device).
+    replies: one a row (default: the rows' targets); limit: (config key, tokens) a row may hold (sft.max_length)."""
     prompts = rollout.render_rows(tokenizer, rows, cfg.data)
-    replies = [r["target"] + tokenizer.eos_token for r in rows]
+    replies = [t + tokenizer.eos_token for t in (replies if replies is not None else [r["target"] for r in rows])]
+    key, most = limit or ("sft.max_length", cfg.sft.max_length)
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"
     try:
@@ -29,9 +32,9 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
     finally:
         tokenizer.padding_side = side
     lengths = p.attention_mask.sum(1) + c.attention_mask.sum(1)  # (n,)
-    if int(lengths.max()) > cfg.sft.max_length:
+    if int(lengths.max()) > most:
         i = int(lengths.argmax())
-        raise ValueError(f"an SFT example has {int(lengths[i])} tokens > sft.max_length={cfg.sft.max_length}: {prompts[i][:80]!r}")
+        raise ValueError(f"an example has {int(lengths[i])} tokens > {key}={most}: {prompts[i][:80]!r}")
     return rollout.Rollout(*(x.to(device or "cpu") for x in (p.input_ids, p.attention_mask, c.input_ids,
                            c.attention_mask.float(), torch.zeros(len(rows), dtype=torch.bool))), replies)
 

@@ -141,18 +141,21 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
     return weight
 
 
-def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0) -> list[slice]:
+def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0, group: int = 1) -> list[slice]:
     """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
     at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
     what its forward pays for after trimming. A row over the budget on its own gets its own
-    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt)."""
+    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt). group: cut only
+    between whole groups of that many rows (a DPO pair's two replies, which one loss term joins)."""
     n = batch.completion_ids.shape[0]
+    size = max(size // group, 1) * group
     if not max_tokens:
         return [slice(s, min(s + size, n)) for s in range(0, n, size)]
     p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
     out, start = [], 0
-    for i in range(1, n):  # does row i still fit in the micro-batch [start, i]?
-        padded = (i - start + 1) * (max(p_len[start:i + 1]) + max(c_len[start:i + 1]))
+    for i in range(group, n, group):  # do rows i .. i + group - 1 still fit in the micro-batch that starts at `start`?
+        end = min(i + group, n)
+        padded = (end - start) * (max(p_len[start:end]) + max(c_len[start:end]))
         if i - start >= size or padded > max_tokens:
             out.append(slice(start, i))
             start = i

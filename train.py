@@ -70,7 +70,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
-         ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"),
+         ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
+         ("rewards/accuracies", "acc {:.2f}"), ("eval/rewards/accuracies", "eval acc {:.2f}"),
          ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
          ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
 
@@ -98,7 +99,7 @@ class Run:
     device: torch.device
     model: torch.nn.Module
     tokenizer: object
-    ref_copy: torch.nn.Module | None  # full fine-tuning with beta > 0 only
+    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO with beta > 0, DPO) only
     params: list
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -116,14 +117,25 @@ def flat(d: dict, prefix: str = "") -> dict:
             (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
 
 
+REPLIES = {"grpo": (), "sft": ("target",), "dpo": ("chosen", "rejected")}  # the reply columns a mode trains on
+
+
+def reference_beta(cfg: Config) -> float:
+    """The weight on the reference policy: grpo.beta (GRPO), dpo.beta (DPO), 0 (SFT has none)."""
+    return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
+
+
 def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
-    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT);
-    -> which row is the longest, for --dry-run."""
-    texts = [p + (r["target"] + tokenizer.eos_token if cfg.mode == "sft" else "")
-             for p, r in zip(rollout.render_rows(tokenizer, rows, cfg.data), rows)]
-    lengths = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
+    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
+    or dpo.max_length (DPO, each reply); -> which row is the longest, for --dry-run."""
+    keys = REPLIES[cfg.mode] or ("",)
+    texts = [p + (r[k] + tokenizer.eos_token if k else "")
+             for p, r in zip(rollout.render_rows(tokenizer, rows, cfg.data), rows) for k in keys]
+    each = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
+    lengths = [max(each[i:i + len(keys)]) for i in range(0, len(each), len(keys))]  # a row's longest
     longest = max(range(len(rows)), key=lengths.__getitem__)
-    key, limit = ("sft.max_length", cfg.sft.max_length) if cfg.mode == "sft" else ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens)
+    key, limit = {"sft": ("sft.max_length", cfg.sft.max_length), "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
+        cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
     if lengths[longest] > limit:
         raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
     return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
@@ -174,17 +186,17 @@ def setup(args, overrides: list[str]) -> Run:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
-    model, tokenizer = load_policy(cfg.model, cfg.lora, device, beta=cfg.grpo.beta if cfg.mode == "grpo" else 0.0)
+    model, tokenizer = load_policy(cfg.model, cfg.lora, device, beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
     if ckpts and (ckpts[-1] / "adapter" / PROVENANCE).is_file():
         saved = json.loads((ckpts[-1] / "adapter" / PROVENANCE).read_text())
         if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
                               f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
     check_lengths(cfg, rows, tokenizer)
-    if eval_rows and cfg.mode == "sft":  # eval/loss runs them through the same batches
+    if eval_rows and cfg.mode != "grpo":  # eval/loss runs them through the same batches
         check_lengths(cfg, eval_rows, tokenizer, "held-out row")
     ref_copy = None
-    if cfg.grpo.beta > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
+    if reference_beta(cfg) > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
@@ -232,12 +244,14 @@ def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
 
 def held_out_metrics(r: Run) -> dict:
     """eval/* metrics: the held-out rows decoded as eval.py decodes them (eval.temperature, eval.num_samples)
-    by the policy now, scored with the rewards (SFT: eval/loss, and these when it has rewards). The
-    random state is set aside and restored, so a run with run.eval_every trains exactly as one without."""
+    by the policy now, scored with the rewards (SFT: eval/loss; DPO: eval/loss, eval/rewards/*; and these
+    when it has rewards). The random state is set aside and restored, so a run with run.eval_every
+    trains exactly as one without."""
+    import dpo
     import eval as ev
     from sft import held_out_loss
     cfg, t0 = r.cfg, time.time()
-    loss = {"eval/loss": held_out_loss(r)} if cfg.mode == "sft" else {}
+    loss = {"sft": lambda: {"eval/loss": held_out_loss(r)}, "dpo": lambda: dpo.held_out_metrics(r)}.get(cfg.mode, dict)()
     if not cfg.rewards:
         return loss | {"eval/seconds": time.time() - t0}
     was_training = r.model.training
@@ -267,7 +281,8 @@ def dry_run_report(r: Run) -> str:
     """What --dry-run prints: the data as loaded and the first row exactly as the model will see it."""
     cfg, row = r.cfg, r.rows[0]
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
-    shown = rollout.render_rows(r.tokenizer, [row], cfg.data)[0] + (row["target"] + r.tokenizer.eos_token if cfg.mode == "sft" else "")
+    prompt, eos = rollout.render_rows(r.tokenizer, [row], cfg.data)[0], r.tokenizer.eos_token
+    shown = prompt + (row["target"] + eos if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
              f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
              f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
@@ -276,6 +291,9 @@ def dry_run_report(r: Run) -> str:
     lines += [f"  warning: {n}'s key ${j.cfg.api_key_env} is not set" for n, j in r.judges.items() if j.key_missing]
     lines += [f"  held-out rows for run.eval_every: {len(r.eval_rows)}"] if r.eval_rows else []
     lines += [f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"] if cfg.data.answer_key and cfg.mode == "grpo" else []
+    if cfg.mode == "dpo":
+        return "\n".join(lines + ["  row 0 as the model sees it (prompt):", prompt, "  chosen reply:",
+                                   row["chosen"] + eos, "  rejected reply:", row["rejected"] + eos])
     return "\n".join(lines + ["  row 0 as the model sees it" + (" (prompt, then the reply trained on):" if cfg.mode == "sft"
                                                                   else " (the completion follows):"), shown])
 
@@ -304,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
-    from sft import sft_step  # sft.py imports from this module: import it late
-    step_fn = sft_step if cfg.mode == "sft" else train_step
+    from dpo import dpo_step  # sft.py and dpo.py import from this module: import them late
+    from sft import sft_step
+    step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
     tracker = open_tracker(cfg, run_dir, resumed=start > 0)
     with progress_display(cfg.run.steps, start) as show:
@@ -369,7 +388,8 @@ class progress_display:
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:
-            keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else ("loss", "epoch")
+            keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else (
+                "loss", "rewards/margins", "rewards/accuracies", "epoch")
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
         else:

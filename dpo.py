@@ -1,0 +1,113 @@
+"""Direct preference optimization (`mode: dpo`): the model setup, data, checkpoints and resume of
+a GRPO run, trained on preference pairs (a prompt, a chosen reply, a rejected one). Run it
+through train.py, e.g. on bestofn.py's best-vs-worst pairs:
+
+    python bestofn.py runs/eval/predictions_sft.jsonl --pairs pairs.jsonl
+    python train.py --config my_dpo.yaml      # mode: dpo, data.chosen / data.rejected: the replies' columns
+
+With y_w the chosen reply, y_l the rejected one, log pi(y|x) a reply's summed token log-probs
+under the policy and log ref(y|x) under the reference (the model DPO starts from: the base with
+the adapter switched off, into which model.init_adapter is merged, e.g. the SFT run):
+
+    r_w = beta (log pi(y_w|x) - log ref(y_w|x)),   r_l = beta (log pi(y_l|x) - log ref(y_l|x))
+    loss = -(1/n) sum_pairs log sigmoid(r_w - r_l)
+
+At the first step the policy is the reference, so the loss is log 2 = 0.693. Logged as TRL's
+DPOTrainer logs them: rewards/chosen, rewards/rejected (mean r_w, r_l), rewards/margins (mean
+r_w - r_l), rewards/accuracies (share of pairs with r_w > r_l), logps/chosen, logps/rejected.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import rollout
+from model import reference_mode
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO loss and implicit rewards from summed reply log-probs, each (n,):
+    -> (loss = -log sigmoid(r_w - r_l), r_w = beta (pi_w - ref_w), r_l = beta (pi_l - ref_l)), each (n,)."""
+    r_w = beta * (policy_chosen - ref_chosen)  # (n,)
+    r_l = beta * (policy_rejected - ref_rejected)  # (n,)
+    return -F.logsigmoid(r_w - r_l), r_w, r_l
+
+
+def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
+    """Each row twice, its chosen reply then its rejected one (rows 2i and 2i + 1: a pair stays in one
+    micro-batch and its prompt runs once, grpo.share_prompt), as sft.sft_batch builds them."""
+    from sft import sft_batch
+    twice = [r for r in rows for _ in range(2)]
+    replies = [r[k] for r in rows for k in ("chosen", "rejected")]
+    return sft_batch(tokenizer, twice, cfg, device, replies=replies, limit=("dpo.max_length", cfg.dpo.max_length))
+
+
+def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed reply log-probs of a micro-batch's rows under the policy (with gradients when `train`)
+    and under the reference (without) -> ((m,), (m,)), rows in batch order."""
+    from step import micro_batch_log_probs
+
+    def summed(model) -> torch.Tensor:
+        logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, r.cfg, temperature=1.0)
+        return torch.where(batch.completion_mask[mb, :C].bool(), logp, 0.0).sum(1)  # (m,)
+    with torch.no_grad(), reference_mode(r.model, r.ref_copy) as ref:
+        ref_logp = summed(ref)
+    with torch.set_grad_enabled(train):
+        return summed(r.model), ref_logp
+
+
+def pair_metrics(loss, r_w, r_l, pi) -> dict:
+    """TRL's DPO metrics from per-pair values (n,) and the policy's summed log-probs (2n,), chosen at even rows."""
+    return {"loss": float(loss.mean()), "rewards/chosen": float(r_w.mean()), "rewards/rejected": float(r_l.mean()),
+            "rewards/margins": float((r_w - r_l).mean()), "rewards/accuracies": float((r_w > r_l).float().mean()),
+            "logps/chosen": float(pi[0::2].mean()), "logps/rejected": float(pi[1::2].mean())}
+
+
+def dpo_step(r) -> tuple[dict, list[dict]]:
+    """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
+    from step import micro_batches, optimizer_step, peak_memory_mb
+    cfg, model, t0 = r.cfg, r.model, time.time()
+    device = next(model.parameters()).device
+    rows = [r.rows[i] for i in r.sampler.draw(cfg.dpo.batch_size)]
+    batch = pair_batch(r.tokenizer, rows, cfg, device)
+    n = len(rows)
+    model.train()
+    r.optimizer.zero_grad(set_to_none=True)
+    pi, ref = [], []
+    for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
+        logp, ref_logp = pair_log_probs(r, batch, mb, train=True)  # (m,) each, m even
+        loss, _, _ = dpo_loss(logp[0::2], logp[1::2], ref_logp[0::2], ref_logp[1::2], cfg.dpo.beta)  # (m/2,)
+        loss = loss.sum() / n  # this micro-batch's share of the mean over the step's pairs
+        (r.scaler.scale(loss) if r.scaler else loss).backward()
+        pi.append(logp.detach())
+        ref.append(ref_logp)
+    pi, ref = torch.cat(pi).float(), torch.cat(ref).float()  # (2n,) each
+    loss, r_w, r_l = dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta)
+    grad_norm, lr = optimizer_step(r)
+    return pair_metrics(loss, r_w, r_l, pi) | {
+        "tokens": float(batch.completion_mask.sum()), "learning_rate": lr, "grad_norm": grad_norm,
+        "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0, "peak_memory_mb": peak_memory_mb(device)}, []
+
+
+@torch.no_grad()
+def held_out_metrics(r) -> dict:
+    """eval/loss, eval/rewards/margins, eval/rewards/accuracies, ...: the DPO metrics on the held-out
+    pairs (eval.select's), the policy now against the reference. Accuracy near 1 on training pairs
+    and near 0.5 on these: DPO memorised its pairs."""
+    from step import micro_batches
+    cfg, model = r.cfg, r.model
+    device = next(model.parameters()).device
+    was_training, pi, ref = model.training, [], []
+    model.eval()
+    for i in range(0, len(r.eval_rows), cfg.dpo.batch_size):
+        batch = pair_batch(r.tokenizer, r.eval_rows[i:i + cfg.dpo.batch_size], cfg, device)
+        for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
+            logp, ref_logp = pair_log_probs(r, batch, mb, train=False)
+            pi.append(logp)
+            ref.append(ref_logp)
+    model.train(was_training)
+    pi, ref = torch.cat(pi).float(), torch.cat(ref).float()
+    return {f"eval/{k}": v for k, v in pair_metrics(*dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta), pi).items()}

@@ -1,0 +1,177 @@
+"""DPO (mode: dpo): the loss against the obvious formula, pairs kept whole across micro-batches, a
+gradient that does not depend on the split, log 2 at the first step (the reference is the model
+DPO starts from, SFT merged in), learning to prefer the chosen replies, and bad input refused."""
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+import rollout
+import step
+import train
+from config import ConfigError, DataConfig, load_config
+from data import DataError, load_rows
+from dpo import dpo_loss
+
+PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": "I do not know, sorry."}
+         for a in range(5) for b in range(4)]
+
+
+def slow_dpo_loss(pc, pr, rc, rr, beta):
+    """-log sigmoid(beta (pc - rc) - beta (pr - rr)) for one pair, in plain floats."""
+    margin = beta * (pc - rc) - beta * (pr - rr)
+    return -math.log(1 / (1 + math.exp(-margin)))
+
+
+def test_dpo_loss_matches_the_formula_and_is_log2_when_policy_is_reference():
+    g = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (torch.randn(16, generator=g, dtype=torch.float64) * 20 - 40 for _ in range(4))
+    for beta in (0.1, 0.5):
+        loss, r_w, r_l = dpo_loss(pc, pr, rc, rr, beta)
+        want = [slow_dpo_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), beta) for i in range(16)]
+        assert torch.allclose(loss, torch.tensor(want, dtype=torch.float64), atol=1e-12)
+        assert torch.allclose(r_w, beta * (pc - rc)) and torch.allclose(r_l, beta * (pr - rr))
+    loss, r_w, r_l = dpo_loss(pc, pr, pc, pr, 0.1)  # policy == reference
+    assert torch.allclose(loss, torch.full_like(loss, math.log(2))) and not r_w.any() and not r_l.any()
+    big = torch.tensor([1000.0])  # a huge margin is a loss of 0, not NaN (logsigmoid, not log(sigmoid))
+    assert dpo_loss(big, -big, big * 0, big * 0, 1.0)[0].item() == 0.0
+    assert dpo_loss(-big, big, big * 0, big * 0, 1.0)[0].item() == pytest.approx(2000.0)
+
+
+def test_micro_batches_cut_only_between_whole_pairs():
+    p_len, c_len = [3, 3, 2, 2, 5, 5, 1, 1, 4, 9], [4, 1, 2, 6, 3, 3, 2, 2, 1, 1]  # 5 pairs
+    n = len(p_len)
+    mask = lambda lens, w: (torch.arange(w)[None] < torch.tensor(lens)[:, None]).long()  # noqa: E731
+    batch = rollout.Rollout(torch.zeros(n, 9, dtype=torch.long), mask(p_len, 9), torch.zeros(n, 6, dtype=torch.long),
+                            mask(c_len, 6).float(), torch.zeros(n, dtype=torch.bool), [""] * n)
+    for size in (1, 2, 3, 4, 7, 10):
+        for budget in (0, 1, 12, 20, 40, 1000):
+            mbs = step.micro_batches(batch, size, budget, group=2)
+            assert [i for mb in mbs for i in range(n)[mb]] == list(range(n))  # every row once, in order
+            assert all(mb.start % 2 == 0 and (mb.stop - mb.start) % 2 == 0 for mb in mbs), (size, budget, mbs)
+            assert all(mb.stop - mb.start <= max(size // 2, 1) * 2 for mb in mbs)
+            for mb in mbs:  # within the budget, unless a single pair is over it on its own
+                rows = range(n)[mb]
+                padded = len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows))
+                assert not budget or padded <= budget or len(rows) == 2
+    assert step.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]  # group 1: as before
+
+
+@pytest.fixture
+def dpo_config(tmp_path, tiny_llama):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
+    cfg = {"mode": "dpo", "model": {"name": str(tiny_llama)}, "lora": {"r": 8, "alpha": 16},
+           "data": {"name": str(data), "prompt": "question", "chosen": "chosen", "rejected": "rejected",
+                    "answer_key": None, "split_seed": 42, "select": [0, 16]},
+           "dpo": {"batch_size": 8, "beta": 0.5},
+           "optim": {"lr": 0.02, "micro_batch_size": 4, "min_lr_ratio": 1.0, "warmup_steps": 0},
+           "eval": {"select": [16, 20]},
+           "run": {"out_dir": str(tmp_path / "dpo"), "steps": 8, "save_every": 0}}
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, cfg
+
+
+def metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
+    path, cfg = dpo_config
+    assert train.main(["--config", str(path), "--run.eval_every=8"]) == 0
+    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    assert len(m) == 8
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and m[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert m[-1]["loss"] < 0.3 and m[-1]["rewards/accuracies"] == 1.0 and m[-1]["rewards/margins"] > 1.0
+    assert m[-1]["logps/chosen"] > m[0]["logps/chosen"] and m[-1]["logps/rejected"] < m[0]["logps/rejected"]
+    assert m[-1]["eval/rewards/accuracies"] == 1.0 and m[-1]["eval/loss"] < math.log(2)  # held-out pairs (16..20)
+    saved = load_config(train.Path(cfg["run"]["out_dir"]) / "config.yaml")
+    assert saved.mode == "dpo" and saved.data.chosen == "chosen"
+
+
+def grads_of_one_step(path, *overrides):
+    """The gradient dpo_step computes (its optimizer step swapped for a capture)."""
+    args, rest = train.parse_args(["--config", str(path), *overrides])
+    r = train.setup(args, rest)
+    got = {}
+
+    def capture(run):
+        got["grads"] = [p.grad.clone() for p in run.params]
+        return 0.0, 0.0
+    original, step.optimizer_step = step.optimizer_step, capture
+    try:
+        from dpo import dpo_step
+        m, _ = dpo_step(r)
+    finally:
+        step.optimizer_step = original
+    return got["grads"], m
+
+
+def test_dpo_gradient_does_not_depend_on_the_micro_batch_split(dpo_config):
+    """The loss couples a pair's two replies: micro-batches of 2 rows (one pair), 8 and a token budget
+    all give the full batch's gradient. Full fine-tuning, so that it is not zero at the first step
+    (LoRA's B starts at 0), with a frozen reference copy."""
+    path, _ = dpo_config
+    base = ["--lora.enabled=false", "--run.eval_every=0"]
+    want, m = grads_of_one_step(path, *base, "--optim.micro_batch_size=16")
+    assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the copy is the policy before its first update
+    assert sum(float(g.abs().sum()) for g in want) > 0
+    for split in (["--optim.micro_batch_size=2"], ["--optim.micro_batch_size=1"], ["--optim.micro_batch_tokens=60"]):
+        got, m2 = grads_of_one_step(path, *base, "--optim.micro_batch_size=16", *split)
+        assert m2["loss"] == pytest.approx(m["loss"], abs=1e-6)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
+    """DPO after SFT: model.init_adapter is merged and a fresh LoRA trained on top, so the reference
+    (adapter off) is the SFT model and the first loss is log 2; continuing the SFT adapter itself
+    would make the reference the base, which is refused."""
+    path, cfg = dpo_config
+    sft_dir = tmp_path / "sft"
+    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen", "--run.steps=2", "--run.eval_every=0",
+                       f"--run.out_dir={sft_dir}", "--optim.lr=0.05"]) == 0
+    out = tmp_path / "dpo_after_sft"
+    assert train.main(["--config", str(path), f"--model.init_adapter={sft_dir}", "--model.merge_init_adapter=true",
+                       "--run.steps=1", f"--run.out_dir={out}"]) == 0
+    m = metrics(out)
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    with pytest.raises(ConfigError, match="dpo.beta > 0 with a continued model.init_adapter"):
+        train.setup(*train.parse_args(["--config", str(path), f"--model.init_adapter={sft_dir}",
+                                       f"--run.out_dir={tmp_path / 'x'}"]))
+
+
+def test_bad_dpo_input_is_refused_with_the_key_named(dpo_config, tmp_path, capsys):
+    path, cfg = dpo_config
+    assert train.main(["--config", str(path), "--data.rejected=null"]) == 2
+    assert "data.chosen over data.rejected" in capsys.readouterr().err
+    assert train.main(["--config", str(path), "--dpo.max_length=12"]) == 2
+    assert "dpo.max_length=12" in capsys.readouterr().err
+    assert train.main(["--config", str(path), "--dpo.beta=0"]) == 2
+    assert "dpo.beta must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "dpo").exists()  # nothing written
+    with pytest.raises(DataError, match="data.chosen starts with data.assistant_prefix 'The'"):
+        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="{chosen}", rejected="rejected",
+                             answer_key=None, assistant_prefix="The"))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}],
+                                                     "chosen": [{"role": "assistant", "content": "Hello!"}],
+                                                     "rejected": [{"role": "user", "content": "?"}]}) + "\n")
+    with pytest.raises(DataError, match="data.rejected=rejected holds a list"):
+        load_rows(DataConfig(name=str(tmp_path / "chat.jsonl"), chosen="chosen", rejected="rejected", answer_key=None))
+
+
+def test_conversational_pairs_and_the_dry_run(dpo_config, tmp_path, capsys):
+    """TRL's conversational preference rows: prompt messages, chosen and rejected as assistant turns."""
+    path, _ = dpo_config
+    row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello!"}],
+           "rejected": [{"role": "assistant", "content": "Go away."}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    (got,) = load_rows(DataConfig(name=str(data), chosen="chosen", rejected="rejected", answer_key=None))
+    assert (got["prompt"], got["chosen"], got["rejected"]) == (row["prompt"], "Hello!", "Go away.")
+    assert train.main(["--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "(dpo)" in out and "chosen reply:\nThe answer is" in out and "rejected reply:\nI do not know, sorry.<|im_end|>" in out
