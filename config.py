@@ -376,7 +376,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         dotted, text = o[2:].split("=", 1)
         try:
             value = yaml.safe_load(text)
-            if _is_text_field(dotted) and value is not None:
+            if _is_text_field(dotted) and (value is not None or text == ""):  # --data.assistant_prefix= is ""
                 value = text
         except yaml.YAMLError:
             value = text

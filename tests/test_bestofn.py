@@ -63,7 +63,7 @@ def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys)
 def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, tiny_llama, capsys):
     """The rejection-sampling loop: eval.py samples n per prompt and scores them, bestofn keeps each
     prompt's best, train.py's SFT mode trains on those picks (whose rows lack the gold column the
-    config's rewards read: SFT never scores its training rows)."""
+    config's rewards read: SFT never scores its training rows), and its DPO mode on the pairs."""
     (tmp_path / "varied.py").write_text("def varied(completion, sample):\n    return float(len(set(completion)) % 3)\n")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({
@@ -94,3 +94,13 @@ def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, ti
                        "--data.target=completion", "--data.answer_key=null", "--data.select=null",
                        "--data.num_examples=0", "--eval.select=null"]) == 0
     assert (tmp_path / "raft/metrics.jsonl").read_text()
+    # DPO on the pairs: their replies carry the forced prefix, so the prompt must not add it again
+    dpo = ["--config", str(cfg), "--mode=dpo", f"--data.name={pairs}", "--data.prompt=prompt", "--data.chosen=chosen",
+           "--data.rejected=rejected", "--data.answer_key=null", "--data.select=null", "--data.num_examples=0",
+           "--eval.select=null", "--dpo.batch_size=2", f"--run.out_dir={tmp_path / 'dpo'}"]
+    capsys.readouterr()
+    assert train.main(dpo) == 2
+    assert "data.chosen starts with data.assistant_prefix 'Sum:'" in capsys.readouterr().err
+    assert train.main(dpo + ["--data.assistant_prefix="]) == 0
+    (m,) = [json.loads(ln) for ln in (tmp_path / "dpo/metrics.jsonl").read_text().splitlines()]
+    assert abs(m["loss"] - 0.6931) < 1e-3 and m["tokens"] > 0

@@ -114,6 +114,8 @@ def test_null_overrides_clear_optional_text_fields_and_other_text_stays_verbatim
                       ["--data.system_prompt=null", "--data.answer_key=~", "--data.prompt={question} {{x}}"])
     assert cfg.data.system_prompt is None and cfg.data.answer_key is None
     assert cfg.data.prompt == "{question} {{x}}"
+    cfg = load_config(write(tmp_path, MINIMAL + "data: {assistant_prefix: <think>}\n"), ["--data.assistant_prefix="])
+    assert cfg.data.assistant_prefix == ""  # an empty override is empty text, not null (a str field takes no null)
 
 
 def test_a_missing_required_key_and_non_finite_numbers_are_config_errors(tmp_path):
