@@ -121,6 +121,18 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     m = metrics(judged)[0]
     assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # mean(logic 4, novelty 3) on a 0-5 scale
     assert m["reward_errors/judge"] == 0
+    # the DPO round, from the GRPO run's adapter (merged in: the reference), on pairs that prefer a valid citation
+    rows = [json.loads(ln) for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": f"<think>Both papers agree.</think> PMID: {r['valid_pmids'][0]}",
+                                         "rejected": "<think>Unclear.</think> PMID: 12345678"}) + "\n" for r in rows))
+    dpo = tmp_path / "dpo"
+    assert train.main(["--config", "configs/bioreasoner_dpo.yaml", *small(tiny_llama, dpo), f"--data.name={pairs}",
+                       f"--model.init_adapter={rules}", "--dpo.batch_size=4"]) == 0
+    m = metrics(dpo)
+    assert m[0]["loss"] == pytest.approx(0.6931, abs=1e-4) and {"rewards/margins", "logps/chosen"} <= set(m[0])
+    merged = json.loads((dpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())["merged"]
+    assert [Path(a["adapter"]).parent.parent.parent for a in merged] == [rules]  # eval.py replays that merge
 
 
 def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(tmp_path, tiny_llama, server):
