@@ -178,6 +178,7 @@ class DpoConfig:
     beta: float = 0.1  # strength of the pull to the reference: the implicit reward is beta x the log-ratio
     batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows, a pair's two together)
     max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error
+    cache_reference: bool = True  # compute each reply's reference log-prob once a run, not again every epoch
 
 
 @dataclass

@@ -45,16 +45,24 @@ def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = N
     return sft_batch(tokenizer, twice, cfg, device, replies=replies, limit=("dpo.max_length", cfg.dpo.max_length))
 
 
-def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed reply log-probs of a micro-batch's rows under the policy (with gradients when `train`)
-    and under the reference (without) -> ((m,), (m,)), rows in batch order."""
+    and under the reference (without) -> ((m,), (m,)), rows in batch order. keys: one a row of the
+    batch, naming its reply; with dpo.cache_reference a reply's reference log-prob is computed once a
+    run (r.ref_logps) and read back in later epochs: the reference never changes."""
     from step import micro_batch_log_probs
 
     def summed(model) -> torch.Tensor:
         logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, r.cfg, temperature=1.0)
         return torch.where(batch.completion_mask[mb, :C].bool(), logp, 0.0).sum(1)  # (m,)
-    with torch.no_grad(), reference_mode(r.model, r.ref_copy) as ref:
-        ref_logp = summed(ref)
+    keys, cache = keys[mb], r.ref_logps if r.cfg.dpo.cache_reference else {}
+    if all(k in cache for k in keys):
+        ref_logp = torch.tensor([cache[k] for k in keys], device=batch.input_ids.device)
+    else:
+        with torch.no_grad(), reference_mode(r.model, r.ref_copy) as ref:
+            ref_logp = summed(ref).float()
+        if r.cfg.dpo.cache_reference:
+            cache.update(zip(keys, ref_logp.tolist()))
     with torch.set_grad_enabled(train):
         return summed(r.model), ref_logp
 
@@ -71,14 +79,15 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     from step import micro_batches, optimizer_step, peak_memory_mb
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
-    rows = [r.rows[i] for i in r.sampler.draw(cfg.dpo.batch_size)]
-    batch = pair_batch(r.tokenizer, rows, cfg, device)
-    n = len(rows)
+    idx = r.sampler.draw(cfg.dpo.batch_size)
+    batch = pair_batch(r.tokenizer, [r.rows[i] for i in idx], cfg, device)
+    keys = [("train", i, k) for i in idx for k in ("chosen", "rejected")]  # (2n,) as the batch's rows
+    n = len(idx)
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
     pi, ref = [], []
     for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
-        logp, ref_logp = pair_log_probs(r, batch, mb, train=True)  # (m,) each, m even
+        logp, ref_logp = pair_log_probs(r, batch, mb, train=True, keys=keys)  # (m,) each, m even
         loss, _, _ = dpo_loss(logp[0::2], logp[1::2], ref_logp[0::2], ref_logp[1::2], cfg.dpo.beta)  # (m/2,)
         loss = loss.sum() / n  # this micro-batch's share of the mean over the step's pairs
         (r.scaler.scale(loss) if r.scaler else loss).backward()
@@ -103,9 +112,11 @@ def held_out_metrics(r) -> dict:
     was_training, pi, ref = model.training, [], []
     model.eval()
     for i in range(0, len(r.eval_rows), cfg.dpo.batch_size):
-        batch = pair_batch(r.tokenizer, r.eval_rows[i:i + cfg.dpo.batch_size], cfg, device)
+        rows = r.eval_rows[i:i + cfg.dpo.batch_size]
+        batch = pair_batch(r.tokenizer, rows, cfg, device)
+        keys = [("eval", j, k) for j in range(i, i + len(rows)) for k in ("chosen", "rejected")]
         for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
-            logp, ref_logp = pair_log_probs(r, batch, mb, train=False)
+            logp, ref_logp = pair_log_probs(r, batch, mb, train=False, keys=keys)
             pi.append(logp)
             ref.append(ref_logp)
     model.train(was_training)

@@ -23,7 +23,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +110,7 @@ class Run:
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
     eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
     warned_all_truncated: bool = False  # the all-truncated warning is given once a run
+    ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
 
 
 def flat(d: dict, prefix: str = "") -> dict:

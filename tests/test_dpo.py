@@ -92,6 +92,28 @@ def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
     assert saved.mode == "dpo" and saved.data.chosen == "chosen"
 
 
+def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, monkeypatch):
+    """dpo.cache_reference: the second and third passes over the 16 pairs run no reference forward,
+    and train exactly as without the cache (the reference never changes)."""
+    import dpo
+    path, cfg = dpo_config
+    calls = []
+    original = dpo.reference_mode
+    monkeypatch.setattr(dpo, "reference_mode", lambda *a: calls.append(1) or original(*a))
+    runs = {}
+    for cache in ("true", "false"):
+        calls.clear()
+        out = train.Path(cfg["run"]["out_dir"] + cache)
+        assert train.main(["--config", str(path), "--run.steps=6", f"--dpo.cache_reference={cache}",
+                           f"--run.out_dir={out}"]) == 0  # 6 steps x 8 pairs: 3 passes over 16
+        runs[cache] = (metrics(out), len(calls))
+    (cached, n_cached), (plain, n_plain) = runs["true"], runs["false"]
+    assert n_plain == 6 * 4 and n_cached == 2 * 4  # 4 micro-batches of 2 pairs a step; the first pass only
+    for a, b in zip(cached, plain):
+        for k in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
 def grads_of_one_step(path, *overrides):
     """The gradient dpo_step computes (its optimizer step swapped for a capture)."""
     args, rest = train.parse_args(["--config", str(path), *overrides])
