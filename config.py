@@ -322,9 +322,10 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     d[last] = value
 
 
-def _is_text_field(dotted: str) -> bool:
-    """True when the field takes text (str or str | None): its override is kept verbatim, so
-    "{question}" stays text; only null / ~ mean None for an optional one."""
+def _text_field(dotted: str) -> str | None:
+    """"text" when the field takes text (str), "optional" for str | None, else None. A text override
+    is kept verbatim, so "{question}" stays text; only null / ~ mean None for an optional one, and an
+    empty value (--data.assistant_prefix=) is empty text for a plain one."""
     tp: Any = Config
     for part in dotted.split("."):
         if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):  # X | None: X
@@ -332,10 +333,10 @@ def _is_text_field(dotted: str) -> bool:
         if typing.get_origin(tp) is dict:  # a mapping of sections by name (judges): part is a name
             tp = typing.get_args(tp)[1]
         elif not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
-            return False
+            return None
         else:
             tp = typing.get_type_hints(tp)[part]
-    return tp is str or set(typing.get_args(tp)) == {str, type(None)}
+    return "text" if tp is str else "optional" if set(typing.get_args(tp)) == {str, type(None)} else None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -377,7 +378,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         dotted, text = o[2:].split("=", 1)
         try:
             value = yaml.safe_load(text)
-            if _is_text_field(dotted) and (value is not None or text == ""):  # --data.assistant_prefix= is ""
+            kind = _text_field(dotted)
+            if kind and (value is not None or (text == "" and kind == "text")):
                 value = text
         except yaml.YAMLError:
             value = text
@@ -458,6 +460,11 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
         raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
+    if cfg.mode == "dpo" and cfg.data.target:
+        raise ConfigError("data.target is the reply SFT learns; mode: dpo reads data.chosen and data.rejected: "
+                          "set data.target: null")
+    if cfg.mode != "dpo" and (cfg.data.chosen or cfg.data.rejected):
+        raise ConfigError(f"data.chosen and data.rejected are DPO's pairs; mode: {cfg.mode} does not read them: set both to null")
     if cfg.mode == "dpo" and not (cfg.data.chosen and cfg.data.rejected):
         raise ConfigError("mode: dpo learns data.chosen over data.rejected: set both to the columns (or templates) of "
                           "the two replies, e.g. data.chosen: chosen, data.rejected: rejected (bestofn.py's pairs)")

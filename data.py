@@ -333,8 +333,9 @@ def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
             prompt, extra["target"] = split_reply(prompt, build_prompt(row, cfg.target, i), cfg, i)
         for key in ("chosen", "rejected"):  # DPO: both replies of a pair, after the same prompt
             if column := getattr(cfg, key):
-                prompt, extra[key] = split_reply(prompt, build_prompt(row, column, i), cfg, i, key)
-                if cfg.assistant_prefix and extra[key].startswith(cfg.assistant_prefix):
+                empty = "{" not in column and row.get(column) == ""  # an empty reply (EOS alone) is a reply to prefer or not
+                prompt, extra[key] = split_reply(prompt, "" if empty else build_prompt(row, column, i), cfg, i, key)
+                if cfg.assistant_prefix and extra[key].startswith(cfg.assistant_prefix):  # the prefix counts as prompt
                     raise DataError(f"row {i}: data.{key} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
                                     "the prompt already ends with; set data.assistant_prefix: '' for replies that carry it "
                                     "(bestofn.py's pairs do)")

@@ -79,6 +79,8 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     from step import micro_batches, optimizer_step, peak_memory_mb
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     idx = r.sampler.draw(cfg.dpo.batch_size)
     batch = pair_batch(r.tokenizer, [r.rows[i] for i in idx], cfg, device)
     keys = [("train", i, k) for i in idx for k in ("chosen", "rejected")]  # (2n,) as the batch's rows

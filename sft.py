@@ -44,6 +44,8 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     from step import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
     batch = sft_batch(r.tokenizer, rows, cfg, device)
     ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask  # (n, P + C) x2, (n, C)

@@ -128,12 +128,13 @@ def reference_beta(cfg: Config) -> float:
 
 def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
-    or dpo.max_length (DPO, each reply); -> which row is the longest, for --dry-run."""
-    keys = REPLIES[cfg.mode] or ("",)
-    texts = [p + (r[k] + tokenizer.eos_token if k else "")
-             for p, r in zip(rollout.render_rows(tokenizer, rows, cfg.data), rows) for k in keys]
-    each = [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
-    lengths = [max(each[i:i + len(keys)]) for i in range(0, len(each), len(keys))]  # a row's longest
+    or dpo.max_length (DPO, each reply), counted as the batches count them (the prompt and the reply
+    + EOS tokenized apart); -> which row is the longest, for --dry-run."""
+    def count(texts: list[str]) -> list[int]:
+        return [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
+    replies = [count([r[k] + tokenizer.eos_token for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
+    lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
+               for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data)))]
     longest = max(range(len(rows)), key=lengths.__getitem__)
     key, limit = {"sft": ("sft.max_length", cfg.sft.max_length), "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
         cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
@@ -194,6 +195,9 @@ def setup(args, overrides: list[str]) -> Run:
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
                               f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
     check_lengths(cfg, rows, tokenizer)
+    if cfg.mode == "dpo" and (same := sum(r["chosen"] == r["rejected"] for r in rows)):
+        print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected reply; "
+              "they teach nothing (their loss stays log 2)", file=sys.stderr)
     if eval_rows and cfg.mode != "grpo":  # eval/loss runs them through the same batches
         check_lengths(cfg, eval_rows, tokenizer, "held-out row")
     ref_copy = None
@@ -287,7 +291,8 @@ def dry_run_report(r: Run) -> str:
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
              f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
              f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
-    lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"] if cfg.rewards else []
+    lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"
+              + ("" if cfg.mode == "grpo" else " (not trained on: they score held-out generations, run.eval_every)")] if cfg.rewards else []
     lines += [f"  judges: {', '.join(r.judges)} (not called)"] if r.judges else []
     lines += [f"  warning: {n}'s key ${j.cfg.api_key_env} is not set" for n, j in r.judges.items() if j.key_missing]
     lines += [f"  held-out rows for run.eval_every: {len(r.eval_rows)}"] if r.eval_rows else []
@@ -390,7 +395,7 @@ class progress_display:
     def show(self, step: int, m: dict) -> None:
         if self.progress:
             keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else (
-                "loss", "rewards/margins", "rewards/accuracies", "epoch")
+                "loss", "rewards/margins", "rewards/accuracies", "eval/rewards/accuracies", "epoch")
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
         else:

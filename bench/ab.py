@@ -63,7 +63,7 @@ def main() -> int:
                 peak = max(r["peak_memory_mb"] for r in records)
                 times = [r["step_time"] for r in records]
                 steps[side] += times[1:] if len(times) > 1 else times
-                rollout = [r["rollout_time"] for r in records]
+                rollout = [r.get("rollout_time", 0.0) for r in records]  # SFT and DPO steps sample nothing
                 rollouts[side] += rollout[1:] if len(rollout) > 1 else rollout
                 peaks[side].append(peak)
                 print(f"{side} {' '.join(sets) or '(config as is)'} run {rep + 1}: step_time "
@@ -72,8 +72,8 @@ def main() -> int:
     med = {s: (statistics.median(steps[s]), statistics.median(peaks[s]), statistics.median(rollouts[s])) for s in sides}
     print(f"medians (steps 2..n of every run; peak memory per run): A {med['A'][0]:.2f} s / {med['A'][1]:.0f} MB, "
           f"B {med['B'][0]:.2f} s / {med['B'][1]:.0f} MB; B / A: step time {med['B'][0] / med['A'][0]:.3f}, "
-          f"peak memory {med['B'][1] / med['A'][1]:.3f}; rollout time {med['B'][2] / med['A'][2]:.3f} "
-          f"({med['A'][2]:.2f} / {med['B'][2]:.2f} s)")
+          f"peak memory {med['B'][1] / med['A'][1]:.3f}" + (f"; rollout time {med['B'][2] / med['A'][2]:.3f} "
+          f"({med['A'][2]:.2f} / {med['B'][2]:.2f} s)" if med["A"][2] else ""))
     return 0
 
 

@@ -15,7 +15,8 @@ from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
 from dpo import dpo_loss
 
-PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": "I do not know, sorry."}
+NO = ["I do not know, sorry.", "No.", "", "Maybe a large number; I cannot say for sure which one it is."]  # "" is a reply too
+PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": NO[(a + 2 * b) % 4]}
          for a in range(5) for b in range(4)]
 
 
@@ -67,6 +68,7 @@ def dpo_config(tmp_path, tiny_llama):
            "data": {"name": str(data), "prompt": "question", "chosen": "chosen", "rejected": "rejected",
                     "answer_key": None, "split_seed": 42, "select": [0, 16]},
            "dpo": {"batch_size": 8, "beta": 0.5},
+           "rollout": {"temperature": 0.7},  # GRPO's sampling temperature: DPO's log-probs must not use it
            "optim": {"lr": 0.02, "micro_batch_size": 4, "min_lr_ratio": 1.0, "warmup_steps": 0},
            "eval": {"select": [16, 20]},
            "run": {"out_dir": str(tmp_path / "dpo"), "steps": 8, "save_every": 0}}
@@ -85,8 +87,10 @@ def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
     m = metrics(train.Path(cfg["run"]["out_dir"]))
     assert len(m) == 8
     assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and m[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
-    assert m[-1]["loss"] < 0.3 and m[-1]["rewards/accuracies"] == 1.0 and m[-1]["rewards/margins"] > 1.0
-    assert m[-1]["logps/chosen"] > m[0]["logps/chosen"] and m[-1]["logps/rejected"] < m[0]["logps/rejected"]
+    assert m[0]["rewards/accuracies"] == 0  # a tie is not a win (TRL counts r_w > r_l)
+    last = m[-3:]  # a high lr: steps are noisy
+    assert sum(x["loss"] for x in last) / 3 < 0.3 and sum(x["rewards/margins"] for x in last) / 3 > 1.0
+    assert all(x["rewards/accuracies"] == 1.0 for x in last)
     assert m[-1]["eval/rewards/accuracies"] == 1.0 and m[-1]["eval/loss"] < math.log(2)  # held-out pairs (16..20)
     saved = load_config(train.Path(cfg["run"]["out_dir"]) / "config.yaml")
     assert saved.mode == "dpo" and saved.data.chosen == "chosen"
@@ -143,9 +147,47 @@ def test_dpo_gradient_does_not_depend_on_the_micro_batch_split(dpo_config):
     assert sum(float(g.abs().sum()) for g in want) > 0
     for split in (["--optim.micro_batch_size=2"], ["--optim.micro_batch_size=1"], ["--optim.micro_batch_tokens=60"]):
         got, m2 = grads_of_one_step(path, *base, "--optim.micro_batch_size=16", *split)
-        assert m2["loss"] == pytest.approx(m["loss"], abs=1e-6)
+        for k in ("loss", "logps/chosen", "logps/rejected", "tokens"):  # over the whole step, not one micro-batch
+            assert m2[k] == pytest.approx(m[k], rel=1e-5, abs=1e-6), k
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def plain_reply_log_prob(model, tok, prompt: str, reply: str) -> float:
+    """log pi(reply + EOS | prompt) by one unpadded forward and a full log-softmax, the obvious way."""
+    p = tok(prompt, add_special_tokens=False).input_ids
+    ids = torch.tensor([p + tok(reply + tok.eos_token, add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return float(logp[len(p) - 1:].sum())
+
+
+def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_config):
+    """After one update (full fine-tuning: the reference is a frozen copy), eval/* on the held-out
+    pairs equal the DPO formulas over plain forwards of prompt + reply + EOS at temperature 1:
+    padding, the prompt and the sampling temperature (0.7 in this config) left out, EOS counted."""
+    import dpo
+    import rollout as ro
+    path, _ = dpo_config
+    r = train.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",
+                                       "--run.eval_every=1", "--optim.micro_batch_size=4"]))
+    dpo.dpo_step(r)
+    got = dpo.held_out_metrics(r)
+    beta, pc, pr, rc, rr = 0.5, [], [], [], []
+    for row in r.eval_rows:
+        prompt = ro.render_rows(r.tokenizer, [row], r.cfg.data)[0]
+        pc.append(plain_reply_log_prob(r.model, r.tokenizer, prompt, row["chosen"]))
+        pr.append(plain_reply_log_prob(r.model, r.tokenizer, prompt, row["rejected"]))
+        rc.append(plain_reply_log_prob(r.ref_copy, r.tokenizer, prompt, row["chosen"]))
+        rr.append(plain_reply_log_prob(r.ref_copy, r.tokenizer, prompt, row["rejected"]))
+    losses = [slow_dpo_loss(*v, beta) for v in zip(pc, pr, rc, rr)]
+    margins = [beta * (a - c) - beta * (b - d) for a, b, c, d in zip(pc, pr, rc, rr)]
+    assert len(r.eval_rows) == 4 and min(abs(x) for x in margins) > 1e-4  # the update moved every pair
+    want = {"eval/loss": sum(losses) / 4, "eval/logps/chosen": sum(pc) / 4, "eval/logps/rejected": sum(pr) / 4,
+            "eval/rewards/margins": sum(margins) / 4, "eval/rewards/accuracies": sum(x > 0 for x in margins) / 4,
+            "eval/rewards/chosen": beta * (sum(pc) - sum(rc)) / 4}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
 
 
 def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
@@ -154,7 +196,8 @@ def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
     would make the reference the base, which is refused."""
     path, cfg = dpo_config
     sft_dir = tmp_path / "sft"
-    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen", "--run.steps=2", "--run.eval_every=0",
+    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen", "--data.chosen=null",
+                       "--data.rejected=null", "--run.steps=2", "--run.eval_every=0",
                        f"--run.out_dir={sft_dir}", "--optim.lr=0.05"]) == 0
     out = tmp_path / "dpo_after_sft"
     assert train.main(["--config", str(path), f"--model.init_adapter={sft_dir}", "--model.merge_init_adapter=true",
@@ -172,12 +215,24 @@ def test_bad_dpo_input_is_refused_with_the_key_named(dpo_config, tmp_path, capsy
     assert "data.chosen over data.rejected" in capsys.readouterr().err
     assert train.main(["--config", str(path), "--dpo.max_length=12"]) == 2
     assert "dpo.max_length=12" in capsys.readouterr().err
+    long = tmp_path / "long.jsonl"  # only the rejected reply is too long
+    long.write_text(json.dumps({"question": "Hi?", "chosen": "Hello.", "rejected": "no " * 40}) + "\n")
+    assert train.main(["--config", str(path), f"--data.name={long}", "--data.select=null", "--eval.select=null",
+                       "--dpo.max_length=30"]) == 2
+    assert "row 0 renders to" in capsys.readouterr().err
+    assert train.main(["--config", str(path), "--data.target=chosen"]) == 2  # SFT's reply column, left set
+    assert "set data.target: null" in capsys.readouterr().err
+    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen"]) == 2
+    assert "mode: sft does not read them" in capsys.readouterr().err
     assert train.main(["--config", str(path), "--dpo.beta=0"]) == 2
     assert "dpo.beta must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "dpo").exists()  # nothing written
     with pytest.raises(DataError, match="data.chosen starts with data.assistant_prefix 'The'"):
         load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="{chosen}", rejected="rejected",
                              answer_key=None, assistant_prefix="The"))
+    with pytest.raises(DataError, match="data.rejected starts with data.assistant_prefix 'No'"):
+        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="chosen", rejected="rejected",
+                             answer_key=None, assistant_prefix="No", select=[4, 5]))  # 1 + 0: "No."
     (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}],
                                                      "chosen": [{"role": "assistant", "content": "Hello!"}],
                                                      "rejected": [{"role": "user", "content": "?"}]}) + "\n")
@@ -194,6 +249,10 @@ def test_conversational_pairs_and_the_dry_run(dpo_config, tmp_path, capsys):
     data.write_text(json.dumps(row) + "\n")
     (got,) = load_rows(DataConfig(name=str(data), chosen="chosen", rejected="rejected", answer_key=None))
     assert (got["prompt"], got["chosen"], got["rejected"]) == (row["prompt"], "Hello!", "Go away.")
+    implicit = {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]}  # prompt inside
+    data.write_text(json.dumps(implicit) + "\n")
+    (got,) = load_rows(DataConfig(name=str(data), prompt="chosen", chosen="chosen", rejected="rejected", answer_key=None))
+    assert (got["prompt"], got["chosen"], got["rejected"]) == (row["prompt"], "Hello!", "Go away.")
     assert train.main(["--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "(dpo)" in out and "chosen reply:\nThe answer is" in out and "rejected reply:\nI do not know, sorry.<|im_end|>" in out
+    assert "(dpo)" in out and "chosen reply:\nThe answer is" in out and "rejected reply:\nNo.<|im_end|>" in out

@@ -71,3 +71,22 @@ def test_qlora_4bit_trains_on_cuda(tmp_path, tiny_llama):
     assert train.main(["--config", str(cfg), f"--run.out_dir={out}"]) == 0
     ms = metrics(out)
     assert len(ms) == 2 and all(m["grad_norm"] == m["grad_norm"] for m in ms)
+
+
+@pytest.mark.parametrize("model", [{"dtype": "bfloat16"}, {"quant": "4bit", "dtype": "float16", "gradient_checkpointing": True}],
+                         ids=["bf16", "qlora_fp16"])
+def test_dpo_starts_at_log2_and_trains_on_cuda(tmp_path, tiny_llama, model):
+    """mode: dpo in bf16 and over a 4-bit base with fp16's GradScaler: the reference (adapter off)
+    is the policy at the first step, so the loss is log 2 up to half-precision rounding."""
+    if model.get("quant"):
+        pytest.importorskip("bitsandbytes")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "chosen": str(a + 1), "rejected": "No idea."}) + "\n"
+                             for a in range(8)))
+    out = tmp_path / "run"
+    cfg = run_config(tmp_path, tiny_llama, model=model, data={"name": str(pairs), "prompt": "prompt", "chosen": "chosen",
+                     "rejected": "rejected", "answer_key": None}, dpo={"batch_size": 4}, optim={"micro_batch_size": 2})
+    assert train.main(["--config", str(cfg), "--mode=dpo", "--run.steps=3", f"--run.out_dir={out}"]) == 0
+    ms = metrics(out)
+    assert ms[0]["loss"] == pytest.approx(0.6931, abs=2e-3) and all(m["grad_norm"] == m["grad_norm"] for m in ms)
+    assert ms[-1]["peak_memory_mb"] > 0
