@@ -7,7 +7,8 @@
 Curves: each run's metrics.jsonl against `step`, labelled with the run directory's name. Default
 metrics: reward, every rewards/<name>/mean, eval/reward and eval/accuracy (run.eval_every), kl,
 completions/mean_length, clip_ratio (low_mean solid,
-high_mean dashed), learning_rate, loss, each skipped where no run logged it; a --metrics key that no
+high_mean dashed), DPO's rewards/margins and rewards/accuracies (and their eval/ values), eval/loss
+(SFT, DPO), learning_rate, loss, each skipped where no run logged it; a --metrics key that no
 run logged is an error. Unparsable lines (the last one of a killed run) are skipped and counted; a
 step logged twice keeps its last line. --smooth A draws the EMA s_t = A s_{t-1} + (1 - A) x_t,
 s_1 = x_1, over the faint raw curve. Eval: the shape eval.py writes, {"models": {model: {"metrics":
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rewards = sorted({k for _, recs in runs for r in recs for k in r if re.fullmatch(r"rewards/.+/mean", k)})
     curves = args.metrics or ["reward", *rewards, "eval/reward", "eval/accuracy", "kl", "completions/mean_length",
-                              "clip_ratio", "learning_rate", "loss"]
+                              "clip_ratio", "rewards/margins", "rewards/accuracies", "eval/rewards/margins",
+                              "eval/rewards/accuracies", "eval/loss", "learning_rate", "loss"]
     written = plot_curves(plt, runs, curves, out, args.smooth) if runs else []
     if models:
         written += plot_eval(plt, models, args.metrics or list(dict.fromkeys(k for m in models.values() for k in m)), out)

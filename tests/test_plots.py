@@ -96,3 +96,16 @@ def test_without_matplotlib_it_prints_the_install_hint_and_exits_2(runs, tmp_pat
     assert plots.main([str(runs[0]), "--out", str(tmp_path / "plots")]) == 2
     assert capsys.readouterr().err == "plots need matplotlib: pip install matplotlib\n"
     assert not (tmp_path / "plots").exists()
+
+
+def test_a_dpo_run_gets_its_own_default_curves(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "runs/dpo"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": 0.69 / s, "rewards/margins": 0.1 * s, "rewards/accuracies": 0.5, "rewards/chosen": 0.1,
+         "eval/loss": 0.6, "eval/rewards/accuracies": 0.6, "learning_rate": 1e-4}) + "\n" for s in (1, 2)))
+    out = tmp_path / "plots"
+    assert plots.main([str(run), "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {f"{m}.png" for m in ("rewards_margins", "rewards_accuracies", "eval_loss",
+                                                                      "eval_rewards_accuracies", "learning_rate", "loss")}
