@@ -247,7 +247,7 @@ def test_named_chat_templates_are_each_baked(trained, tmp_path):
                                       add_generation_prompt=True) == "hi<think>"
 
 
-def test_the_model_card_says_how_the_run_trained_sft_or_grpo_and_names_a_mixture():
+def test_the_model_card_says_how_the_run_trained_sft_grpo_or_dpo_and_names_a_mixture():
     from config import Config, DataSource
     cfg = Config(mode="sft")
     cfg.data.target = "answer"
@@ -257,6 +257,9 @@ def test_the_model_card_says_how_the_run_trained_sft_or_grpo_and_names_a_mixture
     assert "supervised on `mixture (a.jsonl + b.jsonl)` (target `answer`)" in card and "temperature" not in card
     cfg.mode = "grpo"
     assert "A GRPO fine-tune" in export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
+    cfg.mode, cfg.data.chosen, cfg.data.rejected, cfg.dpo.beta = "dpo", "chosen", "rejected", 0.2
+    card = export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
+    assert "A DPO fine-tune" in card and "tags: [minigrpo, dpo]" in card and "(`chosen` over `rejected`), beta 0.2" in card
 
 
 def test_verify_reloads_the_export_and_refuses_a_template_that_renders_otherwise(trained, tmp_path, capsys, monkeypatch):
