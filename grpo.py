@@ -9,7 +9,8 @@ Shapes: N = B prompts x G completions, C = completion length.
 Departures from the paper (arXiv 2402.03300), all switchable in the config:
 - the clip has separate lower and upper bounds (DAPO clip-higher, `epsilon_high`);
 - the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
-- no KL term unless `beta > 0` (TRL's default), and the KL uses the k3 estimator.
+- no KL term unless `beta > 0` (TRL's default), and the KL uses the k3 estimator;
+- the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`).
 """
 from __future__ import annotations
 
@@ -85,8 +86,16 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
 
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
                    epsilon: float, epsilon_high: float, beta: float,
-                   is_weight: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   is_weight: Tensor | None = None, seq_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """l_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+
+    seq_mask (N, C) given: GSPO's sequence-level ratio (arXiv 2507.18071) instead, the same for
+    every token of completion i, the geometric mean of its tokens' ratios over the mask:
+    rho_i = exp((1/|y_i|) sum_t m_it (logp_it - old_logp_it)); clipped per completion, so its
+    epsilons are much smaller (3e-4 / 4e-4 in the paper). With the "grpo" loss_type the loss is
+    then GSPO's (1/N) sum_i -min(rho_i A_i, clip(rho_i) A_i). On-policy (rho = 1) the gradient is
+    the token-level one of that loss_type: the two differ only where ratios leave 1 (num_iterations
+    > 1, vLLM sampling).
 
     w_t is 1, or the (detached) truncated importance weight min(exp(old_logp_t - sampler_logp_t), cap)
     when another engine (vLLM) sampled: it corrects the policy-gradient term for the sampler's
@@ -98,7 +107,10 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     learns. That is why "loss is 0" is normal in GRPO: watch the reward instead.
     logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
-    rho = torch.exp(logp - old_logp)  # (N, C)
+    log_rho = logp - old_logp  # (N, C)
+    if seq_mask is not None:  # GSPO: each completion's mean log-ratio, broadcast to its tokens
+        log_rho = ((log_rho * seq_mask).sum(1, keepdim=True) / seq_mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    rho = torch.exp(log_rho)  # (N, C)
     a = adv[:, None]  # (N, 1)
     loss = -torch.minimum(rho * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)
     if is_weight is not None:
@@ -144,7 +156,7 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
               norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-              is_weight: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+              is_weight: Tensor | None = None, level: str = "token") -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
     old_logp None means on-policy (num_iterations = 1): old_logp = logp.detach().
@@ -152,13 +164,17 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     by logp.detach(), so rho = 1 and KL = 0 there: masking the loss afterwards hides only the value,
     and exp(ref - logp) overflowing at a padding token would still make the gradient 0 * inf = NaN.
     Clip fractions count tokens where the clip is active: rho < 1 - eps with A < 0 (low),
-    rho > 1 + eps_high with A > 0 (high). Divide the sums by `tokens` for means.
+    rho > 1 + eps_high with A > 0 (high). Divide the sums by `tokens` for means. level: "token"
+    (a ratio per token) or "sequence" (GSPO: a ratio per completion, see per_token_loss).
     """
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
     m = mask.bool()  # (n, C)
     old_logp = logp.detach() if old_logp is None else torch.where(m, old_logp, logp.detach())  # (n, C)
     if ref_logp is not None:
         ref_logp = torch.where(m, ref_logp, logp.detach())  # (n, C)
-    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight)  # (n, C) x3
+    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight,
+                                       mask if level == "sequence" else None)  # (n, C) x3
     loss = aggregate(loss_tok, mask, norm)
     a = adv[:, None].expand_as(rho)  # (n, C)
     with torch.no_grad():

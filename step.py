@@ -232,7 +232,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                                         mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
             loss, stats = grpo.grpo_loss(
                 logp, old, None if ref_logp is None else ref_logp[mb, :C],
-                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight)
+                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level)
             (scaler.scale(loss) if scaler else loss).backward()
             sums["loss"] += float(loss.detach())
             for k, v in stats.items():

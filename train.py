@@ -119,6 +119,7 @@ def flat(d: dict, prefix: str = "") -> dict:
 
 
 REPLIES = {"grpo": (), "sft": ("target",), "dpo": ("chosen", "rejected")}  # the reply columns a mode trains on
+ROW_NAMES = {"grpo": "prompts", "sft": "examples", "dpo": "pairs"}  # what a mode's rows are
 
 
 def reference_beta(cfg: Config) -> float:
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
     n_train = sum(p.numel() for p in r.params)
     print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} prompts, steps {start}->{cfg.run.steps}", file=sys.stderr)
+          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {ROW_NAMES[cfg.mode]}, steps {start}->{cfg.run.steps}", file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     from dpo import dpo_step  # sft.py and dpo.py import from this module: import them late

@@ -228,3 +228,47 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     pg = plain - 0.1 * kl  # rho = 1: the policy-gradient term is -A per token
     assert torch.allclose(pg, torch.tensor([[-2.0, -2.0]]))
     assert torch.allclose(weighted, w * pg + 0.1 * kl)
+
+
+def reference_sequence_loss(logp, old, adv, mask, loss_type, eps_lo, eps_hi):
+    """GSPO from its formula, one completion at a time: s_i = exp(mean over its tokens of logp - old),
+    l_i = -min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i), the same for each of its tokens."""
+    N, C = logp.shape
+    per_seq, total, tokens = [], 0.0, 0
+    for i in range(N):
+        ts = [t for t in range(C) if mask[i, t] > 0]
+        s = torch.exp(sum(logp[i, t] - old[i, t] for t in ts) / len(ts))
+        l_i = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
+        per_seq.append(l_i)
+        total, tokens = total + l_i * len(ts), tokens + len(ts)
+    return sum(per_seq) / N if loss_type == "grpo" else total / tokens
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_type):
+    logp, old, _, adv, mask = random_batch(N=16, seed=3)
+    old = logp.detach() + 0.05 * (old - logp.detach())  # ratios near 1, so that a small clip cuts some and not all
+    N, C = logp.shape
+    norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
+    loss, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, epsilon=3e-3, epsilon_high=4e-3, level="sequence")
+    (g,) = torch.autograd.grad(loss, logp)
+    logp2 = logp.detach().clone().requires_grad_()
+    expected = reference_sequence_loss(logp2, old, adv, mask, loss_type, 3e-3, 4e-3)
+    (g2,) = torch.autograd.grad(expected, logp2)
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
+    clipped = [i for i in range(N) if g[i].abs().sum() == 0]  # a clipped completion gets no gradient at all ...
+    assert 0 < len(clipped) < N and stats["clip_low_sum"] + stats["clip_high_sum"] > 0
+    for i in range(N):  # ... and an unclipped one the same on each of its tokens: s_i A_i / (|y_i| N) for grpo
+        kept = g[i][mask[i] > 0]
+        assert torch.allclose(kept, kept[0].expand_as(kept), atol=1e-7)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo.grpo_loss(logp, old, None, adv, mask, norm, level="sentence")
+
+
+def test_on_policy_the_sequence_ratio_gives_the_token_level_gradient():
+    """rho = 1 exactly: GSPO's gradient with loss_type grpo is the token-level grpo gradient."""
+    logp, _, _, adv, mask = random_batch(seed=4)
+    norm = LossNorm("grpo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
+    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, level=lv)[0], logp)[0]
+             for lv in ("token", "sequence")]
+    assert torch.allclose(grads[0], grads[1], atol=1e-7) and grads[0].abs().sum() > 0

@@ -64,6 +64,25 @@ def test_a_second_iteration_is_off_policy_and_the_reference_is_the_policy_withou
         assert first["kl"] == pytest.approx(0, abs=1e-9) and second["kl"] > 1e-7, lora
 
 
+def test_gspo_sequence_ratios_reach_the_loss(tmp_path, tiny_llama, monkeypatch):
+    """grpo.importance_sampling_level: sequence gives each completion one ratio in the second iteration."""
+    ratios, real = [], grpo.per_token_loss
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        ratios.append((out[1].detach(), a[-1]))  # rho (n, C) and the mask it was averaged over
+        return out
+    monkeypatch.setattr(grpo, "per_token_loss", spy)
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--grpo.loss_type=grpo",
+                 "--grpo.importance_sampling_level=sequence", "--optim.micro_batch_size=8")
+    m, _ = step.train_step(r)
+    rho, mask = ratios[-1]
+    assert abs(m["ratio_mean"] - 1) > 1e-4 and mask is not None
+    for i in range(rho.shape[0]):
+        kept = rho[i][mask[i] > 0]
+        assert torch.allclose(kept, kept[0].expand_as(kept))  # one ratio a completion
+
+
 def test_the_loss_scores_tokens_at_the_sampling_temperature(tmp_path, tiny_llama, monkeypatch):
     seen, real = [], logprobs.sequence_log_probs
 
