@@ -94,8 +94,9 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     rho_i = exp((1/|y_i|) sum_t m_it (logp_it - old_logp_it)); clipped per completion, so its
     epsilons are much smaller (3e-4 / 4e-4 in the paper). With the "grpo" loss_type the loss is
     then GSPO's (1/N) sum_i -min(rho_i A_i, clip(rho_i) A_i). On-policy (rho = 1) the gradient is
-    the token-level one of that loss_type: the two differ only where ratios leave 1 (num_iterations
-    > 1, vLLM sampling).
+    the token-level one of that loss_type: the two differ where ratios leave 1 (num_iterations > 1),
+    and with importance weights w_t, whose gradient each token then takes as its completion's
+    mean w. The KL term stays per token. Clip fractions still count tokens (the paper's figure).
 
     w_t is 1, or the (detached) truncated importance weight min(exp(old_logp_t - sampler_logp_t), cap)
     when another engine (vLLM) sampled: it corrects the policy-gradient term for the sampler's
@@ -109,7 +110,8 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     """
     log_rho = logp - old_logp  # (N, C)
     if seq_mask is not None:  # GSPO: each completion's mean log-ratio, broadcast to its tokens
-        log_rho = ((log_rho * seq_mask).sum(1, keepdim=True) / seq_mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+        kept = torch.where(seq_mask.bool(), log_rho, 0.0)  # a NaN at a masked position stays out of the mean
+        log_rho = (kept.sum(1, keepdim=True) / seq_mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
     rho = torch.exp(log_rho)  # (N, C)
     a = adv[:, None]  # (N, 1)
     loss = -torch.minimum(rho * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)

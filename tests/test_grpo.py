@@ -230,39 +230,63 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     assert torch.allclose(weighted, w * pg + 0.1 * kl)
 
 
-def reference_sequence_loss(logp, old, adv, mask, loss_type, eps_lo, eps_hi):
+def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, weight):
     """GSPO from its formula, one completion at a time: s_i = exp(mean over its tokens of logp - old),
-    l_i = -min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i), the same for each of its tokens."""
+    l_it = -w_it min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i) + beta KL_it on each of its tokens."""
     N, C = logp.shape
     per_seq, total, tokens = [], 0.0, 0
     for i in range(N):
         ts = [t for t in range(C) if mask[i, t] > 0]
+        if not ts:  # nothing to train on (masked out): no loss, no ratio
+            per_seq.append(0.0)
+            continue
         s = torch.exp(sum(logp[i, t] - old[i, t] for t in ts) / len(ts))
-        l_i = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
-        per_seq.append(l_i)
-        total, tokens = total + l_i * len(ts), tokens + len(ts)
+        pg = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
+        terms = [pg * weight[i, t] + beta * (torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1) for t in ts]
+        per_seq.append(sum(terms) / len(ts))
+        total, tokens = total + sum(terms), tokens + len(ts)
     return sum(per_seq) / N if loss_type == "grpo" else total / tokens
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_type):
-    logp, old, _, adv, mask = random_batch(N=16, seed=3)
+@pytest.mark.parametrize("beta, weighted", [(0.0, False), (0.04, True)])
+def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_type, beta, weighted):
+    logp, old, ref, adv, mask = random_batch(N=16, seed=3)
     old = logp.detach() + 0.05 * (old - logp.detach())  # ratios near 1, so that a small clip cuts some and not all
+    mask[5] = 0  # a completion masked out whole (truncated, or its reward skipped)
+    weight = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))) if weighted else torch.ones_like(logp)
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, epsilon=3e-3, epsilon_high=4e-3, level="sequence")
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=3e-3, epsilon_high=4e-3, beta=beta,
+                                 is_weight=weight if weighted else None, level="sequence")
     (g,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
-    expected = reference_sequence_loss(logp2, old, adv, mask, loss_type, 3e-3, 4e-3)
+    expected = reference_sequence_loss(logp2, old, ref, adv, mask, loss_type, 3e-3, 4e-3, beta, weight)
     (g2,) = torch.autograd.grad(expected, logp2)
-    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
-    clipped = [i for i in range(N) if g[i].abs().sum() == 0]  # a clipped completion gets no gradient at all ...
-    assert 0 < len(clipped) < N and stats["clip_low_sum"] + stats["clip_high_sum"] > 0
-    for i in range(N):  # ... and an unclipped one the same on each of its tokens: s_i A_i / (|y_i| N) for grpo
-        kept = g[i][mask[i] > 0]
-        assert torch.allclose(kept, kept[0].expand_as(kept), atol=1e-7)
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6) and torch.isfinite(g).all()
+    lengths = mask.sum(1)
+    s = torch.exp(((logp.detach() - old) * mask).sum(1) / lengths.clamp(min=1))  # (N,)
+    assert stats["ratio_sum"] == pytest.approx(float((lengths * s).sum()), rel=1e-6)  # each token counts its completion's
+    low, high = (s < 1 - 3e-3) & (adv < 0), (s > 1 + 4e-3) & (adv > 0)
+    assert stats["clip_low_sum"] == float(lengths[low].sum()) and stats["clip_high_sum"] == float(lengths[high].sum())
+    assert (low | high).any() and not (low | high).all()
+    if beta == 0 and not weighted:  # a clipped completion gets no gradient at all, an unclipped one the same on each token
+        for i in range(N):
+            kept = g[i][mask[i] > 0]
+            assert kept.numel() == 0 or (kept.abs().sum() == 0) == bool(low[i] | high[i])
+            assert torch.allclose(kept, kept[:1].expand_as(kept), atol=1e-7)
     with pytest.raises(ValueError, match="importance_sampling_level"):
         grpo.grpo_loss(logp, old, None, adv, mask, norm, level="sentence")
+
+
+def test_a_nan_log_prob_at_a_masked_position_stays_out_of_the_sequence_ratio():
+    logp, old, _, adv, mask = random_batch(seed=5)
+    mask[0, -1] = 0
+    with torch.no_grad():
+        logp[0, -1] = float("nan")
+    norm = LossNorm("grpo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
+    loss, _ = grpo.grpo_loss(logp, old, None, adv, mask, norm, level="sequence")
+    assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, logp)[0]).all()
 
 
 def test_on_policy_the_sequence_ratio_gives_the_token_level_gradient():

@@ -2,6 +2,7 @@
 mutation audit of the step found these unguarded): what the step logs, what it keeps from one
 iteration to the next, what the reference is, which temperature the loss uses, and the small
 helpers (micro-batches, clipping, importance weights, dynamic sampling, rows behind completions)."""
+import inspect
 import math
 from types import SimpleNamespace
 
@@ -70,7 +71,7 @@ def test_gspo_sequence_ratios_reach_the_loss(tmp_path, tiny_llama, monkeypatch):
 
     def spy(*a, **k):
         out = real(*a, **k)
-        ratios.append((out[1].detach(), a[-1]))  # rho (n, C) and the mask it was averaged over
+        ratios.append((out[1].detach(), inspect.signature(real).bind(*a, **k).arguments.get("seq_mask")))  # rho, its mask
         return out
     monkeypatch.setattr(grpo, "per_token_loss", spy)
     r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--grpo.loss_type=grpo",
