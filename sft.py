@@ -41,7 +41,7 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
 
 def sft_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
-    from step import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb
+    from step import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -61,7 +61,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
     grad_norm, lr = optimizer_step(r)
     return {"loss": total, "tokens": tokens, "learning_rate": lr, "grad_norm": grad_norm,
             "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
-            "peak_memory_mb": peak_memory_mb(device)}, []
+            "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 
 
 @torch.no_grad()

@@ -301,13 +301,20 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     }
 
 
-def source_metrics(r: Run, drawn: Scored) -> dict:
-    """For a mixture: data/<label>, the share of this step's prompts drawn from each source, and
-    data/<label>/reward, the mean reward of its completions (skipped ones left out)."""
+def source_shares(r: Run) -> dict:
+    """For a mixture: data/<label>, the share of the rows drawn since the last call (this step's) from each source."""
     counts = r.sampler.pop_counts()
     if len(counts) < 2:
         return {}
-    out = {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+
+
+def source_metrics(r: Run, drawn: Scored) -> dict:
+    """For a mixture: data/<label> (source_shares), and data/<label>/reward, the mean reward of each
+    source's completions (skipped ones left out)."""
+    out = source_shares(r)
+    if not out:
+        return {}
     label_of, start = {}, 0  # a sample is one of r.rows itself: its source by identity
     for label, size in zip(r.source_labels, r.sampler.sizes):
         label_of.update((id(row), label) for row in r.rows[start:start + size])

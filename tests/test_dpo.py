@@ -240,6 +240,18 @@ def test_bad_dpo_input_is_refused_with_the_key_named(dpo_config, tmp_path, capsy
         load_rows(DataConfig(name=str(tmp_path / "chat.jsonl"), chosen="chosen", rejected="rejected", answer_key=None))
 
 
+def test_a_mixture_of_pair_files_logs_each_sources_share(dpo_config, tmp_path):
+    path, cfg = dpo_config
+    for name, rows in (("easy", PAIRS[:10]), ("hard", PAIRS[10:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mix = json.dumps([{"name": str(tmp_path / "easy.jsonl"), "weight": 3}, {"name": str(tmp_path / "hard.jsonl")}])
+    assert train.main(["--config", str(path), "--data.name=null", f"--data.mixture={mix}", "--data.select=null",
+                       "--data.split_seed=null", "--eval.select=null", "--run.steps=3", "--dpo.batch_size=4"]) == 0
+    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    assert all(x["data/easy"] + x["data/hard"] == pytest.approx(1.0) for x in m)
+    assert sum(x["data/easy"] for x in m) > sum(x["data/hard"] for x in m)  # drawn 3 to 1
+
+
 def test_conversational_pairs_and_the_dry_run(dpo_config, tmp_path, capsys):
     """TRL's conversational preference rows: prompt messages, chosen and rejected as assistant turns."""
     path, _ = dpo_config
