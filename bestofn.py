@@ -15,8 +15,9 @@ completion is kept when its reward >= --min-reward; a pair is kept when best - w
 (> 0: a tie is no preference). --require NAME=V keeps only completions whose reward NAME is >= V
 (e.g. think_format=1: never pick a reply without its think block); the rejected one may miss it.
 SFT rows hold `completion`, the text after the forced prefix the eval recorded (`assistant_prefix`):
-train them with the same data.assistant_prefix, which SFT puts back. Pairs are for other trainers
-(TRL's DPOTrainer), so their chosen and rejected include that prefix (a forced <think>); their
+train them with the same data.assistant_prefix, which SFT puts back. Pairs are in TRL's form, for
+its DPOTrainer or minigrpo's `mode: dpo` (with data.assistant_prefix: ''), so their chosen and
+rejected include that prefix (a forced <think>); their
 prompt is the user prompt as built by data.prompt, without data.system_prompt. Outputs are written
 atomically and never overwritten; nothing is written when a requested output would be empty.
 """
