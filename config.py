@@ -122,7 +122,7 @@ class GrpoConfig:
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per completion
-    #   (with loss_type: grpo and epsilons near 3e-4 / 4e-4); matters with num_iterations > 1 or vLLM (see grpo.py)
+    #   (with loss_type: grpo and epsilons near 3e-4 / 4e-4); differs only with num_iterations > 1 or tis_cap (grpo.py)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
     num_iterations: int = 1  # mu: optimizer updates per rollout batch
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
