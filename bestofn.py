@@ -8,7 +8,12 @@ preference pairs (TRL's prompt / chosen / rejected, for DPO).
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
-A prompt is its predictions' (source, row). Completions without a reward (a failed API request, a
+People's ratings serve too: `python ratings.py export --dir DIR > rated.jsonl` writes each rated
+reply with its reward (the human reward's value), and `bestofn.py rated.jsonl --pairs ...` pairs
+each prompt's best- and worst-rated replies. Those replies carry any forced prefix in their text
+(the raters saw it), so both outputs train with data.assistant_prefix: ''.
+
+A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a reward (a failed API request, a
 reward with fallback: skip that failed) are never picked, nor is one cut at max_new_tokens
 (`truncated`; SFT on it would teach stopping mid-thought) unless --keep-truncated. For SFT the best
 completion is kept when its reward >= --min-reward; a pair is kept when best - worst >= --min-margin
@@ -32,10 +37,11 @@ import jsonl
 
 
 def groups(records: list[dict]) -> dict[tuple, list[dict]]:
-    """Predictions by prompt: (source, row) -> its completions, in file order."""
+    """Predictions by prompt: (source, row) -> its completions, in file order; records without a row
+    (ratings.py export's rated replies) by their prompt text: (None, prompt)."""
     out: dict[tuple, list[dict]] = {}
     for r in records:
-        out.setdefault((r.get("source"), r["row"]), []).append(r)
+        out.setdefault((r.get("source"), r["row"]) if "row" in r else (None, r["prompt"]), []).append(r)
     return out
 
 
@@ -64,7 +70,7 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
             continue
         best = max(ok, key=lambda r: r["reward"])  # max/min keep the first of equals
         worst = min([r for r in recs if r.get("reward") is not None and not r.get("api_failed")], key=lambda r: r["reward"])
-        where = {"row": row, **({"source": source} if source is not None else {}),
+        where = {**({"row": row} if "row" in best else {}), **({"source": source} if source is not None else {}),
                  **({"columns": best["columns"]} if best.get("columns") else {})}  # eval.keep_columns, nested as there
         forced = best.get("assistant_prefix") or ""
         prefix = {"assistant_prefix": forced} if forced else {}
@@ -115,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             if not Path(path).is_file():
                 raise ValueError(f"{path}: no such file (eval.py writes eval.out_dir/predictions_<name>.jsonl)")
             for _, _, rec in jsonl.read(path):
-                if not (isinstance(rec, dict) and {"row", "prompt", "completion"} <= set(rec)):
-                    raise ValueError(f"{path}: not eval.py's predictions (each line needs row, prompt, completion)")
+                if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec) and ("row" in rec or "scores" in rec)):
+                    raise ValueError(f"{path}: neither eval.py's predictions (row, prompt, completion, reward) nor "
+                                     "ratings.py export's rated replies (prompt, completion, scores, reward)")
                 records.append(rec)
         if not records:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")

@@ -7,7 +7,8 @@ are the rewards (the question-generation workflow's "online mode"). Two terminal
     python train.py --config configs/qgen_human.yaml         # rewards: [{name: human, args: {dir: ...}}]
 
     python ratings.py stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
-    python ratings.py export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores
+    python ratings.py export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores, reward
+    python bestofn.py rated.jsonl --pairs human_pairs.jsonl     # the best- vs worst-rated reply: DPO data
 
 The folder holds two append-only JSONL files, each line fsynced when written, so no rating is
 lost to a kill (a line torn by one is skipped, and the next write starts a fresh line):
@@ -161,12 +162,15 @@ class Store:
         return None
 
     def rated_items(self) -> list[dict]:
-        """Every queued item with a rating on its criteria, with its mean scores."""
+        """Every queued item with a rating on its criteria, with its mean scores and their reward
+        (the human reward's value: mean over criteria of (score - lo) / (hi - lo))."""
         out = []
         for it in self.items.values():
             scores = self.rated(it["id"], it["criteria"])
             if scores is not None:
-                out.append({"id": it["id"], "prompt": it["prompt"], "completion": it["completion"], "scores": scores})
+                (lo, hi), crit = it["scale"], it["criteria"]
+                out.append({"id": it["id"], "prompt": it["prompt"], "completion": it["completion"], "scores": scores,
+                            "reward": sum((scores[c] - lo) / (hi - lo) for c in crit) / len(crit)})
         return out
 
     def stats(self) -> dict:

@@ -57,7 +57,7 @@ def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys)
         assert message in err and len(err.strip().splitlines()) == 1 and not out.exists()
     (tmp_path / "other.jsonl").write_text(json.dumps({"key": "k", "reply": "r"}) + "\n")  # a judge cache, say
     assert bestofn.main([str(tmp_path / "other.jsonl"), "--sft", str(out)]) == 2
-    assert "not eval.py's predictions" in capsys.readouterr().err and not out.exists()
+    assert "neither eval.py's predictions" in capsys.readouterr().err and not out.exists()
 
 
 def test_sample_n_with_eval_then_pick_the_best_then_fine_tune_on_it(tmp_path, tiny_llama, capsys):

@@ -180,7 +180,8 @@ def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_
     assert [json.loads(ln)["scores"] for ln in (folder / "ratings.jsonl").read_text().splitlines()] == \
         [{"relevance": 4, "clarity": 3}, {"relevance": 2, "clarity": 2}]
     assert get(url + "/export").splitlines()[0] == json.dumps({"id": "new", "prompt": "<b>p</b>", "completion": evil,
-                                                               "scores": {"relevance": 4.0, "clarity": 3.0}})
+                                                               "scores": {"relevance": 4.0, "clarity": 3.0},
+                                                               "reward": 0.625})  # ((4-1)/4 + (3-1)/4) / 2
 
 
 def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
@@ -261,4 +262,38 @@ def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
     out = capsys.readouterr()
     assert json.loads(out.out) == {"queued": 1, "rated": 1, "pending": 0, "mean_scores": {"overall": 4.0}}
     assert out.err.count("skipped an unreadable line") == 2
+    ratings._STORES.clear()
+
+
+def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, tiny_llama, capsys):
+    """People's ratings are paid for: ratings.py export gives each rated reply its reward, bestofn.py
+    pairs each prompt's best- and worst-rated replies, and train.py's DPO mode trains on them."""
+    import bestofn
+    import train
+    ratings._STORES.clear()
+    folder = tmp_path / "ratings"
+    folder.mkdir()
+    for i, (prompt, reply, scores) in enumerate([("Ask about Go.", "<q>What is a goroutine?</q>", (5, 4)),
+                                                 ("Ask about Go.", "<q>Hi.</q>", (1, 2)),
+                                                 ("Ask about SQL.", "<q>What does an index cost?</q>", (4, 4)),
+                                                 ("Ask about SQL.", "<q>Why?</q>", (2, 1)),
+                                                 ("Ask about Rust.", "<q>What is borrowing?</q>", (3, 3))]):  # one reply: no pair
+        queue(folder, f"i{i}", 1, prompt, reply)
+        jsonl.append(folder / "ratings.jsonl", [{"id": f"i{i}", "scores": dict(zip(CRITERIA, scores))}])
+    assert ratings.main(["export", "--dir", str(folder)]) == 0
+    rated = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["reward"] for r in rated[:2]] == [pytest.approx(0.875), pytest.approx(0.125)]  # ((5-1)/4 + (4-1)/4) / 2
+    (tmp_path / "rated.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rated))
+    pairs = tmp_path / "pairs.jsonl"
+    assert bestofn.main([str(tmp_path / "rated.jsonl"), "--pairs", str(pairs)]) == 0
+    made = [json.loads(x) for x in pairs.read_text().splitlines()]
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in made] == [
+        ("Ask about Go.", "<q>What is a goroutine?</q>", "<q>Hi.</q>"),
+        ("Ask about SQL.", "<q>What does an index cost?</q>", "<q>Why?</q>")]
+    assert "row" not in made[0]
+    cfg = tmp_path / "dpo.yaml"
+    cfg.write_text(json.dumps({"mode": "dpo", "model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
+                               "data": {"name": str(pairs), "chosen": "chosen", "rejected": "rejected", "answer_key": None},
+                               "dpo": {"batch_size": 2}, "run": {"steps": 1, "out_dir": str(tmp_path / "dpo")}}))
+    assert train.main(["--config", str(cfg)]) == 0
     ratings._STORES.clear()
