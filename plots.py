@@ -5,7 +5,7 @@
     python plots.py --eval runs/eval/results.json          # plots/eval_<metric>.png: a bar per model
 
 Curves: each run's metrics.jsonl against `step`, labelled with the run directory's name. Default
-metrics: reward, every rewards/<name>/mean, eval/reward and eval/accuracy (run.eval_every), kl,
+metrics: reward, every rewards/<name>/mean, eval/reward and eval/accuracy (run.eval_every), kl, entropy,
 completions/mean_length, clip_ratio (low_mean solid,
 high_mean dashed), DPO's rewards/margins and rewards/accuracies (and their eval/ values), eval/loss
 (SFT, DPO), learning_rate, loss, each skipped where no run logged it; a --metrics key that no
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rewards = sorted({k for _, recs in runs for r in recs for k in r if re.fullmatch(r"rewards/.+/mean", k)})
-    curves = args.metrics or ["reward", *rewards, "eval/reward", "eval/accuracy", "kl", "completions/mean_length",
+    curves = args.metrics or ["reward", *rewards, "eval/reward", "eval/accuracy", "kl", "entropy", "completions/mean_length",
                               "clip_ratio", "rewards/margins", "rewards/accuracies", "eval/rewards/margins",
                               "eval/rewards/accuracies", "eval/loss", "learning_rate", "loss"]
     written = plot_curves(plt, runs, curves, out, args.smooth) if runs else []

@@ -29,6 +29,7 @@ class Rollout:
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
     texts: list[str]  # decoded completions, EOS and padding removed
     sampler_logp: Tensor | None = None  # (N, C) the sampler's own log-probs (vLLM), for importance weights
+    entropy: Tensor | None = None  # (N, C) entropy of each token's sampling distribution (HF generate, EntropyMeter)
 
     @property
     def input_ids(self) -> Tensor:
@@ -100,11 +101,35 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
 STATIC_BUCKET = 64  # rollout.compile: prompts are left-padded to a multiple of this many tokens
 
 
+class EntropyMeter:
+    """A logits processor that changes nothing and records, at each decoding step, every row's
+    entropy in nats of the policy at the sampling temperature, H = -sum_v p_v log p_v with
+    p = softmax(logits / T): the loss's distribution, and TRL's `entropy` (generate runs custom
+    processors before temperature, top-k and top-p, so a top-k / top-p cut is not in it). Falling
+    entropy is a policy collapsing onto few replies (what DAPO's clip-higher fights); it costs one
+    softmax over (N, V) a step."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.steps: list[Tensor] = []  # (N,) a step
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        logp = scores.float() / self.temperature  # (N, V), a new tensor: scores stay as they are
+        logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))  # log softmax in place; -inf where a processor banned a token
+        self.steps.append(-(logp.exp() * logp).nansum(-1))  # (N,); a banned token's 0 * -inf is left out
+        return scores
+
+    def entropy(self, width: int) -> Tensor:
+        """(N, width): the recorded steps, zero past the last."""
+        h = torch.stack(self.steps, dim=1) if self.steps else torch.zeros(0, 0)  # (N, steps)
+        return torch.nn.functional.pad(h, (0, width - h.shape[1]))[:, :width]
+
+
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                      stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
-                     share_prompt: bool = False, static_cache: bool = False) -> Rollout:
+                     share_prompt: bool = False, static_cache: bool = False, entropy: bool = False) -> Rollout:
     """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
@@ -112,7 +137,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared).
     static_cache (rollout.compile): HF generate with a preallocated KV cache, which transformers
     compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
-    tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then."""
+    tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
+    entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                     pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
@@ -131,8 +157,10 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
                     attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
     else:
         rows = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, num_return_sequences=num_generations)
+    meter = EntropyMeter(temperature) if entropy and temperature > 0 else None
     out = model.generate(
         **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
+        logits_processor=[meter] if meter else None,
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
         cache_implementation="static" if static_cache else None,
         stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
@@ -146,7 +174,8 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)], skip_special_tokens=True)
     return Rollout(prompt_ids=enc.input_ids.repeat_interleave(num_generations, 0),
                    prompt_mask=enc.attention_mask.repeat_interleave(num_generations, 0),
-                   completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts)
+                   completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts,
+                   entropy=meter.entropy(completion_ids.shape[1]).to(device) if meter else None)
 
 
 def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,
@@ -196,10 +225,12 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([_pad_to(r.completion_mask, C, 0, False) for r in parts]),
         truncated=torch.cat([r.truncated for r in parts]),
         texts=[t for r in parts for t in r.texts],
-        sampler_logp=None if parts[0].sampler_logp is None else torch.cat([_pad_to(r.sampler_logp, C, 0, False) for r in parts]))
+        sampler_logp=None if parts[0].sampler_logp is None else torch.cat([_pad_to(r.sampler_logp, C, 0, False) for r in parts]),
+        entropy=None if parts[0].entropy is None else torch.cat([_pad_to(r.entropy, C, 0, False) for r in parts]))
 
 
 def select_rows(r: Rollout, rows: list[int]) -> Rollout:
     ix = torch.tensor(rows, dtype=torch.long, device=r.prompt_ids.device)
     return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
-                   r.truncated[ix], [r.texts[i] for i in rows], None if r.sampler_logp is None else r.sampler_logp[ix])
+                   r.truncated[ix], [r.texts[i] for i in rows], None if r.sampler_logp is None else r.sampler_logp[ix],
+                   None if r.entropy is None else r.entropy[ix])

@@ -76,7 +76,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
         r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
                                     ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
-                                    ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
+                                    ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile, entropy=True,
                                     on_slice=start_rewards if overlap else None)
     res = join_results([f.result() for f in pending]) if overlap else rewards_of(r.texts, lengths(r), 0)
     return scored(r, samples, res)
@@ -282,9 +282,10 @@ def optimizer_step(r: Run) -> tuple[float, float]:
 
 def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float) -> dict:
     """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens.
-    reward_std is the mean of the groups' stds, as in TRL."""
+    reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
+    tokens of their sampling distributions' entropy (HF generate only)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
-    lengths, truncated = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated
+    lengths, truncated, h = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated, drawn.rollout.entropy
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(r, G)  # (B,) each
     return {
@@ -298,6 +299,7 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
         "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
         "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / mu,
+        **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),
     }
 
 

@@ -72,7 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
          ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
          ("rewards/accuracies", "acc {:.2f}"), ("eval/rewards/accuracies", "eval acc {:.2f}"),
-         ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
+         ("entropy", "ent {:.2f}"), ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
          ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
 
 

@@ -7,6 +7,7 @@ in one run, reported as ratios. Not part of the test suite.
     .venv/bin/python bench/levers.py --lever microbatch
     .venv/bin/python bench/levers.py --lever fusedhead
     .venv/bin/python bench/levers.py --lever share [--context-words 300]
+    .venv/bin/python bench/levers.py --lever entropy
 
 Levers measured:
   logprob   logprobs.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
@@ -29,6 +30,9 @@ Levers measured:
             forward + backward of that rollout in micro-batches of 8, alternating after a warm-up.
             --context-words N puts an N-word passage before each question (document-grounded
             prompts, where most tokens are prompt).
+  entropy   the cost of the logged `entropy` (rollout.EntropyMeter, a softmax over the vocabulary per
+            decoding step): HF generate of B=4 prompts x G=8 x 64 fixed new tokens with and without
+            it, alternating after a warm-up.
 """
 from __future__ import annotations
 
@@ -231,9 +235,29 @@ def share_lever(args) -> None:
           f"training {med['train shared'] / med['train']:.3f}, both {(med['rollout shared'] + med['train shared']) / (med['rollout'] + med['train']):.3f}")
 
 
+def entropy_lever(args) -> None:
+    model, tok = builtin_policy()
+    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
+
+    def sample(entropy: bool) -> float:
+        t0 = time.perf_counter()
+        rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=True, entropy=entropy)
+        return time.perf_counter() - t0
+    sample(False), sample(True)  # warm-up
+    times = {"without": [], "with entropy": []}
+    for _ in range(args.reps // 2 or 1):  # alternating
+        times["without"].append(sample(False))
+        times["with entropy"].append(sample(True))
+    print(f"entropy lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; 4 prompts x G=8 x 64 "
+          "fixed new tokens; seconds, alternating after a warm-up")
+    for k, v in times.items():
+        print(f"  {k:13s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
+    print(f"  ratio with / without: {statistics.median(times['with entropy']) / statistics.median(times['without']):.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead", "share"])
+    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead", "share", "entropy"])
     ap.add_argument("--compile", action="store_true", help="generate: also time torch.compile (slow to compile)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -249,7 +273,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.lever != "logprob":
         return {"generate": generate_lever, "microbatch": microbatch_lever, "fusedhead": fusedhead_lever,
-                "share": share_lever}[args.lever](args)
+                "share": share_lever, "entropy": entropy_lever}[args.lever](args)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)

@@ -255,3 +255,25 @@ def test_joined_rollouts_pad_completions_outside_the_mask():
     both = rollout.concat_rollouts([ro(4), ro(2)], pad_id=0)
     assert both.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert both.completion_ids.tolist() == [[7, 7, 7, 7], [7, 7, 0, 0]]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_sampling_entropy_is_that_of_the_distribution_each_token_was_drawn_from(tiny_llama, share):
+    """EntropyMeter's per-token entropy equals -sum p log p of softmax(logits / T) from a plain
+    forward over prompt + completion, at every unmasked position (TRL's entropy: no top-k cut in it)."""
+    torch.manual_seed(0)
+    model, tok = load(tiny_llama)
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hi"]]
+    r = rollout.generate_in_slices(model, tok, prompts, 1, 3, 7, 0.7, share_prompt=share, entropy=True)
+    assert r.entropy.shape == r.completion_mask.shape
+    P = r.prompt_ids.shape[1]
+    with torch.no_grad():
+        logits = model(r.input_ids, attention_mask=r.attention_mask,
+                       position_ids=logprobs.position_ids(r.attention_mask)).logits[:, P - 1:-1].double() / 0.7  # (N, C, V)
+    logp = torch.log_softmax(logits, -1)
+    want = -(logp.exp() * logp).sum(-1)  # (N, C)
+    m = r.completion_mask.bool()
+    assert torch.allclose(r.entropy[m].double(), want[m], atol=1e-4) and (r.entropy[m] > 0).all()
+    fixed = rollout.generate_rollout(model, tok, prompts, 3, 5, 0.7, ignore_eos=True, entropy=True)  # EOS banned: -inf
+    assert torch.isfinite(fixed.entropy).all() and (fixed.entropy > 0).all()
+    assert rollout.generate_rollout(model, tok, prompts, 3, 4).entropy is None  # eval and benchmarks pay nothing

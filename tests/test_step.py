@@ -173,3 +173,16 @@ def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_
         assert norm.num_tokens == sum(int(m.sum()) for m, _ in seen) and int(seen[0][0].sum()) == 0
         seen.clear()
 
+
+
+def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_llama):
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    h = torch.tensor([[2.0, 4.0, 99.0], [6.0, 99.0, 99.0]])  # 99: past the completion, left out
+    ro = rollout.Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                         torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2, dtype=torch.bool), ["", ""], entropy=h)
+    drawn = step.Scored(ro, [{}, {}], torch.tensor([0.0, 1.0]), {}, {})
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 1.0)
+    assert step.step_metrics(drawn, 2, sums, 1, 1e-6)["entropy"] == pytest.approx(4.0)
+    r = make_run(tmp_path, tiny_llama)
+    m, _ = step.train_step(r)
+    assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)  # a random model: near log(vocab) at temperature 1.5
