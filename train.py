@@ -6,6 +6,8 @@ such step is step.train_step; this file sets the run up, loops, logs and checkpo
     python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --run.out_dir=runs/quickstart_kl
     python train.py --config configs/quickstart.yaml --resume      # continue from the last checkpoint
     python train.py --config configs/quickstart.yaml --dry-run     # check everything, show the first prompt
+    python train.py --config configs/quickstart_sft.yaml           # mode: sft, one step is sft.sft_step
+    python train.py --config configs/quickstart_dpo.yaml           # mode: dpo, one step is dpo.dpo_step
 
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,
