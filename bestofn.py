@@ -38,10 +38,12 @@ import jsonl
 
 def groups(records: list[dict]) -> dict[tuple, list[dict]]:
     """Predictions by prompt: (source, row) -> its completions, in file order; records without a row
-    (ratings.py export's rated replies) by their prompt text: (None, prompt)."""
+    (ratings.py export's rated replies) by what they were rated on: (None, [prompt, criteria, scale]
+    as JSON), so rewards on other criteria or scales are never compared."""
     out: dict[tuple, list[dict]] = {}
     for r in records:
-        out.setdefault((r.get("source"), r["row"]) if "row" in r else (None, r["prompt"]), []).append(r)
+        key = (r.get("source"), r["row"]) if "row" in r else (None, json.dumps([r["prompt"], r.get("criteria"), r.get("scale")]))
+        out.setdefault(key, []).append(r)
     return out
 
 
@@ -76,7 +78,7 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
         prefix = {"assistant_prefix": forced} if forced else {}
         if min_reward is None or best["reward"] >= min_reward:
             sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"]})
-        if best["reward"] - worst["reward"] >= min_margin:
+        if best["reward"] - worst["reward"] >= min_margin and best["completion"] != worst["completion"]:
             pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
                           "rejected": forced + worst["completion"], "chosen_reward": best["reward"],
                           "rejected_reward": worst["reward"]})
@@ -98,7 +100,8 @@ def parse_require(items: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: pooled per prompt)")
+    ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: pooled per (source, "
+                    "row)) or ratings.py export's rated replies (pooled per prompt, criteria and scale; never with predictions)")
     ap.add_argument("--sft", help="write each prompt's best completion here (prompt, completion, reward)")
     ap.add_argument("--pairs", help="write best-vs-worst pairs here (prompt, chosen, rejected)")
     ap.add_argument("--min-reward", type=float, default=None, help="SFT: keep a best completion only from this reward up")
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec) and ("row" in rec or "scores" in rec)):
                     raise ValueError(f"{path}: neither eval.py's predictions (row, prompt, completion, reward) nor "
                                      "ratings.py export's rated replies (prompt, completion, scores, reward)")
+                if "row" not in rec and "reward" not in rec:
+                    raise ValueError(f"{path}: rated replies without a reward: export them again with this "
+                                     "version of ratings.py (python ratings.py export --dir ...)")
                 records.append(rec)
         if not records:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")

@@ -14,6 +14,7 @@ The folder holds two append-only JSONL files, each line fsynced when written, so
 lost to a kill (a line torn by one is skipped, and the next write starts a fresh line):
 
     queue.jsonl     the trainer's: {"id", "batch", "prompt", "completion", "criteria", "scale", "time"}
+                    (and "messages", a chat prompt as it was, when the prompt shown is its text)
     ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
 
 An item's id hashes (prompt, completion, scale), so a completion that repeats (within a group, or
@@ -102,10 +103,13 @@ class Store:
     def _take_item(self, rec: dict) -> None:
         item = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
         if not (isinstance(item["id"], str) and type(item["batch"]) is int and isinstance(item["prompt"], str)
-                and isinstance(item["completion"], str) and isinstance(item["criteria"], list)
+                and isinstance(item["completion"], str) and isinstance(item["criteria"], list) and item["criteria"]
                 and all(isinstance(c, str) for c in item["criteria"]) and isinstance(item["scale"], list)
-                and len(item["scale"]) == 2 and all(type(v) is int for v in item["scale"])):
+                and len(item["scale"]) == 2 and all(type(v) is int for v in item["scale"])
+                and item["scale"][0] < item["scale"][1] and isinstance(rec.get("messages", []), list)):
             raise ValueError("not a queue record")  # one bad line must not stop the page, the stats or training
+        if "messages" in rec:
+            item["messages"] = rec["messages"]
         self.items[rec["id"]] = item
 
     def _take_rating(self, rec: dict) -> None:
@@ -162,14 +166,16 @@ class Store:
         return None
 
     def rated_items(self) -> list[dict]:
-        """Every queued item with a rating on its criteria, with its mean scores and their reward
-        (the human reward's value: mean over criteria of (score - lo) / (hi - lo))."""
+        """Every queued item with a rating on its criteria: its prompt (a chat prompt's messages as they
+        were), criteria, scale, mean scores, and reward, the human reward's value over all its criteria:
+        mean of (score - lo) / (hi - lo)."""
         out = []
         for it in self.items.values():
             scores = self.rated(it["id"], it["criteria"])
             if scores is not None:
                 (lo, hi), crit = it["scale"], it["criteria"]
-                out.append({"id": it["id"], "prompt": it["prompt"], "completion": it["completion"], "scores": scores,
+                out.append({"id": it["id"], "prompt": it.get("messages", it["prompt"]), "completion": it["completion"],
+                            "criteria": crit, "scale": it["scale"], "scores": scores,
                             "reward": sum((scores[c] - lo) / (hi - lo) for c in crit) / len(crit)})
         return out
 
@@ -223,6 +229,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     criteria, (lo, hi) = list(criteria), scale
     store = store_for(dir)
     shown = [(as_text(s[prompt_key]), (assistant_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
+    messages = {p: s[prompt_key] for (p, _), s in zip(shown, samples) if isinstance(s[prompt_key], list)}  # chat prompts
     ids = [item_id(p, c, scale) for p, c in shown]
     with store.lock:
         store.refresh()
@@ -231,7 +238,8 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
             if store.rated(id_, criteria) is None and id_ not in store.deadlines:
                 store.deadlines[id_] = now + timeout_s if timeout_s > 0 else math.inf
                 new.append({"id": id_, "batch": batch, "prompt": prompt, "completion": completion,
-                            "criteria": criteria, "scale": [lo, hi], "time": time.time()})
+                            "criteria": criteria, "scale": [lo, hi], "time": time.time(),
+                            **({"messages": messages[prompt]} if prompt in messages else {})})
         if new:
             jsonl.append(store.dir / QUEUE, new)
     start, last_said = time.monotonic(), -math.inf

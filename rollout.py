@@ -105,7 +105,8 @@ class EntropyMeter:
     """A logits processor that changes nothing and records, at each decoding step, every row's
     entropy in nats of the policy at the sampling temperature, H = -sum_v p_v log p_v with
     p = softmax(logits / T): the loss's distribution, and TRL's `entropy` (generate runs custom
-    processors before temperature, top-k and top-p, so a top-k / top-p cut is not in it). Falling
+    processors before temperature, top-k and top-p, so a top-k / top-p cut is not in it; a token
+    banned before it, as EOS under rollout.ignore_eos (benchmarks), is left out). Falling
     entropy is a policy collapsing onto few replies (what DAPO's clip-higher fights); it costs one
     softmax over (N, V) a step."""
 

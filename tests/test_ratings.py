@@ -129,6 +129,9 @@ def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
     (item,) = [json.loads(ln) for ln in (folder / "queue.jsonl").read_text().splitlines()]
     assert item["prompt"] == "system: Be a recruiter.\n\nuser: A Go question?"
     assert "user: A Go question?" in ratings.render_page(ratings.store_for(folder), "tok")  # it used to crash here
+    jsonl.append(folder / "ratings.jsonl", [{"id": item["id"], "scores": {"overall": 4}}])
+    (rated,) = ratings.store_for(folder).refresh() or ratings.store_for(folder).rated_items()
+    assert rated["prompt"] == prompt  # exported as the chat prompt it was, for DPO to render as training did
 
 
 def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_path):
@@ -180,6 +183,7 @@ def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_
     assert [json.loads(ln)["scores"] for ln in (folder / "ratings.jsonl").read_text().splitlines()] == \
         [{"relevance": 4, "clarity": 3}, {"relevance": 2, "clarity": 2}]
     assert get(url + "/export").splitlines()[0] == json.dumps({"id": "new", "prompt": "<b>p</b>", "completion": evil,
+                                                               "criteria": CRITERIA, "scale": [1, 5],
                                                                "scores": {"relevance": 4.0, "clarity": 3.0},
                                                                "reward": 0.625})  # ((4-1)/4 + (3-1)/4) / 2
 
@@ -255,13 +259,18 @@ def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
     ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
     jsonl.append(tmp_path / "queue.jsonl", [{"id": "b", "batch": "x", "prompt": "p", "completion": "d",
-                                             "criteria": ["overall"], "scale": [1, 5]}])
+                                             "criteria": ["overall"], "scale": [1, 5]},
+                                            {"id": "e", "batch": 1, "prompt": "p", "completion": "e", "criteria": [],
+                                             "scale": [1, 5]},  # no criteria, and below a scale of one point:
+                                            {"id": "f", "batch": 1, "prompt": "p", "completion": "f",
+                                             "criteria": ["overall"], "scale": [3, 3]}])  # neither can be rated
     (tmp_path / "ratings.jsonl").write_text('{"id": "a", "scores": {"overall": 1e400}}\n'
                                             + json.dumps({"id": "a", "scores": {"overall": 4}}) + "\n")
     assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out) == {"queued": 1, "rated": 1, "pending": 0, "mean_scores": {"overall": 4.0}}
-    assert out.err.count("skipped an unreadable line") == 2
+    assert out.err.count("skipped an unreadable line") == 4
+    assert ratings.main(["export", "--dir", str(tmp_path)]) == 0 and json.loads(capsys.readouterr().out)["reward"] == 0.75
     ratings._STORES.clear()
 
 
@@ -291,6 +300,20 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
         ("Ask about Go.", "<q>What is a goroutine?</q>", "<q>Hi.</q>"),
         ("Ask about SQL.", "<q>What does an index cost?</q>", "<q>Why?</q>")]
     assert "row" not in made[0]
+    # a reply rated on another scale is never compared with these, nor paired with itself
+    queue(folder, "other", 2, "Ask about Go.", "<q>Hi.</q>", ["overall"])
+    jsonl.append(folder / "ratings.jsonl", [{"id": "other", "scores": {"overall": 5}}])
+    ratings._STORES.clear()
+    capsys.readouterr()
+    assert ratings.main(["export", "--dir", str(folder)]) == 0
+    (tmp_path / "rated2.jsonl").write_text(capsys.readouterr().out)
+    pairs2 = tmp_path / "pairs2.jsonl"
+    assert bestofn.main([str(tmp_path / "rated2.jsonl"), "--pairs", str(pairs2)]) == 0
+    assert pairs2.read_text() == pairs.read_text()
+    old = tmp_path / "old.jsonl"  # an export from before rewards were exported
+    old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "reward"}) + "\n" for r in rated))
+    assert bestofn.main([str(old), "--pairs", str(tmp_path / "p3.jsonl")]) == 2
+    assert "export them again" in capsys.readouterr().err
     cfg = tmp_path / "dpo.yaml"
     cfg.write_text(json.dumps({"mode": "dpo", "model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
                                "data": {"name": str(pairs), "chosen": "chosen", "rejected": "rejected", "answer_key": None},

@@ -251,10 +251,12 @@ def test_eos_ids_are_the_tokenizers_and_the_generation_configs():
 def test_joined_rollouts_pad_completions_outside_the_mask():
     def ro(C):
         return rollout.Rollout(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.full((1, C), 7),
-                               torch.ones(1, C), torch.zeros(1, dtype=torch.bool), ["x"])
+                               torch.ones(1, C), torch.zeros(1, dtype=torch.bool), ["x"], entropy=torch.arange(1.0, C + 1)[None])
     both = rollout.concat_rollouts([ro(4), ro(2)], pad_id=0)
     assert both.completion_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
     assert both.completion_ids.tolist() == [[7, 7, 7, 7], [7, 7, 0, 0]]
+    assert both.entropy.tolist() == [[1, 2, 3, 4], [1, 2, 0, 0]]  # each token keeps its own entropy
+    assert rollout.select_rows(both, [1]).entropy.tolist() == [[1, 2, 0, 0]]
 
 
 @pytest.mark.parametrize("share", [False, True])
