@@ -186,7 +186,9 @@ def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
 
 
 def train_step(r: Run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its num_iterations optimizer updates -> (metrics, sampled completions)."""
+    """One rollout batch and its updates -> (metrics, sampled completions): num_iterations passes over
+    it, each pass an optimizer step on each of its steps_per_generation mini-batches of whole groups,
+    whose loss is normalised over that mini-batch (grpo.LossNorm)."""
     cfg, model, optimizer, scaler = r.cfg, r.model, r.optimizer, r.scaler
     t0 = time.time()
     G, g = cfg.rollout.num_generations, cfg.grpo
@@ -207,38 +209,45 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                   "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
     skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
     mask[skipped] = 0
-    old_logp = batch_log_probs(model, batch, cfg) if g.num_iterations > 1 else None  # (N, C); None: on-policy
+    k = g.steps_per_generation
+    off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
+    old_logp = batch_log_probs(model, batch, cfg) if off_policy else None  # (N, C); None: on-policy
     ref_logp = None
     if g.beta > 0:
         with reference_mode(model, r.ref_copy) as ref:
             ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
     N = batch.completion_ids.shape[0]
-    mbs = micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)
-    # whole-step counts; skipped completions are not counted (truncated ones are, as in TRL)
-    norm = grpo.LossNorm(g.loss_type, max(N - int(skipped.sum()), 1), int(mask.sum()), cfg.rollout.max_new_tokens,
-                         max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))
+    minis = []  # (its micro-batches, its LossNorm) for each mini-batch of N / k rows, whole groups
+    for lo in range(0, N, N // k):
+        rows = slice(lo, lo + N // k)
+        mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
+            rollout.select_rows(batch, list(range(N))[rows]), cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
+        # the mini-batch's counts; skipped completions are not counted (truncated ones are, as in TRL)
+        minis.append((mbs, grpo.LossNorm(g.loss_type, max(int((~skipped[rows]).sum()), 1), int(mask[rows].sum()),
+                                         cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
     sampler = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
     for it in range(g.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        for mb in mbs:
-            logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
-            old = None if old_logp is None else old_logp[mb, :C]
-            weight = None
-            if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
-                weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                        mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
-            loss, stats = grpo.grpo_loss(
-                logp, old, None if ref_logp is None else ref_logp[mb, :C],
-                adv[mb], mask[mb, :C], norm, g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level)
-            (scaler.scale(loss) if scaler else loss).backward()
-            sums["loss"] += float(loss.detach())
-            for k, v in stats.items():
-                sums[k] += v
-        gn, lr = optimizer_step(r)
-        sums["grad_norm"] += gn
+        for mbs, norm in minis:
+            optimizer.zero_grad(set_to_none=True)
+            for mb in mbs:
+                logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
+                old = None if old_logp is None else old_logp[mb, :C]
+                weight = None
+                if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
+                    weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
+                                            mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
+                loss, stats = grpo.grpo_loss(
+                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C], norm,
+                    g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level)
+                (scaler.scale(loss) if scaler else loss).backward()
+                sums["loss"] += float(loss.detach())
+                for key, v in stats.items():
+                    sums[key] += v
+            gn, lr = optimizer_step(r)
+            sums["grad_norm"] += gn
     if r.engine:
         r.engine.sync(model)  # the next rollout samples from the updated policy
     tis = {}
@@ -247,7 +256,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
         if g.tis_cap:
             tis |= {"tis/weight_mean": sampler["weight"] / n, "tis/capped_frac": sampler["capped"] / n}
-    metrics = step_metrics(drawn, G, sums, g.num_iterations, g.zero_std_tol) | source_metrics(r, drawn) | tis | {
+    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
@@ -280,8 +289,9 @@ def optimizer_step(r: Run) -> tuple[float, float]:
     return grad_norm, lr
 
 
-def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens.
+def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float) -> dict:
+    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens;
+    loss and grad_norm the means over the step's optimizer updates.
     reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
     tokens of their sampling distributions' entropy (HF generate only)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
@@ -289,7 +299,7 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(r, G)  # (B,) each
     return {
-        "loss": sums["loss"] / mu, **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
+        "loss": sums["loss"] / updates, **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
         "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
@@ -298,7 +308,7 @@ def step_metrics(drawn: Scored, G: int, sums: dict, mu: int, zero_std_tol: float
         "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
         "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / mu,
+        "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / updates,
         **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),
     }
 

@@ -124,6 +124,11 @@ REPLIES = {"grpo": (), "sft": ("target",), "dpo": ("chosen", "rejected")}  # the
 ROW_NAMES = {"grpo": "prompts", "sft": "examples", "dpo": "pairs"}  # what a mode's rows are
 
 
+def updates_per_step(cfg: Config) -> int:
+    """Optimizer updates a step takes: num_iterations x steps_per_generation (GRPO), 1 (SFT, DPO)."""
+    return cfg.grpo.num_iterations * cfg.grpo.steps_per_generation if cfg.mode == "grpo" else 1
+
+
 def reference_beta(cfg: Config) -> float:
     """The weight on the reference policy: grpo.beta (GRPO), dpo.beta (DPO), 0 (SFT has none)."""
     return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
@@ -208,7 +213,7 @@ def setup(args, overrides: list[str]) -> Run:
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
-    updates = cfg.run.steps * (cfg.grpo.num_iterations if cfg.mode == "grpo" else 1)
+    updates = cfg.run.steps * updates_per_step(cfg)
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
     sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed, [(s.weight, s.weight_end) for s in sources])
@@ -216,7 +221,7 @@ def setup(args, overrides: list[str]) -> Run:
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
         start = state["step"]
-        updates_done = start * (cfg.grpo.num_iterations if cfg.mode == "grpo" else 1)  # as far along as the steps are
+        updates_done = start * updates_per_step(cfg)  # as far along as the steps are
         for group in optimizer.param_groups:  # Adam's moments from the checkpoint, its settings from the config
             group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                          weight_decay=cfg.optim.weight_decay)

@@ -186,3 +186,32 @@ def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_ll
     r = make_run(tmp_path, tiny_llama)
     m, _ = step.train_step(r)
     assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)  # a random model: near log(vocab) at temperature 1.5
+
+
+def test_steps_per_generation_splits_the_batch_into_mini_batches_each_its_own_update(tmp_path, tiny_llama, monkeypatch):
+    """grpo.steps_per_generation: k = 2 takes two optimizer steps per pass, each on half the groups with
+    its loss normalised over that half: with lr 0 and loss_type grpo the two gradients average to the
+    one-update gradient. With a real lr the second half is off-policy (ratios leave 1)."""
+    grads, real_step = [], step.optimizer_step
+
+    def capture(r):
+        grads.append([p.grad.clone() for p in r.params])
+        return real_step(r)
+    monkeypatch.setattr(step, "optimizer_step", capture)
+    common = ["--optim.lr=0.0", "--grpo.loss_type=grpo", "--optim.max_grad_norm=0", "--optim.micro_batch_size=3"]
+    r = make_run(tmp_path / "one", tiny_llama, *common)
+    whole, _ = step.train_step(r)
+    r = make_run(tmp_path / "two", tiny_llama, *common, "--grpo.steps_per_generation=2")
+    halves, _ = step.train_step(r)
+    assert len(grads) == 3  # one update, then two
+    for g, g1, g2 in zip(*grads):
+        torch.testing.assert_close(g, (g1 + g2) / 2, rtol=1e-4, atol=1e-7)
+    assert halves["loss"] == pytest.approx(whole["loss"], abs=1e-6) and halves["reward"] == whole["reward"]
+    grads.clear()
+    r = make_run(tmp_path / "lr", tiny_llama, "--optim.lr=0.5", "--grpo.steps_per_generation=2")
+    m, _ = step.train_step(r)
+    assert len(grads) == 2 and abs(m["ratio_mean"] - 1) > 1e-4  # one pass, yet the second half is off-policy
+    r.cfg.grpo.num_iterations = 3
+    assert train.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
+    with pytest.raises(train.ConfigError, match="steps_per_generation=3 must divide rollout.prompts_per_step=2"):
+        make_run(tmp_path / "bad", tiny_llama, "--grpo.steps_per_generation=3")
