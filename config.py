@@ -125,8 +125,9 @@ class GrpoConfig:
     #   (with loss_type: grpo and epsilons near 3e-4 / 4e-4); differs only off-policy or with tis_cap (grpo.py)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
     num_iterations: int = 1  # mu: passes over each rollout batch
-    steps_per_generation: int = 1  # optimizer steps per pass: the B groups split into this many mini-batches (B
-    #   divisible by it), each its own loss and update (PPO's minibatches, TRL's name); the later ones are off-policy
+    num_mini_batches: int = 1  # optimizer steps per pass: the B groups, shuffled, split into this many mini-batches
+    #   (B divisible by it), each its own loss and update (PPO's minibatches); the later ones are off-policy. Not TRL's
+    #   steps_per_generation, which counts gradient-accumulation steps (TRL: steps_per_generation / GA updates)
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
     logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26 logits a chunk
@@ -153,7 +154,7 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     out_dir: str = "runs/quickstart"  # run directory: config, metrics, samples, checkpoints
-    steps: int = 60  # rollout batches (each gives num_iterations x steps_per_generation optimizer updates)
+    steps: int = 60  # rollout batches (each gives num_iterations x num_mini_batches optimizer updates)
     seed: int = 0  # seeds python, numpy and torch
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     threads: int = 0  # CPU threads for torch (0: torch's default)
@@ -397,7 +398,7 @@ def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
-                "grpo.steps_per_generation": cfg.grpo.steps_per_generation,
+                "grpo.num_mini_batches": cfg.grpo.num_mini_batches,
                 "run.steps": cfg.run.steps, "lora.r": cfg.lora.r,
                 "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
                 "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
@@ -419,8 +420,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"run.keep_checkpoints must be >= 1 (the newest checkpoint is what --resume needs), got {cfg.run.keep_checkpoints}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
-    if cfg.grpo.steps_per_generation > 0 and cfg.rollout.prompts_per_step % cfg.grpo.steps_per_generation:
-        raise ConfigError(f"grpo.steps_per_generation={cfg.grpo.steps_per_generation} must divide rollout.prompts_per_step="
+    if cfg.grpo.num_mini_batches > 0 and cfg.rollout.prompts_per_step % cfg.grpo.num_mini_batches:
+        raise ConfigError(f"grpo.num_mini_batches={cfg.grpo.num_mini_batches} must divide rollout.prompts_per_step="
                           f"{cfg.rollout.prompts_per_step}: each mini-batch holds whole groups")
     if cfg.rollout.num_generations < 2:
         raise ConfigError(f"rollout.num_generations must be >= 2 (a group needs a baseline), got {cfg.rollout.num_generations}")

@@ -94,7 +94,7 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     rho_i = exp((1/|y_i|) sum_t m_it (logp_it - old_logp_it)); clipped per completion, so its
     epsilons are much smaller (3e-4 / 4e-4 in the paper). With the "grpo" loss_type the loss is
     then GSPO's (1/N) sum_i -min(rho_i A_i, clip(rho_i) A_i). On-policy (rho = 1) the gradient is
-    the token-level one of that loss_type: the two differ where ratios leave 1 (num_iterations > 1),
+    the token-level one of that loss_type: the two differ where ratios leave 1 (off-policy updates),
     and with importance weights w_t, whose gradient each token then takes as its completion's
     mean w. The KL term stays per token. Clip fractions still count tokens (the paper's figure).
 
@@ -161,7 +161,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
               is_weight: Tensor | None = None, level: str = "token") -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
-    old_logp None means on-policy (num_iterations = 1): old_logp = logp.detach().
+    old_logp None means on-policy (one update per rollout batch): old_logp = logp.detach().
     Outside the mask (padding, skipped or masked truncated rows) old_logp and ref_logp are replaced
     by logp.detach(), so rho = 1 and KL = 0 there: masking the loss afterwards hides only the value,
     and exp(ref - logp) overflowing at a padding token would still make the gradient 0 * inf = NaN.

@@ -1,5 +1,5 @@
 """One GRPO step: sample B prompts x G completions, score them, turn the rewards into group
-advantages, and take num_iterations clipped-surrogate updates (train_step). train.py runs the loop
+advantages, and take num_iterations x num_mini_batches clipped-surrogate updates (train_step). train.py runs the loop
 around it; the math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
 
     metrics, shown = train_step(run)      # run: train.Run, built by train.setup
@@ -187,7 +187,7 @@ def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
 
 def train_step(r: Run) -> tuple[dict, list[dict]]:
     """One rollout batch and its updates -> (metrics, sampled completions): num_iterations passes over
-    it, each pass an optimizer step on each of its steps_per_generation mini-batches of whole groups,
+    it, each pass an optimizer step on each of its num_mini_batches mini-batches of whole groups,
     whose loss is normalised over that mini-batch (grpo.LossNorm)."""
     cfg, model, optimizer, scaler = r.cfg, r.model, r.optimizer, r.scaler
     t0 = time.time()
@@ -197,6 +197,10 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         torch.cuda.reset_peak_memory_stats(device)
     kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
     t_rollout = time.time() - t0
+    k = g.num_mini_batches
+    if k > 1:  # groups shuffled, so that no mini-batch is all flat groups (resample_zero_std puts those last)
+        kept = concat([take_group(kept, i, G) for i in torch.randperm(len(kept.samples) // G).tolist()],
+                      r.tokenizer.pad_token_id)
     batch = kept.rollout
     adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)
@@ -209,7 +213,6 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                   "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
     skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
     mask[skipped] = 0
-    k = g.steps_per_generation
     off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
     old_logp = batch_log_probs(model, batch, cfg) if off_policy else None  # (N, C); None: on-policy
     ref_logp = None

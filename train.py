@@ -1,5 +1,5 @@
 """Train a policy with GRPO. The loop: sample B prompts x G completions, score them, turn rewards
-into group advantages, and take num_iterations clipped-surrogate updates on the LoRA weights (one
+into group advantages, and take num_iterations x num_mini_batches clipped-surrogate updates on the LoRA weights (one
 such step is step.train_step; this file sets the run up, loops, logs and checkpoints).
 
     python train.py --config configs/quickstart.yaml
@@ -125,8 +125,8 @@ ROW_NAMES = {"grpo": "prompts", "sft": "examples", "dpo": "pairs"}  # what a mod
 
 
 def updates_per_step(cfg: Config) -> int:
-    """Optimizer updates a step takes: num_iterations x steps_per_generation (GRPO), 1 (SFT, DPO)."""
-    return cfg.grpo.num_iterations * cfg.grpo.steps_per_generation if cfg.mode == "grpo" else 1
+    """Optimizer updates a step takes: num_iterations x num_mini_batches (GRPO), 1 (SFT, DPO)."""
+    return cfg.grpo.num_iterations * cfg.grpo.num_mini_batches if cfg.mode == "grpo" else 1
 
 
 def reference_beta(cfg: Config) -> float:

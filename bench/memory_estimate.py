@@ -24,7 +24,7 @@ the larger of the two. A 4-bit base counts its frozen Linear weights as NF4 with
 quantization (about 0.52 bytes a weight) and is otherwise traced in the compute dtype, which is
 what bitsandbytes computes in; its dequantized weight (one layer at a time) is not counted. Not
 counted either: the reference forward (grpo.beta > 0) and the old-policy forward (num_iterations >
-1), both without gradients and so below the training pass.
+1 or num_mini_batches > 1), both without gradients and so below the training pass.
 
 Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing and 4096-row chunks, this

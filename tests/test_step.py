@@ -3,6 +3,7 @@ mutation audit of the step found these unguarded): what the step logs, what it k
 iteration to the next, what the reference is, which temperature the loss uses, and the small
 helpers (micro-batches, clipping, importance weights, dynamic sampling, rows behind completions)."""
 import inspect
+import json
 import math
 from types import SimpleNamespace
 
@@ -188,30 +189,62 @@ def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_ll
     assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)  # a random model: near log(vocab) at temperature 1.5
 
 
-def test_steps_per_generation_splits_the_batch_into_mini_batches_each_its_own_update(tmp_path, tiny_llama, monkeypatch):
-    """grpo.steps_per_generation: k = 2 takes two optimizer steps per pass, each on half the groups with
+def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update(tmp_path, tiny_llama, monkeypatch):
+    """grpo.num_mini_batches: k = 2 takes two optimizer steps per pass, each on half the groups with
     its loss normalised over that half: with lr 0 and loss_type grpo the two gradients average to the
-    one-update gradient. With a real lr the second half is off-policy (ratios leave 1)."""
-    grads, real_step = [], step.optimizer_step
+    one-update gradient; each update's LossNorm counts only its half. With a real lr the second half
+    is off-policy (ratios leave 1); grad_norm is the mean over the updates."""
+    grads, norms, calls, real_step, real_loss = [], [], [], step.optimizer_step, grpo.grpo_loss
 
     def capture(r):
         grads.append([p.grad.clone() for p in r.params])
-        return real_step(r)
+        out = real_step(r)
+        norms.append(out[0])
+        calls.append(None)  # an update ends here
+        return out
+
+    def loss(logp, old, ref, adv, mask, norm, *a, **k):
+        calls.append((float(mask.sum()), mask.shape[0], norm))
+        return real_loss(logp, old, ref, adv, mask, norm, *a, **k)
     monkeypatch.setattr(step, "optimizer_step", capture)
+    monkeypatch.setattr(grpo, "grpo_loss", loss)
     common = ["--optim.lr=0.0", "--grpo.loss_type=grpo", "--optim.max_grad_norm=0", "--optim.micro_batch_size=3"]
     r = make_run(tmp_path / "one", tiny_llama, *common)
     whole, _ = step.train_step(r)
-    r = make_run(tmp_path / "two", tiny_llama, *common, "--grpo.steps_per_generation=2")
+    r = make_run(tmp_path / "two", tiny_llama, *common, "--grpo.num_mini_batches=2")
     halves, _ = step.train_step(r)
     assert len(grads) == 3  # one update, then two
     for g, g1, g2 in zip(*grads):
         torch.testing.assert_close(g, (g1 + g2) / 2, rtol=1e-4, atol=1e-7)
-    assert halves["loss"] == pytest.approx(whole["loss"], abs=1e-6) and halves["reward"] == whole["reward"]
+    assert halves["reward"] == whole["reward"] and halves["grad_norm"] == pytest.approx(sum(norms[1:]) / 2)
+    updates, current = [], []
+    for c in calls:
+        if c is None:
+            updates.append(current)
+            current = []
+        else:
+            current.append(c)
+    assert [len(u) for u in updates] == [3, 2, 2]  # 8 rows in micro-batches of 3; then 4 + 4 rows: 3 + 1 each
+    for u in updates:  # each update's normaliser counts its own rows and tokens only
+        norm = u[0][2]
+        assert all(c[2] is norm for c in u) and norm.num_micro_batches == len(u)
+        assert norm.num_tokens == sum(c[0] for c in u) and norm.num_sequences == sum(c[1] for c in u)
     grads.clear()
-    r = make_run(tmp_path / "lr", tiny_llama, "--optim.lr=0.5", "--grpo.steps_per_generation=2")
+    olds, real_old = [], step.batch_log_probs
+    monkeypatch.setattr(step, "batch_log_probs", lambda *a: olds.append(1) or real_old(*a))
+    r = make_run(tmp_path / "lr", tiny_llama, "--optim.lr=0.5", "--grpo.num_mini_batches=2")
     m, _ = step.train_step(r)
-    assert len(grads) == 2 and abs(m["ratio_mean"] - 1) > 1e-4  # one pass, yet the second half is off-policy
+    assert len(grads) == 2 and len(olds) == 1  # one pass, yet the second half is off-policy: the old log-probs count
     r.cfg.grpo.num_iterations = 3
     assert train.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
-    with pytest.raises(train.ConfigError, match="steps_per_generation=3 must divide rollout.prompts_per_step=2"):
-        make_run(tmp_path / "bad", tiny_llama, "--grpo.steps_per_generation=3")
+    with pytest.raises(train.ConfigError, match="num_mini_batches=3 must divide rollout.prompts_per_step=2"):
+        make_run(tmp_path / "bad", tiny_llama, "--grpo.num_mini_batches=3")
+
+
+def test_the_lr_schedule_counts_every_mini_batch_update(tmp_path, tiny_llama):
+    """2 steps x 2 mini-batches = 4 updates of a cosine from lr to 0: the last runs at lr x (1 + cos(3 pi / 4)) / 2."""
+    cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")})
+    assert train.main(["--config", str(cfg), "--grpo.num_mini_batches=2", "--optim.warmup_steps=0",
+                       "--optim.min_lr_ratio=0", "--optim.lr=0.01"]) == 0
+    m = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert m[-1]["learning_rate"] == pytest.approx(0.01 * (1 + math.cos(3 * math.pi / 4)) / 2)
