@@ -173,10 +173,9 @@ class Store:
         for it in self.items.values():
             scores = self.rated(it["id"], it["criteria"])
             if scores is not None:
-                (lo, hi), crit = it["scale"], it["criteria"]
                 out.append({"id": it["id"], "prompt": it.get("messages", it["prompt"]), "completion": it["completion"],
-                            "criteria": crit, "scale": it["scale"], "scores": scores,
-                            "reward": sum((scores[c] - lo) / (hi - lo) for c in crit) / len(crit)})
+                            "criteria": it["criteria"], "scale": it["scale"], "scores": scores,
+                            "reward": rescaled(scores, it["criteria"], it["scale"])})
         return out
 
     def stats(self) -> dict:
@@ -185,6 +184,12 @@ class Store:
         return {"queued": len(self.items), "rated": len(rated), "pending": len(self.pending()),
                 "mean_scores": {c: round(sum(s) / len(s), 3) for c in criteria
                                 if (s := [it["scores"][c] for it in rated if c in it["scores"]])}}
+
+
+def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:
+    """The human reward's value: mean over `criteria` of (score - lo) / (hi - lo), scale = [lo, hi]."""
+    lo, hi = scale
+    return sum((scores[c] - lo) / (hi - lo) for c in criteria) / len(criteria)
 
 
 _STORES: dict[Path, Store] = {}  # one per folder per process, so each step reads only what is new
@@ -263,8 +268,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     def value(g: dict[str, float] | None) -> float:
         if g is None:
             return math.nan
-        picked = [g[criterion]] if criterion else [g[c] for c in criteria]
-        return sum((v - lo) / (hi - lo) for v in picked) / len(picked)
+        return rescaled(g, [criterion] if criterion else criteria, scale)
     return [value(g) for g in got]
 
 

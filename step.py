@@ -93,10 +93,14 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
     return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
 
 
+def take_rows(p: Scored, rows: list[int]) -> Scored:
+    """The completions `rows` of p, in that order (their reward failures are not carried)."""
+    return Scored(rollout.select_rows(p.rollout, rows), [p.samples[i] for i in rows], p.total[rows],
+                  {k: [v[i] for i in rows] for k, v in p.per_reward.items()}, {})
+
+
 def take_group(p: Scored, g: int, G: int) -> Scored:
-    rows = list(range(g * G, (g + 1) * G))
-    return Scored(rollout.select_rows(p.rollout, rows), p.samples[g * G:(g + 1) * G], p.total[g * G:(g + 1) * G],
-                  {k: v[g * G:(g + 1) * G] for k, v in p.per_reward.items()}, {})
+    return take_rows(p, list(range(g * G, (g + 1) * G)))
 
 
 def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judges: dict[str, Judge],
@@ -199,8 +203,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     t_rollout = time.time() - t0
     k = g.num_mini_batches
     if k > 1:  # groups shuffled, so that no mini-batch is all flat groups (resample_zero_std puts those last)
-        kept = concat([take_group(kept, i, G) for i in torch.randperm(len(kept.samples) // G).tolist()],
-                      r.tokenizer.pad_token_id)
+        kept = take_rows(kept, [g * G + j for g in torch.randperm(len(kept.samples) // G).tolist() for j in range(G)])
     batch = kept.rollout
     adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)
