@@ -1,0 +1,166 @@
+"""YAML to typed dataclasses: the generic half of config.py (which holds the fields and their checks).
+
+    raw = read_yaml(Path("configs/x.yaml"))            # the file, with the files it `extends` under it
+    apply_overrides(raw, ["--grpo.beta=0.04"], Config)  # --section.key=value, each value parsed as YAML
+    cfg = from_dict(Config, raw)                        # types checked, unknown keys named
+
+Every problem is a ConfigError of one line that names the key: the entry points print it and exit 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix: one line, says what and where."""
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; returns it (ints widened to float)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # X | None: let X's own, more precise error through
+            return _convert(value, options[0], key)
+        for a in options:
+            try:
+                return _convert(value, a, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {k: _convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+        return float(value)
+    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
+    """The dataclass `cls` built from the mapping `d`: unknown keys (with the closest valid ones), missing
+    required keys and wrong types raise ConfigError naming the key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+            raise ConfigError(f"{prefix or cls.__name__}: missing required key '{f.name}'")
+    kwargs = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            close = difflib.get_close_matches(str(k), names, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(f'{prefix}.{c}' if prefix else c for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config key '{key}'{hint} (valid: {', '.join(names)})")
+        kwargs[k] = _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = d.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override --{dotted}: '{p}' is not a section")
+        d = node
+    d[last] = value
+
+
+def _text_field(root: type, dotted: str) -> str | None:
+    """"text" when the field takes text (str), "optional" for str | None, else None. A text override
+    is kept verbatim, so "{question}" stays text; only null / ~ mean None for an optional one, and an
+    empty value (--data.assistant_prefix=) is empty text for a plain one."""
+    tp: Any = root
+    for part in dotted.split("."):
+        if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):  # X | None: X
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if typing.get_origin(tp) is dict:  # a mapping of sections by name (judges): part is a name
+            tp = typing.get_args(tp)[1]
+        elif not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+            return None
+        else:
+            tp = typing.get_type_hints(tp)[part]
+    return "text" if tp is str else "optional" if set(typing.get_args(tp)) == {str, type(None)} else None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key, anything else (lists too) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}" + (f" (extended by {seen[-1]})" if seen else ""))
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: `extends` makes a cycle ({' -> '.join(str(s) for s in seen + (p,))})")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{p}: extends: expected the path of another config file, got {parent!r}")
+    return _merge(read_yaml(p.parent / parent, seen + (p.resolve(),)), raw)
+
+
+def apply_overrides(raw: dict, overrides: list[str], root: type) -> None:
+    """Set each `--section.key=value` of `overrides` in `raw`, the value parsed as YAML, except that a text
+    field of `root` keeps its text verbatim ("{question}", "1e-4" as written, "" as empty text)."""
+    for o in overrides:
+        if not o.startswith("--") or "=" not in o:
+            raise ConfigError(f"'{o}' is neither an option of this command (see --help) nor an override "
+                              "--section.key=value")
+        dotted, text = o[2:].split("=", 1)
+        try:
+            value = yaml.safe_load(text)
+            kind = _text_field(root, dotted)
+            if kind and (value is not None or (text == "" and kind == "text")):
+                value = text
+        except yaml.YAMLError:
+            value = text
+        _set_dotted(raw, dotted, value)
