@@ -131,6 +131,7 @@ class GrpoConfig:
     share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per group, not G times (see logprobs.py):
     #   true: in the sampling prefill and the loss forward; auto: the prefill always, the loss forward on CPU only
     #   (on a GPU its second pass costs more kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
+    top_entropy_quantile: float = 1.0  # policy gradient only on the step's top share of tokens by sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
     tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
 
 
@@ -299,6 +300,11 @@ def _check(cfg: Config) -> None:
                           "(set rollout.prompts_per_generate: 0, or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
     if cfg.rollout.compile and cfg.rollout.engine != "hf":
         raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling (set rollout.compile: false)")
+    if not 0 <= cfg.grpo.top_entropy_quantile <= 1:
+        raise ConfigError(f"grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {cfg.grpo.top_entropy_quantile}")
+    if cfg.grpo.top_entropy_quantile < 1 and cfg.rollout.engine != "hf":
+        raise ConfigError("grpo.top_entropy_quantile picks tokens by the entropy HF generate records while sampling; "
+                          "vLLM does not report it: set grpo.top_entropy_quantile: 1 with rollout.engine: vllm")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:

@@ -10,7 +10,8 @@ Departures from the paper (arXiv 2402.03300), all switchable in the config:
 - the clip has separate lower and upper bounds (DAPO clip-higher, `epsilon_high`);
 - the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
 - no KL term unless `beta > 0` (TRL's default), and the KL uses the k3 estimator;
-- the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`).
+- the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`);
+- the policy-gradient term can be limited to the step's high-entropy tokens (`top_entropy_quantile`).
 """
 from __future__ import annotations
 
@@ -84,10 +85,33 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
     return (positions <= first[:, None]).float(), ~has_eos
 
 
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """(N, C) bool: the tokens of `mask` whose entropy is in the top `quantile` share of the masked
+    tokens' entropies, H_t >= tau with tau their (1 - quantile) quantile (linear interpolation, as
+    torch.quantile's default); ties at tau are all kept, so slightly more than that share can be.
+
+    "Beyond the 80/20 Rule" (arXiv 2506.01939): RL with verifiable rewards changes mostly the few
+    high-entropy "forking" tokens; training only on the top 20% (quantile 0.2) matched all tokens
+    on Qwen3-8B and beat them on larger models. quantile 1 keeps every masked token, 0 the
+    highest-entropy one(s). tau is taken over the whole step's tokens, so the choice does not depend
+    on the micro-batch size (TRL takes it per micro-batch).
+    entropy, mask: (N, C) -> (N, C) bool.
+    """
+    m = mask.bool()  # (N, C)
+    if quantile >= 1 or not m.any():
+        return m
+    h = entropy[m].float().sort().values  # (n,) ascending; torch.quantile refuses over 2^24 values
+    pos = (len(h) - 1) * (1 - quantile)  # linear interpolation between the two nearest ranks
+    lo = int(pos)
+    tau = h[lo] + (h[min(lo + 1, len(h) - 1)] - h[lo]) * (pos - lo)  # scalar
+    return m & (entropy >= tau)
+
+
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
                    epsilon: float, epsilon_high: float, beta: float,
-                   is_weight: Tensor | None = None, seq_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """l_t = -w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+                   is_weight: Tensor | None = None, seq_mask: Tensor | None = None,
+                   keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """l_t = -k_t w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
 
     seq_mask (N, C) given: GSPO's sequence-level ratio (arXiv 2507.18071) instead, the same for
     every token of completion i, the geometric mean of its tokens' ratios over the mask:
@@ -101,6 +125,10 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     w_t is 1, or the (detached) truncated importance weight min(exp(old_logp_t - sampler_logp_t), cap)
     when another engine (vLLM) sampled: it corrects the policy-gradient term for the sampler's
     slightly different distribution (see vllm_engine.py).
+
+    k_t is 1, or 0/1 from `keep` (N, C) (high_entropy_mask, grpo.top_entropy_quantile): a token with
+    k_t = 0 leaves the policy-gradient term but keeps its KL term and its place in the loss
+    normalisation (the paper's and TRL's choice: the normaliser is the same with or without it).
 
     KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
     With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
@@ -117,6 +145,8 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     loss = -torch.minimum(rho * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)
     if is_weight is not None:
         loss = loss * is_weight.detach()
+    if keep is not None:
+        loss = loss * keep
     kl = torch.zeros_like(logp)
     if beta > 0:
         d = ref_logp - logp  # (N, C)
@@ -158,7 +188,8 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
               norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-              is_weight: Tensor | None = None, level: str = "token") -> tuple[Tensor, dict[str, float]]:
+              is_weight: Tensor | None = None, level: str = "token",
+              keep: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
     old_logp None means on-policy (one update per rollout batch): old_logp = logp.detach().
@@ -167,7 +198,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     and exp(ref - logp) overflowing at a padding token would still make the gradient 0 * inf = NaN.
     Clip fractions count tokens where the clip is active: rho < 1 - eps with A < 0 (low),
     rho > 1 + eps_high with A > 0 (high). Divide the sums by `tokens` for means. level: "token"
-    (a ratio per token) or "sequence" (GSPO: a ratio per completion, see per_token_loss).
+    (a ratio per token) or "sequence" (GSPO: a ratio per completion, see per_token_loss). keep
+    (n, C) bool: the tokens in the policy-gradient term (high_entropy_mask); None: all.
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
@@ -176,7 +208,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     if ref_logp is not None:
         ref_logp = torch.where(m, ref_logp, logp.detach())  # (n, C)
     loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight,
-                                       mask if level == "sequence" else None)  # (n, C) x3
+                                       mask if level == "sequence" else None, keep)  # (n, C) x3
     loss = aggregate(loss_tok, mask, norm)
     a = adv[:, None].expand_as(rho)  # (n, C)
     with torch.no_grad():

@@ -216,6 +216,9 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                   "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
     skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
     mask[skipped] = 0
+    keep = None  # (N, C) the tokens in the policy-gradient term: all, or the step's high-entropy ones
+    if g.top_entropy_quantile < 1:  # chosen once over the whole step, by the sampling policy's entropy
+        keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
     off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
     old_logp = batch_log_probs(model, batch, cfg) if off_policy else None  # (N, C); None: on-policy
     ref_logp = None
@@ -247,7 +250,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                                             mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
                 loss, stats = grpo.grpo_loss(
                     logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C], norm,
-                    g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level)
+                    g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level,
+                    None if keep is None else keep[mb, :C])
                 (scaler.scale(loss) if scaler else loss).backward()
                 sums["loss"] += float(loss.detach())
                 for key, v in stats.items():

@@ -71,6 +71,11 @@ def test_cross_field_checks(tmp_path):
         load_config(write(tmp_path, MINIMAL), ["--rollout.num_generations=1"])
     with pytest.raises(ConfigError, match="rewards: list at least one reward"):
         load_config(write(tmp_path, "grpo: {beta: 0}\n"))
+    with pytest.raises(ConfigError, match=r"grpo.top_entropy_quantile must be in \[0, 1\]"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=1.5"])
+    with pytest.raises(ConfigError, match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
+    assert load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
 
 
 def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):

@@ -8,8 +8,9 @@ import grpo
 from grpo import LossNorm
 
 
-def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len, micro_batches=1):
-    """A per-token Python loop: the formulas of GRPO_NOTES.md, one token at a time."""
+def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len, micro_batches=1, keep=None):
+    """A per-token Python loop: the formulas of GRPO_NOTES.md, one token at a time; keep[i][t] = 0
+    drops token t's policy-gradient term (top_entropy_quantile), not its KL or its count."""
     N, C = logp.shape
     seq_terms, total, tokens = [], 0.0, 0
     for i in range(N):
@@ -20,6 +21,8 @@ def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, m
             rho = torch.exp(logp[i, t] - old[i, t])
             clipped = torch.clamp(rho, 1 - eps_lo, 1 + eps_hi)
             l_t = -torch.minimum(rho * adv[i], clipped * adv[i])
+            if keep is not None and not keep[i][t]:
+                l_t = 0.0 * l_t
             if beta > 0:
                 d = ref[i, t] - logp[i, t]
                 l_t = l_t + beta * (torch.exp(d) - d - 1)
@@ -296,3 +299,45 @@ def test_on_policy_the_sequence_ratio_gives_the_token_level_gradient():
     grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, level=lv)[0], logp)[0]
              for lv in ("token", "sequence")]
     assert torch.allclose(grads[0], grads[1], atol=1e-7) and grads[0].abs().sum() > 0
+
+
+def test_high_entropy_mask_keeps_the_masked_tokens_at_or_above_the_quantile():
+    """Against numpy's quantile (linear interpolation) of the masked entropies; padding never counts."""
+    import numpy as np
+    g = torch.Generator().manual_seed(7)
+    h = torch.rand(6, 9, generator=g) * 4  # (N, C) distinct values
+    mask = (torch.arange(9)[None] < torch.tensor([9, 3, 5, 1, 9, 7])[:, None]).float()
+    values = h[mask.bool()].numpy()
+    for q in (0.2, 0.5, 0.9):
+        tau = np.quantile(values, 1 - q)
+        expected = mask.bool() & (h >= float(tau))
+        got = grpo.high_entropy_mask(h, mask, q)
+        assert torch.equal(got, expected), q
+        assert abs(int(got.sum()) - q * len(values)) <= 1  # about that share of the tokens
+        padded = torch.where(mask.bool(), h, torch.full_like(h, 1e9))  # huge entropies in the padding
+        assert torch.equal(grpo.high_entropy_mask(padded, mask, q), got)
+    assert torch.equal(grpo.high_entropy_mask(h, mask, 1.0), mask.bool())
+    top = grpo.high_entropy_mask(h, mask, 0.0)
+    assert int(top.sum()) == 1 and h[top].item() == values.max()
+    assert not grpo.high_entropy_mask(h, torch.zeros_like(mask), 0.2).any()
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_tokens_left_out_by_keep_lose_their_policy_gradient_only(loss_type, beta):
+    """keep drops a token's clipped-surrogate term; its KL term and its place in the normaliser stay."""
+    logp, old, ref, adv, mask = random_batch(seed=11)
+    keep = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) < 0.4  # (N, C)
+    N, C = logp.shape
+    norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=0.2, epsilon_high=0.28, beta=beta, keep=keep)
+    (g,) = torch.autograd.grad(loss, logp)
+    logp2 = logp.detach().clone().requires_grad_()
+    expected = reference_loss(logp2, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C, keep=keep)
+    (g2,) = torch.autograd.grad(expected, logp2)
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
+    dropped = mask.bool() & ~keep
+    if beta == 0:
+        assert g[dropped].abs().sum() == 0 and g[mask.bool() & keep].abs().sum() > 0
+    else:
+        assert g[dropped].abs().sum() > 0  # the KL still pulls

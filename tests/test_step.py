@@ -248,3 +248,35 @@ def test_the_lr_schedule_counts_every_mini_batch_update(tmp_path, tiny_llama):
                        "--optim.min_lr_ratio=0", "--optim.lr=0.01"]) == 0
     m = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert m[-1]["learning_rate"] == pytest.approx(0.01 * (1 + math.cos(3 * math.pi / 4)) / 2)
+
+def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_micro_batches(tmp_path, tiny_llama, monkeypatch):
+    """The kept tokens are chosen once over the whole step from the sampling entropy (not per
+    micro-batch, as in TRL), so the gradient is the same for micro-batches of 2 or 8 rows; and it is
+    not the all-token gradient."""
+    seen, real, real_collect, batches = [], grpo.grpo_loss, step.collect, []
+
+    def spy(*a, **k):
+        seen.append(inspect.signature(real).bind(*a, **k).arguments.get("keep"))
+        return real(*a, **k)
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    monkeypatch.setattr(step, "collect", lambda *a, **k: (batches[0],) * 2 + (2,))
+    norms = {}
+    for q, size in ((0.3, 2), (0.3, 8), (1.0, 8)):
+        r = make_run(tmp_path / f"{q}_{size}", tiny_llama, f"--grpo.top_entropy_quantile={q}", f"--optim.micro_batch_size={size}",
+                     "--optim.lr=0.0", "--optim.max_grad_norm=0", "--rollout.max_new_tokens=12")
+        if q == 0.3 and size == 2:  # one rollout for all three runs
+            batches.append(real_collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)[0])
+        seen.clear()
+        norms[q, size] = step.train_step(r)[0]["grad_norm"]
+        if q < 1:
+            batch = batches[0].rollout
+            keep = torch.zeros_like(batch.completion_mask, dtype=torch.bool)
+            for mb, k in zip(step.micro_batches(batch, size), seen):
+                keep[mb, :k.shape[1]] = k
+            mask = batch.completion_mask.bool()
+            assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, q))
+            assert abs(int(keep.sum()) - q * int(mask.sum())) <= 1
+        else:
+            assert seen and all(k is None for k in seen)
+    assert norms[0.3, 2] == pytest.approx(norms[0.3, 8], rel=1e-5)
+    assert norms[0.3, 8] != pytest.approx(norms[1.0, 8], rel=1e-3)
