@@ -45,7 +45,7 @@ class LoraConfig:
     enabled: bool = True  # false trains all weights (and keeps a frozen reference copy when beta > 0)
     r: int = 16  # LoRA rank
     alpha: int = 32  # LoRA scaling numerator: the update is (alpha / r) * B @ A
-    dropout: float = 0.0  # LoRA dropout; forced to 0 in GRPO (dropout makes old/ref log-probs disagree)
+    dropout: float = 0.0  # LoRA dropout, SFT only: GRPO and DPO turn dropout off (it makes old/ref log-probs disagree)
     target_modules: list[str] | str = "all-linear"  # module names to adapt, or "all-linear"
 
 
@@ -54,7 +54,7 @@ class DataSource:
     name: str  # a local file, hub dataset id or built-in task, as data.name
     weight: float = 1.0  # share of the prompts drawn from this source (normalised over the sources) at the first step
     weight_end: float | None = None  # share at the last step, linear in between: a curriculum (None: weight throughout)
-    label: str | None = None  # name in the metrics (data/<label>); None: the file stem or the dataset id
+    label: str | None = None  # name in the metrics (data/<label>); None: the file stem or the dataset id's last part
     config_name: str | None = None  # hub dataset config (subset) name
     split: str = "train"  # hub dataset split
     prompt: str | None = None  # column or template of this source's prompt (None: data.prompt)
@@ -89,7 +89,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    prompts_per_step: int = 4  # B: distinct prompts (groups) per optimizer step
+    prompts_per_step: int = 4  # B: distinct prompts (groups) per rollout batch, i.e. per run step
     num_generations: int = 8  # G: completions sampled per prompt
     max_new_tokens: int = 64  # completion length cap; longer ones are cut and flagged truncated
     max_prompt_tokens: int = 512  # prompts longer than this are an error

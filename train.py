@@ -196,7 +196,8 @@ def setup(args, overrides: list[str]) -> Run:
         torch.set_num_threads(cfg.run.threads)
     seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
-    model, tokenizer = load_policy(cfg.model, cfg.lora, device, beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
+    model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft", beta=reference_beta(cfg),
+                                   beta_key=f"{cfg.mode}.beta")
     if ckpts and (ckpts[-1] / "adapter" / PROVENANCE).is_file():
         saved = json.loads((ckpts[-1] / "adapter" / PROVENANCE).read_text())
         if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since

@@ -260,3 +260,14 @@ def test_sft_eval_every_logs_the_held_out_loss_and_trains_as_without_it(sft_conf
                               "--rewards=[{name: answer_match}]", "--eval.max_new_tokens=4"]) == 0
     last = metrics(out)[-1]
     assert "eval/loss" in last and 0 <= last["eval/accuracy"] <= 1 and last["eval/n"] == 8
+
+
+def test_lora_dropout_acts_in_sft_only(sft_config, tmp_path):
+    """lora.dropout is SFT's: GRPO and DPO turn dropout off (old, reference and current log-probs must agree)."""
+    path, cfg = sft_config
+    for mode, extra, active in (("sft", [], True), ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"], False)):
+        r = train.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.25",
+                                           f"--run.out_dir={tmp_path / mode}", *extra]))
+        drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
+        assert drops and all(isinstance(m, torch.nn.Dropout) == active for m in drops), mode
+        assert not active or all(m.p == 0.25 for m in drops)
