@@ -111,6 +111,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
+
+
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
     URL): raised from complete_many / score_many so that a run stops instead of training on nothing."""
@@ -157,6 +160,8 @@ class Judge:
         self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
         self.cfg, self.label = cfg, label
         self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404): the caller stops
+        self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)
+        self._first_unparsed = ""  # the first of those replies, for the error
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self._total = dict.fromkeys(STAT_NAMES, 0.0)
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
@@ -414,7 +419,10 @@ class Judge:
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);
-        a reply it rejects -> None, counted as a failure and never cached."""
+        a reply it rejects -> None, counted as a failure and never cached. When the judge's first
+        UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable: the template or the
+        score range is wrong for this model, and paying for more calls would train on fallbacks. Once
+        one reply has scored, an unusable reply is only counted (the caller's fallback)."""
         lo, hi = self.cfg.score_min, self.cfg.score_max
         replies = _run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
         scores = [None if r is None else parse(r, lo, hi) for r in replies]
@@ -424,4 +432,13 @@ class Judge:
             if r is not None and s is None:
                 self.add_stat("failures")
                 self._warn_once("unparsable", f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
+                if self._unparsed_before_any >= 0:
+                    self._unparsed_before_any += 1
+                    self._first_unparsed = self._first_unparsed or r[:160]
+            elif s is not None:
+                self._unparsed_before_any = -1
+        if self._unparsed_before_any >= UNPARSED_LIMIT:
+            raise JudgeUnusable(self.masked(
+                f"{self.label}: none of its first {self._unparsed_before_any} replies held a usable score (want {want}; the "
+                f"first was {self._first_unparsed!r}); fix its template (it must ask for that) or score_min / score_max"))
         return scores

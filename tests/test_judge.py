@@ -348,6 +348,25 @@ def test_malformed_reply_is_a_failure_and_is_not_cached(server, tmp_path):
     assert len(server.requests) == 2
 
 
+def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_does_not(server, monkeypatch):
+    """16 unusable replies before any usable one: a wrong template or score range, not noise."""
+    import client
+    monkeypatch.setattr(client, "UNPARSED_LIMIT", 4)
+    judge = make_judge(server)
+    server.default = ok(text="A thoughtful answer, well argued.")
+    assert judge.score_many([chat("a"), chat("b"), chat("c")], parse_score) == [None] * 3  # 3 < 4: the fallback
+    with pytest.raises(JudgeUnusable, match=r"none of its first 4 replies held a usable score \(want a number in \[0, 10\]; "
+                                            r"the first was 'A thoughtful answer, well argued.'\); fix its template"):
+        judge.score_many([chat("d")], parse_score)
+    scored = make_judge(server)
+    server.default = ok(text='{"score": 7}')
+    assert scored.score_many([chat("e")], parse_score) == [JudgeScore(7.0, {})]
+    server.default = ok(text="no score here")
+    for i in range(3):  # once a reply has scored, unusable ones are counted, never fatal
+        assert scored.score_many([chat(f"f{i}"), chat(f"g{i}")], parse_score) == [None, None]
+    assert scored.pop_step_stats()["judge_failures"] == 6
+
+
 def test_out_of_range_score_is_rejected(server):
     judge = make_judge(server)
     server.script(out_of_range(42))
