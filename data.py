@@ -329,16 +329,14 @@ def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
         extra = {}
-        if cfg.target:
-            prompt, extra["target"] = split_reply(prompt, build_prompt(row, cfg.target, i), cfg, i)
-        for key in ("chosen", "rejected"):  # DPO: both replies of a pair, after the same prompt
+        for key in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt
             if column := getattr(cfg, key):
-                empty = "{" not in column and row.get(column) == ""  # an empty reply (EOS alone) is a reply to prefer or not
+                empty = key != "target" and "{" not in column and row.get(column) == ""  # an empty DPO reply (EOS alone)
                 prompt, extra[key] = split_reply(prompt, "" if empty else build_prompt(row, column, i), cfg, i, key)
                 if cfg.assistant_prefix and extra[key].startswith(cfg.assistant_prefix):  # the prefix counts as prompt
                     raise DataError(f"row {i}: data.{key} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
-                                    "the prompt already ends with; set data.assistant_prefix: '' for replies that carry it "
-                                    "(bestofn.py's pairs do)")
+                                    "the prompt already ends with (trained on, it would be doubled); set "
+                                    "data.assistant_prefix: '' for replies that carry it (bestofn.py's pairs do)")
         if not isinstance(prompt, (str, list)) or not prompt:
             raise DataError(f"row {i}: the prompt is empty or not text")
         out.append({**row, "prompt": prompt, **extra})

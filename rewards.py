@@ -407,8 +407,14 @@ def think_format(completion: str, sample: dict, min_think_chars: int = 10, requi
     return float(len(thought.strip()) >= min_think_chars and (bool(answer.strip()) or not require_answer))
 
 
+# "PMID: 111", and a list after one label: "PMIDs: 111, 222 and 333", "[PMID 111; 222]". A number
+# followed by a word ("PMID: 111, 30 patients") ends the list: it is not taken for an id.
+PMID_PATTERN = r"PMIDs?:?\s*(\d+(?:\s*(?:[,;&]|\band\b)\s*\d+(?!\d)(?!\s*(?!(?:and|or)\b)[A-Za-z%]))*)"
+CITATION_SEPARATOR = r"\s*(?:[,;&]|\band\b)\s*"  # between the ids of one match's list
+
+
 @register("citation_grounding", row_keys=("valid_key",))
-def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)",
+def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTERN,
                        valid_key: str = "valid_pmids", reward_valid: float = 1.0, penalty_invalid: float = -2.0,
                        normalize: bool = False, dedupe: bool = True, no_citation: float = 0.0,
                        ignore_case: bool = True) -> float | None:
@@ -419,7 +425,9 @@ def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*
         normalize: score / number of citations (so citing every valid id earns nothing extra)
 
     Citations are the first group of `pattern` (or the whole match) anywhere in the completion,
-    think block included (an invented id is invented wherever it appears), compared as strings.
+    think block included (an invented id is invented wherever it appears), split into ids at
+    commas, semicolons, "&" and "and" (PMID_PATTERN catches such lists after one label, so an
+    invented id cannot hide behind a valid one), compared as strings.
     dedupe counts each distinct id once, so repeating a valid id earns nothing. ignore_case also
     catches "pmid 123". A completion without citations scores no_citation.
 
@@ -428,6 +436,8 @@ def citation_grounding(completion: str, sample: dict, pattern: str = r"PMID:?\s*
     (2.0, -1.0)
     >>> citation_grounding("PMID: 111 and PMID: 999", s, normalize=True), citation_grounding("no refs", s)
     (-0.5, 0.0)
+    >>> citation_grounding("[PMIDs: 111; 222, 999]", s), citation_grounding("PMID: 111, 30 patients", s)
+    (0.0, 1.0)
     """
     found = _citations(completion, sample, pattern, valid_key, dedupe, ignore_case)
     if found is None:
@@ -447,12 +457,13 @@ def _citations(completion: str, sample: dict, pattern: str, valid_key: str, dedu
         return None
     if isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset)):
         raise TypeError(f"sample[{valid_key!r}] must be a list of ids, not {type(valid).__name__}")
-    cited = _find_all(pattern, completion, re.I if ignore_case else 0)
+    cited = [c for found in _find_all(pattern, completion, re.I if ignore_case else 0)
+             for c in re.split(CITATION_SEPARATOR, found.strip(), flags=re.I) if c]
     return (list(dict.fromkeys(cited)) if dedupe else cited), {str(v).strip() for v in valid}
 
 
 @register("invented_citation", row_keys=("valid_key",))
-def invented_citation(completion: str, sample: dict, pattern: str = r"PMID:?\s*(\d+)", valid_key: str = "valid_pmids",
+def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN, valid_key: str = "valid_pmids",
                       ignore_case: bool = True) -> float | None:
     r"""1.0 when the completion cites at least one id that is not in sample[valid_key], else 0.0 (None
     without valid_key). Its mean is BioReasoner's hallucination rate: list it with weight 0 and
@@ -461,6 +472,8 @@ def invented_citation(completion: str, sample: dict, pattern: str = r"PMID:?\s*(
     >>> s = {"valid_pmids": ["111"]}
     >>> invented_citation("PMID: 111", s), invented_citation("PMID: 111, PMID: 999", s), invented_citation("none", s)
     (0.0, 1.0, 0.0)
+    >>> invented_citation("PMID: 111, 999", s)
+    1.0
     """
     found = _citations(completion, sample, pattern, valid_key, True, ignore_case)
     if found is None:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rewards
-from rewards import (REGISTRY, RewardSpec, answer_match, choice_accuracy, citation_grounding, json_schema, json_valid,
+from rewards import (REGISTRY, RewardSpec, answer_match, choice_accuracy, citation_grounding, invented_citation, json_schema, json_valid,
                      length_penalty, register, resolve, short_answer, think_format)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
@@ -278,6 +278,11 @@ SOURCES = {"valid_pmids": ["12345", 67890, " 555 "]}
     ("pmid 12345 and Pmid: 99999", -1.0),                    # case does not hide an invention
     ("<think>PMID: 99999</think>PMID: 12345", -1.0),         # inventions in the reasoning count
     ("No citations here, 12345 is just a number.", 0.0),
+    ("PMID: 12345, 99999", -1.0),                            # an invention listed after a valid id counts
+    ("[PMID: 12345; 99999]", -1.0), ("PMIDs: 99999, 99998", -4.0), ("(PMID 12345, 67890 & 555)", 3.0),
+    ("PMID: 12345, 67890 and PMID: 99999", 0.0),
+    ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0),  # a number before a word is not an id
+    ("PMID: 12345 and 67890 AND 555.", 3.0),
 ])
 def test_citation_grounding_rewards_valid_and_penalises_invented_ids(completion, expected):
     assert citation_grounding(completion, SOURCES) == expected
@@ -293,6 +298,7 @@ def test_citation_grounding_options():
     assert citation_grounding("doi:10.1/abc doi:10.9/zzz", {"dois": ["10.1/abc"]},
                               pattern=r"doi:(\S+)", valid_key="dois") == -1.0
     assert citation_grounding("PMID: 1", {"valid_pmids": set()}) == -2.0
+    assert invented_citation("PMID: 12345, 99999", SOURCES) == 1.0 and invented_citation("PMIDs 12345; 555", SOURCES) == 0.0
 
 
 def test_citation_grounding_is_none_without_a_valid_set_and_raises_on_a_string_set():

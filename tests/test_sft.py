@@ -237,6 +237,16 @@ def test_null_or_empty_fields_are_errors_not_the_text_none(tmp_path):
         load_rows(DataConfig(name=str(data), prompt="{question}", target="Because {exp}"))
 
 
+def test_a_target_that_repeats_the_forced_prefix_is_an_error(tmp_path):
+    """SFT on "<think>..." replies after a forced "<think>" would teach "<think><think>"."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "Q1", "answer": "1", "reply": "<think>one</think> 1"}\n')
+    with pytest.raises(DataError, match="row 0: data.target starts with data.assistant_prefix '<think>'.*"
+                                        "set data.assistant_prefix: ''"):
+        load_rows(DataConfig(name=str(data), prompt="question", target="reply", assistant_prefix="<think>"))
+    assert load_rows(DataConfig(name=str(data), prompt="question", target="reply"))[0]["target"] == "<think>one</think> 1"
+
+
 def test_the_builtin_task_holds_400_distinct_problems():
     from config import DataConfig
     rows = load_rows(DataConfig(name="arithmetic"))
