@@ -7,8 +7,8 @@ The config is the training YAML; its `eval` section picks the held-out rows (eva
 the data.split_seed shuffle; or eval.name, a test file of its own) and the decoding. Model entries:
   base             model.name as configured
   [NAME=]PATH      a run directory (newest checkpoint), checkpoint or adapter directory, loaded on
-                   model.name with the merges it was trained on (an adapter of another base is an
-                   error); or a full model directory holding config.json (a merged export)
+                   the base its run recorded (model.name, or e.g. a merged SFT phase) with the merges
+                   it was trained on; or a full model directory holding config.json (a merged export)
   [NAME=]hf:ORG/REPO[@REV] a hub model or adapter, downloaded, then read as PATH is
   [NAME=]api:MODEL chat completions from the eval.api endpoint (model field replaced by MODEL), or
                    from eval.apis.MODEL (a named endpoint with its own model and settings)
@@ -57,7 +57,8 @@ from data import Source, check_not_data_file, load_sources
 from client import Judge, JudgeConfig, JudgeUnusable
 from hub import offline_if_unreachable
 from judge import judges_stats
-from model import check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device, resolve_model_path
+from model import (PROVENANCE, adapter_provenance, check_adapter_base, find_adapter, load_inference, load_tokenizer, pick_device,
+                   resolve_model_path)
 from metrics import model_metrics, per_source_metrics
 from scoring import RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys
 
@@ -68,6 +69,8 @@ class ModelEntry:
     kind: str  # "base" | "adapter" | "full" | "api"
     target: str | None  # adapter directory, model directory or API model name (None for base)
     spec: str  # the entry as given on the command line
+    base: str | None = None  # an adapter trained on another base than model.name: that base, recorded by its run
+    revision: str | None = None  # ... and its revision
 
 
 @dataclass
@@ -101,6 +104,7 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
     entries: list[ModelEntry] = []
     for spec in specs:
         name, _, what = spec.partition("=") if "=" in spec else (None, "", spec)
+        base = None  # an adapter's own base, when its run recorded another than model.name
         if name is not None and not re.fullmatch(r"[\w.-]+", name):
             raise ConfigError(f"model entry {spec!r}: the name must be letters, digits, '.', '_' or '-'; {usage}")
         if what == "base":  # a directory called base: write ./base
@@ -120,8 +124,9 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
                                       "is the export or download complete?")
             else:
                 kind, target = "adapter", str(find_adapter(str(p)))
+                base = own_base(Path(target), mcfg)
                 try:
-                    check_adapter_base(Path(target), mcfg)
+                    check_adapter_base(Path(target), dataclasses.replace(mcfg, **base) if base else mcfg)
                 except ConfigError as e:
                     raise ConfigError(f"model entry {spec!r}: {e}") from None
         default = {"base": "base", "api": target}.get(kind) or (what[3:].partition("@")[0].split("/")[-1] if what.startswith("hf:")
@@ -129,8 +134,20 @@ def parse_model_entries(specs: list[str], mcfg: ModelConfig) -> list[ModelEntry]
         name = name or re.sub(r"[^\w.-]", "_", default)
         if name in [e.name for e in entries]:
             raise ConfigError(f"model name {name!r} appears twice; give each entry its own NAME=")
-        entries.append(ModelEntry(name, kind, target, spec))
+        entries.append(ModelEntry(name, kind, target, spec, *((base["name"], base["revision"]) if base else ())))
     return entries
+
+
+def own_base(adapter: Path, mcfg: ModelConfig) -> dict | None:
+    """{name, revision} of the base a minigrpo adapter was trained on, when that is not model.name (a GRPO
+    phase trained on an SFT phase pushed as a merged model, say); None when it is, or when the adapter
+    is another tool's, whose recorded base is only a hint (check_adapter_base then holds it to model.name)."""
+    if not (adapter / PROVENANCE).is_file():
+        return None
+    prov = adapter_provenance(adapter)
+    if (prov.get("base_model"), prov.get("revision")) == (mcfg.name, mcfg.revision) or not prov.get("base_model"):
+        return None
+    return {"name": prov["base_model"], "revision": prov.get("revision")}
 
 
 def check_eval_config(cfg: Config) -> None:
@@ -320,7 +337,8 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
         if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
             model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
         else:
-            model, tok = load_inference(cfg.model, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
+            mcfg = dataclasses.replace(cfg.model, name=entry.base, revision=entry.revision) if entry.base else cfg.model
+            model, tok = load_inference(mcfg, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # truncated or corrupt weights
         if isinstance(e, ConfigError) or "out of memory" in str(e).lower():
             raise
@@ -419,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     errors, crash = [], None
     try:
         for entry in plan.entries:
-            print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec})", file=sys.stderr)
+            on = f", on its run's base {entry.base}" if entry.base else ""
+            print(f"[eval] {entry.name}: {len(plan.rows)} prompts ({entry.spec}{on})", file=sys.stderr)
             t0 = time.time()
             gen, n, prefix = generate(entry, plan)
             scoring.append((entry, in_background(functools.partial(score_model, entry, plan, gen, n, prefix, t0),

@@ -366,14 +366,40 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(project, capsys, mod
     assert not (tmp / "eval").exists()
 
 
-def test_an_adapter_trained_on_another_base_is_refused_before_anything_loads(project, tiny_llama, capsys):
+def test_an_adapter_loads_on_the_base_its_run_recorded_and_another_tools_adapter_must_match(project, tiny_llama, capsys):
+    """A GRPO phase trained on an SFT phase pushed as a merged model records that model as its base:
+    it is evaluated there, beside the base of model.name (MedMCQA's phases in separate jobs). An
+    adapter saved by another tool (no provenance) of another base is refused before anything loads."""
+    import shutil
+    from transformers import AutoModelForCausalLM
     cfg, tmp = project
-    adapter = make_adapter(tiny_llama, tmp / "other" / "adapter", "someone/other-base")
+    sft_merged = tmp / "sft_merged"  # stands in for the pushed SFT model: another base than model.name, other weights
+    shutil.copytree(tiny_llama, sft_merged)
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    model.save_pretrained(sft_merged)
+    adapter = make_adapter(sft_merged, tmp / "grpo" / "adapter", str(sft_merged))
     capsys.readouterr()  # the loading bar of make_adapter
-    assert ev.main(["--config", str(cfg), "--models", "base", str(adapter)]) == 2
+    out = tmp / "eval"
+    assert ev.main(["--config", str(cfg), "--models", "base", f"grpo={adapter}", f"--eval.out_dir={out}"]) == 0
+    assert f"on its run's base {sft_merged}" in capsys.readouterr().err
+    same = tmp / "eval_same"  # the adapter evaluated with its base as model.name: the same completions
+    assert ev.main(["--config", str(cfg), "--models", f"grpo={adapter}", f"--model.name={sft_merged}", f"--eval.out_dir={same}"]) == 0
+    grpo = [p["completion"] for p in lines(out / "predictions_grpo.jsonl")]
+    assert grpo == [p["completion"] for p in lines(same / "predictions_grpo.jsonl")]
+    assert grpo != [p["completion"] for p in lines(out / "predictions_base.jsonl")]
+    other = make_adapter(tiny_llama, tmp / "other" / "adapter", "someone/other-base")
+    (other / "minigrpo_base.json").unlink()  # as another tool saved it: its recorded base is only a hint
+    cfg_path = other / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "base_model_name_or_path": "someone/other-base"}))
+    capsys.readouterr()
+    assert ev.main(["--config", str(cfg), "--models", "base", str(other), f"--eval.out_dir={tmp / 'eval_other'}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'someone/other-base'" in err and "trained on base" in err
-    assert not (tmp / "eval").exists()
+    assert not (tmp / "eval_other").exists()
 
 
 def test_bare_paths_are_named_after_their_directory_and_merged_exports_load_as_full_models(tiny_llama):
