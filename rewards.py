@@ -320,25 +320,31 @@ def _boxed(text: str) -> str | None:
     return None
 
 
-def _final_number(text: str, mode: str = "last") -> Fraction | None:
-    """The answer number of a text, exact, or None. The first marker kind present decides: the
-    last `#### x` line (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; inside it the
-    first number counts (a marker without a number is no answer). Without a marker, the first or
-    last number of the text (mode)."""
-    if mode not in ("first", "last"):
-        raise ValueError(f"mode must be 'first' or 'last', not {mode!r}")
+def _latex_numbers(text: str) -> str:
+    r"""\frac{3}{4} as 3/4, and LaTeX's thousands separators (1{,}000, 1\,000) dropped."""
     text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
-    text = text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")  # LaTeX thousands separators
+    return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
+
+
+def _marked(text: str) -> str | None:
+    """What the answer marker holds, the first kind present deciding: the last `#### x` line
+    (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; None without a marker."""
     hashes = re.findall(r"####([^\n]*)", text)
     close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
     open_at = text.rfind("<answer>", 0, max(close, 0))
     tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
-    for segment in (hashes[-1] if hashes else None, _boxed(text), tag):
-        if segment is not None:
-            found = _NUMBER.findall(segment)[:1]
-            break
-    else:
-        found = _NUMBER.findall(text)
+    return next((s for s in (hashes[-1] if hashes else None, _boxed(text), tag) if s is not None), None)
+
+
+def _final_number(text: str, mode: str = "last") -> Fraction | None:
+    """The answer number of a text, exact, or None: inside the answer marker (_marked) the first
+    number counts (a marker without a number is no answer); without one, the first or last number
+    of the text (mode)."""
+    if mode not in ("first", "last"):
+        raise ValueError(f"mode must be 'first' or 'last', not {mode!r}")
+    text = _latex_numbers(text)
+    segment = _marked(text)
+    found = _NUMBER.findall(text) if segment is None else _NUMBER.findall(segment)[:1]
     if not found:
         return None
     numerator, _, denominator = found[-1 if mode == "last" else 0].replace(",", "").partition("/")
@@ -348,9 +354,54 @@ def _final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
+_UNITS = re.compile(r"\\?\$|\\?%|\\text\{[^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
+_EXPRESSION = re.compile(r"[\\^_{}]|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|[\[(][^\])]*,[^\[(]*[\])]")
+
+
+def _expression_gold(gold: str) -> str | None:
+    r"""The gold's answer when it is an expression, not a number (MATH's x^2+1, 2\sqrt{2},
+    (-\infty,2]), else None: the marker's content, or a marker-less gold that is not prose.
+
+    >>> _expression_gold(r"\boxed{2\sqrt{2}}"), _expression_gold("x + 1"), _expression_gold(r"\$18.90")
+    ('2\\sqrt{2}', 'x + 1', None)
+    >>> _expression_gold(r"\frac{1}{2}"), _expression_gold("72 apples"), _expression_gold("#### 1,000")
+    (None, None, None)
+    """
+    text = _latex_numbers(gold)
+    segment = _marked(text)
+    if segment is None and any(w.isalpha() and len(w) >= 3 for w in text.split()):
+        return None  # prose (a solution, "72 apples"): its number counts
+    segment = text if segment is None else segment
+    return segment.strip() if _EXPRESSION.search(_UNITS.sub("", segment)) else None
+
+
+def _normalised(expr: str) -> str:
+    r"""An answer written the way MATH's graders compare them: no spaces, $, \left / \right, spacing
+    commands, \text{} wrappers or final period; \dfrac and \tfrac as \frac; x^{2} as x^2.
+
+    >>> _normalised(r"\left( -\infty, 2 \right]"), _normalised(r"\dfrac{x^{2}}{2}."), _normalised(r"\text{(B)}")
+    ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
+    """
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", expr)
+    s = re.sub(r"\\(?:left|right|displaystyle|[!,;: ])", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "").replace("$", "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    return re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)
+
+
+def _same_expression(pred: str, gold: str) -> bool:
+    """Equal as normalised text, or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
+    a, b = _normalised(pred), _normalised(gold)
+    if a == b:
+        return True
+    x, y = (_NUMBER.fullmatch(_latex_numbers(v).replace(",", "")) for v in (a, b))
+    return bool(x and y) and _final_number(x.group(0)) == _final_number(y.group(0))
+
+
 @register("answer_match", row_keys=("gold_key",))
 def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: str = "last",
-                 tolerance: float = 1e-6, strip_think: bool = True, assistant_prefix: str = "") -> float | None:
+                 tolerance: float = 1e-6, strip_think: bool = True, assistant_prefix: str = "",
+                 compare: str = "number") -> float | None:
     r"""1.0 if the completion's final number equals the gold number, else 0.0; None without gold.
 
     The number is taken, in priority order, from `#### n`, `\boxed{n}`, `<answer>n</answer>`,
@@ -360,7 +411,11 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     1{,}000, $5, 72., 3.0, -4, 3/4 and \frac{3}{4}; not 1e5 or 1 000. The gold sample[gold_key]
     is a number or a string read the same way (a GSM8K solution ending in `#### 72`). Numbers
     are compared exactly as fractions, within an absolute tolerance, so huge integers that are
-    equal as floats still differ.
+    equal as floats still differ. A gold that is an expression (MATH's x^2+1, 2\sqrt{2},
+    (-\infty,2]) raises ValueError rather than being read as its first number: with
+    compare="expression" the completion's marked answer (\boxed{...}, `####`, <answer>; else the
+    whole answer) and the gold's are compared as normalised text (_normalised), or as numbers when
+    both are one. That is string equality, not algebra: x+1 and 1+x differ.
 
     >>> answer_match("48/2 = 24, 48 + 24 = 72.\n#### 72", {"answer": "She sold 48/2 = 24.\n#### 72"})
     1.0
@@ -370,17 +425,29 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     (0.0, 1.0)
     >>> answer_match("so 70 + 2 = 72", {"answer": 72}), answer_match("so 70 + 2 = 72", {"answer": 72}, assistant_prefix="<think>")
     (1.0, 0.0)
+    >>> answer_match(r"\boxed{x^{2} + 1}", {"answer": "x^2+1"}, compare="expression"), answer_match(r"\boxed{2}", {"answer": r"2\sqrt{2}"}, compare="expression")
+    (1.0, 0.0)
     """
+    if compare not in ("number", "expression"):
+        raise ValueError(f"compare must be 'number' or 'expression', not {compare!r}")
     gold = sample.get(gold_key)
     if gold is None:
         return None
     if isinstance(gold, bool) or not isinstance(gold, (int, float, str)):
         raise TypeError(f"gold answer {gold!r} is not a number or a string")
+    completion = assistant_prefix + completion
+    answer = _answer_part(completion) if strip_think else completion
+    if compare == "expression":
+        gold_text = str(gold) if not isinstance(gold, str) else (_marked(gold) or gold)
+        pred = _marked(answer)
+        return float(bool(answer) and _same_expression(answer if pred is None else pred, gold_text))
+    if isinstance(gold, str) and (expression := _expression_gold(gold)) is not None:
+        raise ValueError(f"gold answer {expression!r} is an expression, not a number: answer_match would compare "
+                         "its first number; set args: {compare: expression} to compare answers as text")
     target = _final_number(gold) if isinstance(gold, str) else Fraction(gold)
     if target is None:
         raise ValueError(f"gold answer {gold!r} holds no number")
-    completion = assistant_prefix + completion
-    pred = _final_number(_answer_part(completion) if strip_think else completion, mode)
+    pred = _final_number(answer, mode)
     return float(pred is not None and abs(pred - target) <= tolerance)
 
 

@@ -404,3 +404,36 @@ def test_resolve_loads_a_function_from_a_file_and_its_batched_mark(tmp_path):
     broken.write_text("def f(:\n")
     with pytest.raises(ValueError, match="could not load.*SyntaxError"):
         resolve(RewardSpec(f"{broken}:f"))
+
+
+# ---------------------------------------------------------------- answer_match on expressions (MATH)
+
+@pytest.mark.parametrize("gold", [r"x^2-5", r"2\sqrt{2}", r"[2,7)", r"\boxed{\frac{\pi}{3}}", "x + 1"])
+def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_number(gold):
+    with pytest.raises(ValueError, match="is an expression, not a number.*compare: expression"):
+        answer_match(r"\boxed{2}", {"answer": gold})
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    (r"So \boxed{x^2+1}", "x^2-5", 0.0),
+    (r"\boxed{x^{2} + 1}.", r"x^2+1", 1.0),
+    (r"\boxed{2}", r"2\sqrt{2}", 0.0),
+    (r"\boxed{2\sqrt{2}}", r"2 \sqrt{2}", 1.0),
+    (r"\boxed{\left(-\infty, 2\right]}", r"(-\infty,2]", 1.0),
+    (r"\boxed{(-\infty,2]}", r"[2,7)", 0.0),
+    (r"\boxed{\dfrac{\pi}{3}}", r"The answer is $\boxed{\frac{\pi}{3}}$.", 1.0),  # a solution: its boxed answer
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),                                         # numbers still compare as numbers
+    ("#### 72", 72, 1.0),
+    (r"<think>\boxed{3}</think> \boxed{x+1}", "1+x", 0.0),                          # text, not algebra
+    ("<think>never closed", "x", 0.0),
+])
+def test_compare_expression_matches_normalised_answers(completion, gold, expected):
+    assert answer_match(completion, {"answer": gold}, compare="expression") == expected
+
+
+def test_number_golds_keep_their_reading():
+    assert answer_match("It is 72.", {"answer": "72 apples"}) == 1.0
+    assert answer_match(r"\boxed{18.90}", {"answer": r"\$18.90"}) == 1.0
+    assert answer_match("30", {"answer": r"30^\circ"}) == 1.0 and answer_match("5", {"answer": "5%"}) == 1.0
+    with pytest.raises(ValueError, match="compare must be"):
+        answer_match("1", {"answer": 1}, compare="algebra")
