@@ -18,7 +18,10 @@ config and per-model metrics; never overwritten without --overwrite) and predict
 rewards, and under "columns" the row's eval.keep_columns), and prints the metrics as a table.
 
 Each model is scored (judge requests) in the background while the next one generates; `seconds` is
-a model's time from the start of its generation until it was scored.
+a model's time from the start of its generation until it was scored. A local model's completions
+are also appended batch by batch to partial_<name>.jsonl: an eval that was killed, run again with
+the same eval.out_dir, generates only what is missing (generate_resumable); judge and API replies
+come back from their caches.
 
 Local models see the prompt exactly as in training (chat template, system prompt, forced
 assistant_prefix) and decode greedily when eval.temperature is 0, else sample eval.num_samples
@@ -35,12 +38,14 @@ import argparse
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,13 +180,62 @@ def check_eval_config(cfg: Config) -> None:
 
 @torch.no_grad()
 def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, num_samples: int = 1,
-                   temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True) -> Generated:
+                   temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True,
+                   on_batch: Callable[[int, Generated], None] | None = None) -> Generated:
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
     greedy when temperature == 0. Completions end at (and include) the first EOS. share_prompt:
-    each prompt is prefilled once for its num_samples rows (rollout.prefill_shared)."""
+    each prompt is prefilled once for its num_samples rows (rollout.prefill_shared). on_batch(first
+    prompt's index, that batch's completions) runs after each call."""
+    as_gen = lambda r: Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())  # noqa: E731
     r = rollout.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples, max_new_tokens, temperature, top_p,
-                                share_prompt=share_prompt)
-    return Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())
+                                share_prompt=share_prompt, on_slice=on_batch and (lambda s, part: on_batch(s, as_gen(part))))
+    return as_gen(r)
+
+
+def _weights_stamp(path: str | None) -> list:
+    """A local model or adapter directory's weight files by name, size and time: changed weights, another key."""
+    p = Path(path).expanduser() if path else None
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(p.glob("*.safetensors"))] if p and p.is_dir() else []
+
+
+def generation_key(entry: ModelEntry, mcfg: ModelConfig, cfg: Config, prompts: list[str]) -> str:
+    """What a local model's completions depend on: its weights, dtype, the prompts, the decoding and the seed."""
+    e = cfg.eval
+    what = [entry.kind, entry.target, mcfg.name, mcfg.revision, mcfg.dtype, mcfg.quant, _weights_stamp(entry.target),
+            _weights_stamp(mcfg.name), e.max_new_tokens, e.num_samples, e.temperature, e.top_p, e.batch_size,
+            cfg.grpo.share_prompt, cfg.run.seed, prompts]
+    return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
+
+
+def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: Plan) -> Generated:
+    """generate_rows, each batch appended to eval.out_dir/partial_<name>.jsonl as it is done; an
+    interrupted eval run again reads the batches of the same model, prompts and decoding (its
+    generation_key) from there and generates only the rest. main deletes the file once results.json
+    is written. Sampled completions after the resume point come from a fresh seed (run.seed + the
+    prompts done), so they differ from those of an uninterrupted run; greedy ones do not."""
+    cfg, e = plan.cfg, plan.cfg.eval
+    prompts = rollout.render_rows(tok, plan.rows, cfg.data)
+    path, key, n = Path(e.out_dir) / f"partial_{entry.name}.jsonl", generation_key(entry, mcfg, cfg, prompts), e.num_samples
+    done = Generated([], [], [])
+    for _, _, rec in jsonl.read(path) if path.is_file() else ():
+        if rec and rec.get("key") == key and rec.get("start") == len(done.texts) // n:
+            done.texts += rec["texts"]
+            done.num_tokens += rec["num_tokens"]
+            done.truncated += rec["truncated"]
+    if not done.texts:
+        path.unlink(missing_ok=True)  # another model's, prompts' or decoding's: not ours to reuse
+    p = len(done.texts) // n
+    if p:
+        print(f"[eval] {entry.name}: {p} of {len(prompts)} prompts' completions from {path} (an interrupted run)", file=sys.stderr)
+        random.seed(cfg.run.seed + p)
+        torch.manual_seed(cfg.run.seed + p)
+    if p < len(prompts):
+        save = lambda s, g: jsonl.append(path, [{"key": key, "start": p + s, "texts": g.texts, "num_tokens": g.num_tokens,  # noqa: E731
+                                                 "truncated": g.truncated}])
+        rest = generate_local(model, tok, prompts[p:], e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size,
+                              cfg.grpo.share_prompt is not False, on_batch=save)
+        done = Generated(done.texts + rest.texts, done.num_tokens + rest.num_tokens, done.truncated + rest.truncated)
+    return done
 
 
 def generate_api(client: Judge, messages: list[list[dict]], tokenizer, n: int = 1) -> Generated:
@@ -335,7 +389,8 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
         return generate_api(plan.api[entry.name], messages, plan.tokenizer, cfg.eval.num_samples), cfg.eval.num_samples, ""
     try:
         if entry.kind == "full":  # a merged export: its own directory is the model, config and tokenizer
-            model, tok = load_inference(dataclasses.replace(cfg.model, name=entry.target, revision=None), plan.device)
+            mcfg = dataclasses.replace(cfg.model, name=entry.target, revision=None)
+            model, tok = load_inference(mcfg, plan.device)
         else:
             mcfg = dataclasses.replace(cfg.model, name=entry.base, revision=entry.revision) if entry.base else cfg.model
             model, tok = load_inference(mcfg, plan.device, adapter=entry.target if entry.kind == "adapter" else None)
@@ -346,7 +401,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
                           f"{(str(e).splitlines() or [''])[0][:300]}") from None
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
-    gen = generate_rows(model, tok, plan.rows, cfg)
+    gen = generate_resumable(model, tok, entry, mcfg, plan)
     del model, tok
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -463,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     jsonl.write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
+    for entry in plan.entries:  # every model's completions are in its predictions file now
+        (out_dir / f"partial_{entry.name}.jsonl").unlink(missing_ok=True)
     title = (f"{cfg.eval.name or data_label(cfg.data)}: held-out rows {cfg.eval.select or 'all'}, {len(plan.rows)} prompts"
              + (" (eval.limit per source)" if cfg.eval.limit else ""))
     Console().print(render_table({name: r["metrics"] for name, r in results.items()}, title))

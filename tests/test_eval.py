@@ -566,3 +566,37 @@ def test_a_scoring_error_is_still_reported_when_a_later_model_crashes(project, t
     with pytest.raises(RuntimeError, match="out of memory"):
         ev.main(["--config", str(cfg), "--models", "base", f"again={tiny_llama}", "--eval.limit=3"])
     assert "error: scoring base: bad template" in capsys.readouterr().err
+
+
+def test_an_interrupted_eval_resumes_from_the_batches_it_saved(project, monkeypatch, capsys):
+    """Each batch's completions are appended to partial_<name>.jsonl; run again, a killed eval
+    generates only the rest (greedy: the same predictions as an uninterrupted run), and the file
+    goes once results.json is written. Another decoding's batches are not reused."""
+    cfg, tmp = project
+    args = ["--config", str(cfg), "--models", "base", "--eval.batch_size=2"]
+    assert ev.main([*args, f"--eval.out_dir={tmp / 'whole'}"]) == 0
+    out, real_append, calls = tmp / "resumed", ev.jsonl.append, []
+
+    def killed_after_two(path, records):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(path)
+        return real_append(path, records)
+    monkeypatch.setattr(ev.jsonl, "append", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        ev.main([*args, f"--eval.out_dir={out}"])
+    monkeypatch.setattr(ev.jsonl, "append", real_append)
+    assert len(lines(out / "partial_base.jsonl")) == 2 and not (out / "results.json").exists()
+    generated, real_generate = [], ev.generate_local
+    monkeypatch.setattr(ev, "generate_local", lambda m, t, prompts, *a, **k: generated.append(len(prompts)) or real_generate(m, t, prompts, *a, **k))
+    capsys.readouterr()
+    assert ev.main([*args, f"--eval.out_dir={out}"]) == 0
+    assert generated == [1] and "4 of 5 prompts' completions from" in capsys.readouterr().err  # 5 held-out rows, 2 a batch
+    assert [p["completion"] for p in lines(out / "predictions_base.jsonl")] == [p["completion"] for p in lines(tmp / "whole" / "predictions_base.jsonl")]
+    assert not (out / "partial_base.jsonl").exists()
+    other = tmp / "other"
+    other.mkdir()
+    (other / "partial_base.jsonl").write_text((tmp / "resumed" / "predictions_base.jsonl").read_text())  # not batches of this key
+    generated.clear()
+    assert ev.main([*args, "--eval.max_new_tokens=4", f"--eval.out_dir={other}"]) == 0
+    assert generated == [5]
