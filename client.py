@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,10 +51,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class JudgeConfig:
-    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI
-    model: str = ""  # model name sent with each request (the deployment name on Azure)
+    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI; ${NAME} reads the env
+    model: str = ""  # model name sent with each request (the deployment name on Azure); ${NAME} reads the env
     api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
-    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com; when set, Azure is used, base_url ignored
+    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
     api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
     extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
     #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
@@ -114,13 +115,17 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
 
 
+ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} references when a client is built
+
+
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
     URL): raised from complete_many / score_many so that a run stops instead of training on nothing."""
 
 
 def _expand(value: str, key: str) -> str:
-    """A header value with each ${NAME} replaced by that environment variable (ValueError when unset).
+    """A header value (or base_url, azure_endpoint, model) with each ${NAME} replaced by that
+    environment variable (ValueError when unset).
 
     >>> import os; os.environ["MINIGRPO_DOC_TOKEN"] = "t0k"
     >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization")
@@ -149,7 +154,9 @@ class Judge:
     """Cached, rate-limited, retrying chat client; see the module docstring."""
 
     def __init__(self, cfg: JudgeConfig, label: str = "judge"):
-        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api)."""
+        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api). base_url,
+        azure_endpoint and model may read the environment as headers do: "${AZURE_OPENAI_ENDPOINT}"."""
+        cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k) for k in ENV_FIELDS if getattr(cfg, k)})
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:

@@ -211,7 +211,8 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         except (ValueError, OSError) as e:
             raise ValueError(f"{key}: {str(e).removeprefix('judge: ')}") from None
         if judges[name].key_missing:
-            print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {cfg.azure_endpoint or cfg.base_url} "
+            where = judges[name].cfg.azure_endpoint or judges[name].cfg.base_url  # its ${NAME}s filled in
+            print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "
                   "is not on this machine: its calls will be refused (export the key, or set api_key_env)", file=sys.stderr)
     return judges
 

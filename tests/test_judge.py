@@ -102,6 +102,21 @@ def test_once_the_key_is_refused_no_further_request_is_sent(server):
     assert len(server.requests) == 1 and judge.pop_step_stats()["judge_failures"] == 10
 
 
+def test_endpoint_and_model_may_come_from_the_environment(server, monkeypatch):
+    """GRubrics read AZURE_OPENAI_ENDPOINT and JUDGE_MODEL from the environment: ${NAME} in base_url,
+    azure_endpoint or model is filled in when the client is built; the config keeps the reference."""
+    monkeypatch.setenv("MINIGRPO_TEST_URL", server.url)
+    monkeypatch.setenv("MINIGRPO_TEST_MODEL", "judge-from-env")
+    cfg = JudgeConfig(base_url="${MINIGRPO_TEST_URL}", model="${MINIGRPO_TEST_MODEL}", api_key_env=KEY_ENV, max_retries=0)
+    judge = Judge(cfg)
+    server.default = ok(text='{"score": 7}')
+    assert judge.complete_many([chat("a")]) == ['{"score": 7}']
+    assert server.requests[-1].body["model"] == "judge-from-env" and cfg.model == "${MINIGRPO_TEST_MODEL}"
+    monkeypatch.delenv("MINIGRPO_TEST_MODEL")
+    with pytest.raises(ValueError, match=r"model reads \$\{MINIGRPO_TEST_MODEL\}, which is not set"):
+        Judge(cfg)
+
+
 def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(server, monkeypatch, caplog):
     from config import redacted
     monkeypatch.setenv("MINIGRPO_TEST_HEADER_TOKEN", "hdr-SECRET-456789")
