@@ -22,7 +22,7 @@ has stops the run before it starts (scoring.check_rows). The config names reward
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-in
 rewards put back in front of the completion), `judge` or `judges` are filled in by
-scoring.compute_rewards. Model output is only ever parsed here, never evaluated.
+scoring.compute_rewards. Model output is only ever parsed (here and in answers.py), never evaluated.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import re
 import sys
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Literal
+
+import answers
 
 @dataclass
 class RewardSpec:
@@ -134,39 +135,6 @@ def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
 
 # ---------------------------------------------------------------- parsing helpers
 
-def _answer_part(text: str) -> str:
-    """The text after the last </think>; "" when a leading <think> never closes (truncated
-    reasoning holds no answer); the whole text, stripped, when there is no think block."""
-    _, closed, after = text.rpartition("</think>")
-    if closed:
-        return after.strip()
-    return "" if text.lstrip().startswith("<think>") else text.strip()
-
-
-_FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.S | re.I)
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    if len({k for k, _ in pairs}) != len(pairs):
-        raise ValueError("duplicate key")  # parsers disagree on which duplicate wins: ambiguous
-    return dict(pairs)
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not JSON")  # Python's json accepts NaN and Infinity; JSON does not
-
-
-def _parse_json(completion: str, allow_fence: bool, strip_think: bool) -> tuple[bool, Any]:
-    """(True, value) when the whole answer is one JSON value, else (False, None)."""
-    text = _answer_part(completion) if strip_think else completion.strip()
-    if allow_fence and (fenced := _FENCE.fullmatch(text)):
-        text = fenced.group(1)
-    try:
-        return True, json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
-    except (ValueError, RecursionError):  # ValueError also covers ints longer than 4300 digits
-        return False, None
-
-
 def _find_all(pattern: str, text: str, flags: int = 0) -> list[str]:
     """Every match of pattern: its first group when it has one, else the whole match."""
     return [m.group(1) if m.re.groups else m.group(0) for m in re.finditer(pattern, text, flags)]
@@ -192,7 +160,7 @@ def json_valid(completion: str, sample: dict, allow_fence: bool = False, strip_t
     >>> json_valid('<think>easy</think> {"a": 1}', {}), json_valid('[1, 2]', {}), json_valid('[1]', {}, require_object=False)
     (1.0, 0.0, 1.0)
     """
-    ok, value = _parse_json(assistant_prefix + completion, allow_fence, strip_think)
+    ok, value = answers.parse_json(assistant_prefix + completion, allow_fence, strip_think)
     return float(ok and (isinstance(value, dict) or not require_object))
 
 
@@ -256,7 +224,7 @@ def json_schema(completion: str, sample: dict, schema: dict | None = None, exact
             raise ValueError(f"schema rule for {key!r} has unknown fields {sorted(unknown)}; use {sorted(_RULES)}")
         if (rule or {}).get("type", "string") not in _TYPES:
             raise ValueError(f"schema type {rule['type']!r} for {key!r} is not one of {sorted(_TYPES)}")
-    ok, obj = _parse_json(assistant_prefix + completion, allow_fence, strip_think)
+    ok, obj = answers.parse_json(assistant_prefix + completion, allow_fence, strip_think)
     if not ok or not isinstance(obj, dict) or not set(schema) <= set(obj) or (exact and set(obj) != set(schema)):
         return 0.0
     return float(all(_follows(obj[key], rule or {}) for key, rule in schema.items()))
@@ -293,109 +261,15 @@ def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", fie
     letters = [letter.upper() for letter in letters]
     gold = _gold_letter(sample[gold_key], letters)
     completion = assistant_prefix + completion
-    ok, obj = _parse_json(completion, allow_fence, strip_think)
+    ok, obj = answers.parse_json(completion, allow_fence, strip_think)
     if ok:
         pred = obj.get(field) if isinstance(obj, dict) else None
     elif fallback_pattern:
-        found = _find_all(fallback_pattern, _answer_part(completion) if strip_think else completion)
+        found = _find_all(fallback_pattern, answers.answer_part(completion) if strip_think else completion)
         pred = found[-1] if found else None
     else:
         pred = None
     return float(isinstance(pred, str) and pred.strip().upper() == gold)
-
-
-# a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three
-_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
-
-
-def _boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, open_at = 0, start + len("\\boxed")
-    for i in range(open_at, len(text)):  # match braces: \boxed{\text{\$}1{,}000} nests
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[open_at + 1:i]
-    return None
-
-
-def _latex_numbers(text: str) -> str:
-    r"""\frac{3}{4} as 3/4, and LaTeX's thousands separators (1{,}000, 1\,000) dropped."""
-    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
-    return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
-
-
-def _marked(text: str) -> str | None:
-    """What the answer marker holds, the first kind present deciding: the last `#### x` line
-    (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; None without a marker."""
-    hashes = re.findall(r"####([^\n]*)", text)
-    close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
-    open_at = text.rfind("<answer>", 0, max(close, 0))
-    tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
-    return next((s for s in (hashes[-1] if hashes else None, _boxed(text), tag) if s is not None), None)
-
-
-def _final_number(text: str, mode: str = "last") -> Fraction | None:
-    """The answer number of a text, exact, or None: inside the answer marker (_marked) the first
-    number counts (a marker without a number is no answer); without one, the first or last number
-    of the text (mode)."""
-    if mode not in ("first", "last"):
-        raise ValueError(f"mode must be 'first' or 'last', not {mode!r}")
-    text = _latex_numbers(text)
-    segment = _marked(text)
-    found = _NUMBER.findall(text) if segment is None else _NUMBER.findall(segment)[:1]
-    if not found:
-        return None
-    numerator, _, denominator = found[-1 if mode == "last" else 0].replace(",", "").partition("/")
-    try:
-        return Fraction(numerator) / Fraction(denominator or 1)
-    except (ValueError, ZeroDivisionError):  # x/0, or more digits than int() accepts
-        return None
-
-
-_UNITS = re.compile(r"\\?\$|\\?%|\\text\{[^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
-_EXPRESSION = re.compile(r"[\\^_{}]|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|[\[(][^\])]*,[^\[(]*[\])]")
-
-
-def _expression_gold(gold: str) -> str | None:
-    r"""The gold's answer when it is an expression, not a number (MATH's x^2+1, 2\sqrt{2},
-    (-\infty,2]), else None: the marker's content, or a marker-less gold that is not prose.
-
-    >>> _expression_gold(r"\boxed{2\sqrt{2}}"), _expression_gold("x + 1"), _expression_gold(r"\$18.90")
-    ('2\\sqrt{2}', 'x + 1', None)
-    >>> _expression_gold(r"\frac{1}{2}"), _expression_gold("72 apples"), _expression_gold("#### 1,000")
-    (None, None, None)
-    """
-    text = _latex_numbers(gold)
-    segment = _marked(text)
-    if segment is None and any(w.isalpha() and len(w) >= 3 for w in text.split()):
-        return None  # prose (a solution, "72 apples"): its number counts
-    segment = text if segment is None else segment
-    return segment.strip() if _EXPRESSION.search(_UNITS.sub("", segment)) else None
-
-
-def _normalised(expr: str) -> str:
-    r"""An answer written the way MATH's graders compare them: no spaces, $, \left / \right, spacing
-    commands, \text{} wrappers or final period; \dfrac and \tfrac as \frac; x^{2} as x^2.
-
-    >>> _normalised(r"\left( -\infty, 2 \right]"), _normalised(r"\dfrac{x^{2}}{2}."), _normalised(r"\text{(B)}")
-    ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
-    """
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", expr)
-    s = re.sub(r"\\(?:left|right|displaystyle|[!,;: ])", "", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "").replace("$", "")
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    return re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)
-
-
-def _same_expression(pred: str, gold: str) -> bool:
-    """Equal as normalised text, or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
-    a, b = _normalised(pred), _normalised(gold)
-    if a == b:
-        return True
-    x, y = (_NUMBER.fullmatch(_latex_numbers(v).replace(",", "")) for v in (a, b))
-    return bool(x and y) and _final_number(x.group(0)) == _final_number(y.group(0))
 
 
 @register("answer_match", row_keys=("gold_key",))
@@ -414,7 +288,7 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     equal as floats still differ. A gold that is an expression (MATH's x^2+1, 2\sqrt{2},
     (-\infty,2]) raises ValueError rather than being read as its first number: with
     compare="expression" the completion's marked answer (\boxed{...}, `####`, <answer>; else the
-    whole answer) and the gold's are compared as normalised text (_normalised), or as numbers when
+    whole answer) and the gold's are compared as normalised text (answers.normalised), or as numbers when
     both are one. That is string equality, not algebra: x+1 and 1+x differ.
 
     >>> answer_match("48/2 = 24, 48 + 24 = 72.\n#### 72", {"answer": "She sold 48/2 = 24.\n#### 72"})
@@ -436,18 +310,18 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     if isinstance(gold, bool) or not isinstance(gold, (int, float, str)):
         raise TypeError(f"gold answer {gold!r} is not a number or a string")
     completion = assistant_prefix + completion
-    answer = _answer_part(completion) if strip_think else completion
+    answer = answers.answer_part(completion) if strip_think else completion
     if compare == "expression":
-        gold_text = str(gold) if not isinstance(gold, str) else (_marked(gold) or gold)
-        pred = _marked(answer)
-        return float(bool(answer) and _same_expression(answer if pred is None else pred, gold_text))
-    if isinstance(gold, str) and (expression := _expression_gold(gold)) is not None:
+        gold_text = str(gold) if not isinstance(gold, str) else (answers.marked(gold) or gold)
+        pred = answers.marked(answer)
+        return float(bool(answer) and answers.same_expression(answer if pred is None else pred, gold_text))
+    if isinstance(gold, str) and (expression := answers.expression_gold(gold)) is not None:
         raise ValueError(f"gold answer {expression!r} is an expression, not a number: answer_match would compare "
                          "its first number; set args: {compare: expression} to compare answers as text")
-    target = _final_number(gold) if isinstance(gold, str) else Fraction(gold)
+    target = answers.final_number(gold) if isinstance(gold, str) else Fraction(gold)
     if target is None:
         raise ValueError(f"gold answer {gold!r} holds no number")
-    pred = _final_number(answer, mode)
+    pred = answers.final_number(answer, mode)
     return float(pred is not None and abs(pred - target) <= tolerance)
 
 
@@ -590,7 +464,7 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
     if max_words < 1:
         raise ValueError(f"max_words must be >= 1, got {max_words}")
     completion = assistant_prefix + completion
-    n = len((_answer_part(completion) if strip_think else completion).split())
+    n = len((answers.answer_part(completion) if strip_think else completion).split())
     if n == 0 or n >= 4 * max_words:
         return 0.0
     return 1.0 if n <= max_words else (4 * max_words - n) / (3 * max_words)

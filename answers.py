@@ -1,0 +1,141 @@
+r"""Reading an answer out of a completion, for the rule rewards in rewards.py: the text after the
+think block, one JSON value, the final number (`#### n`, `\boxed{n}`, `<answer>n</answer>`, else
+the last number), and math expressions compared as normalised text.
+
+    answer_part("<think>...</think> 42")       # "42"
+    final_number(r"so \boxed{\frac{3}{4}}")    # Fraction(3, 4)
+    same_expression(r"x^{2} + 1", "x^2+1")     # True
+"""
+from __future__ import annotations
+
+import json
+import re
+from fractions import Fraction
+from typing import Any
+
+
+def answer_part(text: str) -> str:
+    """The text after the last </think>; "" when a leading <think> never closes (truncated
+    reasoning holds no answer); the whole text, stripped, when there is no think block."""
+    _, closed, after = text.rpartition("</think>")
+    if closed:
+        return after.strip()
+    return "" if text.lstrip().startswith("<think>") else text.strip()
+
+
+_FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.S | re.I)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    if len({k for k, _ in pairs}) != len(pairs):
+        raise ValueError("duplicate key")  # parsers disagree on which duplicate wins: ambiguous
+    return dict(pairs)
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python's json accepts NaN and Infinity; JSON does not
+
+
+def parse_json(completion: str, allow_fence: bool, strip_think: bool) -> tuple[bool, Any]:
+    """(True, value) when the whole answer is one JSON value, else (False, None)."""
+    text = answer_part(completion) if strip_think else completion.strip()
+    if allow_fence and (fenced := _FENCE.fullmatch(text)):
+        text = fenced.group(1)
+    try:
+        return True, json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except (ValueError, RecursionError):  # ValueError also covers ints longer than 4300 digits
+        return False, None
+
+
+# a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three
+NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+
+
+def boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, open_at = 0, start + len("\\boxed")
+    for i in range(open_at, len(text)):  # match braces: \boxed{\text{\$}1{,}000} nests
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[open_at + 1:i]
+    return None
+
+
+def latex_numbers(text: str) -> str:
+    r"""\frac{3}{4} as 3/4, and LaTeX's thousands separators (1{,}000, 1\,000) dropped."""
+    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
+    return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
+
+
+def marked(text: str) -> str | None:
+    """What the answer marker holds, the first kind present deciding: the last `#### x` line
+    (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; None without a marker."""
+    hashes = re.findall(r"####([^\n]*)", text)
+    close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
+    open_at = text.rfind("<answer>", 0, max(close, 0))
+    tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
+    return next((s for s in (hashes[-1] if hashes else None, boxed(text), tag) if s is not None), None)
+
+
+def final_number(text: str, mode: str = "last") -> Fraction | None:
+    """The answer number of a text, exact, or None: inside the answer marker (marked) the first
+    number counts (a marker without a number is no answer); without one, the first or last number
+    of the text (mode)."""
+    if mode not in ("first", "last"):
+        raise ValueError(f"mode must be 'first' or 'last', not {mode!r}")
+    text = latex_numbers(text)
+    segment = marked(text)
+    found = NUMBER.findall(text) if segment is None else NUMBER.findall(segment)[:1]
+    if not found:
+        return None
+    numerator, _, denominator = found[-1 if mode == "last" else 0].replace(",", "").partition("/")
+    try:
+        return Fraction(numerator) / Fraction(denominator or 1)
+    except (ValueError, ZeroDivisionError):  # x/0, or more digits than int() accepts
+        return None
+
+
+_UNITS = re.compile(r"\\?\$|\\?%|\\text\{[^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
+_EXPRESSION = re.compile(r"[\\^_{}]|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|[\[(][^\])]*,[^\[(]*[\])]")
+
+
+def expression_gold(gold: str) -> str | None:
+    r"""The gold's answer when it is an expression, not a number (MATH's x^2+1, 2\sqrt{2},
+    (-\infty,2]), else None: the marker's content, or a marker-less gold that is not prose.
+
+    >>> expression_gold(r"\boxed{2\sqrt{2}}"), expression_gold("x + 1"), expression_gold(r"\$18.90")
+    ('2\\sqrt{2}', 'x + 1', None)
+    >>> expression_gold(r"\frac{1}{2}"), expression_gold("72 apples"), expression_gold("#### 1,000")
+    (None, None, None)
+    """
+    text = latex_numbers(gold)
+    segment = marked(text)
+    if segment is None and any(w.isalpha() and len(w) >= 3 for w in text.split()):
+        return None  # prose (a solution, "72 apples"): its number counts
+    segment = text if segment is None else segment
+    return segment.strip() if _EXPRESSION.search(_UNITS.sub("", segment)) else None
+
+
+def normalised(expr: str) -> str:
+    r"""An answer written the way MATH's graders compare them: no spaces, $, \left / \right, spacing
+    commands, \text{} wrappers or final period; \dfrac and \tfrac as \frac; x^{2} as x^2.
+
+    >>> normalised(r"\left( -\infty, 2 \right]"), normalised(r"\dfrac{x^{2}}{2}."), normalised(r"\text{(B)}")
+    ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
+    """
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", expr)
+    s = re.sub(r"\\(?:left|right|displaystyle|[!,;: ])", "", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "").replace("$", "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    return re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)
+
+
+def same_expression(pred: str, gold: str) -> bool:
+    """Equal as normalised text, or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
+    a, b = normalised(pred), normalised(gold)
+    if a == b:
+        return True
+    x, y = (NUMBER.fullmatch(latex_numbers(v).replace(",", "")) for v in (a, b))
+    return bool(x and y) and final_number(x.group(0)) == final_number(y.group(0))
