@@ -97,8 +97,10 @@ def final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
-_UNITS = re.compile(r"\\?\$|\\?%|\\text\{[^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
-_EXPRESSION = re.compile(r"[\\^_{}]|(?<![A-Za-z])[A-Za-z](?![A-Za-z])|[\[(][^\])]*,[^\[(]*[\])]")
+_UNITS = re.compile(r"\\?\$|\\?%|\\text\{ [^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
+_LABEL = re.compile(r"^(?:[A-Za-z]\s*=|\(?[A-Ea-e]\))\s*")  # "x = 5", "(B) 5": the answer follows
+_LATEX = re.compile(r"[\\^_{}]|[\[(][^\])]*,[^\[(]*[\])]")  # LaTeX, or an interval or tuple: (-1, 2]
+_VARIABLE = re.compile(r"(?<![A-Za-z])[A-Za-z](?![A-Za-z])")  # a lone letter: x + 1
 
 
 def expression_gold(gold: str) -> str | None:
@@ -107,25 +109,39 @@ def expression_gold(gold: str) -> str | None:
 
     >>> expression_gold(r"\boxed{2\sqrt{2}}"), expression_gold("x + 1"), expression_gold(r"\$18.90")
     ('2\\sqrt{2}', 'x + 1', None)
-    >>> expression_gold(r"\frac{1}{2}"), expression_gold("72 apples"), expression_gold("#### 1,000")
-    (None, None, None)
+    >>> expression_gold(r"\frac{1}{2}"), expression_gold("72 apples"), expression_gold("#### 1,000"), expression_gold("2 m/s")
+    (None, None, None, None)
+    >>> expression_gold("x = 5"), expression_gold("(B) 5"), expression_gold(r"90^\circ"), expression_gold("(1, 2)")
+    (None, None, None, '(1, 2)')
+
+    A gold that starts with a number and holds no LaTeX ("5 m", "0.5 L", "1e5") is a number, read
+    as before; so is one after a label ("x = 5"). A number with a lone letter ("2x") is not caught.
     """
     text = latex_numbers(gold)
     segment = marked(text)
     if segment is None and any(w.isalpha() and len(w) >= 3 for w in text.split()):
         return None  # prose (a solution, "72 apples"): its number counts
     segment = text if segment is None else segment
-    return segment.strip() if _EXPRESSION.search(_UNITS.sub("", segment)) else None
+    s = _LABEL.sub("", _UNITS.sub("", segment).strip())
+    if _LATEX.search(s) or (not NUMBER.match(s) and _VARIABLE.search(s)):
+        return segment.strip()
+    return None
 
 
 def normalised(expr: str) -> str:
-    r"""An answer written the way MATH's graders compare them: no spaces, $, \left / \right, spacing
-    commands, \text{} wrappers or final period; \dfrac and \tfrac as \frac; x^{2} as x^2.
+    r"""An answer written the way MATH's graders compare them: no spaces, $, %, degrees, units
+    (\text{ cm}: a \text{} starting with a space), \left / \right, spacing commands, \text{}
+    wrappers or final period; \dfrac and \tfrac as \frac; \frac12 and \sqrt2 braced; x^{2} as x^2.
 
     >>> normalised(r"\left( -\infty, 2 \right]"), normalised(r"\dfrac{x^{2}}{2}."), normalised(r"\text{(B)}")
     ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
+    >>> normalised(r"5\text{ cm}"), normalised(r"90^\circ"), normalised(r"25\%"), normalised(r"\frac12 + \sqrt2")
+    ('5', '90', '25', '\\frac{1}{2}+\\sqrt{2}')
     """
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", expr)
+    s = _UNITS.sub("", expr)
+    s = re.sub(r"\\([dt]?frac)(\d)(\d)", r"\\\1{\2}{\3}", s)
+    s = re.sub(r"\\sqrt(\d)", r"\\sqrt{\1}", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
     s = re.sub(r"\\(?:left|right|displaystyle|[!,;: ])", "", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "").replace("$", "")
     s = re.sub(r"\s+", "", s).rstrip(".")
@@ -137,5 +153,5 @@ def same_expression(pred: str, gold: str) -> bool:
     a, b = normalised(pred), normalised(gold)
     if a == b:
         return True
-    x, y = (NUMBER.fullmatch(latex_numbers(v).replace(",", "")) for v in (a, b))
+    x, y = (NUMBER.fullmatch(latex_numbers(v)) for v in (a, b))  # "3,5" is a list, "3,500" a number
     return bool(x and y) and final_number(x.group(0)) == final_number(y.group(0))

@@ -120,7 +120,8 @@ ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} refe
 
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
-    URL): raised from complete_many / score_many so that a run stops instead of training on nothing."""
+    URL), or a judge's first UNPARSED_LIMIT replies held no usable score (its template): raised from
+    complete_many / score_many so that a run stops instead of training on nothing."""
 
 
 def _expand(value: str, key: str) -> str:

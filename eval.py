@@ -21,7 +21,7 @@ Each model is scored (judge requests) in the background while the next one gener
 a model's time from the start of its generation until it was scored. A local model's completions
 are also appended batch by batch to partial_<name>.jsonl: an eval that was killed, run again with
 the same eval.out_dir, generates only what is missing (generate_resumable); judge and API replies
-come back from their caches.
+come back from their caches when those have a cache_path.
 
 Local models see the prompt exactly as in training (chat template, system prompt, forced
 assistant_prefix) and decode greedily when eval.temperature is 0, else sample eval.num_samples
@@ -199,19 +199,19 @@ def _weights_stamp(path: str | None) -> list:
 
 
 def generation_key(entry: ModelEntry, mcfg: ModelConfig, cfg: Config, prompts: list[str]) -> str:
-    """What a local model's completions depend on: its weights, dtype, the prompts, the decoding and the seed."""
+    """What a local model's completions depend on: its weights, dtype, the prompts, the decoding and the
+    seed; not eval.batch_size, which a rerun after running out of memory may lower."""
     e = cfg.eval
     what = [entry.kind, entry.target, mcfg.name, mcfg.revision, mcfg.dtype, mcfg.quant, _weights_stamp(entry.target),
-            _weights_stamp(mcfg.name), e.max_new_tokens, e.num_samples, e.temperature, e.top_p, e.batch_size,
-            cfg.grpo.share_prompt, cfg.run.seed, prompts]
+            _weights_stamp(mcfg.name), e.max_new_tokens, e.num_samples, e.temperature, e.top_p, cfg.run.seed, prompts]
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 
 
 def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: Plan) -> Generated:
     """generate_rows, each batch appended to eval.out_dir/partial_<name>.jsonl as it is done; an
     interrupted eval run again reads the batches of the same model, prompts and decoding (its
-    generation_key) from there and generates only the rest. main deletes the file once results.json
-    is written. Sampled completions after the resume point come from a fresh seed (run.seed + the
+    generation_key; lines of another key stay, unused) from there and generates only the rest. main
+    deletes the file once results.json is written. Sampled completions after the resume point come from a fresh seed (run.seed + the
     prompts done), so they differ from those of an uninterrupted run; greedy ones do not."""
     cfg, e = plan.cfg, plan.cfg.eval
     prompts = rollout.render_rows(tok, plan.rows, cfg.data)
@@ -222,8 +222,6 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
             done.texts += rec["texts"]
             done.num_tokens += rec["num_tokens"]
             done.truncated += rec["truncated"]
-    if not done.texts:
-        path.unlink(missing_ok=True)  # another model's, prompts' or decoding's: not ours to reuse
     p = len(done.texts) // n
     if p:
         print(f"[eval] {entry.name}: {p} of {len(prompts)} prompts' completions from {path} (an interrupted run)", file=sys.stderr)

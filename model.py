@@ -281,8 +281,10 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
     starting from model.init_adapter when set: continued (the adapter keeps its own r, alpha and
     target modules; lora.* are not used), or merged into the base under a fresh LoRA. beta > 0 (the
-    config key beta_key) means a reference policy, which a continued adapter cannot give."""
+    config key beta_key) means a reference policy, which a continued adapter cannot give. dropout:
+    the LoRA layers keep lora.dropout (SFT); the base's own dropout is always off."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
+    disable_dropout(model)  # the base's own (GPT-2's 0.1, say): dropout=True turns on lora.dropout only
     prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
     continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter
     if continuing and beta > 0:  # the reference is the policy with its adapter off: here that is the base, not the SFT model

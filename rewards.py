@@ -348,9 +348,10 @@ def think_format(completion: str, sample: dict, min_think_chars: int = 10, requi
     return float(len(thought.strip()) >= min_think_chars and (bool(answer.strip()) or not require_answer))
 
 
-# "PMID: 111", and a list after one label: "PMIDs: 111, 222 and 333", "[PMID 111; 222]". A number
-# followed by a word ("PMID: 111, 30 patients") ends the list: it is not taken for an id.
-PMID_PATTERN = r"PMIDs?:?\s*(\d+(?:\s*(?:[,;&]|\band\b)\s*\d+(?!\d)(?!\s*(?!(?:and|or)\b)[A-Za-z%]))*)"
+# "PMID: 111", and a list after one label on one line: "PMIDs: 12345, 67890 and 13579", "[PMID 12345;
+# 67890]". Listed ids after the first have 5 digits or more, as PMIDs cited today do, so a year, a
+# dose or "30-day" after a citation ("PMID: 12345, 2019", "PMID: 12345, 2.5 mg") is not taken for one.
+PMID_PATTERN = r"PMIDs?:?[ \t]*(\d+(?:[ \t]*(?:[,;&]|\band\b)[ \t]*\d{5,}(?!\d|[.\-]\d))*)"
 CITATION_SEPARATOR = r"\s*(?:[,;&]|\band\b)\s*"  # between the ids of one match's list
 
 
@@ -377,7 +378,8 @@ def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTER
     (2.0, -1.0)
     >>> citation_grounding("PMID: 111 and PMID: 999", s, normalize=True), citation_grounding("no refs", s)
     (-0.5, 0.0)
-    >>> citation_grounding("[PMIDs: 111; 222, 999]", s), citation_grounding("PMID: 111, 30 patients", s)
+    >>> v = {"valid_pmids": ["11111", "22222"]}
+    >>> citation_grounding("[PMIDs: 11111; 22222, 99999]", v), citation_grounding("PMID: 11111, 30 patients", v)
     (0.0, 1.0)
     """
     found = _citations(completion, sample, pattern, valid_key, dedupe, ignore_case)
@@ -413,7 +415,7 @@ def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN
     >>> s = {"valid_pmids": ["111"]}
     >>> invented_citation("PMID: 111", s), invented_citation("PMID: 111, PMID: 999", s), invented_citation("none", s)
     (0.0, 1.0, 0.0)
-    >>> invented_citation("PMID: 111, 999", s)
+    >>> invented_citation("PMIDs 111 and 99999 agree", s)
     1.0
     """
     found = _citations(completion, sample, pattern, valid_key, True, ignore_case)

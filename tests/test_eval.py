@@ -587,6 +587,9 @@ def test_an_interrupted_eval_resumes_from_the_batches_it_saved(project, monkeypa
         ev.main([*args, f"--eval.out_dir={out}"])
     monkeypatch.setattr(ev.jsonl, "append", real_append)
     assert len(lines(out / "partial_base.jsonl")) == 2 and not (out / "results.json").exists()
+    for other in ("decoding", "batch"):  # the same saved batches, for reruns with other settings
+        (tmp / other).mkdir()
+        (tmp / other / "partial_base.jsonl").write_text((out / "partial_base.jsonl").read_text())
     generated, real_generate = [], ev.generate_local
     monkeypatch.setattr(ev, "generate_local", lambda m, t, prompts, *a, **k: generated.append(len(prompts)) or real_generate(m, t, prompts, *a, **k))
     capsys.readouterr()
@@ -594,9 +597,9 @@ def test_an_interrupted_eval_resumes_from_the_batches_it_saved(project, monkeypa
     assert generated == [1] and "4 of 5 prompts' completions from" in capsys.readouterr().err  # 5 held-out rows, 2 a batch
     assert [p["completion"] for p in lines(out / "predictions_base.jsonl")] == [p["completion"] for p in lines(tmp / "whole" / "predictions_base.jsonl")]
     assert not (out / "partial_base.jsonl").exists()
-    other = tmp / "other"
-    other.mkdir()
-    (other / "partial_base.jsonl").write_text((tmp / "resumed" / "predictions_base.jsonl").read_text())  # not batches of this key
     generated.clear()
-    assert ev.main([*args, "--eval.max_new_tokens=4", f"--eval.out_dir={other}"]) == 0
-    assert generated == [5]
+    assert ev.main([*args, "--eval.max_new_tokens=4", f"--eval.out_dir={tmp / 'decoding'}"]) == 0
+    assert generated == [5]  # other completions: nothing reused
+    generated.clear()
+    assert ev.main([*args, "--eval.batch_size=1", f"--eval.out_dir={tmp / 'batch'}"]) == 0
+    assert generated == [1]  # a smaller batch (after running out of memory) keeps what was saved

@@ -279,10 +279,11 @@ SOURCES = {"valid_pmids": ["12345", 67890, " 555 "]}
     ("<think>PMID: 99999</think>PMID: 12345", -1.0),         # inventions in the reasoning count
     ("No citations here, 12345 is just a number.", 0.0),
     ("PMID: 12345, 99999", -1.0),                            # an invention listed after a valid id counts
-    ("[PMID: 12345; 99999]", -1.0), ("PMIDs: 99999, 99998", -4.0), ("(PMID 12345, 67890 & 555)", 3.0),
-    ("PMID: 12345, 67890 and PMID: 99999", 0.0),
-    ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0),  # a number before a word is not an id
-    ("PMID: 12345 and 67890 AND 555.", 3.0),
+    ("[PMID: 12345; 99999]", -1.0), ("PMIDs: 99999, 99998", -4.0), ("(PMID 12345, 67890 & 555)", 2.0),
+    ("PMID: 12345, 67890 and PMID: 99999", 0.0), ("PMID: 12345 and 67890 AND 99999.", 0.0),
+    ("According to PMIDs 12345 and 99999 the drug works", -1.0), ("PMIDs: 12345, 99999 reported benefit", -1.0),
+    ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0), ("(PMID: 12345, 2019)", 1.0),  # not ids:
+    ("PMID: 12345, 2.5 mg", 1.0), ("PMID: 12345, 30-day mortality", 1.0), ("PMID: 12345 and\n2. Next", 1.0),  # too short
 ])
 def test_citation_grounding_rewards_valid_and_penalises_invented_ids(completion, expected):
     assert citation_grounding(completion, SOURCES) == expected
@@ -423,12 +424,20 @@ def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_num
     (r"\boxed{(-\infty,2]}", r"[2,7)", 0.0),
     (r"\boxed{\dfrac{\pi}{3}}", r"The answer is $\boxed{\frac{\pi}{3}}$.", 1.0),  # a solution: its boxed answer
     (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),                                         # numbers still compare as numbers
+    (r"\boxed{35}", "3, 5", 0.0), (r"\boxed{-23}", "-2, 3", 0.0), (r"\boxed{1000}", "1,000", 1.0),  # a list is not a number
+    (r"\boxed{5}", r"5\text{ cm}", 1.0), (r"\boxed{90}", r"90^\circ", 1.0), (r"\boxed{25}", r"25\%", 1.0),  # units go
+    (r"\boxed{\sqrt2}", r"\sqrt{2}", 1.0), (r"\boxed{\frac12}", "0.5", 1.0),
     ("#### 72", 72, 1.0),
     (r"<think>\boxed{3}</think> \boxed{x+1}", "1+x", 0.0),                          # text, not algebra
     ("<think>never closed", "x", 0.0),
 ])
 def test_compare_expression_matches_normalised_answers(completion, gold, expected):
     assert answer_match(completion, {"answer": gold}, compare="expression") == expected
+
+
+@pytest.mark.parametrize("gold", ["5 m", "0.5 L", "5 h", "5 m/s", "x = 5", "x=5", "A) 5", "(B) 5", "5 kg"])
+def test_a_number_with_a_unit_or_a_label_is_still_a_number(gold):
+    assert answer_match("#### 5", {"answer": gold}) == (1.0 if not gold.startswith("0.5") else 0.0)
 
 
 def test_number_golds_keep_their_reading():

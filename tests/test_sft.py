@@ -281,3 +281,12 @@ def test_lora_dropout_acts_in_sft_only(sft_config, tmp_path):
         drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
         assert drops and all(isinstance(m, torch.nn.Dropout) == active for m in drops), mode
         assert not active or all(m.p == 0.25 for m in drops)
+
+
+def test_sft_dropout_is_loras_alone_never_the_bases(tiny_gpt2):
+    """GPT-2 ships dropout 0.1 in its own layers; dropout=True (SFT) turns on lora.dropout only."""
+    model, _ = load_policy(ModelConfig(name=str(tiny_gpt2)), LoraConfig(r=4, alpha=8, dropout=0.25), torch.device("cpu"), dropout=True)
+    lora = {n for n, m in model.named_modules() if n.endswith("lora_dropout.default")}
+    ps = {n: m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    assert lora and all(ps[n] == 0.25 for n in lora) and all(p == 0.0 for n, p in ps.items() if n not in lora)
+    assert len(ps) > len(lora)  # the base has dropout modules of its own, all at 0

@@ -280,3 +280,14 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
             assert seen and all(k is None for k in seen)
     assert norms[0.3, 2] == pytest.approx(norms[0.3, 8], rel=1e-5)
     assert norms[0.3, 8] != pytest.approx(norms[1.0, 8], rel=1e-3)
+    # tokens left out of the loss (masked truncated completions) are left out of the quantile too
+    batch = batches[0].rollout
+    batch.truncated = torch.arange(len(batch.truncated)) < 3  # (N,) the first three
+    r = make_run(tmp_path / "masked", tiny_llama, "--grpo.top_entropy_quantile=0.3", "--grpo.mask_truncated_completions=true",
+                 "--optim.micro_batch_size=8", "--rollout.max_new_tokens=12")
+    seen.clear()
+    step.train_step(r)
+    keep = torch.cat([k for k in seen])  # one micro-batch of all rows, trimmed to the longest completion
+    mask = batch.completion_mask.bool().clone()
+    mask[:3] = False
+    assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, 0.3)[:, :keep.shape[1]]) and not keep[:3].any()
