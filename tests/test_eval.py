@@ -12,6 +12,7 @@ import yaml
 import eval as ev
 import metrics
 from config import ConfigError, ModelConfig
+from entries import parse_model_entries
 from fake_openai_server import FakeOpenAIServer, ok, server_error
 from model import save_adapter
 from rewards import RewardSpec
@@ -403,7 +404,7 @@ def test_an_adapter_loads_on_the_base_its_run_recorded_and_another_tools_adapter
 
 
 def test_bare_paths_are_named_after_their_directory_and_merged_exports_load_as_full_models(tiny_llama):
-    entries = ev.parse_model_entries([str(tiny_llama), "api:org/model-7b", "ref=base"], ModelConfig(name="x"))
+    entries = parse_model_entries([str(tiny_llama), "api:org/model-7b", "ref=base"], ModelConfig(name="x"))
     assert [(e.name, e.kind, e.target) for e in entries] == [
         (tiny_llama.name, "full", str(tiny_llama)), ("org_model-7b", "api", "org/model-7b"), ("ref", "base", None)]
 
@@ -426,11 +427,11 @@ def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, t
             raise OSError("We couldn't connect to 'https://huggingface.co'")
         return str(repos[repo_id])
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
-    entries = ev.parse_model_entries(["hf:me/sft@refs/pr/3", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
+    entries = parse_model_entries(["hf:me/sft@refs/pr/3", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
     assert [(e.name, e.kind, e.target) for e in entries] == [("sft", "adapter", str(adapter)), ("m", "full", str(tiny_llama))]
     assert calls == [("me/sft", "refs/pr/3"), ("me/merged", None)]
     with pytest.raises(ConfigError, match="could not download me/other from the hub .*couldn't connect"):
-        ev.parse_model_entries(["hf:me/other"], ModelConfig(name=str(tiny_llama)))
+        parse_model_entries(["hf:me/other"], ModelConfig(name=str(tiny_llama)))
 
 
 def test_model_metrics_count_lengths_truncation_and_reward_failures():
