@@ -180,6 +180,8 @@ class DpoConfig:
     batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows, a pair's two together)
     max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error
     cache_reference: bool = True  # compute each reply's reference log-prob once a run, not again every epoch
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's; IPO (per-token means, squared); hinge (SLiC): see dpo.py
+    label_smoothing: float = 0.0  # sigmoid: the share of pairs presumed mislabelled (cDPO, for noisy judges); 0: plain DPO
 
 
 @dataclass
@@ -307,6 +309,9 @@ def _check(cfg: Config) -> None:
                           "vLLM does not report it: set grpo.top_entropy_quantile: 1 with rollout.engine: vllm")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
+    if not 0 <= cfg.dpo.label_smoothing < 0.5 or (cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid"):
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} needs dpo.loss_type: sigmoid and a value in [0, 0.5) "
+                          "(the share of pairs presumed mislabelled)")
     if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
         raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
     _check_mixture(cfg.data)

@@ -10,9 +10,11 @@ under the policy and log ref(y|x) under the reference (the model DPO starts from
 the adapter switched off, into which model.init_adapter is merged, e.g. the SFT run):
 
     r_w = beta (log pi(y_w|x) - log ref(y_w|x)),   r_l = beta (log pi(y_l|x) - log ref(y_l|x))
-    loss = -(1/n) sum_pairs log sigmoid(r_w - r_l)
+    loss = -(1/n) sum_pairs log sigmoid(r_w - r_l)                           (dpo.loss_type: sigmoid)
 
-At the first step the policy is the reference, so the loss is log 2 = 0.693. Logged as TRL's
+dpo.loss_type picks another loss of the same h = (r_w - r_l) / beta (dpo_loss: cDPO's label
+smoothing, IPO, hinge). At the first step the policy is the reference, so the sigmoid loss is
+log 2 = 0.693. Logged as TRL's
 DPOTrainer logs them: rewards/chosen, rewards/rejected (mean r_w, r_l), rewards/margins (mean
 r_w - r_l), rewards/accuracies (share of pairs with r_w > r_l), logps/chosen, logps/rejected.
 """
@@ -27,13 +29,36 @@ import rollout
 from model import reference_mode
 
 
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair DPO loss and implicit rewards from summed reply log-probs, each (n,):
-    -> (loss = -log sigmoid(r_w - r_l), r_w = beta (pi_w - ref_w), r_l = beta (pi_l - ref_l)), each (n,)."""
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair loss and implicit rewards from summed reply log-probs, each (n,) -> (loss, r_w, r_l),
+    r_w = beta (pi_w - ref_w), r_l = beta (pi_l - ref_l), h = (pi_w - ref_w) - (pi_l - ref_l):
+
+        sigmoid  -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   DPO; eps = label_smoothing > 0
+                 is cDPO, for pairs whose label is wrong with probability eps (noisy judges)
+        ipo      (h' - 1 / (2 beta))^2, h' the same difference of per-token means (lengths: the
+                 chosen and rejected replies' token counts): IPO (arXiv 2310.12036) as TRL computes it
+        hinge    max(0, 1 - beta h)                                          SLiC (arXiv 2305.10425)
+    """
     r_w = beta * (policy_chosen - ref_chosen)  # (n,)
     r_l = beta * (policy_rejected - ref_rejected)  # (n,)
-    return -F.logsigmoid(r_w - r_l), r_w, r_l
+    h = (r_w - r_l) / beta  # (n,)
+    if loss_type == "sigmoid":
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        if lengths is None:
+            raise ValueError("the ipo loss needs the replies' token counts (lengths)")
+        w, l = (n.to(h.dtype).clamp(min=1) for n in lengths)
+        loss = ((policy_chosen - ref_chosen) / w - (policy_rejected - ref_rejected) / l - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"dpo.loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    return loss, r_w, r_l
 
 
 def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
@@ -67,6 +92,13 @@ def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list
         return summed(r.model), ref_logp
 
 
+def pairs_loss(cfg, pi: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor):
+    """dpo_loss of rows in pairs (chosen at even rows), each (2m,): summed log-probs under the policy
+    and the reference, and the replies' token counts -> (loss, r_w, r_l), each (m,)."""
+    return dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing,
+                    (lengths[0::2], lengths[1::2]))
+
+
 def pair_metrics(loss, r_w, r_l, pi) -> dict:
     """TRL's DPO metrics from per-pair values (n,) and the policy's summed log-probs (2n,), chosen at even rows."""
     return {"loss": float(loss.mean()), "rewards/chosen": float(r_w.mean()), "rewards/rejected": float(r_l.mean()),
@@ -87,16 +119,16 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     n = len(idx)
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
-    pi, ref = [], []
+    pi, ref, lengths = [], [], batch.completion_mask.sum(1)  # (2n,) reply tokens, EOS included
     for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
         logp, ref_logp = pair_log_probs(r, batch, mb, train=True, keys=keys)  # (m,) each, m even
-        loss, _, _ = dpo_loss(logp[0::2], logp[1::2], ref_logp[0::2], ref_logp[1::2], cfg.dpo.beta)  # (m/2,)
+        loss, _, _ = pairs_loss(cfg, logp, ref_logp, lengths[mb])  # (m/2,)
         loss = loss.sum() / n  # this micro-batch's share of the mean over the step's pairs
         (r.scaler.scale(loss) if r.scaler else loss).backward()
         pi.append(logp.detach())
         ref.append(ref_logp)
     pi, ref = torch.cat(pi).float(), torch.cat(ref).float()  # (2n,) each
-    loss, r_w, r_l = dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta)
+    loss, r_w, r_l = pairs_loss(cfg, pi, ref, lengths)
     grad_norm, lr = optimizer_step(r)
     return pair_metrics(loss, r_w, r_l, pi) | {
         "tokens": float(batch.completion_mask.sum()), "learning_rate": lr, "grad_norm": grad_norm,
@@ -112,16 +144,17 @@ def held_out_metrics(r) -> dict:
     from step import micro_batches
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
-    was_training, pi, ref = model.training, [], []
+    was_training, pi, ref, lengths = model.training, [], [], []
     model.eval()
     for i in range(0, len(r.eval_rows), cfg.dpo.batch_size):
         rows = r.eval_rows[i:i + cfg.dpo.batch_size]
         batch = pair_batch(r.tokenizer, rows, cfg, device)
         keys = [("eval", j, k) for j in range(i, i + len(rows)) for k in ("chosen", "rejected")]
+        lengths.append(batch.completion_mask.sum(1))
         for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
             logp, ref_logp = pair_log_probs(r, batch, mb, train=False, keys=keys)
             pi.append(logp)
             ref.append(ref_logp)
     model.train(was_training)
     pi, ref = torch.cat(pi).float(), torch.cat(ref).float()
-    return {f"eval/{k}": v for k, v in pair_metrics(*dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta), pi).items()}
+    return {f"eval/{k}": v for k, v in pair_metrics(*pairs_loss(cfg, pi, ref, torch.cat(lengths)), pi).items()}

@@ -76,6 +76,10 @@ def test_cross_field_checks(tmp_path):
     with pytest.raises(ConfigError, match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
     assert load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
+    with pytest.raises(ConfigError, match=r"dpo.label_smoothing=0.2 needs dpo.loss_type: sigmoid"):
+        load_config(write(tmp_path, MINIMAL), ["--dpo.label_smoothing=0.2", "--dpo.loss_type=ipo"])
+    with pytest.raises(ConfigError, match=r"dpo.label_smoothing=0.5 needs .* in \[0, 0.5\)"):
+        load_config(write(tmp_path, MINIMAL), ["--dpo.label_smoothing=0.5"])
 
 
 def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):

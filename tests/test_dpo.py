@@ -41,6 +41,42 @@ def test_dpo_loss_matches_the_formula_and_is_log2_when_policy_is_reference():
     assert dpo_loss(-big, big, big * 0, big * 0, 1.0)[0].item() == pytest.approx(2000.0)
 
 
+def slow_variant_loss(pc, pr, rc, rr, beta, loss_type, eps=0.0, lw=1, ll=1):
+    """The other losses for one pair in plain floats: cDPO, IPO on per-token means, hinge."""
+    h = (pc - rc) - (pr - rr)
+    if loss_type == "sigmoid":
+        return -(1 - eps) * math.log(1 / (1 + math.exp(-beta * h))) - eps * math.log(1 / (1 + math.exp(beta * h)))
+    if loss_type == "ipo":
+        return ((pc - rc) / lw - (pr - rr) / ll - 1 / (2 * beta)) ** 2
+    return max(0.0, 1 - beta * h)
+
+
+@pytest.mark.parametrize("loss_type, eps", [("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0)])
+def test_the_other_losses_match_their_formulas(loss_type, eps):
+    g = torch.Generator().manual_seed(1)
+    pc, pr, rc, rr = (torch.randn(16, generator=g, dtype=torch.float64) * 3 - 40 for _ in range(4))
+    lw, ll = (torch.randint(1, 30, (16,), generator=g) for _ in range(2))
+    for beta in (0.1, 0.5):
+        loss, r_w, r_l = dpo_loss(pc, pr, rc, rr, beta, loss_type, eps, (lw, ll))
+        want = [slow_variant_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), beta, loss_type, eps, int(lw[i]), int(ll[i]))
+                for i in range(16)]
+        assert torch.allclose(loss, torch.tensor(want, dtype=torch.float64), atol=1e-10)
+        assert torch.allclose(r_w, beta * (pc - rc)) and torch.allclose(r_l, beta * (pr - rr))
+    at_start = {"sigmoid": math.log(2), "ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}[loss_type]  # policy == reference
+    assert torch.allclose(dpo_loss(pc, pr, pc, pr, 0.5, loss_type, eps, (lw, ll))[0], torch.full((16,), at_start, dtype=torch.float64))
+    with pytest.raises(ValueError, match="token counts" if loss_type == "ipo" else "loss_type"):
+        dpo_loss(pc, pr, rc, rr, 0.5, loss_type if loss_type == "ipo" else "robust")
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "hinge", "sigmoid"])
+def test_each_loss_type_learns_the_preference_through_train_py(dpo_config, loss_type):
+    path, cfg = dpo_config
+    extra = ["--dpo.label_smoothing=0.1"] if loss_type == "sigmoid" else []
+    assert train.main(["--config", str(path), f"--dpo.loss_type={loss_type}", *extra]) == 0
+    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    assert m[-1]["loss"] < m[0]["loss"] and all(x["rewards/accuracies"] == 1.0 for x in m[-3:]), [x["loss"] for x in m]
+
+
 def test_micro_batches_cut_only_between_whole_pairs():
     p_len, c_len = [3, 3, 2, 2, 5, 5, 1, 1, 4, 9], [4, 1, 2, 6, 3, 3, 2, 2, 1, 1]  # 5 pairs
     n = len(p_len)
@@ -188,6 +224,12 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
             "eval/rewards/chosen": beta * (sum(pc) - sum(rc)) / 4}
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    n_tokens = [len(r.tokenizer(row[k] + r.tokenizer.eos_token, add_special_tokens=False).input_ids)
+                for row in r.eval_rows for k in ("chosen", "rejected")]  # each reply and its EOS
+    r.cfg.dpo.loss_type = "ipo"  # IPO divides by those counts
+    ipo = [slow_variant_loss(a, b, c, d, beta, "ipo", 0.0, n_tokens[2 * i], n_tokens[2 * i + 1])
+           for i, (a, b, c, d) in enumerate(zip(pc, pr, rc, rr))]
+    assert dpo.held_out_metrics(r)["eval/loss"] == pytest.approx(sum(ipo) / 4, rel=1e-4)
 
 
 def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
