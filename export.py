@@ -64,7 +64,8 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         kind, training = "An SFT fine-tune", f"supervised on `{data_label(cfg.data)}` (target `{cfg.data.target}`)"
     elif cfg.mode == "dpo":
         kind, training = "A DPO fine-tune", (f"preference pairs `{data_label(cfg.data)}` (`{cfg.data.chosen}` over "
-                                             f"`{cfg.data.rejected}`), beta {cfg.dpo.beta:g}")
+                                             f"`{cfg.data.rejected}`), beta {cfg.dpo.beta:g}, loss `{cfg.dpo.loss_type}`"
+                                             + (f", label smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""))
     else:
         kind, training = "A GRPO fine-tune", (f"data `{data_label(cfg.data)}`, rewards {rewards}; loss `{cfg.grpo.loss_type}`, "
                                               f"beta {cfg.grpo.beta:g}, G = {r.num_generations}, temperature {r.temperature:g}")

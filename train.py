@@ -206,7 +206,7 @@ def setup(args, overrides: list[str]) -> Run:
     check_lengths(cfg, rows, tokenizer)
     if cfg.mode == "dpo" and (same := sum(r["chosen"] == r["rejected"] for r in rows)):
         print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected reply; "
-              "they teach nothing (their loss stays log 2)", file=sys.stderr)
+              "they teach nothing (their loss stays at its first step's value)", file=sys.stderr)
     if eval_rows and cfg.mode != "grpo":  # eval/loss runs them through the same batches
         check_lengths(cfg, eval_rows, tokenizer, "held-out row")
     ref_copy = None

@@ -172,14 +172,18 @@ def grads_of_one_step(path, *overrides):
     return got["grads"], m
 
 
-def test_dpo_gradient_does_not_depend_on_the_micro_batch_split(dpo_config):
-    """The loss couples a pair's two replies: micro-batches of 2 rows (one pair), 8 and a token budget
-    all give the full batch's gradient. Full fine-tuning, so that it is not zero at the first step
-    (LoRA's B starts at 0), with a frozen reference copy."""
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "hinge", "cdpo"])
+def test_dpo_gradient_does_not_depend_on_the_micro_batch_split(dpo_config, loss):
+    """The loss couples a pair's two replies (and, for IPO, their token counts): micro-batches of 2
+    rows (one pair), 8 and a token budget all give the full batch's gradient, for every loss type.
+    Full fine-tuning, so that it is not zero at the first step (LoRA's B starts at 0), with a frozen
+    reference copy."""
     path, _ = dpo_config
-    base = ["--lora.enabled=false", "--run.eval_every=0"]
+    base = ["--lora.enabled=false", "--run.eval_every=0",
+            *(["--dpo.label_smoothing=0.2"] if loss == "cdpo" else [f"--dpo.loss_type={loss}"])]
     want, m = grads_of_one_step(path, *base, "--optim.micro_batch_size=16")
-    assert m["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the copy is the policy before its first update
+    first = {"ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}.get(loss, math.log(2))  # the copy is the policy before its update
+    assert m["loss"] == pytest.approx(first, abs=1e-5)
     assert sum(float(g.abs().sum()) for g in want) > 0
     for split in (["--optim.micro_batch_size=2"], ["--optim.micro_batch_size=1"], ["--optim.micro_batch_tokens=60"]):
         got, m2 = grads_of_one_step(path, *base, "--optim.micro_batch_size=16", *split)
