@@ -129,8 +129,9 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     """generate_rows, each batch appended to eval.out_dir/partial_<name>.jsonl as it is done; an
     interrupted eval run again reads the batches of the same model, prompts and decoding (its
     generation_key; lines of another key stay, unused) from there and generates only the rest. main
-    deletes the file once results.json is written. Sampled completions after the resume point come from a fresh seed (run.seed + the
-    prompts done), so they differ from those of an uninterrupted run; greedy ones do not."""
+    deletes the file once results.json is written. Sampled completions after the resume point come
+    from a fresh seed (run.seed + the prompts done), so they differ from those of an uninterrupted
+    run; greedy ones do not."""
     cfg, e = plan.cfg, plan.cfg.eval
     prompts = rollout.render_rows(tok, plan.rows, cfg.data)
     path, key, n = Path(e.out_dir) / f"partial_{entry.name}.jsonl", generation_key(entry, mcfg, cfg, prompts), e.num_samples
