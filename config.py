@@ -81,7 +81,7 @@ class DataConfig:
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
     select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]
     shuffle_seed: int = 0  # order in which prompts are drawn
-    map: str | None = None  # row mapping applied before prompts are built: a built-in (medmcqa_json) or "file.py:fn" / "module:fn"
+    map: str | None = None  # row mapping applied before prompts are built: a built-in (medmcqa_json) or "file.py:fn" / "module:fn"; None from it drops the row
     mixture: list[DataSource] | None = None  # train on several sources drawn by weight (replaces data.name); see data.py
     presets: dict[str, list[DataSource]] = field(default_factory=dict)  # named mixtures, e.g. GRubrics' open_only, curriculum
     preset: str | None = None  # the entry of data.presets to train on (e.g. --data.preset=curriculum)

@@ -26,6 +26,7 @@ import csv
 import dataclasses
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -301,7 +302,9 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
 
 def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") -> list[dict]:
     """Each row (of the data `name`) as a dict rewritten by the row map `map_name` (built-in or
-    file.py:fn, the config key `key`); DataError names the row that failed."""
+    file.py:fn, the config key `key`); a map that returns None leaves the row out (a filter: rows
+    too long, or without gold), and says how many it left out. DataError names the row that failed.
+    Splits (split_seed, select) are taken before the map, so a filter never moves a row across them."""
     if not rows:
         raise DataError(f"{name} holds no rows")
     fn = resolve_map(map_name) if map_name else None
@@ -315,9 +318,15 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
                 row = fn(dict(row))
             except Exception as e:
                 raise DataError(f"{key}={map_name} failed on row {i}: {type(e).__name__}: {e}") from None
+            if row is None:
+                continue
             if not isinstance(row, dict):
-                raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; it must return a dict")
+                raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; it must return a dict (or None)")
         out.append(row)
+    if not out:
+        raise DataError(f"{key}={map_name} left out every one of the {len(rows)} rows of {name}")
+    if len(out) < len(rows):
+        print(f"[minigrpo] {key}={map_name} left out {len(rows) - len(out)} of the {len(rows)} rows of {name}", file=sys.stderr)
     return out
 
 

@@ -57,6 +57,23 @@ def test_a_map_from_a_users_file(tmp_path):
     assert rows[0]["prompt"] == MCQ["question"].upper()
 
 
+def test_a_map_that_returns_none_leaves_the_row_out_after_the_split(tmp_path, capsys):
+    """A filter (rows too long, rows without gold): the split is taken first, so the held-out rows
+    stay held out; it says how many it dropped, and dropping every row is an error."""
+    (tmp_path / "maps.py").write_text("def short(row):\n    return row if row['i'] % 3 else None\n"
+                                      "def none(row):\n    return None\n")
+    path = write_jsonl(tmp_path / "m.jsonl", [{"i": i, "question": f"q{i}"} for i in range(30)])
+    cfg = DataConfig(name=path, map=f"{tmp_path / 'maps.py'}:short", prompt="question", answer_key=None, split_seed=42,
+                     select=[0, 20])
+    kept = load_rows(cfg)
+    picked = split([{"i": i} for i in range(30)], 42, [0, 20])
+    assert [r["i"] for r in kept] == [r["i"] for r in picked if r["i"] % 3]
+    assert f"left out {20 - len(kept)} of the 20 rows" in capsys.readouterr().err
+    with pytest.raises(DataError, match="left out every one of the 20 rows"):
+        load_rows(DataConfig(name=path, map=f"{tmp_path / 'maps.py'}:none", prompt="question", answer_key=None,
+                             split_seed=42, select=[0, 20]))
+
+
 def test_mixture_draws_by_weight_and_a_curriculum_moves_from_one_source_to_the_other():
     s = PromptSampler([10, 30], seed=3, weights=[(1.0, 0.0), (0.0, 1.0)])
     s.progress = 0.0
