@@ -133,6 +133,7 @@ class GrpoConfig:
     #   (on a GPU its second pass costs more kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
     top_entropy_quantile: float = 1.0  # policy gradient only on the step's top share of tokens by sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
     tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
+    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"  # ratio per token or completion; cap it or mask past it (step.py)
 
 
 @dataclass
@@ -294,6 +295,8 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or cfg.rollout.engine != "vllm"):
         raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm and a cap >= 1 (0 turns it off)")
+    if cfg.grpo.tis_mode != "token_truncate" and not cfg.grpo.tis_cap:
+        raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: set grpo.tis_cap (e.g. 2) too")
     if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled or cfg.rollout.engine != "hf"):
         raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision weights for HF generate: "
                           "it needs lora.enabled, no model.quant and rollout.engine: hf")

@@ -128,20 +128,38 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     return concat(kept, pad), concat(parts, pad), drawn
 
 
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
+
+
 def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
-                   sums: dict | None) -> torch.Tensor | None:
-    """Truncated importance weight min(pi_old / pi_sampler, cap) per token (None when cap is 0: off),
-    old, sampler_logp, mask (n, C). Adds the masked tokens' |log pi_old - log pi_sampler|, weights and
-    capped count to `sums` when given (the first iteration's metrics)."""
+                   sums: dict | None, mode: str = "token_truncate") -> torch.Tensor | None:
+    """Importance weight of the trainer's policy against the sampler's (None when cap is 0: off),
+    old, sampler_logp, mask (n, C) -> (n, C), the ratio rho = pi_old / pi_sampler taken per token
+    (token_*) or per completion, the product over its tokens (sequence_*, the same for each of them):
+
+        *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
+        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
+
+    Adds the masked tokens' |log pi_old - log pi_sampler|, weights and capped (or masked) count to
+    `sums` when given (the first iteration's metrics)."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
     diff = old - sampler_logp  # (n, C)
-    weight = torch.clamp(torch.exp(diff), max=cap) if cap else None
+    weight = None
+    if cap:
+        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves a completion's product alone
+        if mode.startswith("sequence"):
+            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one ratio per completion
+        rho = torch.exp(log_rho)
+        weight = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho > cap, 0.0, rho)
+        past = rho >= cap if mode.endswith("truncate") else rho > cap  # (n, C)
     if sums is not None:
         m = mask.bool()
         sums["tokens"] += float(m.sum())
         sums["abs_diff"] += float(diff.abs()[m].sum())
         if weight is not None:
             sums["weight"] += float(weight[m].sum())
-            sums["capped"] += float((weight[m] >= cap).sum())
+            sums["capped"] += float(past[m].sum())
     return weight
 
 
@@ -247,7 +265,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                 weight = None
                 if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
                     weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                            mask[mb, :C], g.tis_cap, sampler if it == 0 else None)
+                                            mask[mb, :C], g.tis_cap, sampler if it == 0 else None, g.tis_mode)
                 loss, stats = grpo.grpo_loss(
                     logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C], norm,
                     g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level,

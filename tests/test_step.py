@@ -155,6 +155,31 @@ def test_importance_weights_are_capped_and_counted():
     assert step.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
 
 
+@pytest.mark.parametrize("mode", step.TIS_MODES)
+def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
+    """TRL's four modes: the ratio per token or per completion (the product over its tokens, padding
+    left out), capped at tis_cap or masked past it; `capped` counts the tokens at or past the cap."""
+    g = torch.Generator().manual_seed(1)  # a draw with completions on both sides of the cap in every mode
+    old, sampler = (torch.randn(5, 6, generator=g) * 0.6 for _ in range(2))
+    mask = (torch.arange(6)[None] < torch.tensor([6, 3, 1, 5, 4])[:, None]).float()
+    sums = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)
+    w = step.sampler_weight(old, sampler, mask, 1.5, sums, mode)
+    want, past = torch.zeros(5, 6), 0
+    for i in range(5):
+        ts = [t for t in range(6) if mask[i, t]]
+        seq = math.exp(sum(float(old[i, t] - sampler[i, t]) for t in ts))
+        for t in range(6):
+            rho = seq if mode.startswith("sequence") else math.exp(float(old[i, t] - sampler[i, t]))
+            want[i, t] = min(rho, 1.5) if mode.endswith("truncate") else (0.0 if rho > 1.5 else rho)
+            past += t in ts and (rho >= 1.5 if mode.endswith("truncate") else rho > 1.5)
+    torch.testing.assert_close(w[mask.bool()], want[mask.bool()])  # padding: any weight, the loss masks it
+    assert sums["capped"] == past and 0 < past < mask.sum() and sums["weight"] == pytest.approx(float(want[mask.bool()].sum()), rel=1e-6)
+    if mode.startswith("sequence"):
+        assert all(len(set(w[i][mask[i].bool()].tolist())) == 1 for i in range(5))  # one weight a completion
+    with pytest.raises(ValueError, match="tis_mode"):
+        step.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
+
+
 def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_llama, monkeypatch):
     """bnpo divides by the micro-batches that train; dapo by the tokens that train (not skipped ones)."""
     monkeypatch.setitem(rewards.REGISTRY, "test_first_two_fail", (

@@ -154,6 +154,11 @@ def test_truncated_importance_sampling_weights_are_logged(fake_vllm, cfg_path, t
     m = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
     # the fake says every token had log-prob -2; the tiny model gives ~-log(400) = -6: weights ~e^-4
     assert 0 < m["tis/weight_mean"] < 1 and m["tis/capped_frac"] == 0.0 and m["sampler_logp_abs_diff"] > 1
+    # per completion, the product of its tokens' ratios (~e^-4 each) is far below 1: sequence_mask keeps them
+    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0", "--grpo.tis_mode=sequence_mask",
+                       f"--run.out_dir={tmp_path / 'seq'}"]) == 0
+    s = json.loads((tmp_path / "seq/metrics.jsonl").read_text().splitlines()[0])
+    assert 0 <= s["tis/weight_mean"] < m["tis/weight_mean"] and s["tis/capped_frac"] == 0.0
 
 
 def test_vllm_outputs_become_a_rollout_with_masks_and_sampler_log_probs(tiny_llama):
@@ -181,6 +186,8 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
         load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance weights: set grpo.tis_cap"):
+        load_config(cfg_path, ["--grpo.tis_mode=sequence_mask"])
 
 
 def test_without_the_vllm_package_the_error_says_how_to_install_it(cfg_path, capsys, monkeypatch):
