@@ -61,7 +61,8 @@ from data import Source, check_not_data_file, load_sources
 from entries import ModelEntry, parse_model_entries, trained_on_held_out
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, resolve_model_path
-from metrics import model_metrics, per_source_metrics
+from metrics import majority_accuracy, model_metrics, per_source_metrics
+from rewards import answer_key
 from scoring import RewardResult, check_rows, compute_rewards, in_background, open_scoring, reward_context, reward_keys
 
 
@@ -206,7 +207,13 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
         return samples, RewardResult(total, per_reward, res.errors), metrics
     res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
                           context=reward_context(assistant_prefix, judges))
-    return samples, res, model_metrics(res, gen.num_tokens, gen.truncated, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
+    metrics = model_metrics(res, gen.num_tokens, gen.truncated, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
+    spec = next((s for s, k in zip(cfg.rewards, reward_keys(cfg.rewards)) if k == "answer_match" and s.name == "answer_match"), None)
+    if spec is not None and n > 1:  # self-consistency: the answer most samples give, against the gold
+        args = {k: v for k, v in spec.args.items() if k != "assistant_prefix"}
+        votes = [answer_key(t, assistant_prefix, **args) for t in gen.texts]
+        metrics[f"maj@{n}"] = majority_accuracy(votes, res.per_reward["answer_match"], n)
+    return samples, res, metrics
 
 
 def api_section(e: EvalConfig, target: str) -> tuple[str, JudgeConfig]:

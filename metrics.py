@@ -16,6 +16,8 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
                        = completions whose reward raised and got its fallback (listed when > 0)
   best_of_n_reward   = mean over prompts of the highest total among the prompt's n samples: best-of-n
                        sampling with the reward as the picker (only when n > 1)
+  maj@n              = mean over prompts of whether the answer most of its n samples give is right
+                       (self-consistency; answer_match's answers; see majority_accuracy; only when n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
   truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
   api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
@@ -81,6 +83,28 @@ def best_of_n(totals: list[float], n: int) -> float:
     """
     best = [max(ok) for s in range(0, len(totals), n) if (ok := [t for t in totals[s:s + n] if not math.isnan(t)])]
     return sum(best) / max(len(best), 1)
+
+
+def majority_accuracy(answers: list, correct: list[float | None], n: int) -> float:
+    """maj@n: for each prompt with a gold answer, is the answer most of its n samples give right?
+    Samples without an answer (None) do not vote; a tie goes to the answer given first; a prompt
+    none of whose samples answered counts as wrong. answers, correct: (N,), prompt-major.
+
+    >>> majority_accuracy(["3", "4", "4", None, "7", "7", None, None, None], [0, 1, 1, 0, 0, 0, 0, 0, 0], 3)
+    0.3333333333333333
+    """
+    right, prompts = 0, 0
+    for s in range(0, len(answers), n):
+        if any(c is None for c in correct[s:s + n]):
+            continue  # no gold answer
+        prompts += 1
+        votes: dict = {}
+        for a, c in zip(answers[s:s + n], correct[s:s + n]):
+            if a is not None:
+                votes.setdefault(a, [0, c])[0] += 1
+        if votes:
+            right += max(votes.values(), key=lambda v: v[0])[1] >= 1  # max keeps the first of a tie
+    return right / max(prompts, 1)
 
 
 def agreement(a: list[float | None], b: list[float | None]) -> dict:

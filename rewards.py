@@ -325,6 +325,21 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     return float(pred is not None and abs(pred - target) <= tolerance)
 
 
+def answer_key(completion: str, assistant_prefix: str = "", mode: str = "last", strip_think: bool = True,
+               compare: str = "number", **_) -> str | None:
+    r"""The answer answer_match reads in a completion, as a key for majority voting (eval.py's maj@n):
+    the exact number, or the normalised expression; None without one. Takes answer_match's args.
+
+    >>> answer_key("so 1,000"), answer_key(r"\boxed{\frac{1}{2}}"), answer_key(r"\boxed{x^{2}}", compare="expression"), answer_key("none")
+    ('1000', '1/2', 'x^2', None)
+    """
+    answer = answers.answer_part(assistant_prefix + completion) if strip_think else assistant_prefix + completion
+    if compare == "expression":
+        return answers.normalised(answers.marked(answer) or answer) or None
+    number = answers.final_number(answer, mode)
+    return None if number is None else str(number)
+
+
 @register("think_format")
 def think_format(completion: str, sample: dict, min_think_chars: int = 10, require_answer: bool = True,
                  assistant_prefix: str = "") -> float:

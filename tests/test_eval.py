@@ -604,3 +604,21 @@ def test_an_interrupted_eval_resumes_from_the_batches_it_saved(project, monkeypa
     generated.clear()
     assert ev.main([*args, "--eval.batch_size=1", f"--eval.out_dir={tmp / 'batch'}"]) == 0
     assert generated == [1]  # a smaller batch (after running out of memory) keeps what was saved
+
+
+def test_maj_at_n_votes_with_answer_match_s_answers(tmp_path):
+    """With answer_match and num_samples n > 1, maj@n: the answer most of a prompt's samples give,
+    right or wrong (self-consistency), beside pass@k; samples without a number do not vote."""
+    from config import load_config
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({"rewards": [{"name": "answer_match"}], "eval": {"num_samples": 3, "pass_k": [1, 3]}}))
+    cfg = load_config(cfg_path)
+    rows = [{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "2 + 2?", "answer": "4"}, {"prompt": "3 + 3?", "answer": "6"}]
+    texts = ["2", "It is 2.", "3",          # majority 2: right
+             "5", "5", "4",                 # majority 5: wrong, though one sample is right (pass@3 counts it)
+             "no idea", "6", "hmm"]          # only one sample answers: it decides
+    gen = ev.Generated(texts, [1] * 9, [False] * 9)
+    _, _, m = ev.score_rows(gen, rows, 3, cfg, "", {})
+    assert m["maj@3"] == pytest.approx(2 / 3) and m["pass@3"] == pytest.approx(1.0)
+    _, _, one = ev.score_rows(ev.Generated(texts[:3], [1] * 3, [False] * 3), rows, 1, cfg, "", {})
+    assert "maj@1" not in one and one["accuracy"] == pytest.approx(1 / 3)  # one sample a prompt: no vote
