@@ -214,7 +214,7 @@ class PrecomputeConfig:
     split: str = "train"  # hub dataset split
     map: str | None = None  # row mapping first: a built-in adapter (healthbench, medqa, medmcqa_json) or "file.py:fn"
     question: str = "{question}"  # column or template of the question text the answer policy is asked
-    limit: int = 0  # the first n questions only (0: all): try a few before paying for all
+    limit: int = 0  # the first n questions only (0: all), counted before precompute.map: try a few before paying for all
     num_answers: int = 4  # K answers per question, the answers a rubric must rank
     system_prompt: str | None = None  # the answer policy's system message
     answers: JudgeConfig | None = None  # the answer policy: an OpenAI-compatible endpoint (model, temperature > 0 or

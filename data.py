@@ -300,11 +300,12 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
     return [row for s in load_sources(cfg, select) for row in s.rows]
 
 
-def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") -> list[dict]:
+def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") -> list[tuple[int, dict]]:
     """Each row (of the data `name`) as a dict rewritten by the row map `map_name` (built-in or
-    file.py:fn, the config key `key`); a map that returns None leaves the row out (a filter: rows
-    too long, or without gold), and says how many it left out. DataError names the row that failed.
-    Splits (split_seed, select) are taken before the map, so a filter never moves a row across them."""
+    file.py:fn, the config key `key`), with its position in `rows` -> [(i, row)]; a map that returns
+    None leaves the row out (a filter: rows too long, or without gold), and says how many it left
+    out. DataError names the row that failed. Splits (split_seed, select) are taken before the map,
+    so a filter never moves a row across them."""
     if not rows:
         raise DataError(f"{name} holds no rows")
     fn = resolve_map(map_name) if map_name else None
@@ -322,7 +323,7 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
                 continue
             if not isinstance(row, dict):
                 raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; it must return a dict (or None)")
-        out.append(row)
+        out.append((i, row))
     if not out:
         raise DataError(f"{key}={map_name} left out every one of the {len(rows)} rows of {name}")
     if len(out) < len(rows):
@@ -333,7 +334,7 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
 def _prepare(cfg: DataConfig, select: list[int] | None) -> list[dict]:
     rows = split(load_raw(cfg), cfg.split_seed, select if select is not None else cfg.select)
     out = []
-    for i, row in enumerate(mapped_rows(rows, f"data.name={cfg.name}", cfg.map)):
+    for i, row in mapped_rows(rows, f"data.name={cfg.name}", cfg.map):  # i: the row's place before a filtering map
         if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
@@ -420,11 +421,14 @@ class PromptSampler:
         return counts
 
     def state(self) -> dict:
-        return {"position": self.position, "positions": list(self.positions)}
+        return {"position": self.position, "positions": list(self.positions), "sizes": list(self.sizes)}
 
     def load_state(self, state: dict | int) -> None:
         if isinstance(state, int):  # checkpoints before mixtures saved the position alone
             state = {"position": state, "positions": [state]}
         if len(state["positions"]) != len(self.sizes):
             raise ConfigError(f"the checkpoint drew from {len(state['positions'])} data sources, this config has {len(self.sizes)}")
+        if "sizes" in state and list(state["sizes"]) != list(self.sizes):  # e.g. a filtering data.map changed
+            raise ConfigError(f"the checkpoint drew from data sources of {state['sizes']} rows, this config gives {list(self.sizes)}: "
+                              "the same positions would draw other rows; restore the data (or the map) it trained on")
         self.position, self.positions = state["position"], list(state["positions"])

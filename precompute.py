@@ -93,7 +93,7 @@ def load_questions(p: PrecomputeConfig) -> list[dict]:
     rows = mapped_rows(load_raw(DataConfig(name=p.questions, split=p.split, num_examples=p.limit)),
                        f"precompute.questions={p.questions}", p.map, key="precompute.map")
     out = []
-    for i, row in enumerate(rows):
+    for i, row in rows:  # i: the row's place before a filtering map
         try:
             out.append({**row, "_question": build_prompt(row, p.question, i)})
         except DataError as e:
@@ -185,7 +185,7 @@ def validate(cfg: Config, path: str) -> dict:
     p = cfg.precompute
     if cfg.judge is None:
         raise ConfigError("--validate grades through the judge: section; add one")
-    rows = mapped_rows(load_raw(DataConfig(name=path)), path, None)
+    rows = [row for _, row in mapped_rows(load_raw(DataConfig(name=path)), path, None)]
     for i, row in enumerate(rows):
         if missing := [c for c in (p.rubric_key, "answers", "gold_scores") if row.get(c) in (None, "", [])]:
             raise DataError(f"{path} row {i} has no {missing[0]!r}: --validate needs an answer file with the expert "

@@ -140,11 +140,12 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
         *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
         *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
 
-    Adds the masked tokens' |log pi_old - log pi_sampler|, weights and capped (or masked) count to
-    `sums` when given (the first iteration's metrics)."""
+    Adds the masked tokens' |log pi_old - log pi_sampler| to `sums` when given (the first iteration's
+    metrics), and the weights and the capped (or masked) count over `units`: tokens, or in sequence
+    modes completions, as TRL counts them."""
     if mode not in TIS_MODES:
         raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
-    diff = old - sampler_logp  # (n, C)
+    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)  # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
     weight = None
     if cap:
         log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves a completion's product alone
@@ -158,8 +159,11 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
         sums["tokens"] += float(m.sum())
         sums["abs_diff"] += float(diff.abs()[m].sum())
         if weight is not None:
-            sums["weight"] += float(weight[m].sum())
-            sums["capped"] += float(past[m].sum())
+            rows = m.any(1)  # (n,) completions with a token in the loss
+            per_row = mode.startswith("sequence")
+            sums["units"] += float(rows.sum()) if per_row else float(m.sum())
+            sums["weight"] += float(weight[rows, 0].sum()) if per_row else float(weight[m].sum())
+            sums["capped"] += float(past[rows, 0].sum()) if per_row else float(past[m].sum())
     return weight
 
 
@@ -254,7 +258,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                                          cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 0.0)
-    sampler = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
+    sampler = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
     for it in range(g.num_iterations):
         for mbs, norm in minis:
@@ -283,7 +287,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         n = max(sampler["tokens"], 1.0)
         tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
         if g.tis_cap:
-            tis |= {"tis/weight_mean": sampler["weight"] / n, "tis/capped_frac": sampler["capped"] / n}
+            units = max(sampler["units"], 1.0)
+            tis |= {"tis/weight_mean": sampler["weight"] / units, "tis/capped_frac": sampler["capped"] / units}
     metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),

@@ -69,9 +69,23 @@ def test_a_map_that_returns_none_leaves_the_row_out_after_the_split(tmp_path, ca
     picked = split([{"i": i} for i in range(30)], 42, [0, 20])
     assert [r["i"] for r in kept] == [r["i"] for r in picked if r["i"] % 3]
     assert f"left out {20 - len(kept)} of the 20 rows" in capsys.readouterr().err
+    rows = [{"i": i, "question": f"q{i}", "answer": "" if i == 4 else "1"} for i in range(6)]
+    with pytest.raises(DataError, match="row 4 has no"):  # its place in the file, not among the rows kept
+        load_rows(DataConfig(name=write_jsonl(tmp_path / "a.jsonl", rows), map=f"{tmp_path / 'maps.py'}:short", prompt="question"))
     with pytest.raises(DataError, match="left out every one of the 20 rows"):
         load_rows(DataConfig(name=path, map=f"{tmp_path / 'maps.py'}:none", prompt="question", answer_key=None,
                              split_seed=42, select=[0, 20]))
+
+
+def test_resuming_on_sources_of_other_sizes_is_refused():
+    """The saved positions would draw other rows (a filtering map changed, say); old states without sizes still load."""
+    s = PromptSampler([10], seed=0)
+    s.draw(5)
+    with pytest.raises(ConfigError, match=r"data sources of \[10\] rows, this config gives \[9\]"):
+        PromptSampler([9], seed=0).load_state(s.state())
+    t = PromptSampler([10], seed=0)
+    t.load_state({"position": 5, "positions": [5]})
+    assert t.draw(3) == s.draw(3)
 
 
 def test_mixture_draws_by_weight_and_a_curriculum_moves_from_one_source_to_the_other():

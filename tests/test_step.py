@@ -148,7 +148,7 @@ def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
 
 
 def test_importance_weights_are_capped_and_counted():
-    sums = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)
+    sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
     w = step.sampler_weight(old, sampler, mask, 2.0, sums)
     assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 and sums["tokens"] == 2
@@ -162,20 +162,27 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     g = torch.Generator().manual_seed(1)  # a draw with completions on both sides of the cap in every mode
     old, sampler = (torch.randn(5, 6, generator=g) * 0.6 for _ in range(2))
     mask = (torch.arange(6)[None] < torch.tensor([6, 3, 1, 5, 4])[:, None]).float()
-    sums = dict.fromkeys(("tokens", "abs_diff", "weight", "capped"), 0.0)
+    sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     w = step.sampler_weight(old, sampler, mask, 1.5, sums, mode)
-    want, past = torch.zeros(5, 6), 0
+    want, past, weights = torch.zeros(5, 6), 0, 0.0
+    seq_mode = mode.startswith("sequence")
     for i in range(5):
         ts = [t for t in range(6) if mask[i, t]]
         seq = math.exp(sum(float(old[i, t] - sampler[i, t]) for t in ts))
         for t in range(6):
-            rho = seq if mode.startswith("sequence") else math.exp(float(old[i, t] - sampler[i, t]))
+            rho = seq if seq_mode else math.exp(float(old[i, t] - sampler[i, t]))
             want[i, t] = min(rho, 1.5) if mode.endswith("truncate") else (0.0 if rho > 1.5 else rho)
-            past += t in ts and (rho >= 1.5 if mode.endswith("truncate") else rho > 1.5)
+            counted = t == ts[0] if seq_mode else t in ts  # sequence modes count completions, as TRL
+            past += counted and (rho >= 1.5 if mode.endswith("truncate") else rho > 1.5)
+            weights += float(want[i, t]) if counted else 0.0
     torch.testing.assert_close(w[mask.bool()], want[mask.bool()])  # padding: any weight, the loss masks it
-    assert sums["capped"] == past and 0 < past < mask.sum() and sums["weight"] == pytest.approx(float(want[mask.bool()].sum()), rel=1e-6)
-    if mode.startswith("sequence"):
+    assert sums["units"] == (5 if seq_mode else mask.sum()) and sums["tokens"] == mask.sum()
+    assert sums["capped"] == past and 0 < past < sums["units"] and sums["weight"] == pytest.approx(weights, rel=1e-6)
+    if seq_mode:
         assert all(len(set(w[i][mask[i].bool()].tolist())) == 1 for i in range(5))  # one weight a completion
+    nan = sampler.clone()
+    nan[0, 1] = float("nan")  # a log-prob vLLM did not give: ratio 1 there, as TRL, not a NaN weight
+    assert torch.isfinite(step.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
     with pytest.raises(ValueError, match="tis_mode"):
         step.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
 
