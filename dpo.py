@@ -70,6 +70,14 @@ def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = N
     return sft_batch(tokenizer, twice, cfg, device, replies=replies, limit=("dpo.max_length", cfg.dpo.max_length))
 
 
+def pair_passes(r, batch: rollout.Rollout, train: bool, keys: list):
+    """For each micro-batch of whole pairs (a pair's two replies are never split): (its rows, their
+    summed reply log-probs under the policy, under the reference), as pair_log_probs gives them."""
+    from step import micro_batches
+    for mb in micro_batches(batch, max(r.cfg.optim.micro_batch_size, 2), r.cfg.optim.micro_batch_tokens, group=2):
+        yield mb, *pair_log_probs(r, batch, mb, train, keys)
+
+
 def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed reply log-probs of a micro-batch's rows under the policy (with gradients when `train`)
     and under the reference (without) -> ((m,), (m,)), rows in batch order. keys: one a row of the
@@ -108,7 +116,7 @@ def pair_metrics(loss, r_w, r_l, pi) -> dict:
 
 def dpo_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
-    from step import micro_batches, optimizer_step, peak_memory_mb, source_shares
+    from step import optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -120,8 +128,7 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
     pi, ref, lengths = [], [], batch.completion_mask.sum(1)  # (2n,) reply tokens, EOS included
-    for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
-        logp, ref_logp = pair_log_probs(r, batch, mb, train=True, keys=keys)  # (m,) each, m even
+    for mb, logp, ref_logp in pair_passes(r, batch, train=True, keys=keys):  # (m,) each, m even
         loss, _, _ = pairs_loss(cfg, logp, ref_logp, lengths[mb])  # (m/2,)
         loss = loss.sum() / n  # this micro-batch's share of the mean over the step's pairs
         (r.scaler.scale(loss) if r.scaler else loss).backward()
@@ -141,7 +148,6 @@ def held_out_metrics(r) -> dict:
     """eval/loss, eval/rewards/margins, eval/rewards/accuracies, ...: the DPO metrics on the held-out
     pairs (eval.select's), the policy now against the reference. Accuracy near 1 on training pairs
     and near 0.5 on these: DPO memorised its pairs."""
-    from step import micro_batches
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     was_training, pi, ref, lengths = model.training, [], [], []
@@ -151,8 +157,7 @@ def held_out_metrics(r) -> dict:
         batch = pair_batch(r.tokenizer, rows, cfg, device)
         keys = [("eval", j, k) for j in range(i, i + len(rows)) for k in ("chosen", "rejected")]
         lengths.append(batch.completion_mask.sum(1))
-        for mb in micro_batches(batch, max(cfg.optim.micro_batch_size, 2), cfg.optim.micro_batch_tokens, group=2):
-            logp, ref_logp = pair_log_probs(r, batch, mb, train=False, keys=keys)
+        for _, logp, ref_logp in pair_passes(r, batch, train=False, keys=keys):
             pi.append(logp)
             ref.append(ref_logp)
     model.train(was_training)
