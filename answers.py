@@ -24,12 +24,19 @@ def find_all(pattern: str, text: str, flags: int = 0) -> list[str]:
 
 
 def answer_part(text: str) -> str:
-    """The text after the last </think>; "" when a leading <think> never closes (truncated
-    reasoning holds no answer); the whole text, stripped, when there is no think block."""
+    """After a leading think block (the text opens with <think>): the text after the last </think>,
+    or "" when it never closes (truncated reasoning holds no answer). Without one, the whole text,
+    stripped: a "</think>" that closes nothing hides nothing (free reasoning before it would
+    otherwise pass as a JSON-only or a short answer). rollout.reply_prefix gives the rewards the
+    <think> a chat template opens.
+
+    >>> answer_part("<think>2 + 2</think> 4"), answer_part("<think>2 + 2"), answer_part("2 + 2</think>4")
+    ('4', '', '2 + 2</think>4')
+    """
+    if not text.lstrip().startswith("<think>"):
+        return text.strip()
     _, closed, after = text.rpartition("</think>")
-    if closed:
-        return after.strip()
-    return "" if text.lstrip().startswith("<think>") else text.strip()
+    return after.strip() if closed else ""
 
 
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```", re.S | re.I)
@@ -57,7 +64,7 @@ def parse_json(completion: str, allow_fence: bool, strip_think: bool) -> tuple[b
 
 
 # a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three
-NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?")
+NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?")  # .5 too
 
 
 def boxed(text: str) -> str | None:
@@ -73,15 +80,26 @@ def boxed(text: str) -> str | None:
 
 
 def latex_numbers(text: str) -> str:
-    r"""\frac{3}{4} as 3/4, and LaTeX's thousands separators (1{,}000, 1\,000) dropped."""
+    r"""\frac{3}{4} as 3/4, LaTeX's thousands separators (1{,}000, 1\,000) dropped, a Unicode minus as -,
+    and -$5 as -5."""
     text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
+    text = re.sub(r"-\s*\\?\$", "-", text.replace("\u2212", "-"))  # a Unicode minus; -$5 is -5
     return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
+
+
+_HASHES = re.compile(r"(?<!#)####(?!#)([^\n]*)")
+_HEADING = re.compile(r"\s*[A-Za-z]{2,}")  # "#### Step 2: add", "#### Final Answer": Markdown, not GSM8K's marker
 
 
 def marked(text: str) -> str | None:
     """What the answer marker holds, the first kind present deciding: the last `#### x` line
-    (GSM8K), the last \\boxed{x}, the last <answer>x</answer>; None without a marker."""
-    hashes = re.findall(r"####([^\n]*)", text)
+    (GSM8K; not a Markdown heading such as `#### Step 2`), the last \\boxed{x}, the last
+    <answer>x</answer>; None without a marker.
+
+    >>> marked("#### 72"), marked("#### Step 1: add\\n48 + 24 = 72\\n\\\\boxed{72}"), marked("#### Final answer\\n72")
+    (' 72', '72', None)
+    """
+    hashes = [h for h in _HASHES.findall(text) if not _HEADING.match(h)]
     close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
     open_at = text.rfind("<answer>", 0, max(close, 0))
     tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
@@ -106,7 +124,8 @@ def final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
-_UNITS = re.compile(r"\\?\$|\\?%|\\text\{ [^{}]*\}|\^\{?\\circ\}?")  # $, %, \text{ cm}, ^\circ: not the answer's maths
+_UNITS = re.compile(r"\\?\$|\\?%|°|\\text\{ [^{}]*\}|(?<=\d)(?:\s|\\[,;:! ])*\\text\{\s*[A-Za-z][^{}]*\}|\^\{?\\circ\}?")
+#   $, %, degrees, units (\text{ cm}, or 5\,\text{cm} after a number): not the answer's maths
 _LABEL = re.compile(r"^(?:[A-Za-z]\s*=|\(?[A-Ea-e]\))\s*")  # "x = 5", "(B) 5": the answer follows
 _LATEX = re.compile(r"[\\^_{}]|[\[(][^\])]*,[^\[(]*[\])]")  # LaTeX, or an interval or tuple: (-1, 2]
 _VARIABLE = re.compile(r"(?<![A-Za-z])[A-Za-z](?![A-Za-z])")  # a lone letter: x + 1
@@ -139,13 +158,15 @@ def expression_gold(gold: str) -> str | None:
 
 def normalised(expr: str) -> str:
     r"""An answer written the way MATH's graders compare them: no spaces, $, %, degrees, units
-    (\text{ cm}: a \text{} starting with a space), \left / \right, spacing commands, \text{}
+    (\text{ cm}: a \text{} starting with a space or after a number), \left / \right, spacing commands, \text{}
     wrappers or final period; \dfrac and \tfrac as \frac; \frac12 and \sqrt2 braced; x^{2} as x^2.
 
     >>> normalised(r"\left( -\infty, 2 \right]"), normalised(r"\dfrac{x^{2}}{2}."), normalised(r"\text{(B)}")
     ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
     >>> normalised(r"5\text{ cm}"), normalised(r"90^\circ"), normalised(r"25\%"), normalised(r"\frac12 + \sqrt2")
     ('5', '90', '25', '\\frac{1}{2}+\\sqrt{2}')
+    >>> normalised(r"5\,\text{cm}"), normalised("90°"), normalised(r"\text{yes}")
+    ('5', '90', 'yes')
     """
     s = _UNITS.sub("", expr)
     s = re.sub(r"\\([dt]?frac)(\d)(\d)", r"\\\1{\2}{\3}", s)
@@ -157,9 +178,19 @@ def normalised(expr: str) -> str:
     return re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)
 
 
+def expression_key(expr: str) -> str:
+    r"""normalised, and without a leading label ("x = 5" is 5, "(B) 5" is 5): what same_expression compares.
+
+    >>> expression_key(r"x = \frac{1}{2}"), expression_key("(C)"), expression_key("y=2x+1")
+    ('\\frac{1}{2}', '(C)', '2x+1')
+    """
+    s = normalised(expr)
+    return _LABEL.sub("", s) or s
+
+
 def same_expression(pred: str, gold: str) -> bool:
-    """Equal as normalised text, or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
-    a, b = normalised(pred), normalised(gold)
+    """Equal as normalised text (expression_key), or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
+    a, b = expression_key(pred), expression_key(gold)
     if a == b:
         return True
     x, y = (NUMBER.fullmatch(latex_numbers(v)) for v in (a, b))  # "3,5" is a list, "3,500" a number

@@ -289,8 +289,8 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
 
 
 def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
-    """One model's completions of every held-out row -> (them, samples per row, the forced prefix the
-    rewards put back: none for API models)."""
+    """One model's completions of every held-out row -> (them, samples per row, the start of each reply
+    that the rewards put back, rollout.reply_prefix: none for API models)."""
     cfg = plan.cfg
     if entry.kind == "api":
         messages = [rollout.chat_messages(r["prompt"], cfg.data.system_prompt) for r in plan.rows]
@@ -310,10 +310,11 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
     gen = generate_resumable(model, tok, entry, mcfg, plan)
+    prefix = rollout.reply_prefix(tok, cfg.data)  # an export's own template may open a think block
     del model, tok
     if plan.device.type == "cuda":
         torch.cuda.empty_cache()
-    return gen, cfg.eval.num_samples, cfg.data.assistant_prefix
+    return gen, cfg.eval.num_samples, prefix
 
 
 def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: str, t0: float) -> dict:
@@ -322,6 +323,7 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     generates (main), one model at a time, so the judges' counters it reads are this model's alone."""
     cfg = plan.cfg
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
+    forced = "" if entry.kind == "api" else cfg.data.assistant_prefix  # recorded: what bestofn.py's SFT rows put back
     if plan.where and "source" in plan.where[0]:
         metrics |= per_source_metrics(plan.where, n, res, gen.failed)
     if entry.kind == "api":
@@ -337,7 +339,7 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     keys = list(res.per_reward)
     kept = lambda s: {"columns": {k: s.get(k) for k in cfg.eval.keep_columns}} if cfg.eval.keep_columns else {}  # noqa: E731
     records = [{**plan.where[i // n], **kept(s), "sample": i % n, "prompt": s["prompt"],
-                **({"assistant_prefix": prefix} if prefix else {}), "completion": text,
+                **({"assistant_prefix": forced} if forced else {}), "completion": text,
                 **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}), "num_tokens": nt,
                 "reward": None if math.isnan(total) else total, "rewards": {k: res.per_reward[k][i] for k in keys},
                 **({"api_failed": True} if gen.failed and gen.failed[i] else {}),

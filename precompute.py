@@ -7,7 +7,7 @@ that rubric_alignment training reads.
     python precompute.py --config configs/grubrics.yaml --precompute.questions=GBaker/MedQA-USMLE-4-options \\
         --precompute.map=medqa --precompute.out=data/cache/grubrics_verifiable.jsonl --precompute.limit=300 \\
         --precompute.system_prompt="Answer the question. End with: The answer is <letter>." \\
-        --precompute.gold_reward="{name: choice_accuracy, args: {fallback_pattern: 'answer is ([A-D])'}}"
+        --precompute.gold_reward="{name: choice_accuracy, args: {fallback_pattern: '[Aa]nswer is\\W*([A-D])\\b'}}"
 
 Settings are the config's `precompute:` section (see config.py; configs/grubrics.yaml has one).
 Gold scores, one per answer:

@@ -327,10 +327,12 @@ def answer_key(completion: str, assistant_prefix: str = "", mode: str = "last", 
 
     >>> answer_key("so 1,000"), answer_key(r"\boxed{\frac{1}{2}}"), answer_key(r"\boxed{x^{2}}", compare="expression"), answer_key("none")
     ('1000', '1/2', 'x^2', None)
+    >>> answer_key(r"\boxed{x = 5}", compare="expression") == answer_key(r"\boxed{5}", compare="expression")
+    True
     """
     answer = answers.answer_part(assistant_prefix + completion) if strip_think else assistant_prefix + completion
     if compare == "expression":
-        return answers.normalised(answers.marked(answer) or answer) or None
+        return answers.expression_key(answers.marked(answer) or answer) or None
     number = answers.final_number(answer, mode)
     return None if number is None else str(number)
 

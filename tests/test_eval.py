@@ -640,3 +640,26 @@ def test_maj_at_n_votes_with_answer_match_s_answers(tmp_path):
     assert m["maj@3"] == pytest.approx(2 / 3) and m["pass@3"] == pytest.approx(1.0)
     _, _, one = ev.score_rows(ev.Generated(texts[:3], [1] * 3, [False] * 3), rows, 1, cfg, "", {})
     assert "maj@1" not in one and one["accuracy"] == pytest.approx(1 / 3)  # one sample a prompt: no vote
+
+
+def test_rewards_see_the_think_block_the_models_template_opens_and_the_record_keeps_the_forced_prefix(tmp_path, monkeypatch):
+    """A DeepSeek-R1-style template ends its generation prompt inside <think>: the rewards get that
+    opened block (rollout.reply_prefix), the predictions keep only what data.assistant_prefix forced."""
+    import rewards
+    from conftest import CHATML, write_tiny_model
+    seen = set()
+
+    def reward(completion, sample, assistant_prefix=""):
+        seen.add(assistant_prefix)
+        return 0.0
+    monkeypatch.setitem(rewards.REGISTRY, "test_prefix", (reward, False))
+    model = write_tiny_model(tmp_path / "r1", chat_template=CHATML.replace("assistant\n'", "assistant\n<think>\n'"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"name": str(model)}, "data": {"name": str(data), "prompt": "{question}"},
+                                   "rewards": [{"name": "test_prefix"}],
+                                   "eval": {"select": [0, 2], "max_new_tokens": 3, "out_dir": str(tmp_path / "eval")}}))
+    assert ev.main(["--config", str(cfg), "--models", "base"]) == 0
+    assert seen == {"<think>\n"}
+    assert not any("assistant_prefix" in p for p in lines(tmp_path / "eval" / "predictions_base.jsonl"))

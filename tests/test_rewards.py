@@ -62,6 +62,18 @@ def test_json_valid_options_for_think_and_non_objects():
     assert json_valid("[1, 2] and more", {}, require_object=False) == 0.0
 
 
+def test_a_think_close_that_closes_nothing_hides_nothing():
+    """Free reasoning before a stray </think> would pass as a JSON-only or a short answer; a think
+    block the forced prefix (or the template, through rollout.reply_prefix) opened still counts."""
+    reasoning = "I'm unsure, maybe A or C. Let me compute 67 + 5 carefully: it is 72 here.</think>"
+    assert json_valid(reasoning + GOOD, {}) == 0.0
+    assert choice_accuracy(reasoning + GOOD, {"answer": "B"}) == 0.0
+    assert short_answer(reasoning + "72", {}, max_words=4) == 0.0
+    assert answer_match(reasoning + "72", {"answer": 72}) == 1.0  # the last number is still the answer
+    assert json_valid(reasoning + GOOD, {}, assistant_prefix="<think>") == 1.0
+    assert short_answer(reasoning + "72", {}, max_words=4, assistant_prefix="<think>\n") == 1.0
+
+
 # ---------------------------------------------------------------- json_schema
 
 def _medmcqa(**changes):
@@ -178,6 +190,8 @@ def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
     ("10 - 3 = 7", 7), ("3/4 of them", 0.75), ("That is 50%", 50), ("1, 2, 3", 3), ("0.1", 0.1),
     ("<think>maybe 70? 3 + 4...</think>It is 72", 72),
     ("1000000000000000000000000", "#### 1000000000000000000000000"),
+    ("#### Final Answer\n\\boxed{72}", 72), ("#### Step 1: add\n48 + 24 = 72", 72),  # Markdown headings are not markers
+    ("##### 3 steps\nso 72", 72), ("#### \u22125", -5), ("#### -$5", -5), ("#### .5", 0.5), ("so 0.5", ".5"),
 ])
 def test_answer_match_reads_the_final_number(completion, gold):
     assert answer_match(completion, {"answer": gold}) == 1.0
@@ -195,6 +209,7 @@ def test_answer_match_reads_the_final_number(completion, gold):
     ("<think>the answer is 72", 72),                   # truncated reasoning holds no answer
     ("<think>the answer is 72</think>I give up", 72),
     ("<think>ok</think>72</think>70", 72),             # the answer follows the last </think>
+    ("#### Step 2: add\n48 + 24 = 72\n\\boxed{72}", 2),  # a heading's number is not the answer
 ])
 def test_answer_match_rejects_a_wrong_or_missing_number(completion, gold):
     assert answer_match(completion, {"answer": gold}) == 0.0
@@ -284,6 +299,9 @@ SOURCES = {"valid_pmids": ["12345", 67890, " 555 "]}
     ("According to PMIDs 12345 and 99999 the drug works", -1.0), ("PMIDs: 12345, 99999 reported benefit", -1.0),
     ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0), ("(PMID: 12345, 2019)", 1.0),  # not ids:
     ("PMID: 12345, 2.5 mg", 1.0), ("PMID: 12345, 30-day mortality", 1.0), ("PMID: 12345 and\n2. Next", 1.0),  # too short
+    ("PMID:\n99999", -2.0), ("PMID: 12345,\n99999", -1.0), ("PMID-99999", -2.0), ("PMID#99999", -2.0),  # no hiding place
+    ("PMID=99999", -2.0), ("PubMed ID: 99999", -2.0), ("PubMed IDs: 12345 and 99999", -1.0),
+    ("Relevant PMIDs:\n1. PMID: 12345", 1.0),               # a list's numbering on the next line is not an id
 ])
 def test_citation_grounding_rewards_valid_and_penalises_invented_ids(completion, expected):
     assert citation_grounding(completion, SOURCES) == expected
@@ -430,6 +448,10 @@ def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_num
     ("#### 72", 72, 1.0),
     (r"<think>\boxed{3}</think> \boxed{x+1}", "1+x", 0.0),                          # text, not algebra
     ("<think>never closed", "x", 0.0),
+    (r"\boxed{x = 5}", "5", 1.0), (r"\boxed{5}", "x = 5", 1.0), (r"\boxed{y=2x+1}", "2x+1", 1.0),  # a label goes
+    (r"\boxed{(C)}", "(B)", 0.0),                                                    # unless it is the answer
+    (r"\boxed{5 \text{cm}}", "5", 1.0), (r"\boxed{5\,\text{cm}}", "5", 1.0), (r"\boxed{90°}", r"90^\circ", 1.0),
+    (r"\boxed{\text{yes}}", "yes", 1.0), ("#### Final answer\n\\boxed{\\frac{1}{2}}", r"\frac12", 1.0),
 ])
 def test_compare_expression_matches_normalised_answers(completion, gold, expected):
     assert answer_match(completion, {"answer": gold}, compare="expression") == expected

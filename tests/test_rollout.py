@@ -10,6 +10,7 @@ import grpo
 import logprobs
 import rollout
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig
+from conftest import CHATML, make_tokenizer
 from model import load_policy, load_tokenizer, reference_mode
 
 
@@ -65,7 +66,6 @@ def test_a_model_without_chat_template_is_a_clear_error(tiny_no_template):
 
 
 def test_a_configured_chat_template_rescues_such_a_model(tiny_no_template, tmp_path):
-    from conftest import CHATML
     (tmp_path / "t.jinja").write_text(CHATML)
     tok = load_tokenizer(ModelConfig(name=str(tiny_no_template), chat_template=str(tmp_path / "t.jinja")), str(tiny_no_template))
     assert rollout.render_prompt(tok, "hi").endswith("<|im_start|>assistant\n")
@@ -279,3 +279,20 @@ def test_sampling_entropy_is_that_of_the_distribution_each_token_was_drawn_from(
     fixed = rollout.generate_rollout(model, tok, prompts, 3, 5, 0.7, ignore_eos=True, entropy=True)  # EOS banned: -inf
     assert torch.isfinite(fixed.entropy).all() and (fixed.entropy > 0).all()
     assert rollout.generate_rollout(model, tok, prompts, 3, 4).entropy is None  # eval and benchmarks pay nothing
+
+
+R1_TEMPLATE = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")  # DeepSeek-R1's, QwQ's way
+QWEN3_OFF = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n\n</think>\n\n'")
+
+
+@pytest.mark.parametrize("template, forced, system, expected", [
+    (CHATML, "", None, ""), (CHATML, "<think>", None, "<think>"), (CHATML, "{", None, "{"),
+    (R1_TEMPLATE, "", None, "<think>\n"),                   # the template opens the block: rewards see it opened
+    (R1_TEMPLATE, "<think>\n", None, "<think>\n"),          # written once, as the prompt has it
+    (R1_TEMPLATE, "Let me", None, "<think>\nLet me"),
+    (QWEN3_OFF, "", None, ""),                              # a closed block opens nothing
+    (CHATML, "", "Reason inside <think> tags, then answer.", ""),  # the system prompt's words are not the reply's
+])
+def test_reply_prefix_is_what_every_reply_starts_with_that_the_policy_did_not_write(template, forced, system, expected):
+    data = SimpleNamespace(system_prompt=system, assistant_prefix=forced, chat_template_kwargs={})
+    assert rollout.reply_prefix(make_tokenizer(template), data) == expected

@@ -137,6 +137,22 @@ def test_each_completion_is_scored_against_its_own_row(tmp_path, tiny_llama, mon
     assert s.total.tolist() == [float(r.rows[i]["answer"]) for i in idx for _ in range(G)]
 
 
+@pytest.mark.parametrize("opens, forced, expected", [(False, "", ""), (False, "<think>", "<think>"), (True, "", "<think>\n")])
+def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(tmp_path, tiny_llama, monkeypatch, opens,
+                                                                              forced, expected):
+    seen = set()
+
+    def reward(completion, sample, assistant_prefix=""):
+        seen.add(assistant_prefix)
+        return 0.0
+    monkeypatch.setitem(rewards.REGISTRY, "test_prefix", (reward, False))
+    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_prefix}]", f"--data.assistant_prefix={forced}")
+    if opens:  # DeepSeek-R1's template ends its generation prompt inside a think block
+        r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'", "assistant\n<think>\n'")
+    step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1], r.judges)
+    assert seen == {expected}
+
+
 def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_llama, monkeypatch):
     G = 4
     flat = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2), torch.ones(G, 3, dtype=torch.long),
