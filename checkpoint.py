@@ -1,7 +1,7 @@
 """Checkpoints: atomic saves, loading for --resume, and trimming the run's logs (jsonl.py) back to the checkpoint.
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
-                               RNG states, step, data position), config.yaml
+                               RNG states, step, data position, the judges' run totals), config.yaml
     (run.keep_checkpoints newest are whole; older ones keep adapter/ and config.yaml, run.keep_adapters)
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
@@ -65,6 +65,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
         "scaler": scaler.state_dict() if scaler else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},  # judge_*_total goes on from here
     }, tmp / "trainer_state.pt")
     save_config(cfg, tmp / "config.yaml")
     for f in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible

@@ -193,7 +193,7 @@ class Judge:
         self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)
         self._first_unparsed = ""  # the first of those replies, for the error
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
-        self._total = dict.fromkeys(STAT_NAMES, 0.0)
+        self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # the run's: in each checkpoint, put back on --resume
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
         self._mem: OrderedDict[str, str] = OrderedDict()
         self._next_slot = 0.0  # monotonic time the next request may start (requests_per_minute)
@@ -224,12 +224,12 @@ class Judge:
     # --- stats -------------------------------------------------------------------------------------
     def add_stat(self, name: str, value: float = 1.0) -> None:
         self._step[name] += value
-        self._total[name] += value
+        self.totals[name] += value
 
     def pop_step_stats(self, prefix: str = "judge_") -> dict[str, float]:
         """Counters since the last pop (judge_<name>) plus run totals (judge_<name>_total)."""
         out = {f"{prefix}{k}": v for k, v in self._step.items()}
-        out.update({f"{prefix}{k}_total": v for k, v in self._total.items()})
+        out.update({f"{prefix}{k}_total": v for k, v in self.totals.items()})
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self._logged.clear()
         return out

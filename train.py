@@ -234,6 +234,9 @@ def setup(args, overrides: list[str]) -> Run:
             group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                          weight_decay=cfg.optim.weight_decay)
         sampler.load_state(state["data_position"])
+        for name, totals in state.get("judge_totals", {}).items():  # the run's judge_*_total, cost included
+            if name in judges:
+                judges[name].totals.update({k: v for k, v in totals.items() if k in judges[name].totals})
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)

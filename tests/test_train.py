@@ -359,6 +359,22 @@ def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_d
             assert secret.encode() not in f.read_bytes(), f
 
 
+def test_the_judges_run_totals_go_on_across_a_resume(setup):
+    """judge_*_total (the run's spend among them) is kept in each checkpoint: a resumed run's totals
+    are the sums of every step's counters, not the last process's (helper-40's kill tests)."""
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        args = ["--config", str(cfg), f"--judge={{base_url: '{server.url}', model: fake-judge, price_prompt_per_m: 1.0}}",
+                "--rewards=[{name: judge, args: {template: 'Rate {completion}', criteria: []}}]"]
+        assert train.main([*args, "--run.steps=1"]) == 0
+        assert train.main([*args, "--run.steps=3", "--resume"]) == 0
+    m = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3]
+    for key in ("judge_calls", "judge_requests", "judge_prompt_tokens", "judge_cost_usd"):
+        assert m[0][key] > 0 and m[-1][f"{key}_total"] == pytest.approx(sum(x[key] for x in m)), key
+
+
 def test_a_judge_refusing_the_key_stops_the_run_with_one_line_and_keeps_its_checkpoints(setup, capsys):
     from fake_openai_server import FakeOpenAIServer, ok, server_error
     cfg, run = setup
