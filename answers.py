@@ -83,23 +83,25 @@ def latex_numbers(text: str) -> str:
     r"""\frac{3}{4} as 3/4, LaTeX's thousands separators (1{,}000, 1\,000) dropped, a Unicode minus as -,
     and -$5 as -5."""
     text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
-    text = re.sub(r"-\s*\\?\$", "-", text.replace("\u2212", "-"))  # a Unicode minus; -$5 is -5
+    text = re.sub(r"-\\?\$(?=\d)", "-", text.replace("\u2212", "-"))  # a Unicode minus; -$5 is -5 ($10 - $15 is not)
     return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
 
 
 _HASHES = re.compile(r"(?<!#)####(?!#)([^\n]*)")
-_HEADING = re.compile(r"\s*[A-Za-z]{2,}")  # "#### Step 2: add", "#### Final Answer": Markdown, not GSM8K's marker
+_HEADING = re.compile(r"\s*[A-Za-z]{2,}")  # "#### Step 2: add", "#### Final Answer" with text below: Markdown, not a marker
 
 
 def marked(text: str) -> str | None:
     """What the answer marker holds, the first kind present deciding: the last `#### x` line
-    (GSM8K; not a Markdown heading such as `#### Step 2`), the last \\boxed{x}, the last
-    <answer>x</answer>; None without a marker.
+    (GSM8K; not a Markdown heading: a line led by a word, with text after it), the last \\boxed{x},
+    the last <answer>x</answer>; None without a marker.
 
     >>> marked("#### 72"), marked("#### Step 1: add\\n48 + 24 = 72\\n\\\\boxed{72}"), marked("#### Final answer\\n72")
     (' 72', '72', None)
+    >>> marked("so\\n#### Yes"), marked("#### no solution\\n")
+    (' Yes', ' no solution')
     """
-    hashes = [h for h in _HASHES.findall(text) if not _HEADING.match(h)]
+    hashes = [m.group(1) for m in _HASHES.finditer(text) if not (_HEADING.match(m.group(1)) and text[m.end():].strip())]
     close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
     open_at = text.rfind("<answer>", 0, max(close, 0))
     tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
@@ -124,8 +126,8 @@ def final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
-_UNITS = re.compile(r"\\?\$|\\?%|°|\\text\{ [^{}]*\}|(?<=\d)(?:\s|\\[,;:! ])*\\text\{\s*[A-Za-z][^{}]*\}|\^\{?\\circ\}?")
-#   $, %, degrees, units (\text{ cm}, or 5\,\text{cm} after a number): not the answer's maths
+_UNITS = re.compile(r"\\?\$|\\?%|°(?:\s*[CF](?![A-Za-z]))?|\\text\{ [^{}]*\}|(?<=\d)(?:\s|\\[,;:! ])*\\text\{\s*[A-Za-z][^{}]*\}(?:\^\{?\d\}?)?(?=\s*\.?\s*$)|\^\{?\\circ\}?")
+#   $, %, degrees (30°C), units (\text{ cm}; 5\,\text{cm}^2 ending the answer): not the answer's maths
 _LABEL = re.compile(r"^(?:[A-Za-z]\s*=|\(?[A-Ea-e]\))\s*")  # "x = 5", "(B) 5": the answer follows
 _LATEX = re.compile(r"[\\^_{}]|[\[(][^\])]*,[^\[(]*[\])]")  # LaTeX, or an interval or tuple: (-1, 2]
 _VARIABLE = re.compile(r"(?<![A-Za-z])[A-Za-z](?![A-Za-z])")  # a lone letter: x + 1
@@ -168,7 +170,7 @@ def normalised(expr: str) -> str:
     >>> normalised(r"5\,\text{cm}"), normalised("90°"), normalised(r"\text{yes}")
     ('5', '90', 'yes')
     """
-    s = _UNITS.sub("", expr)
+    s = _UNITS.sub("", expr.replace("\u2212", "-"))  # and a Unicode minus as -
     s = re.sub(r"\\([dt]?frac)(\d)(\d)", r"\\\1{\2}{\3}", s)
     s = re.sub(r"\\sqrt(\d)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)

@@ -5,7 +5,7 @@
       - {name: invented_citation, weight: 0, label: hallucinated}          # logged: the hallucination rate
 
 PMID_PATTERN finds "PMID: 12345" (also PMID-, PMID#, PMID=, "PubMed ID", an id of 5 digits or more on the next line)
-and lists after one label ("PMIDs: 12345, 67890 and 13579", across lines), so
+and lists after one label ("PMIDs: 12345, 67890 and 13579", across a line break), so
 an invented id cannot hide behind a valid one; listed ids after the first need 5 digits or more, as
 PMIDs cited today have, so a year or a dose after a citation is not one. rewards.py registers both.
 """
@@ -15,7 +15,7 @@ import re
 
 from answers import find_all
 
-PMID_PATTERN = r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*[:#=\-]?(?:[ \t]*|\s*(?=\d{5}))(\d+(?:\s*(?:[,;&]|\band\b)\s*\d{5,}(?!\d|[.\-]\d))*)"
+PMID_PATTERN = r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*[:#=\-]?(?:[ \t]*|\s*(?=\d{5}))(\d+(?:[ \t]*\n?[ \t]*(?:[,;&]|\band\b)[ \t]*\n?[ \t]*\d{5,}(?!\d|[.\-]\d))*)"
 CITATION_SEPARATOR = r"\s*(?:[,;&]|\band\b)\s*"  # between the ids of one match's list
 
 

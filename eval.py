@@ -191,7 +191,7 @@ def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
 
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,
-               judges: dict[str, Judge]) -> tuple[list[dict], RewardResult, dict]:
+               judges: dict[str, Judge], forced_prefix: str | None = None) -> tuple[list[dict], RewardResult, dict]:
     """-> (the row of each of the n-per-row completions, their rewards, model_metrics). Completions
     whose API request failed are not scored (no judge is paid for them) and are left out of the
     metrics, which count them as api_failures instead: an outage must not read as wrong answers."""
@@ -200,7 +200,7 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
     if len(answered) < len(rows):  # API entries only; a prompt with a failed sample is left out whole (pass@k needs all n)
         keep = [i for p in answered for i in range(p * n, (p + 1) * n)]
         sub = Generated([gen.texts[i] for i in keep], [gen.num_tokens[i] for i in keep], None)
-        _, res, metrics = score_rows(sub, [rows[p] for p in answered], n, cfg, assistant_prefix, judges) if keep \
+        _, res, metrics = score_rows(sub, [rows[p] for p in answered], n, cfg, assistant_prefix, judges, forced_prefix) if keep \
             else (None, RewardResult([], {}, {}), {"n": 0})
         per_reward = {k: [None] * len(samples) for k in res.per_reward}
         total = [math.nan] * len(samples)
@@ -210,7 +210,7 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
                 per_reward[k][i] = res.per_reward[k][j]
         return samples, RewardResult(total, per_reward, res.errors), metrics
     res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
-                          context=reward_context(assistant_prefix, judges))
+                          context=reward_context(assistant_prefix, judges, forced_prefix))
     metrics = model_metrics(res, gen.num_tokens, gen.truncated, n, cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
     spec = next((s for s, k in zip(cfg.rewards, reward_keys(cfg.rewards)) if k == "answer_match" and s.name == "answer_match"), None)
     if spec is not None and n > 1:  # self-consistency: the answer most samples give, against the gold
@@ -322,8 +322,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     failure loses nothing paid for) -> its metrics. Runs in the background while the next model
     generates (main), one model at a time, so the judges' counters it reads are this model's alone."""
     cfg = plan.cfg
-    samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges)
     forced = "" if entry.kind == "api" else cfg.data.assistant_prefix  # recorded: what bestofn.py's SFT rows put back
+    samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges, forced)
     if plan.where and "source" in plan.where[0]:
         metrics |= per_source_metrics(plan.where, n, res, gen.failed)
     if entry.kind == "api":

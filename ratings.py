@@ -227,19 +227,20 @@ def check_args(dir: str | None = None, criteria: list[str] = ("overall",), scale
 
 def human(completions: list[str], samples: list[dict], *, dir: str, criteria: list[str] = ("overall",),
           scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0,
-          prompt_key: str = "prompt", assistant_prefix: str | None = None) -> list[float]:
+          prompt_key: str = "prompt", forced_prefix: str | None = None) -> list[float]:
     """People's rating of each completion, (score - lo) / (hi - lo) averaged over the criteria.
 
     Queues the completions not yet rated nor already queued by this process, and waits until each
     is rated or, with timeout_s > 0, until timeout_s after it was queued; NaN where no rating came
     (the fallback, counted as an error). `criterion` returns that one criterion instead: list the
     reward again with weight 0 and a label to log each one; those calls queue nothing new and wait
-    no longer than the first.
+    no longer than the first. A rater sees forced_prefix (data.assistant_prefix, passed in by the
+    trainer) + the completion, as the queue and its export keep it.
     """
     check_args(dir, criteria, scale, criterion, timeout_s, poll_s)
     criteria, (lo, hi) = list(criteria), scale
     store = store_for(dir)
-    shown = [(as_text(s[prompt_key]), (assistant_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
+    shown = [(as_text(s[prompt_key]), (forced_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
     messages = {p: s[prompt_key] for (p, _), s in zip(shown, samples) if isinstance(s[prompt_key], list)}  # chat prompts
     ids = [item_id(p, c, scale) for p, c in shown]
     with store.lock:

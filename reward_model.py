@@ -9,8 +9,8 @@ completion; the reward is its logit `label` (0: the one output of a usual reward
 A reward model with a chat template sees the conversation [system], user: the row's prompt (or the
 row's own conversation), assistant: the completion, rendered by its own template; one without a
 template (the DeBERTa reward models) sees the pair (prompt, completion) as its tokenizer joins them
-([CLS] prompt [SEP] completion [SEP]). The completion carries the forced reply start
-(data.assistant_prefix) as the policy wrote it. Rendered chats longer than max_length tokens lose
+([CLS] prompt [SEP] completion [SEP]). The completion carries the reply's start the policy did not
+write (data.assistant_prefix, a think block the template opens: rollout.reply_prefix). Rendered chats longer than max_length tokens lose
 their start (the prompt's beginning), never the completion's end; a pair over it loses tokens from
 the end of the longer of its two texts first (the tokenizer's longest_first).
 

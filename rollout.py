@@ -72,13 +72,18 @@ _PROBE = "minigrpo probe 7f3a"  # a user message that no template rewrites
 def reply_prefix(tokenizer, data) -> str:
     """The start of every reply that the policy does not write, as the rewards see it: the forced
     data.assistant_prefix, from a think block the chat template's generation prompt opens on
-    (DeepSeek-R1's and QwQ's end with "<think>\\n"), so that the reply's "</think>" closes a block
-    the rewards see opened. A "</think>" with no opened block is not one (answers.answer_part)."""
-    text = render_prompt(tokenizer, _PROBE, data.system_prompt, data.assistant_prefix, data.chat_template_kwargs)
+    (DeepSeek-R1's and QwQ's end with "<think>\\n"; with a forced "</think>" the block is whole), so
+    that the reply's "</think>" closes a block the rewards see opened. A "</think>" with no opened
+    block is not one (answers.answer_part). A template this probe cannot render (one that wants the
+    rows' own system message) gets the forced prefix alone."""
+    try:
+        text = render_prompt(tokenizer, _PROBE, data.system_prompt, data.assistant_prefix, data.chat_template_kwargs)
+    except Exception:  # jinja2's TemplateError and whatever a template raises
+        return data.assistant_prefix
     at = text.rfind(_PROBE)
     tail = text[at + len(_PROBE):] if at >= 0 else ""
-    opened = tail.rfind("<think>")
-    return tail[opened:] if opened > tail.rfind("</think>") else data.assistant_prefix
+    opened = tail.find("<think>")
+    return tail[opened:] if opened >= 0 else data.assistant_prefix
 
 
 def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:

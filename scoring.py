@@ -8,7 +8,7 @@
     total_i = sum_k weight_k * r_k(completion_i, sample_i)   (a None r_k adds 0; a skipped one makes it NaN)
 
 compute_rewards fills a reward's parameters named `num_tokens` or after a key of its context
-(`judge`, `judges`, `assistant_prefix`); a judge-based reward with `args: {judge: NAME}` gets that
+(`judge`, `judges`, `assistant_prefix`, `forced_prefix`); a judge-based reward with `args: {judge: NAME}` gets that
 one of context["judges"]. A reward that raises or returns a non-number never stops a run: it gets
 the spec's fallback (NaN for fallback: skip), is counted in `errors`, and its first failure is
 logged. Rewards on different judges run at once, each judge's in config order (its cache answers
@@ -305,10 +305,14 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
     return result
 
 
-def reward_context(assistant_prefix: str, judges: dict) -> dict:
-    """The context training and eval score with: the forced reply start, the judge: section's judge
-    (`judge`) and every judge by name (`judges`, for args: {judge: NAME})."""
-    return {"assistant_prefix": assistant_prefix, "judge": judges.get("judge"), "judges": judges}
+def reward_context(assistant_prefix: str, judges: dict, forced_prefix: str | None = None) -> dict:
+    """The context training and eval score with: the start of each reply the policy did not write
+    (rollout.reply_prefix: the forced data.assistant_prefix, from a think block the chat template
+    opens), the forced prefix alone (`forced_prefix`: what ratings.py's queue keeps, since its
+    exported replies meet the template again), the judge: section's judge (`judge`) and every
+    judge by name (`judges`, for args: {judge: NAME})."""
+    return {"assistant_prefix": assistant_prefix, "forced_prefix": assistant_prefix if forced_prefix is None else forced_prefix,
+            "judge": judges.get("judge"), "judges": judges}
 
 
 def join_results(parts: list[RewardResult]) -> RewardResult:

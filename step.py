@@ -55,7 +55,7 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     ro, G = cfg.rollout, cfg.rollout.num_generations
     prompts = rollout.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
     samples = [rows[i] for i in idx for _ in range(G)]
-    context = reward_context(rollout.reply_prefix(tokenizer, cfg.data), judges)
+    context = reward_context(rollout.reply_prefix(tokenizer, cfg.data), judges, cfg.data.assistant_prefix)
 
     def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
         return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,

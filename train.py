@@ -321,7 +321,8 @@ def held_out_metrics(r: Run) -> dict:
     with torch.random.fork_rng(devices=[r.device] if r.device.type == "cuda" else []):
         gen = ev.generate_rows(r.model, r.tokenizer, r.eval_rows, cfg)
     r.model.train(was_training)
-    _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, rollout.reply_prefix(r.tokenizer, cfg.data), r.judges)
+    _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
+                            cfg.data.assistant_prefix)
     return loss | {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
 
 

@@ -649,8 +649,8 @@ def test_rewards_see_the_think_block_the_models_template_opens_and_the_record_ke
     from conftest import CHATML, write_tiny_model
     seen = set()
 
-    def reward(completion, sample, assistant_prefix=""):
-        seen.add(assistant_prefix)
+    def reward(completion, sample, assistant_prefix="", forced_prefix=None):
+        seen.add((assistant_prefix, forced_prefix))
         return 0.0
     monkeypatch.setitem(rewards.REGISTRY, "test_prefix", (reward, False))
     model = write_tiny_model(tmp_path / "r1", chat_template=CHATML.replace("assistant\n'", "assistant\n<think>\n'"))
@@ -661,5 +661,5 @@ def test_rewards_see_the_think_block_the_models_template_opens_and_the_record_ke
                                    "rewards": [{"name": "test_prefix"}],
                                    "eval": {"select": [0, 2], "max_new_tokens": 3, "out_dir": str(tmp_path / "eval")}}))
     assert ev.main(["--config", str(cfg), "--models", "base"]) == 0
-    assert seen == {"<think>\n"}
+    assert seen == {("<think>\n", "")}
     assert not any("assistant_prefix" in p for p in lines(tmp_path / "eval" / "predictions_base.jsonl"))

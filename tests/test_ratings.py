@@ -136,6 +136,17 @@ def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
     assert rated["prompt"] == prompt  # exported as the chat prompt it was, for DPO to render as training did
 
 
+def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_path):
+    """The queue keeps data.assistant_prefix + the completion: its export becomes DPO pairs that the
+    same template renders again, so a block the template opens (R1's <think>) must not be in them."""
+    from scoring import reward_context
+    ratings._STORES.clear()
+    spec = RewardSpec("human", args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
+    compute_rewards(["x"], [{"prompt": "p"}], [spec], context=reward_context("<think>\nokay", {}, "okay"))
+    (item,) = [json.loads(ln) for ln in (tmp_path / "r" / "queue.jsonl").read_text().splitlines()]
+    assert item["completion"] == "okayx"
+
+
 def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_path):
     ratings._STORES.clear()
     args = {"dir": str(tmp_path / "r"), "timeout_s": 0.3, "poll_s": 0.01, "criteria": CRITERIA}

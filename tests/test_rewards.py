@@ -192,6 +192,7 @@ def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
     ("1000000000000000000000000", "#### 1000000000000000000000000"),
     ("#### Final Answer\n\\boxed{72}", 72), ("#### Step 1: add\n48 + 24 = 72", 72),  # Markdown headings are not markers
     ("##### 3 steps\nso 72", 72), ("#### \u22125", -5), ("#### -$5", -5), ("#### .5", 0.5), ("so 0.5", ".5"),
+    ("Prices range from $10 - $15", 15), ("- $5 for pens", 5), ("#### Answer: 72", 72),
 ])
 def test_answer_match_reads_the_final_number(completion, gold):
     assert answer_match(completion, {"answer": gold}) == 1.0
@@ -452,6 +453,9 @@ def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_num
     (r"\boxed{(C)}", "(B)", 0.0),                                                    # unless it is the answer
     (r"\boxed{5 \text{cm}}", "5", 1.0), (r"\boxed{5\,\text{cm}}", "5", 1.0), (r"\boxed{90°}", r"90^\circ", 1.0),
     (r"\boxed{\text{yes}}", "yes", 1.0), ("#### Final answer\n\\boxed{\\frac{1}{2}}", r"\frac12", 1.0),
+    ("#### Yes", "Yes", 1.0), ("#### no solution", "no solution", 1.0),                # a last #### line is an answer
+    (r"\boxed{2\text{or}3}", "23", 0.0), (r"\boxed{5\text{ cm}}", "5", 1.0), (r"\boxed{5\text{cm}^2}", "5", 1.0),
+    (r"\boxed{30°C}", "30", 1.0), ("\\boxed{x\u22121}", "x-1", 1.0),
 ])
 def test_compare_expression_matches_normalised_answers(completion, gold, expected):
     assert answer_match(completion, {"answer": gold}, compare="expression") == expected

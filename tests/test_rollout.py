@@ -290,9 +290,22 @@ QWEN3_OFF = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\
     (R1_TEMPLATE, "", None, "<think>\n"),                   # the template opens the block: rewards see it opened
     (R1_TEMPLATE, "<think>\n", None, "<think>\n"),          # written once, as the prompt has it
     (R1_TEMPLATE, "Let me", None, "<think>\nLet me"),
-    (QWEN3_OFF, "", None, ""),                              # a closed block opens nothing
+    (QWEN3_OFF, "", None, "<think>\n\n</think>\n\n"),       # a whole block: the answer follows it
+    (R1_TEMPLATE, "</think>\n\n", None, "<think>\n</think>\n\n"),  # R1 with thinking forced off
     (CHATML, "", "Reason inside <think> tags, then answer.", ""),  # the system prompt's words are not the reply's
 ])
 def test_reply_prefix_is_what_every_reply_starts_with_that_the_policy_did_not_write(template, forced, system, expected):
+    import rewards
     data = SimpleNamespace(system_prompt=system, assistant_prefix=forced, chat_template_kwargs={})
-    assert rollout.reply_prefix(make_tokenizer(template), data) == expected
+    prefix = rollout.reply_prefix(make_tokenizer(template), data)
+    assert prefix == expected
+    if "{" not in forced:  # the rule rewards read the answer after it (after the reply closes an opened block)
+        reply = ("</think>" if prefix.rfind("<think>") > prefix.rfind("</think>") else "") + '{"a": 1}'
+        assert rewards.json_valid(reply, {}, assistant_prefix=prefix) == 1.0
+
+
+def test_reply_prefix_of_a_template_that_wants_the_rows_own_system_message_is_the_forced_prefix():
+    strict = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message must come first') }}{% endif %}"
+              + R1_TEMPLATE)
+    data = SimpleNamespace(system_prompt=None, assistant_prefix="<think>", chat_template_kwargs={})
+    assert rollout.reply_prefix(make_tokenizer(strict), data) == "<think>"

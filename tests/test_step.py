@@ -142,15 +142,15 @@ def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(tmp
                                                                               forced, expected):
     seen = set()
 
-    def reward(completion, sample, assistant_prefix=""):
-        seen.add(assistant_prefix)
+    def reward(completion, sample, assistant_prefix="", forced_prefix=None):
+        seen.add((assistant_prefix, forced_prefix))  # forced_prefix: ratings.py's queue, which exports replies
         return 0.0
     monkeypatch.setitem(rewards.REGISTRY, "test_prefix", (reward, False))
     r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_prefix}]", f"--data.assistant_prefix={forced}")
     if opens:  # DeepSeek-R1's template ends its generation prompt inside a think block
         r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'", "assistant\n<think>\n'")
     step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1], r.judges)
-    assert seen == {expected}
+    assert seen == {(expected, forced)}
 
 
 def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_llama, monkeypatch):
