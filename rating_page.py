@@ -26,6 +26,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import jsonl
 from ratings import Store, say, store_for
 
 PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>minigrpo ratings</title>{refresh}
@@ -60,6 +61,20 @@ def render_page(store: Store, token: str, error: str | None = None) -> str:
     return PAGE.format(refresh="", counts=counts, body=body)
 
 
+def page_token(dir: str | Path) -> str:
+    """The form token, kept in the folder (page_token, written atomically): a page still open in a
+    browser when the server restarts (after a kill, say) saves its ratings, not a 403."""
+    path = Path(dir) / "page_token"
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):  # none yet, or unreadable: a new one
+        token = ""
+    if len(token) < 16 or not token.replace("-", "").replace("_", "").isalnum():
+        token = secrets.token_urlsafe(16)
+        jsonl.write_atomic(path, token + "\n")
+    return token
+
+
 def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
     """The rating page on (host, port); port 0 picks a free one (server.server_port).
 
@@ -67,7 +82,7 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
     it answers only requests addressed to localhost (no DNS rebinding onto /export), and a form is
     saved only with the token of the page that showed it (no rating posted from another site)."""
     store = store_for(dir)
-    token = secrets.token_urlsafe(16)
+    token = ""  # page_token(dir), once the address is bound: a bad --port or --host leaves no folder behind
     loopback = host in ("127.0.0.1", "localhost", "::1")
 
     class Handler(BaseHTTPRequestHandler):
@@ -157,4 +172,6 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
             if self.command == "POST":
                 say(f"{self.address_string()} {fmt % args}")
 
-    return ThreadingHTTPServer((host, port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
+    token = page_token(dir)
+    return server

@@ -17,6 +17,8 @@ lost to a kill (a line torn by one is skipped, and the next write starts a fresh
                     (and "messages", a chat prompt as it was, when the prompt shown is its text)
     ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
 
+and `page_token`, the page's form token, kept so that a page open across a server restart saves.
+
 An item's id hashes (prompt, completion, scale), so a completion that repeats (within a group, or
 across steps and runs) is rated once and old ratings answer new runs. The page shows a prompt's
 completions together (GRPO learns from how they compare), the newest batch first: the one the

@@ -201,6 +201,26 @@ def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_
                                                                "reward": 0.625})  # ((4-1)/4 + (3-1)/4) / 2
 
 
+def test_a_page_open_across_a_server_restart_still_saves_its_form(tmp_path):
+    """The token lives in the folder: a server killed and started again (helper-43's kill tests lost
+    every open form to a 403) takes the forms of the pages it showed before."""
+    ratings._STORES.clear()
+    folder = tmp_path / "ratings"
+    queue(folder, "a", 1, "p", "x")
+    tokens = []
+    for _ in range(2):
+        server = make_server(folder, port=0)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}"
+        tokens.append(shown(get(url + "/"))[2])
+        if len(tokens) == 2:  # the form of the page the first server showed
+            assert post(url, form(["a"], [{"relevance": "4", "clarity": "3"}], tokens[0])) == 303
+        server.shutdown()
+        server.server_close()
+    assert tokens[0] == tokens[1] and len(tokens[0]) >= 16
+    assert [json.loads(ln)["id"] for ln in (folder / "ratings.jsonl").read_text().splitlines()] == ["a"]
+
+
 def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
     url, _ = page
     port = int(url.rsplit(":", 1)[1])
