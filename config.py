@@ -309,6 +309,9 @@ def _check(cfg: Config) -> None:
                           "(set rollout.prompts_per_generate: 0, or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
     if cfg.rollout.compile and cfg.rollout.engine != "hf":
         raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling (set rollout.compile: false)")
+    if cfg.rollout.compile and cfg.model.quant:  # transformers' bitsandbytes quantizer is not is_compileable
+        raise ConfigError("rollout.compile: transformers does not compile generate over a 4-bit (bitsandbytes) model, so "
+                          "only the static cache's padding would remain; set rollout.compile: false")
     if not 0 <= cfg.grpo.top_entropy_quantile <= 1:
         raise ConfigError(f"grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {cfg.grpo.top_entropy_quantile}")
     if cfg.grpo.top_entropy_quantile < 1 and cfg.rollout.engine != "hf":

@@ -116,7 +116,7 @@ def pair_metrics(loss, r_w, r_l, pi) -> dict:
 
 def dpo_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
-    from step import optimizer_step, peak_memory_mb, source_shares
+    from step import norm_metrics, optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -138,7 +138,7 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     loss, r_w, r_l = pairs_loss(cfg, pi, ref, lengths)
     grad_norm, lr = optimizer_step(r)
     return pair_metrics(loss, r_w, r_l, pi) | {
-        "tokens": float(batch.completion_mask.sum()), "learning_rate": lr, "grad_norm": grad_norm,
+        "tokens": float(batch.completion_mask.sum()), "learning_rate": lr, **norm_metrics([grad_norm]),
         "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
         "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 

@@ -162,6 +162,8 @@ def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: b
             raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; on this machine set model.quant: null")
         if full_precision_weights:
             raise ConfigError("model.quant=4bit trains through LoRA only; set lora.enabled: true")
+        if importlib.util.find_spec("bitsandbytes") is None:  # else an ImportError deep in from_pretrained
+            raise ConfigError("model.quant=4bit needs the bitsandbytes package: pip install bitsandbytes")
         from transformers import BitsAndBytesConfig
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from grpo import completion_mask
 from logprobs import position_ids, prompt_cache
+from typed_config import ConfigError
 
 @dataclass
 class Rollout:
@@ -64,6 +65,15 @@ def prefix_to_add(rendered: str, prefix: str) -> str:
     """The forced prefix still to write after a rendered prompt: none when the template wrote it
     already (a whitespace-only one is always written: any template could end with it by chance)."""
     return "" if prefix.strip() and rendered.endswith(prefix) else prefix
+
+
+class NonFiniteLogits(ConfigError):
+    """Sampling met NaN or inf logits: a setting to change, not a step to retry."""
+
+
+NON_FINITE = ("sampling met NaN or inf logits: in float16 some models overflow (Qwen2 and Qwen2.5 among them), so "
+              "set model.dtype: float32, or bfloat16 where the GPU has it (not a T4); if the loss or grad_norm of "
+              "the steps before went non-finite, the run diverged: lower optim.lr")
 
 
 _PROBE = "minigrpo probe 7f3a"  # a user message that no template rewrites
@@ -179,12 +189,17 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     else:
         rows = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, num_return_sequences=num_generations)
     meter = EntropyMeter(temperature) if entropy and temperature > 0 else None
-    out = model.generate(
-        **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
-        logits_processor=[meter] if meter else None,
-        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-        cache_implementation="static" if static_cache else None,
-        stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+    try:
+        out = model.generate(
+            **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
+            logits_processor=[meter] if meter else None,
+            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+            cache_implementation="static" if static_cache else None,
+            stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
+    except RuntimeError as e:  # torch.multinomial on NaN or inf probabilities; on CUDA, its device-side assert
+        if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
+            raise
+        raise NonFiniteLogits(NON_FINITE) from None
     model.train(was_training)
     P = enc.input_ids.shape[1]
     completion_ids = out[:, P:]  # (N, C)

@@ -41,7 +41,7 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
 
 def sft_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
-    from step import micro_batch_log_probs, micro_batches, optimizer_step, peak_memory_mb, source_shares
+    from step import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -59,7 +59,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
         (r.scaler.scale(loss) if r.scaler else loss).backward()
         total += float(loss.detach())
     grad_norm, lr = optimizer_step(r)
-    return {"loss": total, "tokens": tokens, "learning_rate": lr, "grad_norm": grad_norm,
+    return {"loss": total, "tokens": tokens, "learning_rate": lr, **norm_metrics([grad_norm]),
             "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
             "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 

@@ -260,8 +260,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         minis.append((mbs, grpo.LossNorm(g.loss_type, max(int((~skipped[rows]).sum()), 1), int(mask[rows].sum()),
                                          cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
     ids, attn = batch.input_ids, batch.attention_mask
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "clip_delta_sum",
-                          "grad_norm"), 0.0)
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "clip_delta_sum"), 0.0)
+    norms = []  # each update's gradient norm
     sampler = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
     for it in range(g.num_iterations):
@@ -283,7 +283,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                 for key, v in stats.items():
                     sums[key] += v
             gn, lr = optimizer_step(r)
-            sums["grad_norm"] += gn
+            norms.append(gn)
     if r.engine:
         r.phase = "syncing the weights to vLLM"
         r.engine.sync(model)  # the next rollout samples from the updated policy
@@ -296,7 +296,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             tis |= {"tis/weight_mean": sampler["weight"] / units, "tis/capped_frac": sampler["capped"] / units}
     if g.delta:  # tokens with A < 0 whose ratio passed delta (two-sided clip)
         tis["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | source_metrics(r, drawn) | tis | {
+    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
@@ -329,9 +329,22 @@ def optimizer_step(r: Run) -> tuple[float, float]:
     return grad_norm, lr
 
 
+def norm_metrics(norms: list[float]) -> dict:
+    """grad_norm: the mean over the step's updates that were applied; skipped_updates: how many had a
+    non-finite gradient (fp16's GradScaler skips those as it finds its scale; see optimizer_step), only
+    when some did. A step with no update applied logs no grad_norm (not inf or NaN, which JSON lacks).
+
+    >>> norm_metrics([1.0, 3.0]), norm_metrics([2.0, float("inf")]), norm_metrics([float("nan")])
+    ({'grad_norm': 2.0}, {'grad_norm': 2.0, 'skipped_updates': 1}, {'skipped_updates': 1})
+    """
+    applied = [n for n in norms if math.isfinite(n)]
+    skipped = len(norms) - len(applied)
+    return ({"grad_norm": sum(applied) / len(applied)} if applied else {}) | ({"skipped_updates": skipped} if skipped else {})
+
+
 def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float) -> dict:
     """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens;
-    loss and grad_norm the means over the step's optimizer updates.
+    loss the mean over the step's optimizer updates (grad_norm: norm_metrics).
     reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
     tokens of their sampling distributions' entropy (HF generate only)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
@@ -348,7 +361,7 @@ def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: 
         "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
         "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()), "grad_norm": sums["grad_norm"] / updates,
+        "completions/clipped_ratio": float(truncated.float().mean()),
         **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),
     }
 

@@ -286,7 +286,8 @@ def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: st
                 else f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
                 "" if m.gradient_checkpointing else "model.gradient_checkpointing: true",
                 "" if g.fused_lm_head or cfg.mode != "grpo" else "grpo.fused_lm_head: true",
-                "" if m.quant == "4bit" else "model.quant: 4bit (QLoRA)"]
+                "" if m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf" or ro.merged_sampling
+                else "model.quant: 4bit (QLoRA)"]  # refused with those (config.py, vllm_engine.py)
     if ro.engine == "vllm" and phase in ("sampling", "syncing the weights to vLLM"):
         tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: vLLM's share; the trainer "
                 "gets the rest)", f"rollout.max_new_tokens (now {ro.max_new_tokens})"]
@@ -400,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                 metrics, shown = step_fn(r)
                 if r.eval_rows and step % cfg.run.eval_every == 0:
                     metrics |= held_out_metrics(r)
-            except (JudgeUnusable, torch.OutOfMemoryError) as e:  # a refused key, a wrong model name, settings too
-                # big for the GPU: no later step would do better
+            except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:  # a refused key, a wrong
+                # model name, settings too big for the GPU, float16 overflowing: no later step would do better
                 what = out_of_memory(cfg, r.phase, r.device, args.config, e) if isinstance(e, torch.OutOfMemoryError) else str(e)
                 if tracker:
                     tracker.finish()

@@ -51,10 +51,16 @@ def main() -> int:
     out = Path(load_config(args[i + 1], args[:i] + args[i + 2:]).run.out_dir)
     print(f"[memory_cap] {torch.cuda.get_device_name(0)}, {total / 2**30:.1f} GiB; cap {a.budget_gb} GiB "
           f"(fraction {fraction:.3f}); train.py {' '.join(args)}", flush=True)
+    ran_out, explain = [], train.out_of_memory  # train.main reports a step's OOM itself (one line, exit 2)
+    train.out_of_memory = lambda *x, **k: ran_out.append(True) or explain(*x, **k)
     try:
         rc = train.main(args)
-    except torch.OutOfMemoryError as e:
+    except torch.OutOfMemoryError as e:  # while loading, before the steps
         print(f"[memory_cap] DOES NOT FIT in {a.budget_gb} GiB: {str(e).splitlines()[0]}")
+        return 1
+    if ran_out:
+        print(f"[memory_cap] DOES NOT FIT in {a.budget_gb} GiB: out of memory in a step (train.py's line above), "
+              f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         return 1
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()] if rc == 0 else []
     for m in steps:

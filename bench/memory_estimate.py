@@ -39,6 +39,7 @@ import contextlib
 import sys
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,7 +82,11 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def build(mcfg: "ModelConfig", lora: "LoraConfig", tokenizer: str | None = None):
+if TYPE_CHECKING:
+    from config import LoraConfig, ModelConfig
+
+
+def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
     """(model, config) as train.py trains it (model.load_policy: LoRA in fp32 on the GPU dtype), on
     the CPU, with no 4-bit quantization and no checkpointing (micro_batch_peak sets that per trace):
     a `random:` model.name is a shape written once by bench/vs_trl.py's model_dir."""

@@ -2,6 +2,7 @@
 QLoRA through bitsandbytes, and a reward model in bf16. Each test skips cleanly where there is no CUDA GPU (CI, CPUs);
 the lent GPU machine runs them with `pytest -q tests/test_gpu.py` (bench/RESULTS.md, "GPU")."""
 import json
+import math
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def test_bf16_training_run_on_cuda(tmp_path, tiny_llama):
     out = tmp_path / "run"
     assert train.main(["--config", str(run_config(tmp_path, tiny_llama)), f"--run.out_dir={out}"]) == 0
     ms = metrics(out)
-    assert len(ms) == 2 and all(m["peak_memory_mb"] > 0 and m["grad_norm"] == m["grad_norm"] for m in ms)
+    assert len(ms) == 2 and all(m["peak_memory_mb"] > 0 and math.isfinite(m.get("grad_norm", 0.0)) for m in ms)
     assert any(out.rglob("adapter_model.safetensors"))
 
 
@@ -70,7 +71,7 @@ def test_qlora_4bit_trains_on_cuda(tmp_path, tiny_llama):
                      optim={"micro_batch_size": 2})
     assert train.main(["--config", str(cfg), f"--run.out_dir={out}"]) == 0
     ms = metrics(out)
-    assert len(ms) == 2 and all(m["grad_norm"] == m["grad_norm"] for m in ms)
+    assert len(ms) == 2 and all(math.isfinite(m.get("grad_norm", 0.0)) for m in ms)
 
 
 @pytest.mark.parametrize("model", [{"dtype": "bfloat16"}, {"quant": "4bit", "dtype": "float16", "gradient_checkpointing": True}],
@@ -88,7 +89,7 @@ def test_dpo_starts_at_log2_and_trains_on_cuda(tmp_path, tiny_llama, model):
                      "rejected": "rejected", "answer_key": None}, dpo={"batch_size": 4}, optim={"micro_batch_size": 2})
     assert train.main(["--config", str(cfg), "--mode=dpo", "--run.steps=3", f"--run.out_dir={out}"]) == 0
     ms = metrics(out)
-    assert ms[0]["loss"] == pytest.approx(0.6931, abs=2e-3) and all(m["grad_norm"] == m["grad_norm"] for m in ms)
+    assert ms[0]["loss"] == pytest.approx(0.6931, abs=2e-3) and all(math.isfinite(m.get("grad_norm", 0.0)) for m in ms)
     assert ms[-1]["peak_memory_mb"] > 0
 
 

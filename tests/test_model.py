@@ -87,3 +87,13 @@ def test_a_template_that_needs_a_system_message_still_loads(tiny_llama):
     strict = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('The first message must be the system message') }}"
               "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     load_policy(ModelConfig(name=str(tiny_llama), chat_template=strict), LoraConfig(r=4, alpha=8), torch.device("cpu"))
+
+
+def test_4bit_without_bitsandbytes_is_one_line_before_any_weights_load(tiny_llama, monkeypatch):
+    """On a GPU machine without bitsandbytes, transformers would fail deep inside from_pretrained."""
+    import model as model_module
+    from config import ConfigError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError, match="needs the bitsandbytes package: pip install bitsandbytes"):
+        model_module.load_base(ModelConfig(name=str(tiny_llama), quant="4bit", dtype="float16"), torch.device("cuda"))

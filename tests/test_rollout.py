@@ -309,3 +309,13 @@ def test_reply_prefix_of_a_template_that_wants_the_rows_own_system_message_is_th
               + R1_TEMPLATE)
     data = SimpleNamespace(system_prompt=None, assistant_prefix="<think>", chat_template_kwargs={})
     assert rollout.reply_prefix(make_tokenizer(strict), data) == "<think>"
+
+
+def test_nan_logits_stop_sampling_with_what_to_change(tiny_llama):
+    """A float16 overflow (Qwen2.5 on a T4) makes NaN logits; torch.multinomial then fails with a message
+    about probability tensors (a device-side assert on CUDA): one line naming model.dtype instead."""
+    model, tok = load(tiny_llama)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(rollout.NonFiniteLogits, match="set model.dtype: float32"):
+        rollout.generate_rollout(model, tok, [rollout.render_prompt(tok, "hi")], 2, max_new_tokens=3)

@@ -266,6 +266,20 @@ def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_ll
     assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)  # a random model: near log(vocab) at temperature 1.5
 
 
+def test_a_skipped_update_is_counted_and_left_out_of_grad_norm(tmp_path, tiny_llama, monkeypatch):
+    """fp16's GradScaler skips updates with an inf or NaN gradient while it finds its scale: the step's
+    grad_norm is the mean of the applied ones, skipped_updates counts the rest, and the metrics line
+    stays JSON (no Infinity, no NaN)."""
+    given = iter([float("inf"), 2.0, float("nan"), float("nan")])
+    monkeypatch.setattr(step, "optimizer_step", lambda r: (next(given), 1e-5))
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_mini_batches=2")
+    m, _ = step.train_step(r)
+    assert m["grad_norm"] == 2.0 and m["skipped_updates"] == 1
+    m, _ = step.train_step(r)
+    assert "grad_norm" not in m and m["skipped_updates"] == 2
+    json.dumps(m, allow_nan=False)
+
+
 def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update(tmp_path, tiny_llama, monkeypatch):
     """grpo.num_mini_batches: k = 2 takes two optimizer steps per pass, each on half the groups with
     its loss normalised over that half: with lr 0 and loss_type grpo the two gradients average to the

@@ -12,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import rollout
 import step
 import train
 
@@ -154,10 +155,11 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--lora.target_modules=q_proj", "write a list: [q_proj]"),
     ("--run.out_dir=", "run.out_dir is empty"),  # else the run would be written into the current directory
     ("--run.out_dir=/dev/null/run", "/dev/null is a file, not a folder"),
+    (("--rollout.compile=true", "--model.quant=4bit"), "does not compile generate over a 4-bit"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, override, message):
     cfg, run = setup
-    assert train.main(["--config", str(cfg), override]) == 2
+    assert train.main(["--config", str(cfg), *([override] if isinstance(override, str) else override)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("error: ")
     assert not run.exists()
@@ -253,6 +255,14 @@ def test_out_of_memory_advice_fits_the_mode_and_the_engine(overrides, phase, fir
         assert "gradient_checkpointing" not in line and "micro_batch_size" not in line
 
 
+@pytest.mark.parametrize("overrides, offered", [([], True), (["--lora.enabled=false"], False),
+                                                (["--rollout.merged_sampling=true"], False), (["--model.quant=4bit"], False)])
+def test_out_of_memory_offers_4bit_only_where_the_config_would_take_it(overrides, offered):
+    from config import load_config
+    line = train.out_of_memory(load_config(None, ["--rewards=[{name: answer_match}]", *overrides]), "training", torch.device("cpu"))
+    assert ("model.quant: 4bit" in line) == offered
+
+
 def test_a_run_stopped_before_any_checkpoint_leaves_nothing_and_the_same_command_runs_again(setup, capsys, monkeypatch):
     cfg, run = setup
     real = step.collect
@@ -264,6 +274,21 @@ def test_a_run_stopped_before_any_checkpoint_leaves_nothing_and_the_same_command
     assert "nothing of the run was kept" in capsys.readouterr().err.strip().splitlines()[-1] and not run.exists()
     monkeypatch.setattr(step, "collect", real)
     assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
+
+
+def test_nan_logits_in_sampling_stop_the_run_with_one_line_and_a_checkpoint_to_resume(setup, capsys, monkeypatch):
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
+    real = rollout.generate_rollout
+
+    def overflowing(model, *a, **k):  # float16 overflow from here on: NaN logits (rollout's test makes real ones)
+        with torch.no_grad():
+            model.get_output_embeddings().weight[0, 0] = float("nan")
+        return real(model, *a, **k)
+    monkeypatch.setattr(rollout, "generate_rollout", overflowing)
+    assert train.main(["--config", str(cfg), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: sampling met NaN or inf logits" in err and "model.dtype: float32" in err and "--resume" in err
 
 
 def test_a_stop_before_any_checkpoint_keeps_what_it_did_not_make(setup, capsys, monkeypatch, tmp_path):
