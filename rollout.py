@@ -20,6 +20,7 @@ from grpo import completion_mask
 from logprobs import position_ids, prompt_cache
 from typed_config import ConfigError
 
+
 @dataclass
 class Rollout:
     """B x G sampled completions; rows i*G .. i*G+G-1 share prompt i."""
