@@ -31,7 +31,6 @@ import vllm_engine
 from config import Config
 from data import PromptSampler
 from client import Judge
-from judge import judges_stats
 from model import merged_for_sampling, mixed_precision, reference_mode
 from scoring import RewardResult, compute_rewards, in_background, join_results, reward_context, reward_means
 
@@ -299,7 +298,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        "peak_memory_mb": peak_memory_mb(device), **judges_stats(r.judges)}
+        "peak_memory_mb": peak_memory_mb(device)}  # judge_*: train.py adds them, the held-out scoring's calls counted
     shown = [{"prompt": s["prompt"], "completion": t, "reward": None if r.isnan() else float(r), "advantage": float(a)}
              for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
@@ -357,9 +356,9 @@ def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: 
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
         "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        "kl": sums["kl_sum"] / tok, "ratio_mean": sums["ratio_sum"] / tok,
-        "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
-        "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok,
+        **({"kl": sums["kl_sum"] / tok, "ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
+            "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
+            "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok} if sums["tokens"] else {}),
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
         "completions/clipped_ratio": float(truncated.float().mean()),
         **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),

@@ -42,6 +42,7 @@ from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, re
                    trainable_parameters)
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from client import Judge, JudgeUnusable
+from judge import judges_stats
 from scoring import check_rows, open_rewards, open_scoring
 from step import train_step
 
@@ -401,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics, shown = step_fn(r)
                 if r.eval_rows and step % cfg.run.eval_every == 0:
                     metrics |= held_out_metrics(r)
+                metrics |= judges_stats(r.judges)  # the step's judge calls, the held-out scoring's included (any mode)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:  # a refused key, a wrong
                 # model name, settings too big for the GPU, float16 overflowing: no later step would do better
                 what = out_of_memory(cfg, r.phase, r.device, args.config, e) if isinstance(e, torch.OutOfMemoryError) else str(e)

@@ -400,6 +400,24 @@ def test_the_judges_run_totals_go_on_across_a_resume(setup):
         assert m[0][key] > 0 and m[-1][f"{key}_total"] == pytest.approx(sum(x[key] for x in m)), key
 
 
+@pytest.mark.parametrize("mode", ["grpo", "sft"])
+def test_the_judge_counters_count_the_held_out_scoring_in_its_step(setup, mode):
+    """judge_* are per step, eval_every's held-out scoring included, in every mode; the last step's
+    _total is every request the server saw (helper-46: they landed a step late, and never in SFT)."""
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        assert train.main(["--config", str(cfg), f"--mode={mode}", "--data.target=answer",
+                           f"--judge={{base_url: '{server.url}', model: fake-judge}}",
+                           "--rewards=[{name: judge, args: {template: 'Rate {completion}', criteria: []}}]",
+                           "--data.select=[0,8]", "--eval.select=[8,11]", "--run.eval_every=1",
+                           "--eval.max_new_tokens=4"]) == 0
+        sent = len(server.requests)
+    m = lines(run / "metrics.jsonl")
+    assert [x["eval/n"] for x in m] == [3, 3] and sum(x["judge_requests"] for x in m) == sent
+    assert m[-1]["judge_requests_total"] == sent > 0
+
+
 def test_a_judge_refusing_the_key_stops_the_run_with_one_line_and_keeps_its_checkpoints(setup, capsys):
     from fake_openai_server import FakeOpenAIServer, ok, server_error
     cfg, run = setup
