@@ -2,8 +2,9 @@
 sampling / RAFT: sample n, keep the best, fine-tune on it), and its best against its worst as
 preference pairs (TRL's prompt / chosen / rejected, for DPO).
 
-    python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8
-    python bestofn.py runs/eval/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
+    python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8 \
+        --eval.select=[0,1000] --eval.out_dir=runs/samples   # training rows: held-out ones would leak into training
+    python bestofn.py runs/samples/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
     python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft

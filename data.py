@@ -46,7 +46,8 @@ class DataError(ConfigError):
 
 def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) -> list[dict]:
     """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand) in a
-    seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint.
+    seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint as problems;
+    a + b and b + a are two problems (of the quickstart's 100 held out, 73 have their swap in training).
 
     >>> arithmetic_task(2, seed=0)[0]["prompt"]
     'What is 8 + 11? Reply with just the number.'

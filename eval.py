@@ -45,7 +45,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,9 +54,11 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 import jsonl
+import overlap
 import rollout
 from client import Judge, JudgeConfig, JudgeUnusable
-from config import Config, ConfigError, EvalConfig, ModelConfig, config_to_dict, data_label, load_config, redacted
+from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture, config_to_dict, data_label, load_config,
+                    redacted)
 from typed_config import check_writable
 from data import Source, check_not_data_file, load_sources
 from entries import ModelEntry, parse_model_entries, trained_on_held_out
@@ -244,6 +246,7 @@ class Plan:
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base model's tokenizer, counts API completion tokens (None without api entries)
+    trained_on: dict[str, int] = field(default_factory=dict)  # entry name -> held-out rows its runs trained on (overlap.py)
 
 
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
@@ -269,13 +272,22 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             api[e.name] = Judge(section, label=f"{key} ({section.model})")
         except ValueError as err:
             raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
-    if cfg.data.select is None and not cfg.eval.name:
-        print("[eval] warning: data.select is not set, so training may have used these rows too", file=sys.stderr)
-    for e in entries:
-        if e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):
-            print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
     sources = held_out_sources(cfg)
-    check_rows(cfg.rewards, [row for s in sources for row in s.rows], "held-out")
+    rows = [row for s in sources for row in s.rows]
+    trained_on = {}  # entry name -> how many held-out rows its runs trained on
+    for e in entries:
+        if e.kind in ("adapter", "full") and (seen := overlap.recorded_for(e.target)) is not None:  # by content
+            if k := overlap.count(rows, seen):
+                trained_on[e.name] = k
+                print(f"[eval] warning: {e.name} was trained on {k} of the {len(rows)} held-out prompts (the same text, "
+                      f"{overlap.recorded_file(e.target)}): its numbers on them overstate what it learned", file=sys.stderr)
+        elif e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):  # another tool's: by config
+            print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
+    unknown = [e.name for e in entries if e.kind in ("adapter", "full") and overlap.recorded_for(e.target) is None]
+    if unknown and cfg.data.select is None and not (cfg.eval.name or cfg.eval.split or active_mixture(cfg.data)[1]):
+        print(f"[eval] warning: data.select is not set, so the training of {', '.join(unknown)} may have used these "
+              "rows too", file=sys.stderr)
+    check_rows(cfg.rewards, rows, "held-out")
     for col in cfg.eval.keep_columns:
         if missing := [s for s in sources if col not in s.rows[0]]:
             raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column {col!r}; "
@@ -284,8 +296,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     open_rewards(cfg.rewards)  # a reward model loads last, once everything cheaper is checked
-    return Plan(cfg, entries, [row for s in sources for row in s.rows], where, pick_device(cfg.run.device), judges, api,
-                tokenizer)
+    return Plan(cfg, entries, rows, where, pick_device(cfg.run.device), judges, api, tokenizer, trained_on)
 
 
 def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
@@ -335,6 +346,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
             print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics leave out "
                   f"the {left} prompt(s) they belong to (see the warnings above for why)", file=sys.stderr)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
+    if entry.name in plan.trained_on:  # in results.json and the table, not only in a warning
+        metrics["trained_on_held_out"] = plan.trained_on[entry.name]
     metrics["seconds"] = round(time.time() - t0, 2)
     keys = list(res.per_reward)
     kept = lambda s: {"columns": {k: s.get(k) for k in cfg.eval.keep_columns}} if cfg.eval.keep_columns else {}  # noqa: E731

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+import overlap
 import rollout
 from config import Config, ConfigError, data_label, load_config
 from typed_config import check_writable
@@ -253,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         readable_by_older_transformers(tmp)
+        if seen := overlap.recorded_file(adapter):  # eval.py finds held-out rows the merged model trained on
+            shutil.copy(seen, tmp / overlap.FILE)
         (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov, args.dtype))
         if reference is not None:
             print(verify(tmp, reference, args.verify, train_cfg.data.system_prompt))

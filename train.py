@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 import jsonl
+import overlap
 import rollout
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
@@ -198,6 +199,11 @@ def setup(args, overrides: list[str]) -> Run:
         eval_rows = ev.held_out_rows(cfg)
         if cfg.rewards:
             check_rows(cfg.rewards, eval_rows, "held-out")
+        seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model.init_adapter)
+        if k := overlap.count(eval_rows, seen):
+            print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt of a row this run (or "
+                  "the run of its model.init_adapter) trains on: eval/* will overstate what it learned; check data.select, "
+                  "eval.select, split_seed and duplicates in the data", file=sys.stderr)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     if cfg.mode == "grpo" or eval_rows:
@@ -381,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     created = not run_dir.exists()  # a run stopped before its first checkpoint removes only what it made
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    overlap.record(run_dir, r.rows, cfg.model.init_adapter)  # what eval.py finds held-out rows among
     metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
     for p in (metrics_path, samples_path):
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.resume:  # its files were there before this command: left as they were
                     print(f"error: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
                     return 2
-                for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):  # this run's (the folder held no run):
+                for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):  # this run's (the folder held no run):
                     (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
                 with contextlib.suppress(OSError):
                     if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):

@@ -1,0 +1,70 @@
+"""Held-out rows a model was trained on, found by content: each run records a hash of every prompt
+it trains on, with those its model.init_adapter's run recorded, and eval.py (and train.py, for
+run.eval_every) counts the held-out rows among them, whatever the configs' selects, seeds and
+file names say.
+
+    record(run_dir, rows, cfg.model.init_adapter)   # train.py: run_dir/trained_prompts.txt
+    seen = recorded_for(Path("runs/sft/checkpoints/step_000100/adapter"))   # its run's hashes, or None
+    count(held_out_rows, seen)                       # how many held-out rows have a prompt in it
+
+A prompt is its text (a conversation: its messages as JSON) with runs of whitespace as one space.
+The file is written atomically, and a resumed run adds to it (a changed data.select trains on both).
+export.py copies it next to a merged model. Models from other tools have none: eval.py then
+compares configs instead (entries.trained_on_held_out).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jsonl
+
+FILE = "trained_prompts.txt"
+
+
+def prompt_hash(row: dict) -> str:
+    """16 hex digits of the row's prompt, whitespace evened out.
+
+    >>> prompt_hash({"prompt": "What is 2 + 3?"}) == prompt_hash({"prompt": " What is  2 + 3?\\n"})
+    True
+    """
+    p = row["prompt"]
+    text = p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(" ".join(text.split()).encode()).hexdigest()[:16]
+
+
+def recorded_file(path: str | Path) -> Path | None:
+    """The trained_prompts.txt of the run (or export) that made `path`: a run directory, a checkpoint,
+    its adapter/ or model/, or an export's directory; None when there is none."""
+    p = Path(path).expanduser().absolute()
+    for d in [p, *list(p.parents)[:3]]:  # run/checkpoints/step_N/adapter -> run
+        if (d / FILE).is_file():
+            return d / FILE
+    return None
+
+
+def recorded_for(path: str | Path) -> set[str] | None:
+    f = recorded_file(path)
+    return set(f.read_text(encoding="utf-8").split()) if f else None
+
+
+def seen_before(init_adapter: str | None) -> set[str]:
+    """What the run behind a local model.init_adapter recorded (its own init adapter's included)."""
+    if not init_adapter or not Path(init_adapter).expanduser().exists():
+        return set()
+    return recorded_for(init_adapter) or set()
+
+
+def record(run_dir: Path, rows: list[dict], init_adapter: str | None = None) -> set[str]:
+    """Write run_dir/trained_prompts.txt: these rows' prompts, the init adapter's run's, and those
+    already there (--resume) -> the set written."""
+    f = Path(run_dir) / FILE
+    hashes = {prompt_hash(r) for r in rows} | seen_before(init_adapter) | (recorded_for(run_dir) if f.is_file() else set())
+    jsonl.write_atomic(f, "".join(h + "\n" for h in sorted(hashes)))
+    return hashes
+
+
+def count(rows: list[dict], seen: set[str]) -> int:
+    """How many of rows have a prompt in seen."""
+    return sum(prompt_hash(r) in seen for r in rows)
