@@ -339,11 +339,15 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"data.split={cfg.data.split!r} picks a split of a hub dataset; data.name={cfg.data.name} has none: "
                           "drop data.split (or give the file of that split as data.name)")
     eval_key, eval_name = ("eval.name", cfg.eval.name) if cfg.eval.name else ("data.name", cfg.data.name)
-    if cfg.eval.split is not None and is_local_data(eval_name) and (mix is None or cfg.eval.name):
-        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; {eval_key}={eval_name} has none: "
+    local = [s.name for s in mix if is_local_data(s.name)] if mix is not None and not cfg.eval.name else \
+        [eval_name] if is_local_data(eval_name) else []
+    if cfg.eval.split is not None and local:  # else silently ignored: the held-out rows would be training rows
+        where = f"{mix_key} source {local[0]}" if mix is not None and not cfg.eval.name else f"{eval_key}={local[0]}"
+        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; {where} has none: "
                           "hold rows out with eval.select instead")
-    # another split of one hub dataset, or another file, holds other rows; a mixture's sources keep the check
-    same_split = (cfg.eval.split in (None, cfg.data.split) or mix is not None) and not cfg.eval.name
+    # another split of a hub dataset, or another file, holds other rows: only the same split's ranges can overlap
+    same_split = not cfg.eval.name and (cfg.eval.split is None or cfg.eval.split in
+                                        ([cfg.data.split] if mix is None else [s.split for s in mix]))
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
             raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")

@@ -183,6 +183,14 @@ def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
     assert load_config(write(tmp_path, text), ["--eval.split=test"]).eval.split == "test"
     with pytest.raises(ConfigError, match="data.name=rows.jsonl has none"):  # a local file has no splits
         load_config(write(tmp_path, text), ["--eval.split=test", "--data.name=rows.jsonl"])
+    # a mixture: hub sources' test split holds other rows; a local source would give its training rows again
+    mix = MINIMAL + ("data: {mixture: [{name: openai/gsm8k, select: [0, 100]}, {name: %s, select: [0, 100]}]}\n"
+                     "eval: {select: [0, 50]}\n")
+    with pytest.raises(ConfigError, match="overlap"):
+        load_config(write(tmp_path, mix % "cais/mmlu"))
+    assert load_config(write(tmp_path, mix % "cais/mmlu"), ["--eval.split=test"]).eval.split == "test"
+    with pytest.raises(ConfigError, match="data.mixture source rows.jsonl has none"):
+        load_config(write(tmp_path, mix % "rows.jsonl"), ["--eval.split=test"])
 
 
 def test_named_judges_are_typed_sections_with_their_own_names_and_caches(tmp_path):
