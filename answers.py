@@ -89,6 +89,7 @@ def latex_numbers(text: str) -> str:
 
 _HASHES = re.compile(r"(?<!#)####(?!#)([^\n]*)")
 _HEADING = re.compile(r"\s*[A-Za-z]{2,}")  # "#### Step 2: add", "#### Final Answer" with text below: Markdown, not a marker
+_ANSWER_LINE = re.compile(r"\s*(?:final\s+)?answer\b\W*\S", re.I)  # "#### Answer: 72" is one, text below or not
 
 
 def marked(text: str) -> str | None:
@@ -98,10 +99,11 @@ def marked(text: str) -> str | None:
 
     >>> marked("#### 72"), marked("#### Step 1: add\\n48 + 24 = 72\\n\\\\boxed{72}"), marked("#### Final answer\\n72")
     (' 72', '72', None)
-    >>> marked("so\\n#### Yes"), marked("#### no solution\\n")
-    (' Yes', ' no solution')
+    >>> marked("so\\n#### Yes"), marked("#### no solution\\n"), marked("#### Answer: 72\\nsince 8 * 9 = 72")
+    (' Yes', ' no solution', ' Answer: 72')
     """
-    hashes = [m.group(1) for m in _HASHES.finditer(text) if not (_HEADING.match(m.group(1)) and text[m.end():].strip())]
+    hashes = [m.group(1) for m in _HASHES.finditer(text)
+              if not (_HEADING.match(m.group(1)) and not _ANSWER_LINE.match(m.group(1)) and text[m.end():].strip())]
     close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
     open_at = text.rfind("<answer>", 0, max(close, 0))
     tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None

@@ -15,7 +15,8 @@ import re
 
 from answers import find_all
 
-PMID_PATTERN = r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*[:#=\-]?(?:[ \t]*|\s*(?=\d{5}))(\d+(?:[ \t]*\n?[ \t]*(?:[,;&]|\band\b)[ \t]*\n?[ \t]*\d{5,}(?!\d|[.\-]\d))*)"
+PMID_PATTERN = (r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*(?:[:#=\-][ \t]*)?(?:\n\s*(?=\d{5}))?"  # each run of blanks
+                r"(\d+(?:[ \t]*(?:\n[ \t]*)?(?:[,;&]|\band\b)[ \t]*(?:\n[ \t]*)?\d{5,}(?!\d|[.\-]\d))*)")  # one way: linear
 CITATION_SEPARATOR = r"\s*(?:[,;&]|\band\b)\s*"  # between the ids of one match's list
 
 

@@ -284,7 +284,8 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         elif e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):  # another tool's: by config
             print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
     unknown = [e.name for e in entries if e.kind in ("adapter", "full") and overlap.recorded_for(e.target) is None]
-    if unknown and cfg.data.select is None and not (cfg.eval.name or cfg.eval.split or active_mixture(cfg.data)[1]):
+    if unknown and cfg.data.select is None and cfg.eval.split in (None, cfg.data.split) and \
+            not (cfg.eval.name or active_mixture(cfg.data)[1]):
         print(f"[eval] warning: data.select is not set, so the training of {', '.join(unknown)} may have used these "
               "rows too", file=sys.stderr)
     check_rows(cfg.rewards, rows, "held-out")

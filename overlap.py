@@ -1,9 +1,10 @@
 """Held-out rows a model was trained on, found by content: each run records a hash of every prompt
-it trains on, with those its model.init_adapter's run recorded, and eval.py (and train.py, for
+it trains on, with those of the runs behind model.name (a merged export) and model.init_adapter,
+and eval.py (and train.py, for
 run.eval_every) counts the held-out rows among them, whatever the configs' selects, seeds and
 file names say.
 
-    record(run_dir, rows, cfg.model.init_adapter)   # train.py: run_dir/trained_prompts.txt
+    record(run_dir, rows, cfg.model, resumed)        # train.py, with its first checkpoint: run_dir/trained_prompts.txt
     seen = recorded_for(Path("runs/sft/checkpoints/step_000100/adapter"))   # its run's hashes, or None
     count(held_out_rows, seen)                       # how many held-out rows have a prompt in it
 
@@ -37,10 +38,11 @@ def prompt_hash(row: dict) -> str:
 def recorded_file(path: str | Path) -> Path | None:
     """The trained_prompts.txt of the run (or export) that made `path`: a run directory, a checkpoint,
     its adapter/ or model/, or an export's directory; None when there is none."""
-    p = Path(path).expanduser().absolute()
-    for d in [p, *list(p.parents)[:3]]:  # run/checkpoints/step_N/adapter -> run
-        if (d / FILE).is_file():
-            return d / FILE
+    p = Path(path).expanduser()
+    for q in dict.fromkeys([p.absolute(), p.resolve()]):  # a symlinked checkpoint: its own run too
+        for d in [q, *list(q.parents)[:3]]:  # run/checkpoints/step_N/adapter -> run
+            if (d / FILE).is_file():
+                return d / FILE
     return None
 
 
@@ -49,18 +51,31 @@ def recorded_for(path: str | Path) -> set[str] | None:
     return set(f.read_text(encoding="utf-8").split()) if f else None
 
 
-def seen_before(init_adapter: str | None) -> set[str]:
-    """What the run behind a local model.init_adapter recorded (its own init adapter's included)."""
-    if not init_adapter or not Path(init_adapter).expanduser().exists():
-        return set()
-    return recorded_for(init_adapter) or set()
+def seen_before(mcfg) -> set[str]:
+    """What the runs behind the model a run starts from recorded: model.name's (a merged export, in a
+    local directory or a hub repo in the local cache) and model.init_adapter's, chains included."""
+    seen = set()
+    for name in (mcfg.name, mcfg.init_adapter):
+        if name and Path(name).expanduser().exists():
+            seen |= recorded_for(name) or set()
+        elif name and name == mcfg.name and name.count("/") == 1:  # a hub repo: only if already downloaded
+            try:
+                from huggingface_hub import try_to_load_from_cache
+                f = try_to_load_from_cache(name, FILE, revision=mcfg.revision)
+            except Exception:  # an id the hub client refuses: nothing recorded
+                f = None
+            if isinstance(f, str):
+                seen |= set(Path(f).read_text(encoding="utf-8").split())
+    return seen
 
 
-def record(run_dir: Path, rows: list[dict], init_adapter: str | None = None) -> set[str]:
-    """Write run_dir/trained_prompts.txt: these rows' prompts, the init adapter's run's, and those
-    already there (--resume) -> the set written."""
+def record(run_dir: Path, rows: list[dict], mcfg, resumed: bool = False) -> set[str]:
+    """Write run_dir/trained_prompts.txt: these rows' prompts, those of the runs behind the model
+    (seen_before), and, resumed, those already there -> the set written. train.py writes it with a
+    run's first checkpoint of a process: what a checkpoint holds is what it trained on."""
     f = Path(run_dir) / FILE
-    hashes = {prompt_hash(r) for r in rows} | seen_before(init_adapter) | (recorded_for(run_dir) if f.is_file() else set())
+    hashes = {prompt_hash(r) for r in rows} | seen_before(mcfg) | ((recorded_for(run_dir) or set()) if resumed and f.is_file()
+                                                                  else set())
     jsonl.write_atomic(f, "".join(h + "\n" for h in sorted(hashes)))
     return hashes
 

@@ -69,7 +69,7 @@ def page_token(dir: str | Path) -> str:
         token = path.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):  # none yet, or unreadable: a new one
         token = ""
-    if len(token) < 16 or not token.replace("-", "").replace("_", "").isalnum():
+    if len(token) < 16 or not (token.isascii() and token.replace("-", "").replace("_", "").isalnum()):
         token = secrets.token_urlsafe(16)
         jsonl.write_atomic(path, token + "\n")
     return token

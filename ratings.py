@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.dir).is_dir():
             print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)
             return 2
-        if not any((Path(args.dir) / n).is_file() for n in (QUEUE, RATINGS)) and any(Path(args.dir).iterdir()):
+        if not any((Path(args.dir) / n).is_file() for n in (QUEUE, RATINGS)) and \
+                any(f.name not in ("page_token", "page_token.tmp") for f in Path(args.dir).iterdir()):
             print(f"error: {args.dir} holds no {QUEUE} or {RATINGS}: is it the human reward's args.dir?", file=sys.stderr)
             return 2  # an empty folder is one `serve` made before anything was queued: zero counts
         store = store_for(args.dir)

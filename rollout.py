@@ -72,7 +72,7 @@ class NonFiniteLogits(ConfigError):
     """Sampling met NaN or inf logits: a setting to change, not a step to retry."""
 
 
-NON_FINITE = ("sampling met NaN or inf logits: in float16 some models overflow (Qwen2 and Qwen2.5 among them), so "
+NON_FINITE = ("in float16 some models overflow (Qwen2 and Qwen2.5 among them), so "
               "set model.dtype: float32, or bfloat16 where the GPU has it (not a T4); if the loss or grad_norm of "
               "the steps before went non-finite, the run diverged: lower optim.lr")
 
@@ -200,7 +200,9 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     except RuntimeError as e:  # torch.multinomial on NaN or inf probabilities; on CUDA, its device-side assert
         if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
             raise
-        raise NonFiniteLogits(NON_FINITE) from None
+        cuda = "device-side assert" in str(e)  # CUDA says no more than that: NaN logits are its likeliest cause here
+        raise NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or inf logits: " if cuda
+                               else "sampling met NaN or inf logits: ") + NON_FINITE) from None
     model.train(was_training)
     P = enc.input_ids.shape[1]
     completion_ids = out[:, P:]  # (N, C)

@@ -146,7 +146,8 @@ def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -
     + EOS tokenized apart); -> which row is the longest, for --dry-run."""
     def count(texts: list[str]) -> list[int]:
         return [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
-    replies = [count([r[k] + tokenizer.eos_token for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
+    from sft import with_eos
+    replies = [count([with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
                for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data)))]
     longest = max(range(len(rows)), key=lengths.__getitem__)
@@ -199,10 +200,10 @@ def setup(args, overrides: list[str]) -> Run:
         eval_rows = ev.held_out_rows(cfg)
         if cfg.rewards:
             check_rows(cfg.rewards, eval_rows, "held-out")
-        seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model.init_adapter)
+        seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model)
         if k := overlap.count(eval_rows, seen):
             print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt of a row this run (or "
-                  "the run of its model.init_adapter) trains on: eval/* will overstate what it learned; check data.select, "
+                  "the runs behind its model) trains on: eval/* will overstate what it learned; check data.select, "
                   "eval.select, split_seed and duplicates in the data", file=sys.stderr)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
@@ -387,7 +388,6 @@ def main(argv: list[str] | None = None) -> int:
     created = not run_dir.exists()  # a run stopped before its first checkpoint removes only what it made
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    overlap.record(run_dir, r.rows, cfg.model.init_adapter)  # what eval.py finds held-out rows among
     metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
     for p in (metrics_path, samples_path):
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
     tracker = open_tracker(cfg, run_dir, resumed=start > 0)
+    recorded = None
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.resume:  # its files were there before this command: left as they were
                     print(f"error: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
                     return 2
-                for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):  # this run's (the folder held no run):
+                for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):  # this run's (the folder held no run):
                     (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
                 with contextlib.suppress(OSError):
                     if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
@@ -439,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
             if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                if recorded is None:  # what eval.py finds held-out rows among, with the first checkpoint that holds them
+                    recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
                 save_checkpoint(r, step)
             show(step, metrics)
             if flat_steps == NO_SIGNAL_WARN_AFTER or (stop and flat_steps < NO_SIGNAL_WARN_AFTER):

@@ -57,6 +57,25 @@ def test_a_chain_a_resume_and_a_merged_export_carry_what_was_trained_on(tmp_path
     assert (tmp_path / "merged" / overlap.FILE).read_text() == (tmp_path / "grpo" / overlap.FILE).read_text()
     models = evaluate(cfg, tmp_path, [f"merged={tmp_path / 'merged'}"], "--eval.select=[2,12]")
     assert models["merged"]["metrics"]["trained_on_held_out"] == 6  # rows 2, 3 (SFT) and 4 to 7 (GRPO)
+    # trained on from the merged model (model.name, as a pushed SFT phase is): its rows come along
+    run(cfg, f"--model.name={tmp_path / 'merged'}", "--data.select=[8,10]", f"--run.out_dir={tmp_path / 'more'}")
+    assert len(set((tmp_path / "more" / overlap.FILE).read_text().split())) == 10
+    # a checkpoint reached through a symlink is still its run's
+    (tmp_path / "best").symlink_to(tmp_path / "grpo" / "checkpoints" / "step_000001")
+    assert overlap.recorded_file(tmp_path / "best" / "adapter") == tmp_path / "grpo" / overlap.FILE
+
+
+def test_the_record_is_written_with_the_first_checkpoint_and_a_fresh_run_does_not_inherit_one(tmp_path, tiny_llama):
+    cfg = write_run_config(tmp_path, tiny_llama)
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / overlap.FILE).write_text("0123456789abcdef\n")  # left in a folder that holds no run
+    assert train.main(["--config", str(cfg), "--run.steps=1", "--data.select=[0,3]", "--dry-run",
+                       f"--run.out_dir={out}"]) == 0
+    assert (out / overlap.FILE).read_text() == "0123456789abcdef\n"  # a dry run writes nothing
+    run(cfg, "--data.select=[0,3]", f"--run.out_dir={out}")
+    assert "0123456789abcdef" not in (out / overlap.FILE).read_text().split()
+    assert len((out / overlap.FILE).read_text().split()) == 3
 
 
 def test_train_warns_when_its_held_out_rows_are_training_prompts(tmp_path, tiny_llama, capsys):

@@ -282,6 +282,8 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "run").mkdir()  # empty: `serve` made it, nothing queued yet
     assert ratings.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
+    rating_page.page_token(tmp_path / "run")  # `serve` also keeps its form token there
+    assert ratings.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")  # a folder of something else: not "0 rated"
     assert ratings.main(["export", "--dir", str(tmp_path / "run")]) == 2
     assert "holds no queue.jsonl or ratings.jsonl" in capsys.readouterr().err

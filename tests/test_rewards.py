@@ -193,6 +193,7 @@ def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
     ("#### Final Answer\n\\boxed{72}", 72), ("#### Step 1: add\n48 + 24 = 72", 72),  # Markdown headings are not markers
     ("##### 3 steps\nso 72", 72), ("#### \u22125", -5), ("#### -$5", -5), ("#### .5", 0.5), ("so 0.5", ".5"),
     ("Prices range from $10 - $15", 15), ("- $5 for pens", 5), ("#### Answer: 72", 72),
+    ("#### Answer: 72\nBecause 8 * 9 = 72, over 3 days.", 72),                          # an answer line, text below
 ])
 def test_answer_match_reads_the_final_number(completion, gold):
     assert answer_match(completion, {"answer": gold}) == 1.0
@@ -232,6 +233,8 @@ def test_parsing_stays_linear_on_degenerate_repetitive_output():
     start = time.perf_counter()
     for text in ("<answer>" * 20_000 + "7", "\\boxed{" * 20_000, "```" * 20_000, "1," * 50_000, "-" * 100_000 + "7"):
         answer_match(text, {"answer": 7}), json_schema(text, {}, allow_fence=True), short_answer(text, {})
+    for text in ("PMID" + " " * 20_000 + "x", "PMID: 12345" + " " * 20_000 + "x", "PMID: 12345 " * 5_000):
+        citation_grounding(text, {"valid_pmids": ["12345"]})  # helper-47: runs of blanks were quadratic
     assert time.perf_counter() - start < 2.0  # a quadratic regex takes minutes here
 
 

@@ -58,6 +58,8 @@ def test_sft_loss_covers_the_reply_and_its_eos_but_not_the_prompt(sft_config, ti
         assert ids[-1] == tok.eos_token_id and tok.decode(ids[:-1]) == reply
         assert b.completion_mask[i, n:].sum() == 0
     assert tok.decode(b.prompt_ids[1][b.prompt_mask[1].bool()]).endswith("<|im_start|>assistant\n")
+    b = sft_batch(tok, [{"prompt": "Hi", "target": "Hi." + tok.eos_token}], cfg)  # a reply copied with its EOS
+    assert b.completion_ids[0, :int(b.completion_mask[0].sum())].tolist().count(tok.eos_token_id) == 1
 
 
 
