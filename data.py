@@ -368,10 +368,18 @@ class PromptSampler:
             self._perms[s] = (epoch, perm)
         return self._perms[s][1][p % self.sizes[s]]
 
+    def _now(self) -> list[float]:
+        return [max(0.0, a + (b - a) * self.progress) for a, b in self.weights]
+
+    def shares(self) -> list[float]:
+        """Each source's probability now: its weight at this progress over the weights' sum."""
+        w = self._now()
+        return [x / sum(w) for x in w]
+
     def _source(self, p: int) -> int:
         if len(self.sizes) == 1:
             return 0
-        w = [max(0.0, a + (b - a) * self.progress) for a, b in self.weights]
+        w = self._now()
         u, acc = random.Random(f"{self.seed}:{p}").random() * sum(w), 0.0
         for s, ws in enumerate(w):
             acc += ws

@@ -323,5 +323,17 @@ def _check_rubric_args(template: str = "rubric_scoring", **_) -> None:
     load_template(template)
 
 
+def _check_rubric_row(row: dict, answers_key: str = "answers", gold_key: str = "gold_scores", **_) -> None:
+    """A row rubric_alignment can score: >= 2 answers (text) and as many finite gold scores. Checked when
+    the data loads, since a bad row would fail its whole batch after the judge calls were paid."""
+    answers, gold = row.get(answers_key), row.get(gold_key)
+    if not isinstance(answers, list) or len(answers) < 2 or not all(isinstance(a, str) for a in answers):
+        raise ValueError(f"{answers_key} must be a list of >= 2 answers (text), got {str(answers)[:80]}")
+    if not isinstance(gold, list) or len(gold) != len(answers) or \
+            not all(isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) for g in gold):
+        raise ValueError(f"{gold_key} must be {len(answers)} numbers, one per answer (no null or NaN), got {str(gold)[:80]}")
+
+
 judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row_fields
 rubric_alignment.check_args, rubric_alignment.row_fields = _check_rubric_args, _rubric_row_fields
+rubric_alignment.check_row = _check_rubric_row

@@ -157,7 +157,7 @@ def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", ke
     """Fail early when the rewards read columns the rows lack: an argument the reward lists in its
     `row_keys` (the built-ins' gold_key, valid_key, answers_key; given, or its default) names a
     column that no row has; or a row lacks a field of a judge template
-    (a reward's `row_fields(**args)`). Otherwise the reward would score every completion None or its
+    (a reward's `row_fields(**args)`), or fails the reward's own `check_row(row, **args)`. Otherwise the reward would score every completion None or its
     fallback and the run would learn nothing, silently. ConfigError names the config `key`."""
     for name, spec in zip(reward_keys(specs), specs):
         fn, _ = resolve(spec)
@@ -166,6 +166,12 @@ def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", ke
             if p.name in getattr(fn, "row_keys", ()) and isinstance(column, str) and rows and not any(column in r for r in rows):
                 raise ConfigError(f"{key}: reward {name!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
                                  f"the rows have: {', '.join(rows[0])}")
+        if callable(getattr(fn, "check_row", None)):  # what each row must hold (rubric_alignment's gold scores)
+            for i, row in enumerate(rows):
+                try:
+                    fn.check_row(row, **spec.args)
+                except ValueError as e:
+                    raise ConfigError(f"{key}: reward {name!r}: {what} row {i}: {e}") from None
         if callable(getattr(fn, "row_fields", None)):
             needed = fn.row_fields(**spec.args)
             for i, row in enumerate(rows):

@@ -366,11 +366,13 @@ def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: 
 
 
 def source_shares(r: Run) -> dict:
-    """For a mixture: data/<label>, the share of the rows drawn since the last call (this step's) from each source."""
+    """For a mixture: data/<label>, the share of the rows drawn since the last call (this step's) from
+    each source, and data/<label>/weight, the share the mixture (its curriculum, now) draws with."""
     counts = r.sampler.pop_counts()
     if len(counts) < 2:
         return {}
-    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)} | {
+        f"data/{label}/weight": w for label, w in zip(r.source_labels, r.sampler.shares())}
 
 
 def source_metrics(r: Run, drawn: Scored) -> dict:

@@ -177,6 +177,7 @@ def test_a_mixed_run_logs_source_shares_and_resumes_exactly(tmp_path, tiny_llama
     assert train.main(args) == 0
     lines = [json.loads(ln) for ln in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [(m["data/easy"], m["data/hard"]) for m in (lines[0], lines[-1])] == [(1.0, 0.0), (0.0, 1.0)]
+    assert [m["data/hard/weight"] for m in lines] == [0.0, 0.5, 1.0]  # the curriculum itself, step by step
     # each source's reward: easy rows score 1, hard rows 2 (a source not drawn in a step has none)
     assert (lines[0]["data/easy/reward"], lines[-1]["data/hard/reward"]) == (1.0, 2.0)
     assert "data/hard/reward" not in lines[0] and "data/easy/reward" not in lines[-1]

@@ -533,6 +533,23 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
     assert judge.pop_step_stats()["judge_constant_scores"] == 1
 
 
+@pytest.mark.parametrize("row, says", [
+    ({"answers": ["a", "b"], "gold_scores": [1, None]}, "2 numbers, one per answer (no null or NaN)"),
+    ({"answers": ["a", "b"], "gold_scores": [1, float("nan")]}, "no null or NaN"),
+    ({"answers": ["a", "b", "c"], "gold_scores": [1, 2]}, "must be 3 numbers"),
+    ({"answers": ["a"], "gold_scores": [1]}, ">= 2 answers"),
+    ({"answers": "a b", "gold_scores": [1, 2]}, ">= 2 answers"),
+])
+def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call(row, says):
+    """helper-49: one such row failed its whole batch, after the batch's judge calls were paid."""
+    from config import ConfigError
+    from scoring import check_rows
+    good = {"question": "q", "answers": ["a", "b"], "gold_scores": [1, 2]}
+    check_rows([RewardSpec("rubric_alignment")], [good])
+    with pytest.raises(ConfigError, match=f"reward 'rubric_alignment': data row 1: .*{re.escape(says)}"):
+        check_rows([RewardSpec("rubric_alignment")], [good, {"question": "q", **row}])
+
+
 def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, caplog):
     server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
     judge = make_judge(server)
