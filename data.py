@@ -374,7 +374,7 @@ class PromptSampler:
     def shares(self) -> list[float]:
         """Each source's probability now: its weight at this progress over the weights' sum."""
         w = self._now()
-        return [x / sum(w) for x in w]
+        return [x / (sum(w) or 1.0) for x in w]
 
     def _source(self, p: int) -> int:
         if len(self.sizes) == 1:

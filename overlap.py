@@ -1,8 +1,7 @@
 """Held-out rows a model was trained on, found by content: each run records a hash of every prompt
 it trains on, with those of the runs behind model.name (a merged export) and model.init_adapter,
-and eval.py (and train.py, for
-run.eval_every) counts the held-out rows among them, whatever the configs' selects, seeds and
-file names say.
+and eval.py (and train.py, for run.eval_every) counts the held-out rows among them, whatever the
+configs' selects, seeds and file names say.
 
     record(run_dir, rows, cfg.model, resumed)        # train.py, with its first checkpoint: run_dir/trained_prompts.txt
     seen = recorded_for(Path("runs/sft/checkpoints/step_000100/adapter"))   # its run's hashes, or None

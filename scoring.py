@@ -156,9 +156,10 @@ def _checkable(tp) -> bool:
 def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", key: str = "rewards") -> None:
     """Fail early when the rewards read columns the rows lack: an argument the reward lists in its
     `row_keys` (the built-ins' gold_key, valid_key, answers_key; given, or its default) names a
-    column that no row has; or a row lacks a field of a judge template
-    (a reward's `row_fields(**args)`), or fails the reward's own `check_row(row, **args)`. Otherwise the reward would score every completion None or its
-    fallback and the run would learn nothing, silently. ConfigError names the config `key`."""
+    column that no row has; or a row lacks a field of a judge template (a reward's
+    `row_fields(**args)`), or fails the reward's own `check_row(row, **args)`. Otherwise the reward
+    would score every completion None or its fallback and the run would learn nothing, silently.
+    ConfigError names the config `key`."""
     for name, spec in zip(reward_keys(specs), specs):
         fn, _ = resolve(spec)
         for p in _params(fn):
