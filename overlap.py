@@ -39,8 +39,10 @@ def recorded_file(path: str | Path) -> Path | None:
     its adapter/ or model/, or an export's directory; None when there is none."""
     p = Path(path).expanduser()
     for q in dict.fromkeys([p.absolute(), p.resolve()]):  # a symlinked checkpoint: its own run too
-        for d in [q, *list(q.parents)[:3]]:  # run/checkpoints/step_N/adapter -> run
-            if (d / FILE).is_file():
+        ckpt = q.parent if q.name in ("adapter", "model") else q
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None  # run/checkpoints/step_N[/adapter]
+        for d in (q, run):  # not any folder above: a model kept under a run's folder is not that run's
+            if d is not None and (d / FILE).is_file():
                 return d / FILE
     return None
 

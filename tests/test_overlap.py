@@ -88,3 +88,14 @@ def test_train_warns_when_its_held_out_rows_are_training_prompts(tmp_path, tiny_
     assert train.main(["--config", str(cfg), f"--data.name={dup}", "--data.prompt={question}", "--data.select=[0,2]",
                        "--eval.select=[2,3]", "--run.eval_every=1", "--dry-run"]) == 0
     assert "held-out rows have the prompt" not in capsys.readouterr().err
+
+
+def test_a_record_belongs_to_its_run_its_checkpoints_and_its_adapters_only(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002" / "adapter").mkdir(parents=True)
+    (run / "exported").mkdir()
+    (run / overlap.FILE).write_text("0123456789abcdef\n")
+    for found in (run, run / "checkpoints" / "step_000002", run / "checkpoints" / "step_000002" / "adapter"):
+        assert overlap.recorded_file(found) == run / overlap.FILE
+    assert overlap.recorded_file(run / "exported") is None  # a model kept in the run's folder is not the run
+    assert overlap.recorded_file(tmp_path) is None
