@@ -3,6 +3,7 @@
     python bench/memory_estimate.py --compare     # the H100 benchmark's work: old and new defaults, the memory levers
     python bench/memory_estimate.py --config configs/t4.yaml --model random:qwen2.5-1.5b --prompt-tokens 160
     python bench/memory_estimate.py --config my.yaml --optim.micro_batch_size=4    # train.py's overrides apply
+    python bench/memory_estimate.py --config configs/grubrics.yaml --model random:qwen3-8b --prompt-tokens 100 --meta
 
 With --config, the run's own settings size the estimate: model dtype and 4-bit base, LoRA,
 gradient checkpointing, G, max_new_tokens, rollout.prompts_per_generate (rows a generate call
@@ -26,7 +27,10 @@ what bitsandbytes computes in; its dequantized weight (one layer at a time) is n
 counted either: the reference forward (grpo.beta > 0) and the old-policy forward (num_iterations >
 1 or num_mini_batches > 1), both without gradients and so below the training pass.
 
-Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
+--meta builds a `random:` shape on the meta device and traces it with a CPU fake per weight: nothing
+is written or held in RAM (about 0.5 GB for an 8B shape), so the recipes' 7B and 8B models estimate
+here too; it agrees with real weights to 0.02 GiB on the run peak (Qwen3-0.6B, Qwen2.5-1.5B). SFT
+(`mode: sft`) has no sampling term. Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing and 4096-row chunks, this
 gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not part of the test suite;
 the first use of a `random:` shape writes its weights under ~/.cache/minigrpo/bench, and the
@@ -91,12 +95,54 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
     the CPU, with no 4-bit quantization and no checkpointing (micro_batch_peak sets that per trace):
     a `random:` model.name is a shape written once by bench/vs_trl.py's model_dir."""
     import dataclasses
+    import model as model_mod
     from model import load_policy
     from vs_trl import model_dir
+    if META and mcfg.name.startswith("random:"):  # weights on the meta device: nothing written, nothing materialised
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from vs_trl import CACHE, RANDOM_MODELS
+        tok = AutoTokenizer.from_pretrained(tokenizer or model_mod.builtin_model_dir("smollm2-135m", str(CACHE)))
+        d = dict(RANDOM_MODELS[mcfg.name.split(":", 1)[1]])
+        hf = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        dtype = getattr(torch, mcfg.dtype)
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
+        meta_model.config.use_cache = False
+        real_load_base = model_mod.load_base
+        model_mod.load_base = lambda *a, **k: (meta_model, tok)
+        try:
+            with torch.device("meta"):  # peft's LoRA layers too
+                model, _ = load_policy(dataclasses.replace(mcfg, quant=None, gradient_checkpointing=False), lora,
+                                       torch.device("cpu"))
+        finally:
+            model_mod.load_base = real_load_base
+        assert all(p.is_meta for p in model.parameters())
+        return model.train(), model.config
     name = str(model_dir(mcfg.name, "cuda", tokenizer, 0)) if mcfg.name.startswith("random:") else mcfg.name  # "cuda": bf16
     mcfg = dataclasses.replace(mcfg, name=name, quant=None, gradient_checkpointing=False)
     model, _ = load_policy(mcfg, lora, torch.device("cpu"))
     return model.train(), model.config
+
+
+META = False
+
+
+def _autocast(model):
+    """model.mixed_precision, on the CPU for a model whose weights are on the meta device."""
+    from model import HALF, is_peft, mixed_precision
+    if not next(model.parameters()).is_meta:
+        return mixed_precision(model)
+    frozen = next((p.dtype for p in model.parameters() if not p.requires_grad and p.dtype in HALF), None)
+    trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    if frozen is None or not trained:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=frozen))
+    if is_peft(model):
+        from peft.helpers import disable_input_dtype_casting
+        stack.enter_context(disable_input_dtype_casting(model))
+    return stack
 
 
 def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0, fused_head: bool = False,
@@ -104,7 +150,6 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
     """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
     backward's include the trained weights' gradients."""
     import logprobs
-    from model import mixed_precision
     from torch._subclasses.fake_tensor import FakeTensorMode
     model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
     if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
@@ -112,10 +157,13 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake:
+            conv = fake.fake_tensor_converter  # its memo holds fakes weakly: the mode keeps them alive
+            fake.meta_fakes = [conv.from_meta_and_device(fake, t, torch.device("cpu"))  # a CPU fake for each meta
+                               for t in [*model.parameters(), *model.buffers()] if t.is_meta]  # weight: traced as on the CPU
             weights = [fake.from_tensor(p) for p in model.parameters()]
             ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
             with LiveBytes(weights) as mem:
-                with mixed_precision(model) if autocast else contextlib.nullcontext():
+                with _autocast(model) if autocast else contextlib.nullcontext():
                     logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
                 forward = mem.peak
                 logp.sum().backward()
@@ -161,8 +209,12 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="GPU dtype (default: model.dtype, auto as bfloat16)")
     ap.add_argument("--tokenizer", help="tokenizer directory for random shapes (default: the built-in model's)")
     ap.add_argument("--prompt-tokens", type=int, default=45, help="longest prompt in a micro-batch, chat template included")
+    ap.add_argument("--meta", action="store_true", help="random shapes only: build the model on the meta device "
+                    "(no weights written or held in RAM), so 7B/8B shapes estimate in little memory")
     ap.add_argument("--compare", action="store_true", help="the H100 run's old defaults, the defaults now, and the memory levers")
     a, overrides = ap.parse_known_args()
+    global META
+    META = a.meta
     from config import Config, ConfigError, load_config
     if not a.config and overrides:
         ap.error(f"--section.key overrides need --config: {' '.join(overrides)}")
@@ -181,7 +233,7 @@ def main() -> int:
         model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
     except ConfigError as e:  # a hub model without network, say: one line, as train.py gives it
         print(f"error: {e}" + ("" if spec.startswith("random:") else "; --model random:SHAPE estimates a random model "
-                               "of a known shape (qwen3-0.6b, qwen2.5-1.5b) without downloading"), file=sys.stderr)
+                               "of a known shape (bench/vs_trl.py: qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b, qwen3-4b-instruct-2507, qwen2.5-7b, qwen3-8b; --meta for the large ones) without downloading"), file=sys.stderr)
         return 2
     weights = weight_bytes(model, cfg.model.quant)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -209,7 +261,7 @@ def main() -> int:
     for name, s in settings.items():
         kw = {k: v for k, v in s.items() if k != "prompts"}
         fwd, both = micro_batch_peak(model, prompt=P, completion=C, **kw)
-        sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype)
+        sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype) if cfg.mode == "grpo" else 0  # SFT never samples
         total = weights + 2 * trained + max(both, sample)
         print(f"[estimate]   {name:54s} training {s['rows']} rows: {fwd / GiB:5.2f} GiB forward, {both / GiB:5.2f} with "
               f"backward; sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; run peak ~{total / GiB:5.2f} GiB", flush=True)

@@ -89,6 +89,23 @@ RANDOM_MODELS = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
                          tie_word_embeddings=True, hidden_act="silu"),  # Qwen2 has q/k/v biases built in
+    # the recipes' models, from their public config.json (Hugging Face hub)
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
+    "qwen3-4b-instruct-2507": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                   max_position_embeddings=262144, rope_theta=5_000_000.0, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, hidden_act="silu"),  # Qwen2.5-7B-Instruct
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False, attention_bias=False, hidden_act="silu"),
     # Qwen3-0.6B's depth and vocabulary at width 64: as many kernels per forward as the real model, little
     # arithmetic, so a CPU can count what a GPU would launch (bench/gpu_train_probe.py --count-ops)
     "qwen3-0.6b-narrow": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=28,
