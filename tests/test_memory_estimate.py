@@ -73,3 +73,21 @@ def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
     assert full == sum(p.numel() * p.element_size() for p in model.parameters())
     saved = sum(w.numel() * (2 - NF4_BYTES) for w in linears)  # bf16 -> NF4
     assert weight_bytes(model, "4bit") == int(full - saved) or abs(weight_bytes(model, "4bit") - (full - saved)) < 1
+
+
+def test_meta_weights_estimate_what_real_weights_do(tiny_llama, tmp_path, monkeypatch):
+    """--meta: a random shape on the meta device (an 8B model in little RAM) traces as its real weights do."""
+    import pytest
+
+    import memory_estimate as me
+    import vs_trl
+    from config import LoraConfig, ModelConfig
+    monkeypatch.setattr(vs_trl, "CACHE", tmp_path)  # the real weights are written here, not in ~/.cache
+    mcfg, lora = ModelConfig(name="random:tiny", dtype="bfloat16"), LoraConfig(r=4, alpha=8)
+    real, _ = me.build(mcfg, lora, str(tiny_llama))
+    monkeypatch.setattr(me, "META", True)
+    meta, _ = me.build(mcfg, lora, str(tiny_llama))
+    assert all(p.is_meta for p in meta.parameters()) and not any(p.is_meta for p in real.parameters())
+    assert me.weight_bytes(meta, None) == me.weight_bytes(real, None)
+    for kw in ({}, {"checkpointing": True}, {"fused_head": True}):
+        assert me.micro_batch_peak(meta, 2, 5, 16, **kw)[1] == pytest.approx(me.micro_batch_peak(real, 2, 5, 16, **kw)[1], rel=0.05)
