@@ -327,11 +327,25 @@ def _check_rubric_row(row: dict, answers_key: str = "answers", gold_key: str = "
     """A row rubric_alignment can score: >= 2 answers (text) and as many finite gold scores. Checked when
     the data loads, since a bad row would fail its whole batch after the judge calls were paid."""
     answers, gold = row.get(answers_key), row.get(gold_key)
-    if not isinstance(answers, list) or len(answers) < 2 or not all(isinstance(a, str) for a in answers):
+    for key, value in ((answers_key, answers), (gold_key, gold)):
+        if isinstance(value, str):
+            raise ValueError(f"{key} is text, not a list ({value[:40]!r}): a CSV cell holds text; write the file as "
+                             ".jsonl or .parquet, or decode the column in a data.map")
+    if not _is_list(answers) or len(answers) < 2 or not all(isinstance(a, str) for a in answers):
         raise ValueError(f"{answers_key} must be a list of >= 2 answers (text), got {str(answers)[:80]}")
-    if not isinstance(gold, list) or len(gold) != len(answers) or \
-            not all(isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) for g in gold):
+    if not _is_list(gold) or len(gold) != len(answers) or not all(_finite(g) for g in gold):
         raise ValueError(f"{gold_key} must be {len(answers)} numbers, one per answer (no null or NaN), got {str(gold)[:80]}")
+
+
+def _is_list(value) -> bool:  # a list, a tuple, a numpy array from parquet: not text, not a mapping
+    return hasattr(value, "__len__") and hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
+
+
+def _finite(value) -> bool:  # what rubric_alignment's float() reads as a number (numpy ints, Decimal, True)
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
 
 
 judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row_fields

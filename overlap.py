@@ -54,16 +54,19 @@ def recorded_for(path: str | Path) -> set[str] | None:
 
 def seen_before(mcfg) -> set[str]:
     """What the runs behind the model a run starts from recorded: model.name's (a merged export, in a
-    local directory or a hub repo in the local cache) and model.init_adapter's, chains included."""
+    local directory or pushed to the hub) and model.init_adapter's, chains included."""
     seen = set()
     for name in (mcfg.name, mcfg.init_adapter):
         if name and Path(name).expanduser().exists():
             seen |= recorded_for(name) or set()
-        elif name and name == mcfg.name and name.count("/") == 1:  # a hub repo: only if already downloaded
-            try:
-                from huggingface_hub import try_to_load_from_cache
-                f = try_to_load_from_cache(name, FILE, revision=mcfg.revision)
-            except Exception:  # an id the hub client refuses: nothing recorded
+        elif name and name == mcfg.name and name.count("/") == 1:  # a hub repo (a pushed export): its record
+            try:  # from the hub cache, or fetched (a few KB); offline, or a repo without one: nothing recorded
+                from huggingface_hub import hf_hub_download
+
+                from hub import offline_if_unreachable
+                with offline_if_unreachable():
+                    f = hf_hub_download(name, FILE, revision=mcfg.revision)
+            except Exception:
                 f = None
             if isinstance(f, str):
                 seen |= set(Path(f).read_text(encoding="utf-8").split())

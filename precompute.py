@@ -194,6 +194,10 @@ def validate(cfg: Config, path: str) -> dict:
         if missing := [c for c in (p.rubric_key, "answers", "gold_scores") if row.get(c) in (None, "", [])]:
             raise DataError(f"{path} row {i} has no {missing[0]!r}: --validate needs an answer file with the expert "
                             f"rubric (precompute.rubric_key={p.rubric_key}), answers and gold_scores")
+        try:  # before any grade is paid for
+            rubric_alignment.check_row(row)
+        except ValueError as e:
+            raise DataError(f"{path} row {i}: {e}") from None
     samples = [{**r, "question": build_prompt(r, p.question, i)} for i, r in enumerate(rows)]
     judge = open_client(cfg.judge, "judge", "judge")
     rho = rubric_alignment([r[p.rubric_key] for r in rows], samples, judge=judge, template=p.template)

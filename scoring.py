@@ -171,8 +171,9 @@ def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", ke
             for i, row in enumerate(rows):
                 try:
                     fn.check_row(row, **spec.args)
-                except ValueError as e:
-                    raise ConfigError(f"{key}: reward {name!r}: {what} row {i}: {e}") from None
+                except ValueError as e:  # the row by what it holds: its number here is after the split and the mixture
+                    seen_as = next((f"{k} {str(row[k])[:60]!r}" for k in ("id", "question", "prompt") if row.get(k)), "")
+                    raise ConfigError(f"{key}: reward {name!r}: {what} row {i}{f' ({seen_as})' if seen_as else ''}: {e}") from None
         if callable(getattr(fn, "row_fields", None)):
             needed = fn.row_fields(**spec.args)
             for i, row in enumerate(rows):

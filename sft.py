@@ -19,8 +19,9 @@ import rollout
 
 
 def with_eos(tokenizer, reply: str) -> str:
-    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log) gets no second."""
-    return reply if reply.endswith(tokenizer.eos_token) else reply + tokenizer.eos_token
+    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log, maybe with
+    the template's newline after it) gets no second."""
+    return reply.rstrip() if reply.rstrip().endswith(tokenizer.eos_token) else reply + tokenizer.eos_token
 
 
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None, replies: list[str] | None = None,

@@ -353,8 +353,9 @@ def dry_run_report(r: Run) -> str:
     """What --dry-run prints: the data as loaded and the first row exactly as the model will see it."""
     cfg, row = r.cfg, r.rows[0]
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
-    prompt, eos = rollout.render_rows(r.tokenizer, [row], cfg.data)[0], r.tokenizer.eos_token
-    shown = prompt + (row["target"] + eos if cfg.mode == "sft" else "")
+    from sft import with_eos
+    prompt = rollout.render_rows(r.tokenizer, [row], cfg.data)[0]
+    shown = prompt + (with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
              f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
              f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
@@ -366,7 +367,7 @@ def dry_run_report(r: Run) -> str:
     lines += [f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"] if cfg.data.answer_key and cfg.mode == "grpo" else []
     if cfg.mode == "dpo":
         return "\n".join(lines + ["  row 0 as the model sees it (prompt):", prompt, "  chosen reply:",
-                                   row["chosen"] + eos, "  rejected reply:", row["rejected"] + eos])
+                                   with_eos(r.tokenizer, row["chosen"]), "  rejected reply:", with_eos(r.tokenizer, row["rejected"])])
     return "\n".join(lines + ["  row 0 as the model sees it" + (" (prompt, then the reply trained on):" if cfg.mode == "sft"
                                                                   else " (the completion follows):"), shown])
 

@@ -240,8 +240,8 @@ def main() -> int:
     P, C, G = a.prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.num_generations
     print(f"[estimate] {spec} in {dtype_name}{', 4-bit base' if cfg.model.quant else ''}, "
           f"{'LoRA r=' + str(cfg.lora.r) if cfg.lora.enabled else 'all weights trained'}: weights {weights / GiB:.2f} GiB, "
-          f"AdamW state {2 * trained / GiB:.2f} GiB; {cfg.rollout.prompts_per_step} prompts x G={G}, "
-          f"{P} + {C} tokens", flush=True)
+          f"AdamW state {2 * trained / GiB:.2f} GiB; " + (f"{cfg.rollout.prompts_per_step} prompts x G={G}, "
+          if cfg.mode == "grpo" else f"{cfg.mode}, no sampling: ") + f"{P} + {C} tokens", flush=True)
     o, g, ro = cfg.optim, cfg.grpo, cfg.rollout
     now = dict(rows=o.micro_batch_size, chunk=g.logprob_chunk, fused_head=g.fused_lm_head,
                checkpointing=cfg.model.gradient_checkpointing, prompts=ro.prompts_per_generate or ro.prompts_per_step)
@@ -264,7 +264,8 @@ def main() -> int:
         sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype) if cfg.mode == "grpo" else 0  # SFT never samples
         total = weights + 2 * trained + max(both, sample)
         print(f"[estimate]   {name:54s} training {s['rows']} rows: {fwd / GiB:5.2f} GiB forward, {both / GiB:5.2f} with "
-              f"backward; sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; run peak ~{total / GiB:5.2f} GiB", flush=True)
+              f"backward; " + (f"sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; " if cfg.mode == "grpo" else "")
+              + f"run peak ~{total / GiB:5.2f} GiB", flush=True)
     return 0
 
 

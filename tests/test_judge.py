@@ -538,7 +538,9 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
     ({"answers": ["a", "b"], "gold_scores": [1, float("nan")]}, "no null or NaN"),
     ({"answers": ["a", "b", "c"], "gold_scores": [1, 2]}, "must be 3 numbers"),
     ({"answers": ["a"], "gold_scores": [1]}, ">= 2 answers"),
-    ({"answers": "a b", "gold_scores": [1, 2]}, ">= 2 answers"),
+    ({"answers": '["a", "b"]', "gold_scores": [1, 2]}, "a CSV cell holds text"),
+    ({"answers": ["a", "b"], "gold_scores": "[1, 2]"}, "a CSV cell holds text"),
+    ({"answers": [1, 2], "gold_scores": [1, 2]}, ">= 2 answers (text)"),
 ])
 def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call(row, says):
     """helper-49: one such row failed its whole batch, after the batch's judge calls were paid."""
@@ -546,8 +548,18 @@ def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call
     from scoring import check_rows
     good = {"question": "q", "answers": ["a", "b"], "gold_scores": [1, 2]}
     check_rows([RewardSpec("rubric_alignment")], [good])
-    with pytest.raises(ConfigError, match=f"reward 'rubric_alignment': data row 1: .*{re.escape(says)}"):
-        check_rows([RewardSpec("rubric_alignment")], [good, {"question": "q", **row}])
+    with pytest.raises(ConfigError, match=f"reward 'rubric_alignment': data row 1 \\(id 'hb-7'\\): .*{re.escape(says)}"):
+        check_rows([RewardSpec("rubric_alignment")], [good, {"question": "q", "id": "hb-7", **row}])
+
+
+def test_gold_scores_rubric_alignment_reads_as_numbers_pass_the_row_check():
+    """numpy ints from a data.map, Decimal from parquet, a tuple, 0/1 as booleans: float() reads them all."""
+    from decimal import Decimal
+
+    import numpy as np
+    from scoring import check_rows
+    for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False], np.array([1.0, 2.0])):
+        check_rows([RewardSpec("rubric_alignment")], [{"question": "q", "answers": ["a", "b"], "gold_scores": gold}])
 
 
 def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, caplog):

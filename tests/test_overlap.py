@@ -90,6 +90,27 @@ def test_train_warns_when_its_held_out_rows_are_training_prompts(tmp_path, tiny_
     assert "held-out rows have the prompt" not in capsys.readouterr().err
 
 
+def test_a_pushed_export_s_record_comes_from_the_hub_and_offline_is_nothing(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from config import ModelConfig
+    pushed = tmp_path / overlap.FILE
+    pushed.write_text("0123456789abcdef\n")
+    asked = []
+
+    def download(repo, filename, revision=None):
+        asked.append((repo, filename, revision))
+        return str(pushed)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert overlap.seen_before(ModelConfig(name="me/medmcqa-sft", revision="v1")) == {"0123456789abcdef"}
+    assert asked == [("me/medmcqa-sft", overlap.FILE, "v1")]
+
+    def offline(*a, **k):
+        raise OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    assert overlap.seen_before(ModelConfig(name="me/medmcqa-sft")) == set()
+
+
 def test_a_record_belongs_to_its_run_its_checkpoints_and_its_adapters_only(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000002" / "adapter").mkdir(parents=True)

@@ -95,6 +95,11 @@ def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_o
     assert "mean Spearman of -1.000" in capsys.readouterr().out
     assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(questions))) == 2
     assert "needs an answer file" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"  # a hand-written file with a gold score missing: refused before any grade
+    broken.write_text("".join(json.dumps({**r, "gold_scores": [None] + r["gold_scores"][1:]}) + "\n" for r in read(again)))
+    server.reset()
+    assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(broken))) == 2
+    assert "row 0: gold_scores must be" in capsys.readouterr().err and not server.requests
 
     # training reads the file as written
     run = tmp_path / "run"
