@@ -9,7 +9,7 @@ Shapes: N = B prompts x G completions, C = completion length.
 Departures from the paper (arXiv 2402.03300), all switchable in the config:
 - the clip has separate lower and upper bounds (DAPO clip-higher, `epsilon_high`);
 - the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
-- no KL term unless `beta > 0` (TRL's default), and the KL uses the k3 estimator;
+- no KL term unless `beta > 0` (TRL's default; when on, it is the paper's k3 estimator);
 - the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`);
 - the policy-gradient term can be limited to the step's high-entropy tokens (`top_entropy_quantile`);
 - negative-advantage ratios can be capped too (INTELLECT-2's two-sided clip, `delta`), or the clipped
@@ -146,8 +146,10 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
 
     KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
     With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
-    exp(logp - logp.detach()) still carries d logp, so the loss value sits near 0 while the policy
-    learns. That is why "loss is 0" is normal in GRPO: watch the reward instead.
+    exp(logp - logp.detach()) still carries d logp, so the loss value is only a token-weighted mean
+    of -A (0 for loss_type "grpo", whose group advantages sum to 0; for the others set by how length
+    and advantage go together) while the policy learns. That is why "loss is 0" (or a small number)
+    is normal in GRPO: watch the reward instead.
     logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
     log_rho = logp - old_logp  # (N, C)
