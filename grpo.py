@@ -147,9 +147,9 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
     With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
     exp(logp - logp.detach()) still carries d logp, so the loss value is only a token-weighted mean
-    of -A, plus beta * KL (-A alone: 0 for loss_type "grpo", whose group advantages sum to 0; for the others set by how length
-    and advantage go together) while the policy learns. That is why "loss is 0" (or a small number)
-    is normal in GRPO: watch the reward instead.
+    of -A, plus beta * KL (-A alone is 0 for loss_type "grpo", whose group advantages sum to 0; for
+    the others it is set by how length and advantage go together) while the policy learns. That is
+    why "loss is 0" (or a small number) is normal in GRPO: watch the reward instead.
     logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
     log_rho = logp - old_logp  # (N, C)
