@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     model.config.use_cache = True  # load_base turned it off for training
     gen = model.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-    if tokenizer.eos_token_id not in eos:  # stop on the tokenizer's end of turn too (vLLM, generate)
-        eos = [e for e in eos if e is not None] + [tokenizer.eos_token_id]
+    # stop where training stopped (vLLM, generate): the tokenizer's EOS and the template's end of turn too
+    eos = [e for e in eos if e is not None] + [e for e in rollout.eos_token_ids(tokenizer, model) if e not in eos]
     gen.eos_token_id = eos[0] if len(eos) == 1 else eos
     out = Path(args.out)
     # names of export.py's own, so that clearing what a killed export left never touches a folder of yours

@@ -105,10 +105,30 @@ def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None 
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
-    ids = {tokenizer.eos_token_id}
+    """Where a completion ends: the tokenizer's EOS, the model's generation_config EOS, and the token
+    the chat template closes an assistant turn with (turn_end_id) when that is another one: a base
+    model's tokenizer (Qwen2.5's <|endoftext|>) under a ChatML template would otherwise run on past
+    <|im_end|> into a made-up next turn."""
+    ids = {tokenizer.eos_token_id, turn_end_id(tokenizer)}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     return sorted(i for i in ids if i is not None)
+
+
+_REPLY_PROBE = "minigrpo reply 7f3a"
+
+
+def turn_end_id(tokenizer) -> int | None:
+    """The special token right after an assistant message in the chat template (ChatML's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>), or None (no template, or text there)."""
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": _REPLY_PROBE}],
+                                             tokenize=False)
+    except Exception:  # a template that wants a system message, or none at all
+        return None
+    at = text.rfind(_REPLY_PROBE)
+    ids = tokenizer(text[at + len(_REPLY_PROBE):], add_special_tokens=False).input_ids if at >= 0 else []
+    return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) else None
 
 
 def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor, stops: list[str]) -> None:

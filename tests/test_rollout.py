@@ -319,3 +319,19 @@ def test_nan_logits_stop_sampling_with_what_to_change(tiny_llama):
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(rollout.NonFiniteLogits, match="set model.dtype: float32"):
         rollout.generate_rollout(model, tok, [rollout.render_prompt(tok, "hi")], 2, max_new_tokens=3)
+
+
+def test_a_completion_also_ends_at_the_template_s_end_of_turn_when_the_eos_is_another_token():
+    """A base model's tokenizer (Qwen2.5's EOS is <|endoftext|>) under a ChatML template: sampling must
+    stop at <|im_end|> too, or it runs on into a made-up next turn."""
+    base = make_tokenizer()
+    base.eos_token = "<|endoftext|>"
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    assert rollout.turn_end_id(base) == im_end and rollout.eos_token_ids(base, None) == sorted({base.eos_token_id, im_end})
+    instruct = make_tokenizer()  # EOS and end of turn the same token: nothing added
+    assert rollout.eos_token_ids(instruct, None) == [instruct.eos_token_id]
+    plain = make_tokenizer("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")  # text after a turn: no token
+    assert rollout.turn_end_id(plain) is None
+    ids = torch.tensor([[5, 6, im_end, 7, 8]])
+    mask, truncated = grpo.completion_mask(ids, rollout.eos_token_ids(base, None))
+    assert mask.tolist() == [[1, 1, 1, 0, 0]] and not truncated[0]
