@@ -274,16 +274,16 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
     sources = held_out_sources(cfg)
     rows = [row for s in sources for row in s.rows]
-    trained_on = {}  # entry name -> how many held-out rows its runs trained on
-    for e in entries:
-        if e.kind in ("adapter", "full") and (seen := overlap.recorded_for(e.target)) is not None:  # by content
-            if k := overlap.count(rows, seen):
-                trained_on[e.name] = k
-                print(f"[eval] warning: {e.name} was trained on {k} of the {len(rows)} held-out prompts (the same text, "
-                      f"{overlap.recorded_file(e.target)}): its numbers on them overstate what it learned", file=sys.stderr)
-        elif e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):  # another tool's: by config
-            print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
-    unknown = [e.name for e in entries if e.kind in ("adapter", "full") and overlap.recorded_for(e.target) is None]
+    trained_on, unknown = {}, []  # entry name -> how many held-out rows its runs trained on; entries with no record
+    for e in [e for e in entries if e.kind in ("adapter", "full")]:
+        if (record := overlap.recorded_file(e.target)) is None:
+            unknown.append(e.name)
+            if e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):  # another tool's: by config
+                print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
+        elif k := overlap.count(rows, overlap.read(record)):  # by content
+            trained_on[e.name] = k
+            print(f"[eval] warning: {e.name} was trained on {k} of the {len(rows)} held-out prompts (the same text, "
+                  f"{record}): its numbers on them overstate what it learned", file=sys.stderr)
     if unknown and cfg.data.select is None and cfg.eval.split in (None, cfg.data.split) and \
             not (cfg.eval.name or active_mixture(cfg.data)[1]):
         print(f"[eval] warning: data.select is not set, so the training of {', '.join(unknown)} may have used these "

@@ -47,9 +47,14 @@ def recorded_file(path: str | Path) -> Path | None:
     return None
 
 
+def read(f: str | Path) -> set[str]:
+    """The hashes a trained_prompts.txt holds."""
+    return set(Path(f).read_text(encoding="utf-8").split())
+
+
 def recorded_for(path: str | Path) -> set[str] | None:
     f = recorded_file(path)
-    return set(f.read_text(encoding="utf-8").split()) if f else None
+    return read(f) if f else None
 
 
 def seen_before(mcfg) -> set[str]:
@@ -69,7 +74,7 @@ def seen_before(mcfg) -> set[str]:
             except Exception:
                 f = None
             if isinstance(f, str):
-                seen |= set(Path(f).read_text(encoding="utf-8").split())
+                seen |= read(f)
     return seen
 
 

@@ -97,14 +97,10 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
     import dataclasses
     import model as model_mod
     from model import load_policy
-    from vs_trl import model_dir
+    from vs_trl import model_dir, random_config
     if META and mcfg.name.startswith("random:"):  # weights on the meta device: nothing written, nothing materialised
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        from vs_trl import CACHE, RANDOM_MODELS
-        tok = AutoTokenizer.from_pretrained(tokenizer or model_mod.builtin_model_dir("smollm2-135m", str(CACHE)))
-        d = dict(RANDOM_MODELS[mcfg.name.split(":", 1)[1]])
-        hf = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        from transformers import AutoModelForCausalLM
+        hf, tok = random_config(mcfg.name.split(":", 1)[1], tokenizer)
         dtype = getattr(torch, mcfg.dtype)
         with torch.device("meta"):
             meta_model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
@@ -128,28 +124,12 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
 META = False
 
 
-def _autocast(model):
-    """model.mixed_precision, on the CPU for a model whose weights are on the meta device."""
-    from model import HALF, is_peft, mixed_precision
-    if not next(model.parameters()).is_meta:
-        return mixed_precision(model)
-    frozen = next((p.dtype for p in model.parameters() if not p.requires_grad and p.dtype in HALF), None)
-    trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
-    if frozen is None or not trained:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast("cpu", dtype=frozen))
-    if is_peft(model):
-        from peft.helpers import disable_input_dtype_casting
-        stack.enter_context(disable_input_dtype_casting(model))
-    return stack
-
-
 def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0, fused_head: bool = False,
                      autocast: bool = True, checkpointing: bool = False) -> tuple[int, int]:
     """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
     backward's include the trained weights' gradients."""
     import logprobs
+    from model import mixed_precision
     from torch._subclasses.fake_tensor import FakeTensorMode
     model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
     if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
@@ -163,7 +143,7 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
             weights = [fake.from_tensor(p) for p in model.parameters()]
             ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
             with LiveBytes(weights) as mem:
-                with _autocast(model) if autocast else contextlib.nullcontext():
+                with mixed_precision(model, "cpu") if autocast else contextlib.nullcontext():  # traced on the CPU
                     logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
                 forward = mem.peak
                 logp.sum().backward()

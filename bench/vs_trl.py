@@ -123,6 +123,18 @@ CACHE = Path("~/.cache/minigrpo").expanduser()
 # ----------------------------------------------------------------------------- shared setup
 
 
+def random_config(name: str, tokenizer: str | None):
+    """(transformers config of the RANDOM_MODELS shape `name`, the tokenizer whose special ids it takes)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from model import builtin_model_dir
+    tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
+    d = dict(RANDOM_MODELS[name])
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    return cfg, tok
+
+
 def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
     """A transformers directory both trainers load: the built-in model, or a seeded random model."""
     from model import builtin_model_dir
@@ -134,11 +146,8 @@ def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
     if (target / "config.json").is_file():
         return target
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
-    d = dict(RANDOM_MODELS[name])
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    from transformers import AutoModelForCausalLM
+    cfg, tok = random_config(name, tokenizer)
     print(f"[bench] building random {name} ({dtype_name}) in {target}", file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype_name))
