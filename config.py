@@ -56,6 +56,7 @@ class DataSource:
     weight_end: float | None = None  # share at the last step, linear in between: a curriculum (None: weight throughout)
     label: str | None = None  # name in the metrics (data/<label>); None: the file stem or the dataset id's last part
     config_name: str | None = None  # hub dataset config (subset) name
+    revision: str | None = None  # hub dataset revision (branch, tag or commit): the same rows after the hub copy changes
     split: str = "train"  # hub dataset split
     prompt: str | None = None  # column or template of this source's prompt (None: data.prompt)
     map: str | None = None  # this source's row mapping, e.g. an adapter to the shared columns (None: data.map)
@@ -68,6 +69,8 @@ class DataConfig:
     name: str | None = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id (null with a mixture)
     root: str | None = None  # directory that relative data file names (data.name, mixture sources) are read from
     config_name: str | None = None  # hub dataset config (subset) name
+    revision: str | None = None  # hub dataset revision (branch, tag or commit): split_seed and select pick the same
+    #   rows only while the hub copy keeps its row order (MedMCQA's was re-uploaded once), so pin it for SFT -> GRPO -> eval
     split: str = "train"  # hub dataset split
     prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
     target: str | None = None  # SFT: column or template of the assistant reply to learn
@@ -195,6 +198,7 @@ class EvalConfig:
     split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
     name: str | None = None  # a held-out file (or hub dataset) of its own, read in its own order with data's
     #   prompt, map and answer_key; eval.select then picks its rows (None: all of them). None: data's rows
+    config_name: str | None = None  # eval.name's hub config (None: data.config_name; "default" for a dataset without configs)
     num_samples: int = 1  # completions per prompt; more gives pass@k
     temperature: float = 0.0  # 0: greedy decoding
     top_p: float = 1.0  # nucleus sampling when temperature > 0
@@ -215,7 +219,8 @@ class EvalConfig:
 @dataclass
 class PrecomputeConfig:
     questions: str | None = None  # questions to answer, one a row: a local .jsonl/.json/.csv/.parquet file or a hub dataset id
-    split: str = "train"  # hub dataset split
+    config_name: str | None = None  # hub dataset config (subset) name, e.g. "main" for openai/gsm8k
+    split: str = "train"  # hub dataset split (MATH-500 has only "test")
     map: str | None = None  # row mapping first: a built-in adapter (healthbench, medqa, medmcqa_json) or "file.py:fn"
     question: str = "{question}"  # column or template of the question text the answer policy is asked
     limit: int = 0  # the first n questions only (0: all), counted before precompute.map: try a few before paying for all
@@ -421,7 +426,8 @@ def _check_mixture(d: DataConfig) -> None:
         return
     if d.name not in (None, "arithmetic"):
         raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r} (or set it to null)")
-    ignored = {"data.split": d.split != "train", "data.config_name": d.config_name is not None, "data.num_examples": d.num_examples != 0}
+    ignored = {"data.split": d.split != "train", "data.config_name": d.config_name is not None,
+               "data.revision": d.revision is not None, "data.num_examples": d.num_examples != 0}
     if bad := [k for k, set_ in ignored.items() if set_]:
         raise ConfigError(f"{bad[0]} does not apply to {key}: set it on each source")
     if not mix:

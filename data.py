@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
-from hub import offline_if_unreachable
+from hub import hub_unreachable, offline_if_unreachable
 from maps import MAPS
 from rewards import import_function
 
@@ -130,15 +130,19 @@ def load_raw(cfg: DataConfig, key: str = "data.name"):
     path = local_path(cfg, cfg.name)
     if path.is_file():
         rows = _read_file(path, key)
-    elif cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES:
+    elif not path.is_dir() and (cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES):
         raise DataError(f"{key}={cfg.name}: no such file{f' ({path})' if cfg.root else ''}; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
-    else:
+    else:  # a hub id, or a dataset folder (a hub dataset downloaded with `hf download --repo-type dataset`)
         import datasets
+        where = str(path) if path.is_dir() else cfg.name
         try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA has 183k)
             with offline_if_unreachable():
-                rows = datasets.load_dataset(cfg.name, cfg.config_name, split=cfg.split)
-        except Exception as e:  # the hub raises many types; the user needs the first line
-            raise DataError(f"could not load hub dataset {key}={cfg.name} (split {cfg.split}): {str(e).splitlines()[0]}") from None
+                rows = datasets.load_dataset(where, cfg.config_name, split=cfg.split, revision=cfg.revision)
+        except Exception as e:  # the hub raises many types; the user needs the first lines ("pick one among: ...")
+            why = " ".join(line.strip() for line in str(e).splitlines()[:2]) or type(e).__name__
+            config = f"config {cfg.config_name}, " if cfg.config_name else ""
+            raise DataError(f"could not load hub dataset {key}={cfg.name} ({config}split {cfg.split}): "
+                            f"{('' if path.is_dir() else hub_unreachable(cfg.name, 'dataset')) or why}") from None
         if cfg.num_examples:
             rows = rows.select(range(min(cfg.num_examples, len(rows))))
         return rows
@@ -236,7 +240,7 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | 
         return [Source(_label(cfg.name), rows, 1.0, 1.0)]
     out, seen = [], {}
     for src in mix:
-        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, split=split or src.split,
+        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=split or src.split,
                                   prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
                                   select=src.select or cfg.select, num_examples=src.num_examples)
         label = src.label or _label(src.name)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import Config, ConfigError, ModelConfig, active_mixture, load_config
-from hub import offline_if_unreachable, reachable
+from hub import hub_unreachable, offline_if_unreachable
 from model import PROVENANCE, adapter_provenance, check_adapter_base, find_adapter
 
 
@@ -38,10 +38,7 @@ def hub_download(spec: str, repo: str) -> Path:
         with offline_if_unreachable():
             return Path(snapshot_download(repo_id, revision=revision or None))
     except Exception as e:  # offline, private without HF_TOKEN, no such repo: one line
-        import huggingface_hub.constants as hub
-        why = (f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}" if reachable(hub.ENDPOINT) else
-               f"{hub.ENDPOINT} is not reachable from this machine and it is not in the hub cache: download it where "
-               f"there is a network (huggingface-cli download {repo_id}) or give its local directory")
+        why = hub_unreachable(repo_id) or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise ConfigError(f"model entry {spec!r}: could not download {repo_id} from the hub ({why})") from None
 
 

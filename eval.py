@@ -176,7 +176,8 @@ def held_out_sources(cfg: Config) -> list[Source]:
     order), the first eval.limit of each when set."""
     e, data = cfg.eval, cfg.data
     if e.name:
-        data = dataclasses.replace(data, name=e.name, mixture=None, presets={}, preset=None, split_seed=None, select=None)
+        data = dataclasses.replace(data, name=e.name, config_name=e.config_name or data.config_name, mixture=None,
+                                   presets={}, preset=None, split_seed=None, select=None)
     sources = load_sources(data, select=e.select, split=e.split, key="eval.name" if e.name else "data.name")
     return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
 

@@ -24,6 +24,9 @@ def medmcqa_json(row: dict) -> dict:
     ('B', 'The answer is B) Meat.')
     """
     cop = row.get("cop")
+    if cop == -1:  # the hub copy's test split: no answers published
+        raise ValueError("MedMCQA's test split has no answers (cop = -1); hold out rows of train (eval.select), or use "
+                         "split validation (4,183 answered rows)")
     if isinstance(cop, bool) or not isinstance(cop, int) or not 0 <= cop <= 3:
         raise ValueError(f"cop must be an option index 0-3, got {cop!r}")
     letter = "ABCD"[cop]
@@ -52,7 +55,7 @@ def healthbench(row: dict) -> dict:
 
 
 def medqa(row: dict) -> dict:
-    r"""MedQA (GBaker/MedQA-USMLE-4-options: `options` {"A": text, ...}, or bigbio's [{key, value}],
+    r"""MedQA (GBaker/MedQA-USMLE-4-options: `options` {"A": text, ...}, or a [{key, value}] list as other copies hold it,
     and `answer_idx`) for GRubrics' verifiable questions: `question` with its lettered options
     appended, `answer` the gold letter (the answer's text kept as `answer_text`).
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 from config import ConfigError, LoraConfig, ModelConfig
-from hub import offline_if_unreachable
+from hub import hub_unreachable, offline_if_unreachable
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
 # FutureWarning on every run that a user can do nothing about
@@ -110,7 +110,8 @@ def load_tokenizer(cfg: ModelConfig, path: str):
         with offline_if_unreachable():
             tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:  # ValueError: a directory without tokenizer files
-        raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {(str(e).splitlines() or [''])[0][:300]}") from None
+        why = ("" if Path(path).exists() else hub_unreachable(path)) or (str(e).splitlines() or [''])[0][:300]
+        raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {why}") from None
     if cfg.chat_template:
         if "{%" in cfg.chat_template or "{{" in cfg.chat_template:
             tok.chat_template = cfg.chat_template

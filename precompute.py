@@ -94,7 +94,9 @@ def check(cfg: Config) -> PrecomputeConfig:
 
 def load_questions(p: PrecomputeConfig) -> list[dict]:
     """The question rows, mapped (precompute.map), each with the text asked under "_question"."""
-    rows = mapped_rows(load_raw(DataConfig(name=p.questions, split=p.split, num_examples=p.limit), "precompute.questions"),
+    raw = load_raw(DataConfig(name=p.questions, config_name=p.config_name, split=p.split, num_examples=p.limit),
+                   "precompute.questions")
+    rows = mapped_rows(raw,
                        f"precompute.questions={p.questions}", p.map, key="precompute.map")
     out = []
     for i, row in rows:  # i: the row's place before a filtering map

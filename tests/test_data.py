@@ -267,6 +267,91 @@ def test_an_unreachable_hub_is_used_offline_at_once(monkeypatch):
     assert time.monotonic() - t0 < 10
 
 
+def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(monkeypatch):
+    """datasets puts the list of configs on its error's second line; an exception without a message is
+    named, not an IndexError; a dataset missing from the cache of a machine without a network says
+    how to bring it over."""
+    import datasets
+    import hub
+    monkeypatch.setattr(hub, "reachable", lambda endpoint: True)
+    raised = [ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', 'socratic']\nExample: ..."),
+              ValueError()]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(raised.pop(0)))
+    with pytest.raises(DataError, match=r"openai/gsm8k \(split train\): Config name is missing. Please pick one among "
+                                        r"the available configs: \['main', 'socratic'\]$"):
+        load_rows(DataConfig(name="openai/gsm8k", prompt="q"))
+    with pytest.raises(DataError, match=r"\(config main, split test\): ValueError$"):
+        load_rows(DataConfig(name="openai/gsm8k", config_name="main", split="test", prompt="q"))
+    monkeypatch.setattr(hub, "reachable", lambda endpoint: False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("Couldn't reach")))
+    with pytest.raises(DataError, match=r"cannot be reached from this machine and openai/gsm8k is not in its cache: "
+                                        r"download it .*\(hf download openai/gsm8k --repo-type dataset --local-dir DIR\)"):
+        load_rows(DataConfig(name="openai/gsm8k", prompt="q"))
+
+
+def test_a_proxy_makes_the_hub_count_as_reachable(monkeypatch):
+    import hub
+    monkeypatch.setattr(hub.socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(OSError("no DNS")))
+    hub.reachable.cache_clear()
+    try:
+        for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(k, raising=False)
+        assert not hub.reachable("https://hf.example")
+        hub.reachable.cache_clear()
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+        assert hub.reachable("https://hf.example")
+    finally:
+        hub.reachable.cache_clear()
+
+
+def test_a_downloaded_dataset_folder_loads_by_path_and_a_revision_reaches_load_dataset(tmp_path, monkeypatch):
+    """`hf download --repo-type dataset X --local-dir ./x` leaves a folder: ./x, /abs/x and data.root/x
+    all load it (before, a path starting with . or / was "no such file")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"q": ["a", "b", "c"]}), tmp_path / "ds" / "data" / "test-00000-of-00001.parquet")
+    monkeypatch.chdir(tmp_path)
+    for name, root in (("./ds", None), (str(tmp_path / "ds"), None), ("ds", str(tmp_path))):
+        rows = load_rows(DataConfig(name=name, root=root, split="test", prompt="q", answer_key=None))
+        assert [r["prompt"] for r in rows] == ["a", "b", "c"]
+    with pytest.raises(DataError, match=r"\(split train\): Unknown split \"train\""):  # the folder's own error
+        load_rows(DataConfig(name="./ds", prompt="q", answer_key=None))
+    import datasets
+    seen = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k)) or [{"q": "x"}])
+    load_rows(DataConfig(name="org/set", config_name="main", revision="abc123", prompt="q", answer_key=None))
+    load_rows(DataConfig(name=None, mixture=[DataSource(name="org/two", revision="def456")], prompt="q", answer_key=None))
+    assert seen == [(("org/set", "main"), {"split": "train", "revision": "abc123"}),
+                    (("org/two", None), {"split": "train", "revision": "def456"})]
+
+
+def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
+    """precompute.config_name reaches load_dataset (GSM8K has no default config); eval.name's config is
+    eval.config_name, else data.config_name's ("default" names a dataset without configs)."""
+    import datasets
+    import eval as ev
+    import precompute
+    from config import Config, EvalConfig, PrecomputeConfig
+    seen = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k["split"])) or [{"question": "x", "answer": "1"}])
+    precompute.load_questions(PrecomputeConfig(questions="openai/gsm8k", config_name="main", split="test", question="{question}",
+                                               gold_reward={"name": "answer_match"}))
+    data = DataConfig(name="openai/gsm8k", config_name="main", prompt="question")
+    ev.held_out_rows(Config(data=data, eval=EvalConfig(name="HuggingFaceH4/MATH-500", config_name="default", split="test")))
+    ev.held_out_rows(Config(data=data, eval=EvalConfig(name="openai/gsm8k", split="test")))
+    assert seen == [(("openai/gsm8k", "main"), "test"), (("HuggingFaceH4/MATH-500", "default"), "test"),
+                    (("openai/gsm8k", "main"), "test")]
+    with pytest.raises(ConfigError, match="data.revision does not apply to data.mixture: set it on each source"):
+        load_config(None, ["--data.name=null", "--data.mixture=[{name: a.jsonl}]", "--data.revision=abc"])
+
+
+def test_medmcqa_s_unanswered_test_split_says_so():
+    from maps import medmcqa_json
+    with pytest.raises(ValueError, match="test split has no answers"):
+        medmcqa_json({"question": "q", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": -1, "exp": ""})
+
+
 def test_files_that_cannot_be_read_as_their_suffix_are_one_line_errors(tmp_path):
     """Latin-1 JSON Lines, a .parquet that is not Parquet: DataError naming the file, not a traceback;
     a CSV saved by Excel (a byte-order mark before the first column's name) reads its columns."""
