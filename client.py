@@ -8,10 +8,12 @@ policy of precompute.py): any OpenAI-compatible endpoint, cached, rate-limited, 
 
 Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at most
 `max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request timeout,
-and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts and connection errors, honouring
-Retry-After. Faults never raise: the call yields None, `judge_failures` counts it, the caller applies
-its fallback. A 401, 403 or 404 (the key, the model, the URL), or a 429 insufficient_quota (the
-bill), raises JudgeUnusable once the batch is done: no retry or later call fixes those. The key
+and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts, connection errors and bodies
+that are not JSON, honouring retry-after-ms / Retry-After. Faults never raise: the call yields None,
+`judge_failures` counts it, the caller applies its fallback. A 401, 403 or 404 (the key, the model, the
+URL; not a 403 for one flagged input), a 402 or 429 insufficient_quota (the bill), a 400 for a parameter
+the model does not take, or FAILED_LIMIT failed requests before any reply, raise JudgeUnusable once the
+batch is done: no retry or later call fixes those. The key
 is read without surrounding whitespace (a secret file's newline). judge.py builds the judge rewards on it.
 
 Choices worth knowing:
@@ -65,7 +67,9 @@ class JudgeConfig:
     timeout_s: float = 60.0  # hard limit on one request
     max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error only)
     backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
-    backoff_max_s: float = 30.0  # cap on one wait, Retry-After included
+    backoff_max_s: float = 30.0  # cap on one wait of our own backoff
+    retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks for 45-60 s: sooner
+    #   is another 429)
     temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
     #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
     max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
@@ -78,6 +82,8 @@ class JudgeConfig:
     memory_cache: bool = True  # keep recent replies in RAM
     memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
     price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
+    price_cached_prompt_per_m: float | None = None  # USD per million prompt tokens the provider served from its
+    #   prompt cache (usage.prompt_tokens_details.cached_tokens; OpenAI bills them at a discount); None: price_prompt_per_m
     price_completion_per_m: float = 0.0  # USD per million completion tokens
 
 
@@ -115,11 +121,27 @@ def _sendable(messages: list[dict]) -> list[dict]:
 
 
 def _retry_after(headers) -> float | None:
-    try:
-        value = float(headers.get("retry-after"))
-    except (TypeError, ValueError):  # absent, or an HTTP date: use our own backoff
-        return None
-    return value if math.isfinite(value) and value >= 0 else None
+    """Seconds the server asks us to wait: retry-after-ms (OpenAI, Azure) first, then retry-after."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            value = float(headers.get(name)) * scale
+        except (TypeError, ValueError):  # absent, or an HTTP date: use our own backoff
+            continue
+        if math.isfinite(value) and value >= 0:
+            return value
+    return None
+
+
+def _looks_like_a_key(name: str) -> bool:
+    """api_key_env holding a key rather than a variable's name: a provider's key prefix, or a long
+    mix of lower case, upper case and digits (variable names are upper case by convention).
+
+    >>> _looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"), _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6")
+    (False, True, True)
+    """
+    if re.match(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_]", name, re.I) and not name.isupper():
+        return True
+    return len(name) >= 20 and any(c.islower() for c in name) and any(c.isupper() for c in name) and any(c.isdigit() for c in name)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -127,6 +149,7 @@ _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
+FAILED_LIMIT = 16  # this many requests failed (after their retries), and none answered, stop the run
 
 
 ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} references when a client is built
@@ -134,7 +157,8 @@ ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} refe
 
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
-    URL), or a judge's first UNPARSED_LIMIT replies held no usable score (its template): raised from
+    URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its first
+    FAILED_LIMIT requests all failed, or a judge's first UNPARSED_LIMIT replies held no usable score (its template): raised from
     complete_many / score_many so that a run stops instead of training on nothing."""
 
 
@@ -184,14 +208,16 @@ class Judge:
         if not cfg.timeout_s > 0 or (cfg.requests_per_minute is not None and not cfg.requests_per_minute >= 0):
             raise ValueError(f"judge: need timeout_s > 0 (got {cfg.timeout_s}) and requests_per_minute >= 0 (0 or null: "
                              f"no limit; got {cfg.requests_per_minute})")
-        if not _ENV_NAME.fullmatch(cfg.api_key_env or ""):
+        if not _ENV_NAME.fullmatch(cfg.api_key_env or "") or _looks_like_a_key(cfg.api_key_env):
             raise ValueError("judge: api_key_env is the NAME of the environment variable that holds the key "
                              "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
         self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
         self.cfg, self.label = cfg, label
-        self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404): the caller stops
+        self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404, ...): the caller stops
         self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)
         self._first_unparsed = ""  # the first of those replies, for the error
+        self._failed_before_any = 0  # requests that got no reply, while none has had one (-1 after): FAILED_LIMIT
+        self._first_failure = ""  # why the first of those failed, for the error
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # the run's: in each checkpoint, put back on --resume
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
@@ -379,26 +405,42 @@ class Judge:
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
                 why, wait = type(e).__name__, None
             except openai.APIStatusError as e:
-                no_credit = e.status_code == 429 and getattr(e, "code", None) == "insufficient_quota"  # OpenAI's
+                code, text = getattr(e, "code", None), str(e.message)
+                no_credit = (e.status_code == 429 and code == "insufficient_quota") or e.status_code == 402  # OpenAI's, OpenRouter's
+                flagged = e.status_code == 403 and ("flagged" in text.lower() or "moderation" in text.lower())  # one request's
                 if not (e.status_code in (408, 429) or e.status_code >= 500) or no_credit:
-                    msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {self.masked(str(e.message))[:300]}"
-                    if (e.status_code in (401, 403, 404) or no_credit) and self.fatal is None:  # a key, model, URL or bill to fix
-                        self.fatal = self.masked(" ".join(msg.split()) + f" (check {self.label}'s base_url, model and "
-                                                 f"the key in ${cfg.api_key_env})")
+                    msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {self.masked(text)[:300]}"
+                    unsupported = e.status_code == 400 and code in ("unsupported_parameter", "unsupported_value")
+                    if (e.status_code in (401, 403, 404) and not flagged or no_credit or unsupported) and self.fatal is None:
+                        hint = (f"; reasoning models (o-series, GPT-5) take {self.label}.token_param: max_completion_tokens "
+                                f"and {self.label}.temperature: null" if unsupported else
+                                f" (check {self.label}'s base_url, model and the key in ${cfg.api_key_env})")
+                        self.fatal = self.masked(" ".join(msg.split()) + hint)  # a key, model, URL, bill or request to fix
                     self._warn_once(f"http{e.status_code}", msg)
+                    self._note_failure(msg)
                     return None
                 why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
             except openai.APIError as e:  # a 200 whose body is not a chat completion
                 self._warn_once("badbody", f"{self.label}: unusable response from {self._endpoint}: {type(e).__name__}")
+                self._note_failure(f"an unusable response ({type(e).__name__})")
                 return None
+            except ValueError:  # a 200 whose body is not JSON (a proxy's page, a cut body): the SDK's json() raised
+                why, wait = "a response that is not JSON", None
             else:
                 return self._take_response(key, resp, accept)
             if attempt < cfg.max_retries:
                 if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
-                    wait = cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
-                await asyncio.sleep(min(wait, cfg.backoff_max_s))
+                    wait = min(cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0), cfg.backoff_max_s)
+                await asyncio.sleep(min(wait, cfg.retry_after_max_s))
         self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
+        self._note_failure(f"{cfg.max_retries + 1} tries, the last {why}")
         return None
+
+    def _note_failure(self, why: str) -> None:
+        """A request that got no reply; FAILED_LIMIT of them before any reply stop the run (_gather)."""
+        if self._failed_before_any >= 0:
+            self._failed_before_any += 1
+            self._first_failure = self._first_failure or why
 
     async def _rate_slot(self) -> None:
         rpm = self.cfg.requests_per_minute
@@ -413,18 +455,28 @@ class Judge:
     def _take_response(self, key: str, resp, accept) -> str | None:
         usage = getattr(resp, "usage", None)
         p, c = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+        cached = int(getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", 0) or 0)
+        cached_price = self.cfg.price_prompt_per_m if self.cfg.price_cached_prompt_per_m is None else self.cfg.price_cached_prompt_per_m
         self.add_stat("prompt_tokens", p)
         self.add_stat("completion_tokens", c)
-        self.add_stat("cost_usd", (p * self.cfg.price_prompt_per_m + c * self.cfg.price_completion_per_m) / 1e6)
+        self.add_stat("cost_usd", ((p - cached) * self.cfg.price_prompt_per_m + cached * cached_price
+                                   + c * self.cfg.price_completion_per_m) / 1e6)
+        if usage is None and (self.cfg.price_prompt_per_m or self.cfg.price_completion_per_m):
+            self._warn_once("nousage", f"{self.label}: {self._endpoint} sent no token usage; judge_cost_usd leaves those replies out")
         try:
-            reply = resp.choices[0].message.content
+            choice = resp.choices[0]
+            reply, finish = choice.message.content, choice.finish_reason
         except (AttributeError, IndexError, TypeError):
-            reply = None
-        if not isinstance(reply, str):
-            self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} had no text content")
+            reply, finish = None, None
+        if not isinstance(reply, str) or (not reply.strip() and finish == "length"):
+            why = (f"its reply was cut at {self.cfg.token_param}={self.cfg.max_tokens} before any answer (a reasoning "
+                   f"model's thinking counts): raise {self.label}.max_tokens" if finish == "length" else "it had no text content")
+            self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} was unusable: {why}")
+            self._note_failure(why)
             return None
-        if accept is None or accept(reply):  # malformed replies are returned (to be counted) but never cached
-            self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
+        self._failed_before_any = -1
+        if reply.strip() and (accept is None or accept(reply)):  # malformed or empty replies are returned (to be
+            self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})  # counted) but never cached
         return reply
 
     async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
@@ -440,6 +492,10 @@ class Judge:
             await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
         if self.fatal:
             raise JudgeUnusable(self.fatal)
+        if self._failed_before_any >= FAILED_LIMIT:
+            raise JudgeUnusable(self.masked(f"{self.label}: none of its first {self._failed_before_any} requests to "
+                                            f"{self._endpoint} got a reply (the first: {self._first_failure[:300]}); "
+                                            "fix the endpoint or the request settings before paying for more"))
         return replies
 
     def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:

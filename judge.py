@@ -35,12 +35,17 @@ class JudgeScore:
 # --- parsing ---------------------------------------------------------------------------------------
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S)  # reasoning judges: numbers in there are not the verdict
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
-_SCORE_TEXT = re.compile(r"score\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)", re.I)  # "Score: 7", "**Score**: 7.5"
-_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*\d+")  # "7/10" (the numerator is taken as is)
-_LONE_NUMBER = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*\.?\s*")
+# "Score: 7", "**Score**: 7.5", "Score (0-10): 7"; not the range in "a score of 1-10" (the last match counts)
+_SCORE_TEXT = re.compile(r"score(?:\s*\([^)]*\))?\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)(?!\d|\.\d|\s*(?:[-–]|to)\s*\d)", re.I)
+_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:/|out of)\s*\d+")  # "7/10", "7 out of 10" (the numerator as is)
+_LONE_NUMBER = re.compile(r"[\s*]*(-?\d+(?:\.\d+)?)[\s*]*\.?\s*")  # "8", "**8**"
+_NUMBER_TEXT = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
 
 
 def _number(v) -> float | None:
+    """A JSON value as a score: a number, or a string holding one ({"score": "8"}); never a boolean."""
+    if isinstance(v, str) and _NUMBER_TEXT.fullmatch(v):
+        v = float(v)
     ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true would be 1 otherwise
     return float(v) if ok and math.isfinite(v) else None  # json.loads accepts NaN and Infinity
 
@@ -64,10 +69,13 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
                 criteria: list[str] | None = None) -> JudgeScore | None:
     """A JudgeScore from a judge reply, or None if there is no valid in-range score.
 
-    JSON first (a ```json block, the whole reply, or the first {...} in it): the "score" key, else the
-    criteria (all named ones must be numbers; without names, every numeric value), score = their mean.
-    Only when no JSON object is found: "Score: 7", "7/10", or a lone number. Every value must lie in
-    [score_min, score_max]; booleans, NaN and strings are not numbers.
+    A reasoning model's thinking is dropped first: everything up to its last </think> (templates that
+    open <think> themselves send only the close), or an unclosed <think> block to the end.
+    JSON next (a ```json block, the whole reply, or the first {...} in it): the "score" key, else the
+    criteria (all named ones must be numbers; without names, every numeric value of a reply that is
+    the object alone or fenced: an object quoted in prose is not a verdict), score = their mean.
+    Without a JSON verdict: the last "Score: 7", else "7/10" or "7 out of 10", else a lone number.
+    Every value must lie in [score_min, score_max]; booleans, NaN and words are not numbers ("8" is).
 
     >>> parse_score('{"relevance": 6, "clarity": 8}')
     JudgeScore(score=7.0, criteria={'relevance': 6.0, 'clarity': 8.0})
@@ -78,8 +86,11 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     """
     if not isinstance(text, str):
         return None
-    text = _THINK.sub("", text).strip()
+    text = _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
     obj = _first_json_object(text)
+    alone = text.startswith("{") and text.endswith("}") or _FENCE.search(text) is not None
+    if obj is not None and not criteria and "score" not in {str(k).lower() for k in obj} and not alone:
+        obj = None  # {"a": 1, "b": 3} quoted in the judge's prose
     if obj is not None:  # a JSON verdict is final: never fall back to grabbing a number out of it
         fields = {str(k).lower(): v for k, v in obj.items()}
         if criteria:
@@ -94,7 +105,7 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     elif criteria:
         return None  # named criteria can only come from JSON
     else:
-        m = _SCORE_TEXT.search(text) or _FRACTION.search(text) or _LONE_NUMBER.fullmatch(text)
+        m = ([*_SCORE_TEXT.finditer(text)] or [None])[-1] or _FRACTION.search(text) or _LONE_NUMBER.fullmatch(text)
         score, per = (float(m.group(1)) if m else None), {}
     if score is None or not all(score_min <= v <= score_max for v in [score, *per.values()]):
         return None

@@ -48,6 +48,12 @@ class Behaviour:
     retry_after: str | None = None  # value of the Retry-After header, if any
     delay_s: float = 0.0  # wait this long before answering (longer than the client timeout = a stall)
     code: str | None = None  # the error body's "code" (OpenAI's 429 "insufficient_quota": out of credit)
+    message: str | None = None  # the error body's message (None: "fake error <status>")
+    headers: dict[str, str] = field(default_factory=dict)  # more response headers (retry-after-ms, ...)
+    raw: str | None = None  # a 200 whose body is this text as it is (a proxy's page, a cut body)
+    finish_reason: str = "stop"  # "length": cut at max_tokens
+    null_content: bool = False  # content null (vLLM's reasoning parser when thinking used up max_tokens)
+    usage: dict | None = None  # the usage sent (None: counted in words; {}: none sent)
 
 
 def length_score(body: dict, top: int = 10) -> str:
@@ -257,26 +263,30 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
                 return  # server closing: drop the request
             rec.status = b.status
             if b.status != 200:
-                message = f"fake error {b.status}"
+                message = b.message or f"fake error {b.status}"
                 if b.status == 401:  # real servers echo (part of) the key; the client must redact it
                     key = rec.headers.get("authorization", rec.headers.get("api-key", ""))
                     message = f"Incorrect API key provided: {key.removeprefix('Bearer ')}"
                 extra = {"Retry-After": b.retry_after} if b.retry_after is not None else {}
-                return self._send(b.status, {"error": {"message": message, "type": "fake", "code": b.code}}, extra)
+                return self._send(b.status, {"error": {"message": message, "type": "fake", "code": b.code}}, extra | b.headers)
+            if b.raw is not None:
+                return self._send(200, b.raw, b.headers)
             text = b.text if b.text is not None else server.reply(rec.body)
-            rec.usage = {"prompt_tokens": _words(rec.prompt_text), "completion_tokens": _words(text)}
-            rec.usage["total_tokens"] = rec.usage["prompt_tokens"] + rec.usage["completion_tokens"]
+            rec.usage = {"prompt_tokens": _words(rec.prompt_text), "completion_tokens": _words(text)} if b.usage is None else b.usage
+            if b.usage is None:
+                rec.usage["total_tokens"] = rec.usage["prompt_tokens"] + rec.usage["completion_tokens"]
             self._send(200, {
                 "id": f"chatcmpl-fake-{len(server.requests)}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": rec.body.get("model", ""),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": rec.usage,
-            })
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": None if b.null_content else text},
+                             "finish_reason": b.finish_reason}],
+                **({"usage": rec.usage} if rec.usage else {}),
+            }, b.headers)
 
-        def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(payload).encode()
+        def _send(self, status: int, payload: dict | str, headers: dict[str, str] | None = None) -> None:
+            data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -53,8 +53,8 @@ def test_429_with_retry_after_is_retried_after_waiting_that_long(server):
     assert (stats["judge_requests"], stats["judge_retries"], stats["judge_failures"]) == (2, 1, 0)
 
 
-def test_retry_after_is_capped_by_backoff_max(server):
-    judge = make_judge(server, backoff_max_s=0.05)
+def test_retry_after_is_capped_by_retry_after_max(server):
+    judge = make_judge(server, retry_after_max_s=0.05)
     server.script(rate_limited(retry_after="30"))
     t0 = time.monotonic()
     assert judge.complete_many([chat("q")]) == ['{"score": 7}']
@@ -307,6 +307,75 @@ def test_out_of_credit_stops_the_run_instead_of_being_retried(server):
     assert make_judge(server, max_retries=1).complete_many([chat("b")]) == [None] and len(server.requests) == 3
 
 
+def test_what_real_providers_send_besides_a_reply(server, caplog):
+    """A body that is not JSON is retried; retry-after-ms is honoured; OpenRouter's 402 (no credit)
+    stops the run while its 403 for one flagged input is that request's failure; a 400 for a
+    parameter a reasoning model rejects stops it with the settings to change."""
+    judge = make_judge(server, max_retries=1)
+    server.script(Behaviour(raw='{"id": "cut'))  # content-type JSON, body cut (a proxy)
+    assert judge.complete_many([chat("a")]) == ['{"score": 7}'] and len(server.requests) == 2
+    server.script(Behaviour(status=429, headers={"retry-after-ms": "400", "Retry-After": "0"}))
+    t0 = time.monotonic()
+    assert make_judge(server, backoff_s=0.001).complete_many([chat("b")]) == ['{"score": 7}']
+    assert time.monotonic() - t0 >= 0.4
+    server.script(Behaviour(status=403, message="Input was flagged by moderation: violence"))
+    judge = make_judge(server, max_concurrent=1)
+    assert judge.complete_many([chat("c"), chat("d")]) == [None, '{"score": 7}']
+    server.default = Behaviour(status=402, message="Insufficient credits")
+    with pytest.raises(JudgeUnusable, match="HTTP 402"):
+        make_judge(server).complete_many([chat("e")])
+    server.default = Behaviour(status=400, code="unsupported_parameter",
+                               message="Unsupported parameter: 'max_tokens' is not supported with this model.")
+    with pytest.raises(JudgeUnusable, match="judge.token_param: max_completion_tokens and judge.temperature: null"):
+        make_judge(server).complete_many([chat("f")])
+
+
+def test_a_reply_cut_before_any_answer_is_a_failure_never_cached(server, tmp_path, caplog):
+    """A reasoning model that spends max_tokens thinking: GPT-5 sends "" with finish_reason length,
+    vLLM's reasoning parser null; neither is an answer, and neither may come back from the cache."""
+    cache = tmp_path / "cache.jsonl"
+    judge = make_judge(server, cache_path=str(cache), max_tokens=64)
+    server.script(Behaviour(text="", finish_reason="length"), Behaviour(null_content=True, finish_reason="length"))
+    with caplog.at_level(logging.WARNING):
+        assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
+    assert "cut at max_tokens=64 before any answer" in caplog.text and "raise judge.max_tokens" in caplog.text
+    assert not cache.exists() and judge.complete_many([chat("a")]) == ['{"score": 7}']
+
+
+def test_a_judge_that_never_answers_stops_the_run(server):
+    """FAILED_LIMIT requests failed after their retries, none answered (a 400 for every request, a
+    server that is down): JudgeUnusable instead of a run trained on fallbacks. Once one has answered,
+    failures are only counted."""
+    from client import FAILED_LIMIT
+    server.default = server_error(400)
+    judge = make_judge(server)
+    assert judge.complete_many([chat(f"a{i}") for i in range(FAILED_LIMIT - 1)]) == [None] * (FAILED_LIMIT - 1)
+    with pytest.raises(JudgeUnusable, match=f"none of its first {FAILED_LIMIT} requests .* got a reply .*HTTP 400"):
+        judge.complete_many([chat("last")])
+    judge = make_judge(server)
+    server.script(ok())
+    judge.complete_many([chat("first")])
+    assert judge.complete_many([chat(f"b{i}") for i in range(FAILED_LIMIT + 2)]) == [None] * (FAILED_LIMIT + 2)
+
+
+def test_a_key_pasted_as_api_key_env_is_refused_without_echoing_it(server):
+    for key in ("gsk_4fT9aQ2xLmN8pR3s", "a8Fk2LmQ9zP4rT7vW1xY3bN6"):
+        with pytest.raises(ValueError, match="NAME of the environment variable") as err:
+            make_judge(server, api_key_env=key)
+        assert key not in str(err.value)
+
+
+def test_provider_cached_prompt_tokens_are_priced_at_their_own_rate(server):
+    server.default = Behaviour(text='{"score": 7}', usage={"prompt_tokens": 1000, "completion_tokens": 10,
+                                                           "prompt_tokens_details": {"cached_tokens": 900}})
+    judge = make_judge(server, price_prompt_per_m=1.0, price_cached_prompt_per_m=0.1, price_completion_per_m=4.0)
+    judge.complete_many([chat("a")])
+    assert judge.pop_step_stats()["judge_cost_usd"] == pytest.approx((100 * 1.0 + 900 * 0.1 + 10 * 4.0) / 1e6)
+    judge = make_judge(server, price_prompt_per_m=1.0, price_completion_per_m=4.0)  # no cached price: the prompt price
+    judge.complete_many([chat("b")])
+    assert judge.pop_step_stats()["judge_cost_usd"] == pytest.approx((1000 * 1.0 + 10 * 4.0) / 1e6)
+
+
 def test_a_long_key_echoed_in_a_refusal_is_masked_whole(server, monkeypatch, caplog):
     """The refusal is cut to 300 characters after masking: cut first, a long key (a JWT, a gateway
     token) would no longer be found whole and its start would show."""
@@ -449,16 +518,24 @@ def test_out_of_range_score_is_rejected(server):
     ('<think>maybe 2, maybe 9</think>\n{"score": 4}', 4.0),
     ('I give it 11 points, score: 3', 3.0),
     ('A final score of 6.5.', 6.5),
+    ('{"score": "7"}', 7.0),  # small judges quote it
+    ('**8**', 8.0), ('8 out of 10', 8.0),
+    ('Score (0-10): 7', 7.0), ('Score (1–10): 7', 7.0),  # the range is not the score
+    ('a score of 3 seems harsh</think>\n\nScore: 8', 8.0),  # a template opened <think>: only the close comes back
+    ('Initially a score of 5; on reflection, final score: 7', 7.0),  # the last one is the verdict
+    ('The code returns {"a": 1, "b": 3}. Score: 9', 9.0),  # an object quoted in prose is not a verdict
 ])
 def test_parse_score_accepts(text, expected):
     assert parse_score(text, 0, 10).score == expected
 
 
 @pytest.mark.parametrize("text", [
-    '{"score": true}', '{"score": false}', '{"score": "7"}', '{"score": NaN}', '{"score": Infinity}',
+    '{"score": true}', '{"score": false}', '{"score": "7 points"}', '{"score": NaN}', '{"score": Infinity}',
     '{"score": 11}', '{"score": -1}', 'Score: 12/10', 'no number here', '', '{"score": null}',
     '{"reason": "fine"}',  # JSON with no score and no numbers
     '{"reason": "scored 7"}',  # a JSON verdict never falls back to numbers inside it
+    'On a score of 1-10, I give it 8',  # a range only: a failure, not 1 or 10
+    '<think>Score: 9, I think', '…</think>',  # thinking cut short: no verdict
 ])
 def test_parse_score_rejects(text):
     assert parse_score(text, 0, 10) is None
