@@ -97,8 +97,9 @@ class RolloutConfig:
     max_new_tokens: int = 64  # completion length cap; longer ones are cut and flagged truncated
     max_prompt_tokens: int = 512  # prompts longer than this are an error
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same value
-    top_p: float = 1.0  # nucleus sampling
-    top_k: int = 0  # top-k sampling (0: off)
+    top_p: float = 1.0  # nucleus sampling; the loss's log-probs are softmax(logits / T)'s, untruncated, so < 1 samples
+    #   slightly off the policy it trains (as in TRL)
+    top_k: int = 0  # top-k sampling (0: off); off the policy as top_p < 1 is
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
     compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing
@@ -319,6 +320,9 @@ def _check(cfg: Config) -> None:
                           "only the static cache's padding would remain; set rollout.compile: false")
     if not 0 <= cfg.grpo.top_entropy_quantile <= 1:
         raise ConfigError(f"grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {cfg.grpo.top_entropy_quantile}")
+    if cfg.grpo.top_entropy_quantile < 1 and cfg.grpo.importance_sampling_level == "sequence":
+        raise ConfigError("grpo.top_entropy_quantile picks tokens, but GSPO's ratio (importance_sampling_level: sequence) "
+                          "is one per completion, so every token would still get a gradient: use one or the other")
     if cfg.grpo.top_entropy_quantile < 1 and cfg.rollout.engine != "hf":
         raise ConfigError("grpo.top_entropy_quantile picks tokens by the entropy HF generate records while sampling; "
                           "vLLM does not report it: set grpo.top_entropy_quantile: 1 with rollout.engine: vllm")

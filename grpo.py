@@ -136,19 +136,23 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     and with importance weights w_t, whose gradient each token then takes as its completion's
     mean w. The KL term stays per token. Clip fractions still count tokens (the paper's figure).
 
-    w_t is 1, or the (detached) truncated importance weight min(exp(old_logp_t - sampler_logp_t), cap)
-    when another engine (vLLM) sampled: it corrects the policy-gradient term for the sampler's
-    slightly different distribution (see vllm_engine.py).
+    w_t is 1, or the detached weight step.sampler_weight gives when another engine (vLLM) sampled:
+    exp(old_logp - sampler_logp) per token or per completion (grpo.tis_mode), capped at tis_cap or
+    zeroed past it; it corrects the policy-gradient term for the sampler's slightly different
+    distribution (see vllm_engine.py).
 
     k_t is 1, or 0/1 from `keep` (N, C) (high_entropy_mask, grpo.top_entropy_quantile): a token with
     k_t = 0 leaves the policy-gradient term but keeps its KL term and its place in the loss
     normalisation (the paper's and TRL's choice: the normaliser is the same with or without it).
+    Token-level ratios only: under GSPO's per-completion ratio a dropped token would still get a
+    gradient through rho_i (config.py refuses the pair).
 
     KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
     With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
     exp(logp - logp.detach()) still carries d logp, so the loss value is only a token-weighted mean
-    of -A, plus beta * KL (-A alone is 0 for loss_type "grpo", whose group advantages sum to 0; for
-    the others it is set by how length and advantage go together) while the policy learns. That is
+    of -A, plus beta * KL (-A alone is 0 for loss_type "grpo", whose group advantages sum to 0, as long
+    as no completion is masked out whole and no keep or w_t is on; for the others it is set by how
+    length and advantage go together) while the policy learns. That is
     why "loss is 0" (or a small number) is normal in GRPO: watch the reward instead.
     logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
@@ -179,10 +183,10 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
 class LossNorm:
     """What the loss is divided by; the counts are for the whole optimizer step, not the micro-batch."""
     loss_type: str  # grpo | bnpo | dr_grpo | dapo
-    num_sequences: int  # completions in the optimizer step
+    num_sequences: int  # completions in the optimizer step that have a reward (fallback: skip ones are left out)
     num_tokens: int  # unmasked completion tokens in the optimizer step
     max_completion_length: int  # rollout.max_new_tokens
-    num_micro_batches: int  # micro-batches accumulated into the step
+    num_micro_batches: int  # micro-batches accumulated into the step that hold a scored completion
 
 
 def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
@@ -211,7 +215,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
               is_weight: Tensor | None = None, level: str = "token",
               keep: Tensor | None = None, delta: float = 0.0,
               cispo_cap: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch's share of the step loss, and token sums for the step's metrics.
+    """The micro-batch's share of the step loss, and token sums for the step's metrics. The defaults
+    are PPO's symmetric clip; the config's are DAPO's clip-higher (grpo.epsilon_high: 0.28).
 
     old_logp None means on-policy (one update per rollout batch): old_logp = logp.detach().
     Outside the mask (padding, skipped or masked truncated rows) old_logp and ref_logp are replaced

@@ -162,7 +162,8 @@ def share_prompt_in_loss(setting: bool | str, device: torch.device) -> bool:
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                        temperature: float = 1.0, chunk: int = 0, fused_head: bool = False,
                        share_prompt: bool = False) -> Tensor:
-    """log pi(token | prefix) / T-tempered, for the last `num_completion` tokens of each row.
+    """log softmax(logits / T)[token], the tempered policy's log-prob of each of the last
+    `num_completion` tokens of each row given its prefix: (N, num_completion).
 
     The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
     position, absolute-position models do not); only the C logits that score a token are

@@ -10,8 +10,9 @@ rows. vLLM rollouts (vllm_engine.py) return the same Rollout.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -19,6 +20,9 @@ from torch import Tensor
 from grpo import completion_mask
 from logprobs import position_ids, prompt_cache
 from typed_config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -180,7 +184,7 @@ class EntropyMeter:
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                     stop_strings: list[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
+                     stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
                      share_prompt: bool = False, static_cache: bool = False, entropy: bool = False) -> Rollout:
     """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
@@ -251,7 +255,7 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
     return concat_rollouts(parts, tokenizer.pad_token_id)
 
 
-def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int):
+def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int) -> DynamicCache | None:
     """The KV cache of every prompt but its last token, computed once per prompt and repeated to its
     G rows (B * G, P - 1), for generate to continue from; None where sharing does not apply or pay:
     G = 1, a prompt of one token, or a cache that is not plain keys and values (prompt_cache).

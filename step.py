@@ -7,7 +7,8 @@ around it; the math is grpo.py, the sampling rollout.py, the log-probs logprobs.
 Rewards are computed while the next slice samples (rollout.prompts_per_generate with
 rollout.overlap_rewards); the log-prob forward runs in micro-batches sized by
 optim.micro_batch_size and optim.micro_batch_tokens, and the loss of a step is the sum of its
-micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split.
+micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split
+(except under loss_type: bnpo, whose token mean is per micro-batch by definition).
 """
 from __future__ import annotations
 
@@ -140,9 +141,10 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
         *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
         *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
 
-    Adds the masked tokens' |log pi_old - log pi_sampler| to `sums` when given (the first iteration's
-    metrics), and the weights and the capped (or masked) count over `units`: tokens, or in sequence
-    modes completions, as TRL counts them."""
+    `sums` given (the first iteration, for the step's metrics): adds to it "tokens" and "abs_diff"
+    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in sequence
+    modes completions, as TRL counts them), "weight" (their weights) and "capped" (those capped or
+    masked)."""
     if mode not in TIS_MODES:
         raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
     diff = torch.nan_to_num(old - sampler_logp, nan=0.0)  # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
@@ -227,7 +229,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     t_rollout = time.time() - t0
     k = g.num_mini_batches
     if k > 1:  # groups shuffled, so that no mini-batch is all flat groups (resample_zero_std puts those last)
-        kept = take_rows(kept, [g * G + j for g in torch.randperm(len(kept.samples) // G).tolist() for j in range(G)])
+        kept = take_rows(kept, [grp * G + j for grp in torch.randperm(len(kept.samples) // G).tolist() for j in range(G)])
     batch = kept.rollout
     adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
     mask = batch.completion_mask.clone()  # (N, C)

@@ -75,6 +75,8 @@ def test_cross_field_checks(tmp_path):
         load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=1.5"])
     with pytest.raises(ConfigError, match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="GSPO's ratio .* is one per completion, so every token would still get a gradient"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--grpo.importance_sampling_level=sequence"])
     assert load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
     with pytest.raises(ConfigError, match=r"grpo.delta=1.2 caps .* above 1 \+ epsilon_high = 1.28"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.delta=1.2", "--grpo.epsilon_high=0.28"])

@@ -155,6 +155,8 @@ def test_bnpo_does_depend_on_micro_batch_size_as_documented():
         slices = [slice(s, min(s + size, 8)) for s in range(0, 8, size)]
         norm = LossNorm("bnpo", 8, int(mask.sum()), 9, len(slices))
         values.append(sum(float(grpo.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], norm)[0].detach()) for s in slices))
+        slow = sum(reference_loss(logp[s], old[s], ref[s], adv[s], mask[s], "bnpo", 0.2, 0.2, 0.0, 9, len(slices)) for s in slices)
+        assert values[-1] == pytest.approx(float(slow.detach()), rel=1e-5)  # the mean of the micro-batches' token means
     assert not math.isclose(values[0], values[1], rel_tol=1e-4)
 
 

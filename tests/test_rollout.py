@@ -25,13 +25,24 @@ def padded_batch(tok, texts):
     return enc.input_ids, enc.attention_mask
 
 
+def biased_to_eos(model, eos: int, bias: float) -> None:
+    """The tiny random model with its EOS logit raised: completions that stop, at random lengths."""
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    head.weight.data.copy_(model.lm_head.weight.data)
+    head.bias.data.zero_()
+    head.bias.data[eos] = bias
+    model.lm_head = head
+
+
 def test_generate_rollout_groups_masks_and_texts(tiny_llama):
     torch.manual_seed(0)
     model, tok = load(tiny_llama)
+    biased_to_eos(model, tok.eos_token_id, 4.0)  # pad == eos here: the mask must keep the real EOS
     prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
     r = rollout.generate_rollout(model, tok, prompts, num_generations=3, max_new_tokens=6)
     N, C = r.completion_ids.shape
     assert N == 6 and C <= 6
+    assert tok.pad_token_id == tok.eos_token_id and r.truncated.any() and not r.truncated.all()  # both branches below
     assert torch.equal(r.prompt_ids[0], r.prompt_ids[2]) and not torch.equal(r.prompt_ids[0], r.prompt_ids[3])
     eos = tok.eos_token_id
     for i in range(N):
@@ -124,12 +135,7 @@ def test_a_shipped_generation_config_does_not_leak_into_sampling(tmp_path):
 def test_ignore_eos_generates_fixed_length_completions_where_the_model_wants_to_stop(tiny_llama):
     torch.manual_seed(0)
     model, tok = load(tiny_llama)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    head.weight.data.copy_(model.lm_head.weight.data)
-    head.bias.data.zero_()
-    head.bias.data[eos] = 8.0  # EOS now wins almost every draw
-    model.lm_head = head
+    biased_to_eos(model, tok.convert_tokens_to_ids("<|im_end|>"), 8.0)  # EOS now wins almost every draw
     prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
     free = rollout.generate_rollout(model, tok, prompts, 4, max_new_tokens=6)
     fixed = rollout.generate_rollout(model, tok, prompts, 4, max_new_tokens=6, ignore_eos=True)
