@@ -3,7 +3,7 @@ sampling / RAFT: sample n, keep the best, fine-tune on it), and its best against
 preference pairs (TRL's prompt / chosen / rejected, for DPO).
 
     python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8 \
-        --eval.select=[0,1000] --eval.out_dir=runs/samples   # training rows: held-out ones would leak into training
+        --data.select=null '--eval.select=[0,1000]' --eval.out_dir=runs/samples   # training rows: held-out ones would leak
     python bestofn.py runs/samples/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
     python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\

@@ -273,7 +273,7 @@ def _check(cfg: Config) -> None:
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
                 "grpo.num_mini_batches": cfg.grpo.num_mini_batches,
-                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r,
+                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha, "optim.lr": cfg.optim.lr,
                 "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
                 "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
     for k, v in positive.items():
@@ -292,6 +292,15 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{k} must be >= 0, got {v}")
     if cfg.run.keep_checkpoints < 1:
         raise ConfigError(f"run.keep_checkpoints must be >= 1 (the newest checkpoint is what --resume needs), got {cfg.run.keep_checkpoints}")
+    if not 0 <= cfg.lora.dropout < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if cfg.rollout.max_prompts_per_step and (not cfg.rollout.resample_zero_std
+                                             or cfg.rollout.max_prompts_per_step < cfg.rollout.prompts_per_step):
+        raise ConfigError(f"rollout.max_prompts_per_step={cfg.rollout.max_prompts_per_step} caps the prompts resampling draws: "
+                          f"it needs rollout.resample_zero_std: true and a value >= prompts_per_step "
+                          f"({cfg.rollout.prompts_per_step}); 0: 4 x prompts_per_step")
+    if cfg.rollout.vllm_sleep and cfg.rollout.engine != "vllm":
+        raise ConfigError("rollout.vllm_sleep puts vLLM to sleep between rollouts; it needs rollout.engine: vllm")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if cfg.grpo.num_mini_batches > 0 and cfg.rollout.prompts_per_step % cfg.grpo.num_mini_batches:
@@ -344,9 +353,10 @@ def _check(cfg: Config) -> None:
     for key, sel in train_ranges + [("eval.select", cfg.eval.select)]:
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    if mix is None and cfg.data.split != "train" and is_local_data(cfg.data.name):  # else silently ignored
-        raise ConfigError(f"data.split={cfg.data.split!r} picks a split of a hub dataset; data.name={cfg.data.name} has none: "
-                          "drop data.split (or give the file of that split as data.name)")
+    for key, src in [("data", cfg.data)] if mix is None else [(f"{mix_key}[{i}]", s) for i, s in enumerate(mix)]:
+        if src.split != "train" and is_local_data(src.name):  # else silently ignored (a config_name is only unused)
+            raise ConfigError(f"{key}.split={src.split!r} picks a split of a hub dataset; {key}.name={src.name} has none: "
+                              f"drop {key}.split (or give the file of that split as {key}.name)")
     eval_key, eval_name = ("eval.name", cfg.eval.name) if cfg.eval.name else ("data.name", cfg.data.name)
     local = [s.name for s in mix if is_local_data(s.name)] if mix is not None and not cfg.eval.name else \
         [eval_name] if is_local_data(eval_name) else []

@@ -104,14 +104,16 @@ def check_eval_config(cfg: Config) -> None:
 @torch.no_grad()
 def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, num_samples: int = 1,
                    temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16, share_prompt: bool = True,
-                   on_batch: Callable[[int, Generated], None] | None = None) -> Generated:
+                   on_batch: Callable[[int, Generated], None] | None = None, stop_strings: list[str] = ()) -> Generated:
     """num_samples completions per rendered prompt, batch_size prompts per generate call (left padded);
-    greedy when temperature == 0. Completions end at (and include) the first EOS. share_prompt:
+    greedy when temperature == 0. Completions end at (and include) the first EOS, or a stop string
+    (rollout.stop_strings: they end training's completions, so they end these too). share_prompt:
     each prompt is prefilled once for its num_samples rows (rollout.prefill_shared). on_batch(first
     prompt's index, that batch's completions) runs after each call."""
     as_gen = lambda r: Generated(r.texts, r.completion_mask.sum(1).long().tolist(), r.truncated.tolist())  # noqa: E731
     r = rollout.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples, max_new_tokens, temperature, top_p,
-                                share_prompt=share_prompt, on_slice=on_batch and (lambda s, part: on_batch(s, as_gen(part))))
+                                share_prompt=share_prompt, stop_strings=list(stop_strings),
+                                on_slice=on_batch and (lambda s, part: on_batch(s, as_gen(part))))
     return as_gen(r)
 
 
@@ -129,6 +131,7 @@ def generation_key(entry: ModelEntry, mcfg: ModelConfig, cfg: Config, prompts: l
     what = [entry.kind, entry.target, mcfg.name, mcfg.revision, str(device), str(pick_dtype(mcfg.dtype, device)), mcfg.quant,
             _weights_stamp(entry.target),
             _weights_stamp(mcfg.name), e.max_new_tokens, e.num_samples, e.temperature, e.top_p, cfg.run.seed, prompts]
+    what += [cfg.rollout.stop_strings] if cfg.rollout.stop_strings else []  # (keys from before they applied stay valid)
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:16]
 
 
@@ -157,7 +160,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
         save = lambda s, g: jsonl.append(path, [{"key": key, "start": p + s, "texts": g.texts, "num_tokens": g.num_tokens,  # noqa: E731
                                                  "truncated": g.truncated}])
         rest = generate_local(model, tok, prompts[p:], e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size,
-                              cfg.grpo.share_prompt is not False, on_batch=save)
+                              cfg.grpo.share_prompt is not False, on_batch=save, stop_strings=cfg.rollout.stop_strings)
         done = Generated(done.texts + rest.texts, done.num_tokens + rest.num_tokens, done.truncated + rest.truncated)
     return done
 
@@ -177,7 +180,7 @@ def held_out_sources(cfg: Config) -> list[Source]:
     e, data = cfg.eval, cfg.data
     if e.name:
         data = dataclasses.replace(data, name=e.name, config_name=e.config_name or data.config_name, mixture=None,
-                                   presets={}, preset=None, split_seed=None, select=None)
+                                   presets={}, preset=None, split_seed=None, select=None, num_examples=0)  # eval.limit caps it
     sources = load_sources(data, select=e.select, split=e.split, key="eval.name" if e.name else "data.name")
     return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
 
@@ -190,7 +193,8 @@ def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
     """A local model's eval.num_samples completions of each row, decoded as the eval section says."""
     e = cfg.eval
     return generate_local(model, tok, rollout.render_rows(tok, rows, cfg.data), e.max_new_tokens, e.num_samples,
-                          e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt is not False)
+                          e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt is not False,
+                          stop_strings=cfg.rollout.stop_strings)
 
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,

@@ -62,6 +62,9 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
     base = f"`{m.name}`" + (f" (revision `{m.revision}`)" if m.revision else "") + (
         f" (minigrpo's built-in model, de-quantized from `{BUILTIN[m.name][1]}`)" if m.name in BUILTIN else "")
     rewards = ", ".join(f"{s.name} x {s.weight:g}" for s in cfg.rewards)
+    last = Path(prov["merged"][-1]["adapter"]) / "adapter_config.json" if prov["merged"] else None
+    shape = json.loads(last.read_text()) if last and last.is_file() else {}  # the adapter's own (a continued one kept it)
+    lora_r, lora_alpha = shape.get("r", cfg.lora.r), shape.get("lora_alpha", cfg.lora.alpha)
     if cfg.mode == "sft":
         kind, training = "An SFT fine-tune", f"supervised on `{data_label(cfg.data)}` (target `{cfg.data.target}`)"
     elif cfg.mode == "dpo":
@@ -77,7 +80,7 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         f"- base: {base}", "- adapters merged, in order:",
         *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)" for i, a in enumerate(prov["merged"], 1)],
         f"- weights: {dtype}", f"- training (the final adapter's config): {training}; "
-        f"{cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {cfg.lora.r} alpha {cfg.lora.alpha}"
+        f"{cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {lora_r} alpha {lora_alpha}"
         + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",

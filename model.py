@@ -311,6 +311,16 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
                           "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
+    if continuing:  # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
+        own = model.peft_config["default"]
+        differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})" for k, v in (("r", own.r), ("alpha", own.lora_alpha))
+                  if getattr(lcfg, k) != v]
+        if isinstance(lcfg.target_modules, list) and set(lcfg.target_modules) != set(own.target_modules or ()):
+            differ.append(f"lora.target_modules={lcfg.target_modules} (the adapter's: {sorted(own.target_modules or ())})")
+        if differ:
+            raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own LoRA shape, so {'; '.join(differ)} "
+                              "would not apply: set lora.* to the adapter's, or model.merge_init_adapter: true for a fresh "
+                              "LoRA of this shape on top of it")
     if mcfg.gradient_checkpointing:  # also makes the embeddings' output require grad, so LoRA's gradients flow
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:
@@ -320,6 +330,8 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         try:
             model = get_peft_model(model, peft_cfg)
         except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model does not have
+            if "target modules" not in str(e).lower():  # (lora.dropout and the rest are checked in config.py)
+                raise
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
             if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:  # one name, given as a string
                 raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other than all-linear is read by "

@@ -229,3 +229,28 @@ def test_a_config_that_is_not_text_and_a_section_left_empty(tmp_path):
     child.write_text(f"extends: {Path('configs/quickstart.yaml').resolve()}\nrun:\n")
     with pytest.raises(ConfigError, match="run is empty"):
         load_config(child)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--lora.alpha=0", r"lora.alpha must be > 0"),  # the update scaled to nothing
+    ("--optim.lr=0", r"optim.lr must be > 0"),
+    ("--lora.dropout=1.5", r"lora.dropout must be in \[0, 1\)"),  # not blamed on target_modules
+    ("--rollout.max_prompts_per_step=8", r"needs rollout.resample_zero_std: true"),  # ignored without it
+    ("--rollout.vllm_sleep=true", r"rollout.vllm_sleep .* needs rollout.engine: vllm"),
+])
+def test_settings_that_would_train_nothing_or_be_ignored_are_refused(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, MINIMAL), [override])
+    cfg = load_config(write(tmp_path, MINIMAL), ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=8"])
+    assert cfg.rollout.max_prompts_per_step == 8
+    with pytest.raises(ConfigError, match=r">= prompts_per_step \(4\)"):
+        load_config(write(tmp_path, MINIMAL), ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2"])
+
+
+def test_every_recipe_writes_its_own_run_directory():
+    """A config that extends another and forgets run.out_dir would train into (or --resume) the other's run."""
+    from pathlib import Path
+    dirs = {}
+    for path in sorted(Path("configs").glob("*.yaml")):
+        dirs.setdefault(load_config(path).run.out_dir, []).append(path.name)
+    assert {d: names for d, names in dirs.items() if len(names) > 1} == {}

@@ -390,3 +390,6 @@ def test_a_split_of_a_local_file_is_refused_not_ignored(tmp_path):
     with pytest.raises(ConfigError, match="data.split='test' picks a split of a hub dataset"):
         load_config(None, ["--data.name=tests/fixtures/gsm8k_sample.jsonl", "--data.split=test",
                            "--rewards=[{name: answer_match}]"])
+    with pytest.raises(ConfigError, match=r"data.mixture\[1\].split='test' picks a split of a hub dataset; "
+                                          r"data.mixture\[1\].name=b.jsonl has none"):  # a source's too (it was ignored)
+        load_config(None, ["--data.name=null", "--data.mixture=[{name: a.jsonl}, {name: b.jsonl, split: test}]"])

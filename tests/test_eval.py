@@ -668,3 +668,25 @@ def test_rewards_see_the_think_block_the_models_template_opens_and_the_record_ke
     assert ev.main(["--config", str(cfg), "--models", "base"]) == 0
     assert seen == {("<think>\n", "")}
     assert not any("assistant_prefix" in p for p in lines(tmp_path / "eval" / "predictions_base.jsonl"))
+
+
+def test_eval_ends_completions_at_training_s_stop_strings_and_reads_eval_name_whole(tmp_path, monkeypatch):
+    """rollout.stop_strings end training's completions, so they end eval's too (and key its resumable
+    batches); eval.name's file is read whole, not cut at data.num_examples (eval.limit caps it)."""
+    import rollout
+    from config import Config, DataConfig, EvalConfig, RolloutConfig
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(12)))
+    cfg = Config(data=DataConfig(name="arithmetic", num_examples=5), eval=EvalConfig(name=str(test)),
+                 rollout=RolloutConfig(stop_strings=["</answer>"]))
+    assert len(ev.held_out_rows(cfg)) == 12
+    seen = {}
+
+    def fake(model, tok, prompts, per_call, *args, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(rollout, "generate_in_slices", fake)
+    monkeypatch.setattr(rollout, "render_rows", lambda tok, rows, data: [r["prompt"] for r in rows])
+    with pytest.raises(RuntimeError, match="stop here"):
+        ev.generate_rows(None, None, ev.held_out_rows(cfg)[:2], cfg)
+    assert seen["stop_strings"] == ["</answer>"]

@@ -261,6 +261,13 @@ def test_the_model_card_says_how_the_run_trained_sft_grpo_or_dpo_and_names_a_mix
     card = export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
     assert "A DPO fine-tune" in card and "tags: [minigrpo, dpo]" in card and "(`chosen` over `rejected`), beta 0.2" in card
 
+def test_the_model_card_gives_the_final_adapter_s_own_lora_shape(tmp_path):
+    """An adapter continued from an SFT run keeps that run's shape, whatever lora.* said (older runs)."""
+    from config import Config
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 16}))
+    card = export.model_card("me/m", Config(), {"merged": [{"adapter": str(tmp_path), "sha256": "0" * 64}]}, "bfloat16")
+    assert "LoRA r 8 alpha 16" in card
+
 
 def test_verify_reloads_the_export_and_refuses_a_template_that_renders_otherwise(trained, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"

@@ -93,8 +93,12 @@ def test_grpo_starts_from_the_sft_policy(sft_config, tmp_path, merge):
     mcfg = ModelConfig(name=cfg["model"]["name"])
     sft_model, tok = load_inference(mcfg, torch.device("cpu"), adapter=sft_run)
     base_model, _ = load_inference(mcfg, torch.device("cpu"))
-    policy, _ = load_policy(ModelConfig(name=cfg["model"]["name"], init_adapter=sft_run, merge_init_adapter=merge),
-                            LoraConfig(r=4), torch.device("cpu"))
+    mcfg_from_sft = ModelConfig(name=cfg["model"]["name"], init_adapter=sft_run, merge_init_adapter=merge)
+    if not merge:  # a continued adapter keeps its shape: a config asking for another is refused, not saved as if applied
+        with pytest.raises(ConfigError, match=r"continued with its own LoRA shape, so lora.r=4 \(the adapter's: 8\); "
+                                              r"lora.alpha=32 \(the adapter's: 16\) would not apply"):
+            load_policy(mcfg_from_sft, LoraConfig(r=4), torch.device("cpu"))
+    policy, _ = load_policy(mcfg_from_sft, LoraConfig(r=4) if merge else LoraConfig(r=8, alpha=16), torch.device("cpu"))
     enc = tok(["What is 3 + 1? The answer is 4.", "Hello world"], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         want = logprobs.sequence_log_probs(sft_model, enc.input_ids, enc.attention_mask, 3)
