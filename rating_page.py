@@ -15,12 +15,18 @@ page, which refuses forms from other sites), `ids` (the comma-separated item ids
                          all saved, {"saved": n}, or none, 400 {"error": why}; as the form, a rating
                          of an item rated meanwhile is skipped, not counted twice
     GET  /stats, /export the counts (JSON) and the rated items (JSON Lines), as ratings.py's commands
+
+Requests are answered only when addressed to an IP address, localhost or a name given with
+--allow-host (no DNS rebinding of another site's name onto the page); a client that stops reading
+holds its own thread for at most 30 s, never the others' (replies are sent outside the store's lock).
 """
 from __future__ import annotations
 
 import hmac
 import html
+import ipaddress
 import json
+import os
 import secrets
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +42,7 @@ fieldset{{border:0;padding:.3em 0}} legend{{font-weight:bold}} .err{{color:#b00}
 <p>{counts} &middot; <a href="/stats">stats</a> &middot; <a href="/export">export</a></p>{body}</body></html>"""
 
 
-def render_page(store: Store, token: str, error: str | None = None) -> str:
+def render_page(store: Store, token: str, error: str | None = None, note: str | None = None) -> str:
     pending = store.pending()
     counts = f"{len(pending)} to rate, {len(store.items) - len(pending)} rated"
     if not pending:
@@ -51,7 +57,7 @@ def render_page(store: Store, token: str, error: str | None = None) -> str:
             for v in range(lo, hi + 1)) + "</fieldset>" for c in it["criteria"])
     answers = "".join(f"<h3>Answer {n}</h3><pre>{html.escape(it['completion'])}</pre>{choices(it)}"
                       for n, it in enumerate(group, 1))
-    body = ((f'<p class="err">{html.escape(error)}</p>' if error else "")
+    body = ((f'<p class="err">{html.escape(error)}</p>' if error else "") + (f"<p>{html.escape(note)}</p>" if note else "")
             + f"<h3>Prompt</h3><pre>{html.escape(group[0]['prompt'])}</pre>"
             + f"<p>{len(group)} answer(s) to this prompt. {lo} = worst, {hi} = best; training learns from "
             + "how they compare, so rate them against each other.</p>"
@@ -72,53 +78,87 @@ def page_token(dir: str | Path) -> str:
     if len(token) < 16 or not (token.isascii() and token.replace("-", "").replace("_", "").isalnum()):
         token = secrets.token_urlsafe(16)
         jsonl.write_atomic(path, token + "\n")
+    os.chmod(path, 0o600)  # the owner's: another user on the machine cannot post with it
     return token
 
 
-def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
+def _printable(text: str) -> str:
+    """A request line as the log may show it: control characters (a terminal's escape codes) as \\x.."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def host_allowed(host_header: str | None, allow: tuple[str, ...] = ()) -> bool:
+    """A Host header the page answers: an IP address (a rebinding attack needs a name it controls),
+    localhost, or a name in `allow` (--allow-host).
+
+    >>> host_allowed("127.0.0.1:8000"), host_allowed("[::1]:8000"), host_allowed("evil.example"), host_allowed("box", ("box",))
+    (True, True, False, True)
+    """
+    name = (host_header or "").strip()
+    name = name[1:].split("]")[0] if name.startswith("[") else name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name.lower() in ("localhost", *(a.lower() for a in allow))
+
+
+def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
+                allow_hosts: tuple[str, ...] = ()) -> ThreadingHTTPServer:
     """The rating page on (host, port); port 0 picks a free one (server.server_port).
 
-    It has no login. Two guards against other web pages the rater has open: on a loopback address
-    it answers only requests addressed to localhost (no DNS rebinding onto /export), and a form is
-    saved only with the token of the page that showed it (no rating posted from another site)."""
+    It has no login. Two guards against other web pages the rater has open: it answers only
+    requests addressed to an IP address, localhost or an allow_hosts name (no DNS rebinding onto
+    /export), and a form is saved only with the token of the page that showed it (no rating posted
+    from another site); frames are refused (no clickjacking)."""
     store = store_for(dir)
     token = ""  # page_token(dir), once the address is bound: a bad --port or --host leaves no folder behind
-    loopback = host in ("127.0.0.1", "localhost", "::1")
+    allow = (host, *allow_hosts)
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = 30  # a client that stops reading (or never sends) gives up its thread after this
+
         def _send(self, code: int, body: str, ctype: str = "text/html; charset=utf-8", **headers) -> None:
-            data = body.encode()
+            data = body.encode("utf-8", "replace")  # a lone surrogate in a queued prompt: shown as ?, not a crash
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            self.send_header("X-Frame-Options", "DENY")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; "
+                             "form-action 'self'; frame-ancestors 'none'")
             for k, v in headers.items():
                 self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
 
         def _refused(self) -> bool:
-            name = (self.headers.get("Host") or "").rsplit(":", 1)[0].strip("[]")
-            if loopback and name not in ("127.0.0.1", "localhost", "::1"):
-                self._send(403, "this page answers only at localhost", "text/plain")
+            if not host_allowed(self.headers.get("Host"), allow):
+                self._send(403, "this page answers at an IP address, localhost or a name given with "
+                           "ratings.py serve --allow-host", "text/plain")
                 return True
             return False
 
         def do_GET(self) -> None:
             if self._refused():
                 return
-            path = self.path.split("?")[0]
-            with store.lock:
+            path, _, query = self.path.partition("?")
+            with store.lock:  # the reply is built under the lock and sent after it: a slow reader holds only itself
                 store.refresh()
                 if path == "/":
-                    return self._send(200, render_page(store, token))
-                if path == "/stats":
-                    return self._send(200, json.dumps(store.stats(), indent=1), "application/json")
-                if path == "/export":
-                    lines = "".join(json.dumps(r) + "\n" for r in store.rated_items())
-                    return self._send(200, lines, "application/jsonl; charset=utf-8")
-                if path == "/api/pending":
-                    return self._send(200, json.dumps({"pending": store.pending()}), "application/json")
-            self._send(404, "not found", "text/plain")
+                    taken = urllib.parse.parse_qs(query).get("taken", ["0"])[0]
+                    note = (f"{taken} of the answers you rated had been rated by someone else meanwhile; theirs "
+                            "was kept, yours was not saved" if taken.isdigit() and taken != "0" else None)
+                    reply = (200, render_page(store, token, note=note), "text/html; charset=utf-8")
+                elif path == "/stats":
+                    reply = (200, json.dumps(store.stats(), indent=1), "application/json")
+                elif path == "/export":
+                    reply = (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()), "application/jsonl; charset=utf-8")
+                elif path == "/api/pending":
+                    reply = (200, json.dumps({"pending": store.pending()}), "application/json")
+                else:
+                    reply = (404, "not found", "text/plain")
+            self._send(*reply)
 
         def do_POST(self) -> None:
             if self._refused():
@@ -137,13 +177,16 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
             form = {k: v[0] for k, v in urllib.parse.parse_qs(body).items()}
             with store.lock:
                 store.refresh()
-                if not hmac.compare_digest(form.get("token", ""), token):
-                    return self._send(403, render_page(store, token, "this form came from an older page or "
-                                                       "another site: nothing saved; rate the answers below"))
-                saved = store.rate(form)
-                if isinstance(saved, str):
-                    return self._send(400, render_page(store, token, saved))
-            self._send(303, "", Location="/")
+                location = None
+                if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
+                    code, page = 403, render_page(store, token, "this form came from an older page or another site: "
+                                                  "nothing saved; rate the answers below")
+                elif isinstance(saved := store.rate(form), str):
+                    code, page = 400, render_page(store, token, saved)
+                else:  # items someone else rated meanwhile were skipped: the next page says so
+                    asked = len(set(filter(None, form.get("ids", "").split(","))))
+                    code, page, location = 303, "", f"/?taken={asked - saved}" if saved < asked else "/"
+            self._send(code, page, **({"Location": location} if location else {}))
 
         def _api_rate(self, body: str) -> None:
             """POST /api/rate: JSON only (a cross-site page cannot send it unasked), checked as the form is."""
@@ -156,21 +199,22 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000) -> T
                 form = {"ids": ",".join(r["id"] for r in given)}
                 for r in given:
                     form |= {f"{r['id']}.{c}": json.dumps(v) for c, v in r["scores"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # RecursionError: [[[[...
                 return reply(400, {"error": 'expected {"ratings": [{"id": ..., "scores": {criterion: N}}, ...]}'})
             if len({r["id"] for r in given}) < len(given):
                 return reply(400, {"error": "an item is rated twice in this request; send one rating per item"})
             with store.lock:
                 store.refresh()
-                for r in given:  # a criterion the item is not rated on is a typo, not something to drop
-                    if (item := store.items.get(r["id"])) and (extra := sorted(set(r["scores"]) - set(item["criteria"]))):
-                        return reply(400, {"error": f"item {r['id']!r} is rated on {item['criteria']}, not {extra[0]!r}"})
-                saved = store.rate(form)
+                extra = next(((r["id"], item["criteria"], bad[0]) for r in given if (item := store.items.get(r["id"]))
+                              and (bad := sorted(set(r["scores"]) - set(item["criteria"])))), None)
+                saved = store.rate(form) if extra is None else None  # a criterion not rated on: a typo, not dropped
+            if extra is not None:
+                return reply(400, {"error": f"item {extra[0]!r} is rated on {extra[1]}, not {extra[2]!r}"})
             return reply(400, {"error": saved}) if isinstance(saved, str) else reply(200, {"saved": saved})
 
         def log_message(self, fmt, *args) -> None:  # one line per rating, not one per page view
             if self.command == "POST":
-                say(f"{self.address_string()} {fmt % args}")
+                say(f"{self.address_string()} {_printable(fmt % args)}")
 
     server = ThreadingHTTPServer((host, port), Handler)
     token = page_token(dir)

@@ -37,8 +37,11 @@ a script can also append to ratings.jsonl in the format above.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import fcntl
 import hashlib
+import ipaddress
 import json
 import math
 import sys
@@ -288,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["serve", "stats", "export"])
     p.add_argument("--dir", required=True, help="the ratings folder named by the human reward's args.dir")
-    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login)")
+    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login: keep it "
+                   "127.0.0.1 and let raters in through an SSH tunnel)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a host name the page may "
+                   "be addressed by besides IP addresses and localhost (repeatable), e.g. the machine's name on a trusted network")
     p.add_argument("--port", type=int, default=8000, help="serve: port")
     args = p.parse_args(argv)
     if args.command != "serve":
@@ -296,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)
             return 2
         if not any((Path(args.dir) / n).is_file() for n in (QUEUE, RATINGS)) and \
-                any(f.name not in ("page_token", "page_token.tmp") for f in Path(args.dir).iterdir()):
+                any(f.name not in ("page_token", "page_token.tmp", "serve.lock") for f in Path(args.dir).iterdir()):
             print(f"error: {args.dir} holds no {QUEUE} or {RATINGS}: is it the human reward's args.dir?", file=sys.stderr)
             return 2  # an empty folder is one `serve` made before anything was queued: zero counts
         store = store_for(args.dir)
@@ -316,14 +322,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
         return 2
     from rating_page import make_server  # it imports this module
+    lock = open(Path(args.dir) / "serve.lock", "a")  # held while serving: a second server would count ratings twice
     try:
-        server = make_server(args.dir, args.host, args.port)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"error: another `ratings.py serve` is using {args.dir}; rate on its page (two servers on one folder "
+              "can count one item's ratings twice)", file=sys.stderr)
+        return 2
+    try:
+        server = make_server(args.dir, args.host, args.port, tuple(args.allow_host))
     except OSError as e:
+        lock.close()
+        (Path(args.dir) / "serve.lock").unlink(missing_ok=True)
         for d in created:
             d.rmdir()  # nothing is left behind by a start that failed
         why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
         return 2
+    with contextlib.suppress(ValueError):
+        if not ipaddress.ip_address(args.host).is_loopback:
+            print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the page has no login); "
+                  "127.0.0.1 with an SSH tunnel keeps it to the raters you let in", file=sys.stderr)
     print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")
     try:
         server.serve_forever()

@@ -5,6 +5,7 @@ import http.client
 import json
 import math
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -225,9 +226,9 @@ def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
     url, _ = page
     port = int(url.rsplit(":", 1)[1])
 
-    def status(method, host, body=None, headers=()):
+    def status(method, host, body=None, headers=(), path=None):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        c.putrequest(method, "/export" if method == "GET" else "/rate", skip_host=True)
+        c.putrequest(method, path or ("/export" if method == "GET" else "/rate"), skip_host=True)
         c.putheader("Host", host)
         for k, v in headers:
             c.putheader(k, v)
@@ -239,6 +240,55 @@ def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
     assert status("GET", f"evil.example:{port}") == 403  # DNS rebinding: another site's name for 127.0.0.1
     assert status("POST", f"127.0.0.1:{port}", b"x", [("Content-Length", "-1")]) == 400
     assert status("POST", f"127.0.0.1:{port}", b"\xff\xfe", [("Content-Length", "2")]) == 400
+    assert status("POST", f"127.0.0.1:{port}", b"token=%C3%A9&ids=x", [("Content-Length", "18")]) == 403  # not a crash
+    nested = b'{"ratings": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert status("POST", f"127.0.0.1:{port}", nested, [("Content-Length", str(len(nested))), ("Content-Type", "application/json")],
+                  "/api/rate") == 400
+    with urllib.request.urlopen(url + "/", timeout=10) as r:  # no framing by other sites, no sniffing
+        assert r.headers["X-Frame-Options"] == "DENY" and "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
+
+
+def test_an_address_or_an_allowed_name_reaches_the_page_and_a_slow_reader_blocks_no_one(tmp_path):
+    """Bound beyond loopback, the page still refuses names it was not given (rebinding works through
+    names, not addresses); a client that stops reading holds only its own thread."""
+    ratings._STORES.clear()
+    server = make_server(tmp_path / "r", host="0.0.0.0", port=0, allow_hosts=("gpu-box",))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    jsonl.append(tmp_path / "r" / "queue.jsonl", [  # big enough that /export fills the socket's buffers (about 12 MB)
+        {"id": f"i{i}", "batch": 1, "prompt": "p" * 2000, "completion": "c" * 2000, "criteria": CRITERIA, "scale": [1, 5],
+         "time": 0} for i in range(3000)])
+    jsonl.append(tmp_path / "r" / "ratings.jsonl", [{"id": f"i{i}", "scores": {c: 3 for c in CRITERIA}} for i in range(3000)])
+    try:
+        def code(host):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            c.putrequest("GET", "/stats", skip_host=True)
+            c.putheader("Host", host)
+            c.endheaders()
+            out = c.getresponse().status
+            c.close()
+            return out
+        assert [code(h) for h in (f"10.1.2.3:{port}", f"[::1]:{port}", f"gpu-box:{port}", f"evil.example:{port}")] == [200, 200, 200, 403]
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(f"GET /export HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())  # and never reads
+        time.sleep(1)
+        t0 = time.monotonic()
+        assert code(f"127.0.0.1:{port}") == 200 and time.monotonic() - t0 < 5
+        stalled.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        ratings._STORES.clear()
+
+
+def test_a_second_server_on_one_folder_is_refused(tmp_path, capsys):
+    """Two servers would each skip only the items rated through themselves: one item rated twice."""
+    import fcntl
+    (tmp_path / "r").mkdir()
+    with open(tmp_path / "r" / "serve.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert ratings.main(["serve", "--dir", str(tmp_path / "r"), "--port", "0"]) == 2
+    assert "another `ratings.py serve` is using" in capsys.readouterr().err
 
 
 def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line(tmp_path):
