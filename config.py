@@ -167,7 +167,7 @@ class RunConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept whole (what --resume needs)
     keep_adapters: bool = True  # older checkpoints keep their LoRA adapter (MBs, not the optimizer state), for eval.py
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
-    samples_per_log: int = 4  # completions written each time
+    samples_per_log: int = 0  # completions written each time, the step's first ones (0: one whole group, G of them)
     report_to: Literal["none", "wandb", "trackio"] = "none"  # also send each step's metrics to Weights & Biases
     #   or Trackio (pip install wandb / trackio; their own env vars, e.g. WANDB_API_KEY, WANDB_MODE=offline, apply)
     project: str = "minigrpo"  # the tracker's project; the run is named after run.out_dir
@@ -280,6 +280,7 @@ def _check(cfg: Config) -> None:
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
     non_negative = {"run.save_every": cfg.run.save_every, "run.sample_every": cfg.run.sample_every,
+                    "run.samples_per_log": cfg.run.samples_per_log,
                     "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,

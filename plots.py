@@ -2,7 +2,8 @@
 
     python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png, ...: a line per run
     python plots.py runs/a --metrics reward kl --smooth 0.9 --out plots/a
-    python plots.py --eval runs/eval/results.json          # plots/eval_<metric>.png: a bar per model
+    python plots.py --eval runs/eval/results.json          # plots/heldout_<metric>.png: a bar per model
+                                                           # (not eval_: run.eval_every's curves are eval/<metric>)
 
 Curves: each run's metrics.jsonl against `step`, labelled with the run directory's name. Default
 metrics: reward, every rewards/<name>/mean, eval/reward and eval/accuracy (run.eval_every), kl, entropy,
@@ -143,7 +144,7 @@ def plot_eval(plt, models: dict[str, dict[str, float]], metrics: list[str], out:
         ax.set(title=metric, ylabel=metric)
         ax.tick_params(axis="x", labelrotation=20 if len(bars) > 3 else 0)
         ax.grid(axis="y", alpha=0.3)
-        written.append(save(plt, fig, out, metric, "eval_"))
+        written.append(save(plt, fig, out, metric, "heldout_"))
     return written
 
 

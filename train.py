@@ -119,6 +119,7 @@ class Run:
     phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out rows, syncing to
     #   vLLM): out of GPU memory, out_of_memory's advice fits it
     ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
+    changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -164,6 +165,11 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints")  # 
 def setup(args, overrides: list[str]) -> Run:
     """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
     cfg = load_config(args.config, overrides)
+    home = Path(args.config).parent  # a run's own config.yaml, in a copied or moved run, names the old folder
+    if Path(args.config).name == "config.yaml" and (home / "metrics.jsonl").is_file() and \
+            home.resolve() != Path(cfg.run.out_dir).resolve() and not any(o.startswith("--run.out_dir=") for o in overrides):
+        raise ConfigError(f"{args.config} is the config of the run in {home}, but its run.out_dir is {cfg.run.out_dir} (a "
+                          f"copied or moved run?): add --run.out_dir={home} to use this one, or --run.out_dir={cfg.run.out_dir}")
     vllm_engine.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
@@ -177,6 +183,7 @@ def setup(args, overrides: list[str]) -> Run:
         raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to continue; "
                           "check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
+    changed = []
     if ckpts:
         before = flat(config_to_dict(load_config(ckpts[-1] / "config.yaml")))
         changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items() if before.get(k) != v)  # as saved
@@ -258,7 +265,7 @@ def setup(args, overrides: list[str]) -> Run:
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r, start=start)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
-               scheduler, scaler, sampler, judges, start, engine, eval_rows)
+               scheduler, scaler, sampler, judges, start, engine, eval_rows, changed=changed)
 
 
 def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
@@ -388,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     created = not run_dir.exists()  # a run stopped before its first checkpoint removes only what it made
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    if not start:  # config.yaml stays the config the run started with; a resume that changes settings adds its own
+        save_config(cfg, run_dir / "config.yaml")
+    elif r.changed:
+        save_config(cfg, run_dir / f"config_resumed_step_{start:06d}.yaml")
     metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
     for p in (metrics_path, samples_path):
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
@@ -437,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             if tracker:
                 tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if cfg.run.sample_every and step % cfg.run.sample_every == 0:
-                jsonl.append(samples_path, [{"step": step, **s} for s in shown[: cfg.run.samples_per_log]])
+                n = cfg.run.samples_per_log or cfg.rollout.num_generations  # 0: the first group, whole
+                jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
             if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):

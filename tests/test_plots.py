@@ -66,8 +66,22 @@ def test_eval_results_give_one_bar_chart_per_metric(tmp_path):
                                               "runs/grpo": {"accuracy": 0.58, "pass@1": 0.58, "n": 200}}}))
     out = tmp_path / "plots"
     assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["eval_accuracy.png", "eval_n.png", "eval_pass_1.png"]
-    assert (out / "eval_accuracy.png").read_bytes().startswith(PNG)
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png", "heldout_n.png", "heldout_pass_1.png"]
+    assert (out / "heldout_accuracy.png").read_bytes().startswith(PNG)
+
+
+def test_held_out_bars_and_eval_every_curves_share_a_folder_without_overwriting(tmp_path):
+    """The README's ablation writes both into plots/ablation: eval/reward's curve and the reward bar differ."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "eval/reward": 0.1 * s}) + "\n" for s in (1, 2)))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"models": {"base": {"reward": 0.4}, "run": {"reward": 0.6}}}))
+    out = tmp_path / "plots"
+    assert plots.main([str(run), "--metrics", "eval/reward", "--out", str(out)]) == 0
+    assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["eval_reward.png", "heldout_reward.png"]
 
 
 def test_eval_results_in_the_nested_shape_eval_py_writes(tmp_path):
@@ -78,7 +92,7 @@ def test_eval_results_in_the_nested_shape_eval_py_writes(tmp_path):
         "trained": {"kind": "adapter", "source": "runs/q", "metrics": {"accuracy": 0.75, "n": 100}}}}))
     out = tmp_path / "plots"
     assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["eval_accuracy.png", "eval_n.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png", "heldout_n.png"]
 
 
 @pytest.mark.parametrize("argv, says", [(["missing_run"], "no metrics.jsonl"), (["--eval", "nope.json"], "--eval nope.json"),

@@ -92,6 +92,24 @@ def test_resume_with_a_changed_lr_uses_it_from_the_next_update(setup, capsys):
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == [0.01, 0.001]
     state = torch.load(run / "checkpoints/step_000002/trainer_state.pt", weights_only=False)
     assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5 and state["scheduler"]["last_epoch"] == 2
+    started = yaml.safe_load((run / "config.yaml").read_text())  # the config the run started with, kept as it was
+    resumed = yaml.safe_load((run / "config_resumed_step_000001.yaml").read_text())  # and the resume's, from its step
+    assert (started["optim"]["lr"], resumed["optim"]["lr"], resumed["run"]["steps"]) == (0.01, 0.001, 2)
+
+
+def test_a_copied_run_s_config_does_not_resume_the_original(setup, capsys):
+    """cp -r runs/a runs/b; train.py --config runs/b/config.yaml --resume would have trained runs/a."""
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
+    copy = run.parent / "copy"
+    shutil.copytree(run, copy)
+    assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--run.steps=2"]) == 2
+    assert f"is the config of the run in {copy}, but its run.out_dir is {run}" in capsys.readouterr().err
+    assert len(lines(run / "metrics.jsonl")) == 1  # the original untouched
+    assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--run.steps=2", f"--run.out_dir={copy}"]) == 0
+    assert len(lines(copy / "metrics.jsonl")) == 2 and len(lines(run / "metrics.jsonl")) == 1
+    samples = lines(copy / "samples.jsonl")  # run.samples_per_log 0: the step's first group, all G = 4 of it
+    assert len([x for x in samples if x["step"] == 2]) == 4 and len({x["prompt"] for x in samples if x["step"] == 2}) == 1
 
 
 
