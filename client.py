@@ -139,9 +139,11 @@ def _looks_like_a_key(name: str) -> bool:
     >>> _looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"), _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6")
     (False, True, True)
     """
-    if re.match(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_]", name, re.I) and not name.isupper():
+    if re.fullmatch(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_][A-Za-z0-9_-]{8,}", name, re.I) and not name.isupper() \
+            and any(c.isdigit() for c in name):
         return True
-    return len(name) >= 20 and any(c.islower() for c in name) and any(c.isupper() for c in name) and any(c.isdigit() for c in name)
+    return len(name) >= 20 and "_" not in name and any(c.islower() for c in name) and any(c.isupper() for c in name) \
+        and any(c.isdigit() for c in name)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -424,10 +426,12 @@ class Judge:
                 self._warn_once("badbody", f"{self.label}: unusable response from {self._endpoint}: {type(e).__name__}")
                 self._note_failure(f"an unusable response ({type(e).__name__})")
                 return None
-            except ValueError:  # a 200 whose body is not JSON (a proxy's page, a cut body): the SDK's json() raised
+            except json.JSONDecodeError:  # a 200 labelled JSON whose body is not (a cut body): the SDK's json() raised
                 why, wait = "a response that is not JSON", None
             else:
-                return self._take_response(key, resp, accept)
+                if not isinstance(resp, str):  # the SDK hands back the text of a non-JSON content type (a proxy's page)
+                    return self._take_response(key, resp, accept)
+                why, wait = "a response that is not JSON", None
             if attempt < cfg.max_retries:
                 if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
                     wait = min(cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0), cfg.backoff_max_s)

@@ -141,8 +141,9 @@ def load_raw(cfg: DataConfig, key: str = "data.name"):
         except Exception as e:  # the hub raises many types; the user needs the first lines ("pick one among: ...")
             why = " ".join(line.strip() for line in str(e).splitlines()[:2]) or type(e).__name__
             config = f"config {cfg.config_name}, " if cfg.config_name else ""
+            missing = isinstance(e, ConnectionError) and not path.is_dir()  # datasets' "Couldn't reach": not cached
             raise DataError(f"could not load hub dataset {key}={cfg.name} ({config}split {cfg.split}): "
-                            f"{('' if path.is_dir() else hub_unreachable(cfg.name, 'dataset')) or why}") from None
+                            f"{(hub_unreachable(cfg.name, 'dataset') if missing else '') or why}") from None
         if cfg.num_examples:
             rows = rows.select(range(min(cfg.num_examples, len(rows))))
         return rows

@@ -179,8 +179,9 @@ def held_out_sources(cfg: Config) -> list[Source]:
     order), the first eval.limit of each when set."""
     e, data = cfg.eval, cfg.data
     if e.name:
-        data = dataclasses.replace(data, name=e.name, config_name=e.config_name or data.config_name, mixture=None,
-                                   presets={}, preset=None, split_seed=None, select=None, num_examples=0)  # eval.limit caps it
+        data = dataclasses.replace(data, name=e.name, config_name=e.config_name or data.config_name, revision=None,
+                                   mixture=None, presets={}, preset=None, split_seed=None, select=None,
+                                   num_examples=0)  # eval.limit caps it; data.revision is the training set's commit
     sources = load_sources(data, select=e.select, split=e.split, key="eval.name" if e.name else "data.name")
     return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
 

@@ -35,9 +35,11 @@ class JudgeScore:
 # --- parsing ---------------------------------------------------------------------------------------
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.S)  # reasoning judges: numbers in there are not the verdict
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
-# "Score: 7", "**Score**: 7.5", "Score (0-10): 7"; not the range in "a score of 1-10" (the last match counts)
-_SCORE_TEXT = re.compile(r"score(?:\s*\([^)]*\))?\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)(?!\d|\.\d|\s*(?:[-–]|to)\s*\d)", re.I)
-_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:/|out of)\s*\d+")  # "7/10", "7 out of 10" (the numerator as is)
+# "Score: 7", "**Score**: 7.5", "Score (0-10): 7"; not the range in "a score of 1-10". The last labelled one
+# ("Score: 7", "final score = 7") counts, else the first ("a score of 7"): "... a score of 9 would need ..." is not it
+_SCORE_TEXT = re.compile(r"score(?:\s*\([^)]*\))?\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)(?!\d|\.\d|[ \t]*(?:[-–]|to)[ \t]*\d)", re.I)
+_FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*\d+")  # "7/10" (the numerator as is)
+_OUT_OF = re.compile(r"(-?\d+(?:\.\d+)?)\s*out of\s*\d+")  # "7 out of 10", only without a "7/10" ("3 out of 5 claims ... 8/10")
 _LONE_NUMBER = re.compile(r"[\s*]*(-?\d+(?:\.\d+)?)[\s*]*\.?\s*")  # "8", "**8**"
 _NUMBER_TEXT = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
 
@@ -72,9 +74,10 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     A reasoning model's thinking is dropped first: everything up to its last </think> (templates that
     open <think> themselves send only the close), or an unclosed <think> block to the end.
     JSON next (a ```json block, the whole reply, or the first {...} in it): the "score" key, else the
-    criteria (all named ones must be numbers; without names, every numeric value of a reply that is
-    the object alone or fenced: an object quoted in prose is not a verdict), score = their mean.
-    Without a JSON verdict: the last "Score: 7", else "7/10" or "7 out of 10", else a lone number.
+    criteria (all named ones must be numbers; without names, every numeric value of a reply that
+    starts or ends with the object, or fences it: an object quoted mid-prose is not a verdict), score = their mean.
+    Without a JSON verdict: the last labelled "Score: 7" (else the first "score of 7"), else "7/10",
+    else "7 out of 10", else a lone number.
     Every value must lie in [score_min, score_max]; booleans, NaN and words are not numbers ("8" is).
 
     >>> parse_score('{"relevance": 6, "clarity": 8}')
@@ -88,7 +91,7 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
         return None
     text = _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
     obj = _first_json_object(text)
-    alone = text.startswith("{") and text.endswith("}") or _FENCE.search(text) is not None
+    alone = text.startswith("{") or text.endswith("}") or _FENCE.search(text) is not None
     if obj is not None and not criteria and "score" not in {str(k).lower() for k in obj} and not alone:
         obj = None  # {"a": 1, "b": 3} quoted in the judge's prose
     if obj is not None:  # a JSON verdict is final: never fall back to grabbing a number out of it
@@ -105,7 +108,9 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     elif criteria:
         return None  # named criteria can only come from JSON
     else:
-        m = ([*_SCORE_TEXT.finditer(text)] or [None])[-1] or _FRACTION.search(text) or _LONE_NUMBER.fullmatch(text)
+        ms = [*_SCORE_TEXT.finditer(text)]
+        labelled = [x for x in ms if re.search(r"[:=]", x.group(0))]
+        m = (labelled or ms[:1] or [None])[-1] or _FRACTION.search(text) or _OUT_OF.search(text) or _LONE_NUMBER.fullmatch(text)
         score, per = (float(m.group(1)) if m else None), {}
     if score is None or not all(score_min <= v <= score_max for v in [score, *per.values()]):
         return None

@@ -299,7 +299,7 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
                 beta_key: str = "grpo.beta"):
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
     starting from model.init_adapter when set: continued (the adapter keeps its own r, alpha and
-    target modules; lora.* are not used), or merged into the base under a fresh LoRA. beta > 0 (the
+    target modules, and lora.* must name them: else ConfigError), or merged into the base under a fresh LoRA. beta > 0 (the
     config key beta_key) means a reference policy, which a continued adapter cannot give. dropout:
     the LoRA layers keep lora.dropout (SFT); the base's own dropout is always off."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
@@ -309,14 +309,19 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     if continuing and beta > 0:  # the reference is the policy with its adapter off: here that is the base, not the SFT model
         raise ConfigError(f"{beta_key} > 0 with a continued model.init_adapter would pull the policy back to the base, not to "
                           "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    head = model.get_output_embeddings()  # peft's all-linear: every linear layer but the output head
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
     if continuing:  # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
         own = model.peft_config["default"]
         differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})" for k, v in (("r", own.r), ("alpha", own.lora_alpha))
                   if getattr(lcfg, k) != v]
-        if isinstance(lcfg.target_modules, list) and set(lcfg.target_modules) != set(own.target_modules or ()):
-            differ.append(f"lora.target_modules={lcfg.target_modules} (the adapter's: {sorted(own.target_modules or ())})")
+        wanted = linear if lcfg.target_modules == "all-linear" else lcfg.target_modules
+        theirs = {t.rsplit(".", 1)[-1] for t in own.target_modules or ()}  # names, or full paths (a saved all-linear)
+        if not isinstance(own.target_modules, str) and not isinstance(wanted, str) and set(wanted) != theirs:
+            differ.append(f"lora.target_modules={lcfg.target_modules} (the adapter's: {sorted(theirs)})")
         if differ:
             raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own LoRA shape, so {'; '.join(differ)} "
                               "would not apply: set lora.* to the adapter's, or model.merge_init_adapter: true for a fresh "

@@ -78,7 +78,7 @@ def page_token(dir: str | Path) -> str:
     if len(token) < 16 or not (token.isascii() and token.replace("-", "").replace("_", "").isalnum()):
         token = secrets.token_urlsafe(16)
         jsonl.write_atomic(path, token + "\n")
-    os.chmod(path, 0o600)  # the owner's: another user on the machine cannot post with it
+        os.chmod(path, 0o600)  # the owner's: another user on the machine cannot post with it
     return token
 
 

@@ -322,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
         return 2
     from rating_page import make_server  # it imports this module
-    lock = open(Path(args.dir) / "serve.lock", "a")  # held while serving: a second server would count ratings twice
+    try:
+        lock = open(Path(args.dir) / "serve.lock", "a")  # held while serving: a second server would count ratings twice
+    except OSError as e:
+        print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
+        return 2
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -339,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
         print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
         return 2
-    with contextlib.suppress(ValueError):
-        if not ipaddress.ip_address(args.host).is_loopback:
+    with contextlib.suppress(ValueError):  # the address bound: --host "" or a host name bind beyond loopback too
+        if not ipaddress.ip_address(server.server_address[0].split("%")[0] or "0.0.0.0").is_loopback:
             print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the page has no login); "
                   "127.0.0.1 with an SSH tunnel keeps it to the raters you let in", file=sys.stderr)
     print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")

@@ -289,9 +289,10 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                headers = dict(headers or {})
+                self.send_header("Content-Type", headers.pop("Content-Type", "application/json"))
                 self.send_header("Content-Length", str(len(data)))
-                for k, v in (headers or {}).items():
+                for k, v in headers.items():
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data)

@@ -287,6 +287,9 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
     with pytest.raises(DataError, match=r"cannot be reached from this machine and openai/gsm8k is not in its cache: "
                                         r"download it .*\(hf download openai/gsm8k --repo-type dataset --local-dir DIR\)"):
         load_rows(DataConfig(name="openai/gsm8k", prompt="q"))
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ValueError('Unknown split "validation".')))
+    with pytest.raises(DataError, match=r'Unknown split "validation"'):  # cached, offline, a wrong split: that is the error
+        load_rows(DataConfig(name="openai/gsm8k", split="validation", prompt="q"))
 
 
 def test_a_proxy_makes_the_hub_count_as_reachable(monkeypatch):
@@ -334,10 +337,11 @@ def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
     import precompute
     from config import Config, EvalConfig, PrecomputeConfig
     seen = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k["split"])) or [{"question": "x", "answer": "1"}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k["split"]) + ((k["revision"],) if k.get("revision")
+                                                                                         else ())) or [{"question": "x", "answer": "1"}])
     precompute.load_questions(PrecomputeConfig(questions="openai/gsm8k", config_name="main", split="test", question="{question}",
                                                gold_reward={"name": "answer_match"}))
-    data = DataConfig(name="openai/gsm8k", config_name="main", prompt="question")
+    data = DataConfig(name="openai/gsm8k", config_name="main", revision="abc123", prompt="question")  # the training set's commit
     ev.held_out_rows(Config(data=data, eval=EvalConfig(name="HuggingFaceH4/MATH-500", config_name="default", split="test")))
     ev.held_out_rows(Config(data=data, eval=EvalConfig(name="openai/gsm8k", split="test")))
     assert seen == [(("openai/gsm8k", "main"), "test"), (("HuggingFaceH4/MATH-500", "default"), "test"),

@@ -363,6 +363,18 @@ def test_a_key_pasted_as_api_key_env_is_refused_without_echoing_it(server):
         with pytest.raises(ValueError, match="NAME of the environment variable") as err:
             make_judge(server, api_key_env=key)
         assert key not in str(err.value)
+    for name in ("OPENAI_API_KEY_gpt4o", "AZURE_OPENAI_KEY_eastus2", "hf_token", "sk_key"):  # names people do use
+        assert make_judge(server, api_key_env=name).cfg.api_key_env == name
+
+
+def test_a_proxy_s_html_page_is_retried_and_a_request_that_cannot_be_built_is_not(server, monkeypatch):
+    server.script(Behaviour(raw="<html>502 Bad Gateway</html>", headers={"Content-Type": "text/html"}))
+    judge = make_judge(server, max_retries=1)
+    assert judge.complete_many([chat("a")]) == ['{"score": 7}'] and len(server.requests) == 2
+    monkeypatch.setenv(KEY_ENV, "sk-caf\u00e9")  # a key the HTTP header cannot carry: our error, not the server's
+    with pytest.raises(UnicodeEncodeError):
+        make_judge(server).complete_many([chat("b")])
+    assert len(server.requests) == 2
 
 
 def test_provider_cached_prompt_tokens_are_priced_at_their_own_rate(server):
@@ -524,6 +536,10 @@ def test_out_of_range_score_is_rejected(server):
     ('a score of 3 seems harsh</think>\n\nScore: 8', 8.0),  # a template opened <think>: only the close comes back
     ('Initially a score of 5; on reflection, final score: 7', 7.0),  # the last one is the verdict
     ('The code returns {"a": 1, "b": 3}. Score: 9', 9.0),  # an object quoted in prose is not a verdict
+    ('Score: 7\nTo reach a score of 9 it would need citations.', 7.0),  # a labelled score beats a hypothetical one
+    ('Score: 8\n- 2 citations are missing', 8.0),  # a bullet on the next line is not a range "8 - 2"
+    ('3 out of 5 claims are supported. Overall: 8/10', 8.0),
+    ('Here is my evaluation:\n{"accuracy": 8, "clarity": 6}', 7.0), ('{"accuracy": 8, "clarity": 6}\nThat is all.', 7.0),
 ])
 def test_parse_score_accepts(text, expected):
     assert parse_score(text, 0, 10).score == expected

@@ -98,6 +98,8 @@ def test_grpo_starts_from_the_sft_policy(sft_config, tmp_path, merge):
         with pytest.raises(ConfigError, match=r"continued with its own LoRA shape, so lora.r=4 \(the adapter's: 8\); "
                                               r"lora.alpha=32 \(the adapter's: 16\) would not apply"):
             load_policy(mcfg_from_sft, LoraConfig(r=4), torch.device("cpu"))
+        with pytest.raises(ConfigError, match=r"lora.target_modules=\['q_proj'\] \(the adapter's: \['down_proj', 'gate_proj', "):
+            load_policy(mcfg_from_sft, LoraConfig(r=8, alpha=16, target_modules=["q_proj"]), torch.device("cpu"))
     policy, _ = load_policy(mcfg_from_sft, LoraConfig(r=4) if merge else LoraConfig(r=8, alpha=16), torch.device("cpu"))
     enc = tok(["What is 3 + 1? The answer is 4.", "Hello world"], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
