@@ -273,14 +273,14 @@ def _check(cfg: Config) -> None:
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
                 "grpo.num_mini_batches": cfg.grpo.num_mini_batches,
-                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha, "optim.lr": cfg.optim.lr,
+                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha,
                 "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
                 "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
     non_negative = {"run.save_every": cfg.run.save_every, "run.sample_every": cfg.run.sample_every,
-                    "run.samples_per_log": cfg.run.samples_per_log,
+                    "run.samples_per_log": cfg.run.samples_per_log, "optim.lr": cfg.optim.lr,  # 0: a control run
                     "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
                     "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,

@@ -297,7 +297,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             tis |= {"tis/weight_mean": sampler["weight"] / units, "tis/capped_frac": sampler["capped"] / units}
     if g.delta:  # tokens with A < 0 whose ratio passed delta (two-sided clip)
         tis["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
+    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device)}  # judge_*: train.py adds them, the held-out scoring's calls counted
@@ -343,11 +343,11 @@ def norm_metrics(norms: list[float]) -> dict:
     return ({"grad_norm": sum(applied) / len(applied)} if applied else {}) | ({"skipped_updates": skipped} if skipped else {})
 
 
-def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float) -> dict:
+def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float, kl: bool = True) -> dict:
     """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens;
     loss the mean over the step's optimizer updates (grad_norm: norm_metrics).
     reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
-    tokens of their sampling distributions' entropy (HF generate only)."""
+    tokens of their sampling distributions' entropy (HF generate only); kl only with a reference (kl)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
     lengths, truncated, h = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated, drawn.rollout.entropy
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
@@ -358,7 +358,8 @@ def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: 
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
         "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        **({"kl": sums["kl_sum"] / tok, "ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
+        **({"kl": sums["kl_sum"] / tok} if kl and sums["tokens"] else {}),  # as TRL: only with a reference (beta > 0)
+        **({"ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
             "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
             "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok} if sums["tokens"] else {}),
         "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),

@@ -233,7 +233,7 @@ def test_a_config_that_is_not_text_and_a_section_left_empty(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--lora.alpha=0", r"lora.alpha must be > 0"),  # the update scaled to nothing
-    ("--optim.lr=0", r"optim.lr must be > 0"),
+    ("--optim.lr=-1e-5", r"optim.lr must be >= 0"),  # 0 is a control run: the base policy's rewards, sampled as training would
     ("--lora.dropout=1.5", r"lora.dropout must be in \[0, 1\)"),  # not blamed on target_modules
     ("--rollout.max_prompts_per_step=8", r"needs rollout.resample_zero_std: true"),  # ignored without it
     ("--rollout.vllm_sleep=true", r"rollout.vllm_sleep .* needs rollout.engine: vllm"),
