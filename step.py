@@ -202,12 +202,12 @@ def micro_batch_log_probs(model, batch: rollout.Rollout, ids, attn, mb: slice, c
 
 
 @torch.no_grad()
-def batch_log_probs(model, batch: rollout.Rollout, cfg: Config) -> torch.Tensor:
+def batch_log_probs(model, batch: rollout.Rollout, cfg: Config, mbs: list[slice] | None = None) -> torch.Tensor:
     """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each micro-batch's longest
     completion; between a row's end and that, the log-probs of padding, which the loss masks out."""
     out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
     ids, attn = batch.input_ids, batch.attention_mask
-    for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
+    for mb in mbs or micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
         logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
         out[mb, :C] = logp
     return out
@@ -245,12 +245,6 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     keep = None  # (N, C) the tokens in the policy-gradient term: all, or the step's high-entropy ones
     if g.top_entropy_quantile < 1:  # chosen once over the whole step, by the sampling policy's entropy
         keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
-    off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
-    old_logp = batch_log_probs(model, batch, cfg) if off_policy else None  # (N, C); None: on-policy
-    ref_logp = None
-    if g.beta > 0:
-        with reference_mode(model, r.ref_copy) as ref:
-            ref_logp = batch_log_probs(ref, batch, cfg)  # (N, C)
     N = batch.completion_ids.shape[0]
     minis = []  # (its micro-batches, its LossNorm) for each mini-batch of N / k rows, whole groups
     for lo in range(0, N, N // k):
@@ -260,14 +254,23 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         # the mini-batch's counts; skipped completions are not counted (truncated ones are, as in TRL)
         minis.append((mbs, grpo.LossNorm(g.loss_type, max(int((~skipped[rows]).sum()), 1), int(mask[rows].sum()),
                                          cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
+    train_mbs = [mb for mbs, _ in minis for mb in mbs]  # old and reference log-probs in the loss's micro-batches
+    off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
+    old_logp = batch_log_probs(model, batch, cfg, train_mbs) if off_policy else None  # (N, C); None: on-policy
+    ref_logp = None
+    if g.beta > 0:
+        with reference_mode(model, r.ref_copy) as ref:
+            ref_logp = batch_log_probs(ref, batch, cfg, train_mbs)  # (N, C)
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "clip_delta_sum"), 0.0)
     norms = []  # each update's gradient norm
     sampler = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
+    logged = 0  # updates whose loss and stats were finite
     for it in range(g.num_iterations):
         for mbs, norm in minis:
             optimizer.zero_grad(set_to_none=True)
+            upd = dict.fromkeys(sums, 0.0)  # this update's sums: into the step's only when finite
             for mb in mbs:
                 logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
                 old = None if old_logp is None else old_logp[mb, :C]
@@ -280,11 +283,15 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                     g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level,
                     None if keep is None else keep[mb, :C], g.delta, g.cispo_cap if g.policy_loss == "cispo" else None)
                 (scaler.scale(loss) if scaler else loss).backward()
-                sums["loss"] += float(loss.detach())
+                upd["loss"] += float(loss.detach())
                 for key, v in stats.items():
-                    sums[key] += v
+                    upd[key] += v
             gn, lr = optimizer_step(r)
             norms.append(gn)
+            if all(math.isfinite(v) for v in upd.values()):
+                logged += 1
+                for key, v in upd.items():
+                    sums[key] += v
     if r.engine:
         r.phase = "syncing the weights to vLLM"
         r.engine.sync(model)  # the next rollout samples from the updated policy
@@ -297,7 +304,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
             tis |= {"tis/weight_mean": sampler["weight"] / units, "tis/capped_frac": sampler["capped"] / units}
     if g.delta:  # tokens with A < 0 whose ratio passed delta (two-sided clip)
         tis["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    metrics = step_metrics(drawn, G, sums, g.num_iterations * k, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
+    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device)}  # judge_*: train.py adds them, the held-out scoring's calls counted
@@ -344,8 +351,8 @@ def norm_metrics(norms: list[float]) -> dict:
 
 
 def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float, kl: bool = True) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens;
-    loss the mean over the step's optimizer updates (grad_norm: norm_metrics).
+    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens
+    of the `updates` optimizer updates whose loss was finite, loss their mean (grad_norm: norm_metrics).
     reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
     tokens of their sampling distributions' entropy (HF generate only); kl only with a reference (kl)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
@@ -353,7 +360,8 @@ def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: 
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(r, G)  # (B,) each
     return {
-        "loss": sums["loss"] / updates, **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
+        **({"loss": sums["loss"] / updates} if updates else {}),  # over the updates whose loss was finite (none: no value)
+        **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
         "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},

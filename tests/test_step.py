@@ -382,3 +382,40 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
     mask = batch.completion_mask.bool().clone()
     mask[:3] = False
     assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, 0.3)[:, :keep.shape[1]]) and not keep[:3].any()
+
+
+def test_old_and_reference_log_probs_are_taken_in_the_loss_s_micro_batches(tmp_path, tiny_llama, monkeypatch):
+    """With mini-batches whose size micro_batch_size does not divide, the old (and reference) log-probs
+    were computed in other micro-batches than the loss's: other padding, other half-precision
+    rounding, so the first, truly on-policy mini-batch got ratios != 1 (bf16, lr 0: exactly 1 now)."""
+    seen, real = [], grpo.grpo_loss
+
+    def spy(logp, old, ref, adv, mask, norm, *a, **k):
+        if old is not None:
+            m = mask.bool()
+            seen.append(float((logp.detach() - old)[m].abs().max()) if m.any() else 0.0)
+            seen.append(float((logp.detach() - ref)[m].abs().max()) if m.any() and ref is not None else 0.0)
+        return real(logp, old, ref, adv, mask, norm, *a, **k)
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    r = make_run(tmp_path, tiny_llama, "--model.dtype=bfloat16", "--optim.lr=0.0", "--grpo.num_iterations=2",
+                 "--grpo.num_mini_batches=2", "--optim.micro_batch_size=3", "--rollout.prompts_per_step=2",
+                 "--rollout.max_new_tokens=12", "--grpo.beta=0.1")  # the reference: the adapter off, which lr 0 left at 0
+    m, _ = step.train_step(r)
+    assert seen and max(seen) == 0.0 and m["ratio_mean"] == 1.0 and m["kl"] == 0.0
+
+
+def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_finite(tmp_path, tiny_llama, monkeypatch):
+    """One micro-batch's forward overflowing (NaN log-probs): its update is skipped and counted, and
+    the step's loss, ratio and clip metrics are those of the updates that were applied."""
+    real, calls = logprobs.sequence_log_probs, [0]
+
+    def overflowing(*a, **k):
+        out = real(*a, **k)
+        calls[0] += torch.is_grad_enabled()
+        return out + float("nan") * out.sum() if torch.is_grad_enabled() and calls[0] == 1 else out
+    monkeypatch.setattr(logprobs, "sequence_log_probs", overflowing)
+    r = make_run(tmp_path, tiny_llama, "--optim.micro_batch_size=4", "--grpo.num_mini_batches=2")
+    m, _ = step.train_step(r)
+    assert m["skipped_updates"] == 1
+    json.dumps(m, allow_nan=False)  # no NaN in the metrics line
+    assert math.isfinite(m["loss"]) and m["ratio_mean"] == pytest.approx(1.0)
