@@ -22,7 +22,7 @@ import torch
 
 import jsonl
 from config import ConfigError, save_config
-from model import is_peft, save_adapter
+from model import PROVENANCE, is_peft, save_adapter
 
 if TYPE_CHECKING:
     from train import Run
@@ -59,6 +59,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
     else:
         model.save_pretrained(tmp / "model")
         r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
+        (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))  # --resume checks the base
     torch.save({
         "step": step, "data_position": r.sampler.state(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

@@ -335,7 +335,9 @@ def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") ->
     """(prompt, reply text) of an SFT row (or a DPO reply: key chosen, rejected). A reply holding chat
     messages (TRL's conversational formats: `messages`, or a `completion` list) is its last message,
     which must be the assistant's; when data.prompt names the same column, the messages before it are
-    the prompt."""
+    the prompt. Messages before the reply in another column are the prompt repeated (TRL's implicit
+    prompt), or for SFT a multi-turn completion's earlier turns (a tool call and its result), which
+    follow the prompt as context; anything else is refused, never dropped."""
     if not isinstance(target, (list, dict)):
         return prompt, str(target)  # text, or a number column (an answer of 5 is the reply "5")
     last = target[-1] if isinstance(target, list) and target else None
@@ -343,7 +345,14 @@ def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") ->
     if not (isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)):
         raise DataError(f"row {i}: data.{key}={column} holds {'a list' if isinstance(target, list) else 'an object'}, "
                         "not text or chat messages ending with the assistant's reply ({role: assistant, content: ...})")
-    return (target[:-1] if cfg.prompt == column else prompt), last["content"]
+    before = target[:-1]  # the messages ahead of the reply
+    if cfg.prompt == column or not before or before == prompt:  # the prompt itself, none, or the prompt repeated (TRL's implicit prompt)
+        return (before if cfg.prompt == column else prompt), last["content"]
+    turn = lambda m: m.get("role") if isinstance(m, dict) else None  # noqa: E731
+    if key == "target" and isinstance(prompt, list) and prompt and turn(before[0]) not in (None, "user") and turn(prompt[-1]) == "user":
+        return prompt + before, last["content"]  # a multi-message completion: its earlier turns are context, not dropped
+    raise DataError(f"row {i}: data.{key}={column} holds messages before its reply that are not the prompt's "
+                    f"({cfg.prompt}); give the reply as one assistant message, or the same prompt in every reply column")
 
 
 class PromptSampler:

@@ -314,6 +314,8 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
+        if not lcfg.enabled:  # peft froze the base while loading the adapter; full fine-tuning trains every weight
+            model.requires_grad_(True)
     if continuing:  # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
         own = model.peft_config["default"]
         differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})" for k, v in (("r", own.r), ("alpha", own.lora_alpha))
@@ -326,6 +328,12 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
             raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own LoRA shape, so {'; '.join(differ)} "
                               "would not apply: set lora.* to the adapter's, or model.merge_init_adapter: true for a fresh "
                               "LoRA of this shape on top of it")
+        p = lcfg.dropout if dropout else 0.0  # the adapter's saved lora_dropout is its last run's, not this run's
+        for m in model.modules():
+            if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):
+                for k in m.lora_dropout:
+                    m.lora_dropout[k] = nn.Dropout(p) if p else nn.Identity()
+        own.lora_dropout = p  # saved with this run's adapter
     if mcfg.gradient_checkpointing:  # also makes the embeddings' output require grad, so LoRA's gradients flow
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:

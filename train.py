@@ -220,8 +220,9 @@ def setup(args, overrides: list[str]) -> Run:
     device = pick_device(cfg.run.device)
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft", beta=reference_beta(cfg),
                                    beta_key=f"{cfg.mode}.beta")
-    if ckpts and (ckpts[-1] / "adapter" / PROVENANCE).is_file():
-        saved = json.loads((ckpts[-1] / "adapter" / PROVENANCE).read_text())
+    kept = next((ckpts[-1] / d / PROVENANCE for d in ("adapter", "model") if ckpts and (ckpts[-1] / d / PROVENANCE).is_file()), None)
+    if kept is not None:  # the LoRA adapter's, or full fine-tuning's whole model's
+        saved = json.loads(kept.read_text())
         if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
                               f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")

@@ -298,3 +298,42 @@ def test_sft_dropout_is_loras_alone_never_the_bases(tiny_gpt2):
     ps = {n: m.p for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
     assert lora and all(ps[n] == 0.25 for n in lora) and all(p == 0.0 for n, p in ps.items() if n not in lora)
     assert len(ps) > len(lora)  # the base has dropout modules of its own, all at 0
+
+
+def test_a_continued_adapter_takes_this_runs_lora_dropout(sft_config, tmp_path):
+    """The adapter's saved lora_dropout is its last run's: a continued SFT uses lora.dropout, GRPO none."""
+    path, cfg = sft_config
+    assert train.main(["--config", str(path), "--run.steps=1"]) == 0  # saved with lora_dropout 0
+    for mode, extra, want in (("sft", [], 0.3), ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"], 0.0)):
+        r = train.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.3", *extra,
+                                           f"--model.init_adapter={cfg['run']['out_dir']}", f"--run.out_dir={tmp_path / (mode + '2')}"]))
+        drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
+        assert drops and all((m.p if isinstance(m, torch.nn.Dropout) else 0.0) == want for m in drops), mode
+
+
+def test_full_fine_tuning_from_a_merged_adapter_trains_and_resumes_only_on_that_base(sft_config, tmp_path):
+    path, cfg = sft_config
+    sft = cfg["run"]["out_dir"]
+    assert train.main(["--config", str(path), "--run.steps=1"]) == 0
+    out = tmp_path / "full"
+    args = ["--config", str(path), "--lora.enabled=false", f"--model.init_adapter={sft}", "--model.merge_init_adapter=true",
+            "--run.steps=2", "--run.save_every=1", f"--run.out_dir={out}"]
+    r = train.setup(*train.parse_args(args))
+    assert sum(p.numel() for p in r.params) == sum(p.numel() for p in r.model.parameters())  # every weight trains
+    assert train.main(args) == 0
+    import shutil
+    shutil.rmtree(out / "checkpoints/step_000002")
+    assert train.main(["--config", str(path), "--run.steps=2", "--resume"]) == 0  # the SFT run's newest checkpoint moves on
+    assert train.main(args + ["--resume"]) == 2  # so the merged base (a DPO or KL reference) would differ: refused
+
+
+def test_messages_ahead_of_a_reply_are_kept_or_refused_never_dropped(tmp_path):
+    user, tool = {"role": "user", "content": "Q"}, [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "7"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [user], "completion": tool + [{"role": "assistant", "content": "It is 7."}]}) + "\n")
+    (row,) = load_rows(DataConfig(name=str(data), prompt="prompt", target="completion", answer_key=None))
+    assert row["prompt"] == [user] + tool and row["target"] == "It is 7."
+    data.write_text(json.dumps({"chosen": [user, {"role": "assistant", "content": "good"}],
+                                "rejected": [{"role": "user", "content": "another"}, {"role": "assistant", "content": "bad"}]}) + "\n")
+    with pytest.raises(DataError, match="data.rejected=rejected holds messages before its reply that are not the prompt's"):
+        load_rows(DataConfig(name=str(data), prompt="chosen", chosen="chosen", rejected="rejected", answer_key=None))
