@@ -380,6 +380,29 @@ def dry_run_report(r: Run) -> str:
                                                                   else " (the completion follows):"), shown])
 
 
+def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> int:
+    """A step failed in a way no later step fixes: one line saying what and how to go on, exit code 2.
+    With a checkpoint, the run is left to --resume; without one, this command's files are removed
+    (a folder it created too), so the same command runs again once the cause is fixed."""
+    what = out_of_memory(r.cfg, r.phase, r.device, args.config, e) if isinstance(e, torch.OutOfMemoryError) else str(e)
+    run_dir = r.run_dir
+    if any(checkpoints(run_dir)):
+        print(f"error: {what}; stopped at step {step}: fix it, then --resume from the last checkpoint in {run_dir}",
+              file=sys.stderr)
+        return 2
+    if args.resume:  # its files were there before this command: left as they were
+        print(f"error: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
+        return 2
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):  # this run's (the folder held no run):
+        (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
+    with contextlib.suppress(OSError):
+        if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+    print(f"error: {what}; stopped at step {step}, before any checkpoint (nothing of the run was kept): "
+          "fix it and run the same command again", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -425,24 +448,9 @@ def main(argv: list[str] | None = None) -> int:
                 metrics |= judges_stats(r.judges)  # the step's judge calls, the held-out scoring's included (any mode)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:  # a refused key, a wrong
                 # model name, settings too big for the GPU, float16 overflowing: no later step would do better
-                what = out_of_memory(cfg, r.phase, r.device, args.config, e) if isinstance(e, torch.OutOfMemoryError) else str(e)
                 if tracker:
                     tracker.finish()
-                if any(checkpoints(run_dir)):
-                    print(f"error: {what}; stopped at step {step}: fix it, then --resume from the last checkpoint in {run_dir}",
-                          file=sys.stderr)
-                    return 2
-                if args.resume:  # its files were there before this command: left as they were
-                    print(f"error: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
-                    return 2
-                for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):  # this run's (the folder held no run):
-                    (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
-                with contextlib.suppress(OSError):
-                    if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
-                        run_dir.rmdir()
-                print(f"error: {what}; stopped at step {step}, before any checkpoint (nothing of the run was kept): "
-                      "fix it and run the same command again", file=sys.stderr)
-                return 2
+                return stop_on_error(r, args, e, step, created)
             metrics = {"step": step, **metrics}
             jsonl.append(metrics_path, [metrics])
             if tracker:
