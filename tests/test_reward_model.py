@@ -232,3 +232,82 @@ def test_sft_with_held_out_scoring_opens_the_reward_model_before_training(tmp_pa
     path.write_text(yaml.safe_dump(cfg))
     assert train.main(["--config", str(path)]) == 2
     assert "not a sequence classifier" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+EOS_TERMINATED = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}{% endfor %}"
+
+
+@pytest.mark.parametrize("config_pad", [0, None])
+def test_an_eos_terminated_chat_is_scored_where_the_checkpoint_scores_it_alone(tmp_path, config_pad):
+    """A tokenizer without a pad token (Llama 3's) pads with EOS; the checkpoint's own pad_token_id
+    (or, without one, each input's last token, its EOS here) is what the classifier must read."""
+    from transformers import AutoConfig, AutoTokenizer
+    path = write_classifier(tmp_path / "rm")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template, tok.pad_token = EOS_TERMINATED, None
+    tok.save_pretrained(path)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.pad_token_id = config_pad
+    cfg.save_pretrained(path)
+    texts = [rendered(path, p, c) for p, c in zip(PROMPTS, REPLIES)]
+    assert all(t.endswith("<|im_end|>") for t in texts)
+    want = one_by_one(path, texts)
+    for size in (1, 3):
+        rm._LOADED.clear()
+        assert rm.reward_model(REPLIES, [{"prompt": p} for p in PROMPTS], model=str(path), batch_size=size) == \
+            pytest.approx(want, abs=1e-5)
+
+
+def test_a_pair_loses_the_end_of_its_longer_text_and_a_cut_is_reported(tmp_path, capsys):
+    path = write_classifier(tmp_path / "pair", chat_template=False)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt, reply = "What is 2 + 3? Reply with just the number.", "The answer is 5. Hello world, this is a tiny tokenizer."
+    ids = tok(prompt, reply, truncation="longest_first", max_length=12).input_ids  # right side: the tokenizer's default
+    from transformers import AutoModelForSequenceClassification
+    with torch.no_grad():
+        want = float(AutoModelForSequenceClassification.from_pretrained(path)(input_ids=torch.tensor([ids])).logits[0, 0])
+    assert rm.reward_model([reply], [{"prompt": prompt}], model=str(path), max_length=12) == pytest.approx([want], abs=1e-5)
+    assert "1 of 1 inputs are longer than its max_length=12" in capsys.readouterr().err
+
+
+def test_max_length_stops_at_the_models_positions(tmp_path):
+    """A GPT-2 (or BERT) classifier has absolute positions: past them its forward is an IndexError,
+    which would give every completion of the batch the fallback."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+    tok = make_tokenizer()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    GPT2ForSequenceClassification(GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=len(tok), bos_token_id=0,
+                                             eos_token_id=eos, pad_token_id=eos, num_labels=1)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    got = rm.reward_model(["Hello world, this is a tiny tokenizer. " * 5, "5"], [{"prompt": "What is 2 + 3?"}] * 2, model=str(tmp_path))
+    assert len(got) == 2
+
+
+def test_non_finite_scores_stop_the_run_and_several_outputs_need_a_label(tmp_path, classifier, monkeypatch):
+    from transformers import LlamaForSequenceClassification
+    from client import JudgeUnusable
+    real = LlamaForSequenceClassification.forward
+
+    def overflow(self, *a, **k):
+        out = real(self, *a, **k)
+        out.logits[:] = float("inf")
+        return out
+    monkeypatch.setattr(LlamaForSequenceClassification, "forward", overflow)
+    with pytest.raises(JudgeUnusable, match="non-finite score.*dtype: bfloat16"):
+        scoring.compute_rewards(["5"], [{"prompt": "2 + 3?"}], [RewardSpec("reward_model", args={"model": str(classifier)})])
+    monkeypatch.setattr(LlamaForSequenceClassification, "forward", real)
+    two = write_classifier(tmp_path / "two", num_labels=2)
+    with pytest.raises(ConfigError, match=r"has 2 outputs \(0: LABEL_0, 1: LABEL_1\); choose one with args: \{label"):
+        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(two)})])
+    scoring.open_rewards([RewardSpec("reward_model", args={"model": str(two), "label": 1})])
+
+
+def test_a_causal_lm_saved_without_architectures_is_refused(tmp_path, tiny_llama):
+    import shutil
+    path = shutil.copytree(tiny_llama, tmp_path / "lm")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("architectures", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="without the weights score.weight, not a sequence classifier"):
+        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
