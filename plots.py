@@ -13,7 +13,8 @@ high_mean dashed), DPO's rewards/margins and rewards/accuracies (and their eval/
 run logged is an error. Unparsable lines (the last one of a killed run) are skipped and counted; a
 step logged twice keeps its last line. --smooth A draws the EMA s_t = A s_{t-1} + (1 - A) x_t,
 s_1 = x_1, over the faint raw curve. Eval: the shape eval.py writes, {"models": {model: {"metrics":
-{metric: number}}}}, or flat {"models": {model: {metric: number}}}; non-numbers are skipped.
+{metric: number}}}}, or flat {"models": {model: {metric: number}}}; non-numbers are skipped, and so are
+the counts n, n_* and seconds unless --metrics names them.
 matplotlib is an optional extra: without it, the pip command and exit 2. Bad input: one line, exit 2.
 """
 from __future__ import annotations
@@ -195,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                               "eval/rewards/accuracies", "eval/loss", "learning_rate", "loss"]
     written = plot_curves(plt, runs, curves, out, args.smooth) if runs else []
     if models:
-        written += plot_eval(plt, models, args.metrics or list(dict.fromkeys(k for m in models.values() for k in m)), out)
+        counts = lambda k: k in ("n", "seconds") or k.startswith("n_") or k.endswith(("/n", "/seconds"))  # noqa: E731 (not metrics)
+        written += plot_eval(plt, models, args.metrics or list(dict.fromkeys(k for m in models.values() for k in m
+                                                                             if not counts(k))), out)
     for path in written:
         print(path)
     return 0

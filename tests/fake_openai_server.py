@@ -311,13 +311,18 @@ def main(argv: list[str] | None = None) -> None:
                     "other, an answer that differs each time the same prompt is asked: an answer policy)")
     args = ap.parse_args(argv)
     reply = (lambda body: args.reply) if args.reply else judge_or_answer(args.top)
-    with FakeOpenAIServer(reply=reply, port=args.port) as server:
-        print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
+    try:
+        server = FakeOpenAIServer(reply=reply, port=args.port).start()
+    except OSError as e:  # run with `&`, a traceback would scroll by and the recipe would talk to whatever holds the port
+        raise SystemExit(f"error: cannot listen on 127.0.0.1:{args.port} ({e.strerror}): another fake server? pick another --port")
+    print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

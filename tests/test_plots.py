@@ -66,7 +66,7 @@ def test_eval_results_give_one_bar_chart_per_metric(tmp_path):
                                               "runs/grpo": {"accuracy": 0.58, "pass@1": 0.58, "n": 200}}}))
     out = tmp_path / "plots"
     assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png", "heldout_n.png", "heldout_pass_1.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png", "heldout_pass_1.png"]
     assert (out / "heldout_accuracy.png").read_bytes().startswith(PNG)
 
 
@@ -92,7 +92,7 @@ def test_eval_results_in_the_nested_shape_eval_py_writes(tmp_path):
         "trained": {"kind": "adapter", "source": "runs/q", "metrics": {"accuracy": 0.75, "n": 100}}}}))
     out = tmp_path / "plots"
     assert plots.main(["--eval", str(results), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png", "heldout_n.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["heldout_accuracy.png"]
 
 
 @pytest.mark.parametrize("argv, says", [(["missing_run"], "no metrics.jsonl"), (["--eval", "nope.json"], "--eval nope.json"),
