@@ -245,7 +245,8 @@ def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_pa
                                                                                      target_modules=["q_proj", "v_proj"]))
     dora.minigrpo_base = {"base_model": str(tiny_llama), "revision": None, "merged": []}
     save_adapter(dora, tmp_path / "dora")
-    assert train.main(["--config", str(cfg_path), "--dry-run", f"--model.init_adapter={tmp_path / 'dora'}"]) == 2
+    assert train.main(["--config", str(cfg_path), "--dry-run", f"--model.init_adapter={tmp_path / 'dora'}", "--lora.r=4",
+                       "--lora.alpha=8", "--lora.target_modules=[q_proj, v_proj]"]) == 2  # its own shape: only DoRA is wrong
     assert "serves plain LoRA adapters" in capsys.readouterr().err
 
 
