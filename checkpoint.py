@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,10 +50,41 @@ def prune(ckpt: Path, keep_adapter: bool) -> None:
 
 def save_checkpoint(r: Run, step: int) -> Path:
     """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via .tmp + rename."""
-    model, optimizer, scheduler, scaler, cfg = r.model, r.optimizer, r.scheduler, r.scaler, r.cfg
+    cfg = r.cfg
     final = r.run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in final.parent.glob("step_*.tmp"):  # left by a kill or a failed write: their space first
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        _write(r, tmp, step)
+    except BaseException as e:  # Ctrl-C, a full disk: no half checkpoint left, holding the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(e)  # torch.save wraps it in a RuntimeError
+        if cause is None:  # Ctrl-C, a bug
+            raise
+        free = shutil.disk_usage(final.parent).free / 2**20 if final.parent.is_dir() else 0
+        raise OSError(cause.errno, f"cannot write checkpoint {final} ({cause.strerror or cause}; "
+                      f"{free:.0f} MiB free there)") from e
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.replace(final)
+    for old in checkpoints(r.run_dir)[: -cfg.run.keep_checkpoints]:
+        prune(old, cfg.run.keep_adapters)
+    return final
+
+
+def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError (a full disk, a folder made read-only) in e or what it was raised from, if any."""
+    if e is None or depth > 5:
+        return None
+    if isinstance(e, OSError):
+        return e
+    if m := re.search(r"\(os error (\d+)\)", str(e)):  # safetensors' Rust I/O error, as text
+        return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+    return _os_error(e.__cause__ or e.__context__, depth + 1)
+
+
+def _write(r: Run, tmp: Path, step: int) -> None:
+    model, optimizer, scheduler, scaler, cfg = r.model, r.optimizer, r.scheduler, r.scaler, r.cfg
     tmp.mkdir(parents=True)
     if is_peft(model):
         save_adapter(model, tmp / "adapter")
@@ -60,26 +92,21 @@ def save_checkpoint(r: Run, step: int) -> Path:
         model.save_pretrained(tmp / "model")
         r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
         (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))  # --resume checks the base
-    torch.save({
+    state = {
         "step": step, "data_position": r.sampler.state(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},  # judge_*_total goes on from here
-    }, tmp / "trainer_state.pt")
+    }
+    with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: a write error surfaces as its OSError
+        torch.save(state, f)
     save_config(cfg, tmp / "config.yaml")
     for f in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
         if f.is_file():
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.replace(final)
-    for old in checkpoints(r.run_dir)[: -cfg.run.keep_checkpoints]:
-        prune(old, cfg.run.keep_adapters)
-    for stale in final.parent.glob("step_*.tmp"):  # left by a kill mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:

@@ -326,7 +326,11 @@ class Judge:
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         self._mem_put(key, reply)
         if self.cfg.cache_path and key not in self._disk_index:  # fsynced: each line was paid for
-            self._disk_index[key] = jsonl.append(self.cfg.cache_path, [{"key": key, "reply": reply, "usage": usage}])
+            try:
+                self._disk_index[key] = jsonl.append(self.cfg.cache_path, [{"key": key, "reply": reply, "usage": usage}])
+            except OSError as e:  # a full disk: the reply is paid for, so it is still used (raised, it was dropped)
+                self._warn_once("cachewrite", f"{self.label}: cannot write its cache {self.cfg.cache_path} ({e.strerror or e}): "
+                                "replies are used but not cached, so a rerun pays for them again; free space")
 
     # --- requests ----------------------------------------------------------------------------------
     def _bind_loop(self) -> None:

@@ -60,6 +60,7 @@ from client import Judge, JudgeConfig, JudgeUnusable
 from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture, config_to_dict, data_label, load_config,
                     redacted)
 from typed_config import check_writable
+from jsonl import interrupted, sigterm_as_interrupt
 from data import Source, check_not_data_file, load_sources
 from entries import ModelEntry, parse_model_entries, trained_on_held_out
 from judge import judges_stats
@@ -413,6 +414,23 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        with sigterm_as_interrupt():
+            return run(plan)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM
+        signame, code = interrupted(e)
+        print(f"\n[eval] interrupted ({signame}): the completions generated so far are kept in "
+              f"{plan.cfg.eval.out_dir}/partial_*.jsonl, judge and API replies in their caches; run the same "
+              "command again to go on from there", file=sys.stderr)
+        return code
+    except OSError as e:  # a full disk, a folder made read-only meanwhile
+        print(f"error: cannot write in {plan.cfg.eval.out_dir}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+              + "; free space and run the same command again (what was generated is kept)", file=sys.stderr)
+        return 2
+
+
+def run(plan: Plan) -> int:
+    """Generate and score every model of the plan, write results.json, print the table; -> the exit code."""
     cfg, out_dir, results = plan.cfg, Path(plan.cfg.eval.out_dir), {}
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)

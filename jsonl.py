@@ -13,11 +13,18 @@ being written; a later read, from `end`, picks it up once whole). Appends hold a
 (flock, where the OS has it) from the torn-line check to the fsync, so writers sharing a file (a
 training run and an eval on one judge cache) neither interleave nor misreport offsets. Standard
 library only: the ratings (ratings.py, rating_page.py) import this without torch.
+
+A command that is stopped (Ctrl-C, or SIGTERM from a scheduler, turned into the same exception by
+`sigterm_as_interrupt`) ends with one line and its exit code (`interrupted`), after its files are
+left whole.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -83,3 +90,32 @@ def write_atomic(path: str | Path, text: str) -> None:
     except BaseException:  # a full disk, text that is not UTF-8: no half-written .tmp left behind
         tmp.unlink(missing_ok=True)
         raise
+
+
+# ----------------------------------------------------------------------------- ending cleanly
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt, so both end a
+    command the same clean way (its default ends the process at once: no message, no cleanup)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside: SIGTERM raises Terminated in the main thread (elsewhere: nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped the command and its exit code: Ctrl-C 130, SIGTERM 143 (128 + the signal, as a shell reports)."""
+    return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)

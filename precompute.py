@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 
 import jsonl
+from jsonl import interrupted, sigterm_as_interrupt
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from typed_config import check_writable
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
@@ -224,14 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                   + f" over {v['scored']} of {v['rows']} questions ({v['rows'] - v['scored']} with a failed judge call, "
                   f"{v['constant']} with grades or gold that do not rank); cost this run: ${v['cost_usd']:.4f}")
             return 0 if v["scored"] else 1
-        summary = run(cfg)
+        with sigterm_as_interrupt():  # a scheduler's SIGTERM ends it as Ctrl-C does
+            summary = run(cfg)
     except (ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: every answer (and grade) received is cached (precompute.answers.cache_path, and "
+    except KeyboardInterrupt as e:
+        print(f"\ninterrupted ({interrupted(e)[0]}): every answer (and grade) received is cached (precompute.answers.cache_path, and "
               "judge.cache_path for gold by the judge); rerun the same command: it pays only for the rest", file=sys.stderr)
-        return 130
+        return interrupted(e)[1]
     p = cfg.precompute
     cost = ", ".join(f"{k} ${v:.4f}" for k, v in summary["cost_usd"].items())
     if summary["written"]:

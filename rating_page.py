@@ -103,6 +103,19 @@ def host_allowed(host_header: str | None, allow: tuple[str, ...] = ()) -> bool:
         return name.lower() in ("localhost", *(a.lower() for a in allow))
 
 
+NOT_SAVED = "nothing saved:"
+
+
+def _rate(store, form: dict) -> int | str:
+    """store.rate, with a write that failed (a full disk) as a message for the rater instead of a dropped connection."""
+    try:
+        return store.rate(form)
+    except OSError as e:
+        msg = f"{NOT_SAVED} the ratings folder {store.dir} cannot be written ({e.strerror or e}); tell whoever runs the page"
+        say(msg)
+        return msg
+
+
 def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 allow_hosts: tuple[str, ...] = ()) -> ThreadingHTTPServer:
     """The rating page on (host, port); port 0 picks a free one (server.server_port).
@@ -181,8 +194,8 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
                     code, page = 403, render_page(store, token, "this form came from an older page or another site: "
                                                   "nothing saved; rate the answers below")
-                elif isinstance(saved := store.rate(form), str):
-                    code, page = 400, render_page(store, token, saved)
+                elif isinstance(saved := _rate(store, form), str):
+                    code, page = 507 if saved.startswith(NOT_SAVED) else 400, render_page(store, token, saved)
                 else:  # items someone else rated meanwhile were skipped: the next page says so
                     asked = len(set(filter(None, form.get("ids", "").split(","))))
                     code, page, location = 303, "", f"/?taken={asked - saved}" if saved < asked else "/"
@@ -207,10 +220,12 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 store.refresh()
                 extra = next(((r["id"], item["criteria"], bad[0]) for r in given if (item := store.items.get(r["id"]))
                               and (bad := sorted(set(r["scores"]) - set(item["criteria"])))), None)
-                saved = store.rate(form) if extra is None else None  # a criterion not rated on: a typo, not dropped
+                saved = _rate(store, form) if extra is None else None  # a criterion not rated on: a typo, not dropped
             if extra is not None:
                 return reply(400, {"error": f"item {extra[0]!r} is rated on {extra[1]}, not {extra[2]!r}"})
-            return reply(400, {"error": saved}) if isinstance(saved, str) else reply(200, {"saved": saved})
+            if isinstance(saved, str):
+                return reply(507 if saved.startswith(NOT_SAVED) else 400, {"error": saved})
+            return reply(200, {"saved": saved})
 
         def log_message(self, fmt, *args) -> None:  # one line per rating, not one per page view
             if self.command == "POST":

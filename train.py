@@ -38,6 +38,7 @@ import rollout
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from typed_config import check_writable
+from jsonl import interrupted, sigterm_as_interrupt
 from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
                    trainable_parameters)
@@ -120,6 +121,7 @@ class Run:
     #   vLLM): out of GPU memory, out_of_memory's advice fits it
     ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
     changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
+    step: int = 0  # the step under way (what an interrupted run reports)
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -381,26 +383,37 @@ def dry_run_report(r: Run) -> str:
 
 
 def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> int:
-    """A step failed in a way no later step fixes: one line saying what and how to go on, exit code 2.
-    With a checkpoint, the run is left to --resume; without one, this command's files are removed
-    (a folder it created too), so the same command runs again once the cause is fixed."""
-    what = out_of_memory(r.cfg, r.phase, r.device, args.config, e) if isinstance(e, torch.OutOfMemoryError) else str(e)
+    """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how to
+    go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume; without one, this
+    command's files are removed (a folder it created too), so the same command runs again once the cause is fixed."""
+    code, fix = 2, "fix it, then "
+    if isinstance(e, KeyboardInterrupt):
+        (signame, code), fix = interrupted(e), ""
+        what = f"interrupted ({signame})"
+    elif isinstance(e, torch.OutOfMemoryError):
+        what = out_of_memory(r.cfg, r.phase, r.device, args.config, e)
+    elif isinstance(e, OSError):  # a full disk, a folder made read-only meanwhile
+        what = e.strerror if (e.strerror or "").startswith("cannot write") else \
+            f"cannot write in {r.run_dir}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    else:
+        what = str(e)
     run_dir = r.run_dir
     if any(checkpoints(run_dir)):
-        print(f"error: {what}; stopped at step {step}: fix it, then --resume from the last checkpoint in {run_dir}",
-              file=sys.stderr)
-        return 2
+        print(f"\nerror: {what}; stopped at step {step}: {fix}--resume from the last checkpoint in {run_dir}", file=sys.stderr)
+        return code
     if args.resume:  # its files were there before this command: left as they were
-        print(f"error: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
-        return 2
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):  # this run's (the folder held no run):
+        print(f"\nerror: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
+        return code
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):  # this run's (the folder held no run):
         (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
+    with contextlib.suppress(OSError):
+        (run_dir / "checkpoints").rmdir()  # empty: its first checkpoint was interrupted (a run's files, RUN_FILES)
     with contextlib.suppress(OSError):
         if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
             run_dir.rmdir()
-    print(f"error: {what}; stopped at step {step}, before any checkpoint (nothing of the run was kept): "
-          "fix it and run the same command again", file=sys.stderr)
-    return 2
+    print(f"\nerror: {what}; stopped at step {step}, before any checkpoint (nothing of the run was kept): "
+          + (f"{fix}run the same command again" if fix else "run the same command to start again"), file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,8 +429,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it without --resume "
                   "(or set another run.out_dir)")
         return 0
+    created = not r.run_dir.exists()  # a run stopped before its first checkpoint removes only what it made
+    r.step, tracker = r.start, None
+    try:
+        with sigterm_as_interrupt():
+            tracker = open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
+            return run(r, args, created, tracker)
+    except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (metrics, samples, a checkpoint)
+        return stop_on_error(r, args, e, r.step, created)
+    finally:
+        if tracker:
+            tracker.finish()
+
+
+def run(r: Run, args, created: bool, tracker) -> int:
+    """The run directory's files, then steps start + 1 .. run.steps: each logged, checkpointed and shown; -> the exit code."""
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
-    created = not run_dir.exists()  # a run stopped before its first checkpoint removes only what it made
     run_dir.mkdir(parents=True, exist_ok=True)
     if not start:  # config.yaml stays the config the run started with; a resume that changes settings adds its own
         save_config(cfg, run_dir / "config.yaml")
@@ -435,10 +462,10 @@ def main(argv: list[str] | None = None) -> int:
     from sft import sft_step
     step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
-    tracker = open_tracker(cfg, run_dir, resumed=start > 0)
     recorded = None
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
+            r.step = step
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
             try:
                 r.phase = "training"  # train_step says when it samples
@@ -448,8 +475,6 @@ def main(argv: list[str] | None = None) -> int:
                 metrics |= judges_stats(r.judges)  # the step's judge calls, the held-out scoring's included (any mode)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:  # a refused key, a wrong
                 # model name, settings too big for the GPU, float16 overflowing: no later step would do better
-                if tracker:
-                    tracker.finish()
                 return stop_on_error(r, args, e, step, created)
             metrics = {"step": step, **metrics}
             jsonl.append(metrics_path, [metrics])
@@ -473,11 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             if stop:
                 print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
                       f"checkpoint saved in {run_dir}", file=sys.stderr)
-                if tracker:
-                    tracker.finish()
                 return 3
-    if tracker:
-        tracker.finish()
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
 

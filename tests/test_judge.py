@@ -799,3 +799,21 @@ def test_a_base_url_that_is_not_an_http_url_is_refused_when_the_client_is_built(
     """Else every call fails to connect, each only counted, and the run trains on the fallback."""
     with pytest.raises(ValueError, match="is not an http\\(s\\) URL"):
         make_judge(server, base_url=url)
+
+
+def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, tmp_path, monkeypatch, caplog):
+    """A full disk under cache_path: each reply is still returned (it was paid for; raised, the whole batch fell
+    back and its other requests were cancelled), with one warning a step that a rerun pays again."""
+    import errno
+
+    import client
+    judge = make_judge(server, cache_path=str(tmp_path / "judge.jsonl"))
+
+    def full(path, records):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(client.jsonl, "append", full)
+    with caplog.at_level(logging.WARNING, logger="client"):
+        assert judge.complete_many([chat(f"p{i}") for i in range(3)]) == ['{"score": 7}'] * 3
+    warned = [r.getMessage() for r in caplog.records if "cannot write its cache" in r.getMessage()]
+    assert len(warned) == 1 and "No space left on device" in warned[0] and "pays for them again" in warned[0]
+    assert judge.pop_step_stats()["judge_failures"] == 0

@@ -744,3 +744,63 @@ def test_a_step_whose_completions_are_all_masked_as_truncated_warns_once(setup, 
     m = lines(run / "metrics.jsonl")
     assert [x["completions/clipped_ratio"] for x in m] == [1.0, 1.0] and [x["grad_norm"] for x in m] == [0.0, 0.0]
     assert capsys.readouterr().err.count("masks them all out: this step trains nothing") == 1
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_finishes_the_tracker_and_resume_goes_on(setup, monkeypatch, capsys, sig):
+    """Ctrl-C (KeyboardInterrupt) or a scheduler's SIGTERM while step 2's checkpoint is written: exit 130 / 143 with
+    one line naming the checkpoint to --resume from, no step_*.tmp left, the tracker finished; --resume goes on."""
+    import importlib.machinery
+    import os
+    import signal
+    import types
+
+    import checkpoint
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init, fake.log, fake.finish = (lambda **kw: calls.append("init")), (lambda m, step: calls.append(step)), (lambda: calls.append("finish"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg, run = setup
+    real, saved = checkpoint.save_adapter, []
+
+    def interrupted(model, path):
+        saved.append(path)
+        if len(saved) == 2:
+            os.kill(os.getpid(), getattr(signal, sig))  # a real signal: SIGTERM's handler must turn it into the clean exit
+        return real(model, path)
+    monkeypatch.setattr(checkpoint, "save_adapter", interrupted)
+    args = ["--config", str(cfg), "--run.steps=3", "--run.report_to=wandb"]
+    assert train.main(args) == (130 if sig == "SIGINT" else 143)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); stopped at step 2: --resume from the last checkpoint in {run}"
+    assert "Traceback" not in "\n".join(err) and calls[-1] == "finish"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+    monkeypatch.setattr(checkpoint, "save_adapter", real)
+    assert train.main(args + ["--resume"]) == 0 and [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_checkpoint(setup, monkeypatch, capsys):
+    """ENOSPC inside torch.save (which wraps it in a RuntimeError): one line, exit 2, no .tmp, --resume goes on."""
+    import errno
+
+    import checkpoint
+    cfg, run = setup
+    real, n = torch.save, []
+
+    def full(obj, f, *a, **k):
+        n.append(1)
+        if len(n) == 2:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+        return real(obj, f, *a, **k)
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    assert train.main(["--config", str(cfg), "--run.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: cannot write checkpoint {run / 'checkpoints/step_000002'} (No space left on device;")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+    monkeypatch.setattr(checkpoint.torch, "save", real)
+    assert train.main(["--config", str(cfg), "--run.steps=3", "--resume"]) == 0
