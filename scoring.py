@@ -271,7 +271,9 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                 if not isinstance(out, (list, tuple)) or len(out) != n:
                     raise TypeError(f"batched reward returned {_short(out, 80)}; expected a list of {n} values")
             except Exception as err:
-                return [fail(err, completions[0] if n else "", samples[0] if n else {})] * n
+                value = fail(err, completions[0] if n else "", samples[0] if n else {})
+                errors[key] += n - 1 if n else 0  # every completion of the batch got the fallback: each counts
+                return [value] * n
             for value, completion, sample in zip(out, completions, samples):
                 try:
                     values.append(_as_reward(value))

@@ -213,7 +213,7 @@ def test_a_batched_reward_gets_whole_lists_and_fails_as_a_batch(monkeypatch):
     assert result.per_reward["test_batch"] == [3.0, None, 5.0]
     assert result.per_reward["test_broken_batch"] == [-0.5, -0.5, -0.5]
     assert result.per_reward["test_short_batch"] == [0.0, 0.0, 0.0]
-    assert result.errors == {"test_batch": 0, "test_broken_batch": 1, "test_short_batch": 1}
+    assert result.errors == {"test_batch": 0, "test_broken_batch": 3, "test_short_batch": 3}  # completions, not calls
     assert result.total == [2.5, -0.5, 4.5]
 
 
@@ -242,7 +242,7 @@ def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
     logged = compute_rewards(texts, samples, [RewardSpec("short_answer"), RewardSpec("test_shaky", weight=0.0, fallback="skip")])
     assert logged.total == [1.0, 1.0, 1.0]
     down_res = compute_rewards(texts, samples, [RewardSpec("test_down", fallback="skip")])
-    assert all(math.isnan(t) for t in down_res.total) and down_res.errors["test_down"] == 1  # one failed call
+    assert all(math.isnan(t) for t in down_res.total) and down_res.errors["test_down"] == 3  # one failed call: 3 completions
     assert compute_rewards(texts, samples, [RewardSpec("test_down", fallback=-1.0)]).total == [-1.0] * 3
 
 
