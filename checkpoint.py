@@ -59,6 +59,8 @@ def save_checkpoint(r: Run, step: int) -> Path:
         _write(r, tmp, step)
     except BaseException as e:  # Ctrl-C, a full disk: no half checkpoint left, holding the space
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: never a disk error, whatever it interrupted
+            raise
         cause = _os_error(e)  # torch.save wraps it in a RuntimeError
         if cause is None:  # Ctrl-C, a bug
             raise

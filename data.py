@@ -346,9 +346,11 @@ def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") ->
         raise DataError(f"row {i}: data.{key}={column} holds {'a list' if isinstance(target, list) else 'an object'}, "
                         "not text or chat messages ending with the assistant's reply ({role: assistant, content: ...})")
     before = target[:-1]  # the messages ahead of the reply
-    if cfg.prompt == column or not before or before == prompt:  # the prompt itself, none, or the prompt repeated (TRL's implicit prompt)
-        return (before if cfg.prompt == column else prompt), last["content"]
     turn = lambda m: m.get("role") if isinstance(m, dict) else None  # noqa: E731
+    repeated = before == prompt or (isinstance(prompt, str) and len(before) == 1 and turn(before[0]) == "user"
+                                    and before[0].get("content") == prompt)  # ultrafeedback_binarized: text prompt, chat replies
+    if cfg.prompt == column or not before or repeated:  # the prompt itself, none, or the prompt repeated (TRL's implicit prompt)
+        return (before if cfg.prompt == column else prompt), last["content"]
     if key == "target" and isinstance(prompt, list) and prompt and turn(before[0]) not in (None, "user") and turn(prompt[-1]) == "user":
         return prompt + before, last["content"]  # a multi-message completion: its earlier turns are context, not dropped
     raise DataError(f"row {i}: data.{key}={column} holds messages before its reply that are not the prompt's "

@@ -60,7 +60,7 @@ from client import Judge, JudgeConfig, JudgeUnusable
 from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture, config_to_dict, data_label, load_config,
                     redacted)
 from typed_config import check_writable
-from jsonl import interrupted, sigterm_as_interrupt
+from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from data import Source, check_not_data_file, load_sources
 from entries import ModelEntry, parse_model_entries, trained_on_held_out
 from judge import judges_stats
@@ -410,10 +410,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        plan = setup(args, overrides)
+        with sigterm_as_interrupt():
+            plan = setup(args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return said_interrupted(e)
     try:
         with sigterm_as_interrupt():
             return run(plan)
@@ -424,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
               "command again to go on from there", file=sys.stderr)
         return code
     except OSError as e:  # a full disk, a folder made read-only meanwhile
+        if not is_write_error(e):
+            raise
         print(f"error: cannot write in {plan.cfg.eval.out_dir}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
               + "; free space and run the same command again (what was generated is kept)", file=sys.stderr)
         return 2

@@ -21,9 +21,11 @@ left whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -116,6 +118,22 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
+
+
+def is_write_error(e: BaseException) -> bool:
+    """An OSError a full disk, a quota or a folder made read-only raises: one line for the user. Any
+    other (a missing file from a bug, a reset connection) keeps its traceback."""
+    return isinstance(e, OSError) and e.errno in WRITE_ERRNOS
+
+
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
     """What stopped the command and its exit code: Ctrl-C 130, SIGTERM 143 (128 + the signal, as a shell reports)."""
     return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+
+
+def said_interrupted(e: KeyboardInterrupt, what: str = "before it started; nothing was written") -> int:
+    """One line for a command stopped while it loads (models, data, hub files), and its exit code."""
+    name, code = interrupted(e)
+    print(f"\ninterrupted ({name}) {what}", file=sys.stderr)
+    return code

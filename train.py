@@ -38,7 +38,7 @@ import rollout
 import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from typed_config import check_writable
-from jsonl import interrupted, sigterm_as_interrupt
+from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from data import PromptSampler, load_sources
 from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
                    trainable_parameters)
@@ -419,10 +419,13 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        r = setup(args, overrides)
+        with sigterm_as_interrupt():  # loading a model can take minutes: stopped meanwhile, one line too
+            r = setup(args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return said_interrupted(e)
     if args.dry_run:
         print(dry_run_report(r))
         if not args.resume and any((r.run_dir / n).exists() for n in RUN_FILES):
@@ -436,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             tracker = open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
             return run(r, args, created, tracker)
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (metrics, samples, a checkpoint)
+        if isinstance(e, OSError) and not is_write_error(e):
+            raise  # a bug's missing file, a reset connection: its traceback, and the run's files, kept
         return stop_on_error(r, args, e, r.step, created)
     finally:
         if tracker:

@@ -337,3 +337,8 @@ def test_messages_ahead_of_a_reply_are_kept_or_refused_never_dropped(tmp_path):
                                 "rejected": [{"role": "user", "content": "another"}, {"role": "assistant", "content": "bad"}]}) + "\n")
     with pytest.raises(DataError, match="data.rejected=rejected holds messages before its reply that are not the prompt's"):
         load_rows(DataConfig(name=str(data), prompt="chosen", chosen="chosen", rejected="rejected", answer_key=None))
+    data.write_text(json.dumps({"prompt": "What is 2+2?", "chosen": [{"role": "user", "content": "What is 2+2?"},  # as in
+                                {"role": "assistant", "content": "4"}], "rejected": [{"role": "user", "content": "What is 2+2?"},
+                                {"role": "assistant", "content": "5"}]}) + "\n")  # ultrafeedback_binarized: text prompt, chat replies
+    (row,) = load_rows(DataConfig(name=str(data), prompt="prompt", chosen="chosen", rejected="rejected", answer_key=None))
+    assert (row["chosen"], row["rejected"]) == ("4", "5") and "What is 2+2?" in str(row["prompt"])

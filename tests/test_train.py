@@ -804,3 +804,27 @@ def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_check
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     monkeypatch.setattr(checkpoint.torch, "save", real)
     assert train.main(["--config", str(cfg), "--run.steps=3", "--resume"]) == 0
+
+
+def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(setup, monkeypatch, capsys):
+    """Only write errors (a full disk, a read-only folder) become one line; a bug's missing file is raised as it
+    is and the run's files stay. Ctrl-C while the model loads is one line too, with nothing written."""
+    import step
+    cfg, run = setup
+    real = step.train_step
+
+    def buggy(r):
+        if r.step == 2:
+            open("/nonexistent/minigrpo/bug.txt")
+        return real(r)
+    monkeypatch.setattr(train, "train_step", buggy)
+    with pytest.raises(FileNotFoundError):
+        train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0"])
+    assert (run / "config.yaml").is_file() and len(lines(run / "metrics.jsonl")) == 1
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train, "load_policy", interrupt)
+    assert train.main(["--config", str(cfg), f"--run.out_dir={run.parent / 'new'}"]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; nothing was written")
+    assert not (run.parent / "new").exists()
