@@ -65,7 +65,7 @@ class JudgeConfig:
     max_concurrent: int = 8  # most requests in flight at once
     requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
     timeout_s: float = 60.0  # hard limit on one request
-    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error only)
+    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error/a body that is not JSON only)
     backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
     backoff_max_s: float = 30.0  # cap on one wait of our own backoff
     retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks for 45-60 s: sooner

@@ -5,8 +5,8 @@
     rewards = judge_reward(completions, samples, judge=judges["judge"])  # list[float]; NaN = the judge failed
 
 A judge is a client.Judge (cache, retries, rate limit, cost). A reply is parsed for a score in
-[score_min, score_max] (JSON, "Score: 7", "7/10", a lone number; a reasoning model's <think> block is
-ignored); one without a usable score is a failure, which the reward's fallback covers.
+[score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning model's thinking, up
+to its last </think>, is ignored); one without a usable score is a failure, which the reward's fallback covers.
 Configuration errors (unknown template, missing sample field) raise, and are checked before a run
 (check_args, row_fields: scoring.check_specs and check_rows).
 """

@@ -1,7 +1,7 @@
 """Training curves and eval bar charts as PNG files, one per metric.
 
-    python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png, ...: a line per run
-    python plots.py runs/a --metrics reward kl --smooth 0.9 --out plots/a
+    python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png (beta > 0), ...: a line per run
+    python plots.py runs/a --metrics reward entropy --smooth 0.9 --out plots/a
     python plots.py --eval runs/eval/results.json          # plots/heldout_<metric>.png: a bar per model
                                                            # (not eval_: run.eval_every's curves are eval/<metric>)
 

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         if args.validate:
-            v = validate(cfg, args.validate)
+            with sigterm_as_interrupt():
+                v = validate(cfg, args.validate)
             print(f"[precompute] the expert rubrics of {args.validate} earn a mean Spearman of "
                   + ("-" if v["mean_rho"] is None else f"{v['mean_rho']:.3f}")
                   + f" over {v['scored']} of {v['rows']} questions ({v['rows'] - v['scored']} with a failed judge call, "

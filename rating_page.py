@@ -12,12 +12,13 @@ page, which refuses forms from other sites), `ids` (the comma-separated item ids
                          newest batch first, a prompt's completions together (the page's order)
     POST /api/rate       {"ratings": [{"id": ..., "scores": {criterion: N}}, ...]}, Content-Type
                          application/json (which another site's page cannot send without asking):
-                         all saved, {"saved": n}, or none, 400 {"error": why}; as the form, a rating
+                         all saved, {"saved": n}, or none, 400 {"error": why} (507 when the ratings folder cannot
+                         be written); as the form, a rating
                          of an item rated meanwhile is skipped, not counted twice
     GET  /stats, /export the counts (JSON) and the rated items (JSON Lines), as ratings.py's commands
 
-Requests are answered only when addressed to an IP address, localhost or a name given with
---allow-host (no DNS rebinding of another site's name onto the page); a client that stops reading
+Requests are answered only when addressed to an IP address, localhost, the --host name or a name
+given with --allow-host (no DNS rebinding of another site's name onto the page); a client that stops reading
 holds its own thread for at most 30 s, never the others' (replies are sent outside the store's lock).
 """
 from __future__ import annotations
@@ -121,7 +122,7 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     """The rating page on (host, port); port 0 picks a free one (server.server_port).
 
     It has no login. Two guards against other web pages the rater has open: it answers only
-    requests addressed to an IP address, localhost or an allow_hosts name (no DNS rebinding onto
+    requests addressed to an IP address, localhost, the host it was given or an allow_hosts name (no DNS rebinding onto
     /export), and a form is saved only with the token of the page that showed it (no rating posted
     from another site); frames are refused (no clickjacking)."""
     store = store_for(dir)

@@ -17,7 +17,8 @@ lost to a kill (a line torn by one is skipped, and the next write starts a fresh
                     (and "messages", a chat prompt as it was, when the prompt shown is its text)
     ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
 
-and `page_token`, the page's form token, kept so that a page open across a server restart saves.
+and `page_token`, the page's form token, kept so that a page open across a server restart saves,
+and `serve.lock`, which a running `serve` holds so that a second server on the folder is refused.
 
 An item's id hashes (prompt, completion, scale), so a completion that repeats (within a group, or
 across steps and runs) is rated once and old ratings answer new runs. The page shows a prompt's
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login: keep it "
                    "127.0.0.1 and let raters in through an SSH tunnel)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a host name the page may "
-                   "be addressed by besides IP addresses and localhost (repeatable), e.g. the machine's name on a trusted network")
+                   "be addressed by besides IP addresses, localhost and the --host name (repeatable), e.g. the machine's name on a trusted network")
     p.add_argument("--port", type=int, default=8000, help="serve: port")
     args = p.parse_args(argv)
     if args.command != "serve":
