@@ -194,16 +194,17 @@ def _run_sync(coro):
 class Judge:
     """Cached, rate-limited, retrying chat client; see the module docstring."""
 
-    def __init__(self, cfg: JudgeConfig, label: str = "judge"):
-        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api). base_url,
+    def __init__(self, cfg: JudgeConfig, label: str = "judge", key: str | None = None):
+        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api); key: its
+        config section, where hints send the user, when the label says more (None: the label). base_url,
         azure_endpoint and model may read the environment as headers do: "${AZURE_OPENAI_ENDPOINT}"."""
         cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k) for k in ENV_FIELDS if getattr(cfg, k)})
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
-        for key in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):  # else every call fails, each counted
-            url = urllib.parse.urlsplit(getattr(cfg, key) or "")
+        for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):  # else every call fails, each counted
+            url = urllib.parse.urlsplit(getattr(cfg, name) or "")
             if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"judge: {key}={getattr(cfg, key)!r} is not an http(s) URL; give one such as "
+                raise ValueError(f"judge: {name}={getattr(cfg, name)!r} is not an http(s) URL; give one such as "
                                  "http://127.0.0.1:8000/v1 or https://api.openai.com/v1")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
             raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
@@ -214,7 +215,7 @@ class Judge:
             raise ValueError("judge: api_key_env is the NAME of the environment variable that holds the key "
                              "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
         self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
-        self.cfg, self.label = cfg, label
+        self.cfg, self.label, self.key = cfg, label, key or label
         self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404, ...): the caller stops
         self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)
         self._first_unparsed = ""  # the first of those replies, for the error
@@ -418,9 +419,10 @@ class Judge:
                     msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {self.masked(text)[:300]}"
                     unsupported = e.status_code == 400 and code in ("unsupported_parameter", "unsupported_value")
                     if (e.status_code in (401, 403, 404) and not flagged or no_credit or unsupported) and self.fatal is None:
-                        hint = (f"; reasoning models (o-series, GPT-5) take {self.label}.token_param: max_completion_tokens "
-                                f"and {self.label}.temperature: null" if unsupported else
-                                f" (check {self.label}'s base_url, model and the key in ${cfg.api_key_env})")
+                        hint = (f"; reasoning models (o-series, GPT-5) take {self.key}.token_param: max_completion_tokens "
+                                f"and {self.key}.temperature: null" if unsupported else
+                                f" (out of credit at {self._endpoint}: top up the account or use another key)" if no_credit else
+                                f" (check {self.key}'s base_url, model and the key in ${cfg.api_key_env})")
                         self.fatal = self.masked(" ".join(msg.split()) + hint)  # a key, model, URL, bill or request to fix
                     self._warn_once(f"http{e.status_code}", msg)
                     self._note_failure(msg)
@@ -440,9 +442,15 @@ class Judge:
                 if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
                     wait = min(cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0), cfg.backoff_max_s)
                 await asyncio.sleep(min(wait, cfg.retry_after_max_s))
-        self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {cfg.max_retries + 1} tries, last {why}")
-        self._note_failure(f"{cfg.max_retries + 1} tries, the last {why}")
+        tries = f"{cfg.max_retries + 1} tr{'y' if cfg.max_retries == 0 else 'ies'}"
+        self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {tries}, last {why}")
+        self._note_failure(f"{tries}, the last {why}")
         return None
+
+    @property
+    def first_failure(self) -> str:
+        """Why the first request failed, while none has had a reply ("" otherwise)."""
+        return self._first_failure
 
     def _note_failure(self, why: str) -> None:
         """A request that got no reply; FAILED_LIMIT of them before any reply stop the run (_gather)."""
@@ -478,7 +486,7 @@ class Judge:
             reply, finish = None, None
         if not isinstance(reply, str) or (not reply.strip() and finish == "length"):
             why = (f"its reply was cut at {self.cfg.token_param}={self.cfg.max_tokens} before any answer (a reasoning "
-                   f"model's thinking counts): raise {self.label}.max_tokens" if finish == "length" else "it had no text content")
+                   f"model's thinking counts): raise {self.key}.max_tokens" if finish == "length" else "it had no text content")
             self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} was unusable: {why}")
             self._note_failure(why)
             return None
@@ -501,9 +509,10 @@ class Judge:
         if self.fatal:
             raise JudgeUnusable(self.fatal)
         if self._failed_before_any >= FAILED_LIMIT:
-            raise JudgeUnusable(self.masked(f"{self.label}: none of its first {self._failed_before_any} requests to "
-                                            f"{self._endpoint} got a reply (the first: {self._first_failure[:300]}); "
-                                            "fix the endpoint or the request settings before paying for more"))
+            self.fatal = self.masked(f"{self.label}: none of its first {self._failed_before_any} requests to "
+                                     f"{self._endpoint} got a reply (the first: {self._first_failure[:300]}); "
+                                     "fix the endpoint or the request settings before paying for more")
+            raise JudgeUnusable(self.fatal)  # and it sends nothing more (a later model's scoring in eval.py)
         return replies
 
     def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:

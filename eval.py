@@ -170,6 +170,9 @@ def generate_api(client: Judge, messages: list[list[dict]], tokenizer, n: int = 
     """n chat completions per prompt through Judge.complete_many (cache, retries, concurrency, cost);
     a failed request leaves an empty completion, marked failed."""
     replies = client.complete_many(messages, n)
+    if replies and all(r is None for r in replies):  # a model that never answered is no finished eval
+        why = client.first_failure[:300] or "see the warnings above"
+        raise JudgeUnusable(client.masked(f"{client.label}: all {len(replies)} requests failed ({why}); nothing was scored"))
     texts = [r or "" for r in replies]
     num_tokens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     return Generated(texts, num_tokens, None, failed=[r is None for r in replies])
@@ -276,7 +279,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             raise ConfigError(f"{key}.temperature is 0 but eval.num_samples={cfg.eval.num_samples}: the samples would "
                               "repeat one answer; set a temperature (or null: the model's default)")
         try:
-            api[e.name] = Judge(section, label=f"{key} ({section.model})")
+            api[e.name] = Judge(section, label=f"{key} ({section.model})", key=key)
         except ValueError as err:
             raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
     sources = held_out_sources(cfg)

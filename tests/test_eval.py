@@ -13,7 +13,7 @@ import eval as ev
 import metrics
 from config import ConfigError, ModelConfig
 from entries import parse_model_entries
-from fake_openai_server import FakeOpenAIServer, ok, server_error
+from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
 from model import save_adapter
 from rewards import RewardSpec
 from scoring import compute_rewards
@@ -263,6 +263,19 @@ def test_named_api_endpoints_each_send_their_own_model_and_settings(project, ser
     assert ev.main(["--config", str(cfg), "--models", "api:gpt5", "--eval.api=null", "--overwrite"]) == 2
     assert "'gpt5' is not one of eval.apis (none) and there is no eval.api section" in capsys.readouterr().err
 
+
+
+def test_an_api_model_that_never_answers_stops_the_eval_and_hints_name_its_section(project, server, capsys):
+    """Every request of an api: entry failed (fewer than the client's limit): exit 2 with one line, not a
+    results.json with an empty column; a rejected parameter's hint names eval.api's keys."""
+    cfg, tmp = project
+    server.default = Behaviour(status=500)
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", "--eval.limit=2"]) == 2
+    assert "all 2 requests failed (1 try, the last HTTP 500); nothing was scored" in capsys.readouterr().err
+    assert not (tmp / "eval/results.json").exists()
+    server.default = Behaviour(status=400, code="unsupported_parameter", message="Unsupported parameter: 'max_tokens'")
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", "--eval.limit=2"]) == 2
+    assert "take eval.api.token_param: max_completion_tokens and eval.api.temperature: null" in capsys.readouterr().err
 
 
 def test_an_api_model_samples_n_answers_each_cached_and_a_prompt_with_a_failed_sample_is_left_out_whole(project, server,

@@ -352,6 +352,10 @@ def test_a_judge_that_never_answers_stops_the_run(server):
     assert judge.complete_many([chat(f"a{i}") for i in range(FAILED_LIMIT - 1)]) == [None] * (FAILED_LIMIT - 1)
     with pytest.raises(JudgeUnusable, match=f"none of its first {FAILED_LIMIT} requests .* got a reply .*HTTP 400"):
         judge.complete_many([chat("last")])
+    server.reset()
+    with pytest.raises(JudgeUnusable):  # stopped: nothing more is sent (eval.py's next model scored by it)
+        judge.complete_many([chat("again")])
+    assert server.requests == []
     judge = make_judge(server)
     server.script(ok())
     judge.complete_many([chat("first")])
