@@ -357,6 +357,12 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
             print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics leave out "
                   f"the {left} prompt(s) they belong to (see the warnings above for why)", file=sys.stderr)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
+    for key in (k for k in metrics if k.startswith("reward_errors/")):  # a judge outage must not read as bad answers
+        name = key.split("/", 1)[1]
+        spec = next((s for s in plan.cfg.rewards if (s.label or s.name) == name), None)
+        fate = "were left out of it" if spec and spec.fallback == "skip" else f"got its fallback ({spec.fallback if spec else '?'})"
+        print(f"[eval] {entry.name}: reward {name} could not score {metrics[key]} completion(s), which {fate}; see the "
+              "warnings above", file=sys.stderr)
     if entry.name in plan.trained_on:  # in results.json and the table, not only in a warning
         metrics["trained_on_held_out"] = plan.trained_on[entry.name]
     metrics["seconds"] = round(time.time() - t0, 2)

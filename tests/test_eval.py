@@ -703,3 +703,14 @@ def test_eval_ends_completions_at_training_s_stop_strings_and_reads_eval_name_wh
     with pytest.raises(RuntimeError, match="stop here"):
         ev.generate_rows(None, None, ev.held_out_rows(cfg)[:2], cfg)
     assert seen["stop_strings"] == ["</answer>"]
+
+
+def test_a_reward_that_could_not_score_is_said_at_the_end_not_only_counted(project, capsys, monkeypatch):
+    """A judge outage mid-eval gives the fallback; a line says how many, so it does not read as bad answers."""
+    from rewards import REGISTRY
+    def down(completions, samples):
+        raise ConnectionError("judge down")
+    monkeypatch.setitem(REGISTRY, "test_down_judge", (down, True))
+    cfg, tmp = project
+    assert ev.main(["--config", str(cfg), "--models", "base", "--eval.limit=2", "--rewards=[{name: test_down_judge, fallback: 0.0}]"]) == 0
+    assert "[eval] base: reward test_down_judge could not score 2 completion(s), which got its fallback (0.0)" in capsys.readouterr().err
