@@ -62,7 +62,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
         if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: never a disk error, whatever it interrupted
             raise
         cause = _os_error(e)  # torch.save wraps it in a RuntimeError
-        if cause is None:  # Ctrl-C, a bug
+        if cause is None:  # a bug: its own traceback
             raise
         free = shutil.disk_usage(final.parent).free / 2**20 if final.parent.is_dir() else 0
         raise OSError(cause.errno, f"cannot write checkpoint {final} ({cause.strerror or cause}; "
