@@ -233,6 +233,7 @@ class Judge:
         self._inflight: dict[str, asyncio.Future] = {}
         self._requests: set[asyncio.Future] = set()  # every request task not yet done (shielded: they outlive a cancel)
         self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
+        self.cut: set[str] = set()  # cache keys of replies cut at max_tokens (finish_reason "length"): was_cut
         if cfg.cache_path:
             self._load_disk_cache()
 
@@ -289,6 +290,8 @@ class Judge:
         for offset, end, rec in jsonl.read(self.cfg.cache_path):  # complete lines: a torn last one is not read
             if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
                 self._disk_index[rec["key"]] = offset
+                if rec.get("finish") == "length":
+                    self.cut.add(rec["key"])
             else:  # corrupt, or another kind of record
                 bad += 1
         if bad and not self._disk_index:  # not a cache at all: a data file (paid answers?) must not be appended to
@@ -327,8 +330,9 @@ class Judge:
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         self._mem_put(key, reply)
         if self.cfg.cache_path and key not in self._disk_index:  # fsynced: each line was paid for
+            record = {"key": key, "reply": reply, "usage": usage} | ({"finish": "length"} if key in self.cut else {})
             try:
-                self._disk_index[key] = jsonl.append(self.cfg.cache_path, [{"key": key, "reply": reply, "usage": usage}])
+                self._disk_index[key] = jsonl.append(self.cfg.cache_path, [record])
             except OSError as e:  # a full disk: the reply is paid for, so it is still used (raised, it was dropped)
                 self._warn_once("cachewrite", f"{self.label}: cannot write its cache {self.cfg.cache_path} ({e.strerror or e}): "
                                 "replies are used but not cached, so a rerun pays for them again; free space")
@@ -491,6 +495,8 @@ class Judge:
             self._note_failure(why)
             return None
         self._failed_before_any = -1
+        if finish == "length":  # some text, cut at max_tokens: eval.py reports it as truncated
+            self.cut.add(key)
         if reply.strip() and (accept is None or accept(reply)):  # malformed or empty replies are returned (to be
             self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})  # counted) but never cached
         return reply
@@ -522,11 +528,18 @@ class Judge:
         return _run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
                                       [i for _ in message_lists for i in range(n)]))
 
+    def _keys(self, message_lists: list[list[dict]], n: int) -> list[str]:
+        """The cache keys of complete_many(message_lists, n)'s requests, in its order."""
+        return [cache_key(self.cfg.model, m, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, i)
+                for m in message_lists for i in range(n)]
+
     def cached(self, message_lists: list[list[dict]], n: int = 1) -> int:
         """How many of complete_many(message_lists, n)'s requests the cache would answer (free)."""
-        keys = (cache_key(self.cfg.model, m, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, i)
-                for m in message_lists for i in range(n))
-        return sum(k in self._disk_index or k in self._mem for k in keys)
+        return sum(k in self._disk_index or k in self._mem for k in self._keys(message_lists, n))
+
+    def was_cut(self, message_lists: list[list[dict]], n: int = 1) -> list[bool]:
+        """Whether each of complete_many(message_lists, n)'s replies was cut at max_tokens (now or when cached)."""
+        return [k in self.cut for k in self._keys(message_lists, n)]
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);

@@ -75,7 +75,7 @@ from scoring import (RewardResult, check_rows, compute_rewards, in_background, o
 class Generated:
     texts: list[str]  # (N,) completions, prompt-major: prompt i's samples are i*n .. i*n+n-1
     num_tokens: list[int]  # (N,) completion tokens up to and including the first EOS
-    truncated: list[bool] | None  # (N,) no EOS within max_new_tokens; None when unknown (API)
+    truncated: list[bool] | None  # (N,) no EOS within max_new_tokens (API models: cut at their max_tokens)
     failed: list[bool] | None = None  # (N,) API requests that got no reply: not scored, not in the metrics
 
 
@@ -175,7 +175,7 @@ def generate_api(client: Judge, messages: list[list[dict]], tokenizer, n: int = 
         raise JudgeUnusable(client.masked(f"{client.label}: all {len(replies)} requests failed ({why}); nothing was scored"))
     texts = [r or "" for r in replies]
     num_tokens = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
-    return Generated(texts, num_tokens, None, failed=[r is None for r in replies])
+    return Generated(texts, num_tokens, client.was_cut(messages, n), failed=[r is None for r in replies])
 
 
 def held_out_sources(cfg: Config) -> list[Source]:

@@ -19,7 +19,8 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
   maj@n              = mean over prompts of whether the answer most of its n samples give is right
                        (self-consistency; answer_match's answers; see majority_accuracy; only when n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
-  truncated_rate     = share of completions that hit max_new_tokens without EOS (local models)
+  truncated_rate     = share of completions that hit max_new_tokens without EOS (API models: cut at their
+                       section's max_tokens, finish_reason "length")
   api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
                        the judges: section's): from the Judge clients' counters
   agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one

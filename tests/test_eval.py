@@ -714,3 +714,21 @@ def test_a_reward_that_could_not_score_is_said_at_the_end_not_only_counted(proje
     cfg, tmp = project
     assert ev.main(["--config", str(cfg), "--models", "base", "--eval.limit=2", "--rewards=[{name: test_down_judge, fallback: 0.0}]"]) == 0
     assert "[eval] base: reward test_down_judge could not score 2 completion(s), which got its fallback (0.0)" in capsys.readouterr().err
+
+
+def test_an_api_reply_cut_at_max_tokens_is_reported_truncated_even_from_the_cache(project, server):
+    """finish_reason "length" with some text: scored, but flagged (truncated_rate, the prediction's
+    truncated), and the flag comes back with the cached reply on a rerun."""
+    cfg, tmp = project
+    cache = tmp / "api_cache.jsonl"
+    server.script(Behaviour(text='{"predicted_category": "A", "conf', finish_reason="length"))
+    args = ["--config", str(cfg), "--models", "api:fake-model", "--eval.limit=2", f"--eval.api.cache_path={cache}",
+            "--eval.api.max_concurrent=1"]
+    assert ev.main(args) == 0
+    first = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    preds = [json.loads(x) for x in (tmp / "eval/predictions_fake-model.jsonl").read_text().splitlines()]
+    assert first["truncated_rate"] == 0.5 and [p.get("truncated", False) for p in preds] == [True, False]
+    n_requests = len(server.requests)
+    assert ev.main(args + ["--overwrite"]) == 0 and len(server.requests) == n_requests  # all from the cache
+    again = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    assert again["truncated_rate"] == 0.5
