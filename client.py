@@ -20,9 +20,8 @@ Choices worth knowing:
 - The openai client's own retries are off (max_retries=0): the retry policy lives here and is tested.
 - A reply that `score_many`'s parser rejects is a failure; it is not retried (at temperature 0 the same
   prompt mostly gets the same reply, so re-asking pays twice for nothing) and never cached.
-- The disk cache keeps only key -> byte offset in RAM, so a long run does not grow RAM with reply text
-  (GRubrics had to switch its in-memory cache off during RL for that reason); `memory_cache` is the
-  separate bounded LRU of recent replies.
+- The cache (reply_cache.py: an append-only JSONL file plus a bounded LRU in memory) keeps only
+  key -> byte offset in RAM for the file, so a long run does not grow RAM with reply text.
 - Identical prompts in flight at once share one request (GRPO groups often repeat a completion); the
   n samples of one prompt (complete_many n=) are n requests, each cached under its own index.
 - The API key is read from the env var named by `api_key_env` only when a client is built; it is not
@@ -34,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -43,12 +41,11 @@ import random
 import re
 import time
 import urllib.parse
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 from urllib.parse import urlsplit
 
-import jsonl
+from reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
 
 log = logging.getLogger(__name__)
 
@@ -91,21 +88,6 @@ class JudgeConfig:
 
 STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
-
-
-def cache_key(model: str, messages: list[dict], temperature: float | None, max_tokens: int,
-              extra_body: dict | None = None, sample: int = 0) -> str:
-    """sha256 of the canonical JSON of everything that decides the reply (extra_body only when set,
-    so caches written before it existed keep answering). sample > 0: the sample-th extra reply to the
-    same request (K sampled answers to one prompt are K cached replies, not one reply K times)."""
-    what = {"model": model, "messages": messages, "max_tokens": int(max_tokens),
-            "temperature": None if temperature is None else float(temperature)}
-    if extra_body:
-        what["extra_body"] = extra_body
-    if sample:
-        what["sample"] = int(sample)
-    blob = json.dumps(what, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()  # a reply cut inside an emoji: a lone surrogate
 
 
 def _sendable(messages: list[dict]) -> list[dict]:
@@ -224,7 +206,6 @@ class Judge:
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # the run's: in each checkpoint, put back on --resume
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
-        self._mem: OrderedDict[str, str] = OrderedDict()
         self._next_slot = 0.0  # monotonic time the next request may start (requests_per_minute)
         # Client, semaphore and in-flight table belong to one event loop; rebuilt when the loop changes.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,10 +213,7 @@ class Judge:
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
         self._requests: set[asyncio.Future] = set()  # every request task not yet done (shielded: they outlive a cancel)
-        self._disk_index: dict[str, int] = {}  # cache key -> byte offset of its line in cache_path
-        self.cut: set[str] = set()  # cache keys of replies cut at max_tokens (finish_reason "length"): was_cut
-        if cfg.cache_path:
-            self._load_disk_cache()
+        self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0, label)
 
     def __repr__(self) -> str:
         return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "
@@ -284,58 +262,12 @@ class Judge:
             text = text.replace(secret, "***")
         return text
 
-    # --- cache -------------------------------------------------------------------------------------
-    def _load_disk_cache(self) -> None:
-        bad, end = 0, 0
-        for offset, end, rec in jsonl.read(self.cfg.cache_path):  # complete lines: a torn last one is not read
-            if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
-                self._disk_index[rec["key"]] = offset
-                if rec.get("finish") == "length":
-                    self.cut.add(rec["key"])
-            else:  # corrupt, or another kind of record
-                bad += 1
-        if bad and not self._disk_index:  # not a cache at all: a data file (paid answers?) must not be appended to
-            raise ValueError(f"judge: cache_path={self.cfg.cache_path} holds lines but no cache records: is it a data "
-                             "file? Give the cache a file of its own")
-        if os.path.exists(self.cfg.cache_path) and os.path.getsize(self.cfg.cache_path) > end:
-            bad += 1  # a last line torn by a kill
-        if bad:
-            log.warning("%s cache %s: skipped %d unreadable line(s); the rest loaded", self.label, self.cfg.cache_path, bad)
-
-    def _cache_get(self, key: str) -> str | None:
-        if key in self._mem:
-            self._mem.move_to_end(key)
-            return self._mem[key]
-        offset = self._disk_index.get(key)
-        if offset is None:
-            return None
-        with open(self.cfg.cache_path, "rb") as f:
-            f.seek(offset)
-            try:
-                rec = json.loads(f.readline())
-            except ValueError:
-                rec = {}
-        if rec.get("key") != key:  # another process appended meanwhile and the offset is stale
-            return None
-        self._mem_put(key, rec["reply"])
-        return rec["reply"]
-
-    def _mem_put(self, key: str, reply: str) -> None:
-        if self.cfg.memory_cache and self.cfg.memory_cache_size > 0:
-            self._mem[key] = reply
-            self._mem.move_to_end(key)
-            while len(self._mem) > self.cfg.memory_cache_size:
-                self._mem.popitem(last=False)
-
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
-        self._mem_put(key, reply)
-        if self.cfg.cache_path and key not in self._disk_index:  # fsynced: each line was paid for
-            record = {"key": key, "reply": reply, "usage": usage} | ({"finish": "length"} if key in self.cut else {})
-            try:
-                self._disk_index[key] = jsonl.append(self.cfg.cache_path, [record])
-            except OSError as e:  # a full disk: the reply is paid for, so it is still used (raised, it was dropped)
-                self._warn_once("cachewrite", f"{self.label}: cannot write its cache {self.cfg.cache_path} ({e.strerror or e}): "
-                                "replies are used but not cached, so a rerun pays for them again; free space")
+        try:
+            self.cache.put(key, reply, usage)
+        except OSError as e:  # a full disk: the reply is paid for, so it is still used (raised, it was dropped)
+            self._warn_once("cachewrite", f"{self.label}: cannot write its cache {self.cfg.cache_path} ({e.strerror or e}): "
+                            "replies are used but not cached, so a rerun pays for them again; free space")
 
     # --- requests ----------------------------------------------------------------------------------
     def _bind_loop(self) -> None:
@@ -367,7 +299,7 @@ class Judge:
         self._bind_loop()
         self.add_stat("calls")
         key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
-        reply = self._cache_get(key)
+        reply = self.cache.get(key)
         if reply is not None:
             self.add_stat("cache_hits")
             return reply
@@ -496,7 +428,7 @@ class Judge:
             return None
         self._failed_before_any = -1
         if finish == "length":  # some text, cut at max_tokens: eval.py reports it as truncated
-            self.cut.add(key)
+            self.cache.cut.add(key)
         if reply.strip() and (accept is None or accept(reply)):  # malformed or empty replies are returned (to be
             self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})  # counted) but never cached
         return reply
@@ -535,11 +467,11 @@ class Judge:
 
     def cached(self, message_lists: list[list[dict]], n: int = 1) -> int:
         """How many of complete_many(message_lists, n)'s requests the cache would answer (free)."""
-        return sum(k in self._disk_index or k in self._mem for k in self._keys(message_lists, n))
+        return sum(k in self.cache for k in self._keys(message_lists, n))
 
     def was_cut(self, message_lists: list[list[dict]], n: int = 1) -> list[bool]:
         """Whether each of complete_many(message_lists, n)'s replies was cut at max_tokens (now or when cached)."""
-        return [k in self.cut for k in self._keys(message_lists, n)]
+        return [k in self.cache.cut for k in self._keys(message_lists, n)]
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);

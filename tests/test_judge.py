@@ -810,12 +810,12 @@ def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, 
     back and its other requests were cancelled), with one warning a step that a rerun pays again."""
     import errno
 
-    import client
+    import jsonl
     judge = make_judge(server, cache_path=str(tmp_path / "judge.jsonl"))
 
     def full(path, records):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(client.jsonl, "append", full)
+    monkeypatch.setattr(jsonl, "append", full)
     with caplog.at_level(logging.WARNING, logger="client"):
         assert judge.complete_many([chat(f"p{i}") for i in range(3)]) == ['{"score": 7}'] * 3
     warned = [r.getMessage() for r in caplog.records if "cannot write its cache" in r.getMessage()]
