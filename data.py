@@ -327,6 +327,9 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
             raise DataError(f"row {i}: the prompt is {type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
                             "conversation (a list of {role, content} messages)" + (
                                 f"; to write it as text, make data.prompt a template: \"{{{cfg.prompt}}}\"" if prompt else ""))
+        if conversation and not extra and prompt[-1]["role"] == "assistant":  # the reply, whose answer a prompt must not hold
+            raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
+                            f"the prompt; set data.target: {cfg.prompt} to split it off (the messages before it are the prompt)")
         out.append({**row, "prompt": prompt, **extra})
     return out
 

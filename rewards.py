@@ -125,7 +125,69 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
                          f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
     fn = import_function(name)
     # a user function marks itself batched by registering: @register("name", batched=True)
-    return fn, next((batched for f, batched in REGISTRY.values() if f is fn), False)
+    registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)
+    if registered is None and is_trl_reward(fn):
+        return trl_reward(fn), True
+    return fn, bool(registered)
+
+
+TRL_FILLED = ("prompts", "completions")  # what a TRL reward function gets besides the data's columns
+
+
+def is_trl_reward(fn: Callable) -> bool:
+    """A reward function written for TRL's GRPOTrainer: it takes `completions` (and `prompts`) by name
+    and returns a list; minigrpo's own take (completion, sample) or, batched, (completions, samples).
+
+    >>> is_trl_reward(lambda completions, **kwargs: []), is_trl_reward(lambda prompts, completions, answer, **kw: [])
+    (True, True)
+    >>> is_trl_reward(lambda completion, sample: 0.0), is_trl_reward(lambda completions, samples: [])
+    (False, False)
+    """
+    names = [p.name for p in inspect.signature(fn).parameters.values()]
+    return "completions" in names and names[:2] != ["completions", "samples"]
+
+
+@functools.lru_cache(maxsize=None)
+def trl_reward(fn: Callable) -> Callable:
+    """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
+    batched minigrpo reward: `prompts` are the rows' prompts (text or chat messages), `completions`
+    the completions' TEXT, also for chat prompts (TRL's conversational format hands lists of
+    {role, content} messages instead: the MedMCQA project's json.loads(completion) failed on every one
+    of them and its rewards were 0.0 throughout), and each other column of the rows is a keyword
+    holding its values in order (TRL's reward_kwargs). A None in the returned list: no value, as in TRL.
+    Arguments TRL fills that minigrpo does not have (completion_ids, trainer_state) must have defaults."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    required = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    label = f"reward {getattr(fn, '__name__', fn)!r} (TRL's signature {inspect.signature(fn)})"
+
+    def batched(completions: list[str], samples: list[dict], **args) -> list:
+        columns = {k for s in samples for k in s if k != "prompt" and (takes_any or k in params)} - set(args)
+        kwargs = {k: [s.get(k) for s in samples] for k in columns} | args
+        kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]), ("completions", list(completions)))
+                   if takes_any or k in params}
+        try:
+            out = fn(**kwargs)
+        except TypeError as e:
+            if "string indices" in str(e):  # completion[0]["content"]: written for TRL's conversational format
+                raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "
+                                "messages; read the text itself") from e
+            raise
+        return list(out) if isinstance(out, (list, tuple)) else out
+
+    def check_args(**args) -> None:
+        if unknown := [a for a in args if a not in params and not takes_any]:
+            raise ValueError(f"{label} has no argument {unknown[0]!r}")
+        if unfilled := [n for n in required if n in ("completion_ids", "trainer_state")]:
+            raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; give it a default (None)")
+
+    def check_row(row: dict, **args) -> None:
+        if missing := [n for n in required if n not in (*TRL_FILLED, *args) and n not in row]:
+            raise ValueError(f"{label} reads the column {missing[0]!r} (TRL passes each column by name), which the "
+                             f"row lacks; it has: {', '.join(row)}")
+    batched.check_args, batched.check_row, batched.trl = check_args, check_row, fn
+    batched.__name__ = getattr(fn, "__name__", "trl_reward")
+    return batched
 
 
 @functools.lru_cache(maxsize=None)

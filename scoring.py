@@ -114,9 +114,11 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
             if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
                 raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{_did_you_mean(arg, names)}; "
                                  f"it accepts: {', '.join(names) or 'no arguments'}")
-        head = list(inspect.signature(fn).parameters.values())[:2]
-        if len(head) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in head):
-            raise ValueError(f"reward {spec.name!r}: a reward takes (completion, sample, **args) (batched: lists of both); "
+        every = inspect.signature(fn).parameters.values()
+        positional = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in positional):  # (completion, **kw) too
+            raise ValueError(f"reward {spec.name!r}: a reward takes (completion, sample, **args) (batched: lists of both), "
+                             "or as TRL's take them, (prompts, completions, **kwargs); "
                              f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)} does not")
         if callable(getattr(fn, "check_args", None)):  # the reward's own check of its args' values (ratings.human)
             fn.check_args(**spec.args)

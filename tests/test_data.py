@@ -397,3 +397,18 @@ def test_a_split_of_a_local_file_is_refused_not_ignored(tmp_path):
     with pytest.raises(ConfigError, match=r"data.mixture\[1\].split='test' picks a split of a hub dataset; "
                                           r"data.mixture\[1\].name=b.jsonl has none"):  # a source's too (it was ignored)
         load_config(None, ["--data.name=null", "--data.mixture=[{name: a.jsonl}, {name: b.jsonl, split: test}]"])
+
+
+def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_and_eval(tmp_path):
+    """TRL's SFT rows (`messages` ending with the assistant's answer) reused for GRPO or eval with
+    data.target unset: the prompt held the answer, and the model copied it (a 3/3 reward, silently)."""
+    turns = [{"role": "system", "content": "Reply in JSON."}, {"role": "user", "content": "Q1"},
+             {"role": "assistant", "content": '{"predicted_category": "B"}'}]
+    data = tmp_path / "mcq.jsonl"
+    data.write_text(json.dumps({"messages": turns, "cop": "B"}) + "\n")
+    with pytest.raises(DataError, match=r"row 0: data.prompt=messages ends with the assistant's reply.*set data.target: messages"):
+        load_rows(DataConfig(name=str(data), prompt="messages", answer_key="cop"))
+    (row,) = load_rows(DataConfig(name=str(data), prompt="messages", target="messages", answer_key="cop"))
+    assert row["prompt"] == turns[:2] and row["target"] == '{"predicted_category": "B"}'
+    data.write_text(json.dumps({"messages": turns[:2], "cop": "B"}) + "\n")  # prompt-only rows: as they were
+    assert load_rows(DataConfig(name=str(data), prompt="messages", answer_key="cop"))[0]["prompt"] == turns[:2]

@@ -290,3 +290,79 @@ def test_annotations_the_config_checker_does_not_know_are_left_to_the_reward(tmp
     check_specs([RewardSpec(f"{path}:f", args={"vocab": "v.txt", "words": ["a"], "pair": [1, 2], "tags": ["x"], "n": 3})])
     with pytest.raises(ValueError, match="args.n: expected int"):
         check_specs([RewardSpec(f"{path}:f", args={"n": "three"})])
+
+
+SEED_REWARDS = '''import json
+
+
+def json_validity_reward(completions, **kwargs):
+    rewards = []
+    for completion in completions:
+        try:
+            json.loads(completion)
+            rewards.append(1.0)
+        except (json.JSONDecodeError, TypeError):
+            rewards.append(0.0)
+    return rewards
+
+
+def accuracy_reward(completions, ground_truth, **kwargs):
+    rewards = []
+    for completion, gt in zip(completions, ground_truth):
+        try:
+            obj = json.loads(completion)
+            rewards.append(1.0 if obj.get("predicted_category") == gt else 0.0)
+        except Exception:
+            rewards.append(0.0)
+    return rewards
+
+
+def conversational(completions, **kwargs):
+    return [float(c[0]["content"] == "x") for c in completions]
+
+
+def seen(prompts, completions, completion_ids=None, **kwargs):
+    """What TRL would pass, returned as one value a completion (None where it does not apply)."""
+    assert kwargs["subject"] == ["anatomy", "physiology"] and "prompt" not in kwargs and completion_ids is None
+    return [None if p == "skip me" else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+def needs_ids(completions, completion_ids, **kwargs):
+    return [0.0] * len(completions)
+
+
+def one_positional(completion, **kwargs):
+    return 1.0
+'''
+
+
+def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_path, caplog):
+    """The MedMCQA project's own reward functions (its report, section 2.3): TRL's signature, called with
+    the completions' text, so they score as their author meant (under TRL, with chat prompts, they
+    got message lists and returned 0.0 throughout)."""
+    from config import ConfigError
+    from scoring import check_rows
+    path = tmp_path / "medmcqa_rewards.py"
+    path.write_text(SEED_REWARDS)
+    specs = [RewardSpec(f"{path}:json_validity_reward", label="valid"), RewardSpec(f"{path}:accuracy_reward", weight=2.0, label="acc")]
+    check_specs(specs)
+    rows = [{"prompt": [{"role": "user", "content": "Q1"}], "ground_truth": "B"},
+            {"prompt": [{"role": "user", "content": "Q2"}], "ground_truth": "C"}]
+    check_rows(specs, rows)
+    right, wrong, broken = '{"predicted_category": "B"}', '{"predicted_category": "A"}', "The answer is C"
+    result = compute_rewards([right, wrong, broken], [rows[0], rows[1], rows[1]], specs)
+    assert result.total == [3.0, 1.0, 0.0]
+    assert result.errors == {"valid": 0, "acc": 0} and result.per_reward["acc"] == [1.0, 0.0, 0.0]
+
+    with pytest.raises(ConfigError, match="reads the column 'ground_truth'.*which the row lacks"):
+        check_rows(specs, [{"prompt": "Q", "answer": "B"}])
+    other = [{"prompt": "p", "subject": "anatomy"}, {"prompt": "skip me", "subject": "physiology"}]
+    assert compute_rewards(["abc", "de"], other, [RewardSpec(f"{path}:seen", label="s")]).per_reward["s"] == [3.0, None]
+    with pytest.raises(ValueError, match="needs completion_ids, which minigrpo does not pass"):
+        check_specs([RewardSpec(f"{path}:needs_ids")])
+    with pytest.raises(ValueError, match=r"a reward takes \(completion, sample, \*\*args\)"):
+        check_specs([RewardSpec(f"{path}:one_positional")])  # neither minigrpo's nor TRL's: refused, not 0.0 throughout
+    with caplog.at_level(logging.WARNING, logger="minigrpo.scoring"):
+        out = compute_rewards(["x"], [rows[0]], [RewardSpec(f"{path}:conversational", label="c")])
+    assert out.errors == {"c": 1}
+    assert any("completions are passed as text here, not as lists of {role, content}" in r.getMessage() for r in caplog.records)
