@@ -36,9 +36,11 @@ from pathlib import Path
 import jsonl
 from ratings import Store, say, store_for
 
-PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>minigrpo ratings</title>{refresh}
+PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width,initial-scale=1"><title>{title}minigrpo ratings</title>{refresh}
 <style>body{{font-family:sans-serif;max-width:52em;margin:2em auto;padding:0 1em}}
-pre{{white-space:pre-wrap;background:#f4f4f4;padding:1em;border-radius:4px}}
+pre{{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:1em;border-radius:4px}}
+label{{display:inline-block;padding:.4em .5em}} input[type=radio]{{width:1.2em;height:1.2em;vertical-align:middle}}
 fieldset{{border:0;padding:.3em 0}} legend{{font-weight:bold}} .err{{color:#b00}}</style></head><body>
 <p>{counts} &middot; <a href="/stats">stats</a> &middot; <a href="/export">export</a></p>{body}</body></html>"""
 
@@ -46,9 +48,11 @@ fieldset{{border:0;padding:.3em 0}} legend{{font-weight:bold}} .err{{color:#b00}
 def render_page(store: Store, token: str, error: str | None = None, note: str | None = None) -> str:
     pending = store.pending()
     counts = f"{len(pending)} to rate, {len(store.items) - len(pending)} rated"
+    said = (f'<p class="err">{html.escape(error)}</p>' if error else "") + (f"<p>{html.escape(note)}</p>" if note else "")
     if not pending:
-        body = "<p>Nothing to rate yet: this page reloads every 2 seconds.</p>"
-        return PAGE.format(refresh='<meta http-equiv="refresh" content="2">', counts=counts, body=body)
+        body = said + "<p>Nothing to rate yet: this page reloads every 2 seconds.</p>"
+        wait = 15 if note or error else 2  # time to read the note; the reload drops ?taken= from the address
+        return PAGE.format(title="", refresh=f'<meta http-equiv="refresh" content="{wait}; url=/">', counts=counts, body=body)
     group = store.next_group()
     lo, hi = group[0]["scale"]
 
@@ -56,16 +60,15 @@ def render_page(store: Store, token: str, error: str | None = None, note: str | 
         return "".join(f'<fieldset><legend>{html.escape(c)}</legend>' + " ".join(
             f'<label><input type="radio" name="{html.escape(it["id"])}.{html.escape(c)}" value="{v}" required> {v}</label>'
             for v in range(lo, hi + 1)) + "</fieldset>" for c in it["criteria"])
-    answers = "".join(f"<h3>Answer {n}</h3><pre>{html.escape(it['completion'])}</pre>{choices(it)}"
+    answers = "".join(f"<h3>Answer {n}</h3><pre>\n{html.escape(it['completion']) if it['completion'].strip() else '<em>(empty answer)</em>'}</pre>{choices(it)}"
                       for n, it in enumerate(group, 1))
-    body = ((f'<p class="err">{html.escape(error)}</p>' if error else "") + (f"<p>{html.escape(note)}</p>" if note else "")
-            + f"<h3>Prompt</h3><pre>{html.escape(group[0]['prompt'])}</pre>"
+    body = (said + f"<h3>Prompt</h3><pre>{html.escape(group[0]['prompt'])}</pre>"
             + f"<p>{len(group)} answer(s) to this prompt. {lo} = worst, {hi} = best; training learns from "
             + "how they compare, so rate them against each other.</p>"
             + f'<form method="post" action="/rate"><input type="hidden" name="token" value="{token}">'
             + f'<input type="hidden" name="ids" value="{html.escape(",".join(it["id"] for it in group))}">{answers}'
             + '<p><button type="submit">Save and next</button></p></form>')
-    return PAGE.format(refresh="", counts=counts, body=body)
+    return PAGE.format(title=f"({len(pending)}) ", refresh="", counts=counts, body=body)
 
 
 def page_token(dir: str | Path) -> str:
@@ -167,12 +170,13 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 elif path == "/stats":
                     reply = (200, json.dumps(store.stats(), indent=1), "application/json")
                 elif path == "/export":
-                    reply = (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()), "application/jsonl; charset=utf-8")
+                    reply = (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()), "application/jsonl; charset=utf-8",
+                             {"Content-Disposition": 'attachment; filename="rated.jsonl"'})
                 elif path == "/api/pending":
                     reply = (200, json.dumps({"pending": store.pending()}), "application/json")
                 else:
                     reply = (404, "not found", "text/plain")
-            self._send(*reply)
+            self._send(*reply[:3], **(reply[3] if len(reply) > 3 else {}))
 
         def do_POST(self) -> None:
             if self._refused():

@@ -58,7 +58,7 @@ def shown(text: str) -> tuple[list[str], list[str], str]:
     """The ids, the (escaped) answers and the form token of the group the page shows."""
     ids = re.search(r'name="ids" value="([\w,]+)"', text)
     token = re.search(r'name="token" value="([\w-]+)"', text)
-    return ((ids.group(1).split(",") if ids else []), re.findall(r"<h3>Answer \d+</h3><pre>(.*?)</pre>", text, re.S),
+    return ((ids.group(1).split(",") if ids else []), re.findall(r"<h3>Answer \d+</h3><pre>\n?(.*?)</pre>", text, re.S),
             token.group(1) if token else "")
 
 
@@ -200,6 +200,26 @@ def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_
                                                                "criteria": CRITERIA, "scale": [1, 5],
                                                                "scores": {"relevance": 4.0, "clarity": 3.0},
                                                                "reward": 0.625})  # ((4-1)/4 + (3-1)/4) / 2
+
+
+def test_a_rater_whose_group_was_taken_is_told_so_even_when_nothing_is_left_and_not_again(page):
+    """Seen in Chromium (review 70): with the queue empty the note was dropped, and the 2 s reload kept
+    ?taken= in the address, so the note came back over every later group."""
+    url, folder = page
+    queue(folder, "a", 1, "p", "\nstarts on a new line")
+    queue(folder, "b", 1, "p", "   ")
+    ids, answers, token = shown(get(url + "/"))
+    assert answers == ["\nstarts on a new line", "<em>(empty answer)</em>"]  # <pre> eats one leading newline: sent two
+    good = [{"relevance": "4", "clarity": "3"}] * 2
+    assert post(url, form(ids, good, token)) == 303  # the first tab
+    assert post(url, form(ids, good, token)) == 303  # the second tab, same group: redirected to /?taken=2
+    text = get(url + "/?taken=2")
+    assert "2 of the answers you rated had been rated by someone else" in text and "Nothing to rate yet" in text
+    assert '<meta http-equiv="refresh" content="15; url=/">' in text  # read it, then the address loses ?taken=
+    assert '<meta http-equiv="refresh" content="2; url=/">' in get(url + "/")
+    assert 'name="viewport" content="width=device-width' in text  # a phone shows it at its own width
+    with urllib.request.urlopen(url + "/export", timeout=10) as r:  # a download with a name, not "export"
+        assert r.headers["Content-Disposition"] == 'attachment; filename="rated.jsonl"' and len(r.read().splitlines()) == 2
 
 
 def test_a_page_open_across_a_server_restart_still_saves_its_form(tmp_path):
