@@ -175,6 +175,8 @@ class RunConfig:
     #   decodes them, logged as eval/* in metrics.jsonl (eval/reward, eval/accuracy, ...); 0 = never
     stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no
     #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
+    max_minutes: float = 0.0  # a job's time limit: checkpoint and stop (exit code 0) after the step past which the
+    #   next one would end later than this many minutes from the start; --resume goes on. 0: no limit
 
 
 @dataclass
@@ -287,7 +289,7 @@ def _check(cfg: Config) -> None:
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
                     "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every,
-                    "run.threads": cfg.run.threads}
+                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")

@@ -417,6 +417,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()  # run.max_minutes counts from here: a job's limit counts the loading too
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with sigterm_as_interrupt():  # loading a model can take minutes: stopped meanwhile, one line too
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt():
             tracker = open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
-            return run(r, args, created, tracker)
+            return run(r, args, created, tracker, started)
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (metrics, samples, a checkpoint)
         if isinstance(e, OSError) and not is_write_error(e):
             raise  # a bug's missing file, a reset connection: its traceback, and the run's files, kept
@@ -447,7 +448,18 @@ def main(argv: list[str] | None = None) -> int:
             tracker.finish()
 
 
-def run(r: Run, args, created: bool, tracker) -> int:
+def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float) -> bool:
+    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) end past it?
+
+    >>> cfg = Config(); cfg.run.max_minutes = 10  # 600 s: at 550 s, a 50 s step (55 with the margin) would pass it
+    >>> out_of_time(cfg, 0.0, [50.0, 30.0], 550.0), out_of_time(cfg, 0.0, [30.0], 550.0), out_of_time(Config(), 0.0, [30.0], 1e9)
+    (True, False, False)
+    """
+    limit = cfg.run.max_minutes * 60
+    return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) > limit
+
+
+def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
     """The run directory's files, then steps start + 1 .. run.steps: each logged, checkpointed and shown; -> the exit code."""
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -467,10 +479,10 @@ def run(r: Run, args, created: bool, tracker) -> int:
     from sft import sft_step
     step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
-    recorded = None
+    recorded, started, step_seconds = None, time.monotonic() if started is None else started, []
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
-            r.step = step
+            r.step, t_step = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # a mixture's curriculum clock
             try:
                 r.phase = "training"  # train_step says when it samples
@@ -490,7 +502,9 @@ def run(r: Run, args, created: bool, tracker) -> int:
                 jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
-            if stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+            step_seconds.append(time.monotonic() - t_step)  # with its held-out scoring: the next may have one too
+            timed_out = not stop and step < cfg.run.steps and out_of_time(cfg, started, step_seconds, time.monotonic())
+            if stop or timed_out or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 if recorded is None:  # what eval.py finds held-out rows among, with the first checkpoint that holds them
                     recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
                 save_checkpoint(r, step)
@@ -504,6 +518,10 @@ def run(r: Run, args, created: bool, tracker) -> int:
                 print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
                       f"checkpoint saved in {run_dir}", file=sys.stderr)
                 return 3
+            if timed_out:
+                print(f"[minigrpo] stopped at step {step} of {cfg.run.steps}: the next step would end past "
+                      f"run.max_minutes={cfg.run.max_minutes:g}; checkpoint saved in {run_dir}, go on with --resume", file=sys.stderr)
+                return 0
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
 

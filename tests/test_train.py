@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import rollout
 import step
 import train
+from config import ConfigError, load_config
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 
@@ -610,6 +611,21 @@ def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_c
     assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=3", f"--run.out_dir={out}",
                        "--resume"]) == 3
     assert "stopped at step 3" in capsys.readouterr().err
+
+
+def test_a_run_out_of_time_checkpoints_stops_with_0_and_resumes_where_it_stopped(setup, capsys):
+    """run.max_minutes, for a job's time limit (the MedMCQA project's 1-hour jobs): it stops after the
+    step past which the next one would end too late, with a checkpoint, and --resume goes on."""
+    cfg, run = setup
+    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0", "--run.max_minutes=0.0001"]) == 0
+    err = capsys.readouterr().err
+    assert "stopped at step 1 of 3: the next step would end past run.max_minutes=0.0001" in err and "--resume" in err
+    assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1]
+    assert (run / "checkpoints" / "step_000001" / "trainer_state.pt").exists()
+    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0", "--resume"]) == 0
+    assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
+    with pytest.raises(ConfigError, match=r"run.max_minutes must be >= 0, got -1"):
+        load_config(str(cfg), ["--run.max_minutes=-1"])
 
 
 def test_eval_every_logs_held_out_metrics_and_leaves_training_as_it_was(setup, capsys):
