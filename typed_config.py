@@ -111,16 +111,40 @@ def check_writable(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key}={path}: {p if p.exists() else there} is not writable; choose another path")
 
 
+def _entry(items: list, part: str, dotted: str) -> int:
+    """The place in a config list (rewards:) that an override's part names: an index from 0, or an
+    entry's label or name ("--rewards.accuracy.weight=2")."""
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    named = [i for i, x in enumerate(items) if isinstance(x, dict) and part in (x.get("label"), x.get("name"))]
+    if len(named) == 1:
+        return named[0]
+    names = [str(x.get("label") or x.get("name")) for x in items if isinstance(x, dict)]
+    raise ConfigError(f"override --{dotted}: '{part}' is " + (f"the name of {len(named)} entries; give their label or index"
+                      if named else f"neither an index (0 to {len(items) - 1}) nor a label or name of the list's entries "
+                      f"({', '.join(names) or 'none'})"))
+
+
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
-    for p in parents:
+    for n, p in enumerate(parents):
+        if isinstance(d, list):
+            d = d[_entry(d, p, dotted)]
+            if not isinstance(d, dict):
+                raise ConfigError(f"override --{dotted}: '{p}' is not a section")
+            continue
+        if p not in d and (parents[n + 1:] + [last])[0].isdigit():
+            raise ConfigError(f"override --{dotted}: the config has no list '{p}' to index; write it in the config file")
         node = d.setdefault(p, {})
         if node is None:  # `run:` with every key commented out: which defaults (its own, or an extended file's) is unclear
             raise ConfigError(f"override --{dotted}: '{p}' is empty (null) in the config; remove that line or give it keys")
-        if not isinstance(node, dict):
+        if not isinstance(node, (dict, list)):
             raise ConfigError(f"override --{dotted}: '{p}' is not a section")
         d = node
-    d[last] = value
+    if isinstance(d, list):
+        d[_entry(d, last, dotted)] = value
+    else:
+        d[last] = value
 
 
 def _text_field(root: type, dotted: str) -> str | None:
@@ -131,8 +155,8 @@ def _text_field(root: type, dotted: str) -> str | None:
     for part in dotted.split("."):
         if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):  # X | None: X
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        if typing.get_origin(tp) is dict:  # a mapping of sections by name (judges): part is a name
-            tp = typing.get_args(tp)[1]
+        if typing.get_origin(tp) in (dict, list):  # a mapping of sections by name (judges): part is a name; a
+            tp = typing.get_args(tp)[-1]  # list of them (rewards): part is an index, label or name
         elif not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
             return None
         else:

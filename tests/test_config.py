@@ -31,6 +31,24 @@ def test_yaml_and_overrides_are_typed_and_nested(tmp_path):
     assert cfg.rewards[0].name == "answer_match"
 
 
+def test_one_reward_of_the_list_is_overridden_by_index_label_or_name(tmp_path):
+    """A sweep over one reward's weight (GRubrics' REWARD_LAMBDA_*) without restating the list."""
+    path = write(tmp_path, "rewards:\n  - {name: json_valid}\n  - {name: choice_accuracy, label: acc, args: {gold_key: cop}}\n"
+                           "  - {name: judge, label: clarity}\n  - {name: judge, label: relevance}\n")
+    cfg = load_config(path, ["--rewards.0.weight=0.5", "--rewards.acc.args.gold_key=answer", "--rewards.clarity.fallback=skip",
+                             "--rewards.json_valid.label=valid", "--rewards.3.label=null"])
+    assert [r.weight for r in cfg.rewards] == [0.5, 1.0, 1.0, 1.0] and cfg.rewards[1].args == {"gold_key": "answer"}
+    assert cfg.rewards[2].fallback == "skip" and cfg.rewards[0].label == "valid" and cfg.rewards[3].label is None
+    assert load_config(path, ["--rewards.1={name: json_schema}"]).rewards[1].name == "json_schema"
+    for override, message in [("--rewards.9.weight=1", r"'9' is neither an index \(0 to 3\) nor a label or name.*json_valid, acc"),
+                              ("--rewards.judge.weight=1", "'judge' is the name of 2 entries; give their label or index"),
+                              ("--rewards.acc.wieght=1", r"unknown config key 'rewards\[1\].wieght'")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, [override])
+    with pytest.raises(ConfigError, match="the config has no list 'rewards' to index"):
+        load_config(write(tmp_path, "grpo: {beta: 0.0}\n"), ["--rewards.0.weight=1"])
+
+
 def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
     assert load_config(write(tmp_path, MINIMAL + "grpo: {beta: 1}\n")).grpo.beta == 1.0
 
