@@ -22,7 +22,7 @@ import yaml
 import jsonl
 from client import JudgeConfig
 from rewards import RewardSpec
-from typed_config import ConfigError, apply_overrides, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
+from typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
 
 
 @dataclass
@@ -150,6 +150,7 @@ class OptimConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     warmup_steps: int = 0  # linear warmup (optimizer updates)
+    warmup_ratio: float = 0.0  # or warmup over this share of the run's updates (TRL's warmup_ratio); one of the two
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
     micro_batch_size: int = 8  # completions per forward/backward; accumulation covers the rest
@@ -160,6 +161,8 @@ class OptimConfig:
 class RunConfig:
     out_dir: str = "runs/quickstart"  # run directory: config, metrics, samples, checkpoints
     steps: int = 60  # rollout batches (each gives num_iterations x num_mini_batches optimizer updates)
+    epochs: float = 0.0  # when > 0, sets run.steps to this many passes over the rows: epochs x rows / rows a step
+    #   (rollout.prompts_per_step, sft.batch_size or dpo.batch_size), rounded up
     seed: int = 0  # seeds python, numpy and torch
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     threads: int = 0  # CPU threads for torch (0: torch's default)
@@ -260,10 +263,16 @@ class Config:
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
 
 
+EXCLUSIVE = (("run.steps", "run.epochs"),)  # one decides: a later layer's choice (a file that extends, the command line) wins
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (and the files it `extends`) + `--section.key=value` overrides -> validated Config
     (ConfigError on any problem)."""
-    raw: dict = read_yaml(Path(path)) if path is not None else {}
+    raw: dict = read_yaml(Path(path), exclusive=EXCLUSIVE) if path is not None else {}
+    given: dict = {}  # the command line's layer alone, for exclusive_layers
+    apply_overrides(given, [o for o in overrides if o[2:].split("=", 1)[0] in sum(EXCLUSIVE, ())], Config)
+    exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
     cfg = from_dict(Config, raw)
     _check(cfg)
@@ -289,10 +298,13 @@ def _check(cfg: Config) -> None:
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
                     "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every,
-                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes}
+                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes, "run.epochs": cfg.run.epochs}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
+    if not 0 <= cfg.optim.warmup_ratio < 1 or (cfg.optim.warmup_ratio and cfg.optim.warmup_steps):
+        raise ConfigError(f"optim.warmup_ratio={cfg.optim.warmup_ratio} must be in [0, 1), and set only when "
+                          f"optim.warmup_steps is 0 (it is {cfg.optim.warmup_steps})")
     if cfg.run.keep_checkpoints < 1:
         raise ConfigError(f"run.keep_checkpoints must be >= 1 (the newest checkpoint is what --resume needs), got {cfg.run.keep_checkpoints}")
     if not 0 <= cfg.lora.dropout < 1:
@@ -483,4 +495,7 @@ def redacted(d: Any) -> Any:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as YAML (secrets masked), atomically (tmp file + rename)."""
-    jsonl.write_atomic(path, yaml.safe_dump(redacted(config_to_dict(cfg)), sort_keys=False))
+    d = redacted(config_to_dict(cfg))
+    if cfg.run.epochs:  # the steps are the epochs' (with_epochs in train.py): saved, they would be set twice
+        del d["run"]["steps"]
+    jsonl.write_atomic(path, yaml.safe_dump(d, sort_keys=False))

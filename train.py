@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -53,8 +54,9 @@ from step import train_step
 
 
 def lr_lambda(cfg: Config, total_updates: int):
-    """Linear warmup for warmup_steps updates, then cosine from lr down to lr * min_lr_ratio."""
-    w, floor = cfg.optim.warmup_steps, cfg.optim.min_lr_ratio
+    """Linear warmup for warmup_steps updates (or warmup_ratio x total_updates), then cosine from lr
+    down to lr * min_lr_ratio."""
+    w, floor = cfg.optim.warmup_steps or round(cfg.optim.warmup_ratio * total_updates), cfg.optim.min_lr_ratio
 
     def f(u: int) -> float:
         if u < w:
@@ -138,6 +140,20 @@ def updates_per_step(cfg: Config) -> int:
     return cfg.grpo.num_iterations * cfg.grpo.num_mini_batches if cfg.mode == "grpo" else 1
 
 
+def with_epochs(cfg: Config, n_rows: int) -> Config:
+    """run.epochs > 0: the config with run.steps = ceil(epochs x rows / rows a step); else cfg.
+
+    >>> c = Config(mode="dpo"); c.run.epochs = 3; c.dpo.batch_size = 8
+    >>> with_epochs(c, 280).run.steps  # bioreasoner_dpo.yaml's 105 steps, without the arithmetic
+    105
+    """
+    if not cfg.run.epochs:
+        return cfg
+    per_step = {"grpo": cfg.rollout.prompts_per_step, "sft": cfg.sft.batch_size, "dpo": cfg.dpo.batch_size}[cfg.mode]
+    steps = max(1, math.ceil(cfg.run.epochs * n_rows / per_step - 1e-9))
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=steps))
+
+
 def reference_beta(cfg: Config) -> float:
     """The weight on the reference policy: grpo.beta (GRPO), dpo.beta (DPO), 0 (SFT has none)."""
     return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
@@ -185,17 +201,18 @@ def setup(args, overrides: list[str]) -> Run:
         raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to continue; "
                           "check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
+    sources = load_sources(cfg.data)
+    rows = [row for s in sources for row in s.rows]
+    cfg = with_epochs(cfg, len(rows))
     changed = []
     if ckpts:
-        before = flat(config_to_dict(load_config(ckpts[-1] / "config.yaml")))
+        before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"), len(rows))))
         changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items() if before.get(k) != v)  # as saved
         if any(k.startswith(("model.", "lora.")) or k == "mode" for k in changed):
             raise ConfigError(f"--resume with a different mode, model or LoRA setup than {ckpts[-1]} ({', '.join(changed)}); "
                               "resume with the run's own config.yaml, or start a new run.out_dir")
         if changed:
             print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
-    sources = load_sources(cfg.data)
-    rows = [row for s in sources for row in s.rows]
     if cfg.rewards and cfg.mode == "grpo":  # SFT scores only held-out rows (checked below)
         check_rows(cfg.rewards, rows)
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
@@ -472,7 +489,8 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
         keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
     n_train = sum(p.numel() for p in r.params)
     print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {ROW_NAMES[cfg.mode]}, steps {start}->{cfg.run.steps}", file=sys.stderr)
+          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {ROW_NAMES[cfg.mode]}, steps {start}->{cfg.run.steps}"
+          + (f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""), file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     from dpo import dpo_step  # sft.py and dpo.py import from this module: import them late

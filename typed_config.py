@@ -172,8 +172,31 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_yaml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
-    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it."""
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str], ...], where: str) -> None:
+    """For each pair of settings of which one decides (run.steps, run.epochs): the one `over` sets (to
+    something other than 0 or null) drops the other from `base`, so a later layer (a file that
+    extends, the command line) replaces the earlier one's choice; both set in `over` is an error."""
+    for pair in exclusive:
+        set_here = [k for k in pair if _get(over, k)]
+        if len(set_here) == 2:
+            raise ConfigError(f"{where} sets both {pair[0]}={_get(over, pair[0])} and {pair[1]}={_get(over, pair[1])}: "
+                              "keep one")
+        for k in set_here:
+            *parents, last = next(x for x in pair if x != k).split(".")
+            section = _get(base, ".".join(parents))
+            if isinstance(section, dict):
+                section.pop(last, None)
+
+
+def read_yaml(p: Path, seen: tuple[Path, ...] = (), exclusive: tuple[tuple[str, str], ...] = ()) -> dict:
+    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it
+    (`exclusive`: pairs of settings of which this file's choice replaces its parent's, exclusive_layers)."""
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}" + (f" (extended by {seen[-1]})" if seen else ""))
     if p.resolve() in seen:
@@ -188,10 +211,13 @@ def read_yaml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{p}: the top level must be a mapping of sections")
     parent = raw.pop("extends", None)
     if parent is None:
+        exclusive_layers({}, raw, exclusive, str(p))
         return raw
     if not isinstance(parent, str):
         raise ConfigError(f"{p}: extends: expected the path of another config file, got {parent!r}")
-    return _merge(read_yaml(p.parent / parent, seen + (p.resolve(),)), raw)
+    base = read_yaml(p.parent / parent, seen + (p.resolve(),), exclusive)
+    exclusive_layers(base, raw, exclusive, str(p))
+    return _merge(base, raw)
 
 
 def apply_overrides(raw: dict, overrides: list[str], root: type) -> None:

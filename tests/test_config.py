@@ -272,3 +272,19 @@ def test_every_recipe_writes_its_own_run_directory():
     for path in sorted(Path("configs").glob("*.yaml")):
         dirs.setdefault(load_config(path).run.out_dir, []).append(path.name)
     assert {d: names for d, names in dirs.items() if len(names) > 1} == {}
+
+
+def test_steps_or_epochs_the_later_layer_decides_and_one_layer_may_not_set_both(tmp_path):
+    """A recipe that counts epochs extends one that counts steps (bioreasoner_dpo.yaml); the command line's
+    --run.steps beats a file's epochs; a file, or a command line, that sets both is refused."""
+    parent = tmp_path / "parent.yaml"
+    parent.write_text(MINIMAL + "run: {steps: 200}\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: parent.yaml\nrun: {epochs: 3}\n")
+    assert (load_config(child).run.epochs, load_config(child).run.steps) == (3, 60)  # steps: made from the epochs
+    assert (load_config(child, ["--run.steps=2"]).run.epochs, load_config(child, ["--run.steps=2"]).run.steps) == (0, 2)
+    assert load_config(child, ["--run.epochs=0"]).run.epochs == 0  # 0: not set, so the parent's steps are gone
+    assert load_config(parent, ["--run.epochs=1"]).run.epochs == 1
+    both = write(tmp_path, MINIMAL + "run: {steps: 10, epochs: 2}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml sets both run.steps=10 and run.epochs=2: keep one"):
+        load_config(both)

@@ -125,6 +125,28 @@ def test_resume_with_another_num_iterations_puts_the_schedule_where_the_steps_ar
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == pytest.approx([0.01 * f(2), 0.01 * f(3)])
 
 
+def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_change(setup, capsys):
+    """TRL's num_train_epochs and warmup_ratio: 12 rows, 2 prompts a step, half an epoch = 3 steps, the
+    first round(0.5 x 3) = 2 of them warming up."""
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.epochs=0.5", "--run.save_every=1", "--optim.warmup_ratio=0.5", "--optim.lr=0.01"]
+    assert train.main(args) == 0
+    assert "steps 0->3 (0.5 epochs)" in capsys.readouterr().err
+    f = train.lr_lambda(train.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
+    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == pytest.approx([0.01 * f(u) for u in range(3)])
+    assert "steps" not in yaml.safe_load((run / "config.yaml").read_text())["run"]  # the epochs make them
+    shutil.rmtree(run / "checkpoints/step_000003")
+    assert train.main(args + ["--resume"]) == 0
+    assert "changed settings" not in capsys.readouterr().err  # the steps the epochs make, as saved
+    assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
+    assert train.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7  # the command line's wins
+    assert train.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
+    with pytest.raises(ConfigError, match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
+        train.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
+    with pytest.raises(ConfigError, match="optim.warmup_ratio=0.1 must be in .0, 1., and set only when optim.warmup_steps is 0"):
+        load_config(str(cfg), ["--optim.warmup_ratio=0.1", "--optim.warmup_steps=5"])
+
+
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
     """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
     optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
