@@ -215,6 +215,8 @@ class EvalConfig:
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
     keep_columns: list[str] = field(default_factory=list)  # row columns copied into each prediction line (under
     #   "columns"), e.g. [id, prompt_type]
+    group_by: str | None = None  # a row column: n, reward and accuracy for each of its values as well
+    #   (<column>=<value>/accuracy, ...), e.g. prompt_type
     api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
     apis: dict[str, JudgeConfig] = field(default_factory=dict)  # named endpoints, each with its own model and
     #   settings (temperature: null for GPT-5, ...): an `api:NAME` entry uses eval.apis.NAME

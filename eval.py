@@ -305,6 +305,12 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
                               f"they have: {', '.join(missing[0].rows[0])}")
     start = cfg.eval.select[0] if cfg.eval.select else 0
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
+    if col := cfg.eval.group_by:  # each held-out row's group: "<column>=<value>"
+        for j, (w, r) in enumerate(zip(where, rows)):
+            if r.get(col) in (None, "") or isinstance(r[col], (list, dict)):
+                raise ConfigError(f"eval.group_by: held-out row {j} has no value (text or a number) in column {col!r}; "
+                                  f"its columns: {', '.join(r)}")
+            w["group"] = f"{col}={r[col]}"
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     open_rewards(cfg.rewards)  # a reward model loads last, once everything cheaper is checked
     return Plan(cfg, entries, rows, where, pick_device(cfg.run.device), judges, api, tokenizer, trained_on)
@@ -346,8 +352,9 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     cfg = plan.cfg
     forced = "" if entry.kind == "api" else cfg.data.assistant_prefix  # recorded: what bestofn.py's SFT rows put back
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges, forced)
-    if plan.where and "source" in plan.where[0]:
-        metrics |= per_source_metrics(plan.where, n, res, gen.failed)
+    for key in ("source", "group"):
+        if plan.where and key in plan.where[0]:
+            metrics |= per_source_metrics(plan.where, n, res, gen.failed, key)
     if entry.kind == "api":
         stats = plan.api[entry.name].pop_step_stats()
         failures = sum(gen.failed)

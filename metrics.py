@@ -144,13 +144,15 @@ def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool
     return out
 
 
-def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None) -> dict:
+def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None,
+                       key: str = "source") -> dict:
     """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable),
-    over the answered prompts (a prompt with a failed API request left out whole, as in the totals)."""
+    or each label under `key` (eval.group_by's "<column>=<value>"), over the answered prompts (a
+    prompt with a failed API request left out whole, as in the totals)."""
     out = {}
     left_out = {i // n for i, f in enumerate(failed or []) if f}  # prompts
-    for label in dict.fromkeys(w["source"] for w in where):
-        idx = [i for i in range(len(res.total)) if where[i // n]["source"] == label and i // n not in left_out]
+    for label in dict.fromkeys(w[key] for w in where):
+        idx = [i for i in range(len(res.total)) if where[i // n][key] == label and i // n not in left_out]
         out[f"{label}/n"] = len(idx)
         if not idx:
             continue

@@ -337,6 +337,27 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
     assert m["a/reward"] == pytest.approx(sum(p["reward"] for p in preds if p["source"] == "a") / 2)
 
 
+def test_group_by_reports_each_value_of_a_column_as_well(project, server, capsys):
+    """eval.group_by: BioReasoner's prompt types (critique_extend, method_bridge, gap_analysis) each scored."""
+    cfg, tmp = project
+    test = tmp / "typed.jsonl"
+    kinds = ["bridge", "gap", "bridge", "gap", "bridge"]
+    test.write_text("".join(json.dumps({"question": f"Test {i}", "answer": "AB"[i % 2], "kind": k}) + "\n"
+                            for i, k in enumerate(kinds)))
+    args = ["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}", "--eval.select=null"]
+    assert ev.main(args + ["--eval.group_by=kind"]) == 0
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")
+    m = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    for k in ("bridge", "gap"):  # the fake always answers A: the bridge rows' gold is A, the gap rows' B
+        mine = [p for p in preds if p["group"] == f"kind={k}"]
+        assert m[f"kind={k}/n"] == len(mine) == kinds.count(k)
+        assert m[f"kind={k}/accuracy"] == pytest.approx(sum(p["gold"] == "A" for p in mine) / len(mine))
+    assert m["kind=bridge/accuracy"] == 1.0 and m["kind=gap/accuracy"] == 0.0
+    assert "kind=gap/accuracy" in capsys.readouterr().out  # in the table
+    assert ev.main(args + ["--eval.group_by=type", "--overwrite"]) == 2
+    assert "eval.group_by: held-out row 0 has no value (text or a number) in column 'type'" in capsys.readouterr().err
+
+
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     cfg, tmp = project
     argv = ["--config", str(cfg), "--models", "base", "--eval.temperature=1.0", "--eval.num_samples=3",
