@@ -20,6 +20,8 @@ reward with fallback: skip that failed) are never picked, nor is one cut at max_
 completion is kept when its reward >= --min-reward; a pair is kept when best - worst >= --min-margin
 (> 0: a tie is no preference). --require NAME=V keeps only completions whose reward NAME is >= V
 (e.g. think_format=1: never pick a reply without its think block); the rejected one may miss it.
+--by NAME+NAME ranks by those rewards' sum instead of the total (BioReasoner's pairs: the judge's
+logic+novelty decide, and with think_format among them a reply without its think block ranks low).
 SFT rows hold `completion`, the text after the forced prefix the eval recorded (`assistant_prefix`):
 train them with the same data.assistant_prefix, which SFT puts back. Pairs are in TRL's form, for
 its DPOTrainer or minigrpo's `mode: dpo` (with data.assistant_prefix: ''), so their chosen and
@@ -49,17 +51,35 @@ def groups(records: list[dict]) -> dict[tuple, list[dict]]:
     return out
 
 
-def eligible(rec: dict, require: dict[str, float], keep_truncated: bool = False) -> bool:
-    """Has a reward, was not cut at max_new_tokens (unless keep_truncated), and every required reward reaches its bar."""
-    if rec.get("reward") is None or rec.get("api_failed") or (rec.get("truncated") and not keep_truncated):
+def ranked_by(rec: dict, by: list[str] | None = None) -> float | None:
+    """What a completion is ranked by: its reward, or with `by` the sum of those rewards alone (None
+    when one is missing), e.g. a judge's logic + novelty without the citation counts in the total.
+
+    >>> ranked_by({"reward": 3.5, "rewards": {"logic": 4, "novelty": 2, "cites": 1}}, ["logic", "novelty"])
+    6.0
+    """
+    if rec.get("api_failed"):
+        return None
+    if not by:
+        return rec.get("reward")
+    values = [(rec.get("rewards") or {}).get(k) for k in by]
+    return None if any(v is None for v in values) else float(sum(values))
+
+
+def eligible(rec: dict, require: dict[str, float], keep_truncated: bool = False, by: list[str] | None = None) -> bool:
+    """Has a reward (the `by` ones), was not cut at max_new_tokens (unless keep_truncated), and every
+    required reward reaches its bar."""
+    if ranked_by(rec, by) is None or (rec.get("truncated") and not keep_truncated):
         return False
     return all((rec.get("rewards") or {}).get(k) is not None and rec["rewards"][k] >= v for k, v in require.items())
 
 
 def select(records: list[dict], min_reward: float | None = None, min_margin: float = 1e-9,
-           require: dict[str, float] | None = None, keep_truncated: bool = False) -> tuple[list[dict], list[dict]]:
+           require: dict[str, float] | None = None, keep_truncated: bool = False,
+           by: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     """-> (SFT rows: each prompt's best, pairs: each prompt's best vs worst). The best is the first
-    of the highest reward (file order), the worst the first of the lowest.
+    of the highest reward (file order), the worst the first of the lowest; `by`: ranked by the sum
+    of those rewards instead (ranked_by), which min_reward and min_margin then apply to.
 
     >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r} for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
     >>> sft, pairs = select(recs, min_reward=0.5)
@@ -69,21 +89,21 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
     require = require or {}
     sft, pairs = [], []
     for (source, row), recs in groups(records).items():
-        ok = [r for r in recs if eligible(r, require, keep_truncated)]
+        ok = [r for r in recs if eligible(r, require, keep_truncated, by)]
         if not ok:
             continue
-        best = max(ok, key=lambda r: r["reward"])  # max/min keep the first of equals
-        worst = min([r for r in recs if r.get("reward") is not None and not r.get("api_failed")], key=lambda r: r["reward"])
+        best = max(ok, key=lambda r: ranked_by(r, by))  # max/min keep the first of equals
+        worst = min([r for r in recs if ranked_by(r, by) is not None], key=lambda r: ranked_by(r, by))
         where = {**({"row": row} if "row" in best else {}), **({"source": source} if source is not None else {}),
                  **({"columns": best["columns"]} if best.get("columns") else {})}  # eval.keep_columns, nested as there
         forced = best.get("assistant_prefix") or ""
         prefix = {"assistant_prefix": forced} if forced else {}
-        if min_reward is None or best["reward"] >= min_reward:
-            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": best["reward"]})
-        if best["reward"] - worst["reward"] >= min_margin and best["completion"] != worst["completion"]:
+        high, low = ranked_by(best, by), ranked_by(worst, by)
+        if min_reward is None or high >= min_reward:
+            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": high})
+        if high - low >= min_margin and best["completion"] != worst["completion"]:
             pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
-                          "rejected": forced + worst["completion"], "chosen_reward": best["reward"],
-                          "rejected_reward": worst["reward"]})
+                          "rejected": forced + worst["completion"], "chosen_reward": high, "rejected_reward": low})
     return sft, pairs
 
 
@@ -110,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-margin", type=float, default=1e-9, help="pairs: keep only when best - worst >= this")
     ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V", help="only completions whose reward NAME >= V")
     ap.add_argument("--keep-truncated", action="store_true", help="also pick completions cut at max_new_tokens")
+    ap.add_argument("--by", default=None, metavar="NAME[+NAME...]", help="rank by the sum of these rewards, not the "
+                    "total (e.g. logic+novelty: a judge's scores without the rule rewards); --min-reward/--min-margin apply to it")
     args = ap.parse_args(argv)
     try:
         if not (args.sft or args.pairs):
@@ -143,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         if not records:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")
         named = {k for r in records for k in (r.get("rewards") or {})}
-        if unknown := sorted(set(require) - named):
-            raise ValueError(f"--require {unknown[0]}: no prediction has a reward of that name; they have: "
-                             f"{', '.join(sorted(named)) or 'none'} (eval.py writes each reward under 'rewards')")
-        sft, pairs = select(records, args.min_reward, args.min_margin, require, args.keep_truncated)
+        by = args.by.split("+") if args.by else None
+        for flag, names in (("--require", require), ("--by", by or [])):
+            if unknown := sorted(set(names) - named):
+                raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; they have: "
+                                 f"{', '.join(sorted(named)) or 'none'} (eval.py writes each reward under 'rewards')")
+        sft, pairs = select(records, args.min_reward, args.min_margin, require, args.keep_truncated, by)
     except (ValueError, OSError) as e:  # ConfigError (check_writable) is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,6 +43,25 @@ def test_best_and_worst_per_prompt_with_bars_requirements_and_unscored_completio
         bestofn.parse_require(["think_format"])
 
 
+def test_by_ranks_on_the_named_rewards_alone(tmp_path, capsys):
+    """BioReasoner's pairs: the judge's logic + novelty decide, not the citation counts in the total."""
+    def r(c, total, **rw):
+        return rec(0, c, total, rewards=rw)
+    records = [r("many citations", 5.0, logic=1, novelty=2, cites=4), r("sound", 3.0, logic=5, novelty=4, cites=0),
+               r("no think", 4.0, logic=2, novelty=0, cites=3), r("unjudged", 9.0, logic=None, novelty=2, cites=9)]
+    sft, pairs = bestofn.select(records, by=["logic", "novelty"], min_reward=8.0)
+    assert [(x["completion"], x["reward"]) for x in sft] == [("sound", 9.0)]  # the bar applies to the sum
+    assert (pairs[0]["chosen"], pairs[0]["rejected"], pairs[0]["rejected_reward"]) == ("sound", "no think", 2.0)
+    assert bestofn.select(records)[0][0]["completion"] == "unjudged"  # by the total
+    preds = tmp_path / "preds.jsonl"
+    preds.write_text("".join(json.dumps(x) + "\n" for x in records))
+    out = tmp_path / "pairs.jsonl"
+    assert bestofn.main([str(preds), "--pairs", str(out), "--by", "logic+novelty"]) == 0
+    assert json.loads(out.read_text())["chosen"] == "sound"
+    assert bestofn.main([str(preds), "--pairs", str(tmp_path / "x.jsonl"), "--by", "logic+clarity"]) == 2
+    assert "--by clarity: no prediction has a reward of that name; they have: cites, logic, novelty" in capsys.readouterr().err
+
+
 def test_bad_invocations_are_one_line_errors_and_write_nothing(tmp_path, capsys):
     preds = tmp_path / "predictions_x.jsonl"
     preds.write_text(json.dumps({"row": 0, "prompt": "p", "completion": "c", "reward": 1.0}) + "\n")
