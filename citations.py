@@ -3,6 +3,7 @@
     rewards:
       - {name: citation_grounding, args: {valid_key: valid_pmids}}          # +1 a valid id, -2 an invented one
       - {name: invented_citation, weight: 0, label: hallucinated}          # logged: the hallucination rate
+      - {name: citation_grounding, args: {valid_key: null, valid_file: data/corpus_pmids.txt}}  # the corpus's ids
 
 PMID_PATTERN finds "PMID: 12345" (also PMID-, PMID#, PMID=, "PubMed ID", an id of 5 digits or more on the next line)
 and lists after one label ("PMIDs: 12345, 67890 and 13579", across a line break), so
@@ -11,6 +12,8 @@ PMIDs cited today have, so a year or a dose after a citation is not one. rewards
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 
 from answers import find_all
@@ -21,11 +24,13 @@ CITATION_SEPARATOR = r"\s*(?:[,;&]|\band\b)\s*"  # between the ids of one match'
 
 
 def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTERN,
-                       valid_key: str = "valid_pmids", reward_valid: float = 1.0, penalty_invalid: float = -2.0,
+                       valid_key: str | None = "valid_pmids", reward_valid: float = 1.0, penalty_invalid: float = -2.0,
                        normalize: bool = False, dedupe: bool = True, no_citation: float = 0.0,
-                       ignore_case: bool = True) -> float | None:
+                       ignore_case: bool = True, valid_file: str | None = None) -> float | None:
     r"""BioReasoner's grounding score: reward_valid per cited id in sample[valid_key],
-    penalty_invalid per invented one; None when the sample has no valid_key.
+    penalty_invalid per invented one; None when the sample has no valid_key. valid_file: a text file
+    of ids (whitespace-separated, e.g. one a line) valid for every row as well, such as the ids of the
+    whole corpus the prompts draw from; with valid_key: null they are the only valid ones.
 
         score = sum over citations c of (reward_valid if c is valid else penalty_invalid)
         normalize: score / number of citations (so citing every valid id earns nothing extra)
@@ -46,7 +51,7 @@ def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTER
     >>> citation_grounding("[PMIDs: 11111; 22222, 99999]", v), citation_grounding("PMID: 11111, 30 patients", v)
     (0.0, 1.0)
     """
-    found = _citations(completion, sample, pattern, valid_key, dedupe, ignore_case)
+    found = _citations(completion, sample, pattern, valid_key, dedupe, ignore_case, valid_file)
     if found is None:
         return None
     cited, valid = found
@@ -56,23 +61,49 @@ def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTER
     return score / len(cited) if normalize else float(score)
 
 
-def _citations(completion: str, sample: dict, pattern: str, valid_key: str, dedupe: bool,
-               ignore_case: bool) -> tuple[list[str], set[str]] | None:
-    """(ids cited in the completion, the sample's valid ids), or None when the sample has no valid_key."""
-    valid = sample.get(valid_key)
-    if valid is None:
+@functools.lru_cache(maxsize=8)
+def _ids_in_file(path: str, stamp: tuple) -> frozenset[str]:
+    with open(path, encoding="utf-8") as f:
+        return frozenset(f.read().split())
+
+
+def file_ids(path: str) -> frozenset[str]:
+    """The ids in a valid_file, read once (again when the file changes)."""
+    st = os.stat(path)
+    return _ids_in_file(path, (st.st_mtime_ns, st.st_size))
+
+
+def check_valid_file(valid_key: str | None = "valid_pmids", valid_file: str | None = None, **_) -> None:
+    """Before the run: a valid_file that reads, and some source of valid ids."""
+    if valid_file is not None:
+        try:
+            if not file_ids(valid_file):
+                raise ValueError(f"args.valid_file={valid_file} holds no ids")
+        except OSError as e:
+            raise ValueError(f"args.valid_file={valid_file}: {e.strerror or e}") from None
+    elif valid_key is None:
+        raise ValueError("args.valid_key is null and there is no args.valid_file: no id would be valid")
+
+
+def _citations(completion: str, sample: dict, pattern: str, valid_key: str | None, dedupe: bool,
+               ignore_case: bool, valid_file: str | None = None) -> tuple[list[str], set[str]] | None:
+    """(ids cited in the completion, the valid ids: the sample's and valid_file's), or None when the
+    sample has no valid_key and there is no valid_file."""
+    valid = sample.get(valid_key) if valid_key is not None else None
+    if valid is None and valid_file is None:
         return None
-    if isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset)):
+    if valid is not None and (isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset))):
         raise TypeError(f"sample[{valid_key!r}] must be a list of ids, not {type(valid).__name__}")
+    ids = {str(v).strip() for v in valid or ()} | (file_ids(valid_file) if valid_file is not None else set())
     cited = [c for found in find_all(pattern, completion, re.I if ignore_case else 0)
              for c in re.split(CITATION_SEPARATOR, found.strip(), flags=re.I) if c]
-    return (list(dict.fromkeys(cited)) if dedupe else cited), {str(v).strip() for v in valid}
+    return (list(dict.fromkeys(cited)) if dedupe else cited), ids
 
 
-def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN, valid_key: str = "valid_pmids",
-                      ignore_case: bool = True) -> float | None:
-    r"""1.0 when the completion cites at least one id that is not in sample[valid_key], else 0.0 (None
-    without valid_key). Its mean is BioReasoner's hallucination rate: list it with weight 0 and
+def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN, valid_key: str | None = "valid_pmids",
+                      ignore_case: bool = True, valid_file: str | None = None) -> float | None:
+    r"""1.0 when the completion cites at least one id that is not in sample[valid_key] (nor in valid_file,
+    as citation_grounding reads them), else 0.0 (None without either). Its mean is BioReasoner's hallucination rate: list it with weight 0 and
     `label: hallucinated` to log it in training and report it in eval.py.
 
     >>> s = {"valid_pmids": ["111"]}
@@ -81,8 +112,11 @@ def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN
     >>> invented_citation("PMIDs 111 and 99999 agree", s)
     1.0
     """
-    found = _citations(completion, sample, pattern, valid_key, True, ignore_case)
+    found = _citations(completion, sample, pattern, valid_key, True, ignore_case, valid_file)
     if found is None:
         return None
     cited, valid = found
     return float(any(c not in valid for c in cited))
+
+
+citation_grounding.check_args = invented_citation.check_args = check_valid_file

@@ -475,3 +475,22 @@ def test_number_golds_keep_their_reading():
     assert answer_match("30", {"answer": r"30^\circ"}) == 1.0 and answer_match("5", {"answer": "5%"}) == 1.0
     with pytest.raises(ValueError, match="compare must be"):
         answer_match("1", {"answer": 1}, compare="algebra")
+
+
+def test_a_valid_file_adds_the_corpus_ids_to_every_rows_or_stands_alone(tmp_path):
+    """BioReasoner's "if PMID in valid_papers" over its 15k-paper pool: ids valid for every row."""
+    from scoring import check_specs
+    corpus = tmp_path / "pmids.txt"
+    corpus.write_text("11111\n22222 33333\n")
+    row = {"valid_pmids": ["44444"]}
+    text = "PMID: 11111, PMID: 44444, PMID: 99999"
+    assert citation_grounding(text, row) == -3.0  # the row's id alone: two invented
+    assert citation_grounding(text, row, valid_file=str(corpus)) == 0.0  # 1 + 1 - 2
+    assert citation_grounding(text, {}, valid_key=None, valid_file=str(corpus)) == -3.0  # the corpus alone
+    assert invented_citation("PMID: 22222", {}, valid_key=None, valid_file=str(corpus)) == 0.0
+    assert citation_grounding(text, {}, valid_file=str(corpus)) == -3.0  # a row without the column: the file still counts
+    check_specs([RewardSpec("citation_grounding", args={"valid_key": None, "valid_file": str(corpus)})])
+    with pytest.raises(ValueError, match=r"args.valid_file=.*nope.txt: No such file"):
+        check_specs([RewardSpec("citation_grounding", args={"valid_file": str(tmp_path / "nope.txt")})])
+    with pytest.raises(ValueError, match="valid_key is null and there is no args.valid_file"):
+        check_specs([RewardSpec("invented_citation", args={"valid_key": None})])
