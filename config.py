@@ -238,6 +238,9 @@ class PrecomputeConfig:
     #   null, cache_path: required, every answer is paid for)
     rubric_key: str = "rubric"  # gold by the judge: section: the column of the expert rubric it grades each answer by
     template: str = "rubric_scoring"  # ... with this judge template (as rubric_alignment's); scores scaled to [0, 1]
+    criteria_key: str | None = None  # gold by the judge per criterion instead, as HealthBench grades: the column of
+    #   [{criterion, points}] (HealthBench's rubrics); gold = points of the criteria met / positive points, in [0, 1]
+    criteria_template: str = "criterion_met"  # ... asking the judge whether one criterion is met ({"met": 0 or 1})
     gold_reward: RewardSpec | None = None  # gold by a rule instead, e.g. {name: choice_accuracy, args: {gold_key: answer}}:
     #   each answer's value of this reward (1 right, 0 wrong)
     keep_constant: bool = False  # keep questions whose K gold scores are all equal (rubric_alignment scores them 0: no signal)

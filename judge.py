@@ -166,8 +166,23 @@ Score from {score_min} to {score_max}:
 
 Reply with only a JSON object: {"logic": <number>, "novelty": <number>}"""
 
+CRITERION_MET = """You are checking one criterion of a grading rubric against an answer.
+
+Question:
+{question}
+
+Answer:
+{answer}
+
+Criterion ({points} points):
+{criterion}
+
+Does the answer meet the criterion? A criterion with negative points names something an answer should
+not do: it is met when the answer does it.
+Reply with only a JSON object: {"met": <number>}, the number 1 if the criterion is met, 0 if not."""
+
 TEMPLATES = {"pointwise_criteria": POINTWISE_CRITERIA, "rubric_scoring": RUBRIC_SCORING,
-             "logic_novelty": LOGIC_NOVELTY}
+             "logic_novelty": LOGIC_NOVELTY, "criterion_met": CRITERION_MET}
 TEMPLATE_CRITERIA = {"pointwise_criteria": ["relevance", "clarity", "discriminative_power"],
                      "logic_novelty": ["logic", "novelty"]}  # required JSON keys per built-in template
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
@@ -282,6 +297,44 @@ def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template:
         spans.append((start, len(chats)))
     scores = judge.score_many(chats, parse_score)
     return [[None if g is None else g.score for g in scores[a:b]] for a, b in spans]
+
+
+def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> JudgeScore | None:
+    """A criterion_met verdict: {"met": 1} or {"met": 0} (whatever the judge's own score range).
+
+    >>> parse_met('{"met": 1}').score, parse_met('{"met": 0}').score, parse_met('{"met": 7}'), parse_met("yes")
+    (1.0, 0.0, None, None)
+    """
+    return parse_score(text, 0.0, 1.0, criteria=["met"])
+
+
+def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict], *, template: str = "criterion_met",
+                  answers_key: str = "answers", question_key: str = "question") -> list[list[float | None]]:
+    """HealthBench's score of each of sample i's answers under its physicians' criteria[i]
+    ([{criterion, points}, ...]): the judge says per criterion whether the answer meets it, and
+
+        score = clip(sum of the points of the criteria met / sum of the positive points, 0, 1)
+
+    (a negative criterion met takes its points off). One call per answer and criterion, all at once;
+    None where a call failed."""
+    text, chats, spans = load_template(template), [], []
+    for crit, s in zip(criteria, samples, strict=True):
+        for answer in s[answers_key]:
+            start = len(chats)
+            for c in crit:
+                fields = {**s, "question": s[question_key], "answer": answer, "criterion": c["criterion"],
+                          "points": f"{float(c['points']):+g}"}
+                chats.append(_chat(render(text, fields)))
+            spans.append((start, len(chats), crit))
+    verdicts = judge.score_many(chats, parse_met)
+    gold = []
+    for a, b, crit in spans:
+        met = verdicts[a:b]
+        top = sum(float(c["points"]) for c in crit if float(c["points"]) > 0)
+        gold.append(None if any(v is None for v in met) else
+                    min(1.0, max(0.0, sum(float(c["points"]) for c, v in zip(crit, met) if v.score >= 0.5) / top)))
+    per = iter(gold)
+    return [[next(per) for _ in s[answers_key]] for s in samples]
 
 
 def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",

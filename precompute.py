@@ -14,6 +14,10 @@ Gold scores, one per answer:
   by the judge (default): the judge: section grades the answer under the row's expert rubric
       (precompute.rubric_key) with precompute.template, the same prompt rubric_alignment uses in
       training; gold = (score - score_min) / (score_max - score_min), in [0, 1]
+  by the judge per criterion (precompute.criteria_key: rubrics, HealthBench's physicians' criteria with
+      their points): met or not, one call each (precompute.criteria_template), and gold = the points
+      met / the positive points, clipped to [0, 1], as HealthBench scores; then --validate (the judge's
+      one grade under the whole rubric against that gold) measures something, not 1.0 by construction
   by a rule (precompute.gold_reward): that reward of the answer, e.g. choice_accuracy: 1 right, 0 wrong
 A question is left out, and counted, when one of its answer requests or grades failed, or (unless
 precompute.keep_constant) when its K gold scores are all equal: rubric_alignment scores such a
@@ -47,7 +51,7 @@ from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_confi
 from typed_config import check_writable
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from client import Judge, JudgeUnusable
-from judge import grade_answers, load_template, rubric_alignment
+from judge import criteria_gold, grade_answers, load_template, rubric_alignment
 from rollout import chat_messages
 from scoring import check_rows, check_specs, compute_rewards
 
@@ -66,6 +70,8 @@ def check(cfg: Config) -> PrecomputeConfig:
     if not p.answers.model:
         raise ConfigError("precompute.answers.model is not set: name the model that answers the questions")
     caches = {"precompute.answers.cache_path": p.answers.cache_path}
+    if p.gold_reward is not None and p.criteria_key:
+        raise ConfigError("precompute.gold_reward and precompute.criteria_key both choose how gold is scored: set one")
     if p.gold_reward is not None:
         try:
             check_specs([p.gold_reward], judges=[])
@@ -74,10 +80,11 @@ def check(cfg: Config) -> PrecomputeConfig:
     else:
         if cfg.judge is None:
             raise ConfigError("gold scores by the judge need a judge: section (or set precompute.gold_reward)")
-        try:
-            load_template(p.template)
-        except ValueError as e:
-            raise ConfigError(f"precompute.template: {e}") from None
+        for key in ("criteria_template",) if p.criteria_key else ("template",):
+            try:
+                load_template(getattr(p, key))
+            except ValueError as e:
+                raise ConfigError(f"precompute.{key}: {e}") from None
         caches["judge.cache_path"] = cfg.judge.cache_path
     for key, path in caches.items():
         if not path:
@@ -105,18 +112,35 @@ def load_questions(p: PrecomputeConfig) -> list[dict]:
             out.append({**row, "_question": build_prompt(row, p.question, i)})
         except DataError as e:
             raise DataError(f"precompute.question={p.question!r}: {e}") from None
-        if p.gold_reward is None and row.get(p.rubric_key) in (None, "", []):
+        if p.criteria_key:
+            check_criteria(row.get(p.criteria_key), i, p.criteria_key)
+        elif p.gold_reward is None and row.get(p.rubric_key) in (None, "", []):
             raise DataError(f"row {i} has no {p.rubric_key!r} (precompute.rubric_key) to grade its answers by; "
                             f"its fields: {', '.join(row)}")
-        if p.gold_reward is None and (missing := sorted(rubric_alignment.row_fields(template=p.template) - row.keys())):
+        if p.gold_reward is None and not p.criteria_key and (missing := sorted(rubric_alignment.row_fields(template=p.template) - row.keys())):
             raise DataError(f"precompute.template reads {{{missing[0]}}}, which row {i} lacks; its fields: {', '.join(row)}")
     return out
+
+
+def check_criteria(criteria, i: int, key: str) -> None:
+    """A row's criteria for precompute.criteria_key: [{criterion: text, points: number}, ...], some positive."""
+    ok = isinstance(criteria, list) and criteria and all(
+        isinstance(c, dict) and isinstance(c.get("criterion"), str) and c["criterion"].strip()
+        and isinstance(c.get("points"), (int, float)) and not isinstance(c["points"], bool) and math.isfinite(c["points"])
+        for c in criteria)
+    if not ok:
+        raise DataError(f"row {i}: precompute.criteria_key={key} must hold a list of {{criterion: text, points: number}} "
+                        f"(HealthBench's rubrics), got {str(criteria)[:120]}")
+    if not any(c["points"] > 0 for c in criteria):
+        raise DataError(f"row {i}: none of its {key} has positive points, so no answer could score above 0")
 
 
 def gold_scores(cfg: Config, judge: Judge | None, rows: list[dict], answers: list[list[str]]) -> list[list[float | None]]:
     """Each answer's gold score (None where it could not be had), by the judge or by the rule."""
     p = cfg.precompute
     samples = [{**r, "question": r["_question"], "answers": a} for r, a in zip(rows, answers)]
+    if p.criteria_key:
+        return criteria_gold(judge, [r[p.criteria_key] for r in rows], samples, template=p.criteria_template)
     if p.gold_reward is None:
         span = judge.cfg.score_max - judge.cfg.score_min
         graded = grade_answers(judge, [r[p.rubric_key] for r in rows], samples, template=p.template)
@@ -157,8 +181,9 @@ def run(cfg: Config) -> dict:
     judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
     k = p.num_answers
     asks = [chat_messages(r["_question"], p.system_prompt) for r in rows]
+    grades = k * sum(len(r[p.criteria_key]) for r in rows) if p.criteria_key else len(rows) * k
     print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: {len(rows) * k} answer requests "
-          f"({policy.cached(asks, k)} of them cached, free)" + ("" if judge is None else f", then up to {len(rows) * k} "
+          f"({policy.cached(asks, k)} of them cached, free)" + ("" if judge is None else f", then up to {grades} "
                                                              "judge requests (cached ones free)"))
     replies = policy.complete_many(asks, n=k)
     answers = [replies[i:i + k] for i in range(0, len(replies), k)]

@@ -23,6 +23,10 @@ def reply(body) -> str:
         with reply.lock:
             reply.seen[text] = k = reply.seen.get(text, 0) + 1
         return f"Answer {k}. The answer is {'AB'[k % 2]}."
+    if "Does the answer meet the criterion?" in text:  # criterion_met: fact from answer 2 on, advice in 3, harm in 1
+        k = int(re.search(r"Answer:\s*Answer (\d+)", text).group(1))
+        met = k >= 2 if "fact" in text else k == 3 if "Recommends" in text else k == 1
+        return '{"met": %d}' % met
     if CONSTANT in text:
         return '{"score": 5}'
     k = int(re.search(r"Answer to grade:\s*Answer (\d+)", text).group(1))
@@ -110,6 +114,36 @@ def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_o
                        "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY", f"--judge.cache_path={tmp_path / 'judge_train.jsonl'}"]) == 0
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["reward_errors/rubric_alignment"] == 0 and m["judge_requests"] > 0
+
+
+def test_gold_by_criteria_as_healthbench_scores_and_validate_then_measures_the_judge(tmp_path, server, capsys):
+    """precompute.criteria_key: HealthBench's physicians' criteria, met or not one by one; gold = points
+    met / positive points, clipped. --validate (one grade under the whole rubric) is then no longer
+    1.0 by construction: here the fake judge's grades (2, 4, 0 for answers 1-3) rank them otherwise."""
+    questions = tmp_path / "healthbench.jsonl"
+    crit = [{"criterion": "Mentions fact A", "points": 5}, {"criterion": "Recommends a follow-up", "points": 3},
+            {"criterion": "Gives harmful advice", "points": -4}]
+    questions.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"Question {i}?"}], "prompt_id": f"q{i}",
+                                             "rubrics": crit}) + "\n" for i in range(2)))
+    out = tmp_path / "open.jsonl"
+    more = ["--precompute.map=healthbench", "--precompute.criteria_key=rubrics"]
+    assert precompute.main(args(server, tmp_path, questions, out, *more)) == 0
+    assert "then up to 18 judge requests" in capsys.readouterr().out  # 2 questions x 3 answers x 3 criteria
+    for r in read(out):
+        ks = [int(re.match(r"Answer (\d+)", a).group(1)) for a in r["answers"]]
+        want = {1: 0.0, 2: 5 / 8, 3: 1.0}  # 1: harm only (-4, clipped); 2: the fact; 3: fact and follow-up
+        assert r["gold_scores"] == [pytest.approx(want[k]) for k in ks]
+    met = [b for b in (q.body for q in server.requests) if "meet the criterion" in b["messages"][-1]["content"]]
+    assert len(met) == 18 and any("Criterion (-4 points):\nGives harmful advice" in b["messages"][-1]["content"] for b in met)
+    assert precompute.main(args(server, tmp_path, questions, out, "--validate", str(out))) == 0
+    assert "mean Spearman of -0.500" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "Q?"}], "rubrics": [{"criterion": "Harm", "points": -2}]}) + "\n")
+    assert precompute.main(args(server, tmp_path, bad, tmp_path / "o2.jsonl", *more)) == 2
+    assert "none of its rubrics has positive points" in capsys.readouterr().err
+    assert precompute.main(args(server, tmp_path, questions, tmp_path / "o3.jsonl", *more,
+                                "--precompute.gold_reward={name: choice_accuracy}")) == 2
+    assert "precompute.gold_reward and precompute.criteria_key both choose" in capsys.readouterr().err
 
 
 def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):
