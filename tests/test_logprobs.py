@@ -6,7 +6,7 @@ import torch
 import logprobs
 from config import LoraConfig, ModelConfig
 from model import load_policy
-from test_rollout import load, padded_batch
+from test_rollout import biased_to_eos, load, padded_batch
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 7, 10_000])
@@ -142,3 +142,25 @@ def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):
         setattr(model.config, key, value)
         assert logprobs.plain_output_head(model) is None, key
         setattr(model.config, key, None)
+
+
+@pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5), ("logits_scaling", 8.0),
+                                        ("output_multiplier_scale", 0.25)])
+def test_every_known_logit_scale_keeps_the_head_unfused(tiny_llama, key, value):
+    """Granite's logits_scaling and output_multiplier_scale divide or scale the logits after hidden @ W^T as
+    Gemma's soft-capping does: the fused head would compute other log-probs than the model."""
+    model, _ = load(tiny_llama)
+    setattr(model.config, key, value)
+    assert logprobs.plain_output_head(model) is None
+
+
+def test_a_head_with_a_bias_is_not_fused_and_scores_as_the_model(tiny_llama):
+    """hidden @ W^T leaves out a bias (Phi-2's lm_head has one): such a head must take the logits path."""
+    model, tok = load(tiny_llama)
+    biased_to_eos(model, tok.eos_token_id, 3.0)
+    assert logprobs.plain_output_head(model) is None
+    ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
+    with torch.no_grad():
+        fused = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=True)
+        plain = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7)
+    assert torch.allclose(fused, plain, atol=1e-5)

@@ -44,6 +44,7 @@ def test_generate_rollout_groups_masks_and_texts(tiny_llama):
     assert N == 6 and C <= 6
     assert tok.pad_token_id == tok.eos_token_id and r.truncated.any() and not r.truncated.all()  # both branches below
     assert torch.equal(r.prompt_ids[0], r.prompt_ids[2]) and not torch.equal(r.prompt_ids[0], r.prompt_ids[3])
+    assert all(torch.equal(r.prompt_ids[i], r.prompt_ids[i // 3 * 3]) for i in range(N))  # rows i*G .. i*G+G-1: prompt i
     eos = tok.eos_token_id
     for i in range(N):
         n = int(r.completion_mask[i].sum())
@@ -341,3 +342,27 @@ def test_a_completion_also_ends_at_the_template_s_end_of_turn_when_the_eos_is_an
     ids = torch.tensor([[5, 6, im_end, 7, 8]])
     mask, truncated = grpo.completion_mask(ids, rollout.eos_token_ids(base, None))
     assert mask.tolist() == [[1, 1, 1, 0, 0]] and not truncated[0]
+
+
+def test_sampling_uses_the_rollout_temperature(tiny_llama):
+    """generate samples from softmax(logits / T), the distribution the loss scores: near T = 0 that is
+    greedy decoding (at T = 1 this random model's samples would differ from it)."""
+    model, tok = load(tiny_llama)
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hello"]]
+    greedy = rollout.generate_rollout(model, tok, prompts, 1, max_new_tokens=8, temperature=0.0)
+    torch.manual_seed(0)
+    cold = rollout.generate_rollout(model, tok, prompts, 1, max_new_tokens=8, temperature=1e-4)
+    assert torch.equal(cold.completion_ids, greedy.completion_ids) and cold.texts == greedy.texts
+
+
+def test_a_rollout_of_a_base_tokenizer_under_chatml_ends_at_the_turn_end(tiny_llama):
+    """The tokenizer's (and generation config's) EOS is <|endoftext|>, the template closes turns with
+    <|im_end|>: sampling stops there and the mask ends there, instead of running on to max_new_tokens."""
+    model, tok = load(tiny_llama)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    tok.eos_token = "<|endoftext|>"
+    model.generation_config.eos_token_id = tok.eos_token_id
+    biased_to_eos(model, im_end, 30.0)  # every completion closes its turn at once
+    r = rollout.generate_rollout(model, tok, [rollout.render_prompt(tok, "Hello")], 4, max_new_tokens=6)
+    assert r.completion_ids.shape[1] == 1 and r.completion_ids[:, 0].tolist() == [im_end] * 4
+    assert r.completion_mask.tolist() == [[1.0]] * 4 and not r.truncated.any()

@@ -414,8 +414,68 @@ def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_fini
         calls[0] += torch.is_grad_enabled()
         return out + float("nan") * out.sum() if torch.is_grad_enabled() and calls[0] == 1 else out
     monkeypatch.setattr(logprobs, "sequence_log_probs", overflowing)
+    losses, real_loss = [], grpo.grpo_loss
+
+    def shifted(*a, **k):  # on-policy the loss value is ~0; + 1 (no change to the gradient) makes it tell
+        loss, stats = real_loss(*a, **k)
+        losses.append(float(loss.detach()) + 1.0)
+        return loss + 1.0, stats
+    monkeypatch.setattr(grpo, "grpo_loss", shifted)
     r = make_run(tmp_path, tiny_llama, "--optim.micro_batch_size=4", "--grpo.num_mini_batches=2")
     m, _ = step.train_step(r)
     assert m["skipped_updates"] == 1
     json.dumps(m, allow_nan=False)  # no NaN in the metrics line
     assert math.isfinite(m["loss"]) and m["ratio_mean"] == pytest.approx(1.0)
+    # two updates of one micro-batch each; the first skipped: the logged loss is the second's, not half of it
+    assert len(losses) == 2 and math.isnan(losses[0])
+    assert m["loss"] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_scale_rewards_reaches_the_advantages(tmp_path, tiny_llama, monkeypatch):
+    """grpo.scale_rewards: none gives each completion r - mean of its group (Dr. GRPO), group divides by
+    the group's std too; the advantages shown in the samples are those the loss used."""
+    monkeypatch.setitem(rewards.REGISTRY, "test_length", (lambda completion, sample: float(len(completion) % 7), False))
+    for scale in ("none", "group"):
+        r = make_run(tmp_path / scale, tiny_llama, "--rewards=[{name: test_length}]", f"--grpo.scale_rewards={scale}",
+                     "--rollout.max_new_tokens=12")
+        _, shown = step.train_step(r)
+        rew = torch.tensor([s["reward"] for s in shown]).view(-1, 4)
+        adv = torch.tensor([s["advantage"] for s in shown]).view(-1, 4)
+        centered = rew - rew.mean(1, keepdim=True)
+        want = centered if scale == "none" else centered / (rew.std(1, keepdim=True) + 1e-4)
+        assert (rew.std(1) - 1).abs().max() > 0.1, "a group std of 1 would not tell the modes apart"
+        torch.testing.assert_close(adv, torch.where(rew.std(1, keepdim=True) > 0, want, 0.0), rtol=1e-4, atol=1e-5)
+
+
+def test_reward_std_is_the_mean_of_the_groups_stds():
+    """As in TRL: the spread within groups (what the advantages see), not the spread of the whole batch."""
+    n = 8
+    ro = rollout.Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
+                         torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2), torch.zeros(n, dtype=torch.bool), [""] * n)
+    drawn = step.Scored(ro, [{}] * n, torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0]), {}, {})
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum"), 1.0)
+    m = step.step_metrics(drawn, 4, sums, 1, 1e-6)
+    assert m["reward_std"] == pytest.approx(float(torch.tensor([0.0, 1.0, 0.0, 1.0]).std()) / 2)
+    assert m["reward"] == pytest.approx(2.75) and m["frac_reward_zero_std"] == 0.5
+
+
+def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path, tiny_llama, monkeypatch):
+    """vLLM's importance weight is pi_old / pi_sampler: with num_iterations 2, the second iteration's
+    weight uses the same old log-probs as the first, not the policy the first update moved."""
+    seen, real_w, real_collect = [], step.sampler_weight, step.collect
+
+    def weight(old, *a, **k):
+        seen.append(old.clone())
+        return real_w(old, *a, **k)
+
+    def collect(*a, **k):
+        kept, drawn, n = real_collect(*a, **k)
+        kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)  # as vLLM would give them
+        return kept, drawn, n
+    monkeypatch.setattr(step, "sampler_weight", weight)
+    monkeypatch.setattr(step, "collect", collect)
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--optim.micro_batch_size=8")
+    r.cfg.grpo.tis_cap = 2.0  # the config asks for rollout.engine: vllm; the weights need only sampler_logp
+    m, _ = step.train_step(r)
+    assert abs(m["ratio_mean"] - 1) > 1e-4  # the policy did move between the iterations
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
