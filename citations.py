@@ -81,23 +81,26 @@ def check_valid_file(valid_key: str | None = "valid_pmids", valid_file: str | No
                 raise ValueError(f"args.valid_file={valid_file} holds no ids")
         except OSError as e:
             raise ValueError(f"args.valid_file={valid_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:  # a .gz, say
+            raise ValueError(f"args.valid_file={valid_file}: not UTF-8 text (ids separated by whitespace)") from None
     elif valid_key is None:
         raise ValueError("args.valid_key is null and there is no args.valid_file: no id would be valid")
 
 
 def _citations(completion: str, sample: dict, pattern: str, valid_key: str | None, dedupe: bool,
                ignore_case: bool, valid_file: str | None = None) -> tuple[list[str], set[str]] | None:
-    """(ids cited in the completion, the valid ids: the sample's and valid_file's), or None when the
-    sample has no valid_key and there is no valid_file."""
+    """(ids cited in the completion, those of them valid: in the sample's ids or valid_file's), or None
+    when the sample has no valid_key and there is no valid_file."""
     valid = sample.get(valid_key) if valid_key is not None else None
     if valid is None and valid_file is None:
         return None
     if valid is not None and (isinstance(valid, (str, bytes)) or not isinstance(valid, (list, tuple, set, frozenset))):
         raise TypeError(f"sample[{valid_key!r}] must be a list of ids, not {type(valid).__name__}")
-    ids = {str(v).strip() for v in valid or ()} | (file_ids(valid_file) if valid_file is not None else set())
+    own, corpus = {str(v).strip() for v in valid or ()}, file_ids(valid_file) if valid_file is not None else frozenset()
     cited = [c for found in find_all(pattern, completion, re.I if ignore_case else 0)
              for c in re.split(CITATION_SEPARATOR, found.strip(), flags=re.I) if c]
-    return (list(dict.fromkeys(cited)) if dedupe else cited), ids
+    # the row's ids and the file's, looked up in each, never merged: a copy of a large corpus a completion is slow
+    return (list(dict.fromkeys(cited)) if dedupe else cited), {c for c in cited if c in own or c in corpus}
 
 
 def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN, valid_key: str | None = "valid_pmids",

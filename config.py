@@ -268,7 +268,7 @@ class Config:
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
 
 
-EXCLUSIVE = (("run.steps", "run.epochs"),)  # one decides: a later layer's choice (a file that extends, the command line) wins
+EXCLUSIVE = (("run.steps", "run.epochs"), ("optim.warmup_steps", "optim.warmup_ratio"))  # one decides: a later layer's choice (a file that extends, the command line) wins
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -80,7 +80,7 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         f"- base: {base}", "- adapters merged, in order:",
         *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)" for i, a in enumerate(prov["merged"], 1)],
         f"- weights: {dtype}", f"- training (the final adapter's config): {training}; "
-        f"{cfg.run.steps} steps, lr {cfg.optim.lr:g}, LoRA r {lora_r} alpha {lora_alpha}"
+        f"{f'{cfg.run.epochs:g} epochs' if cfg.run.epochs else f'{cfg.run.steps} steps'}, lr {cfg.optim.lr:g}, LoRA r {lora_r} alpha {lora_alpha}"
         + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",

@@ -300,12 +300,18 @@ def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template:
 
 
 def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> JudgeScore | None:
-    """A criterion_met verdict: {"met": 1} or {"met": 0} (whatever the judge's own score range).
+    """A criterion_met verdict: {"met": 1} or {"met": 0}, or true / false (whatever the judge's own score range).
 
     >>> parse_met('{"met": 1}').score, parse_met('{"met": 0}').score, parse_met('{"met": 7}'), parse_met("yes")
     (1.0, 0.0, None, None)
     """
-    return parse_score(text, 0.0, 1.0, criteria=["met"])
+    verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
+    if verdict is None and isinstance(text, str):  # {"met": true}, as HealthBench's own grader answers
+        obj = _first_json_object(_THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()) or {}
+        met = {str(k).lower(): v for k, v in obj.items()}.get("met")
+        if isinstance(met, bool):
+            return JudgeScore(float(met), {"met": float(met)})
+    return verdict
 
 
 def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict], *, template: str = "criterion_met",

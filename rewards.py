@@ -173,7 +173,10 @@ def trl_reward(fn: Callable) -> Callable:
                 raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "
                                 "messages; read the text itself") from e
             raise
-        return list(out) if isinstance(out, (list, tuple)) else out
+        if not isinstance(out, (str, bytes, dict)) and hasattr(out, "__iter__"):  # TRL iterates what it gets: a
+            out = [v.item() if hasattr(v, "item") and not isinstance(v, (int, float)) else v  # numpy array, a generator;
+                   for v in out]  # numpy and torch scalars as numbers
+        return out
 
     def check_args(**args) -> None:
         if unknown := [a for a in args if a not in params and not takes_any]:
@@ -181,11 +184,9 @@ def trl_reward(fn: Callable) -> Callable:
         if unfilled := [n for n in required if n in ("completion_ids", "trainer_state")]:
             raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; give it a default (None)")
 
-    def check_row(row: dict, **args) -> None:
-        if missing := [n for n in required if n not in (*TRL_FILLED, *args) and n not in row]:
-            raise ValueError(f"{label} reads the column {missing[0]!r} (TRL passes each column by name), which the "
-                             f"row lacks; it has: {', '.join(row)}")
-    batched.check_args, batched.check_row, batched.trl = check_args, check_row, fn
+    def columns(**args) -> list[str]:  # scoring.check_rows: each must be in some row (the others get None)
+        return [n for n in required if n not in (*TRL_FILLED, *args)]
+    batched.check_args, batched.columns, batched.trl = check_args, columns, fn
     batched.__name__ = getattr(fn, "__name__", "trl_reward")
     return batched
 

@@ -169,6 +169,10 @@ def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", ke
             if p.name in getattr(fn, "row_keys", ()) and isinstance(column, str) and rows and not any(column in r for r in rows):
                 raise ConfigError(f"{key}: reward {name!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
                                  f"the rows have: {', '.join(rows[0])}")
+        for column in fn.columns(**spec.args) if callable(getattr(fn, "columns", None)) else ():  # a TRL reward's
+            if rows and not any(column in r for r in rows):
+                raise ConfigError(f"{key}: reward {name!r} reads the column {column!r} (TRL passes each column by name), "
+                                  f"which no {what} row has; the rows have: {', '.join(rows[0])}")
         if callable(getattr(fn, "check_row", None)):  # what each row must hold (rubric_alignment's gold scores)
             for i, row in enumerate(rows):
                 try:

@@ -56,7 +56,7 @@ from step import train_step
 def lr_lambda(cfg: Config, total_updates: int):
     """Linear warmup for warmup_steps updates (or warmup_ratio x total_updates), then cosine from lr
     down to lr * min_lr_ratio."""
-    w, floor = cfg.optim.warmup_steps or round(cfg.optim.warmup_ratio * total_updates), cfg.optim.min_lr_ratio
+    w, floor = cfg.optim.warmup_steps or math.ceil(cfg.optim.warmup_ratio * total_updates), cfg.optim.min_lr_ratio  # TRL's
 
     def f(u: int) -> float:
         if u < w:
@@ -465,15 +465,18 @@ def main(argv: list[str] | None = None) -> int:
             tracker.finish()
 
 
-def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float) -> bool:
-    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) end past it?
+def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float, extra: float = 0.0) -> bool:
+    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) and what
+    must follow it (`extra`: its held-out scoring, the checkpoint written when stopping) end past it?
 
     >>> cfg = Config(); cfg.run.max_minutes = 10  # 600 s: at 550 s, a 50 s step (55 with the margin) would pass it
     >>> out_of_time(cfg, 0.0, [50.0, 30.0], 550.0), out_of_time(cfg, 0.0, [30.0], 550.0), out_of_time(Config(), 0.0, [30.0], 1e9)
     (True, False, False)
+    >>> out_of_time(cfg, 0.0, [30.0], 550.0, extra=20.0)  # a 20 s checkpoint after it
+    True
     """
     limit = cfg.run.max_minutes * 60
-    return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) > limit
+    return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) + extra > limit
 
 
 def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
@@ -498,6 +501,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
     recorded, started, step_seconds = None, time.monotonic() if started is None else started, []
+    eval_seconds = save_seconds = 0.0  # the last held-out scoring's and checkpoint's, for run.max_minutes
     with progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.step, t_step = step, time.monotonic()
@@ -505,8 +509,11 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             try:
                 r.phase = "training"  # train_step says when it samples
                 metrics, shown = step_fn(r)
-                if r.eval_rows and step % cfg.run.eval_every == 0:
+                evaluated = bool(r.eval_rows) and step % cfg.run.eval_every == 0
+                if evaluated:
+                    t_eval = time.monotonic()
                     metrics |= held_out_metrics(r)
+                    eval_seconds = time.monotonic() - t_eval
                 metrics |= judges_stats(r.judges)  # the step's judge calls, the held-out scoring's included (any mode)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:  # a refused key, a wrong
                 # model name, settings too big for the GPU, float16 overflowing: no later step would do better
@@ -520,12 +527,18 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
-            step_seconds.append(time.monotonic() - t_step)  # with its held-out scoring: the next may have one too
-            timed_out = not stop and step < cfg.run.steps and out_of_time(cfg, started, step_seconds, time.monotonic())
-            if stop or timed_out or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+            step_seconds.append(time.monotonic() - t_step - (eval_seconds if evaluated else 0.0))  # the step alone
+            saving = stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0)
+            # after the next step: its held-out scoring (if it has one) and the checkpoint written when stopping,
+            # besides this step's own checkpoint (if it writes one)
+            extra = (eval_seconds if r.eval_rows and (step + 1) % cfg.run.eval_every == 0 else 0.0) + save_seconds * (1 + bool(saving))
+            timed_out = not stop and step < cfg.run.steps and out_of_time(cfg, started, step_seconds, time.monotonic(), extra)
+            if saving or timed_out:
                 if recorded is None:  # what eval.py finds held-out rows among, with the first checkpoint that holds them
                     recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
+                t_save = time.monotonic()
                 save_checkpoint(r, step)
+                save_seconds = max(save_seconds, time.monotonic() - t_save)
             show(step, metrics)
             if flat_steps == NO_SIGNAL_WARN_AFTER or (stop and flat_steps < NO_SIGNAL_WARN_AFTER):
                 skipped = metrics.get("frac_reward_skipped", 0.0)

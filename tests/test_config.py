@@ -288,3 +288,13 @@ def test_steps_or_epochs_the_later_layer_decides_and_one_layer_may_not_set_both(
     both = write(tmp_path, MINIMAL + "run: {steps: 10, epochs: 2}\n")
     with pytest.raises(ConfigError, match=r"c.yaml sets both run.steps=10 and run.epochs=2: keep one"):
         load_config(both)
+
+
+def test_warmup_ratio_on_the_command_line_replaces_a_files_warmup_steps_as_epochs_replace_steps(tmp_path):
+    """--optim.warmup_ratio=0.1 on a recipe with warmup_steps (quickstart.yaml, bioreasoner_dpo.yaml) was
+    refused until --optim.warmup_steps=0 was added too, unlike --run.epochs over a file's run.steps."""
+    path = write(tmp_path, MINIMAL + "optim: {warmup_steps: 5}\n")
+    cfg = load_config(path, ["--optim.warmup_ratio=0.1"])
+    assert (cfg.optim.warmup_steps, cfg.optim.warmup_ratio) == (0, 0.1)
+    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=3 and optim.warmup_ratio=0.1"):
+        load_config(path, ["--optim.warmup_steps=3", "--optim.warmup_ratio=0.1"])

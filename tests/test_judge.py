@@ -821,3 +821,11 @@ def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, 
     warned = [r.getMessage() for r in caplog.records if "cannot write its cache" in r.getMessage()]
     assert len(warned) == 1 and "No space left on device" in warned[0] and "pays for them again" in warned[0]
     assert judge.pop_step_stats()["judge_failures"] == 0
+
+
+def test_a_criterion_met_verdict_given_as_a_json_boolean_counts():
+    """{"met": true} is how HealthBench's own grader answers ("criteria_met": true); read as no verdict, it
+    failed the call and left the question out of precompute's gold (a parse failure is not retried)."""
+    from judge import parse_met
+    assert (parse_met('{"met": true}').score, parse_met('```json\n{"met": false}\n```').score) == (1.0, 0.0)
+    assert parse_met('{"met": "maybe"}') is None

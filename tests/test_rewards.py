@@ -494,3 +494,25 @@ def test_a_valid_file_adds_the_corpus_ids_to_every_rows_or_stands_alone(tmp_path
         check_specs([RewardSpec("citation_grounding", args={"valid_file": str(tmp_path / "nope.txt")})])
     with pytest.raises(ValueError, match="valid_key is null and there is no args.valid_file"):
         check_specs([RewardSpec("invented_citation", args={"valid_key": None})])
+
+
+def test_a_large_valid_file_is_looked_up_not_copied_for_every_completion(tmp_path):
+    """A corpus of 500k ids (a slice of PubMed): each completion's score looks its ids up in the file's
+    set; a copy of it per completion (the row's ids | the file's) took ~40 ms a call, minutes per eval."""
+    corpus = tmp_path / "pmids.txt"
+    corpus.write_text("\n".join(str(10_000_000 + i) for i in range(500_000)))
+    text, row = "PMID: 10000001, PMID: 44444, PMID: 99999", {"valid_pmids": ["44444"]}
+    assert citation_grounding(text, row, valid_file=str(corpus)) == 0.0  # read once: 1 + 1 - 2
+    t0 = time.perf_counter()
+    for _ in range(50):
+        citation_grounding(text, row, valid_file=str(corpus))
+        invented_citation(text, row, valid_file=str(corpus))
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_valid_file_that_is_not_text_is_one_line_naming_the_key(tmp_path):
+    from scoring import check_specs
+    gz = tmp_path / "pmids.txt.gz"
+    gz.write_bytes(b"\x1f\x8b\x08\x00 compressed")
+    with pytest.raises(ValueError, match=r"args.valid_file=.*pmids.txt.gz: not UTF-8 text"):
+        check_specs([RewardSpec("citation_grounding", args={"valid_file": str(gz)})])

@@ -354,7 +354,7 @@ def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_pat
     assert result.total == [3.0, 1.0, 0.0]
     assert result.errors == {"valid": 0, "acc": 0} and result.per_reward["acc"] == [1.0, 0.0, 0.0]
 
-    with pytest.raises(ConfigError, match="reads the column 'ground_truth'.*which the row lacks"):
+    with pytest.raises(ConfigError, match="reads the column 'ground_truth'.*which no data row has"):
         check_rows(specs, [{"prompt": "Q", "answer": "B"}])
     other = [{"prompt": "p", "subject": "anatomy"}, {"prompt": "skip me", "subject": "physiology"}]
     assert compute_rewards(["abc", "de"], other, [RewardSpec(f"{path}:seen", label="s")]).per_reward["s"] == [3.0, None]
@@ -366,3 +366,48 @@ def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_pat
         out = compute_rewards(["x"], [rows[0]], [RewardSpec(f"{path}:conversational", label="c")])
     assert out.errors == {"c": 1}
     assert any("completions are passed as text here, not as lists of {role, content}" in r.getMessage() for r in caplog.records)
+
+
+TRL_RETURNS = '''import numpy as np
+
+
+def as_array(completions, **kwargs):
+    return np.array([float(len(c)) for c in completions])
+
+
+def as_generator(completions, **kwargs):
+    return (float(len(c)) for c in completions)
+
+
+def as_numpy_bools(completions, **kwargs):
+    return [np.bool_(len(c) > 2) for c in completions]
+'''
+
+
+def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scalars(tmp_path):
+    """TRL iterates whatever a reward function returns ([r if r is not None else nan for r in out]):
+    a numpy array, a generator, numpy bools all score there; here they scored the fallback, 0.0, on
+    every completion of every batch, with one warning."""
+    path = tmp_path / "trl_returns.py"
+    path.write_text(TRL_RETURNS)
+    rows = [{"prompt": "p"}, {"prompt": "q"}]
+    for name, want in [("as_array", [3.0, 2.0]), ("as_generator", [3.0, 2.0]), ("as_numpy_bools", [1.0, 0.0])]:
+        res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
+        assert (res.per_reward[name], res.errors[name]) == (want, 0), name
+
+
+def test_a_trl_reward_reading_a_column_that_only_some_rows_have_runs_on_a_mixture(tmp_path):
+    """A mixture of a source with gold and one without (GRubrics' verifiable and open questions): the
+    function gets None for the rows without it, as README says ("a column the function needs and no
+    row has stops the run"); it was refused at the first row lacking it."""
+    from config import ConfigError
+    from scoring import check_rows
+    path = tmp_path / "gold.py"
+    path.write_text("def acc(completions, ground_truth, **kwargs):\n"
+                    "    return [None if g is None else float(g in c) for c, g in zip(completions, ground_truth)]\n")
+    specs = [RewardSpec(f"{path}:acc", label="acc")]
+    rows = [{"prompt": "a", "ground_truth": "x"}, {"prompt": "b", "rubric": "r"}]
+    check_rows(specs, rows)
+    assert compute_rewards(["x", "x"], rows, specs).per_reward["acc"] == [1.0, None]
+    with pytest.raises(ConfigError, match="reads the column 'ground_truth'.*which no data row has"):
+        check_rows(specs, [{"prompt": "b", "rubric": "r"}])

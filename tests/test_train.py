@@ -143,8 +143,10 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
     assert train.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
     with pytest.raises(ConfigError, match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
         train.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
-    with pytest.raises(ConfigError, match="optim.warmup_ratio=0.1 must be in .0, 1., and set only when optim.warmup_steps is 0"):
+    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=5 and optim.warmup_ratio=0.1: keep one"):
         load_config(str(cfg), ["--optim.warmup_ratio=0.1", "--optim.warmup_steps=5"])
+    with pytest.raises(ConfigError, match="optim.warmup_ratio=1.5 must be in .0, 1."):
+        load_config(str(cfg), ["--optim.warmup_ratio=1.5"])
 
 
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
@@ -866,3 +868,48 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
     assert train.main(["--config", str(cfg), f"--run.out_dir={run.parent / 'new'}"]) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; nothing was written")
     assert not (run.parent / "new").exists()
+
+
+@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint"])
+def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, monkeypatch, slow):
+    """run.max_minutes on a clock that the steps (10 s), the held-out scoring (100 s every 8th step) and
+    the checkpoints (30 s) advance: the last checkpoint must be on disk before the job's limit, or the
+    scheduler kills the run while it writes (or scores) and the work since the last save is lost."""
+    cfg, run = setup
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(monotonic=lambda: clock.now, time=lambda: clock.now))
+    real_step, real_save, saved_at = train.train_step, train.save_checkpoint, []
+
+    def step(r):
+        clock.now += 10.0
+        return real_step(r)
+
+    def held_out(r):
+        clock.now += 100.0
+        return {"eval/reward": 0.0}
+
+    def save(r, n):
+        clock.now += 30.0 if slow == "checkpoint" else 0.0
+        saved_at.append(clock.now)
+        return real_save(r, n)
+    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(train, "held_out_metrics", held_out)
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    if slow == "held-out scoring":  # steps 8 and 16 score the held-out rows; the 5 steps before 16 did not
+        limit, extra = 351, ["--run.eval_every=8", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
+    else:  # checkpoints every 5 steps, 30 s each
+        limit, extra = 210, ["--run.save_every=5"]
+    args = ["--config", str(cfg), "--run.steps=40", "--rollout.max_new_tokens=2", f"--run.max_minutes={limit / 60}"]
+    assert train.main(args + extra) == 0
+    assert lines(run / "metrics.jsonl")[-1]["step"] < 40  # stopped early, for its time limit
+    assert saved_at and max(saved_at) <= limit, f"the last checkpoint was written at {max(saved_at)} s, past the {limit} s limit"
+
+
+def test_warmup_ratio_makes_as_many_warmup_updates_as_trl():
+    """TRL (transformers' get_warmup_steps) warms up for ceil(warmup_ratio x updates): 0.1 of 5 updates is
+    1 (round(0.5) made it 0: no warmup at all), 0.1 of 25 is 3 (round(2.5): 2)."""
+    from config import Config
+    cfg = Config()
+    cfg.optim.warmup_ratio = 0.1
+    assert train.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
+    assert train.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
