@@ -67,6 +67,11 @@ def _first_json_object(text: str) -> dict | None:
     return None
 
 
+def _verdict_text(text: str) -> str:
+    """A judge reply without its thinking: everything up to the last </think>, or an unclosed <think> block."""
+    return _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
+
+
 def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
                 criteria: list[str] | None = None) -> JudgeScore | None:
     """A JudgeScore from a judge reply, or None if there is no valid in-range score.
@@ -89,7 +94,7 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     """
     if not isinstance(text, str):
         return None
-    text = _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
+    text = _verdict_text(text)
     obj = _first_json_object(text)
     alone = text.startswith("{") or text.endswith("}") or _FENCE.search(text) is not None
     if obj is not None and not criteria and "score" not in {str(k).lower() for k in obj} and not alone:
@@ -307,7 +312,7 @@ def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> Judg
     """
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
     if verdict is None and isinstance(text, str):  # {"met": true}, as HealthBench's own grader answers
-        obj = _first_json_object(_THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()) or {}
+        obj = _first_json_object(_verdict_text(text)) or {}
         met = {str(k).lower(): v for k, v in obj.items()}.get("met")
         if isinstance(met, bool):
             return JudgeScore(float(met), {"met": float(met)})
