@@ -21,7 +21,8 @@ completion is kept when its reward >= --min-reward; a pair is kept when best - w
 (> 0: a tie is no preference). --require NAME=V keeps only completions whose reward NAME is >= V
 (e.g. think_format=1: never pick a reply without its think block); the rejected one may miss it.
 --by NAME+NAME ranks by those rewards' sum instead of the total (BioReasoner's pairs: the judge's
-logic+novelty decide, and with think_format among them a reply without its think block ranks low).
+logic+novelty decide, and with think_format among them a reply without its think block ranks low);
+the rows' reward stays the total, and the sum is written as by_reward (chosen_/rejected_by_reward).
 SFT rows hold `completion`, the text after the forced prefix the eval recorded (`assistant_prefix`):
 train them with the same data.assistant_prefix, which SFT puts back. Pairs are in TRL's form, for
 its DPOTrainer or minigrpo's `mode: dpo` (with data.assistant_prefix: ''), so their chosen and
@@ -99,11 +100,15 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
         forced = best.get("assistant_prefix") or ""
         prefix = {"assistant_prefix": forced} if forced else {}
         high, low = ranked_by(best, by), ranked_by(worst, by)
+        named = {"by": "+".join(by)} if by else {}  # reward stays the total; the --by sums under their own keys
         if min_reward is None or high >= min_reward:
-            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"], "reward": high})
+            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"],
+                        "reward": best.get("reward"), **({**named, "by_reward": high} if by else {})})
         if high - low >= min_margin and best["completion"] != worst["completion"]:
             pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
-                          "rejected": forced + worst["completion"], "chosen_reward": high, "rejected_reward": low})
+                          "rejected": forced + worst["completion"], "chosen_reward": best.get("reward"),
+                          "rejected_reward": worst.get("reward"),
+                          **({**named, "chosen_by_reward": high, "rejected_by_reward": low} if by else {})})
     return sft, pairs
 
 
@@ -182,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
         if path:
             jsonl.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-            mean = sum(r.get("reward", r.get("chosen_reward")) for r in rows) / len(rows) if rows else float("nan")
+            kept = [r.get("reward", r.get("chosen_reward")) for r in rows]
+            kept = [k for k in kept if k is not None]  # --by: a total may be missing where the named rewards are not
+            mean = sum(kept) / len(kept) if kept else float("nan")
             print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts (mean reward of the kept {mean:.3f})")
     scored = [r["reward"] for r in records if r.get("reward") is not None]
     if scored:

@@ -213,7 +213,7 @@ class Judge:
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
         self._requests: set[asyncio.Future] = set()  # every request task not yet done (shielded: they outlive a cancel)
-        self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0, label)
+        self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0, label, self.key)
 
     def __repr__(self) -> str:
         return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "

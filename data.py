@@ -328,8 +328,12 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
                             "conversation (a list of {role, content} messages)" + (
                                 f"; to write it as text, make data.prompt a template: \"{{{cfg.prompt}}}\"" if prompt else ""))
         if conversation and not extra and prompt[-1]["role"] == "assistant":  # the reply, whose answer a prompt must not hold
+            fix = (f"set data.target: {cfg.prompt} to split it off (the messages before it are the prompt)"
+                   if active_mixture(cfg)[1] is None else  # a mixture: data.target would split every source
+                   "give this source map: split_messages and prompt: prompt (the reply goes to a column 'completion')"
+                   if cfg.prompt == "messages" else "give this source a map (data.map) that drops the reply")
             raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
-                            f"the prompt; set data.target: {cfg.prompt} to split it off (the messages before it are the prompt)")
+                            f"the prompt; {fix}")
         out.append({**row, "prompt": prompt, **extra})
     return out
 

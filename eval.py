@@ -306,11 +306,16 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     start = cfg.eval.select[0] if cfg.eval.select else 0
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
     if col := cfg.eval.group_by:  # each held-out row's group: "<column>=<value>"
+        first: dict[str, int] = {}  # group -> the first row in it, for values that print alike (1 and "1")
         for j, (w, r) in enumerate(zip(where, rows)):
             if r.get(col) in (None, "") or isinstance(r[col], (list, dict)):
                 raise ConfigError(f"eval.group_by: held-out row {j} has no value (text or a number) in column {col!r}; "
                                   f"its columns: {', '.join(r)}")
             w["group"] = f"{col}={r[col]}"
+            k = first.setdefault(w["group"], j)
+            if type(rows[k][col]) is not type(r[col]):
+                raise ConfigError(f"eval.group_by: column {col!r} holds {rows[k][col]!r} (held-out row {k}) and {r[col]!r} "
+                                  f"(row {j}), one group by name; make them one type in the data (or with a data.map)")
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
     open_rewards(cfg.rewards)  # a reward model loads last, once everything cheaper is checked
     return Plan(cfg, entries, rows, where, pick_device(cfg.run.device), judges, api, tokenizer, trained_on)

@@ -399,6 +399,13 @@ def _rubric_row_fields(template: str = "rubric_scoring", **_) -> set[str]:
         "question", "rubric", "answer", "score_min", "score_max"}
 
 
+def criteria_row_fields(template: str = "criterion_met") -> set[str]:
+    """The row columns a criteria_gold template reads beyond what it fills itself (question, answer,
+    criterion, points), checked before any answer is paid for."""
+    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {
+        "question", "answers", "answer", "criterion", "points"}
+
+
 def _check_rubric_args(template: str = "rubric_scoring", **_) -> None:
     load_template(template)
 

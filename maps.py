@@ -69,4 +69,23 @@ def medqa(row: dict) -> dict:
     return {**row, "question": question, "answer": row["answer_idx"], "answer_text": row.get("answer")}
 
 
-MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "healthbench": healthbench, "medqa": medqa}
+def split_messages(row: dict) -> dict:
+    """A chat SFT row (TRL's `messages`, ending with the assistant's reply) as TRL's prompt-completion
+    form: `prompt` the messages before the reply, `completion` the reply's text, for a reward's gold
+    (args.gold_key: completion). For a mixture source with `prompt: prompt` (data.target would split
+    every source); a row whose messages end elsewhere is left out.
+
+    >>> r = split_messages({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
+    >>> r["prompt"], r["completion"]
+    ([{'role': 'user', 'content': '2+2?'}], '4')
+    """
+    msgs = row.get("messages")
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ValueError("split_messages needs a column 'messages' holding a list of {role, content} messages")
+    if len(msgs) < 2 or msgs[-1].get("role") != "assistant" or not isinstance(msgs[-1].get("content"), str):
+        return None
+    return {**row, "prompt": msgs[:-1], "completion": msgs[-1]["content"]}
+
+
+MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "healthbench": healthbench, "medqa": medqa,
+                                           "split_messages": split_messages}

@@ -51,7 +51,7 @@ from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_confi
 from typed_config import check_writable
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from client import Judge, JudgeUnusable
-from judge import criteria_gold, grade_answers, load_template, rubric_alignment
+from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
 from rollout import chat_messages
 from scoring import check_rows, check_specs, compute_rewards
 
@@ -106,6 +106,9 @@ def load_questions(p: PrecomputeConfig) -> list[dict]:
                    "precompute.questions")
     rows = mapped_rows(raw,
                        f"precompute.questions={p.questions}", p.map, key="precompute.map")
+    template = "criteria_template" if p.criteria_key else "template"  # the judge's, when it scores gold
+    reads = set() if p.gold_reward is not None else (
+        criteria_row_fields(p.criteria_template) if p.criteria_key else rubric_alignment.row_fields(template=p.template))
     out = []
     for i, row in rows:  # i: the row's place before a filtering map
         try:
@@ -117,8 +120,8 @@ def load_questions(p: PrecomputeConfig) -> list[dict]:
         elif p.gold_reward is None and row.get(p.rubric_key) in (None, "", []):
             raise DataError(f"row {i} has no {p.rubric_key!r} (precompute.rubric_key) to grade its answers by; "
                             f"its fields: {', '.join(row)}")
-        if p.gold_reward is None and not p.criteria_key and (missing := sorted(rubric_alignment.row_fields(template=p.template) - row.keys())):
-            raise DataError(f"precompute.template reads {{{missing[0]}}}, which row {i} lacks; its fields: {', '.join(row)}")
+        if p.gold_reward is None and (missing := sorted(reads - row.keys())):
+            raise DataError(f"precompute.{template} reads {{{missing[0]}}}, which row {i} lacks; its fields: {', '.join(row)}")
     return out
 
 
@@ -166,7 +169,7 @@ def keep(answers: list[str | None], gold: list[float | None], keep_constant: boo
 def open_client(section, key: str, label: str) -> Judge:
     """A client for a config section; its own checks (api_key_env, headers, Azure) as ConfigError naming `key`."""
     try:
-        return Judge(section, label=label)
+        return Judge(section, label=label, key=key)
     except ValueError as e:
         raise ConfigError(f"{key}: {str(e).removeprefix('judge: ')}") from None
 

@@ -42,10 +42,11 @@ def cache_key(model: str, messages: list[dict], temperature: float | None, max_t
 
 
 class ReplyCache:
-    """Replies by cache key: memory (LRU of memory_size; 0 = off), then the file at path (None = none)."""
+    """Replies by cache key: memory (LRU of memory_size; 0 = off), then the file at path (None = none);
+    `key` is the config section that names the file (judge, precompute.answers, eval.api.NAME), for errors."""
 
-    def __init__(self, path: str | None, memory_size: int, label: str):
-        self.path, self.memory_size, self.label = path, memory_size, label
+    def __init__(self, path: str | None, memory_size: int, label: str, key: str = "judge"):
+        self.path, self.memory_size, self.label, self.key = path, memory_size, label, key
         self.mem: OrderedDict[str, str] = OrderedDict()
         self.index: dict[str, int] = {}  # cache key -> byte offset of its line in path
         self.cut: set[str] = set()  # keys of replies cut at max_tokens (finish_reason "length"), cached or not
@@ -62,7 +63,7 @@ class ReplyCache:
             else:  # corrupt, or another kind of record
                 bad += 1
         if bad and not self.index:  # not a cache at all: a data file (paid answers?) must not be appended to
-            raise ValueError(f"judge: cache_path={self.path} holds lines but no cache records: is it a data "
+            raise ValueError(f"{self.key}.cache_path={self.path} holds lines but no cache records: is it a data "
                              "file? Give the cache a file of its own")
         if os.path.exists(self.path) and os.path.getsize(self.path) > end:
             bad += 1  # a last line torn by a kill

@@ -147,7 +147,21 @@ def is_trl_reward(fn: Callable) -> bool:
     return "completions" in names and names[:2] != ["completions", "samples"]
 
 
-@functools.lru_cache(maxsize=None)
+def _per_function(make: Callable) -> Callable:
+    """make(fn), computed once per function object, by identity (lru_cache hashes: a callable instance of
+    a dataclass is unhashable). The functions are kept, as a run keeps its rewards."""
+    memo: dict[int, tuple] = {}
+
+    @functools.wraps(make)
+    def get(fn):
+        hit = memo.get(id(fn))
+        if hit is None or hit[0] is not fn:
+            memo[id(fn)] = hit = (fn, make(fn))
+        return hit[1]
+    return get
+
+
+@_per_function
 def trl_reward(fn: Callable) -> Callable:
     """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
     batched minigrpo reward: `prompts` are the rows' prompts (text or chat messages), `completions`
@@ -191,7 +205,7 @@ def trl_reward(fn: Callable) -> Callable:
     return batched
 
 
-@functools.lru_cache(maxsize=None)
+@_per_function
 def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
     """The parameters after (completion, sample): those that args, num_tokens or context fill."""
     return tuple(inspect.signature(fn).parameters.values())[2:]

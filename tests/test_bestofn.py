@@ -50,8 +50,10 @@ def test_by_ranks_on_the_named_rewards_alone(tmp_path, capsys):
     records = [r("many citations", 5.0, logic=1, novelty=2, cites=4), r("sound", 3.0, logic=5, novelty=4, cites=0),
                r("no think", 4.0, logic=2, novelty=0, cites=3), r("unjudged", 9.0, logic=None, novelty=2, cites=9)]
     sft, pairs = bestofn.select(records, by=["logic", "novelty"], min_reward=8.0)
-    assert [(x["completion"], x["reward"]) for x in sft] == [("sound", 9.0)]  # the bar applies to the sum
-    assert (pairs[0]["chosen"], pairs[0]["rejected"], pairs[0]["rejected_reward"]) == ("sound", "no think", 2.0)
+    assert [(x["completion"], x["by_reward"], x["by"]) for x in sft] == [("sound", 9.0, "logic+novelty")]  # the bar: the sum
+    assert sft[0]["reward"] == 3.0  # the total, as everywhere else: a DPO or SFT file's reward means one thing
+    assert (pairs[0]["chosen"], pairs[0]["rejected"], pairs[0]["rejected_by_reward"]) == ("sound", "no think", 2.0)
+    assert (pairs[0]["chosen_reward"], pairs[0]["rejected_reward"], pairs[0]["chosen_by_reward"]) == (3.0, 4.0, 9.0)
     assert bestofn.select(records)[0][0]["completion"] == "unjudged"  # by the total
     preds = tmp_path / "preds.jsonl"
     preds.write_text("".join(json.dumps(x) + "\n" for x in records))

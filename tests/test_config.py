@@ -283,7 +283,12 @@ def test_steps_or_epochs_the_later_layer_decides_and_one_layer_may_not_set_both(
     child.write_text("extends: parent.yaml\nrun: {epochs: 3}\n")
     assert (load_config(child).run.epochs, load_config(child).run.steps) == (3, 60)  # steps: made from the epochs
     assert (load_config(child, ["--run.steps=2"]).run.epochs, load_config(child, ["--run.steps=2"]).run.steps) == (0, 2)
-    assert load_config(child, ["--run.epochs=0"]).run.epochs == 0  # 0: not set, so the parent's steps are gone
+    with pytest.raises(ConfigError, match=r"turns off .*child.yaml's run.epochs=3; give --run.steps=N too"):
+        load_config(child, ["--run.epochs=0"])  # the parent's steps are gone: not a silent 60 steps
+    assert load_config(child, ["--run.epochs=0", "--run.steps=7"]).run.steps == 7
+    with pytest.raises(ConfigError, match="the command line sets both run.steps=5 and run.epochs=1: keep one"):
+        load_config(parent, ["--run={steps: 5, epochs: 1}"])  # one mapping is one layer too
+    assert load_config(child, ["--run={steps: 5}"]).run.steps == 5  # the section replaced: the file's epochs are gone
     assert load_config(parent, ["--run.epochs=1"]).run.epochs == 1
     both = write(tmp_path, MINIMAL + "run: {steps: 10, epochs: 2}\n")
     with pytest.raises(ConfigError, match=r"c.yaml sets both run.steps=10 and run.epochs=2: keep one"):

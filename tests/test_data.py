@@ -410,5 +410,13 @@ def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_an
         load_rows(DataConfig(name=str(data), prompt="messages", answer_key="cop"))
     (row,) = load_rows(DataConfig(name=str(data), prompt="messages", target="messages", answer_key="cop"))
     assert row["prompt"] == turns[:2] and row["target"] == '{"predicted_category": "B"}'
+    other = tmp_path / "open.jsonl"  # in a mixture data.target would split every source: the advice is the source's own
+    other.write_text(json.dumps({"messages": turns[1:2], "cop": "A"}) + "\n")
+    mix = [DataSource(name=str(data)), DataSource(name=str(other))]
+    with pytest.raises(DataError, match=r"data source 'mcq': row 0: .*give this source map: split_messages and prompt: prompt"):
+        load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))
+    mix[0] = DataSource(name=str(data), map="split_messages", prompt="prompt")
+    rows = load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))
+    assert [r["prompt"] for r in rows] == [turns[:2], turns[1:2]] and rows[0]["completion"] == '{"predicted_category": "B"}'
     data.write_text(json.dumps({"messages": turns[:2], "cop": "B"}) + "\n")  # prompt-only rows: as they were
     assert load_rows(DataConfig(name=str(data), prompt="messages", answer_key="cop"))[0]["prompt"] == turns[:2]

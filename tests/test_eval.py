@@ -356,6 +356,10 @@ def test_group_by_reports_each_value_of_a_column_as_well(project, server, capsys
     assert "kind=gap/accuracy" in capsys.readouterr().out  # in the table
     assert ev.main(args + ["--eval.group_by=type", "--overwrite"]) == 2
     assert "eval.group_by: held-out row 0 has no value (text or a number) in column 'type'" in capsys.readouterr().err
+    mixed = tmp / "mixed.jsonl"  # 1 and "1" would be one group by name, two in the data
+    mixed.write_text("".join(json.dumps({"question": f"T {i}", "answer": "A", "level": v}) + "\n" for i, v in enumerate([1, 2, "1"])))
+    assert ev.main(args + [f"--eval.name={mixed}", "--eval.group_by=level", "--overwrite"]) == 2
+    assert "column 'level' holds 1 (held-out row 0) and '1' (row 2)" in capsys.readouterr().err
 
 
 def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):

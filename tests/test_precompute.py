@@ -144,6 +144,11 @@ def test_gold_by_criteria_as_healthbench_scores_and_validate_then_measures_the_j
     assert precompute.main(args(server, tmp_path, questions, tmp_path / "o3.jsonl", *more,
                                 "--precompute.gold_reward={name: choice_accuracy}")) == 2
     assert "precompute.gold_reward and precompute.criteria_key both choose" in capsys.readouterr().err
+    before = len(server.requests)  # a template reading a column the rows lack stops before anything is paid for
+    assert precompute.main(args(server, tmp_path, questions, tmp_path / "o4.jsonl", *more,
+                                "--precompute.criteria_template=Q {question} A {answer} C {criterion} in {theme}")) == 2
+    assert "precompute.criteria_template reads {theme}, which row 0 lacks" in capsys.readouterr().err
+    assert len(server.requests) == before and not (tmp_path / "o4.jsonl").exists()
 
 
 def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):

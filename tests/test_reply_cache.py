@@ -35,8 +35,10 @@ def test_a_line_torn_by_a_kill_is_skipped_and_the_rest_loaded(tmp_path, caplog):
 def test_a_data_file_is_refused_and_left_as_it_was(tmp_path):
     path = tmp_path / "answers.jsonl"
     path.write_text(json.dumps({"question": "q", "answers": ["a"]}) + "\n")
-    with pytest.raises(ValueError, match="holds lines but no cache records"):
+    with pytest.raises(ValueError, match=r"^judge.cache_path=.* holds lines but no cache records"):
         ReplyCache(str(path), memory_size=10, label="judge")
+    with pytest.raises(ValueError, match=r"^precompute.answers.cache_path=.* holds lines"):  # the section that names it
+        ReplyCache(str(path), memory_size=10, label="precompute.answers (m)", key="precompute.answers")
     assert path.read_text() == json.dumps({"question": "q", "answers": ["a"]}) + "\n"
 
 

@@ -368,7 +368,20 @@ def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_pat
     assert any("completions are passed as text here, not as lists of {role, content}" in r.getMessage() for r in caplog.records)
 
 
-TRL_RETURNS = '''import numpy as np
+TRL_RETURNS = '''import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class LengthOver:  # a configured reward object, as TRL's own reward helpers are: unhashable (eq without frozen)
+    n: int
+
+    def __call__(self, completions, **kwargs):
+        return [float(len(c) > self.n) for c in completions]
+
+
+over_two = LengthOver(2)
 
 
 def as_array(completions, **kwargs):
@@ -391,7 +404,7 @@ def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scala
     path = tmp_path / "trl_returns.py"
     path.write_text(TRL_RETURNS)
     rows = [{"prompt": "p"}, {"prompt": "q"}]
-    for name, want in [("as_array", [3.0, 2.0]), ("as_generator", [3.0, 2.0]), ("as_numpy_bools", [1.0, 0.0])]:
+    for name, want in [("as_array", [3.0, 2.0]), ("as_generator", [3.0, 2.0]), ("as_numpy_bools", [1.0, 0.0]), ("over_two", [1.0, 0.0])]:
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
         assert (res.per_reward[name], res.errors[name]) == (want, 0), name
 
