@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import math
@@ -48,6 +47,7 @@ from client import Judge, JudgeUnusable
 from judge import judges_stats
 from scoring import check_rows, open_rewards, open_scoring
 from step import train_step
+from display import NO_SIGNAL, NO_SIGNAL_WARN_AFTER, flat_steps_at_end, open_tracker, out_of_memory, progress_display
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -76,20 +76,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--dry-run", action="store_true", help="check config, data, model and judges, show the first "
                     "prompt as the model sees it, and exit without training or writing anything")
     return ap.parse_known_args(argv)
-
-
-SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
-         ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
-         ("rewards/accuracies", "acc {:.2f}"), ("eval/rewards/accuracies", "eval acc {:.2f}"),
-         ("entropy", "ent {:.2f}"), ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
-         ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
-
-
-def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
-    """One plain line per step; with `keys`, only those metrics (the progress bar's short form)."""
-    shown = [(k, fmt) for k, fmt in SHOWN if k in m and (not keys or k in keys) and (k != "reward_std" or "reward" in m)]
-    parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in shown]
-    return " | ".join(parts).replace(" | ±", " ±")
 
 
 def seed_everything(seed: int) -> None:
@@ -288,57 +274,6 @@ def setup(args, overrides: list[str]) -> Run:
                scheduler, scaler, sampler, judges, start, engine, eval_rows, changed=changed)
 
 
-def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
-    """run.report_to: the wandb or trackio module, initialised (the same run again on --resume), or
-    None. Both take init(project, name, config, resume) and log(metrics, step); the config sent is
-    the one saved to config.yaml, with extra_headers masked (keys live in env vars, never in it)."""
-    if cfg.run.report_to == "none":
-        return None
-    tracker = importlib.import_module(cfg.run.report_to)
-    options = {"project": cfg.run.project, "name": run_dir.name, "config": redacted(config_to_dict(cfg)),
-               "resume": "allow" if resumed else "never"}
-    if cfg.run.report_to == "wandb":  # wandb resumes by id: one per run directory
-        options["id"] = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        options["resume"] = "allow"
-    tracker.init(**options)
-    return tracker
-
-
-def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: str = "<your config>",
-                  err: BaseException | None = None) -> str:
-    """One line for a step that ran out of GPU memory: how much, while doing what, and the settings
-    that lower that phase's peak, each with its value now (those already at their leanest left out).
-    A reward model's own message (reward_model.py) says what to lower in its args."""
-    where = ""
-    if device.type == "cuda":
-        where = (f" ({torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated at the peak, "
-                 f"of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB)")
-    if err is not None and str(err).startswith("reward_model:"):
-        return f"{err}{where}"
-    o, ro, g, m = cfg.optim, cfg.rollout, cfg.grpo, cfg.model
-    training = [f"optim.micro_batch_size (now {o.micro_batch_size})" if o.micro_batch_size > 1 else "",
-                "optim.micro_batch_tokens (a cap on a micro-batch's padded tokens)" if not o.micro_batch_tokens
-                else f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
-                "" if m.gradient_checkpointing else "model.gradient_checkpointing: true",
-                "" if g.fused_lm_head or cfg.mode != "grpo" else "grpo.fused_lm_head: true",
-                "" if m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf" or ro.merged_sampling
-                else "model.quant: 4bit (QLoRA)"]  # refused with those (config.py, vllm_engine.py)
-    if ro.engine == "vllm" and phase in ("sampling", "syncing the weights to vLLM"):
-        tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: vLLM's share; the trainer "
-                "gets the rest)", f"rollout.max_new_tokens (now {ro.max_new_tokens})"]
-    elif phase == "sampling":
-        tips = [f"rollout.prompts_per_generate (now {ro.prompts_per_generate or 'all'} prompts a generate call; "
-                "fewer hold a smaller KV cache)" if ro.prompts_per_generate != 1 else "",
-                f"rollout.max_new_tokens (now {ro.max_new_tokens})", f"rollout.num_generations (now {ro.num_generations})"]
-    elif phase == "scoring the held-out rows":  # SFT's and DPO's held-out loss batch as training does; then generation
-        tips = (training[:2] if cfg.mode != "grpo" else []) + [f"eval.batch_size (now {cfg.eval.batch_size})",
-                                                              f"eval.max_new_tokens (now {cfg.eval.max_new_tokens})"]
-    else:
-        tips = training
-    return (f"out of GPU memory while {phase}{where}; lower it with " + ", ".join(t for t in tips if t)
-            + f"; python bench/memory_estimate.py --config {config_path} estimates a setting's peak on a CPU")
-
-
 def held_out_metrics(r: Run) -> dict:
     """eval/* metrics: the held-out rows decoded as eval.py decodes them (eval.temperature, eval.num_samples)
     by the policy now, scored with the rewards (SFT: eval/loss; DPO: eval/loss, eval/rewards/*; and these
@@ -360,20 +295,6 @@ def held_out_metrics(r: Run) -> dict:
     _, _, m = ev.score_rows(gen, r.eval_rows, cfg.eval.num_samples, cfg, rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
                             cfg.data.assistant_prefix)
     return loss | {f"eval/{k}": v for k, v in m.items() if isinstance(v, (int, float))} | {"eval/seconds": time.time() - t0}
-
-
-NO_SIGNAL_WARN_AFTER = 5
-NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards differed (frac_reward_zero_std = 1), "
-             "so every advantage was 0 and nothing was learned. Usually the model never earns the reward (a format it "
-             "does not produce, say): give partial credit (a graded reward), force the reply's start "
-             "(data.assistant_prefix), raise rollout.num_generations or temperature, or set rollout.resample_zero_std. "
-             "run.stop_without_signal: N stops such a run.")
-
-
-def flat_steps_at_end(metrics_path: Path) -> int:
-    """How many of the logged steps, counted back from the last, had no learning signal (frac_reward_zero_std = 1)."""
-    flags = [rec.get("frac_reward_zero_std") == 1.0 for _, _, rec in jsonl.read(metrics_path) if rec]
-    return next((i for i, flat in enumerate(reversed(flags)) if not flat), len(flags))
 
 
 def dry_run_report(r: Run) -> str:
@@ -555,37 +476,6 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 return 0
     print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
     return 0
-
-
-class progress_display:
-    """A rich progress bar with ETA and a live metrics line on a terminal; plain lines otherwise."""
-
-    def __init__(self, total: int, start: int):
-        self.total, self.start = total, start
-        self.progress = None
-        if sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
-                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"))
-
-    def __enter__(self):
-        if self.progress:
-            self.progress.start()
-            self.task = self.progress.add_task("", total=self.total, completed=self.start)
-        return self.show
-
-    def show(self, step: int, m: dict) -> None:
-        if self.progress:
-            keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else (
-                "loss", "rewards/margins", "rewards/accuracies", "eval/rewards/accuracies", "epoch")
-            short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
-            self.progress.update(self.task, completed=step, description=short)
-        else:
-            print(format_line(step, self.total, m), flush=True)
-
-    def __exit__(self, *exc):
-        if self.progress:
-            self.progress.stop()
 
 
 if __name__ == "__main__":

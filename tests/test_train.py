@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import rollout
 import step
+import display
 import train
 from config import ConfigError, load_config
 
@@ -291,7 +292,7 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
 def test_out_of_memory_advice_fits_the_mode_and_the_engine(overrides, phase, first):
     from config import load_config
     cfg = load_config(None, ["--rewards=[{name: answer_match}]", *overrides])
-    line = train.out_of_memory(cfg, phase, torch.device("cpu"), "my.yaml")
+    line = display.out_of_memory(cfg, phase, torch.device("cpu"), "my.yaml")
     assert line.startswith(f"out of GPU memory while {phase}; lower it with {first}") and line.endswith("--config my.yaml "
                                                                                                        "estimates a setting's peak on a CPU")
     if "--model.gradient_checkpointing=true" in overrides:  # a setting already at its leanest is not offered
@@ -302,7 +303,7 @@ def test_out_of_memory_advice_fits_the_mode_and_the_engine(overrides, phase, fir
                                                 (["--rollout.merged_sampling=true"], False), (["--model.quant=4bit"], False)])
 def test_out_of_memory_offers_4bit_only_where_the_config_would_take_it(overrides, offered):
     from config import load_config
-    line = train.out_of_memory(load_config(None, ["--rewards=[{name: answer_match}]", *overrides]), "training", torch.device("cpu"))
+    line = display.out_of_memory(load_config(None, ["--rewards=[{name: answer_match}]", *overrides]), "training", torch.device("cpu"))
     assert ("model.quant: 4bit" in line) == offered
 
 
