@@ -37,7 +37,7 @@ import numpy as np
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
 from hub import hub_unreachable, offline_if_unreachable
 from maps import MAPS
-from rewards import import_function
+from plugins import import_function
 
 
 class DataError(ConfigError):

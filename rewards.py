@@ -23,21 +23,14 @@ has stops the run before it starts (scoring.check_rows). The config names reward
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-in
 rewards put back in front of the completion), `judge` or `judges` are filled in by
-scoring.compute_rewards. Model output is only ever parsed (here, in answers.py and citations.py), never evaluated.
+scoring.compute_rewards; a function named by file or module is loaded by plugins.py, which also runs
+reward functions written for TRL's GRPOTrainer. Model output is only ever parsed (here, in answers.py and citations.py), never evaluated.
 """
 from __future__ import annotations
 
-import difflib
-import functools
-import importlib
-import importlib.util
-import inspect
 import math
-import re
-import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import answers
@@ -67,149 +60,6 @@ def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
         REGISTRY[name] = (fn, batched)
         return fn
     return decorate
-
-
-def _did_you_mean(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=3)
-    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-
-
-def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"
-
-
-def _load_file(path: str, label: str):
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise ValueError(f"{label}: file {path} not found (relative paths start at {Path.cwd()})")
-    module_name = "_minigrpo_reward_" + re.sub(r"\W", "_", str(file))
-    if module_name in sys.modules:  # load each file once, so its module state survives between calls
-        return sys.modules[module_name]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, file))
-    sys.modules[module_name] = module  # dataclasses and pickle look a module up here while it runs
-    try:
-        module.__spec__.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise ValueError(f"{label}: could not load {path}: {_one_line(err)}") from err
-    return module
-
-
-def import_function(name: str, what: str = "reward") -> Callable:
-    """The function "package.module:function" or "path/to/file.py:function" names (user rewards,
-    data maps); ValueError with a one-line hint when there is none."""
-    label = f"{what} {name!r}"
-    where, attr = name.rsplit(":", 1)
-    if where.endswith(".py"):
-        module = _load_file(where, label)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as err:
-            raise ValueError(f"{label}: cannot import module {where!r} ({_one_line(err)}); "
-                             "is it installed or on PYTHONPATH?") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ValueError(f"{label}: {where} has no function {attr!r}{_did_you_mean(attr, public)}")
-    return fn
-
-
-def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
-    """The (function, batched) a spec names; ValueError with a one-line hint when there is none."""
-    name = spec.name
-    if ":" not in name:
-        if name in REGISTRY:
-            return REGISTRY[name]
-        raise ValueError(f"unknown reward {name!r}{_did_you_mean(name, REGISTRY)}; registered: "
-                         f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
-    fn = import_function(name)
-    # a user function marks itself batched by registering: @register("name", batched=True)
-    registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)
-    if registered is None and is_trl_reward(fn):
-        return trl_reward(fn), True
-    return fn, bool(registered)
-
-
-TRL_FILLED = ("prompts", "completions")  # what a TRL reward function gets besides the data's columns
-
-
-def is_trl_reward(fn: Callable) -> bool:
-    """A reward function written for TRL's GRPOTrainer: it takes `completions` (and `prompts`) by name
-    and returns a list; minigrpo's own take (completion, sample) or, batched, (completions, samples).
-
-    >>> is_trl_reward(lambda completions, **kwargs: []), is_trl_reward(lambda prompts, completions, answer, **kw: [])
-    (True, True)
-    >>> is_trl_reward(lambda completion, sample: 0.0), is_trl_reward(lambda completions, samples: [])
-    (False, False)
-    """
-    names = [p.name for p in inspect.signature(fn).parameters.values()]
-    return "completions" in names and names[:2] != ["completions", "samples"]
-
-
-def _per_function(make: Callable) -> Callable:
-    """make(fn), computed once per function object, by identity (lru_cache hashes: a callable instance of
-    a dataclass is unhashable). The functions are kept, as a run keeps its rewards."""
-    memo: dict[int, tuple] = {}
-
-    @functools.wraps(make)
-    def get(fn):
-        hit = memo.get(id(fn))
-        if hit is None or hit[0] is not fn:
-            memo[id(fn)] = hit = (fn, make(fn))
-        return hit[1]
-    return get
-
-
-@_per_function
-def trl_reward(fn: Callable) -> Callable:
-    """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
-    batched minigrpo reward: `prompts` are the rows' prompts (text or chat messages), `completions`
-    the completions' TEXT, also for chat prompts (TRL's conversational format hands lists of
-    {role, content} messages instead: the MedMCQA project's json.loads(completion) failed on every one
-    of them and its rewards were 0.0 throughout), and each other column of the rows is a keyword
-    holding its values in order (TRL's reward_kwargs). A None in the returned list: no value, as in TRL.
-    Arguments TRL fills that minigrpo does not have (completion_ids, trainer_state) must have defaults."""
-    params = inspect.signature(fn).parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    required = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    label = f"reward {getattr(fn, '__name__', fn)!r} (TRL's signature {inspect.signature(fn)})"
-
-    def batched(completions: list[str], samples: list[dict], **args) -> list:
-        columns = {k for s in samples for k in s if k != "prompt" and (takes_any or k in params)} - set(args)
-        kwargs = {k: [s.get(k) for s in samples] for k in columns} | args
-        kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]), ("completions", list(completions)))
-                   if takes_any or k in params}
-        try:
-            out = fn(**kwargs)
-        except TypeError as e:
-            if "string indices" in str(e):  # completion[0]["content"]: written for TRL's conversational format
-                raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "
-                                "messages; read the text itself") from e
-            raise
-        if not isinstance(out, (str, bytes, dict)) and hasattr(out, "__iter__"):  # TRL iterates what it gets: a
-            out = [v.item() if hasattr(v, "item") and not isinstance(v, (int, float)) else v  # numpy array, a generator;
-                   for v in out]  # numpy and torch scalars as numbers
-        return out
-
-    def check_args(**args) -> None:
-        if unknown := [a for a in args if a not in params and not takes_any]:
-            raise ValueError(f"{label} has no argument {unknown[0]!r}")
-        if unfilled := [n for n in required if n in ("completion_ids", "trainer_state")]:
-            raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; give it a default (None)")
-
-    def columns(**args) -> list[str]:  # scoring.check_rows: each must be in some row (the others get None)
-        return [n for n in required if n not in (*TRL_FILLED, *args)]
-    batched.check_args, batched.columns, batched.trl = check_args, columns, fn
-    batched.__name__ = getattr(fn, "__name__", "trl_reward")
-    return batched
-
-
-@_per_function
-def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
-    """The parameters after (completion, sample): those that args, num_tokens or context fill."""
-    return tuple(inspect.signature(fn).parameters.values())[2:]
-
 
 
 # ---------------------------------------------------------------- built-in rewards

@@ -38,7 +38,8 @@ from typed_config import check_writable, convert
 from data import check_not_data_file
 from client import Judge, JudgeUnusable
 from judge import open_judges
-from rewards import RewardSpec, _did_you_mean, _one_line, _params, resolve
+from rewards import RewardSpec
+from plugins import _did_you_mean, _one_line, _params, resolve
 
 log = logging.getLogger("minigrpo.scoring")
 

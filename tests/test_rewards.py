@@ -9,8 +9,9 @@ import time
 import pytest
 
 import rewards
+from plugins import resolve
 from rewards import (REGISTRY, RewardSpec, answer_match, choice_accuracy, citation_grounding, invented_citation, json_schema, json_valid,
-                     length_penalty, register, resolve, short_answer, think_format)
+                     length_penalty, register, short_answer, think_format)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
 BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format", "invented_citation",
