@@ -457,8 +457,8 @@ def data_label(d: DataConfig) -> str:
 def _check_mixture(d: DataConfig) -> None:
     if d.preset is not None and d.preset not in d.presets:
         raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets ({', '.join(d.presets) or 'none defined'})")
-    if d.presets and d.preset is None:
-        raise ConfigError(f"data.presets is set: choose one with data.preset ({', '.join(d.presets)})")
+    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):  # else data.name is read
+        raise ConfigError(f"data.presets is set: choose one with data.preset ({', '.join(d.presets)}), or give data.name")
     if d.preset is not None and d.mixture is not None:
         raise ConfigError("set data.mixture or data.preset, not both")
     key, mix = active_mixture(d)

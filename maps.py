@@ -54,6 +54,52 @@ def healthbench(row: dict) -> dict:
     return {**row, "question": question, "rubric": rubric, "id": row.get("prompt_id", row.get("id"))}
 
 
+def _weights(points: list[float], total: int = 10) -> list[int]:
+    """Positive points as whole weights >= 1 that sum to `total`, in proportion (largest remainders).
+
+    >>> _weights([5, 5, 4]), _weights([7, 1, 1, 1, 1, 1, 1, 1])
+    ([4, 3, 3], [3, 1, 1, 1, 1, 1, 1, 1])
+    """
+    raw = [total * p / sum(points) for p in points]
+    w = [max(1, int(r)) for r in raw]
+    while sum(w) != total:
+        if sum(w) < total:
+            i = max(range(len(w)), key=lambda j: (raw[j] - w[j], -j))
+            w[i] += 1
+        else:
+            i = min((j for j in range(len(w)) if w[j] > 1), key=lambda j: (raw[j] - w[j], j))
+            w[i] -= 1
+    return w
+
+
+def healthbench_sft(row: dict, max_criteria: int = 8) -> dict | None:
+    """HealthBench for GRubrics' SFT warm-up: `healthbench`'s columns, and `rubric_target`, the
+    physicians' rubric written as grubrics.yaml's system prompt asks the policy to write one: numbered
+    criteria whose weights sum to 10 (the positive points, rescaled), then what costs points (the
+    negative ones, on the same scale). The 8 criteria of most points either way are kept; a row with
+    fewer than 4, or none positive, is left out.
+
+    >>> r = healthbench_sft({"prompt": [{"role": "user", "content": "Is 145/92 high?"}], "rubrics": [
+    ...     {"criterion": "Says stage 2", "points": 5}, {"criterion": "Advises less salt", "points": 5},
+    ...     {"criterion": "Suggests home monitoring", "points": 4}, {"criterion": "Says ignore it", "points": -6}]})
+    >>> print(r["rubric_target"])
+    1. (4 points) Says stage 2
+    2. (3 points) Advises less salt
+    3. (3 points) Suggests home monitoring
+    4. (costs 4 points) Says ignore it
+    """
+    row = healthbench(row)
+    crit = sorted(row["rubrics"], key=lambda c: -abs(float(c["points"])))[:max_criteria]  # stable: ties in file order
+    good = sorted((c for c in crit if float(c["points"]) > 0), key=lambda c: -float(c["points"]))
+    bad = sorted((c for c in crit if float(c["points"]) < 0), key=lambda c: float(c["points"]))
+    if len(good) + len(bad) < 4 or not good:
+        return None
+    top = sum(float(c["points"]) for c in good)
+    lines = [f"({w} points) {c['criterion']}" for c, w in zip(good, _weights([float(c["points"]) for c in good]))]
+    lines += [f"(costs {min(10, max(1, round(10 * -float(c['points']) / top)))} points) {c['criterion']}" for c in bad]
+    return {**row, "rubric_target": "\n".join(f"{i}. {line}" for i, line in enumerate(lines, 1))}
+
+
 def medqa(row: dict) -> dict:
     r"""MedQA (GBaker/MedQA-USMLE-4-options: `options` {"A": text, ...}, or a [{key, value}] list as other copies hold it,
     and `answer_idx`) for GRubrics' verifiable questions: `question` with its lettered options
@@ -88,4 +134,4 @@ def split_messages(row: dict) -> dict:
 
 
 MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "healthbench": healthbench, "medqa": medqa,
-                                           "split_messages": split_messages}
+                                           "healthbench_sft": healthbench_sft, "split_messages": split_messages}

@@ -143,6 +143,9 @@ def test_presets_are_named_mixtures_chosen_on_the_command_line(tmp_path):
     assert [(s.label, len(s.rows), s.weight, s.weight_end) for s in sources] == [("easy", 6, 1.0, 0.2), ("hard", 4, 0.0, 0.8)]
     assert isinstance(cfg.data.presets["curriculum"][1], DataSource)
     assert Counter(r["answer"] for r in load_rows(cfg.data)) == {"1": 6, "2": 4}
+    # a file that extends a preset config and reads one data file (grubrics_sft.yaml): the presets go unused
+    cfg = load_config(path, ["--data.preset=null", f"--data.name={tmp_path / 'hard.jsonl'}"])
+    assert [s.label for s in load_sources(cfg.data)] == ["hard"]
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -13,6 +13,8 @@ import eval as ev
 import rating_page
 import ratings
 import train
+from config import load_config
+from data import load_rows
 from fake_openai_server import FakeOpenAIServer
 from scipy.stats import spearmanr
 from test_ratings import rater
@@ -110,6 +112,30 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
     data_file = cache / ("grubrics_verifiable.jsonl" if preset == "verifiable_only" else "grubrics_open.jsonl")
     assert train.main([*args[:-len(judge_overrides(server, ''))], *judge_overrides(server, data_file),
                        f"--run.out_dir={tmp_path / 'other'}"]) == 2
+
+
+def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny_llama, server):
+    """grubrics_sft.yaml: HealthBench's rubrics, rewritten as the GRPO prompt asks (weights summing to
+    10), are the SFT target; grubrics.yaml's GRPO then starts from that adapter, merged."""
+    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    assert train.main(["--config", "configs/grubrics_sft.yaml", *small(tiny_llama, sft), f"--data.root={FIXTURES}",
+                       "--data.name=healthbench_sample.jsonl", "--data.select=[0,6]", "--sft.batch_size=2"]) == 0
+    assert [m["loss"] > 0 for m in metrics(sft)] == [True, True]
+    cfg = load_config(sft / "config.yaml")
+    rows = load_rows(cfg.data)  # the sixth question has three criteria: left out by the map
+    assert len(rows) == 5 and all(r["prompt"] == r["question"] for r in rows)
+    assert rows[0]["target"].splitlines() == ["1. (4 points) Recommends reducing salt intake",
+                                              "2. (3 points) Recommends regular aerobic exercise",
+                                              "3. (3 points) Suggests home blood pressure monitoring and follow-up with a doctor",
+                                              "4. (costs 4 points) Claims supplements can replace medication"]
+    cache = tmp_path / "data_cache"
+    shutil.copytree(FIXTURES, cache, ignore=shutil.ignore_patterns("*.md"))
+    assert train.main(["--config", "configs/grubrics.yaml", *small(tiny_llama, grpo), f"--data.root={cache}",
+                       "--data.select=[0,6]", f"--model.init_adapter={sft}", "--model.merge_init_adapter=true",
+                       *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
+    assert metrics(grpo)[-1]["reward_errors/rubric_alignment"] == 0
+    base = json.loads((grpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())
+    assert str(sft) in json.dumps(base)
 
 
 def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
