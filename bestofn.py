@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")
         named = {k for r in records for k in (r.get("rewards") or {})}
         by = args.by.split("+") if args.by else None
+        if by and len(set(by)) < len(by):
+            raise ValueError(f"--by {args.by} names a reward twice; a weight belongs in eval's rewards: list")
         for flag, names in (("--require", require), ("--by", by or [])):
             if unknown := sorted(set(names) - named):
                 raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; they have: "
@@ -187,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
         if path:
             jsonl.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-            kept = [r.get("reward", r.get("chosen_reward")) for r in rows]
-            kept = [k for k in kept if k is not None]  # --by: a total may be missing where the named rewards are not
-            mean = sum(kept) / len(kept) if kept else float("nan")
-            print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts (mean reward of the kept {mean:.3f})")
+            key = ("by_reward" if "reward" in rows[0] else "chosen_by_reward") if args.by else (
+                "reward" if "reward" in rows[0] else "chosen_reward")  # what they were picked by
+            mean = sum(r[key] for r in rows) / len(rows)
+            print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts (mean {args.by or 'reward'} of the kept {mean:.3f})")
     scored = [r["reward"] for r in records if r.get("reward") is not None]
     if scored:
         print(f"[bestofn] mean reward of all {len(scored)} scored completions: {sum(scored) / len(scored):.3f}")

@@ -63,7 +63,7 @@ def citation_grounding(completion: str, sample: dict, pattern: str = PMID_PATTER
 
 @functools.lru_cache(maxsize=8)
 def _ids_in_file(path: str, stamp: tuple) -> frozenset[str]:
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad, Excel) is not part of the first id
         return frozenset(f.read().split())
 
 

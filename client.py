@@ -163,7 +163,8 @@ def _expand(value: str, key: str) -> str:
     return _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
 
 
-def _run_sync(coro):
+def run_sync(coro):
+    """The coroutine's result, from sync code; also when an event loop already runs in this thread."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -457,7 +458,7 @@ class Judge:
         """All completions concurrently in one event loop; same order as the input. n > 1: n sampled
         replies to each request (request-major), each cached under its own sample index, so a rerun
         gets the same n back and pays for none of them (sampling needs temperature > 0 or null)."""
-        return _run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
+        return run_sync(self._gather([m for m in message_lists for _ in range(n)], None,
                                       [i for _ in message_lists for i in range(n)]))
 
     def _keys(self, message_lists: list[list[dict]], n: int) -> list[str]:
@@ -480,7 +481,7 @@ class Judge:
         score range is wrong for this model, and paying for more calls would train on fallbacks. Once
         one reply has scored, an unusable reply is only counted (the caller's fallback)."""
         lo, hi = self.cfg.score_min, self.cfg.score_max
-        replies = _run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
+        replies = run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
         scores = [None if r is None else parse(r, lo, hi) for r in replies]
         criteria = getattr(parse, "keywords", {}).get("criteria")  # judge_reward's partial(parse_score, criteria=...)
         want = f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else "")

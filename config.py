@@ -268,7 +268,8 @@ class Config:
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
 
 
-EXCLUSIVE = (("run.steps", "run.epochs"), ("optim.warmup_steps", "optim.warmup_ratio"))  # one decides: a later layer's choice (a file that extends, the command line) wins
+EXCLUSIVE = (("run.steps", "run.epochs", True), ("optim.warmup_steps", "optim.warmup_ratio", False))  # one decides: a later
+#   layer's choice (a file that extends, the command line) wins; True: turning off epochs needs steps (not the default 60)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -277,14 +278,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = read_yaml(Path(path), exclusive=EXCLUSIVE) if path is not None else {}
     given: dict = {}  # the command line's layer alone, for exclusive_layers (--run.epochs=3, or --run={epochs: 3})
     apply_overrides(given, [o for o in overrides if any(f"{k}.".startswith(o[2:].split("=", 1)[0] + ".")
-                                                        for k in sum(EXCLUSIVE, ()))], Config)
-    epochs = (raw.get("run") or {}).get("epochs") if isinstance(raw.get("run"), dict) else None
+                                                        for pair in EXCLUSIVE for k in pair[:2])], Config)
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
-    run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
-    if epochs and not run.get("epochs") and not run.get("steps"):  # --run.epochs=0 (or null) and no steps given
-        raise ConfigError(f"the command line turns off {path}'s run.epochs={epochs}; give --run.steps=N too "
-                          "(run.steps would fall back to its default)")
     cfg = from_dict(Config, raw)
     _check(cfg)
     return cfg

@@ -307,9 +307,6 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
     rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
     out = []
     for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map):  # i: the row's place before a filtering map
-        if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
-            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key; null when the rewards "
-                            f"need no gold answer); its fields: {', '.join(row)}")
         prompt = build_prompt(row, cfg.prompt, i)
         extra = {}
         for key in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt
@@ -332,8 +329,13 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
                    if active_mixture(cfg)[1] is None else  # a mixture: data.target would split every source
                    "give this source map: split_messages and prompt: prompt (the reply goes to a column 'completion')"
                    if cfg.prompt == "messages" else "give this source a map (data.map) that drops the reply")
+            if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
+                fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
             raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
                             f"the prompt; {fix}")
+        if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
+            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key; null when the rewards "
+                            f"need no gold answer); its fields: {', '.join(row)}")
         out.append({**row, "prompt": prompt, **extra})
     return out
 

@@ -305,16 +305,19 @@ def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template:
 
 
 def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> JudgeScore | None:
-    """A criterion_met verdict: {"met": 1} or {"met": 0}, or true / false (whatever the judge's own score range).
+    """A criterion_met verdict: {"met": 1} or {"met": 0}, or true / false (whatever the judge's own score
+    range); HealthBench's own grader template answers {"explanation": ..., "criteria_met": true}.
 
     >>> parse_met('{"met": 1}').score, parse_met('{"met": 0}').score, parse_met('{"met": 7}'), parse_met("yes")
     (1.0, 0.0, None, None)
+    >>> parse_met('{"met": true}').score, parse_met('{"explanation": "It does.", "criteria_met": false}').score
+    (1.0, 0.0)
     """
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
-    if verdict is None and isinstance(text, str):  # {"met": true}, as HealthBench's own grader answers
-        obj = _first_json_object(_verdict_text(text)) or {}
-        met = {str(k).lower(): v for k, v in obj.items()}.get("met")
-        if isinstance(met, bool):
+    if verdict is None and isinstance(text, str):
+        obj = {str(k).lower(): v for k, v in (_first_json_object(_verdict_text(text)) or {}).items()}
+        met = obj.get("met", obj.get("criteria_met"))
+        if isinstance(met, bool) or (type(met) in (int, float) and met in (0, 1)):
             return JudgeScore(float(met), {"met": float(met)})
     return verdict
 

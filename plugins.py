@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from client import run_sync
 from rewards import REGISTRY, RewardSpec
 
 
@@ -117,7 +118,7 @@ def _per_function(make: Callable) -> Callable:
 @_per_function
 def trl_reward(fn: Callable) -> Callable:
     """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
-    batched minigrpo reward: `prompts` are the rows' prompts (text or chat messages), `completions`
+    batched minigrpo reward (an async one awaited): `prompts` are the rows' prompts (text or chat messages), `completions`
     the completions' TEXT, also for chat prompts (TRL's conversational format hands lists of
     {role, content} messages instead: the MedMCQA project's json.loads(completion) failed on every one
     of them and its rewards were 0.0 throughout), and each other column of the rows is a keyword
@@ -135,6 +136,8 @@ def trl_reward(fn: Callable) -> Callable:
                    if takes_any or k in params}
         try:
             out = fn(**kwargs)
+            if inspect.isawaitable(out):  # async def, as TRL awaits them
+                out = run_sync(out)
         except TypeError as e:
             if "string indices" in str(e):  # completion[0]["content"]: written for TRL's conversational format
                 raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "
@@ -150,6 +153,8 @@ def trl_reward(fn: Callable) -> Callable:
             raise ValueError(f"{label} has no argument {unknown[0]!r}")
         if unfilled := [n for n in required if n in ("completion_ids", "trainer_state")]:
             raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; give it a default (None)")
+        if "prompt" in required:  # TRL leaves the prompt column out of a reward's keywords, as minigrpo does
+            raise ValueError(f"{label} takes 'prompt', which neither TRL nor minigrpo passes; take 'prompts' (the list)")
 
     def columns(**args) -> list[str]:  # scoring.check_rows: each must be in some row (the others get None)
         return [n for n in required if n not in (*TRL_FILLED, *args)]

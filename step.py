@@ -173,7 +173,8 @@ def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0, group:
     """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
     at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
     what its forward pays for after trimming. A row over the budget on its own gets its own
-    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt). group: cut only
+    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt) when `size` is a
+    multiple of G; other sizes split groups (the same gradient, less prompt sharing). group: cut only
     between whole groups of that many rows (a DPO pair's two replies, which one loss term joins)."""
     n = batch.completion_ids.shape[0]
     size = max(size // group, 1) * group
@@ -251,7 +252,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         rows = slice(lo, lo + N // k)
         mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
             rollout.select_rows(batch, list(range(N))[rows]), cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        # the mini-batch's counts; skipped completions are not counted (truncated ones are, as in TRL)
+        # the mini-batch's counts: sequences leave out skipped completions (truncated ones count, as in TRL);
+        # tokens are the mask's, without those of truncated completions under mask_truncated_completions
         minis.append((mbs, grpo.LossNorm(g.loss_type, max(int((~skipped[rows]).sum()), 1), int(mask[rows].sum()),
                                          cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
     train_mbs = [mb for mbs, _ in minis for mb in mbs]  # old and reference log-probs in the loss's micro-batches
@@ -264,7 +266,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     ids, attn = batch.input_ids, batch.attention_mask
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "clip_delta_sum"), 0.0)
     norms = []  # each update's gradient norm
-    sampler = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
+    engine_sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
     model.train()
     logged = 0  # updates whose loss and stats were finite
     for it in range(g.num_iterations):
@@ -277,7 +279,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
                 weight = None
                 if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
                     weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                            mask[mb, :C], g.tis_cap, sampler if it == 0 else None, g.tis_mode)
+                                            mask[mb, :C], g.tis_cap, engine_sums if it == 0 else None, g.tis_mode)
                 loss, stats = grpo.grpo_loss(
                     logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C], norm,
                     g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level,
@@ -295,21 +297,21 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     if r.engine:
         r.phase = "syncing the weights to vLLM"
         r.engine.sync(model)  # the next rollout samples from the updated policy
-    tis = {}
+    extra = {}  # the optional metrics: vLLM's mismatch and importance weights, the two-sided clip
     if batch.sampler_logp is not None:
-        n = max(sampler["tokens"], 1.0)
-        tis = {"sampler_logp_abs_diff": sampler["abs_diff"] / n}
+        n = max(engine_sums["tokens"], 1.0)
+        extra = {"sampler_logp_abs_diff": engine_sums["abs_diff"] / n}
         if g.tis_cap:
-            units = max(sampler["units"], 1.0)
-            tis |= {"tis/weight_mean": sampler["weight"] / units, "tis/capped_frac": sampler["capped"] / units}
+            units = max(engine_sums["units"], 1.0)
+            extra |= {"tis/weight_mean": engine_sums["weight"] / units, "tis/capped_frac": engine_sums["capped"] / units}
     if g.delta:  # tokens with A < 0 whose ratio passed delta (two-sided clip)
-        tis["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | tis | {
+        extra["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
+    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | extra | {
         "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
         "peak_memory_mb": peak_memory_mb(device)}  # judge_*: train.py adds them, the held-out scoring's calls counted
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if r.isnan() else float(r), "advantage": float(a)}
-             for s, t, r, a in zip(kept.samples, batch.texts, kept.total, adv)]
+    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw), "advantage": float(a)}
+             for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
 
 

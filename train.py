@@ -449,10 +449,12 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
             step_seconds.append(time.monotonic() - t_step - (eval_seconds if evaluated else 0.0))  # the step alone
-            saving = stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0)
-            # after the next step: its held-out scoring (if it has one) and the checkpoint written when stopping,
-            # besides this step's own checkpoint (if it writes one)
-            extra = (eval_seconds if r.eval_rows and (step + 1) % cfg.run.eval_every == 0 else 0.0) + save_seconds * (1 + bool(saving))
+            saving = stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0) or (
+                cfg.run.max_minutes and step == start + 1)  # a time limit: the first checkpoint times the one at the end
+            # after the next step: its held-out scoring (if it has one; before the first, counted as long as a step)
+            # and the checkpoint written when stopping, besides this step's own checkpoint (if it writes one)
+            scoring = eval_seconds or max(step_seconds[-5:])
+            extra = (scoring if r.eval_rows and (step + 1) % cfg.run.eval_every == 0 else 0.0) + save_seconds * (1 + bool(saving))
             timed_out = not stop and step < cfg.run.steps and out_of_time(cfg, started, step_seconds, time.monotonic(), extra)
             if saving or timed_out:
                 if recorded is None:  # what eval.py finds held-out rows among, with the first checkpoint that holds them

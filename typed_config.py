@@ -114,7 +114,7 @@ def check_writable(path: str | Path, key: str) -> None:
 def _entry(items: list, part: str, dotted: str) -> int:
     """The place in a config list (rewards:) that an override's part names: an index from 0, or an
     entry's label or name ("--rewards.accuracy.weight=2")."""
-    if part.isdigit() and int(part) < len(items):
+    if part.isascii() and part.isdigit() and int(part) < len(items):  # "²".isdigit() too, and int() refuses it
         return int(part)
     named = [i for i, x in enumerate(items) if isinstance(x, dict) and part in (x.get("label"), x.get("name"))]
     if len(named) == 1:
@@ -122,7 +122,8 @@ def _entry(items: list, part: str, dotted: str) -> int:
     names = [str(x.get("label") or x.get("name")) for x in items if isinstance(x, dict)]
     raise ConfigError(f"override --{dotted}: '{part}' is " + (f"the name of {len(named)} entries; give their label or index"
                       if named else f"neither an index (0 to {len(items) - 1}) nor a label or name of the list's entries "
-                      f"({', '.join(names) or 'none'})"))
+                      f"({', '.join(names) or 'none'})" + ("; a name with a dot (file.py:fn) is reached by its index or a "
+                                                          "label: of its own" if any("." in n for n in names) else "")))
 
 
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
@@ -133,7 +134,7 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
             if not isinstance(d, dict):
                 raise ConfigError(f"override --{dotted}: '{p}' is not a section")
             continue
-        if p not in d and (parents[n + 1:] + [last])[0].isdigit():
+        if p not in d and (nxt := (parents[n + 1:] + [last])[0]).isascii() and nxt.isdigit():
             raise ConfigError(f"override --{dotted}: the config has no list '{p}' to index; write it in the config file")
         node = d.setdefault(p, {})
         if node is None:  # `run:` with every key commented out: which defaults (its own, or an extended file's) is unclear
@@ -178,15 +179,31 @@ def _get(d: dict, dotted: str) -> Any:
     return d
 
 
-def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str], ...], where: str) -> None:
+def _on(value) -> bool:
+    """Set to something other than 0 or null (also as text: "0e0", which convert reads as a number)."""
+    if isinstance(value, str):
+        try:
+            return float(value) != 0
+        except ValueError:
+            return True
+    return bool(value)
+
+
+def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str, bool], ...], where: str) -> None:
     """For each pair of settings of which one decides (run.steps, run.epochs): the one `over` sets (to
     something other than 0 or null) drops the other from `base`, so a later layer (a file that
-    extends, the command line) replaces the earlier one's choice; both set in `over` is an error."""
-    for pair in exclusive:
-        set_here = [k for k in pair if _get(over, k)]
+    extends, the command line) replaces the earlier one's choice; both set in `over` is an error. With
+    the pair's flag, `over` turning off the second that `base` set (run.epochs: 0) must set the first,
+    which an earlier layer's choice of the second dropped (else it would be its default, unsaid)."""
+    for first, second, needs_first in exclusive:
+        pair = (first, second)
+        set_here = [k for k in pair if _on(_get(over, k))]
         if len(set_here) == 2:
-            raise ConfigError(f"{where} sets both {pair[0]}={_get(over, pair[0])} and {pair[1]}={_get(over, pair[1])}: "
+            raise ConfigError(f"{where} sets both {first}={_get(over, first)} and {second}={_get(over, second)}: "
                               "keep one")
+        if needs_first and not set_here and _has(over, second) and _on(_get(base, second)):
+            raise ConfigError(f"{where} turns off {second}={_get(base, second)}, which an earlier layer set: "
+                              f"give {first} too (it would fall back to its default)")
         for k in set_here:
             *parents, last = next(x for x in pair if x != k).split(".")
             section = _get(base, ".".join(parents))
@@ -194,7 +211,13 @@ def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str], .
                 section.pop(last, None)
 
 
-def read_yaml(p: Path, seen: tuple[Path, ...] = (), exclusive: tuple[tuple[str, str], ...] = ()) -> dict:
+def _has(d: dict, dotted: str) -> bool:  # the key is written in d (with any value, null too)
+    *parents, last = dotted.split(".")
+    section = _get(d, ".".join(parents))
+    return isinstance(section, dict) and last in section
+
+
+def read_yaml(p: Path, seen: tuple[Path, ...] = (), exclusive: tuple[tuple[str, str, bool], ...] = ()) -> dict:
     """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it
     (`exclusive`: pairs of settings of which this file's choice replaces its parent's, exclusive_layers)."""
     if not p.is_file():

@@ -42,9 +42,15 @@ def test_one_reward_of_the_list_is_overridden_by_index_label_or_name(tmp_path):
     assert load_config(path, ["--rewards.1={name: json_schema}"]).rewards[1].name == "json_schema"
     for override, message in [("--rewards.9.weight=1", r"'9' is neither an index \(0 to 3\) nor a label or name.*json_valid, acc"),
                               ("--rewards.judge.weight=1", "'judge' is the name of 2 entries; give their label or index"),
-                              ("--rewards.acc.wieght=1", r"unknown config key 'rewards\[1\].wieght'")]:
+                              ("--rewards.acc.wieght=1", r"unknown config key 'rewards\[1\].wieght'"),
+                              ("--rewards.².weight=1", r"'²' is neither an index"),  # a digit to isdigit(), not to int()
+                              ("--rewards.２.weight=1", r"'２' is neither an index")]:  # a full-width 2 is not index 2
         with pytest.raises(ConfigError, match=message):
             load_config(path, [override])
+    dotted = write(tmp_path, "rewards:\n  - {name: my_rewards.py:brevity}\n")
+    with pytest.raises(ConfigError, match="a name with a dot .* by its index or a label"):
+        load_config(dotted, ["--rewards.my_rewards.py:brevity.weight=2"])
+    assert load_config(dotted, ["--rewards.0.weight=2"]).rewards[0].weight == 2.0
     with pytest.raises(ConfigError, match="the config has no list 'rewards' to index"):
         load_config(write(tmp_path, "grpo: {beta: 0.0}\n"), ["--rewards.0.weight=1"])
 
@@ -283,8 +289,14 @@ def test_steps_or_epochs_the_later_layer_decides_and_one_layer_may_not_set_both(
     child.write_text("extends: parent.yaml\nrun: {epochs: 3}\n")
     assert (load_config(child).run.epochs, load_config(child).run.steps) == (3, 60)  # steps: made from the epochs
     assert (load_config(child, ["--run.steps=2"]).run.epochs, load_config(child, ["--run.steps=2"]).run.steps) == (0, 2)
-    with pytest.raises(ConfigError, match=r"turns off .*child.yaml's run.epochs=3; give --run.steps=N too"):
+    with pytest.raises(ConfigError, match=r"the command line turns off run.epochs=3, which an earlier layer set: give run.steps"):
         load_config(child, ["--run.epochs=0"])  # the parent's steps are gone: not a silent 60 steps
+    grandchild = tmp_path / "grandchild.yaml"  # a file that turns them off likewise
+    grandchild.write_text("extends: child.yaml\nrun: {epochs: 0}\n")
+    with pytest.raises(ConfigError, match=r"grandchild.yaml turns off run.epochs=3, which an earlier layer set"):
+        load_config(grandchild)
+    with pytest.raises(ConfigError, match=r"turns off run.epochs=3"):
+        load_config(child, ["--run.epochs=0e0"])  # text that convert reads as 0 is 0 here too
     assert load_config(child, ["--run.epochs=0", "--run.steps=7"]).run.steps == 7
     with pytest.raises(ConfigError, match="the command line sets both run.steps=5 and run.epochs=1: keep one"):
         load_config(parent, ["--run={steps: 5, epochs: 1}"])  # one mapping is one layer too

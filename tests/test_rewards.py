@@ -490,6 +490,9 @@ def test_a_valid_file_adds_the_corpus_ids_to_every_rows_or_stands_alone(tmp_path
     assert citation_grounding(text, {}, valid_key=None, valid_file=str(corpus)) == -3.0  # the corpus alone
     assert invented_citation("PMID: 22222", {}, valid_key=None, valid_file=str(corpus)) == 0.0
     assert citation_grounding(text, {}, valid_file=str(corpus)) == -3.0  # a row without the column: the file still counts
+    saved_by_excel = tmp_path / "bom.txt"  # a byte-order mark in front of the first id (Notepad, Excel, utf-8-sig)
+    saved_by_excel.write_bytes(b"\xef\xbb\xbf11111\n22222\n")
+    assert citation_grounding("PMID: 11111", {}, valid_key=None, valid_file=str(saved_by_excel)) == 1.0
     check_specs([RewardSpec("citation_grounding", args={"valid_key": None, "valid_file": str(corpus)})])
     with pytest.raises(ValueError, match=r"args.valid_file=.*nope.txt: No such file"):
         check_specs([RewardSpec("citation_grounding", args={"valid_file": str(tmp_path / "nope.txt")})])

@@ -384,6 +384,14 @@ class LengthOver:  # a configured reward object, as TRL's own reward helpers are
 over_two = LengthOver(2)
 
 
+async def awaited(completions, **kwargs):  # TRL awaits an async reward function
+    return [float(len(c)) for c in completions]
+
+
+def singular(completions, prompt, **kwargs):  # TRL never passes `prompt`: refused before the run, not 0.0 throughout
+    return [0.0] * len(completions)
+
+
 def as_array(completions, **kwargs):
     return np.array([float(len(c)) for c in completions])
 
@@ -404,9 +412,12 @@ def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scala
     path = tmp_path / "trl_returns.py"
     path.write_text(TRL_RETURNS)
     rows = [{"prompt": "p"}, {"prompt": "q"}]
-    for name, want in [("as_array", [3.0, 2.0]), ("as_generator", [3.0, 2.0]), ("as_numpy_bools", [1.0, 0.0]), ("over_two", [1.0, 0.0])]:
+    for name, want in [("as_array", [3.0, 2.0]), ("as_generator", [3.0, 2.0]), ("as_numpy_bools", [1.0, 0.0]), ("over_two", [1.0, 0.0]),
+                       ("awaited", [3.0, 2.0])]:
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
         assert (res.per_reward[name], res.errors[name]) == (want, 0), name
+    with pytest.raises(ValueError, match="takes 'prompt', which neither TRL nor minigrpo passes; take 'prompts'"):
+        check_specs([RewardSpec(f"{path}:singular")])
 
 
 def test_a_trl_reward_reading_a_column_that_only_some_rows_have_runs_on_a_mixture(tmp_path):

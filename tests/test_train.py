@@ -871,7 +871,7 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
     assert not (run.parent / "new").exists()
 
 
-@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint"])
+@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint", "first checkpoint"])
 def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, monkeypatch, slow):
     """run.max_minutes on a clock that the steps (10 s), the held-out scoring (100 s every 8th step) and
     the checkpoints (30 s) advance: the last checkpoint must be on disk before the job's limit, or the
@@ -890,7 +890,7 @@ def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, mo
         return {"eval/reward": 0.0}
 
     def save(r, n):
-        clock.now += 30.0 if slow == "checkpoint" else 0.0
+        clock.now += 30.0 if "checkpoint" in slow else 0.0
         saved_at.append(clock.now)
         return real_save(r, n)
     monkeypatch.setattr(train, "train_step", step)
@@ -898,8 +898,10 @@ def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, mo
     monkeypatch.setattr(train, "save_checkpoint", save)
     if slow == "held-out scoring":  # steps 8 and 16 score the held-out rows; the 5 steps before 16 did not
         limit, extra = 351, ["--run.eval_every=8", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
-    else:  # checkpoints every 5 steps, 30 s each
+    elif slow == "checkpoint":  # checkpoints every 5 steps, 30 s each
         limit, extra = 210, ["--run.save_every=5"]
+    else:  # none until the one at the limit: the first step's is written to time it (it was not counted: 120 s)
+        limit, extra = 100, ["--run.save_every=0"]
     args = ["--config", str(cfg), "--run.steps=40", "--rollout.max_new_tokens=2", f"--run.max_minutes={limit / 60}"]
     assert train.main(args + extra) == 0
     assert lines(run / "metrics.jsonl")[-1]["step"] < 40  # stopped early, for its time limit
