@@ -306,7 +306,9 @@ def dry_run_report(r: Run) -> str:
     shown = prompt + (with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
              f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
-             f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}"]
+             f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}",
+             f"  steps: {cfg.run.steps}" + (f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else "")
+             + f", {updates_per_step(cfg)} optimizer update(s) each"]
     lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"
               + ("" if cfg.mode == "grpo" else " (not trained on: they score held-out generations, run.eval_every)")] if cfg.rewards else []
     lines += [f"  judges: {', '.join(r.judges)} (not called)"] if r.judges else []

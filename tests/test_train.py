@@ -133,6 +133,8 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
     args = ["--config", str(cfg), "--run.epochs=0.5", "--run.save_every=1", "--optim.warmup_ratio=0.5", "--optim.lr=0.01"]
     assert train.main(args) == 0
     assert "steps 0->3 (0.5 epochs)" in capsys.readouterr().err
+    assert train.main(args + ["--dry-run", f"--run.out_dir={run}_dry", "--grpo.num_iterations=2"]) == 0
+    assert "steps: 3 (0.5 epochs), 2 optimizer update(s) each" in capsys.readouterr().out
     f = train.lr_lambda(train.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == pytest.approx([0.01 * f(u) for u in range(3)])
     assert "steps" not in yaml.safe_load((run / "config.yaml").read_text())["run"]  # the epochs make them
