@@ -77,14 +77,14 @@ def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | No
             offset = end
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Replace `path` with `text`: written to path.tmp, fsynced, then renamed over it, so a kill or a
-    power cut leaves the old file or the new one, never a half-written one."""
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Replace `path` with `text` (or bytes): written to path.tmp, fsynced, then renamed over it, so a
+    kill or a power cut leaves the old file or the new one, never a half-written one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -15,7 +15,8 @@ page, which refuses forms from other sites), `ids` (the comma-separated item ids
                          all saved, {"saved": n}, or none, 400 {"error": why} (507 when the ratings folder cannot
                          be written); as the form, a rating
                          of an item rated meanwhile is skipped, not counted twice
-    GET  /stats, /export the counts (JSON) and the rated items (JSON Lines), as ratings.py's commands
+    GET  /stats, /export the counts (JSON) and the rated items (JSON Lines; /export?format=parquet: Parquet),
+                         as ratings.py's commands
 
 Requests are answered only when addressed to an IP address, localhost, the --host name or a name
 given with --allow-host (no DNS rebinding of another site's name onto the page); a client that stops reading
@@ -34,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonl
-from ratings import Store, say, store_for
+from ratings import Store, parquet_bytes, say, store_for
 
 PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width,initial-scale=1"><title>{title}minigrpo ratings</title>{refresh}
@@ -135,8 +136,8 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     class Handler(BaseHTTPRequestHandler):
         timeout = 30  # a client that stops reading (or never sends) gives up its thread after this
 
-        def _send(self, code: int, body: str, ctype: str = "text/html; charset=utf-8", **headers) -> None:
-            data = body.encode("utf-8", "replace")  # a lone surrogate in a queued prompt: shown as ?, not a crash
+        def _send(self, code: int, body: str | bytes, ctype: str = "text/html; charset=utf-8", **headers) -> None:
+            data = body if isinstance(body, bytes) else body.encode("utf-8", "replace")  # a lone surrogate: ?, not a crash
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
@@ -169,6 +170,12 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                     reply = (200, render_page(store, token, note=note), "text/html; charset=utf-8")
                 elif path == "/stats":
                     reply = (200, json.dumps(store.stats(), indent=1), "application/json")
+                elif path == "/export" and urllib.parse.parse_qs(query).get("format") == ["parquet"]:
+                    try:
+                        reply = (200, parquet_bytes(store.rated_items()), "application/vnd.apache.parquet",
+                                 {"Content-Disposition": 'attachment; filename="rated.parquet"'})
+                    except ValueError as e:
+                        reply = (409, str(e), "text/plain; charset=utf-8")
                 elif path == "/export":
                     reply = (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()), "application/jsonl; charset=utf-8",
                              {"Content-Disposition": 'attachment; filename="rated.jsonl"'})

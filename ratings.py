@@ -8,6 +8,7 @@ are the rewards (the question-generation workflow's "online mode"). Two terminal
 
     python ratings.py stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
     python ratings.py export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores, reward
+    python ratings.py export --dir runs/qgen_human/ratings --out rated.parquet   # or --out rated.jsonl
     python bestofn.py rated.jsonl --pairs human_pairs.jsonl     # the best- vs worst-rated reply: DPO data
 
 The folder holds two append-only JSONL files, each line fsynced when written, so no rating is
@@ -198,6 +199,33 @@ class Store:
                                 if (s := [it["scores"][c] for it in rated if c in it["scores"]])}}
 
 
+def parquet_bytes(rows: list[dict]) -> bytes:
+    """The rated items as one Parquet file (pyarrow, which datasets installs): a column per field,
+    `scores` a struct of every criterion (null where an item had not that one). ValueError when a
+    column mixes kinds, such as text prompts and chat prompts in one folder."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        table = pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise ValueError(f"the rated items do not fit one Parquet table ({e}); export them as JSON Lines") from None
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def export(rows: list[dict], out: str) -> None:
+    """`ratings.py export --out FILE`: .jsonl or .parquet, written atomically, never over a file."""
+    path = Path(out)
+    if path.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"--out {out}: give a .jsonl or a .parquet file")
+    if path.exists():
+        raise ValueError(f"--out {out} exists and is never overwritten; give a new file")
+    jsonl.write_atomic(path, parquet_bytes(rows) if path.suffix == ".parquet" else "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:
     """The human reward's value: mean over `criteria` of (score - lo) / (hi - lo), scale = [lo, hi]."""
     lo, hi = scale
@@ -297,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a host name the page may "
                    "be addressed by besides IP addresses, localhost and the --host name (repeatable), e.g. the machine's name on a trusted network")
     p.add_argument("--port", type=int, default=8000, help="serve: port")
+    p.add_argument("--out", help="export: write to this .jsonl or .parquet file (atomically; never over an existing "
+                   "one) instead of standard output")
     args = p.parse_args(argv)
     if args.command != "serve":
         if not Path(args.dir).is_dir():
@@ -310,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         store.refresh()
         if args.command == "stats":
             print(json.dumps(store.stats(), indent=1))
+        elif args.out:
+            try:
+                export(store.rated_items(), args.out)
+            except (ValueError, OSError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"[ratings] {args.out}: {len(store.rated_items())} rated items", file=sys.stderr)
         else:
             sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
         return 0

@@ -2,6 +2,7 @@
 rater thread standing in for a person), the page escapes model output and refuses bad or foreign
 forms, the files survive a torn line, and unrated items time out to the reward's fallback."""
 import http.client
+import io
 import json
 import math
 import re
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import pyarrow.parquet as pq
 import pytest
 
 import jsonl
@@ -220,6 +222,10 @@ def test_a_rater_whose_group_was_taken_is_told_so_even_when_nothing_is_left_and_
     assert 'name="viewport" content="width=device-width' in text  # a phone shows it at its own width
     with urllib.request.urlopen(url + "/export", timeout=10) as r:  # a download with a name, not "export"
         assert r.headers["Content-Disposition"] == 'attachment; filename="rated.jsonl"' and len(r.read().splitlines()) == 2
+    with urllib.request.urlopen(url + "/export?format=parquet", timeout=10) as r:  # the seed UI's ?format=parquet
+        assert r.headers["Content-Disposition"] == 'attachment; filename="rated.parquet"'
+        rows = pq.read_table(io.BytesIO(r.read())).to_pylist()
+    assert sorted(x["scores"]["relevance"] for x in rows) == [4.0, 4.0] and rows[0]["criteria"] == ["relevance", "clarity"]
 
 
 def test_a_page_open_across_a_server_restart_still_saves_its_form(tmp_path):
@@ -348,6 +354,22 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     assert json.loads(capsys.readouterr().out)["rated"] == 1
     assert ratings.main(["export", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["scores"] == {"overall": 4.0}
+    queue(tmp_path, "b", 1, "p", "d", ["overall", "clarity"])  # another criterion: null for "a" in the table
+    jsonl.append(tmp_path / "ratings.jsonl", [{"id": "b", "scores": {"overall": 2, "clarity": 5}}])
+    for out in ("rated.parquet", "rated.jsonl"):
+        assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 0
+    rows = pq.read_table(tmp_path / "x" / "rated.parquet").to_pylist()
+    assert [(r["id"], r["scores"], r["reward"]) for r in rows] == [("a", {"overall": 4.0, "clarity": None}, 0.75),
+                                                                  ("b", {"overall": 2.0, "clarity": 5.0}, 0.625)]
+    assert [json.loads(x)["id"] for x in (tmp_path / "x" / "rated.jsonl").read_text().splitlines()] == ["a", "b"]
+    for out, says in (("rated.parquet", "exists and is never overwritten"), ("rated.csv", "give a .jsonl or a .parquet")):
+        assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 2
+        assert says in capsys.readouterr().err
+    jsonl.append(tmp_path / "queue.jsonl", [{"id": "c", "batch": 1, "prompt": "user: chat", "completion": "e", "criteria": [
+        "overall"], "scale": [1, 5], "time": 0, "messages": [{"role": "user", "content": "chat"}]}])  # a chat prompt beside text
+    jsonl.append(tmp_path / "ratings.jsonl", [{"id": "c", "scores": {"overall": 3}}])
+    assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "y.parquet")]) == 2
+    assert "do not fit one Parquet table" in capsys.readouterr().err and not (tmp_path / "y.parquet").exists()
     assert ratings.main(["stats", "--dir", str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "run").mkdir()  # empty: `serve` made it, nothing queued yet
