@@ -112,8 +112,9 @@ def _write(r: Run, tmp: Path, step: int) -> None:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
-    """Weights, optimizer, scaler and RNG states back in place; the returned state holds the step, the
-    data position and the schedule's update count (the caller rebuilds the schedule from the config)."""
+    """Weights, optimizer, scaler and RNG states back in place; the returned state holds the step and the
+    data position (the caller rebuilds the schedule from the step and the config; the saved scheduler
+    state is kept for inspection only)."""
     from safetensors.torch import load_file
     if is_peft(model):
         from peft import set_peft_model_state_dict

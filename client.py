@@ -40,7 +40,6 @@ import os
 import random
 import re
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 from urllib.parse import urlsplit
@@ -84,8 +83,7 @@ class JudgeConfig:
     price_completion_per_m: float = 0.0  # USD per million completion tokens
 
 
-
-
+# Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
 STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
 
@@ -129,7 +127,7 @@ def _looks_like_a_key(name: str) -> bool:
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value read from the environment
 
 
 UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
@@ -157,10 +155,10 @@ def _expand(value: str, key: str) -> str:
     if value == "***":
         raise ValueError(f"judge: {key} is '***', a value masked when a run saved its config; put the secret in an "
                          "environment variable and write the header as ${NAME}")
-    missing = [m.group(1) for m in _ENV_REF.finditer(value) if m.group(1) not in os.environ]
+    missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
     if missing:
         raise ValueError(f"judge: {key} reads ${{{missing[0]}}}, which is not set in the environment")
-    return _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+    return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
 
 
 def run_sync(coro):
@@ -185,7 +183,7 @@ class Judge:
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
         for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):  # else every call fails, each counted
-            url = urllib.parse.urlsplit(getattr(cfg, name) or "")
+            url = urlsplit(getattr(cfg, name) or "")
             if url.scheme not in ("http", "https") or not url.netloc:
                 raise ValueError(f"judge: {name}={getattr(cfg, name)!r} is not an http(s) URL; give one such as "
                                  "http://127.0.0.1:8000/v1 or https://api.openai.com/v1")
@@ -299,7 +297,7 @@ class Judge:
     async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None, sample: int = 0) -> str | None:
         self._bind_loop()
         self.add_stat("calls")
-        key = cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
+        key = self._cache_key(messages, sample)
         reply = self.cache.get(key)
         if reply is not None:
             self.add_stat("cache_hits")
@@ -386,7 +384,7 @@ class Judge:
 
     @property
     def first_failure(self) -> str:
-        """Why the first request failed, while none has had a reply ("" otherwise)."""
+        """Why the first request failed, if it failed before any request had a reply ("" otherwise)."""
         return self._first_failure
 
     def _note_failure(self, why: str) -> None:
@@ -463,8 +461,11 @@ class Judge:
 
     def _keys(self, message_lists: list[list[dict]], n: int) -> list[str]:
         """The cache keys of complete_many(message_lists, n)'s requests, in its order."""
-        return [cache_key(self.cfg.model, m, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, i)
-                for m in message_lists for i in range(n)]
+        return [self._cache_key(m, i) for m in message_lists for i in range(n)]
+
+    def _cache_key(self, messages: list[dict], sample: int = 0) -> str:
+        """What a request's reply is cached under: this client's model and sampling settings, and the messages."""
+        return cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
 
     def cached(self, message_lists: list[list[dict]], n: int = 1) -> int:
         """How many of complete_many(message_lists, n)'s requests the cache would answer (free)."""

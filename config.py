@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 import jsonl
-from client import JudgeConfig
+from client import ENV_REF, JudgeConfig
 from rewards import RewardSpec
 from typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
 
@@ -487,7 +487,7 @@ def _only_references(value: Any) -> bool:
     (True, False, False)
     """
     text = str(value)
-    rest = re.sub(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", "", text)
+    rest = ENV_REF.sub("", text)
     return rest != text and all(len(word) < 8 for word in rest.split())
 
 
@@ -500,9 +500,15 @@ def redacted(d: Any) -> Any:
     return [redacted(x) for x in d] if isinstance(d, list) else d
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (secrets masked), atomically (tmp file + rename)."""
+def saved_dict(cfg: Config) -> dict:
+    """The config as a run records it (config.yaml, the tracker, results.json): secrets masked, and
+    run.steps left out when run.epochs makes them (saved, they would be set twice)."""
     d = redacted(config_to_dict(cfg))
-    if cfg.run.epochs:  # the steps are the epochs' (with_epochs in train.py): saved, they would be set twice
+    if cfg.run.epochs:  # the steps are the epochs' (with_epochs in train.py)
         del d["run"]["steps"]
-    jsonl.write_atomic(path, yaml.safe_dump(d, sort_keys=False))
+    return d
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write saved_dict(cfg) as YAML, atomically (tmp file + rename)."""
+    jsonl.write_atomic(path, yaml.safe_dump(saved_dict(cfg), sort_keys=False))

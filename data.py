@@ -223,6 +223,8 @@ class Source:
     rows: list[dict]  # checked rows, each with "prompt"
     weight: float  # relative draw weight at the first step
     weight_end: float  # ... and at the last step
+    positions: list[int] = dataclasses.field(default_factory=list)  # each row's place among the selected rows before
+    #   data.map (a filtering map leaves gaps), for eval's predictions
 
 
 def _label(name: str) -> str:
@@ -237,8 +239,8 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | 
     own select, `split` replaces data.split and each source's split (eval.select, eval.split)."""
     mix = active_mixture(cfg)[1]
     if mix is None:
-        rows = _prepare(dataclasses.replace(cfg, split=split or cfg.split), select, key)
-        return [Source(_label(cfg.name), rows, 1.0, 1.0)]
+        rows, pos = _prepare(dataclasses.replace(cfg, split=split or cfg.split), select, key)
+        return [Source(_label(cfg.name), rows, 1.0, 1.0, pos)]
     out, seen = [], {}
     for src in mix:
         sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=split or src.split,
@@ -248,10 +250,10 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | 
         seen[label] = seen.get(label, 0) + 1
         label = label if seen[label] == 1 else f"{label}#{seen[label]}"
         try:
-            rows = _prepare(sub, select)
+            rows, pos = _prepare(sub, select)
         except DataError as e:
             raise DataError(f"data source {label!r}: {e}") from None
-        out.append(Source(label, rows, src.weight, src.weight if src.weight_end is None else src.weight_end))
+        out.append(Source(label, rows, src.weight, src.weight if src.weight_end is None else src.weight_end, pos))
     return out
 
 
@@ -303,18 +305,19 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
     return out
 
 
-def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") -> list[dict]:
+def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") -> tuple[list[dict], list[int]]:
+    """The checked rows of one source, with each one's place before the map -> (rows, places)."""
     rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
-    out = []
+    out, places = [], []
     for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map):  # i: the row's place before a filtering map
         prompt = build_prompt(row, cfg.prompt, i)
         extra = {}
-        for key in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt
-            if column := getattr(cfg, key):
-                empty = key != "target" and "{" not in column and row.get(column) == ""  # an empty DPO reply (EOS alone)
-                prompt, extra[key] = split_reply(prompt, "" if empty else build_prompt(row, column, i), cfg, i, key)
-                if cfg.assistant_prefix and extra[key].startswith(cfg.assistant_prefix):  # the prefix counts as prompt
-                    raise DataError(f"row {i}: data.{key} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
+        for reply in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt
+            if column := getattr(cfg, reply):
+                empty = reply != "target" and "{" not in column and row.get(column) == ""  # an empty DPO reply (EOS alone)
+                prompt, extra[reply] = split_reply(prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
+                if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):  # the prefix counts as prompt
+                    raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
                                     "the prompt already ends with (trained on, it would be doubled); set "
                                     "data.assistant_prefix: '' for replies that carry it (bestofn.py's pairs do)")
         conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts ({type: text, text})
@@ -337,7 +340,8 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key; null when the rewards "
                             f"need no gold answer); its fields: {', '.join(row)}")
         out.append({**row, "prompt": prompt, **extra})
-    return out
+        places.append(i)
+    return out, places
 
 
 def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") -> tuple:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import jsonl
-from config import Config, config_to_dict, redacted
+from config import Config, saved_dict
 
 
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
@@ -42,7 +42,7 @@ def open_tracker(cfg: Config, run_dir: Path, resumed: bool):
     if cfg.run.report_to == "none":
         return None
     tracker = importlib.import_module(cfg.run.report_to)
-    options = {"project": cfg.run.project, "name": run_dir.name, "config": redacted(config_to_dict(cfg)),
+    options = {"project": cfg.run.project, "name": run_dir.name, "config": saved_dict(cfg),
                "resume": "allow" if resumed else "never"}
     if cfg.run.report_to == "wandb":  # wandb resumes by id: one per run directory
         options["id"] = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]

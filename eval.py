@@ -57,15 +57,14 @@ import jsonl
 import overlap
 import rollout
 from client import Judge, JudgeConfig, JudgeUnusable
-from config import (Config, ConfigError, EvalConfig, ModelConfig, active_mixture, config_to_dict, data_label, load_config,
-                    redacted)
+from config import Config, ConfigError, EvalConfig, ModelConfig, active_mixture, data_label, load_config, saved_dict
 from typed_config import check_writable
 from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from data import Source, check_not_data_file, load_sources
 from entries import ModelEntry, parse_model_entries, trained_on_held_out
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype, resolve_model_path
-from metrics import majority_accuracy, model_metrics, per_source_metrics
+from metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
 from rewards import answer_key
 from scoring import (RewardResult, check_rows, compute_rewards, in_background, open_rewards, open_scoring, reward_context,
                      reward_keys)
@@ -208,7 +207,8 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
     whose API request failed are not scored (no judge is paid for them) and are left out of the
     metrics, which count them as api_failures instead: an outage must not read as wrong answers."""
     samples = [r for r in rows for _ in range(n)]
-    answered = [p for p in range(len(rows)) if not (gen.failed and any(gen.failed[p * n: (p + 1) * n]))]
+    left_out = failed_prompts(gen.failed, n)
+    answered = [p for p in range(len(rows)) if p not in left_out]
     if len(answered) < len(rows):  # API entries only; a prompt with a failed sample is left out whole (pass@k needs all n)
         keep = [i for p in answered for i in range(p * n, (p + 1) * n)]
         sub = Generated([gen.texts[i] for i in keep], [gen.num_tokens[i] for i in keep], None)
@@ -251,7 +251,7 @@ class Plan:
     cfg: Config
     entries: list[ModelEntry]
     rows: list[dict]  # the held-out rows, after eval.limit
-    where: list[dict]  # each row's position in its source ("row": after the split's shuffle) and, with several, its source
+    where: list[dict]  # each row's position in its source ("row": after the split's shuffle, before data.map) and, with several, its source
     device: torch.device
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
@@ -304,7 +304,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column {col!r}; "
                               f"they have: {', '.join(missing[0].rows[0])}")
     start = cfg.eval.select[0] if cfg.eval.select else 0
-    where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in range(len(s.rows))]
+    where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})} for s in sources for j in s.positions]
     if col := cfg.eval.group_by:  # each held-out row's group: "<column>=<value>"
         first: dict[str, int] = {}  # group -> the first row in it, for values that print alike (1 and "1")
         for j, (w, r) in enumerate(zip(where, rows)):
@@ -365,13 +365,14 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
         failures = sum(gen.failed)
         metrics |= {"api_failures": failures, "api_cost_usd": stats["judge_cost_usd"]}
         if failures:
-            left = sum(any(gen.failed[p * n:(p + 1) * n]) for p in range(len(gen.failed) // n))
+            left = len(failed_prompts(gen.failed, n))
             print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its metrics leave out "
                   f"the {left} prompt(s) they belong to (see the warnings above for why)", file=sys.stderr)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items() if k.endswith(("failures", "cost_usd"))}
+    specs = dict(zip(reward_keys(plan.cfg.rewards), plan.cfg.rewards))  # "judge#2" for a repeated name, as the metrics
     for key in (k for k in metrics if k.startswith("reward_errors/")):  # a judge outage must not read as bad answers
         name = key.split("/", 1)[1]
-        spec = next((s for s in plan.cfg.rewards if (s.label or s.name) == name), None)
+        spec = specs.get(name)
         fate = "were left out of it" if spec and spec.fallback == "skip" else f"got its fallback ({spec.fallback if spec else '?'})"
         print(f"[eval] {entry.name}: reward {name} could not score {metrics[key]} completion(s), which {fate}; see the "
               "warnings above", file=sys.stderr)
@@ -489,7 +490,7 @@ def run(plan: Plan) -> int:
         raise crash
     if errors:
         return 2
-    summary = {"config": redacted(config_to_dict(cfg)), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
+    summary = {"config": saved_dict(cfg), "held_out": {"select": cfg.eval.select, "rows": len(plan.rows)},
                "models": results}
     jsonl.write_atomic(out_dir / "results.json", json.dumps(summary, indent=1, default=str) + "\n")
     for entry in plan.entries:  # every model's completions are in its predictions file now

@@ -122,9 +122,6 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     return JudgeScore(score, per)
 
 
-# Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
-
-
 # --- templates -------------------------------------------------------------------------------------
 # {name} is filled from the sample, plus {completion}, {score_min}, {score_max} (and {rubric}, {answer},
 # {question} in rubric_alignment). Any other brace, e.g. the JSON shapes below, is left alone.
@@ -222,7 +219,7 @@ def render(template: str, fields: dict) -> str:
     >>> render("Q: {q} A: {a}", {"q": "f({x})", "a": '{"k": 1}'})
     'Q: f({x}) A: {"k": 1}'
     """
-    missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(template)} - fields.keys())
+    missing = sorted(_placeholders(template) - fields.keys())
     if missing:
         raise KeyError(f"judge template needs field(s) {missing}; the sample has {sorted(fields)}")
     return _PLACEHOLDER.sub(lambda m: as_text(fields[m.group(1)]), template)
@@ -273,13 +270,11 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, t
     NaN where the judge failed: compute_rewards turns it into the reward's fallback and counts it
     in reward_errors/<name>.
     """
+    criteria = _judge_criteria(template, criteria, criterion)
     text, cfg = load_template(template), judge.cfg
-    criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
     chats = [_chat(render(text, {**s, **scale, "completion": c}), system)
              for c, s in zip(completions, samples, strict=True)]
-    if criterion is not None and criterion not in (criteria or []):
-        raise ValueError(f"criterion {criterion!r} is not one of the judge's criteria {criteria or []}")
     scores = judge.score_many(chats, parse=partial(parse_score, criteria=criteria))
     span = cfg.score_max - cfg.score_min
     values = [None if s is None else (s.criteria[criterion] if criterion else s.score) for s in scores]
@@ -383,29 +378,40 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
 
 
 # --- checks before a run (scoring.check_specs / check_rows) ------------------------------------------
-def _check_judge_args(template: str = "pointwise_criteria", criteria: list[str] | None = None,
-                      criterion: str | None = None, **_) -> None:
-    """judge_reward's args, checked before any model loads: the template exists, criterion is one of the criteria."""
+def _judge_criteria(template: str, criteria: list[str] | None, criterion: str | None) -> list[str] | None:
+    """The criteria a judge_reward reply must hold (the template's own by default); criterion one of them."""
     load_template(template)
     criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
     if criterion is not None and criterion not in (criteria or []):
         raise ValueError(f"reward 'judge': criterion {criterion!r} is not one of the judge's criteria {criteria or []}")
+    return criteria
+
+
+def _check_judge_args(template: str = "pointwise_criteria", criteria: list[str] | None = None,
+                      criterion: str | None = None, **_) -> None:
+    """judge_reward's args, checked before any model loads: the template exists, criterion is one of the criteria."""
+    _judge_criteria(template, criteria, criterion)
+
+
+def _placeholders(text: str) -> set[str]:
+    """The {name} fields a template reads."""
+    return {m.group(1) for m in _PLACEHOLDER.finditer(text)}
 
 
 def _judge_row_fields(template: str = "pointwise_criteria", **_) -> set[str]:
     """The row columns judge_reward's template reads (the rest it fills itself)."""
-    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {"completion", "score_min", "score_max"}
+    return _placeholders(load_template(template)) - {"completion", "score_min", "score_max"}
 
 
 def _rubric_row_fields(template: str = "rubric_scoring", **_) -> set[str]:
-    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {
+    return _placeholders(load_template(template)) - {
         "question", "rubric", "answer", "score_min", "score_max"}
 
 
 def criteria_row_fields(template: str = "criterion_met") -> set[str]:
     """The row columns a criteria_gold template reads beyond what it fills itself (question, answer,
     criterion, points), checked before any answer is paid for."""
-    return {m.group(1) for m in _PLACEHOLDER.finditer(load_template(template))} - {
+    return _placeholders(load_template(template)) - {
         "question", "answers", "answer", "criterion", "points"}
 
 

@@ -144,13 +144,22 @@ def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool
     return out
 
 
+def failed_prompts(failed: list[bool] | None, n: int) -> set[int]:
+    """The prompts (of n samples each) with a failed API request among them, left out of the metrics whole.
+
+    >>> sorted(failed_prompts([False, True, False, False, True, True], 2)), failed_prompts(None, 2)
+    ([0, 2], set())
+    """
+    return {i // n for i, f in enumerate(failed or []) if f}
+
+
 def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None,
                        key: str = "source") -> dict:
     """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable),
     or each label under `key` (eval.group_by's "<column>=<value>"), over the answered prompts (a
     prompt with a failed API request left out whole, as in the totals)."""
     out = {}
-    left_out = {i // n for i, f in enumerate(failed or []) if f}  # prompts
+    left_out = failed_prompts(failed, n)
     for label in dict.fromkeys(w[key] for w in where):
         idx = [i for i in range(len(res.total)) if where[i // n][key] == label and i // n not in left_out]
         out[f"{label}/n"] = len(idx)

@@ -345,7 +345,6 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model does not have
             if "target modules" not in str(e).lower():  # (lora.dropout and the rest are checked in config.py)
                 raise
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
             if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:  # one name, given as a string
                 raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other than all-linear is read by "
                                   f"peft as a pattern for the whole module path; write a list: [{lcfg.target_modules}]") from None

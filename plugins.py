@@ -23,12 +23,12 @@ from client import run_sync
 from rewards import REGISTRY, RewardSpec
 
 
-def _did_you_mean(word: str, choices) -> str:
+def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=3)
     return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
 
 
-def _one_line(err: BaseException) -> str:
+def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
@@ -45,7 +45,7 @@ def _load_file(path: str, label: str):
         module.__spec__.loader.exec_module(module)
     except Exception as err:
         del sys.modules[module_name]
-        raise ValueError(f"{label}: could not load {path}: {_one_line(err)}") from err
+        raise ValueError(f"{label}: could not load {path}: {one_line(err)}") from err
     return module
 
 
@@ -60,12 +60,12 @@ def import_function(name: str, what: str = "reward") -> Callable:
         try:
             module = importlib.import_module(where)
         except Exception as err:
-            raise ValueError(f"{label}: cannot import module {where!r} ({_one_line(err)}); "
+            raise ValueError(f"{label}: cannot import module {where!r} ({one_line(err)}); "
                              "is it installed or on PYTHONPATH?") from err
     fn = getattr(module, attr, None)
     if not callable(fn):
         public = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise ValueError(f"{label}: {where} has no function {attr!r}{_did_you_mean(attr, public)}")
+        raise ValueError(f"{label}: {where} has no function {attr!r}{did_you_mean(attr, public)}")
     return fn
 
 
@@ -75,7 +75,7 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
     if ":" not in name:
         if name in REGISTRY:
             return REGISTRY[name]
-        raise ValueError(f"unknown reward {name!r}{_did_you_mean(name, REGISTRY)}; registered: "
+        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, REGISTRY)}; registered: "
                          f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
     fn = import_function(name)
     # a user function marks itself batched by registering: @register("name", batched=True)
@@ -164,6 +164,6 @@ def trl_reward(fn: Callable) -> Callable:
 
 
 @_per_function
-def _params(fn: Callable) -> tuple[inspect.Parameter, ...]:
+def reward_params(fn: Callable) -> tuple[inspect.Parameter, ...]:
     """The parameters after (completion, sample): those that args, num_tokens or context fill."""
     return tuple(inspect.signature(fn).parameters.values())[2:]

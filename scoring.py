@@ -5,7 +5,7 @@
     res = compute_rewards(texts, samples, cfg.rewards, num_tokens=lengths, context=reward_context(prefix, judges))
     res.total, res.per_reward, res.errors               # (N,); name -> (N,) values; name -> failures
 
-    total_i = sum_k weight_k * r_k(completion_i, sample_i)   (a None r_k adds 0; a skipped one makes it NaN)
+    total_i = sum_k weight_k * r_k(completion_i, sample_i)   (a None r_k adds 0; a skipped one makes it NaN, unless its weight is 0)
 
 compute_rewards fills a reward's parameters named `num_tokens` or after a key of its context
 (`judge`, `judges`, `assistant_prefix`, `forced_prefix`); a judge-based reward with `args: {judge: NAME}` gets that
@@ -39,7 +39,7 @@ from data import check_not_data_file
 from client import Judge, JudgeUnusable
 from judge import open_judges
 from rewards import RewardSpec
-from plugins import _did_you_mean, _one_line, _params, resolve
+from plugins import did_you_mean, one_line, reward_params, resolve
 
 log = logging.getLogger("minigrpo.scoring")
 
@@ -48,7 +48,7 @@ log = logging.getLogger("minigrpo.scoring")
 class RewardResult:
     total: list[float]  # (N,) weighted sum over rewards; a None component adds 0; NaN: skipped (fallback: skip)
     per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; a repeated name gets "name#2"
-    errors: dict[str, int]  # per reward: failed calls here (a batched call that raises counts once)
+    errors: dict[str, int]  # per reward: completions it failed to score (a batched call that raises: each of its completions)
 
 
 def open_scoring(cfg: Config, check_rewards: bool = True) -> dict[str, Judge]:
@@ -94,7 +94,7 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
     used = {"judge"}  # the judge: section may go unused (a recipe's judge, overridden rewards)
     for spec in specs:
         fn, _ = resolve(spec)
-        params = _params(fn)
+        params = reward_params(fn)
         if "judges" in {p.name for p in params}:  # a reward that may call any of them
             used.update(judges)
         if "judge" in {p.name for p in params}:
@@ -113,7 +113,7 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
         names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         for arg in spec.args:
             if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
-                raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{_did_you_mean(arg, names)}; "
+                raise ValueError(f"reward {spec.name!r} has no argument {arg!r}{did_you_mean(arg, names)}; "
                                  f"it accepts: {', '.join(names) or 'no arguments'}")
         every = inspect.signature(fn).parameters.values()
         positional = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
@@ -165,7 +165,7 @@ def check_rows(specs: list[RewardSpec], rows: list[dict], what: str = "data", ke
     ConfigError names the config `key`."""
     for name, spec in zip(reward_keys(specs), specs):
         fn, _ = resolve(spec)
-        for p in _params(fn):
+        for p in reward_params(fn):
             column = spec.args.get(p.name, p.default)
             if p.name in getattr(fn, "row_keys", ()) and isinstance(column, str) and rows and not any(column in r for r in rows):
                 raise ConfigError(f"{key}: reward {name!r}: {p.name}={column!r} but no {what} row has a column {column!r}; "
@@ -228,7 +228,7 @@ def _prepare(spec: RewardSpec, key: str, context: dict, have_tokens: bool) -> tu
     """(function, batched, its keyword arguments, wants num_tokens) for one spec; ValueError on a
     misconfiguration, which would fail the same way on every sample."""
     fn, batched = resolve(spec)
-    params = {p.name: p for p in _params(fn)}
+    params = {p.name: p for p in reward_params(fn)}
     kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
     if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
         if kwargs["judge"] not in context.get("judges", {}):
@@ -267,7 +267,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
             if key not in _LOGGED:
                 _LOGGED.add(key)
                 log.warning("reward %r failed (%s), using fallback %s; later failures are only counted. "
-                            "sample=%s completion=%s", key, str(err) if isinstance(err, _NoValue) else _one_line(err), spec.fallback,
+                            "sample=%s completion=%s", key, str(err) if isinstance(err, _NoValue) else one_line(err), spec.fallback,
                             _short(sample), _short(completion), exc_info=None if isinstance(err, _NoValue) else err)
             return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, sorted out below
 

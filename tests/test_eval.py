@@ -730,6 +730,19 @@ def test_eval_ends_completions_at_training_s_stop_strings_and_reads_eval_name_wh
     assert seen["stop_strings"] == ["</answer>"]
 
 
+def test_prediction_rows_keep_their_place_when_a_map_leaves_rows_out(project):
+    """A filtering data.map (rows too long, without gold): each prediction's "row" is its place among
+    eval.select's rows before the map, so a gap shows where a row was left out; they were renumbered."""
+    cfg, tmp = project
+    keep = tmp / "keep.py"
+    keep.write_text("def odd_out(row):\n    return None if row['question'].endswith('7') else row\n")
+    assert ev.main(["--config", str(cfg), "--models", "base", f"--data.map={keep}:odd_out", "--eval.select=[0,11]", "--data.select=null"]) == 0
+    preds = lines(tmp / "eval/predictions_base.jsonl")
+    from data import split
+    want = [j for j, r in enumerate(split(ROWS, 42, [0, 11])) if not r["question"].endswith("7")]
+    assert [p["row"] for p in preds] == want and len(want) == 10
+
+
 def test_a_reward_that_could_not_score_is_said_at_the_end_not_only_counted(project, capsys, monkeypatch):
     """A judge outage mid-eval gives the fallback; a line says how many, so it does not read as bad answers."""
     from rewards import REGISTRY
@@ -737,8 +750,11 @@ def test_a_reward_that_could_not_score_is_said_at_the_end_not_only_counted(proje
         raise ConnectionError("judge down")
     monkeypatch.setitem(REGISTRY, "test_down_judge", (down, True))
     cfg, tmp = project
-    assert ev.main(["--config", str(cfg), "--models", "base", "--eval.limit=2", "--rewards=[{name: test_down_judge, fallback: 0.0}]"]) == 0
-    assert "[eval] base: reward test_down_judge could not score 2 completion(s), which got its fallback (0.0)" in capsys.readouterr().err
+    assert ev.main(["--config", str(cfg), "--models", "base", "--eval.limit=2", "--overwrite",
+                    "--rewards=[{name: test_down_judge, fallback: 0.0}, {name: test_down_judge, fallback: skip}]"]) == 0
+    err = capsys.readouterr().err
+    assert "[eval] base: reward test_down_judge could not score 2 completion(s), which got its fallback (0.0)" in err
+    assert "reward test_down_judge#2 could not score 2 completion(s), which were left out of it" in err  # was "fallback (?)"
 
 
 def test_an_api_reply_cut_at_max_tokens_is_reported_truncated_even_from_the_cache(project, server):

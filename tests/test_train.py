@@ -197,7 +197,8 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     ("--model.chat_template=no/such/template.jinja", "no such file"),
     ("--run.device=gpu", "run.device='gpu' is not a device"),
     ("--run.threads=-3", "run.threads must be >= 0"),
-    ("--lora.target_modules=[q_projj]", "this model's linear layers: "),
+    ("--lora.target_modules=[q_projj]", "this model's linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
+                                        "v_proj (or all-linear)"),  # as all-linear reads them: no lm_head
     ("--lora.target_modules=q_proj", "write a list: [q_proj]"),
     ("--run.out_dir=", "run.out_dir is empty"),  # else the run would be written into the current directory
     ("--run.out_dir=/dev/null/run", "/dev/null is a file, not a folder"),
@@ -689,6 +690,7 @@ def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(s
     assert train.main(args) == 0
     (_, init), *logs, finish = calls
     assert init["project"] == "demo" and init["name"] == run.name and init["config"]["run"]["report_to"] == "wandb"
+    assert init["config"] == yaml.safe_load((run / "config.yaml").read_text())  # the saved config, as the docs say
     assert [(c[1], c[2]["reward"]) for c in logs] == [(m["step"], m["reward"]) for m in lines(run / "metrics.jsonl")]
     assert finish == ("finish",)
     calls.clear()
