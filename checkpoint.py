@@ -23,7 +23,8 @@ import torch
 
 import jsonl
 from config import ConfigError, save_config
-from model import PROVENANCE, is_peft, save_adapter
+from adapters import PROVENANCE, save_adapter
+from model import is_peft
 
 if TYPE_CHECKING:
     from train import Run

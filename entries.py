@@ -16,7 +16,7 @@ from pathlib import Path
 
 from config import Config, ConfigError, ModelConfig, active_mixture, load_config
 from hub import hub_unreachable, offline_if_unreachable
-from model import PROVENANCE, adapter_provenance, check_adapter_base, find_adapter
+from adapters import PROVENANCE, adapter_provenance, check_adapter_base, find_adapter
 
 
 @dataclass

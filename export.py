@@ -7,7 +7,7 @@ saved as a plain transformers directory that AutoModelForCausalLM and vLLM load 
 --adapter is a run directory (its newest checkpoint), a checkpoint or an adapter directory. The base
 is loaded per the config's model section (`--section.key=value` overrides work) on CPU in fp32,
 whatever model.dtype and model.quant say (merging into 4-bit is lossy; RAM: 4 bytes a parameter).
-model.apply_adapter_chain replays the merges the adapter was trained on and refuses an adapter of
+adapters.apply_adapter_chain replays the merges the adapter was trained on and refuses an adapter of
 another base. The sum is cast to --dtype, by default bfloat16: half of fp32's size with its range,
 what vLLM serves on Ampere and newer (float16 for a T4). OUT gets model.safetensors, config.json,
 generation_config.json (bos/eos/pad only: training sampled from logits / T alone), the tokenizer
@@ -37,7 +37,8 @@ import overlap
 import rollout
 from config import Config, ConfigError, data_label, load_config
 from typed_config import check_writable
-from model import BUILTIN, apply_adapter_chain, check_adapter_base, find_adapter, load_base
+from adapters import apply_adapter_chain, check_adapter_base, find_adapter
+from model import BUILTIN, load_base
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -30,7 +30,7 @@ import logprobs
 import rollout
 import vllm_engine
 from config import Config
-from data import PromptSampler
+from sampler import PromptSampler
 from client import Judge
 from model import merged_for_sampling, mixed_precision, reference_mode
 from scoring import RewardResult, compute_rewards, in_background, join_results, reward_context, reward_means

@@ -39,9 +39,10 @@ import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from typed_config import check_writable
 from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
-from data import PromptSampler, load_sources
-from model import (PROVENANCE, is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, same_base,
-                   trainable_parameters)
+from data import load_sources
+from sampler import PromptSampler
+from adapters import PROVENANCE, same_base
+from model import is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, trainable_parameters
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from client import Judge, JudgeUnusable
 from judge import judges_stats

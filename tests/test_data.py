@@ -9,7 +9,8 @@ import yaml
 
 import train
 from config import ConfigError, DataConfig, DataSource, load_config
-from data import DataError, PromptSampler, check_not_data_file, load_rows, load_sources, split
+from data import DataError, check_not_data_file, load_rows, load_sources, split
+from sampler import PromptSampler
 
 
 def write_jsonl(path, rows):

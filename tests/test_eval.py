@@ -14,7 +14,7 @@ import metrics
 from config import ConfigError, ModelConfig
 from entries import parse_model_entries
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
-from model import save_adapter
+from adapters import save_adapter
 from rewards import RewardSpec
 from scoring import compute_rewards
 

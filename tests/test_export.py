@@ -9,7 +9,8 @@ import yaml
 
 import export
 from config import ModelConfig
-from model import PROVENANCE, load_base, save_adapter
+from adapters import PROVENANCE, save_adapter
+from model import load_base
 
 PROMPT = "What is 2 + 3? Reply with just the number."
 

@@ -10,7 +10,8 @@ import logprobs
 import train
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
-from model import find_adapter, load_inference, load_policy
+from adapters import find_adapter
+from model import load_inference, load_policy
 
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
 
@@ -222,7 +223,8 @@ def test_continuing_an_adapter_with_a_kl_term_is_refused(sft_config):
 
 
 def test_an_adapter_without_a_recorded_base_is_neither_saved_nor_loaded(tmp_path, tiny_llama):
-    from model import load_base, save_adapter
+    from adapters import save_adapter
+    from model import load_base
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
     base, _ = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     peft_model = get_peft_model(base, PeftLoraConfig(r=2, target_modules="all-linear"))

@@ -155,7 +155,7 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
     """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
     optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
-    from model import find_adapter
+    from adapters import find_adapter
     cfg, run = setup
     args = ["--config", str(cfg), "--run.steps=3", "--run.save_every=1", "--run.keep_checkpoints=1"]
     assert train.main(args) == 0
