@@ -144,20 +144,20 @@ class JudgeUnusable(RuntimeError):
     complete_many / score_many so that a run stops instead of training on nothing."""
 
 
-def _expand(value: str, key: str) -> str:
+def _expand(value: str, key: str, section: str = "judge") -> str:
     """A header value (or base_url, azure_endpoint, model) with each ${NAME} replaced by that
     environment variable (ValueError when unset).
 
     >>> import os; os.environ["MINIGRPO_DOC_TOKEN"] = "t0k"
-    >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization")
+    >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization", "judge")
     'Bearer t0k'
     """
     if value == "***":
-        raise ValueError(f"judge: {key} is '***', a value masked when a run saved its config; put the secret in an "
+        raise ValueError(f"{section}: {key} is '***', a value masked when a run saved its config; put the secret in an "
                          "environment variable and write the header as ${NAME}")
     missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
     if missing:
-        raise ValueError(f"judge: {key} reads ${{{missing[0]}}}, which is not set in the environment")
+        raise ValueError(f"{section}: {key} reads ${{{missing[0]}}}, which is not set in the environment")
     return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
 
 
@@ -179,23 +179,24 @@ class Judge:
         """label: how warnings name this client (its config key: judge, judges.NAME, eval.api); key: its
         config section, where hints send the user, when the label says more (None: the label). base_url,
         azure_endpoint and model may read the environment as headers do: "${AZURE_OPENAI_ENDPOINT}"."""
-        cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k) for k in ENV_FIELDS if getattr(cfg, k)})
+        section = key or label  # errors start with it: the caller's message as it stands
+        cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k, section) for k in ENV_FIELDS if getattr(cfg, k)})
         if cfg.azure_endpoint and not cfg.api_version:
-            raise ValueError("judge: azure_endpoint needs api_version (e.g. '2024-06-01')")
+            raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
         for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):  # else every call fails, each counted
             url = urlsplit(getattr(cfg, name) or "")
             if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"judge: {name}={getattr(cfg, name)!r} is not an http(s) URL; give one such as "
+                raise ValueError(f"{section}: {name}={getattr(cfg, name)!r} is not an http(s) URL; give one such as "
                                  "http://127.0.0.1:8000/v1 or https://api.openai.com/v1")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
-            raise ValueError("judge: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
+            raise ValueError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
         if not cfg.timeout_s > 0 or (cfg.requests_per_minute is not None and not cfg.requests_per_minute >= 0):
-            raise ValueError(f"judge: need timeout_s > 0 (got {cfg.timeout_s}) and requests_per_minute >= 0 (0 or null: "
+            raise ValueError(f"{section}: need timeout_s > 0 (got {cfg.timeout_s}) and requests_per_minute >= 0 (0 or null: "
                              f"no limit; got {cfg.requests_per_minute})")
         if not _ENV_NAME.fullmatch(cfg.api_key_env or "") or _looks_like_a_key(cfg.api_key_env):
-            raise ValueError("judge: api_key_env is the NAME of the environment variable that holds the key "
+            raise ValueError(f"{section}: api_key_env is the NAME of the environment variable that holds the key "
                              "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
-        self.headers = {h: _expand(v, f"extra_headers.{h}") for h, v in cfg.extra_headers.items()}
+        self.headers = {h: _expand(v, f"extra_headers.{h}", section) for h, v in cfg.extra_headers.items()}
         self.cfg, self.label, self.key = cfg, label, key or label
         self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404, ...): the caller stops
         self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)

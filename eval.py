@@ -281,7 +281,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
         try:
             api[e.name] = Judge(section, label=f"{key} ({section.model})", key=key)
         except ValueError as err:
-            raise ConfigError(f"{key}: {str(err).removeprefix('judge: ')}") from None
+            raise ConfigError(str(err)) from None  # it names the section
     sources = held_out_sources(cfg)
     rows = [row for s in sources for row in s.rows]
     trained_on, unknown = {}, []  # entry name -> how many held-out rows its runs trained on; entries with no record

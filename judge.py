@@ -241,8 +241,8 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         key = "judge" if name == DEFAULT else f"judges.{name}"
         try:
             judges[name] = Judge(cfg, label=key)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"{key}: {str(e).removeprefix('judge: ')}") from None
+        except OSError as e:  # its cache file (a ValueError names the section itself)
+            raise ValueError(f"{key}: {e}") from None
         if judges[name].key_missing:
             where = judges[name].cfg.azure_endpoint or judges[name].cfg.base_url  # its ${NAME}s filled in
             print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "

@@ -171,7 +171,7 @@ def open_client(section, key: str, label: str) -> Judge:
     try:
         return Judge(section, label=label, key=key)
     except ValueError as e:
-        raise ConfigError(f"{key}: {str(e).removeprefix('judge: ')}") from None
+        raise ConfigError(str(e)) from None  # it names the section
 
 
 def run(cfg: Config) -> dict:
