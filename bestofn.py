@@ -112,6 +112,14 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
     return sft, pairs
 
 
+def read_records(path: str) -> list:
+    """eval.py's predictions or ratings.py's export (JSON Lines), or the export as Parquet (--out x.parquet)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    return [rec for _, _, rec in jsonl.read(path)]
+
+
 def parse_require(items: list[str]) -> dict[str, float]:
     out = {}
     for item in items:
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.predictions:
             if not Path(path).is_file():
                 raise ValueError(f"{path}: no such file (eval.py writes eval.out_dir/predictions_<name>.jsonl)")
-            for n, (_, _, rec) in enumerate(jsonl.read(path), 1):
+            for n, rec in enumerate(read_records(path), 1):
                 if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec) and ("row" in rec or "scores" in rec)):
                     raise ValueError(f"{path}:{n}: neither eval.py's predictions (row, prompt, completion, reward) nor "
                                      "ratings.py export's rated replies (prompt, completion, scores, reward)")

@@ -486,7 +486,8 @@ class Judge:
         replies = run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
         scores = [None if r is None else parse(r, lo, hi) for r in replies]
         criteria = getattr(parse, "keywords", {}).get("criteria")  # judge_reward's partial(parse_score, criteria=...)
-        want = f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else "")
+        want = getattr(parse, "want", None) or (  # a parser may say what it reads (judge.parse_met)
+            f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else ""))
         for r, s in zip(replies, scores):
             if r is not None and s is None:
                 self.add_stat("failures")

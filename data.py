@@ -332,7 +332,8 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") 
                    if active_mixture(cfg)[1] is None else  # a mixture: data.target would split every source
                    "give this source map: split_messages and prompt: prompt (the reply goes to a column 'completion')"
                    if cfg.prompt == "messages" else "give this source a map (data.map) that drops the reply")
-            if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
+            if cfg.answer_key and row.get(cfg.answer_key) in (None, "") and not (
+                    cfg.prompt == "messages" and cfg.answer_key == "completion"):  # split_messages makes that one
                 fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
             raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
                             f"the prompt; {fix}")

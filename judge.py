@@ -317,6 +317,9 @@ def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> Judg
     return verdict
 
 
+parse_met.want = '{"met": 1} or {"met": 0} (or true / false; HealthBench\'s "criteria_met")'  # score_many's message
+
+
 def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict], *, template: str = "criterion_met",
                   answers_key: str = "answers", question_key: str = "question") -> list[list[float | None]]:
     """HealthBench's score of each of sample i's answers under its physicians' criteria[i]

@@ -122,8 +122,8 @@ def _entry(items: list, part: str, dotted: str) -> int:
     names = [str(x.get("label") or x.get("name")) for x in items if isinstance(x, dict)]
     raise ConfigError(f"override --{dotted}: '{part}' is " + (f"the name of {len(named)} entries; give their label or index"
                       if named else f"neither an index (0 to {len(items) - 1}) nor a label or name of the list's entries "
-                      f"({', '.join(names) or 'none'})" + ("; a name with a dot (file.py:fn) is reached by its index or a "
-                                                          "label: of its own" if any("." in n for n in names) else "")))
+                      f"({', '.join(names) or 'none'})" + ("; a name with a dot (file.py:fn) is reached by its index, or "
+                                                          "by a label: you give it" if any("." in n for n in names) else "")))
 
 
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:

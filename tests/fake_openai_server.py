@@ -67,7 +67,7 @@ def shaped_score(body: dict, top: int = 10) -> str:
     template's criteria) gets a 0-top score that varies with the message's length, else "score"."""
     text = body["messages"][-1]["content"]
     keys = re.findall(r'"(\w+)": <number>', text) or ["score"]
-    return json.dumps({k: (len(text) + i) % (top + 1) for i, k in enumerate(keys)})
+    return json.dumps({k: (len(text) + i) % (2 if k == "met" else top + 1) for i, k in enumerate(keys)})  # met: 0 or 1
 
 
 class Answers:

@@ -504,6 +504,10 @@ def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_doe
     with pytest.raises(JudgeUnusable, match=r"none of its first 4 replies held a usable score \(want a number in \[0, 10\]; "
                                             r"the first was 'A thoughtful answer, well argued.'\); fix its template"):
         judge.score_many([chat("d")], parse_score)
+    from judge import parse_met
+    server.default = ok(text='{"met": 5}')  # a criterion_met reply on the judge's 0-10 scale: what it wants, said
+    with pytest.raises(JudgeUnusable, match=r'want \{"met": 1\} or \{"met": 0\}'):
+        make_judge(server).score_many([chat(x) for x in "hijk"], parse_met)
     scored = make_judge(server)
     server.default = ok(text='{"score": 7}')
     assert scored.score_many([chat("e")], parse_score) == [JudgeScore(7.0, {})]
@@ -776,16 +780,20 @@ def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
         open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(max_concurrent=0)})
 
 
-@pytest.mark.parametrize("template", ["pointwise_criteria", "logic_novelty", "rubric_scoring"])
+@pytest.mark.parametrize("template", ["pointwise_criteria", "logic_novelty", "rubric_scoring", "criterion_met"])
 def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape(template):
     from fake_openai_server import shaped_score
 
-    from judge import TEMPLATE_CRITERIA
+    from judge import TEMPLATE_CRITERIA, parse_met
     prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q", "rubric": "r",
-                                              "answer": "a", "score_min": 0, "score_max": 5})
-    reply = shaped_score({"messages": [{"role": "user", "content": prompt}]}, top=5)
-    parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
-    assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
+                                              "answer": "a", "score_min": 0, "score_max": 5, "criterion": "x", "points": "+5"})
+    for extra in ("", "y"):  # two lengths: both of criterion_met's answers, 0 and 1
+        reply = shaped_score({"messages": [{"role": "user", "content": prompt + extra}]}, top=5)
+        if template == "criterion_met":  # precompute.criteria_key's: met or not, whatever the score range
+            assert parse_met(reply) is not None, reply
+            continue
+        parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
+        assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
 
 
 def test_a_missing_key_for_a_remote_endpoint_is_said_before_any_call(monkeypatch, capsys):

@@ -453,6 +453,9 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
         ("Ask about Go.", "<q>What is a goroutine?</q>", "<q>Hi.</q>"),
         ("Ask about SQL.", "<q>What does an index cost?</q>", "<q>Why?</q>")]
     assert "row" not in made[0]
+    assert ratings.main(["export", "--dir", str(folder), "--out", str(tmp_path / "rated.parquet")]) == 0  # or as Parquet
+    assert bestofn.main([str(tmp_path / "rated.parquet"), "--pairs", str(tmp_path / "pq_pairs.jsonl")]) == 0
+    assert (tmp_path / "pq_pairs.jsonl").read_text() == pairs.read_text()
     # a reply rated on another scale is never compared with these, nor paired with itself
     queue(folder, "other", 2, "Ask about Go.", "<q>Hi.</q>", ["overall"])
     jsonl.append(folder / "ratings.jsonl", [{"id": "other", "scores": {"overall": 5}}])
