@@ -48,7 +48,7 @@ def test_one_reward_of_the_list_is_overridden_by_index_label_or_name(tmp_path):
         with pytest.raises(ConfigError, match=message):
             load_config(path, [override])
     dotted = write(tmp_path, "rewards:\n  - {name: my_rewards.py:brevity}\n")
-    with pytest.raises(ConfigError, match="a name with a dot .* by its index or a label"):
+    with pytest.raises(ConfigError, match="a name with a dot .* by its index, or by a label: you give it"):
         load_config(dotted, ["--rewards.my_rewards.py:brevity.weight=2"])
     assert load_config(dotted, ["--rewards.0.weight=2"]).rewards[0].weight == 2.0
     with pytest.raises(ConfigError, match="the config has no list 'rewards' to index"):
