@@ -88,6 +88,8 @@ class DataConfig:
     mixture: list[DataSource] | None = None  # train on several sources drawn by weight (replaces data.name); see data.py
     presets: dict[str, list[DataSource]] = field(default_factory=dict)  # named mixtures, e.g. GRubrics' open_only, curriculum
     preset: str | None = None  # the entry of data.presets to train on (e.g. --data.preset=curriculum)
+    skip_long: bool = False  # leave out (and count) training rows over the length limit (rollout.max_prompt_tokens;
+    #   sft.max_length, dpo.max_length) instead of stopping at the first: real datasets hold a few very long rows
 
 
 @dataclass

@@ -42,7 +42,7 @@ from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_inte
 from data import load_sources
 from sampler import PromptSampler
 from adapters import PROVENANCE, same_base
-from model import is_peft, load_policy, pick_device, pick_dtype, resolve_model_path, trainable_parameters
+from model import is_peft, load_policy, load_tokenizer, pick_device, pick_dtype, resolve_model_path, trainable_parameters
 from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from client import Judge, JudgeUnusable
 from judge import judges_stats
@@ -146,21 +146,44 @@ def reference_beta(cfg: Config) -> float:
     return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
 
 
-def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
-    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
-    or dpo.max_length (DPO, each reply), counted as the batches count them (the prompt and the reply
-    + EOS tokenized apart); -> which row is the longest, for --dry-run."""
+def row_lengths(cfg: Config, rows: list[dict], tokenizer) -> tuple[list[int], str, int]:
+    """Each row's tokens as the batches count them (the prompt and the reply + EOS tokenized apart;
+    DPO: its longer reply), and the limit they must fit -> (lengths, its config key, the limit)."""
     def count(texts: list[str]) -> list[int]:
         return [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
     from sft import with_eos
     replies = [count([with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
                for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data)))]
-    longest = max(range(len(rows)), key=lengths.__getitem__)
     key, limit = {"sft": ("sft.max_length", cfg.sft.max_length), "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
         cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
+    return lengths, key, limit
+
+
+def without_long_rows(cfg: Config, sources: list, tokenizer) -> list:
+    """data.skip_long: each source without its rows over the length limit, saying how many were left out."""
+    out, dropped, total = [], 0, 0
+    for s in sources:
+        lengths, key, limit = row_lengths(cfg, s.rows, tokenizer)
+        fits = [n <= limit for n in lengths]
+        dropped, total = dropped + fits.count(False), total + len(fits)
+        out.append(dataclasses.replace(s, rows=[r for r, ok in zip(s.rows, fits) if ok],
+                                       positions=[p for p, ok in zip(s.positions, fits) if ok]))
+    if empty := [s.label for s in out if not s.rows]:
+        raise ConfigError(f"data.skip_long: every row of {empty[0]} is over {key}={limit}; raise the limit")
+    if dropped:
+        print(f"[minigrpo] data.skip_long: left out {dropped} of the {total} rows, over {key}={limit}", file=sys.stderr)
+    return out
+
+
+def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
+    """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
+    or dpo.max_length (DPO, each reply) (row_lengths); -> which row is the longest, for --dry-run."""
+    lengths, key, limit = row_lengths(cfg, rows, tokenizer)
+    longest = max(range(len(rows)), key=lengths.__getitem__)
     if lengths[longest] > limit:
-        raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or shorten it")
+        raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or "
+                          "shorten it" + ("; data.skip_long: true leaves such rows out" if what == "row" else ""))
     return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
@@ -189,6 +212,8 @@ def setup(args, overrides: list[str]) -> Run:
                           "check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
     sources = load_sources(cfg.data)
+    if cfg.data.skip_long:  # before the epochs count the rows (the tokenizer alone: the model loads last)
+        sources = without_long_rows(cfg, sources, load_tokenizer(cfg.model, resolve_model_path(cfg.model)))
     rows = [row for s in sources for row in s.rows]
     cfg = with_epochs(cfg, len(rows))
     changed = []

@@ -768,6 +768,25 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
     assert gn == 1.0 and w[0] < 1.0 and sched.last_epoch == 2
 
 
+def test_skip_long_leaves_over_long_rows_out_counts_them_and_trains_on_the_rest(setup, capsys):
+    """data.skip_long: a real dataset's few very long rows are left out (and said), not fatal; without
+    it the first one stops the run, naming the setting."""
+    cfg, run = setup
+    data = run.parent / "mixed_lengths.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} + 1?" + (" Think about it." * 60 if a % 3 == 0 else ""),
+                                        "answer": str(a + 1)}) + "\n" for a in range(9)))
+    args = ["--config", str(cfg), f"--data.name={data}", "--rollout.max_prompt_tokens=120", "--run.epochs=1"]
+    assert train.main(args) == 2
+    assert "data.skip_long: true leaves such rows out" in capsys.readouterr().err
+    assert train.main(args + ["--data.skip_long=true"]) == 0
+    err = capsys.readouterr().err
+    assert "data.skip_long: left out 3 of the 9 rows, over rollout.max_prompt_tokens=120" in err
+    assert "6 prompts, steps 0->3 (1 epochs)" in err  # the epochs count the rows kept
+    assert all("Think" not in s["prompt"] for s in lines(run / "samples.jsonl"))
+    assert train.main(args + ["--data.skip_long=true", "--rollout.max_prompt_tokens=8", f"--run.out_dir={run}_none"]) == 2
+    assert "every row of mixed_lengths is over rollout.max_prompt_tokens=8" in capsys.readouterr().err
+
+
 def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(setup, capsys):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--dry-run"]) == 0
