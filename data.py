@@ -232,18 +232,18 @@ def _label(name: str) -> str:
     return path.stem if path.suffix.lower() in DATA_SUFFIXES else name.rstrip("/").split("/")[-1]
 
 
-def load_sources(cfg: DataConfig, select: list[int] | None = None, split: str | None = None,
+def load_sources(cfg: DataConfig, select: list[int] | None = None, hub_split: str | None = None,
                  key: str = "data.name") -> list[Source]:
     """Every source loaded, split, mapped and checked up front, so a bad row stops the run before
     anything is written. eval.py's held-out rows: `select` replaces data.select and each source's
-    own select, `split` replaces data.split and each source's split (eval.select, eval.split)."""
+    own select, `hub_split` replaces data.split and each source's split (eval.select, eval.split)."""
     mix = active_mixture(cfg)[1]
     if mix is None:
-        rows, pos = _prepare(dataclasses.replace(cfg, split=split or cfg.split), select, key)
+        rows, pos = _prepare(dataclasses.replace(cfg, split=hub_split or cfg.split), select, key)
         return [Source(_label(cfg.name), rows, 1.0, 1.0, pos)]
     out, seen = [], {}
     for src in mix:
-        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=split or src.split,
+        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=hub_split or src.split,
                                   prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
                                   select=src.select or cfg.select, num_examples=src.num_examples)
         label = src.label or _label(src.name)

@@ -159,8 +159,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     if p < len(prompts):
         save = lambda s, g: jsonl.append(path, [{"key": key, "start": p + s, "texts": g.texts, "num_tokens": g.num_tokens,  # noqa: E731
                                                  "truncated": g.truncated}])
-        rest = generate_local(model, tok, prompts[p:], e.max_new_tokens, n, e.temperature, e.top_p, e.batch_size,
-                              cfg.grpo.share_prompt is not False, on_batch=save, stop_strings=cfg.rollout.stop_strings)
+        rest = generate_prompts(model, tok, prompts[p:], cfg, on_batch=save)
         done = Generated(done.texts + rest.texts, done.num_tokens + rest.num_tokens, done.truncated + rest.truncated)
     return done
 
@@ -185,20 +184,24 @@ def held_out_sources(cfg: Config) -> list[Source]:
         data = dataclasses.replace(data, name=e.name, config_name=e.config_name or data.config_name, revision=None,
                                    mixture=None, presets={}, preset=None, split_seed=None, select=None,
                                    num_examples=0)  # eval.limit caps it; data.revision is the training set's commit
-    sources = load_sources(data, select=e.select, split=e.split, key="eval.name" if e.name else "data.name")
-    return [dataclasses.replace(s, rows=s.rows[: e.limit]) for s in sources] if e.limit else sources
+    sources = load_sources(data, select=e.select, hub_split=e.split, key="eval.name" if e.name else "data.name")
+    return [dataclasses.replace(s, rows=s.rows[: e.limit], positions=s.positions[: e.limit]) for s in sources] if e.limit else sources
 
 
 def held_out_rows(cfg: Config) -> list[dict]:
     return [row for src in held_out_sources(cfg) for row in src.rows]
 
 
-def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
-    """A local model's eval.num_samples completions of each row, decoded as the eval section says."""
+def generate_prompts(model, tok, prompts: list[str], cfg: Config, on_batch=None) -> Generated:
+    """A local model's eval.num_samples completions of each rendered prompt, decoded as the eval section says."""
     e = cfg.eval
-    return generate_local(model, tok, rollout.render_rows(tok, rows, cfg.data), e.max_new_tokens, e.num_samples,
-                          e.temperature, e.top_p, e.batch_size, cfg.grpo.share_prompt is not False,
-                          stop_strings=cfg.rollout.stop_strings)
+    return generate_local(model, tok, prompts, e.max_new_tokens, e.num_samples, e.temperature, e.top_p, e.batch_size,
+                          cfg.grpo.share_prompt is not False, on_batch=on_batch, stop_strings=cfg.rollout.stop_strings)
+
+
+def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
+    """generate_prompts of the rows, rendered as training renders them."""
+    return generate_prompts(model, tok, rollout.render_rows(tok, rows, cfg.data), cfg)
 
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,

@@ -741,6 +741,9 @@ def test_prediction_rows_keep_their_place_when_a_map_leaves_rows_out(project):
     from data import split
     want = [j for j, r in enumerate(split(ROWS, 42, [0, 11])) if not r["question"].endswith("7")]
     assert [p["row"] for p in preds] == want and len(want) == 10
+    assert ev.main(["--config", str(cfg), "--models", "base", f"--data.map={keep}:odd_out", "--eval.select=[0,11]",
+                    "--data.select=null", "--eval.limit=3", "--overwrite"]) == 0  # the first 3 kept, at their places
+    assert [p["row"] for p in lines(tmp / "eval/predictions_base.jsonl")] == want[:3]
 
 
 def test_a_reward_that_could_not_score_is_said_at_the_end_not_only_counted(project, capsys, monkeypatch):
