@@ -41,7 +41,6 @@ import functools
 import hashlib
 import json
 import math
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -154,8 +153,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     p = len(done.texts) // n
     if p:
         print(f"[eval] {entry.name}: {p} of {len(prompts)} prompts' completions from {path} (an interrupted run)", file=sys.stderr)
-        random.seed(cfg.run.seed + p)
-        torch.manual_seed(cfg.run.seed + p)
+        rollout.seed_everything(cfg.run.seed + p)
     if p < len(prompts):
         save = lambda s, g: jsonl.append(path, [{"key": key, "start": p + s, "texts": g.texts, "num_tokens": g.num_tokens,  # noqa: E731
                                                  "truncated": g.truncated}])
@@ -343,8 +341,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
             raise
         raise ConfigError(f"model entry {entry.spec!r}: could not load it: {type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:300]}") from None
-    random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)  # every model samples from the same seed
+    rollout.seed_everything(cfg.run.seed)  # every model samples from the same seed
     gen = generate_resumable(model, tok, entry, mcfg, plan)
     prefix = rollout.reply_prefix(tok, cfg.data)  # an export's own template may open a think block
     del model, tok

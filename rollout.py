@@ -10,10 +10,12 @@ rows. vLLM rollouts (vllm_engine.py) return the same Rollout.
 """
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +25,13 @@ from typed_config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's generators: what sampling draws from (train.py, eval.py)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 @dataclass

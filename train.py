@@ -23,13 +23,11 @@ import dataclasses
 import importlib.util
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import jsonl
@@ -77,12 +75,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--dry-run", action="store_true", help="check config, data, model and judges, show the first "
                     "prompt as the model sees it, and exit without training or writing anything")
     return ap.parse_known_args(argv)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass
@@ -247,7 +239,7 @@ def setup(args, overrides: list[str]) -> Run:
         torch.set_num_threads(cfg.run.threads)
     if cfg.mode == "grpo" or eval_rows:
         open_rewards(cfg.rewards)  # a reward model loads here, once everything cheaper is checked
-    seed_everything(cfg.run.seed)
+    rollout.seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft", beta=reference_beta(cfg),
                                    beta_key=f"{cfg.mode}.beta")
