@@ -114,7 +114,7 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
 
 def read_records(path: str) -> list:
     """eval.py's predictions or ratings.py's export (JSON Lines), or the export as Parquet (--out x.parquet)."""
-    if path.endswith(".parquet"):
+    if Path(path).suffix.lower() in (".parquet", ".pq"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
     return [rec for _, _, rec in jsonl.read(path)]

@@ -242,7 +242,7 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         try:
             judges[name] = Judge(cfg, label=key)
         except OSError as e:  # its cache file (a ValueError names the section itself)
-            raise ValueError(f"{key}: {e}") from None
+            raise ValueError(f"{key}.cache_path={cfg.cache_path}: {e.strerror or e}") from None
         if judges[name].key_missing:
             where = judges[name].cfg.azure_endpoint or judges[name].cfg.base_url  # its ${NAME}s filled in
             print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "
@@ -307,6 +307,8 @@ def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> Judg
     (1.0, 0.0, None, None)
     >>> parse_met('{"met": true}').score, parse_met('{"explanation": "It does.", "criteria_met": false}').score
     (1.0, 0.0)
+    >>> parse_met('{"criteria_met": 1}').score, parse_met('{"criteria_met": 2}')
+    (1.0, None)
     """
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
     if verdict is None and isinstance(text, str):

@@ -87,6 +87,12 @@ def healthbench_sft(row: dict, max_criteria: int = 8) -> dict | None:
     2. (3 points) Advises less salt
     3. (3 points) Suggests home monitoring
     4. (costs 4 points) Says ignore it
+    >>> many = [{"criterion": f"c{i}", "points": 10 - i} for i in range(10)] + [{"criterion": "harm", "points": -99}]
+    >>> healthbench_sft({"prompt": [{"role": "user", "content": "q"}], "rubrics": many})["rubric_target"].splitlines()[-1]
+    '8. (costs 10 points) harm'
+    >>> healthbench_sft({"prompt": [{"role": "user", "content": "q"}], "rubrics": [
+    ...     {"criterion": f"bad{i}", "points": -1} for i in range(4)]}) is None  # nothing worth points: left out
+    True
     """
     row = healthbench(row)
     crit = sorted(row["rubrics"], key=lambda c: -abs(float(c["points"])))[:max_criteria]  # stable: ties in file order
@@ -124,6 +130,11 @@ def split_messages(row: dict) -> dict:
     >>> r = split_messages({"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]})
     >>> r["prompt"], r["completion"]
     ([{'role': 'user', 'content': '2+2?'}], '4')
+    >>> split_messages({"messages": [{"role": "user", "content": "2+2?"}]}) is None  # no reply to split off: left out
+    True
+    >>> split_messages({"text": "x"})
+    Traceback (most recent call last):
+    ValueError: split_messages needs a column 'messages' holding a list of {role, content} messages
     """
     msgs = row.get("messages")
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):

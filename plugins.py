@@ -9,6 +9,7 @@ resolve(spec) is what scoring.py calls: a registered name (rewards.REGISTRY) or 
 """
 from __future__ import annotations
 
+import asyncio
 import difflib
 import functools
 import importlib
@@ -16,10 +17,10 @@ import importlib.util
 import inspect
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
-from client import run_sync
 from rewards import REGISTRY, RewardSpec
 
 
@@ -115,6 +116,26 @@ def _per_function(make: Callable) -> Callable:
     return get
 
 
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def on_reward_loop(awaitable):
+    """The awaitable's result, run on one event loop that lives as long as the process (a daemon
+    thread), as TRL runs async rewards: a reward that keeps an AsyncOpenAI client, a lock or a
+    semaphore between calls finds them bound to the same loop every step (a fresh loop per call,
+    asyncio.run's, failed them from the second step on)."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            _LOOP = asyncio.new_event_loop()
+            threading.Thread(target=_LOOP.run_forever, name="minigrpo-async-rewards", daemon=True).start()
+
+    async def wait():
+        return await awaitable
+    return asyncio.run_coroutine_threadsafe(wait(), _LOOP).result()
+
+
 @_per_function
 def trl_reward(fn: Callable) -> Callable:
     """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
@@ -137,7 +158,7 @@ def trl_reward(fn: Callable) -> Callable:
         try:
             out = fn(**kwargs)
             if inspect.isawaitable(out):  # async def, as TRL awaits them
-                out = run_sync(out)
+                out = on_reward_loop(out)
         except TypeError as e:
             if "string indices" in str(e):  # completion[0]["content"]: written for TRL's conversational format
                 raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "

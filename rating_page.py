@@ -170,7 +170,10 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                     reply = (200, render_page(store, token, note=note), "text/html; charset=utf-8")
                 elif path == "/stats":
                     reply = (200, json.dumps(store.stats(), indent=1), "application/json")
-                elif path == "/export" and urllib.parse.parse_qs(query).get("format") == ["parquet"]:
+                elif path == "/export" and (fmt := urllib.parse.parse_qs(query).get("format", ["jsonl"])[0].lower()) not in (
+                        "jsonl", "json", "parquet"):
+                    reply = (400, f"format={fmt}: jsonl (the default) or parquet", "text/plain; charset=utf-8")
+                elif path == "/export" and fmt == "parquet":
                     try:
                         reply = (200, parquet_bytes(store.rated_items()), "application/vnd.apache.parquet",
                                  {"Content-Disposition": 'attachment; filename="rated.parquet"'})

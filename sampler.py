@@ -83,5 +83,6 @@ class PromptSampler:
             raise ConfigError(f"the checkpoint drew from {len(state['positions'])} data sources, this config has {len(self.sizes)}")
         if "sizes" in state and list(state["sizes"]) != list(self.sizes):  # e.g. a filtering data.map changed
             raise ConfigError(f"the checkpoint drew from data sources of {state['sizes']} rows, this config gives {list(self.sizes)}: "
-                              "the same positions would draw other rows; restore the data (or the map) it trained on")
+                              "the same positions would draw other rows; restore the data (or the map, data.skip_long and the "
+                              "length limits) it trained on")
         self.position, self.positions = state["position"], list(state["positions"])

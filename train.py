@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+STARTED = time.monotonic()  # run.max_minutes counts from the process's start: importing torch takes seconds too
+
 import torch
 
 import jsonl
@@ -152,7 +154,7 @@ def row_lengths(cfg: Config, rows: list[dict], tokenizer) -> tuple[list[int], st
     return lengths, key, limit
 
 
-def without_long_rows(cfg: Config, sources: list, tokenizer) -> list:
+def without_long_rows(cfg: Config, sources: list, tokenizer, what: str = "rows") -> list:
     """data.skip_long: each source without its rows over the length limit, saying how many were left out."""
     out, dropped, total = [], 0, 0
     for s in sources:
@@ -162,9 +164,9 @@ def without_long_rows(cfg: Config, sources: list, tokenizer) -> list:
         out.append(dataclasses.replace(s, rows=[r for r, ok in zip(s.rows, fits) if ok],
                                        positions=[p for p, ok in zip(s.positions, fits) if ok]))
     if empty := [s.label for s in out if not s.rows]:
-        raise ConfigError(f"data.skip_long: every row of {empty[0]} is over {key}={limit}; raise the limit")
+        raise ConfigError(f"data.skip_long: every one of the {what} of {empty[0]} is over {key}={limit}; raise the limit")
     if dropped:
-        print(f"[minigrpo] data.skip_long: left out {dropped} of the {total} rows, over {key}={limit}", file=sys.stderr)
+        print(f"[minigrpo] data.skip_long: left out {dropped} of the {total} {what}, over {key}={limit}", file=sys.stderr)
     return out
 
 
@@ -204,8 +206,9 @@ def setup(args, overrides: list[str]) -> Run:
                           "check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
     sources = load_sources(cfg.data)
-    if cfg.data.skip_long:  # before the epochs count the rows (the tokenizer alone: the model loads last)
-        sources = without_long_rows(cfg, sources, load_tokenizer(cfg.model, resolve_model_path(cfg.model)))
+    short = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if cfg.data.skip_long else None  # the model loads last
+    if short:  # before the epochs count the rows
+        sources = without_long_rows(cfg, sources, short)
     rows = [row for s in sources for row in s.rows]
     cfg = with_epochs(cfg, len(rows))
     changed = []
@@ -227,7 +230,10 @@ def setup(args, overrides: list[str]) -> Run:
             raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, e.g. [1500, 1700]) or eval.name")
         import eval as ev
         ev.check_eval_config(cfg)
-        eval_rows = ev.held_out_rows(cfg)
+        held_out = ev.held_out_sources(cfg)
+        if short and cfg.mode != "grpo":  # SFT's and DPO's held-out rows go through the training batches
+            held_out = without_long_rows(cfg, held_out, short, "held-out rows")
+        eval_rows = [row for s in held_out for row in s.rows]
         if cfg.rewards:
             check_rows(cfg.rewards, eval_rows, "held-out")
         seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model)
@@ -374,8 +380,9 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()  # run.max_minutes counts from here: a job's limit counts the loading too
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """The command line; `started`: when the job began (the command line's: this module's import), for run.max_minutes."""
+    started = time.monotonic() if started is None else started  # a job's limit counts the loading too
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         with sigterm_as_interrupt():  # loading a model can take minutes: stopped meanwhile, one line too
@@ -501,4 +508,4 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

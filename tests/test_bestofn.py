@@ -61,6 +61,8 @@ def test_by_ranks_on_the_named_rewards_alone(tmp_path, capsys):
     assert bestofn.main([str(preds), "--pairs", str(out), "--by", "logic+novelty"]) == 0
     assert json.loads(out.read_text())["chosen"] == "sound"
     assert "1 pairs from 1 prompts (mean logic+novelty of the kept 9.000)" in capsys.readouterr().out
+    assert bestofn.main([str(preds), "--sft", str(tmp_path / "sft_by.jsonl"), "--by", "logic+novelty"]) == 0
+    assert "mean logic+novelty of the kept 9.000" in capsys.readouterr().out  # by_reward, not the total (3.0)
     assert bestofn.main([str(preds), "--pairs", str(tmp_path / "twice.jsonl"), "--by", "logic+logic"]) == 2
     assert "--by logic+logic names a reward twice" in capsys.readouterr().err
     assert bestofn.main([str(preds), "--pairs", str(tmp_path / "x.jsonl"), "--by", "logic+clarity"]) == 2

@@ -421,6 +421,9 @@ def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_an
         load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))
     with pytest.raises(DataError, match=r"prompt: prompt .*; and data.answer_key: null, since its rows have no 'answer'"):
         load_rows(DataConfig(name=None, mixture=mix, prompt="messages"))  # the default answer_key: said, not a second error
+    with pytest.raises(DataError, match="split_messages") as err:  # the column split_messages makes: no hint to clear it
+        load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="completion"))
+    assert "data.answer_key: null" not in str(err.value)
     mix[0] = DataSource(name=str(data), map="split_messages", prompt="prompt")
     rows = load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))
     assert [r["prompt"] for r in rows] == [turns[:2], turns[1:2]] and rows[0]["completion"] == '{"predicted_category": "B"}'

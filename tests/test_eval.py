@@ -335,6 +335,12 @@ def test_a_test_file_of_its_own_is_read_in_file_order_and_a_mixture_names_each_r
     for s in "ab":
         assert m[f"{s}/n"] == 2 and m[f"{s}/accuracy"] == gold[s].count("A") / 2
     assert m["a/reward"] == pytest.approx(sum(p["reward"] for p in preds if p["source"] == "a") / 2)
+    assert ev.main(["--config", str(cfg), "--models", "api:fake-model", mix, "--eval.select=[2,4]", "--overwrite",
+                    "--data.select=[0,2]", "--data.name=null", "--eval.limit=1", "--run.epochs=2"]) == 0
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")  # each source's first: at its own place
+    assert [(p["source"], p["row"]) for p in preds] == [("a", 2), ("b", 2)]
+    saved = json.loads((tmp / "eval/results.json").read_text())["config"]  # as config.yaml saves it: epochs make steps
+    assert saved["run"]["epochs"] == 2 and "steps" not in saved["run"]
 
 
 def test_group_by_reports_each_value_of_a_column_as_well(project, server, capsys):
@@ -395,6 +401,8 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--eval.agreement=[[answer_match, judge]]"], "eval.agreement ['answer_match', 'judge']: each entry is two"),
     (["base"], ["--eval.agreement=[[answer_match]]"], "two different reward labels"),
     (["base"], ["--eval.agreement=[[json_valid, json_schema]]"], "set fallback: skip on reward 'json_valid'"),
+    (["api:fake-model"], ["--eval.api.base_url=not-a-url"], "error: eval.api: base_url='not-a-url' is not an http(s) URL"),
+    (["api:fake-model"], ["--eval.api.cache_path=/tmp"], "eval.api.cache_path=/tmp: Is a directory"),
     (["base"], ["--judges.second.cache_path=j.jsonl", "--judges.second.max_concurrent=0",
                 "--rewards=[{name: judge, args: {judge: second}}]"], "judges.second: need max_concurrent >= 1"),
 ])

@@ -787,13 +787,15 @@ def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape
     from judge import TEMPLATE_CRITERIA, parse_met
     prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q", "rubric": "r",
                                               "answer": "a", "score_min": 0, "score_max": 5, "criterion": "x", "points": "+5"})
+    met = set()
     for extra in ("", "y"):  # two lengths: both of criterion_met's answers, 0 and 1
         reply = shaped_score({"messages": [{"role": "user", "content": prompt + extra}]}, top=5)
         if template == "criterion_met":  # precompute.criteria_key's: met or not, whatever the score range
-            assert parse_met(reply) is not None, reply
+            met.add(parse_met(reply).score)
             continue
         parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
         assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
+    assert met == ({0.0, 1.0} if template == "criterion_met" else set())
 
 
 def test_a_missing_key_for_a_remote_endpoint_is_said_before_any_call(monkeypatch, capsys):

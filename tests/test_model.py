@@ -97,3 +97,10 @@ def test_4bit_without_bitsandbytes_is_one_line_before_any_weights_load(tiny_llam
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match="needs the bitsandbytes package: pip install bitsandbytes"):
         model_module.load_base(ModelConfig(name=str(tiny_llama), quant="4bit", dtype="float16"), torch.device("cuda"))
+
+
+def test_a_target_module_gpt2_lacks_is_told_gpt2s_linear_layers(tiny_gpt2):
+    """GPT-2's linear layers are Conv1D: the error lists them (it listed none, or the output head)."""
+    from config import ConfigError
+    with pytest.raises(ConfigError, match=r"this model's linear layers: c_attn, c_fc, c_proj \(or all-linear\)"):
+        load_policy(ModelConfig(name=str(tiny_gpt2)), LoraConfig(r=2, alpha=4, target_modules=["c_attnn"]), torch.device("cpu"))

@@ -222,7 +222,9 @@ def test_a_rater_whose_group_was_taken_is_told_so_even_when_nothing_is_left_and_
     assert 'name="viewport" content="width=device-width' in text  # a phone shows it at its own width
     with urllib.request.urlopen(url + "/export", timeout=10) as r:  # a download with a name, not "export"
         assert r.headers["Content-Disposition"] == 'attachment; filename="rated.jsonl"' and len(r.read().splitlines()) == 2
-    with urllib.request.urlopen(url + "/export?format=parquet", timeout=10) as r:  # the seed UI's ?format=parquet
+    with pytest.raises(urllib.error.HTTPError, match="400"):  # not JSON Lines in disguise
+        urllib.request.urlopen(url + "/export?format=csv", timeout=10)
+    with urllib.request.urlopen(url + "/export?format=Parquet", timeout=10) as r:  # the seed UI's ?format=parquet
         assert r.headers["Content-Disposition"] == 'attachment; filename="rated.parquet"'
         rows = pq.read_table(io.BytesIO(r.read())).to_pylist()
     assert sorted(x["scores"]["relevance"] for x in rows) == [4.0, 4.0] and rows[0]["criteria"] == ["relevance", "clarity"]

@@ -368,7 +368,8 @@ def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_pat
     assert any("completions are passed as text here, not as lists of {role, content}" in r.getMessage() for r in caplog.records)
 
 
-TRL_RETURNS = '''import dataclasses
+TRL_RETURNS = '''import asyncio
+import dataclasses
 
 import numpy as np
 
@@ -386,6 +387,16 @@ over_two = LengthOver(2)
 
 async def awaited(completions, **kwargs):  # TRL awaits an async reward function
     return [float(len(c)) for c in completions]
+
+
+_event = asyncio.Event()  # state kept between calls, bound to the loop it first waits on (as a client's pool is)
+
+
+async def keeps_state(completions, **kwargs):
+    asyncio.get_running_loop().call_soon(_event.set)
+    await _event.wait()  # on another loop than the first call's: "is bound to a different event loop"
+    _event.clear()
+    return [1.0 for _ in completions]
 
 
 def singular(completions, prompt, **kwargs):  # TRL never passes `prompt`: refused before the run, not 0.0 throughout
@@ -416,6 +427,9 @@ def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scala
                        ("awaited", [3.0, 2.0])]:
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
         assert (res.per_reward[name], res.errors[name]) == (want, 0), name
+    for step in range(3):  # one event loop for the run, as TRL's: state kept between steps still works
+        res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:keeps_state", label="k")])
+        assert (res.per_reward["k"], res.errors["k"]) == ([1.0, 1.0], 0), step
     with pytest.raises(ValueError, match="takes 'prompt', which neither TRL nor minigrpo passes; take 'prompts'"):
         check_specs([RewardSpec(f"{path}:singular")])
 

@@ -691,6 +691,9 @@ def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(s
     (_, init), *logs, finish = calls
     assert init["project"] == "demo" and init["name"] == run.name and init["config"]["run"]["report_to"] == "wandb"
     assert init["config"] == yaml.safe_load((run / "config.yaml").read_text())  # the saved config, as the docs say
+    calls.clear()
+    assert train.main(args[:-1] + ["--run.epochs=0.5", f"--run.out_dir={run}_epochs"]) == 0
+    assert calls[0][1]["config"]["run"]["epochs"] == 0.5 and "steps" not in calls[0][1]["config"]["run"]  # as saved
     assert [(c[1], c[2]["reward"]) for c in logs] == [(m["step"], m["reward"]) for m in lines(run / "metrics.jsonl")]
     assert finish == ("finish",)
     calls.clear()
@@ -782,9 +785,16 @@ def test_skip_long_leaves_over_long_rows_out_counts_them_and_trains_on_the_rest(
     err = capsys.readouterr().err
     assert "data.skip_long: left out 3 of the 9 rows, over rollout.max_prompt_tokens=120" in err
     assert "6 prompts, steps 0->3 (1 epochs)" in err  # the epochs count the rows kept
-    assert all("Think" not in s["prompt"] for s in lines(run / "samples.jsonl"))
+    samples = lines(run / "samples.jsonl")
+    assert samples and all("Think" not in s["prompt"] for s in samples)
     assert train.main(args + ["--data.skip_long=true", "--rollout.max_prompt_tokens=8", f"--run.out_dir={run}_none"]) == 2
-    assert "every row of mixed_lengths is over rollout.max_prompt_tokens=8" in capsys.readouterr().err
+    assert "every one of the rows of mixed_lengths is over rollout.max_prompt_tokens=8" in capsys.readouterr().err
+    sft = ["--config", str(cfg), "--mode=sft", f"--data.name={data}", "--data.target={answer}", "--sft.max_length=120",
+           "--data.skip_long=true", "--data.select=[0,6]", "--eval.select=[6,9]", "--run.eval_every=1", "--run.steps=1",
+           f"--run.out_dir={run}_sft"]  # SFT's held-out rows go through the training batches: left out too
+    assert train.main(sft) == 0
+    err = capsys.readouterr().err
+    assert "left out 2 of the 6 rows" in err and "left out 1 of the 3 held-out rows, over sft.max_length=120" in err
 
 
 def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(setup, capsys):
@@ -894,7 +904,7 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
     assert not (run.parent / "new").exists()
 
 
-@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint", "first checkpoint"])
+@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint", "first checkpoint", "first held-out scoring"])
 def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, monkeypatch, slow):
     """run.max_minutes on a clock that the steps (10 s), the held-out scoring (100 s every 8th step) and
     the checkpoints (30 s) advance: the last checkpoint must be on disk before the job's limit, or the
@@ -909,7 +919,7 @@ def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, mo
         return real_step(r)
 
     def held_out(r):
-        clock.now += 100.0
+        clock.now += 10.0 if slow == "first held-out scoring" else 100.0
         return {"eval/reward": 0.0}
 
     def save(r, n):
@@ -923,8 +933,10 @@ def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, mo
         limit, extra = 351, ["--run.eval_every=8", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
     elif slow == "checkpoint":  # checkpoints every 5 steps, 30 s each
         limit, extra = 210, ["--run.save_every=5"]
-    else:  # none until the one at the limit: the first step's is written to time it (it was not counted: 120 s)
-        limit, extra = 100, ["--run.save_every=0"]
+    elif slow == "first checkpoint":  # none until the one at the limit: the first step's is written to time it
+        limit, extra = 100, ["--run.save_every=0"]  # (it was not counted: the run ended at 120 s)
+    else:  # a scoring as long as a step, every 3rd step: before the first, counted as a step (it was 0: 40 s)
+        limit, extra = 35, ["--run.eval_every=3", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
     args = ["--config", str(cfg), "--run.steps=40", "--rollout.max_new_tokens=2", f"--run.max_minutes={limit / 60}"]
     assert train.main(args + extra) == 0
     assert lines(run / "metrics.jsonl")[-1]["step"] < 40  # stopped early, for its time limit
