@@ -237,12 +237,12 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, hub_split: st
     """Every source loaded, split, mapped and checked up front, so a bad row stops the run before
     anything is written. eval.py's held-out rows: `select` replaces data.select and each source's
     own select, `hub_split` replaces data.split and each source's split (eval.select, eval.split)."""
-    mix = active_mixture(cfg)[1]
+    mix_key, mix = active_mixture(cfg)
     if mix is None:
         rows, pos = _prepare(dataclasses.replace(cfg, split=hub_split or cfg.split), select, key)
         return [Source(_label(cfg.name), rows, 1.0, 1.0, pos)]
     out, seen = [], {}
-    for src in mix:
+    for n, src in enumerate(mix):
         sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=hub_split or src.split,
                                   prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
                                   select=src.select or cfg.select, num_examples=src.num_examples)
@@ -250,7 +250,7 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, hub_split: st
         seen[label] = seen.get(label, 0) + 1
         label = label if seen[label] == 1 else f"{label}#{seen[label]}"
         try:
-            rows, pos = _prepare(sub, select)
+            rows, pos = _prepare(sub, select, f"{mix_key}[{n}].name", f"{mix_key}[{n}].map" if src.map else "data.map")
         except DataError as e:
             raise DataError(f"data source {label!r}: {e}") from None
         out.append(Source(label, rows, src.weight, src.weight if src.weight_end is None else src.weight_end, pos))
@@ -305,11 +305,13 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
     return out
 
 
-def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name") -> tuple[list[dict], list[int]]:
-    """The checked rows of one source, with each one's place before the map -> (rows, places)."""
+def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
+             map_key: str = "data.map") -> tuple[list[dict], list[int]]:
+    """The checked rows of one source (named by the config keys `key` and `map_key`), with each one's
+    place before the map -> (rows, places)."""
     rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
     out, places = [], []
-    for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map):  # i: the row's place before a filtering map
+    for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map, map_key):  # i: the row's place before a filtering map
         prompt = build_prompt(row, cfg.prompt, i)
         extra = {}
         for reply in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import jinja2
 import numpy as np
 import torch
 from torch import Tensor
@@ -114,7 +115,14 @@ def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None 
     """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
     forced assistant prefix unless `assistant_prefix` is given)."""
     prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
-    return [render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs) for r in rows]
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs))
+        except jinja2.TemplateError as e:  # a template's raise_exception ("System role not supported")
+            raise ConfigError(f"the chat template refused row {i}: {e} (check data.system_prompt, the prompt's roles, "
+                              "or give model.chat_template)") from None
+    return out
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:

@@ -403,7 +403,7 @@ def test_a_split_of_a_local_file_is_refused_not_ignored(tmp_path):
         load_config(None, ["--data.name=null", "--data.mixture=[{name: a.jsonl}, {name: b.jsonl, split: test}]"])
 
 
-def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_and_eval(tmp_path):
+def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_and_eval(tmp_path, capsys):
     """TRL's SFT rows (`messages` ending with the assistant's answer) reused for GRPO or eval with
     data.target unset: the prompt held the answer, and the model copied it (a 3/3 reward, silently)."""
     turns = [{"role": "system", "content": "Reply in JSON."}, {"role": "user", "content": "Q1"},
@@ -427,5 +427,9 @@ def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_an
     mix[0] = DataSource(name=str(data), map="split_messages", prompt="prompt")
     rows = load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))
     assert [r["prompt"] for r in rows] == [turns[:2], turns[1:2]] and rows[0]["completion"] == '{"predicted_category": "B"}'
+    with data.open("a") as f:  # a row without a reply: left out by the map, and said with the source's own keys
+        f.write(json.dumps({"messages": turns[:2], "cop": "C"}) + "\n")
+    assert len(load_rows(DataConfig(name=None, mixture=mix, prompt="messages", answer_key="cop"))) == 2
+    assert "data.mixture[0].map=split_messages left out 1 of the 2 rows of data.mixture[0].name=" in capsys.readouterr().err
     data.write_text(json.dumps({"messages": turns[:2], "cop": "B"}) + "\n")  # prompt-only rows: as they were
     assert load_rows(DataConfig(name=str(data), prompt="messages", answer_key="cop"))[0]["prompt"] == turns[:2]

@@ -184,6 +184,18 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 
 
+def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(setup, capsys):
+    """A template's raise_exception (Gemma's and Mistral's refuse a system role) was a jinja traceback."""
+    cfg, run = setup
+    template = run.parent / "no_system.jinja"
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
+                        "supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    assert train.main(["--config", str(cfg), f"--model.chat_template={template}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: the chat template refused row 0: System role not supported (check data.system_prompt, "
+                       "the prompt's roles, or give model.chat_template)") and not run.exists()
+
+
 @pytest.mark.parametrize("override,message", [
     ("--grpo.betta=0.1", "unknown config key 'grpo.betta'"),
     ("--model.name=/no/such/model", "no such directory"),
