@@ -181,7 +181,7 @@ class RunConfig:
     stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no
     #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
     max_minutes: float = 0.0  # a job's time limit: checkpoint and stop (exit code 0) after the step past which the
-    #   next one would end later than this many minutes from the start; --resume goes on. 0: no limit
+    #   next one would end later than this many minutes from the process's start; --resume goes on. 0: no limit
 
 
 @dataclass
