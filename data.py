@@ -44,9 +44,9 @@ class DataError(ConfigError):
     """A dataset problem the user must fix (missing file, row without a needed field)."""
 
 
-def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) -> list[dict]:
-    """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand) in a
-    seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint as problems;
+def arithmetic_task(num_examples: int = 0, seed: int = 1234, max_operand: int = 20) -> list[dict]:
+    """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand; 400 of
+    them, all when num_examples is 0) in a seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint as problems;
     a + b and b + a are two problems (of the quickstart's 100 held out, 73 have their swap in training).
 
     >>> arithmetic_task(2, seed=0)[0]["prompt"]
@@ -57,7 +57,7 @@ def arithmetic_task(num_examples: int, seed: int = 1234, max_operand: int = 20) 
         raise DataError(f"the arithmetic task has {len(pairs)} distinct problems; data.num_examples={num_examples} is too many")
     random.Random(seed).shuffle(pairs)
     return [{"prompt": f"What is {a} + {b}? Reply with just the number.", "answer": str(a + b)}
-            for a, b in pairs[:num_examples]]
+            for a, b in pairs[:num_examples or len(pairs)]]
 
 
 BUILTIN_TASKS = {"arithmetic": arithmetic_task}
@@ -126,7 +126,7 @@ def load_raw(cfg: DataConfig, key: str = "data.name"):
     if cfg.name is None:
         raise DataError(f"{key} is null: give a local data file, a hub dataset id, a built-in task or a data.mixture")
     if cfg.name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[cfg.name](cfg.num_examples or 400)
+        return BUILTIN_TASKS[cfg.name](cfg.num_examples)
     path = local_path(cfg, cfg.name)
     if path.is_file():
         rows = _read_file(path, key)
