@@ -97,7 +97,7 @@ class RolloutConfig:
     prompts_per_step: int = 4  # B: distinct prompts (groups) per rollout batch, i.e. per run step
     num_generations: int = 8  # G: completions sampled per prompt
     max_new_tokens: int = 64  # completion length cap; longer ones are cut and flagged truncated
-    max_prompt_tokens: int = 512  # prompts longer than this are an error
+    max_prompt_tokens: int = 512  # prompts longer than this are an error (data.skip_long: left out)
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same value
     top_p: float = 1.0  # nucleus sampling; the loss's log-probs are softmax(logits / T)'s, untruncated, so < 1 samples
     #   slightly off the policy it trains (as in TRL)
@@ -187,14 +187,14 @@ class RunConfig:
 @dataclass
 class SftConfig:
     batch_size: int = 16  # examples per optimizer step (micro-batched by optim.micro_batch_size)
-    max_length: int = 1024  # prompt + reply tokens; a longer example is an error
+    max_length: int = 1024  # prompt + reply tokens; a longer example is an error (data.skip_long: left out)
 
 
 @dataclass
 class DpoConfig:
     beta: float = 0.1  # strength of the pull to the reference: the implicit reward is beta x the log-ratio
     batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows, a pair's two together)
-    max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error
+    max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error (data.skip_long: left out)
     cache_reference: bool = True  # compute each reply's reference log-prob once a run, not again every epoch
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's; IPO (per-token means, squared); hinge (SLiC): see dpo.py
     label_smoothing: float = 0.0  # sigmoid: the share of pairs presumed mislabelled (cDPO, for noisy judges); 0: plain DPO

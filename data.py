@@ -223,8 +223,8 @@ class Source:
     rows: list[dict]  # checked rows, each with "prompt"
     weight: float  # relative draw weight at the first step
     weight_end: float  # ... and at the last step
-    positions: list[int] = dataclasses.field(default_factory=list)  # each row's place among the selected rows before
-    #   data.map (a filtering map leaves gaps), for eval's predictions
+    positions: list[int]  # each row's place among the selected rows before data.map (a filtering map leaves gaps),
+    #   for eval's predictions: one per row
 
 
 def _label(name: str) -> str:

@@ -219,11 +219,11 @@ def parquet_bytes(rows: list[dict]) -> bytes:
 def export(rows: list[dict], out: str) -> None:
     """`ratings.py export --out FILE`: .jsonl or .parquet, written atomically, never over a file."""
     path = Path(out)
-    if path.suffix not in (".jsonl", ".parquet"):
+    if path.suffix.lower() not in (".jsonl", ".parquet", ".pq"):
         raise ValueError(f"--out {out}: give a .jsonl or a .parquet file")
     if path.exists():
         raise ValueError(f"--out {out} exists and is never overwritten; give a new file")
-    jsonl.write_atomic(path, parquet_bytes(rows) if path.suffix == ".parquet" else "".join(json.dumps(r) + "\n" for r in rows))
+    jsonl.write_atomic(path, parquet_bytes(rows) if path.suffix.lower() in (".parquet", ".pq") else "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:
@@ -328,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="export: write to this .jsonl or .parquet file (atomically; never over an existing "
                    "one) instead of standard output")
     args = p.parse_args(argv)
+    if args.out and args.command != "export":
+        print(f"error: --out is for export, not {args.command}", file=sys.stderr)
+        return 2
     if args.command != "serve":
         if not Path(args.dir).is_dir():
             print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)

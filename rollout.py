@@ -111,16 +111,16 @@ def reply_prefix(tokenizer, data) -> str:
     return tail[opened:] if opened >= 0 else data.assistant_prefix
 
 
-def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None) -> list[str]:
+def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None, what: str = "row") -> list[str]:
     """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
-    forced assistant prefix unless `assistant_prefix` is given)."""
+    forced assistant prefix unless `assistant_prefix` is given); `what` the rows are, for errors."""
     prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
     out = []
     for i, r in enumerate(rows):
         try:
             out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs))
         except jinja2.TemplateError as e:  # a template's raise_exception ("System role not supported")
-            raise ConfigError(f"the chat template refused row {i}: {e} (check data.system_prompt, the prompt's roles, "
+            raise ConfigError(f"the chat template refused {what} {i}: {e} (check data.system_prompt, the prompt's roles, "
                               "or give model.chat_template)") from None
     return out
 

@@ -140,7 +140,7 @@ def reference_beta(cfg: Config) -> float:
     return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
 
 
-def row_lengths(cfg: Config, rows: list[dict], tokenizer) -> tuple[list[int], str, int]:
+def row_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> tuple[list[int], str, int]:
     """Each row's tokens as the batches count them (the prompt and the reply + EOS tokenized apart;
     DPO: its longer reply), and the limit they must fit -> (lengths, its config key, the limit)."""
     def count(texts: list[str]) -> list[int]:
@@ -148,7 +148,7 @@ def row_lengths(cfg: Config, rows: list[dict], tokenizer) -> tuple[list[int], st
     from sft import with_eos
     replies = [count([with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
-               for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data)))]
+               for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data, what=what)))]
     key, limit = {"sft": ("sft.max_length", cfg.sft.max_length), "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
         cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
     return lengths, key, limit
@@ -158,7 +158,7 @@ def without_long_rows(cfg: Config, sources: list, tokenizer, what: str = "rows")
     """data.skip_long: each source without its rows over the length limit, saying how many were left out."""
     out, dropped, total = [], 0, 0
     for s in sources:
-        lengths, key, limit = row_lengths(cfg, s.rows, tokenizer)
+        lengths, key, limit = row_lengths(cfg, s.rows, tokenizer, f"data source {s.label}, {what[:-1]}")
         fits = [n <= limit for n in lengths]
         dropped, total = dropped + fits.count(False), total + len(fits)
         out.append(dataclasses.replace(s, rows=[r for r, ok in zip(s.rows, fits) if ok],
@@ -173,11 +173,11 @@ def without_long_rows(cfg: Config, sources: list, tokenizer, what: str = "rows")
 def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
     or dpo.max_length (DPO, each reply) (row_lengths); -> which row is the longest, for --dry-run."""
-    lengths, key, limit = row_lengths(cfg, rows, tokenizer)
+    lengths, key, limit = row_lengths(cfg, rows, tokenizer, what)
     longest = max(range(len(rows)), key=lengths.__getitem__)
     if lengths[longest] > limit:
         raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or "
-                          "shorten it" + ("; data.skip_long: true leaves such rows out" if what == "row" else ""))
+                          "shorten it; data.skip_long: true leaves such rows out")
     return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
@@ -261,6 +261,8 @@ def setup(args, overrides: list[str]) -> Run:
               "they teach nothing (their loss stays at its first step's value)", file=sys.stderr)
     if eval_rows and cfg.mode != "grpo":  # eval/loss runs them through the same batches
         check_lengths(cfg, eval_rows, tokenizer, "held-out row")
+    elif eval_rows:  # GRPO's are only generated from: rendered now, so a template that refuses one stops the run here
+        rollout.render_rows(tokenizer, eval_rows, cfg.data, what="held-out row")
     ref_copy = None
     if reference_beta(cfg) > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)

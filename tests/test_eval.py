@@ -402,12 +402,14 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--eval.agreement=[[answer_match]]"], "two different reward labels"),
     (["base"], ["--eval.agreement=[[json_valid, json_schema]]"], "set fallback: skip on reward 'json_valid'"),
     (["api:fake-model"], ["--eval.api.base_url=not-a-url"], "error: eval.api: base_url='not-a-url' is not an http(s) URL"),
-    (["api:fake-model"], ["--eval.api.cache_path=/tmp"], "eval.api.cache_path=/tmp: Is a directory"),
+    (["api:fake-model"], ["--eval.api.cache_path={folder}"], "eval.api.cache_path={folder}: Is a directory"),
     (["base"], ["--judges.second.cache_path=j.jsonl", "--judges.second.max_concurrent=0",
                 "--rewards=[{name: judge, args: {judge: second}}]"], "judges.second: need max_concurrent >= 1"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(project, capsys, models, overrides, message):
     cfg, tmp = project
+    (tmp / "folder").mkdir()
+    overrides, message = [o.replace("{folder}", str(tmp / "folder")) for o in overrides], message.replace("{folder}", str(tmp / "folder"))
     assert ev.main(["--config", str(cfg), "--models", *models, *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err

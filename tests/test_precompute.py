@@ -215,11 +215,13 @@ def test_an_answer_cut_inside_an_emoji_is_written_and_graded(tmp_path, capsys):
     ("--precompute.questions=/no/such/q.jsonl", "precompute.questions=/no/such/q.jsonl: no such file"),
     ("--precompute.template=rubric_scorin", "precompute.template: template 'rubric_scorin' is not one of"),
     ("--precompute.template=Grade {answer} by {rubric}; {criteria}", "precompute.template reads {criteria}, which row 0"),
-    ("--precompute.answers.cache_path=/tmp", "precompute.answers.cache_path=/tmp: Is a directory"),  # not a traceback
-    ("--judge.cache_path=/tmp", "judge.cache_path=/tmp: Is a directory"),
+    ("--precompute.answers.cache_path={folder}", "precompute.answers.cache_path={folder}: Is a directory"),  # one line
+    ("--judge.cache_path={folder}", "judge.cache_path={folder}: Is a directory"),
     ("--precompute.answers.cache_path=tests/fixtures/medqa_sample.jsonl", "error: precompute.answers.cache_path=tests/fixtures/"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, server, capsys, override, message):
+    (tmp_path / "folder").mkdir()
+    override, message = (x.replace("{folder}", str(tmp_path / "folder")) for x in (override, message))
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question": "Q?", "rubric": "R"}) + "\n")
     out = tmp_path / "out.jsonl"

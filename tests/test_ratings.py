@@ -364,6 +364,10 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     assert [(r["id"], r["scores"], r["reward"]) for r in rows] == [("a", {"overall": 4.0, "clarity": None}, 0.75),
                                                                   ("b", {"overall": 2.0, "clarity": 5.0}, 0.625)]
     assert [json.loads(x)["id"] for x in (tmp_path / "x" / "rated.jsonl").read_text().splitlines()] == ["a", "b"]
+    assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / "R.PQ")]) == 0  # bestofn reads it
+    assert pq.read_table(tmp_path / "x" / "R.PQ").num_rows == 2
+    assert ratings.main(["stats", "--dir", str(tmp_path), "--out", str(tmp_path / "s.jsonl")]) == 2  # not silently ignored
+    assert "--out is for export, not stats" in capsys.readouterr().err
     for out, says in (("rated.parquet", "exists and is never overwritten"), ("rated.csv", "give a .jsonl or a .parquet")):
         assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 2
         assert says in capsys.readouterr().err

@@ -188,12 +188,18 @@ def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(setup, capsys)
     """A template's raise_exception (Gemma's and Mistral's refuse a system role) was a jinja traceback."""
     cfg, run = setup
     template = run.parent / "no_system.jinja"
-    template.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not "
-                        "supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' or 'FORBIDDEN' in m['content'] %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
     assert train.main(["--config", str(cfg), f"--model.chat_template={template}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: the chat template refused row 0: System role not supported (check data.system_prompt, "
                        "the prompt's roles, or give model.chat_template)") and not run.exists()
+    held_out = run.parent / "held_out.jsonl"  # GRPO's held-out rows are only generated from: rendered before step 1 too
+    held_out.write_text(json.dumps({"question": "FORBIDDEN", "answer": "1"}) + "\n")
+    assert train.main(["--config", str(cfg), f"--model.chat_template={template}", "--data.system_prompt=null",
+                       f"--eval.name={held_out}", "--run.eval_every=1"]) == 2
+    assert "the chat template refused held-out row 0: System role not supported" in capsys.readouterr().err
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("override,message", [
