@@ -21,7 +21,7 @@ SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward
          ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
          ("rewards/accuracies", "acc {:.2f}"), ("eval/rewards/accuracies", "eval acc {:.2f}"),
          ("entropy", "ent {:.2f}"), ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
-         ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
+         ("skipped_updates", "skipped {:.0f}"), ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
 
 
 def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
@@ -68,7 +68,7 @@ def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: st
                 else f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
                 "" if m.gradient_checkpointing else "model.gradient_checkpointing: true",
                 "" if g.fused_lm_head or cfg.mode != "grpo" else "grpo.fused_lm_head: true",
-                "" if m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf" or ro.merged_sampling
+                "" if m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf" or ro.merged_sampling or ro.compile
                 else "model.quant: 4bit (QLoRA)"]  # refused with those (config.py, vllm_engine.py)
     if ro.engine == "vllm" and phase in ("sampling", "syncing the weights to vLLM"):
         tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: vLLM's share; the trainer "

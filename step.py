@@ -327,15 +327,16 @@ def optimizer_step(r: Run) -> tuple[float, float]:
     if r.scaler:
         r.scaler.step(r.optimizer)  # skips non-finite gradients itself, and lowers the loss scale
         r.scaler.update()
+        if r.scaler.get_scale() < 1.0:  # 17 skips in a row from 65536: not a scale still to find, a pass that overflows
+            raise rollout.NonFiniteLogits("float16 loss scaling has skipped every update since its scale fell below 1: "
+                                          "the training pass gives inf or NaN; " + rollout.NON_FINITE)
     elif math.isfinite(grad_norm):
         r.optimizer.step()
     else:
         print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped", file=sys.stderr)
-        with warnings.catch_warnings():  # torch warns when no optimizer.step came first; LambdaLR reads only the count
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            r.scheduler.step()
-        return grad_norm, lr
-    r.scheduler.step()
+    with warnings.catch_warnings():  # after a skipped update torch warns that no optimizer.step came first;
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)  # LambdaLR reads the count
+        r.scheduler.step()
     return grad_norm, lr
 
 

@@ -192,6 +192,26 @@ def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
     assert w.detach().tolist() == pytest.approx([-0.6, -0.8, 0.0])  # one step along the clipped gradient
 
 
+def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_training_nothing(recwarn):
+    """A T4's float16 pass that overflows: GradScaler skips each update and halves its scale, and the
+    run went on silently, training nothing (its step line just lost loss and grad_norm)."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)  # the CPU's GradScaler behaves as CUDA's
+    run = SimpleNamespace(scaler=scaler, optimizer=opt, scheduler=sched, params=[w],
+                          cfg=SimpleNamespace(optim=SimpleNamespace(max_grad_norm=1.0)))
+    for scale in (4.0, 2.0):  # skipped while the scale can still be found: the run goes on, quietly
+        scaler.scale(torch.tensor(float("inf"), requires_grad=True) * w.sum()).backward()
+        norm, _ = step.optimizer_step(run)
+        assert not math.isfinite(norm) and w.detach().tolist() == [0.0, 0.0, 0.0] and scaler.get_scale() == scale / 2
+        w.grad = None
+    assert not [x for x in recwarn if "lr_scheduler.step" in str(x.message)]  # torch's warning for a skipped step
+    scaler.scale(torch.tensor(float("inf"), requires_grad=True) * w.sum()).backward()
+    with pytest.raises(rollout.NonFiniteLogits, match="float16 loss scaling has skipped every update"):
+        step.optimizer_step(run)  # the scale fell below 1: not a scale still to find
+
+
 def test_importance_weights_are_capped_and_counted():
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
