@@ -142,7 +142,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     from a fresh seed (run.seed + the prompts done), so they differ from those of an uninterrupted
     run; greedy ones do not."""
     cfg, e = plan.cfg, plan.cfg.eval
-    prompts = rollout.render_rows(tok, plan.rows, cfg.data)
+    prompts = rollout.render_rows(tok, plan.rows, cfg.data, what="held-out row")
     path, key, n = Path(e.out_dir) / f"partial_{entry.name}.jsonl", generation_key(entry, mcfg, cfg, prompts, plan.device), e.num_samples
     done = Generated([], [], [])
     for _, _, rec in jsonl.read(path) if path.is_file() else ():
@@ -199,7 +199,7 @@ def generate_prompts(model, tok, prompts: list[str], cfg: Config, on_batch=None)
 
 def generate_rows(model, tok, rows: list[dict], cfg: Config) -> Generated:
     """generate_prompts of the rows, rendered as training renders them."""
-    return generate_prompts(model, tok, rollout.render_rows(tok, rows, cfg.data), cfg)
+    return generate_prompts(model, tok, rollout.render_rows(tok, rows, cfg.data, what="held-out row"), cfg)
 
 
 def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_prefix: str,

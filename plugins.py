@@ -131,9 +131,19 @@ def on_reward_loop(awaitable):
             _LOOP = asyncio.new_event_loop()
             threading.Thread(target=_LOOP.run_forever, name="minigrpo-async-rewards", daemon=True).start()
 
+    if threading.current_thread().name == "minigrpo-async-rewards":  # .result() here would wait on itself forever
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()  # never run: no "was never awaited" warning
+        raise RuntimeError("an async reward called another wrapped async reward from inside the reward loop; await it")
+
     async def wait():
         return await awaitable
-    return asyncio.run_coroutine_threadsafe(wait(), _LOOP).result()
+    future = asyncio.run_coroutine_threadsafe(wait(), _LOOP)
+    try:
+        return future.result()
+    except BaseException:  # Ctrl-C while waiting: cancel it, or it runs on, holding what it holds
+        future.cancel()
+        raise
 
 
 @_per_function

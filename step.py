@@ -327,16 +327,19 @@ def optimizer_step(r: Run) -> tuple[float, float]:
     if r.scaler:
         r.scaler.step(r.optimizer)  # skips non-finite gradients itself, and lowers the loss scale
         r.scaler.update()
-        if r.scaler.get_scale() < 1.0:  # 17 skips in a row from 65536: not a scale still to find, a pass that overflows
-            raise rollout.NonFiniteLogits("float16 loss scaling has skipped every update since its scale fell below 1: "
-                                          "the training pass gives inf or NaN; " + rollout.NON_FINITE)
+        if r.scaler.get_scale() < 1.0:  # halved 17 times from 65536: not a scale still to find, a pass that overflows
+            raise rollout.NonFiniteLogits("float16 loss scaling has halved its scale below 1, skipping update after "
+                                          "update: the training pass gives inf or NaN; " + rollout.NON_FINITE)
     elif math.isfinite(grad_norm):
         r.optimizer.step()
     else:
         print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped", file=sys.stderr)
-    with warnings.catch_warnings():  # after a skipped update torch warns that no optimizer.step came first;
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)  # LambdaLR reads the count
+    if math.isfinite(grad_norm):
         r.scheduler.step()
+    else:  # skipped: torch warns that no optimizer.step came first (LambdaLR reads only the count). Only here, as
+        with warnings.catch_warnings():  # catch_warnings resets which warnings were shown: others would repeat
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            r.scheduler.step()
     return grad_norm, lr
 
 

@@ -734,7 +734,7 @@ def test_eval_ends_completions_at_training_s_stop_strings_and_reads_eval_name_wh
         seen.update(kwargs)
         raise RuntimeError("stop here")
     monkeypatch.setattr(rollout, "generate_in_slices", fake)
-    monkeypatch.setattr(rollout, "render_rows", lambda tok, rows, data: [r["prompt"] for r in rows])
+    monkeypatch.setattr(rollout, "render_rows", lambda tok, rows, data, **_: [r["prompt"] for r in rows])
     with pytest.raises(RuntimeError, match="stop here"):
         ev.generate_rows(None, None, ev.held_out_rows(cfg)[:2], cfg)
     assert seen["stop_strings"] == ["</answer>"]

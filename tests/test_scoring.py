@@ -389,6 +389,14 @@ async def awaited(completions, **kwargs):  # TRL awaits an async reward function
     return [float(len(c)) for c in completions]
 
 
+async def nested(completions, **kwargs):  # waits on the reward loop from inside it: refused, not a hang
+    import plugins
+
+    async def inner():
+        return 1.0
+    return [plugins.on_reward_loop(inner()) for _ in completions]
+
+
 _event = asyncio.Event()  # state kept between calls, bound to the loop it first waits on (as a client's pool is)
 
 
@@ -427,6 +435,8 @@ def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scala
                        ("awaited", [3.0, 2.0])]:
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
         assert (res.per_reward[name], res.errors[name]) == (want, 0), name
+    res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:nested", label="n")])
+    assert res.errors["n"] == 2 and res.per_reward["n"] == [0.0, 0.0]  # the fallback, at once
     for step in range(3):  # one event loop for the run, as TRL's: state kept between steps still works
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:keeps_state", label="k")])
         assert (res.per_reward["k"], res.errors["k"]) == ([1.0, 1.0], 0), step
