@@ -322,6 +322,7 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
                     raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
                                     "the prompt already ends with (trained on, it would be doubled); set "
                                     "data.assistant_prefix: '' for replies that carry it (bestofn.py's pairs do)")
+        no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
         conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts ({type: text, text})
             isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
                 isinstance(m.get("content"), list) and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
@@ -334,12 +335,11 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
                    if active_mixture(cfg)[1] is None else  # a mixture: data.target would split every source
                    "give this source map: split_messages and prompt: prompt (the reply goes to a column 'completion')"
                    if cfg.prompt == "messages" else "give this source a map (data.map) that drops the reply")
-            if cfg.answer_key and row.get(cfg.answer_key) in (None, "") and not (
-                    cfg.prompt == "messages" and cfg.answer_key == "completion"):  # split_messages makes that one
+            if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):  # split_messages makes it
                 fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
             raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
                             f"the prompt; {fix}")
-        if cfg.answer_key and row.get(cfg.answer_key) in (None, ""):
+        if no_gold:
             raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key; null when the rewards "
                             f"need no gold answer); its fields: {', '.join(row)}")
         out.append({**row, "prompt": prompt, **extra})

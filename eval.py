@@ -283,8 +283,6 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             api[e.name] = Judge(section, label=f"{key} ({section.model})", key=key)
         except ValueError as err:
             raise ConfigError(str(err)) from None  # it names the section
-        except OSError as err:  # its cache_path: a folder, unreadable
-            raise ConfigError(f"{key}.cache_path={section.cache_path}: {err.strerror or err}") from None
     sources = held_out_sources(cfg)
     rows = [row for s in sources for row in s.rows]
     trained_on, unknown = {}, []  # entry name -> how many held-out rows its runs trained on; entries with no record

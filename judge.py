@@ -239,10 +239,7 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
     judges: dict[str, Judge] = {}
     for name, cfg in [*([(DEFAULT, default)] if default else []), *named.items()]:
         key = "judge" if name == DEFAULT else f"judges.{name}"
-        try:
-            judges[name] = Judge(cfg, label=key)
-        except OSError as e:  # its cache file (a ValueError names the section itself)
-            raise ValueError(f"{key}.cache_path={cfg.cache_path}: {e.strerror or e}") from None
+        judges[name] = Judge(cfg, label=key)  # a ValueError names the section itself
         if judges[name].key_missing:
             where = judges[name].cfg.azure_endpoint or judges[name].cfg.base_url  # its ${NAME}s filled in
             print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "

@@ -172,8 +172,6 @@ def open_client(section, key: str, label: str) -> Judge:
         return Judge(section, label=label, key=key)
     except ValueError as e:
         raise ConfigError(str(e)) from None  # it names the section
-    except OSError as e:  # its cache_path: a folder, unreadable
-        raise ConfigError(f"{key}.cache_path={section.cache_path}: {e.strerror or e}") from None
 
 
 def run(cfg: Config) -> dict:

@@ -219,11 +219,12 @@ def parquet_bytes(rows: list[dict]) -> bytes:
 def export(rows: list[dict], out: str) -> None:
     """`ratings.py export --out FILE`: .jsonl or .parquet, written atomically, never over a file."""
     path = Path(out)
-    if path.suffix.lower() not in (".jsonl", ".parquet", ".pq"):
+    parquet = path.suffix.lower() in (".parquet", ".pq")
+    if not parquet and path.suffix.lower() != ".jsonl":
         raise ValueError(f"--out {out}: give a .jsonl or a .parquet file")
     if path.exists():
         raise ValueError(f"--out {out} exists and is never overwritten; give a new file")
-    jsonl.write_atomic(path, parquet_bytes(rows) if path.suffix.lower() in (".parquet", ".pq") else "".join(json.dumps(r) + "\n" for r in rows))
+    jsonl.write_atomic(path, parquet_bytes(rows) if parquet else "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:
@@ -344,12 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "stats":
             print(json.dumps(store.stats(), indent=1))
         elif args.out:
+            rated = store.rated_items()
             try:
-                export(store.rated_items(), args.out)
+                export(rated, args.out)
             except (ValueError, OSError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            print(f"[ratings] {args.out}: {len(store.rated_items())} rated items", file=sys.stderr)
+            print(f"[ratings] {args.out}: {len(rated)} rated items", file=sys.stderr)
         else:
             sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
         return 0

@@ -51,7 +51,10 @@ class ReplyCache:
         self.index: dict[str, int] = {}  # cache key -> byte offset of its line in path
         self.cut: set[str] = set()  # keys of replies cut at max_tokens (finish_reason "length"), cached or not
         if path:
-            self._load()
+            try:
+                self._load()
+            except OSError as e:  # a folder, an unreadable file: one line naming the section, as ValueError
+                raise ValueError(f"{key}.cache_path={path}: {e.strerror or e}") from None
 
     def _load(self) -> None:
         bad, end = 0, 0

@@ -255,7 +255,8 @@ def setup(args, overrides: list[str]) -> Run:
         if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
                               f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
-    check_lengths(cfg, rows, tokenizer)
+    if not short:  # data.skip_long measured them already: every row left fits
+        check_lengths(cfg, rows, tokenizer)
     if cfg.mode == "dpo" and (same := sum(r["chosen"] == r["rejected"] for r in rows)):
         print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected reply; "
               "they teach nothing (their loss stays at its first step's value)", file=sys.stderr)
