@@ -19,7 +19,9 @@ is read without surrounding whitespace (a secret file's newline). judge.py build
 Choices worth knowing:
 - The openai client's own retries are off (max_retries=0): the retry policy lives here and is tested.
 - A reply that `score_many`'s parser rejects is a failure; it is not retried (at temperature 0 the same
-  prompt mostly gets the same reply, so re-asking pays twice for nothing) and never cached.
+  prompt mostly gets the same reply, so re-asking pays twice for nothing) but cached like any reply: a
+  rerun gets the same fallback without paying (and parses it anew). A rerun pays only for the calls
+  whose requests got no reply (failed after their retries, or refused).
 - The cache (reply_cache.py: an append-only JSONL file plus a bounded LRU in memory) keeps only
   key -> byte offset in RAM for the file, so a long run does not grow RAM with reply text.
 - Identical prompts in flight at once share one request (GRPO groups often repeat a completion); the
@@ -84,8 +86,12 @@ class JudgeConfig:
 
 
 # Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
-STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "retries",
+# Each call lands in exactly one of requests (a new usable reply), cache_hits (a reply from the cache
+# or from another call's request in flight) and failures (no usable reply: the caller's fallback);
+# sent counts the HTTP requests (retries included: what the server, its rate limit and the bill see).
+STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "sent", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
+OUTAGE_SHARE = 0.9  # a step in which this share of the calls sent to the endpoint got no reply: a step down
 
 
 def _sendable(messages: list[dict]) -> list[dict]:
@@ -134,7 +140,17 @@ UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and
 FAILED_LIMIT = 16  # this many requests failed (after their retries), and none answered, stop the run
 
 
-ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} references when a client is built
+ENV_FIELDS = ("base_url", "azure_endpoint", "model")
+_USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def mask_urls(text: str) -> str:
+    """text with the user info of each URL in it (a password: http://user:pw@host) as ***.
+
+    >>> mask_urls("error: no reply from http://judge:pw-SECRET@127.0.0.1:8013/v1 (5 tries)")
+    'error: no reply from http://***@127.0.0.1:8013/v1 (5 tries)'
+    """
+    return _USER_INFO.sub(r"\1***@", text)  # filled from ${NAME} references when a client is built
 
 
 class JudgeUnusable(RuntimeError):
@@ -152,9 +168,9 @@ def _expand(value: str, key: str, section: str = "judge") -> str:
     >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization", "judge")
     'Bearer t0k'
     """
-    if value == "***":
-        raise ValueError(f"{section}: {key} is '***', a value masked when a run saved its config; put the secret in an "
-                         "environment variable and write the header as ${NAME}")
+    if value == "***" or "://***@" in value:
+        raise ValueError(f"{section}: {key} holds '***', a secret masked when a run saved its config; put the "
+                         "secret in an environment variable and write it as ${NAME}")
     missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
     if missing:
         raise ValueError(f"{section}: {key} reads ${{{missing[0]}}}, which is not set in the environment")
@@ -203,6 +219,10 @@ class Judge:
         self._first_unparsed = ""  # the first of those replies, for the error
         self._failed_before_any = 0  # requests that got no reply, while none has had one (-1 after): FAILED_LIMIT
         self._first_failure = ""  # why the first of those failed, for the error
+        self.last_failure = ""  # why the latest request failed, for the outage line
+        self._last_failed: list[dict] | None = None  # its messages: what probe() asks again
+        self._asked = self._unanswered = 0  # this step's calls sent to the endpoint, and those without a reply
+        self.down_steps = 0  # steps in a row in which (nearly) every call sent got no reply (run.judge_outage)
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # the run's: in each checkpoint, put back on --resume
         self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
@@ -216,7 +236,7 @@ class Judge:
         self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0, label, self.key)
 
     def __repr__(self) -> str:
-        return (f"Judge(model={self.cfg.model!r}, endpoint={self._endpoint!r}, "
+        return (f"Judge(model={self.cfg.model!r}, endpoint={mask_urls(self._endpoint)!r}, "
                 f"max_concurrent={self.cfg.max_concurrent}, cache_path={self.cfg.cache_path!r})")
 
     @property
@@ -239,6 +259,10 @@ class Judge:
         out = {f"{prefix}{k}": v for k, v in self._step.items()}
         out.update({f"{prefix}{k}_total": v for k, v in self.totals.items()})
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
+        if self._asked:  # a step answered from the cache alone says nothing of the endpoint
+            down = self._unanswered >= OUTAGE_SHARE * self._asked
+            self.down_steps = self.down_steps + 1 if down else 0
+        self._asked = self._unanswered = 0
         self._logged.clear()
         return out
 
@@ -253,14 +277,14 @@ class Judge:
         return (os.environ.get(self.cfg.api_key_env) or "").strip()
 
     def masked(self, text: str) -> str:
-        """text with the key and every header value (and each long word of one) replaced by ***:
-        servers echo a rejected key in their 401 messages."""
+        """text with the key, every header value (and each long word of one) and the user info of
+        every URL (http://user:pass@host) replaced by ***: servers echo a rejected key in their 401s."""
         secrets = [os.environ.get(self.cfg.api_key_env) or "", self._key()]
         for v in self.headers.values():
             secrets += [v, *(w for w in v.split() if len(w) >= 8)]
         for secret in sorted(filter(None, secrets), key=len, reverse=True):
             text = text.replace(secret, "***")
-        return text
+        return mask_urls(text)
 
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         try:
@@ -301,14 +325,13 @@ class Judge:
         key = self._cache_key(messages, sample)
         reply = self.cache.get(key)
         if reply is not None:
-            self.add_stat("cache_hits")
-            return reply
+            return self._counted(reply, accept, "cache_hits")
         if self.fatal:  # the endpoint refused the key or the model: send nothing more
             self.add_stat("failures")
             return None
         shared = key in self._inflight
         if not shared:
-            self._inflight[key] = task = asyncio.ensure_future(self._request(key, messages, accept))
+            self._inflight[key] = task = asyncio.ensure_future(self._request(key, messages))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
         try:
@@ -316,13 +339,20 @@ class Judge:
         finally:
             if not shared:
                 self._inflight.pop(key, None)
+        self._asked += 1
         if reply is None:
-            self.add_stat("failures")
-        elif shared:
-            self.add_stat("cache_hits")
+            self._unanswered += 1
+            self._last_failed = messages
+        return self._counted(reply, accept, "cache_hits" if shared else "requests")
+
+    def _counted(self, reply: str | None, accept, answered: str) -> str | None:
+        """reply, its call counted in exactly one of `answered` (requests, cache_hits) and failures: a
+        call without a reply, or with one `accept` rejects (score_many's parser), gets the fallback."""
+        usable = reply is not None and (accept is None or accept(reply))
+        self.add_stat(answered if usable else "failures")
         return reply
 
-    async def _request(self, key: str, messages: list[dict], accept) -> str | None:
+    async def _request(self, key: str, messages: list[dict]) -> str | None:
         import openai
         cfg = self.cfg
         options = {cfg.token_param: cfg.max_tokens}
@@ -342,7 +372,7 @@ class Judge:
                     await self._rate_slot()
                     if self.fatal:
                         return None
-                    self.add_stat("requests")
+                    self.add_stat("sent")
                     resp = await asyncio.wait_for(self._client.chat.completions.create(
                         model=cfg.model, messages=_sendable(messages), **options), cfg.timeout_s)
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
@@ -372,7 +402,7 @@ class Judge:
                 why, wait = "a response that is not JSON", None
             else:
                 if not isinstance(resp, str):  # the SDK hands back the text of a non-JSON content type (a proxy's page)
-                    return self._take_response(key, resp, accept)
+                    return self._take_response(key, resp)
                 why, wait = "a response that is not JSON", None
             if attempt < cfg.max_retries:
                 if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
@@ -390,6 +420,7 @@ class Judge:
 
     def _note_failure(self, why: str) -> None:
         """A request that got no reply; FAILED_LIMIT of them before any reply stop the run (_gather)."""
+        self.last_failure = why
         if self._failed_before_any >= 0:
             self._failed_before_any += 1
             self._first_failure = self._first_failure or why
@@ -404,7 +435,7 @@ class Judge:
         if start > now:
             await asyncio.sleep(start - now)
 
-    def _take_response(self, key: str, resp, accept) -> str | None:
+    def _take_response(self, key: str, resp) -> str | None:
         usage = getattr(resp, "usage", None)
         p, c = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
         cached = int(getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", 0) or 0)
@@ -429,8 +460,9 @@ class Judge:
         self._failed_before_any = -1
         if finish == "length":  # some text, cut at max_tokens: eval.py reports it as truncated
             self.cache.cut.add(key)
-        if reply.strip() and (accept is None or accept(reply)):  # malformed or empty replies are returned (to be
-            self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})  # counted) but never cached
+        # every reply is cached, one the caller cannot use too: at temperature 0 asking again mostly gets
+        # it again, so a rerun reproduces its fallback (parsed anew: a fixed parser may read it) for free
+        self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
         return reply
 
     async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
@@ -452,6 +484,16 @@ class Judge:
                                      "fix the endpoint or the request settings before paying for more")
             raise JudgeUnusable(self.fatal)  # and it sends nothing more (a later model's scoring in eval.py)
         return replies
+
+    def probe(self) -> bool:
+        """Whether the endpoint answers now: the last request that got no reply, sent once more, with
+        no retries (run.judge_outage waits with it). Counted as any call; JudgeUnusable if refused."""
+        messages = self._last_failed or [{"role": "user", "content": "Reply with one word."}]
+        cfg, self.cfg = self.cfg, dataclasses.replace(self.cfg, max_retries=0)
+        try:
+            return run_sync(self._gather([messages], None))[0] is not None
+        finally:
+            self.cfg = cfg
 
     def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:
         """All completions concurrently in one event loop; same order as the input. n > 1: n sampled
@@ -478,7 +520,7 @@ class Judge:
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);
-        a reply it rejects -> None, counted as a failure and never cached. When the judge's first
+        a reply it rejects -> None, counted as a failure (cached, as every reply). When the judge's first
         UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable: the template or the
         score range is wrong for this model, and paying for more calls would train on fallbacks. Once
         one reply has scored, an unusable reply is only counted (the caller's fallback)."""
@@ -489,8 +531,7 @@ class Judge:
         want = getattr(parse, "want", None) or (  # a parser may say what it reads (judge.parse_met)
             f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else ""))
         for r, s in zip(replies, scores):
-            if r is not None and s is None:
-                self.add_stat("failures")
+            if r is not None and s is None:  # counted in failures by _counted
                 self._warn_once("unparsable", f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
                 if self._unparsed_before_any >= 0:
                     self._unparsed_before_any += 1

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 import jsonl
-from client import ENV_REF, JudgeConfig
+from client import ENV_REF, JudgeConfig, mask_urls
 from rewards import RewardSpec
 from typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
 
@@ -182,6 +182,11 @@ class RunConfig:
     #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
     max_minutes: float = 0.0  # a job's time limit: checkpoint and stop (exit code 0) after the step past which the
     #   next one would end later than this many minutes from the process's start; --resume goes on. 0: no limit
+    judge_outage: Literal["wait", "stop"] = "wait"  # a judge that got no reply to (nearly) any call for
+    #   judge_outage_steps steps in a row: wait, asking it again with backoff (a line each minute) up to
+    #   judge_wait_minutes, then checkpoint and stop (exit code 4); stop: checkpoint and stop at once
+    judge_outage_steps: int = 1  # steps in a row a judge must be down before judge_outage acts
+    judge_wait_minutes: float = 30.0  # judge_outage: wait gives up after this long (0: waits without limit)
 
 
 @dataclass
@@ -293,7 +298,7 @@ def _check(cfg: Config) -> None:
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
                 "grpo.num_mini_batches": cfg.grpo.num_mini_batches,
-                "run.steps": cfg.run.steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha,
+                "run.steps": cfg.run.steps, "run.judge_outage_steps": cfg.run.judge_outage_steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha,
                 "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
                 "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
     for k, v in positive.items():
@@ -307,7 +312,8 @@ def _check(cfg: Config) -> None:
                     "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
                     "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every,
-                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes, "run.epochs": cfg.run.epochs}
+                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes, "run.epochs": cfg.run.epochs,
+                    "run.judge_wait_minutes": cfg.run.judge_wait_minutes}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
@@ -364,8 +370,11 @@ def _check(cfg: Config) -> None:
     if not 0 <= cfg.dpo.label_smoothing < 0.5 or (cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid"):
         raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} needs dpo.loss_type: sigmoid and a value in [0, 0.5) "
                           "(the share of pairs presumed mislabelled)")
-    if cfg.grpo.beta < 0 or cfg.grpo.epsilon < 0 or cfg.grpo.epsilon_high < 0:
-        raise ConfigError("grpo.beta, grpo.epsilon and grpo.epsilon_high must be >= 0")
+    if cfg.grpo.beta < 0:
+        raise ConfigError(f"grpo.beta must be >= 0 (0: no KL term), got {cfg.grpo.beta}")
+    if not 0 < cfg.grpo.epsilon < 1 or not cfg.grpo.epsilon_high > 0:  # epsilon >= 1: a lower bound 1 - eps <= 0 never acts
+        raise ConfigError(f"grpo.epsilon must be in (0, 1) and grpo.epsilon_high > 0 (the ratio is clipped to "
+                          f"[1 - epsilon, 1 + epsilon_high]); got {cfg.grpo.epsilon:g} and {cfg.grpo.epsilon_high:g}")
     if cfg.grpo.delta and (cfg.grpo.delta <= 1 + cfg.grpo.epsilon_high or cfg.grpo.policy_loss != "clip"):
         raise ConfigError(f"grpo.delta={cfg.grpo.delta} caps the clipped objective's ratio for negative advantages: it needs "
                           f"policy_loss: clip and a value above 1 + epsilon_high = {1 + cfg.grpo.epsilon_high:g} (0 turns it off)")
@@ -495,11 +504,12 @@ def _only_references(value: Any) -> bool:
 
 def redacted(d: Any) -> Any:
     """The config as a dict, with extra_headers values (often an Authorization header) masked, except
-    those that hold only ${NAME} references (and words like Bearer): their secret is in the environment."""
+    those that hold only ${NAME} references (and words like Bearer): their secret is in the environment;
+    and a password written in a URL (http://user:pw@host) too."""
     if isinstance(d, dict):
         return {k: ({h: x if _only_references(x) else "***" for h, x in v.items()} if k == "extra_headers" and isinstance(v, dict)
                     else redacted(v)) for k, v in d.items()}
-    return [redacted(x) for x in d] if isinstance(d, list) else d
+    return [redacted(x) for x in d] if isinstance(d, list) else mask_urls(d) if isinstance(d, str) else d
 
 
 def saved_dict(cfg: Config) -> dict:

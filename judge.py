@@ -23,7 +23,7 @@ from functools import partial
 
 from scipy.stats import spearmanr
 
-from client import Judge, JudgeConfig
+from client import Judge, JudgeConfig, mask_urls
 
 
 @dataclass
@@ -241,7 +241,7 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         key = "judge" if name == DEFAULT else f"judges.{name}"
         judges[name] = Judge(cfg, label=key)  # a ValueError names the section itself
         if judges[name].key_missing:
-            where = judges[name].cfg.azure_endpoint or judges[name].cfg.base_url  # its ${NAME}s filled in
+            where = mask_urls(judges[name].cfg.azure_endpoint or judges[name].cfg.base_url)  # ${NAME}s filled in
             print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "
                   "is not on this machine: its calls will be refused (export the key, or set api_key_env)", file=sys.stderr)
     return judges

@@ -23,6 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start: i
 import torch
 
 import jsonl
+import outage
 import overlap
 import rollout
 import vllm_engine
@@ -386,7 +388,9 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
 def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The command line; `started`: when the job began (the command line's: this module's import), for run.max_minutes."""
     started = time.monotonic() if started is None else started  # a job's limit counts the loading too
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, overrides = parse_args(argv)
+    args.argv = argv  # for the --resume command a stopped run gives
     try:
         with sigterm_as_interrupt():  # loading a model can take minutes: stopped meanwhile, one line too
             r = setup(args, overrides)
@@ -428,6 +432,24 @@ def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: flo
     """
     limit = cfg.run.max_minutes * 60
     return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) + extra > limit
+
+
+def judge_back(r: Run, judge: Judge, started: float) -> bool:
+    """run.judge_outage: wait for a judge that is down, within run.max_minutes too (outage.wait);
+    False: the run stops."""
+    cfg = r.cfg.run
+    if cfg.judge_outage == "stop":
+        return False
+    seconds = cfg.judge_wait_minutes * 60 or math.inf
+    if cfg.max_minutes:
+        seconds = min(seconds, cfg.max_minutes * 60 - (time.monotonic() - started))
+    return seconds > 0 and outage.wait(judge, seconds)
+
+
+def resume_command(args) -> str:
+    """This command with --resume: what goes on with its run."""
+    argv = [*args.argv, *([] if args.resume else ["--resume"])]
+    return shlex.join(["python", "train.py", *argv])
 
 
 def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
@@ -478,8 +500,9 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
+            judge_down = outage.down(r.judges, cfg.run.judge_outage_steps)  # checkpointed before waiting
             step_seconds.append(time.monotonic() - t_step - (eval_seconds if evaluated else 0.0))  # the step alone
-            saving = stop or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0) or (
+            saving = stop or judge_down or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0) or (
                 cfg.run.max_minutes and step == start + 1)  # a time limit: the first checkpoint times the one at the end
             # after the next step: its held-out scoring (if it has one; before the first, counted as long as a step)
             # and the checkpoint written when stopping, besides this step's own checkpoint (if it writes one)
@@ -498,6 +521,9 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 print(NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the completions had no reward "
                       "(fallback: skip): a judge or rating outage? See reward_errors/* and judge_failures." if skipped
                       else ""), file=sys.stderr)
+            if judge_down and not judge_back(r, judge_down, started):
+                print(outage.stop_line(judge_down, step, run_dir, resume_command(args)), file=sys.stderr)
+                return 4
             if stop:
                 print(f"[minigrpo] stopped at step {step} (run.stop_without_signal={cfg.run.stop_without_signal}); "
                       f"checkpoint saved in {run_dir}", file=sys.stderr)

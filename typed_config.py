@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -109,6 +110,12 @@ def check_writable(path: str | Path, key: str) -> None:
         raise ConfigError(f"{key}={path}: {there} is a file, not a folder; choose another path")
     if not os.access(there, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise ConfigError(f"{key}={path}: {p if p.exists() else there} is not writable; choose another path")
+    inside = p if p.is_dir() else there  # as root os.access says yes to anything: try what the command will do
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".minigrpo-check-", dir=inside))
+    except OSError as e:  # /proc, a read-only mount, a full disk
+        raise ConfigError(f"{key}={path}: cannot create anything in {inside} ({e.strerror or e}); "
+                          "choose another path") from None
 
 
 def _entry(items: list, part: str, dotted: str) -> int:

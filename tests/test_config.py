@@ -315,3 +315,20 @@ def test_warmup_ratio_on_the_command_line_replaces_a_files_warmup_steps_as_epoch
     assert (cfg.optim.warmup_steps, cfg.optim.warmup_ratio) == (0, 0.1)
     with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=3 and optim.warmup_ratio=0.1"):
         load_config(path, ["--optim.warmup_steps=3", "--optim.warmup_ratio=0.1"])
+
+
+@pytest.mark.parametrize("override, bad", [("--grpo.epsilon=2", "2"), ("--grpo.epsilon=1", "1"),
+                                           ("--grpo.epsilon=0", "0"), ("--grpo.epsilon_high=0", "0.2")])
+def test_a_clip_range_that_never_clips_is_refused_with_the_key_named(tmp_path, override, bad):
+    """Issue 30: epsilon=2 was accepted, and the lower clip bound 1 - 2 = -1 never acts."""
+    with pytest.raises(ConfigError, match=rf"grpo.epsilon must be in \(0, 1\) and grpo.epsilon_high > 0 .*got {bad} "):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_a_run_dir_nothing_can_be_created_in_is_refused_before_anything_loads(tmp_path):
+    """Issue 30: as root os.access says /proc is writable; the run died at mkdir after the model loaded."""
+    from typed_config import check_writable
+    with pytest.raises(ConfigError, match=r"run.out_dir=/proc/x: cannot create anything in /proc \("):
+        check_writable("/proc/x", "run.out_dir")
+    check_writable(tmp_path / "new" / "run", "run.out_dir")  # a folder that can be made: fine, and nothing left
+    assert list(tmp_path.iterdir()) == []

@@ -50,7 +50,8 @@ def test_429_with_retry_after_is_retried_after_waiting_that_long(server):
     assert time.monotonic() - t0 >= 0.4  # our own backoff would have been ~1 ms
     assert [r.status for r in server.requests] == [429, 200]
     stats = judge.pop_step_stats()
-    assert (stats["judge_requests"], stats["judge_retries"], stats["judge_failures"]) == (2, 1, 0)
+    assert (stats["judge_sent"], stats["judge_retries"], stats["judge_failures"]) == (2, 1, 0)
+    assert stats["judge_requests"] == 1  # one call, answered by a request of its own
 
 
 def test_retry_after_is_capped_by_retry_after_max(server):
@@ -75,7 +76,8 @@ def test_final_failure_yields_none_and_counts_without_raising(server):
     assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
     assert len(server.requests) == 6  # 2 calls x (1 try + 2 retries)
     stats = judge.pop_step_stats()
-    assert (stats["judge_failures"], stats["judge_retries"], stats["judge_requests"]) == (2, 4, 6)
+    assert (stats["judge_failures"], stats["judge_retries"], stats["judge_sent"]) == (2, 4, 6)
+    assert stats["judge_requests"] == 0  # no call got a reply
 
 
 @pytest.mark.parametrize("status", [400, 401, 404])
@@ -482,16 +484,37 @@ def test_memory_cache_is_a_bounded_lru_and_can_be_turned_off(server):
     assert [r.prompt_text for r in server.requests] == ["a", "b", "c", "b"]
 
 
-def test_malformed_reply_is_a_failure_and_is_not_cached(server, tmp_path):
+def test_a_malformed_reply_is_a_failure_and_is_cached_so_a_rerun_gets_its_fallback_for_free(server, tmp_path):
+    """Issue 30: unusable replies were not cached, and a rerun paid for them again."""
     path = tmp_path / "c.jsonl"
     judge = make_judge(server, cache_path=str(path))
     server.script(malformed())
     assert judge.score_many([chat("q")], parse_score) == [None]
     assert len(server.requests) == 1  # not retried: same prompt at temperature 0
     assert judge.pop_step_stats()["judge_failures"] == 1
-    assert not path.exists()  # nothing cached, and a Judge creates its cache file only at the first good reply
-    assert judge.score_many([chat("q")], parse_score) == [JudgeScore(7.0, {})]  # asked again, not served from cache
-    assert len(server.requests) == 2
+    rerun = make_judge(server, cache_path=str(path))  # a new process over the same cache
+    assert rerun.score_many([chat("q")], parse_score) == [None]  # the same fallback, not paid again
+    stats = rerun.pop_step_stats()
+    assert len(server.requests) == 1 and (stats["judge_sent"], stats["judge_failures"]) == (0, 1)
+    fixed = lambda reply, lo, hi: JudgeScore(0.0, {}) if "not sure" in reply else None  # a parser that reads it now
+    assert rerun.score_many([chat("q")], fixed) == [JudgeScore(0.0, {})]  # the cached reply, parsed anew
+    assert len(server.requests) == 1
+
+
+def test_every_call_lands_in_exactly_one_of_requests_cache_hits_and_failures(server, tmp_path):
+    """Issue 30: calls sharing a request that failed were in neither requests nor cache hits."""
+    judge = make_judge(server, max_retries=1, cache_path=str(tmp_path / "c.jsonl"))
+    server.script(server_error(503), server_error(503))
+    assert judge.score_many([chat("a"), chat("a"), chat("a")], parse_score) == [None] * 3  # one request, failed twice
+    server.script(malformed())
+    replies = judge.score_many([chat("b")], parse_score) + judge.score_many([chat("c"), chat("c")], parse_score)
+    judge.score_many([chat("c"), chat("b")], parse_score)  # from the cache: one usable, one not
+    stats = judge.pop_step_stats()
+    assert replies[0] is None and replies[1] == replies[2] == JudgeScore(7.0, {})
+    calls, requests, hits, failures = (stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "failures"))
+    assert calls == requests + hits + failures == 8
+    assert (requests, hits, failures) == (1, 2, 5)  # c; c's twin and c cached; a x3, b, b cached
+    assert stats["judge_sent"] == len(server.requests) == 4  # a twice, b, c
 
 
 def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_does_not(server, monkeypatch):
@@ -708,8 +731,8 @@ def test_token_and_cost_accounting_adds_up(server):
     stats = judge.pop_step_stats()
     assert (stats["judge_prompt_tokens"], stats["judge_completion_tokens"]) == (prompt, completion)
     assert stats["judge_cost_usd"] == pytest.approx((prompt * 2.0 + completion * 10.0) / 1e6)
-    counts = [stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "retries", "failures")]
-    assert counts == [4, 3, 2, 1, 0]  # 2 distinct prompts + 1 retry; a shared in-flight twin and a memory hit
+    counts = [stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "sent", "retries", "failures")]
+    assert counts == [4, 2, 2, 3, 1, 0]  # 2 distinct prompts + 1 retry; a shared in-flight twin and a memory hit
 
     judge.complete_many([chat("six")])
     step, total = judge.pop_step_stats(), server.requests[-1].usage
@@ -839,3 +862,26 @@ def test_a_criterion_met_verdict_given_as_a_json_boolean_counts():
     from judge import parse_met
     assert (parse_met('{"met": true}').score, parse_met('```json\n{"met": false}\n```').score) == (1.0, 0.0)
     assert parse_met('{"met": "maybe"}') is None
+
+
+def test_a_password_in_the_judge_url_is_masked_in_warnings_errors_repr_and_saved_configs(
+        monkeypatch, caplog, tmp_path):
+    """Issue 30: http://user:${PASS}@host printed the password in the warning and the exit-2 error."""
+    import client
+    from config import Config, save_config
+    monkeypatch.setattr(client, "FAILED_LIMIT", 2)
+    monkeypatch.setenv("MINIGRPO_TEST_PASS", "pw-SECRET123")
+    with FakeOpenAIServer() as server:
+        url = server.url.replace("http://", "http://judge:${MINIGRPO_TEST_PASS}@")
+    judge = Judge(JudgeConfig(base_url=url, model="m", max_retries=0))  # nothing listens there now
+    with pytest.raises(JudgeUnusable) as err:
+        judge.complete_many([chat("a"), chat("b")])
+    shown = [str(err.value), repr(judge), *(r.getMessage() for r in caplog.records)]
+    assert all("pw-SECRET123" not in text for text in shown) and "http://***@127.0.0.1" in str(err.value)
+    cfg = Config()
+    cfg.judge = JudgeConfig(base_url="http://judge:pw-SECRET123@host/v1", model="m")  # written in clear
+    save_config(cfg, tmp_path / "config.yaml")
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "pw-SECRET123" not in saved and "http://***@host/v1" in saved
+    with pytest.raises(ValueError, match=r"judge: base_url holds '\*\*\*', a secret masked"):
+        Judge(JudgeConfig(base_url="http://***@host/v1", model="m"))  # a saved config given back

@@ -2,6 +2,7 @@
 uninterrupted run, and bad input exits with code 2 and writes nothing."""
 import json
 import math
+import shlex
 import shutil
 import sys
 import threading
@@ -969,3 +970,97 @@ def test_warmup_ratio_makes_as_many_warmup_updates_as_trl():
     cfg.optim.warmup_ratio = 0.1
     assert train.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
     assert train.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
+
+
+class _KillServerAfterStep:
+    """train_step, with the judge's server turned off once step `after` is done (issue 30: killed
+    mid-run, the judge left every later call to its fallback and the run went on to exit 0)."""
+
+    def __init__(self, server, after: int):
+        self.server, self.after, self.step = server, after, train.train_step
+
+    def __call__(self, r):
+        out = self.step(r)
+        if r.step == self.after:
+            self.server.close()
+        return out
+
+
+def _judge_args(cfg, server, *more):
+    judge = f"{{base_url: '{server.url}', model: fake-judge, max_retries: 0}}"
+    return ["--config", str(cfg), f"--judge={judge}", "--run.steps=4", "--run.save_every=0",
+            "--rewards=[{name: judge, args: {template: 'Rate {completion}', criteria: []}}]", *more]
+
+
+def test_a_judge_killed_mid_run_checkpoints_and_stops_with_one_line_and_the_resume_command(
+        setup, monkeypatch, capsys):
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
+        args = _judge_args(cfg, server, "--run.judge_outage=stop")
+        assert train.main(args) == 4
+    m = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2]  # stopped after the first step down, not at step 4
+    assert m[1]["judge_failures"] == m[1]["judge_calls"] == 8 and m[1]["judge_requests"] == 0
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: judge got no reply to its calls for 1 step(s) in a row (the last: 1 try, the last "
+                          "APIConnectionError); checkpoint saved at step 2 in ")
+    assert shlex.split(err.split("go on with: ")[1]) == ["python", "train.py", *args, "--resume"]
+
+
+def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
+    """run.judge_outage: wait (the default): the run asks the judge again with backoff and goes on
+    when it answers; the server is turned on again during the second pause."""
+    import outage
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
+        clock, pauses, back, port = [0.0], [], [], int(server.url.split(":")[2][:-3])
+
+        def sleep(s):  # no real waiting: a clock that the pauses move
+            pauses.append(s)
+            clock[0] += s
+            if len(pauses) == 2:
+                back.append(FakeOpenAIServer(reply=server.reply, port=port).start())
+        monkeypatch.setattr(outage, "sleep", sleep)
+        monkeypatch.setattr(outage, "clock", lambda: clock[0])
+        try:
+            assert train.main(_judge_args(cfg, server)) == 0
+        finally:
+            for s in back:
+                s.close()
+    assert pauses == [10.0, 20.0]
+    m = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert m[1]["judge_failures"] == 8 and m[2]["judge_failures"] == 1  # step 3 counts the failed try
+    assert m[3]["judge_failures"] == 0 and m[3]["judge_requests"] + m[3]["judge_cache_hits"] == 8
+    err = capsys.readouterr().err
+    assert "judge got no reply to its calls for 1 step(s)" in err and "waiting for it, up to 30.0 min" in err
+    assert "judge still down after 0.2 min" in err and "judge answers again after 0.5 min; going on" in err
+
+
+def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
+    import outage
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    clock, pauses = [0.0], []
+    monkeypatch.setattr(outage, "sleep", lambda s: (pauses.append(s), clock.__setitem__(0, clock[0] + s)))
+    monkeypatch.setattr(outage, "clock", lambda: clock[0])
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=2))
+        assert train.main(_judge_args(cfg, server, "--run.judge_wait_minutes=3")) == 4
+    assert pauses == [10.0, 20.0, 40.0, 60.0, 50.0]  # 3 min in all
+    assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003"]
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: judge got no reply")
+
+
+def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(setup, monkeypatch, capsys):
+    cfg, _ = setup
+    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(["--config", str(cfg), "--run.out_dir=/proc/x"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything in /proc (No such "
+                                               "file or directory); choose another path")

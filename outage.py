@@ -1,0 +1,63 @@
+"""A judge that stops answering mid-run (run.judge_outage): wait for it, or checkpoint and stop.
+
+    name = outage.down(judges, cfg.run.judge_outage_steps)   # a judge down that many steps in a row
+    back = outage.wait(judges[name], seconds=30 * 60)        # ask it again, with backoff, until it answers
+
+A step in which a judge got no reply to (nearly) every call it sent (client.OUTAGE_SHARE) is a step
+down; a step answered from the cache alone says nothing. Without this, a judge killed mid-run leaves
+every later call to its fallback: hours of GPU time training on zeros (`fallback: 0.0`) or on
+nothing (`fallback: skip`). Before its first reply a judge that never answers stops the run at once
+instead (client.FAILED_LIMIT: the endpoint is wrong, not down). The step that finds the outage has
+already trained on its fallbacks: with fallback: skip it trained on nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+from client import Judge
+
+FIRST_PAUSE_S = 10.0  # the first wait before asking again; doubles up to MAX_PAUSE_S
+MAX_PAUSE_S = 60.0  # so a line is said at least each minute
+sleep, clock = time.sleep, time.monotonic  # tests replace them
+
+
+def down(judges: dict[str, Judge], steps: int) -> Judge | None:
+    """The first judge down for `steps` steps in a row, or None."""
+    return next((j for j in judges.values() if j.down_steps >= steps), None)
+
+
+def say(text: str) -> None:
+    print(f"[minigrpo] {text}", file=sys.stderr, flush=True)
+
+
+def wait(judge: Judge, seconds: float) -> bool:
+    """Ask `judge` again (its last failed request, once: Judge.probe) after pauses of 10, 20, 40,
+    60, 60 ... s, until it answers (True) or `seconds` have passed (False; math.inf: no limit). A
+    line on stderr when the wait starts, after each try, and when the judge is back."""
+    start, pause = clock(), FIRST_PAUSE_S
+    limit = f"up to {seconds / 60:.1f} min" if math.isfinite(seconds) else "without limit"
+    say(f"{judge.label} got no reply to its calls for {judge.down_steps} step(s) (the last: "
+        f"{judge.masked(judge.last_failure)}); waiting for it, {limit} (run.judge_wait_minutes; "
+        "run.judge_outage: stop stops instead)")
+    while True:
+        left = seconds - (clock() - start)
+        if left <= 0:
+            return False
+        sleep(min(pause, left))
+        if judge.probe():
+            judge.down_steps = 0
+            say(f"{judge.label} answers again after {(clock() - start) / 60:.1f} min; going on")
+            return True
+        say(f"{judge.label} still down after {(clock() - start) / 60:.1f} min "
+            f"({judge.masked(judge.last_failure)})")
+        pause = min(2 * pause, MAX_PAUSE_S)
+
+
+def stop_line(judge: Judge, step: int, run_dir, resume: str) -> str:
+    """The one line a run stopped by an outage ends with: the judge, its last error, how to go on."""
+    return (f"error: {judge.label} got no reply to its calls for {judge.down_steps} step(s) in a row "
+            f"(the last: {judge.masked(judge.last_failure)}); checkpoint saved at step {step} in "
+            f"{run_dir}; once it answers, go on with: {judge.masked(resume)}")
