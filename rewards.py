@@ -28,23 +28,13 @@ reward functions written for TRL's GRPOTrainer. Model output is only ever parsed
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Callable, Literal
 
-import answers
-
-@dataclass
-class RewardSpec:
-    """One entry of the config's `rewards:` list."""
-    name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
-    weight: float = 1.0  # weight of this reward in the total
-    args: dict = field(default_factory=dict)  # keyword arguments passed to the function
-    fallback: float | Literal["skip"] = 0.0  # value used when the function raises or returns a non-number;
-    #   "skip": no value at all, the completion is left out of its group's advantage and of the loss (judge, human)
-    label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
-
+from plumbing import answers
 
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
 def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
@@ -337,16 +327,22 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
     return 1.0 if n <= max_words else (4 * max_words - n) / (3 * max_words)
 
 
-# ---------------------------------------------------- judge, people and reward-model rewards (batched)
-# judge.py, ratings.py, reward_model.py and citations.py do not import this module: registering their rewards here makes no cycle.
-from judge import judge_reward, rubric_alignment  # noqa: E402
-from ratings import human  # noqa: E402
-from reward_model import reward_model  # noqa: E402
-from citations import citation_grounding, invented_citation  # noqa: E402
+# ---------------------------------------------------- rewards in other files, registered when named
+# The judge's rewards (judge.py) and the graders (graders/) register themselves when their module is
+# imported; lookup imports it the first time a config names one, so the core never imports graders/
+# (`import train` loads no rating page).
+ELSEWHERE = {"judge": "judge", "rubric_alignment": "judge", "human": "graders.ratings",
+             "reward_model": "graders.reward_model", "citation_grounding": "graders.citations",
+             "invented_citation": "graders.citations"}
 
-register("judge", batched=True)(judge_reward)
-register("rubric_alignment", batched=True, row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)
-register("human", batched=True, row_keys=("prompt_key",))(human)
-register("reward_model", batched=True)(reward_model)
-register("citation_grounding", row_keys=("valid_key",))(citation_grounding)
-register("invented_citation", row_keys=("valid_key",))(invented_citation)
+
+def lookup(name: str) -> tuple[Callable, bool] | None:
+    """The (function, batched) registered under `name`, its module imported first if need be."""
+    if name not in REGISTRY and name in ELSEWHERE:
+        importlib.import_module(ELSEWHERE[name])
+    return REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    """Every name a config may give a reward by: registered, or registered when first looked up."""
+    return sorted(set(REGISTRY) | set(ELSEWHERE))

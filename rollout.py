@@ -22,7 +22,7 @@ from torch import Tensor
 
 from grpo import completion_mask
 from logprobs import position_ids, prompt_cache
-from typed_config import ConfigError
+from plumbing.typed_config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

@@ -34,12 +34,12 @@ from typing import Any, Callable, Collection
 import torch
 
 from config import Config, ConfigError, judge_names, judge_sections
-from typed_config import check_writable, convert
+from plumbing.typed_config import check_writable, convert
 from data import check_not_data_file
-from client import Judge, JudgeUnusable
+from api.client import Judge, JudgeUnusable
 from judge import open_judges
-from rewards import RewardSpec
-from plugins import did_you_mean, one_line, reward_params, resolve
+from config import RewardSpec
+from plumbing.plugins import did_you_mean, one_line, reward_params, resolve
 
 log = logging.getLogger("minigrpo.scoring")
 

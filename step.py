@@ -2,7 +2,7 @@
 advantages, and take num_iterations x num_mini_batches clipped-surrogate updates (train_step). train.py runs the loop
 around it; the math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
 
-    metrics, shown = train_step(run)      # run: train.Run, built by train.setup
+    metrics, shown = train_step(run)      # run: a Run (below), built by train.setup
 
 Rewards are computed while the next slice samples (rollout.prompts_per_generate with
 rollout.overlap_rewards); the log-prob forward runs in micro-batches sized by
@@ -20,23 +20,48 @@ import resource
 import sys
 import time
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from pathlib import Path
+
 
 import torch
 
 import grpo
 import logprobs
 import rollout
-import vllm_engine
+from plumbing import vllm_engine
 from config import Config
-from sampler import PromptSampler
-from client import Judge
+from plumbing.sampler import PromptSampler
+from api.client import Judge
 from model import merged_for_sampling, mixed_precision, reference_mode
 from scoring import RewardResult, compute_rewards, in_background, join_results, reward_context, reward_means
 
-if TYPE_CHECKING:
-    from train import Run
+@dataclass
+class Run:
+    """Everything the loop needs, built (and checked) before the run directory is touched."""
+    cfg: Config
+    run_dir: Path
+    rows: list[dict]
+    source_labels: list[str]  # one per data source (a mixture has several)
+    device: torch.device
+    model: torch.nn.Module
+    tokenizer: object
+    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO with beta > 0, DPO) only
+    params: list
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: object  # a GradScaler for fp16, else None
+    sampler: PromptSampler
+    judges: dict[str, Judge]  # by name: "judge" (the judge: section) and the judges: section's
+    start: int  # last completed step (0 for a new run)
+    engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
+    eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
+    warned_all_truncated: bool = False  # the all-truncated warning is given once a run
+    phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out rows, syncing to
+    #   vLLM): out of GPU memory, out_of_memory's advice fits it
+    ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
+    changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
+    step: int = 0  # the step under way (what an interrupted run reports)
 
 
 @dataclass

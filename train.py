@@ -33,24 +33,25 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start: i
 
 import torch
 
-import jsonl
-import outage
-import overlap
+from plumbing import jsonl
+from api import outage
+from plumbing import overlap
 import rollout
-import vllm_engine
+from plumbing import vllm_engine
 from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
-from typed_config import check_writable
-from jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
+from plumbing.typed_config import check_writable
+from plumbing.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from data import load_sources
-from sampler import PromptSampler
-from adapters import PROVENANCE, same_base
-from model import is_peft, load_policy, load_tokenizer, pick_device, pick_dtype, resolve_model_path, trainable_parameters
-from checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
-from client import Judge, JudgeUnusable
+from plumbing.sampler import PromptSampler
+from plumbing.adapters import PROVENANCE, same_base
+from model import is_peft, load_policy, load_tokenizer, pick_device, pick_dtype, trainable_parameters
+from plumbing.hub import resolve_model_path
+from plumbing.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
+from api.client import Judge, JudgeUnusable
 from judge import judges_stats
 from scoring import check_rows, open_rewards, open_scoring
-from step import train_step
-from display import NO_SIGNAL, NO_SIGNAL_WARN_AFTER, flat_steps_at_end, open_tracker, out_of_memory, progress_display
+from step import Run, train_step
+from plumbing.display import NO_SIGNAL, NO_SIGNAL_WARN_AFTER, flat_steps_at_end, open_tracker, out_of_memory, progress_display
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -79,34 +80,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--dry-run", action="store_true", help="check config, data, model and judges, show the first "
                     "prompt as the model sees it, and exit without training or writing anything")
     return ap.parse_known_args(argv)
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built (and checked) before the run directory is touched."""
-    cfg: Config
-    run_dir: Path
-    rows: list[dict]
-    source_labels: list[str]  # one per data source (a mixture has several)
-    device: torch.device
-    model: torch.nn.Module
-    tokenizer: object
-    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO with beta > 0, DPO) only
-    params: list
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: object  # a GradScaler for fp16, else None
-    sampler: PromptSampler
-    judges: dict[str, Judge]  # by name: "judge" (the judge: section) and the judges: section's
-    start: int  # last completed step (0 for a new run)
-    engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
-    eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
-    warned_all_truncated: bool = False  # the all-truncated warning is given once a run
-    phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out rows, syncing to
-    #   vLLM): out of GPU memory, out_of_memory's advice fits it
-    ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
-    changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
-    step: int = 0  # the step under way (what an interrupted run reports)
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -147,7 +120,7 @@ def row_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> 
     DPO: its longer reply), and the limit they must fit -> (lengths, its config key, the limit)."""
     def count(texts: list[str]) -> list[int]:
         return [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
-    from sft import with_eos
+    from modes.sft import with_eos
     replies = [count([with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
                for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data, what=what)))]
@@ -308,9 +281,9 @@ def held_out_metrics(r: Run) -> dict:
     by the policy now, scored with the rewards (SFT: eval/loss; DPO: eval/loss, eval/rewards/*; and these
     when it has rewards). The random state is set aside and restored, so a run with run.eval_every
     trains exactly as one without."""
-    import dpo
+    from modes import dpo
     import eval as ev
-    from sft import held_out_loss
+    from modes.sft import held_out_loss
     cfg, t0 = r.cfg, time.time()
     r.phase = "scoring the held-out rows"
     loss = {"sft": lambda: {"eval/loss": held_out_loss(r)}, "dpo": lambda: dpo.held_out_metrics(r)}.get(cfg.mode, dict)()
@@ -330,7 +303,7 @@ def dry_run_report(r: Run) -> str:
     """What --dry-run prints: the data as loaded and the first row exactly as the model will see it."""
     cfg, row = r.cfg, r.rows[0]
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
-    from sft import with_eos
+    from modes.sft import with_eos
     prompt = rollout.render_rows(r.tokenizer, [row], cfg.data)[0]
     shown = prompt + (with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
@@ -469,8 +442,8 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
           + (f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""), file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
-    from dpo import dpo_step  # sft.py and dpo.py import from this module: import them late
-    from sft import sft_step
+    from modes.dpo import dpo_step  # sft.py and dpo.py import from this module: import them late
+    from modes.sft import sft_step
     step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
     flat_steps = flat_steps_at_end(metrics_path)  # steps in a row without a learning signal (a resumed run's too)
     recorded, started, step_seconds = None, time.monotonic() if started is None else started, []

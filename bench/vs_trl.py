@@ -127,7 +127,7 @@ def random_config(name: str, tokenizer: str | None):
     """(transformers config of the RANDOM_MODELS shape `name`, the tokenizer whose special ids it takes)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from model import builtin_model_dir
+    from plumbing.hub import builtin_model_dir
     tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
     d = dict(RANDOM_MODELS[name])
     cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -137,7 +137,7 @@ def random_config(name: str, tokenizer: str | None):
 
 def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
     """A transformers directory both trainers load: the built-in model, or a seeded random model."""
-    from model import builtin_model_dir
+    from plumbing.hub import builtin_model_dir
     if not spec.startswith("random:"):
         return builtin_model_dir(spec, str(CACHE)) if spec == "smollm2-135m" else Path(spec).expanduser()
     name = spec.split(":", 1)[1]
@@ -249,7 +249,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     import trl.trainer.grpo_trainer as gt
     from config import load_config
     from rollout import chat_messages
-    from model import pick_device, pick_dtype, resolve_model_path
+    from model import pick_device, pick_dtype
+    from plumbing.hub import resolve_model_path
     from scoring import compute_rewards
 
     cfg = load_config(cfg_path)

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-import bestofn
+from tools import bestofn
 import eval as ev
 import train
 

@@ -10,7 +10,7 @@ import yaml
 import train
 from config import ConfigError, DataConfig, DataSource, load_config
 from data import DataError, check_not_data_file, load_rows, load_sources, split
-from sampler import PromptSampler
+from plumbing.sampler import PromptSampler
 
 
 def write_jsonl(path, rows):
@@ -260,7 +260,7 @@ def test_an_unreachable_hub_is_used_offline_at_once(monkeypatch):
     import time
     import datasets.config
     import huggingface_hub.constants as hub_constants
-    import hub
+    from plumbing import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: False)
     with hub.offline_if_unreachable():
         assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
@@ -276,7 +276,7 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
     named, not an IndexError; a dataset missing from the cache of a machine without a network says
     how to bring it over."""
     import datasets
-    import hub
+    from plumbing import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: True)
     raised = [ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', 'socratic']\nExample: ..."),
               ValueError()]
@@ -297,7 +297,7 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
 
 
 def test_a_proxy_makes_the_hub_count_as_reachable(monkeypatch):
-    import hub
+    from plumbing import hub
     monkeypatch.setattr(hub.socket, "getaddrinfo", lambda *a: (_ for _ in ()).throw(OSError("no DNS")))
     hub.reachable.cache_clear()
     try:
@@ -338,7 +338,7 @@ def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
     eval.config_name, else data.config_name's ("default" names a dataset without configs)."""
     import datasets
     import eval as ev
-    import precompute
+    from tools import precompute
     from config import Config, EvalConfig, PrecomputeConfig
     seen = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k["split"]) + ((k["revision"],) if k.get("revision")
@@ -355,7 +355,7 @@ def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
 
 
 def test_medmcqa_s_unanswered_test_split_says_so():
-    from maps import medmcqa_json
+    from plumbing.maps import medmcqa_json
     with pytest.raises(ValueError, match="test split has no answers"):
         medmcqa_json({"question": "q", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": -1, "exp": ""})
 

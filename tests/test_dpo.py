@@ -13,7 +13,7 @@ import step
 import train
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
-from dpo import dpo_loss
+from modes.dpo import dpo_loss
 
 NO = ["I do not know, sorry.", "No.", "", "Maybe a large number; I cannot say for sure which one it is."]  # "" is a reply too
 PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": NO[(a + 2 * b) % 4]}
@@ -135,7 +135,7 @@ def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
 def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, monkeypatch):
     """dpo.cache_reference: the second and third passes over the 16 pairs run no reference forward,
     and train exactly as without the cache (the reference never changes)."""
-    import dpo
+    from modes import dpo
     path, cfg = dpo_config
     calls = []
     original = dpo.reference_mode
@@ -165,7 +165,7 @@ def grads_of_one_step(path, *overrides):
         return 0.0, 0.0
     original, step.optimizer_step = step.optimizer_step, capture
     try:
-        from dpo import dpo_step
+        from modes.dpo import dpo_step
         m, _ = dpo_step(r)
     finally:
         step.optimizer_step = original
@@ -206,7 +206,7 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
     """After one update (full fine-tuning: the reference is a frozen copy), eval/* on the held-out
     pairs equal the DPO formulas over plain forwards of prompt + reply + EOS at temperature 1:
     padding, the prompt and the sampling temperature (0.7 in this config) left out, EOS counted."""
-    import dpo
+    from modes import dpo
     import rollout as ro
     path, _ = dpo_config
     r = train.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",

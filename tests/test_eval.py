@@ -10,12 +10,12 @@ import torch
 import yaml
 
 import eval as ev
-import metrics
+from plumbing import metrics
 from config import ConfigError, ModelConfig
-from entries import parse_model_entries
+from plumbing.entries import parse_model_entries
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
-from adapters import save_adapter
-from rewards import RewardSpec
+from plumbing.adapters import save_adapter
+from config import RewardSpec
 from scoring import compute_rewards
 
 MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
@@ -479,7 +479,7 @@ def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, t
     entries = parse_model_entries(["hf:me/sft@refs/pr/3", "m=hf:me/merged"], ModelConfig(name=str(tiny_llama)))
     assert [(e.name, e.kind, e.target) for e in entries] == [("sft", "adapter", str(adapter)), ("m", "full", str(tiny_llama))]
     assert calls == [("me/sft", "refs/pr/3"), ("me/merged", None)]
-    import hub
+    from plumbing import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: True)  # the hub's own error, when it answers
     with pytest.raises(ConfigError, match="could not download me/other from the hub .*couldn't connect"):
         parse_model_entries(["hf:me/other"], ModelConfig(name=str(tiny_llama)))
@@ -667,7 +667,7 @@ def test_the_resume_key_holds_the_device_and_the_dtype_used_there(monkeypatch):
     """model.dtype auto is bf16 on an Ampere GPU and fp32 on a CPU: a GPU run's saved batches are not
     mixed into a CPU rerun; auto and float32 on a CPU compute the same, so they share the key."""
     from config import load_config
-    from entries import ModelEntry
+    from plumbing.entries import ModelEntry
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     entry = ModelEntry("base", "base", None, "base")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import yaml
 
-import export
+from tools import export
 from config import ModelConfig
-from adapters import PROVENANCE, save_adapter
+from plumbing.adapters import PROVENANCE, save_adapter
 from model import load_base
 
 PROMPT = "What is 2 + 3? Reply with just the number."
@@ -181,7 +181,7 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
     from transformers import AutoTokenizer
 
     import rollout
-    from export import serving_template
+    from tools.export import serving_template
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
     ckpt = run / "checkpoints/step_000007"
@@ -217,7 +217,7 @@ def test_the_exported_chat_template_renders_prompts_as_training_did(trained, tmp
 def test_the_serving_template_renders_training_prompts_for_awkward_templates(trained, template):
     """Whitespace at the template's edges, nested none, non-ASCII prefixes: the baked template gives
     exactly training's render plus the prefix."""
-    from export import serving_template
+    from tools.export import serving_template
     tok, messages = trained["tok"], [{"role": "user", "content": "hi"}]
     kwargs, prefix = {"flag": False, "extra": {"a": None, "b": ["é", 1]}}, "<think>😀 \"{{x}}\"\n"
     want = tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True,

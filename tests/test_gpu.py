@@ -104,7 +104,7 @@ def test_dpo_starts_at_log2_and_trains_on_cuda(tmp_path, tiny_llama, model):
 def test_reward_model_scores_in_bf16_on_cuda_as_in_fp32_on_cpu(tmp_path):
     """device auto puts the reward model on the GPU, dtype auto in bf16 there; scores stay close to
     the CPU's fp32 ones (bf16 rounding only)."""
-    import reward_model as rm
+    from graders import reward_model as rm
     from test_reward_model import PROMPTS, REPLIES, write_classifier
     path = str(write_classifier(tmp_path / "rm"))
     samples = [{"prompt": p} for p in PROMPTS]

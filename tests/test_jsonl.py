@@ -4,7 +4,7 @@ import multiprocessing
 
 import pytest
 
-import jsonl
+from plumbing import jsonl
 
 
 def test_append_returns_where_each_write_starts_and_read_gives_offsets_ends_and_records(tmp_path):

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from fake_openai_server import Behaviour, FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
-from client import Judge, JudgeConfig, JudgeUnusable, cache_key
+from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
 from judge import JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score, render, rubric_alignment
-from rewards import RewardSpec
+from config import RewardSpec
 from scoring import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
@@ -348,7 +348,7 @@ def test_a_judge_that_never_answers_stops_the_run(server):
     """FAILED_LIMIT requests failed after their retries, none answered (a 400 for every request, a
     server that is down): JudgeUnusable instead of a run trained on fallbacks. Once one has answered,
     failures are only counted."""
-    from client import FAILED_LIMIT
+    from api.client import FAILED_LIMIT
     server.default = server_error(400)
     judge = make_judge(server)
     assert judge.complete_many([chat(f"a{i}") for i in range(FAILED_LIMIT - 1)]) == [None] * (FAILED_LIMIT - 1)
@@ -519,7 +519,7 @@ def test_every_call_lands_in_exactly_one_of_requests_cache_hits_and_failures(ser
 
 def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_does_not(server, monkeypatch):
     """16 unusable replies before any usable one: a wrong template or score range, not noise."""
-    import client
+    from api import client
     monkeypatch.setattr(client, "UNPARSED_LIMIT", 4)
     judge = make_judge(server)
     server.default = ok(text="A thoughtful answer, well argued.")
@@ -843,7 +843,7 @@ def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, 
     back and its other requests were cancelled), with one warning a step that a rerun pays again."""
     import errno
 
-    import jsonl
+    from plumbing import jsonl
     judge = make_judge(server, cache_path=str(tmp_path / "judge.jsonl"))
 
     def full(path, records):
@@ -867,7 +867,7 @@ def test_a_criterion_met_verdict_given_as_a_json_boolean_counts():
 def test_a_password_in_the_judge_url_is_masked_in_warnings_errors_repr_and_saved_configs(
         monkeypatch, caplog, tmp_path):
     """Issue 30: http://user:${PASS}@host printed the password in the warning and the exit-2 error."""
-    import client
+    from api import client
     from config import Config, save_config
     monkeypatch.setattr(client, "FAILED_LIMIT", 2)
     monkeypatch.setenv("MINIGRPO_TEST_PASS", "pw-SECRET123")

@@ -4,8 +4,8 @@ leakage audit found each of these passing unnoticed when only the configs were c
 import json
 
 import eval as ev
-import export
-import overlap
+from tools import export
+from plumbing import overlap
 import train
 from conftest import write_run_config
 

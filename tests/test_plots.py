@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import plots
+from tools import plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-import precompute
+from tools import precompute
 import train
 from fake_openai_server import FakeOpenAIServer, server_error
 

@@ -16,12 +16,13 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 
-import jsonl
-import ratings
-import rating_page
-from rating_page import make_server
-from ratings import Store, human, item_id
-from rewards import RewardSpec
+from plumbing import jsonl
+from graders import ratings
+from tools import ratings as ratings_cmd
+from graders import rating_page
+from graders.rating_page import make_server
+from graders.ratings import Store, human, item_id
+from config import RewardSpec
 from scoring import check_specs, compute_rewards
 
 CRITERIA = ["relevance", "clarity"]
@@ -315,8 +316,8 @@ def test_a_second_server_on_one_folder_is_refused(tmp_path, capsys):
     (tmp_path / "r").mkdir()
     with open(tmp_path / "r" / "serve.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert ratings.main(["serve", "--dir", str(tmp_path / "r"), "--port", "0"]) == 2
-    assert "another `ratings.py serve` is using" in capsys.readouterr().err
+        assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "r"), "--port", "0"]) == 2
+    assert "another `python -m tools.ratings serve` is using" in capsys.readouterr().err
 
 
 def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line(tmp_path):
@@ -352,43 +353,43 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
     jsonl.append(tmp_path / "ratings.jsonl", [{"id": "a", "scores": {"overall": 4}}])
-    assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["rated"] == 1
-    assert ratings.main(["export", "--dir", str(tmp_path)]) == 0
+    assert ratings_cmd.main(["export", "--dir", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["scores"] == {"overall": 4.0}
     queue(tmp_path, "b", 1, "p", "d", ["overall", "clarity"])  # another criterion: null for "a" in the table
     jsonl.append(tmp_path / "ratings.jsonl", [{"id": "b", "scores": {"overall": 2, "clarity": 5}}])
     for out in ("rated.parquet", "rated.jsonl"):
-        assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 0
+        assert ratings_cmd.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 0
     rows = pq.read_table(tmp_path / "x" / "rated.parquet").to_pylist()
     assert [(r["id"], r["scores"], r["reward"]) for r in rows] == [("a", {"overall": 4.0, "clarity": None}, 0.75),
                                                                   ("b", {"overall": 2.0, "clarity": 5.0}, 0.625)]
     assert [json.loads(x)["id"] for x in (tmp_path / "x" / "rated.jsonl").read_text().splitlines()] == ["a", "b"]
-    assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / "R.PQ")]) == 0  # bestofn reads it
+    assert ratings_cmd.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / "R.PQ")]) == 0  # bestofn reads it
     assert pq.read_table(tmp_path / "x" / "R.PQ").num_rows == 2
-    assert ratings.main(["stats", "--dir", str(tmp_path), "--out", str(tmp_path / "s.jsonl")]) == 2  # not silently ignored
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path), "--out", str(tmp_path / "s.jsonl")]) == 2  # not silently ignored
     assert "--out is for export, not stats" in capsys.readouterr().err
     for out, says in (("rated.parquet", "exists and is never overwritten"), ("rated.csv", "give a .jsonl or a .parquet")):
-        assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 2
+        assert ratings_cmd.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "x" / out)]) == 2
         assert says in capsys.readouterr().err
     jsonl.append(tmp_path / "queue.jsonl", [{"id": "c", "batch": 1, "prompt": "user: chat", "completion": "e", "criteria": [
         "overall"], "scale": [1, 5], "time": 0, "messages": [{"role": "user", "content": "chat"}]}])  # a chat prompt beside text
     jsonl.append(tmp_path / "ratings.jsonl", [{"id": "c", "scores": {"overall": 3}}])
-    assert ratings.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "y.parquet")]) == 2
+    assert ratings_cmd.main(["export", "--dir", str(tmp_path), "--out", str(tmp_path / "y.parquet")]) == 2
     assert "do not fit one Parquet table" in capsys.readouterr().err and not (tmp_path / "y.parquet").exists()
-    assert ratings.main(["stats", "--dir", str(tmp_path / "missing")]) == 2
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path / "missing")]) == 2
     assert "is not a folder" in capsys.readouterr().err
     (tmp_path / "run").mkdir()  # empty: `serve` made it, nothing queued yet
-    assert ratings.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
     rating_page.page_token(tmp_path / "run")  # `serve` also keeps its form token there
-    assert ratings.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path / "run")]) == 0 and json.loads(capsys.readouterr().out)["queued"] == 0
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")  # a folder of something else: not "0 rated"
-    assert ratings.main(["export", "--dir", str(tmp_path / "run")]) == 2
+    assert ratings_cmd.main(["export", "--dir", str(tmp_path / "run")]) == 2
     assert "holds no queue.jsonl or ratings.jsonl" in capsys.readouterr().err
-    assert ratings.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2  # a file, not a folder
+    assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2  # a file, not a folder
     assert "cannot use" in capsys.readouterr().err
     for argv, says in ((["--port", "99999"], "is not a port"), (["--host", "no.such.host.invalid"], "check --host")):
-        assert ratings.main(["serve", "--dir", str(tmp_path / "new" / "deeper"), *argv]) == 2
+        assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "new" / "deeper"), *argv]) == 2
         assert says in capsys.readouterr().err and not (tmp_path / "new").exists()  # nothing left behind
     ratings._STORES.clear()
 
@@ -404,12 +405,12 @@ def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
                                              "criteria": ["overall"], "scale": [3, 3]}])  # neither can be rated
     (tmp_path / "ratings.jsonl").write_text('{"id": "a", "scores": {"overall": 1e400}}\n' + "".join(
         json.dumps({"id": "a", "scores": {"overall": v}}) + "\n" for v in (4.6, 9, 0, 4)))  # off the scale: not counted
-    assert ratings.main(["stats", "--dir", str(tmp_path)]) == 0
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out) == {"queued": 1, "rated": 1, "pending": 0, "mean_scores": {"overall": 4.0}}
     assert out.err.count("skipped an unreadable line") == 3 and out.err.count("skipped a rating of 'a'") == 4
     assert "outside the item's scale [1, 5]" in out.err and "must be whole numbers" in out.err
-    assert ratings.main(["export", "--dir", str(tmp_path)]) == 0 and json.loads(capsys.readouterr().out)["reward"] == 0.75
+    assert ratings_cmd.main(["export", "--dir", str(tmp_path)]) == 0 and json.loads(capsys.readouterr().out)["reward"] == 0.75
     ratings._STORES.clear()
 
 
@@ -436,7 +437,7 @@ def test_a_rating_off_the_scale_never_makes_the_reward_leave_0_1_even_when_read_
 def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, tiny_llama, capsys):
     """People's ratings are paid for: ratings.py export gives each rated reply its reward, bestofn.py
     pairs each prompt's best- and worst-rated replies, and train.py's DPO mode trains on them."""
-    import bestofn
+    from tools import bestofn
     import train
     ratings._STORES.clear()
     folder = tmp_path / "ratings"
@@ -448,7 +449,7 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
                                                  ("Ask about Rust.", "<q>What is borrowing?</q>", (3, 3))]):  # one reply: no pair
         queue(folder, f"i{i}", 1, prompt, reply)
         jsonl.append(folder / "ratings.jsonl", [{"id": f"i{i}", "scores": dict(zip(CRITERIA, scores))}])
-    assert ratings.main(["export", "--dir", str(folder)]) == 0
+    assert ratings_cmd.main(["export", "--dir", str(folder)]) == 0
     rated = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [r["reward"] for r in rated[:2]] == [pytest.approx(0.875), pytest.approx(0.125)]  # ((5-1)/4 + (4-1)/4) / 2
     (tmp_path / "rated.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rated))
@@ -459,7 +460,7 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
         ("Ask about Go.", "<q>What is a goroutine?</q>", "<q>Hi.</q>"),
         ("Ask about SQL.", "<q>What does an index cost?</q>", "<q>Why?</q>")]
     assert "row" not in made[0]
-    assert ratings.main(["export", "--dir", str(folder), "--out", str(tmp_path / "rated.parquet")]) == 0  # or as Parquet
+    assert ratings_cmd.main(["export", "--dir", str(folder), "--out", str(tmp_path / "rated.parquet")]) == 0  # or as Parquet
     assert bestofn.main([str(tmp_path / "rated.parquet"), "--pairs", str(tmp_path / "pq_pairs.jsonl")]) == 0
     assert (tmp_path / "pq_pairs.jsonl").read_text() == pairs.read_text()
     # a reply rated on another scale is never compared with these, nor paired with itself
@@ -467,7 +468,7 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
     jsonl.append(folder / "ratings.jsonl", [{"id": "other", "scores": {"overall": 5}}])
     ratings._STORES.clear()
     capsys.readouterr()
-    assert ratings.main(["export", "--dir", str(folder)]) == 0
+    assert ratings_cmd.main(["export", "--dir", str(folder)]) == 0
     (tmp_path / "rated2.jsonl").write_text(capsys.readouterr().out)
     pairs2 = tmp_path / "pairs2.jsonl"
     assert bestofn.main([str(tmp_path / "rated2.jsonl"), "--pairs", str(pairs2)]) == 0

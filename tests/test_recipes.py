@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import eval as ev
-import rating_page
-import ratings
+from graders import rating_page
+from graders import ratings
 import train
 from config import load_config
 from data import load_rows

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from reply_cache import ReplyCache, cache_key
+from api.reply_cache import ReplyCache, cache_key
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2}
 

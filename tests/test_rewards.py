@@ -9,8 +9,10 @@ import time
 import pytest
 
 import rewards
-from plugins import resolve
-from rewards import (REGISTRY, RewardSpec, answer_match, choice_accuracy, citation_grounding, invented_citation, json_schema, json_valid,
+from plumbing.plugins import resolve
+from graders.citations import citation_grounding, invented_citation
+from config import RewardSpec
+from rewards import (REGISTRY, answer_match, choice_accuracy, json_schema, json_valid,
                      length_penalty, register, short_answer, think_format)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
@@ -369,10 +371,10 @@ def test_short_answer_options():
 
 
 def test_every_builtin_is_registered_unbatched_and_documented_with_examples():
-    assert BUILTINS <= set(REGISTRY)
+    assert BUILTINS <= set(rewards.names())
     for name in BUILTINS:
-        fn, batched = REGISTRY[name]
-        assert fn is getattr(rewards, name) and batched is False
+        fn, batched = rewards.lookup(name)
+        assert fn.__name__ == name and batched is False
         assert ">>> " in fn.__doc__, f"{name} has no doctest example"
 
 

@@ -8,7 +8,9 @@ import types
 
 import pytest
 
-from rewards import REGISTRY, RewardSpec
+from config import RewardSpec
+
+from rewards import REGISTRY
 from scoring import check_specs, compute_rewards, reward_means
 from test_rewards import _pred
 
@@ -390,7 +392,7 @@ async def awaited(completions, **kwargs):  # TRL awaits an async reward function
 
 
 async def nested(completions, **kwargs):  # waits on the reward loop from inside it: refused, not a hang
-    import plugins
+    from plumbing import plugins
 
     async def inner():
         return 1.0

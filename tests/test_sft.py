@@ -10,7 +10,7 @@ import logprobs
 import train
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
-from adapters import find_adapter
+from plumbing.adapters import find_adapter
 from model import load_inference, load_policy
 
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
@@ -51,7 +51,7 @@ def test_sft_loss_covers_the_reply_and_its_eos_but_not_the_prompt(sft_config, ti
     path, _ = sft_config
     cfg = load_config(path)
     _, tok = load_policy(cfg.model, cfg.lora, torch.device("cpu"))
-    from sft import sft_batch
+    from modes.sft import sft_batch
     b = sft_batch(tok, [{"prompt": "What is 2 + 3?", "target": "5"}, {"prompt": "Hi", "target": "The answer is 42."}], cfg)
     for i, reply in enumerate(["5", "The answer is 42."]):
         n = int(b.completion_mask[i].sum())
@@ -140,7 +140,7 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
         lp = [logprobs.sequence_log_probs(m, enc.input_ids, enc.attention_mask, 3) for m in (reloaded, naive)]
     assert not torch.allclose(lp[0], lp[1], atol=1e-4)  # the naive load is a different (wrong) model
     named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert named.startswith("NOT-") and "export.py" in named  # tools that read the base from here fail loudly
+    assert named.startswith("NOT-") and "python -m tools.export" in named  # tools that read the base from here fail loudly
     from peft import AutoPeftModelForCausalLM
     with pytest.raises(Exception):
         AutoPeftModelForCausalLM.from_pretrained(str(adapter))
@@ -223,7 +223,7 @@ def test_continuing_an_adapter_with_a_kl_term_is_refused(sft_config):
 
 
 def test_an_adapter_without_a_recorded_base_is_neither_saved_nor_loaded(tmp_path, tiny_llama):
-    from adapters import save_adapter
+    from plumbing.adapters import save_adapter
     from model import load_base
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
     base, _ = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 import rollout
 import step
-import display
+from plumbing import display
 import train
-from config import ConfigError, load_config
+from config import ConfigError, RewardSpec, load_config
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 
@@ -156,7 +156,7 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
     """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
     optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
-    from adapters import find_adapter
+    from plumbing.adapters import find_adapter
     cfg, run = setup
     args = ["--config", str(cfg), "--run.steps=3", "--run.save_every=1", "--run.keep_checkpoints=1"]
     assert train.main(args) == 0
@@ -578,7 +578,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         return out
     monkeypatch.setattr(rollout, "generate_rollout", gen)
     r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
-    r.cfg.rewards = [rewards.RewardSpec("test_marks_start"), rewards.RewardSpec("answer_match", weight=2.0)]
+    r.cfg.rewards = [RewardSpec("test_marks_start"), RewardSpec("answer_match", weight=2.0)]
     got = {}
     for overlap in (False, True):
         seen.clear()
@@ -591,7 +591,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert on.rollout.texts == off.rollout.texts and torch.equal(on.total, off.total)
     assert on.per_reward == off.per_reward and on.errors == off.errors
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
-    r.cfg.rewards = [rewards.RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
+    r.cfg.rewards = [RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
     with pytest.raises(ValueError, match="needs dir"):
         step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
 
@@ -848,7 +848,7 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_finishes_the_track
     import signal
     import types
 
-    import checkpoint
+    from plumbing import checkpoint
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
@@ -878,7 +878,7 @@ def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_check
     """ENOSPC inside torch.save (which wraps it in a RuntimeError): one line, exit 2, no .tmp, --resume goes on."""
     import errno
 
-    import checkpoint
+    from plumbing import checkpoint
     cfg, run = setup
     real, n = torch.save, []
 
@@ -1013,7 +1013,7 @@ def test_a_judge_killed_mid_run_checkpoints_and_stops_with_one_line_and_the_resu
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
     """run.judge_outage: wait (the default): the run asks the judge again with backoff and goes on
     when it answers; the server is turned on again during the second pause."""
-    import outage
+    from api import outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
@@ -1043,7 +1043,7 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
 
 
 def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
-    import outage
+    from api import outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     clock, pauses = [0.0], []

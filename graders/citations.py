@@ -8,7 +8,7 @@
 PMID_PATTERN finds "PMID: 12345" (also PMID-, PMID#, PMID=, "PubMed ID", an id of 5 digits or more on the next line)
 and lists after one label ("PMIDs: 12345, 67890 and 13579", across a line break), so
 an invented id cannot hide behind a valid one; listed ids after the first need 5 digits or more, as
-PMIDs cited today have, so a year or a dose after a citation is not one. rewards.py registers both.
+PMIDs cited today have, so a year or a dose after a citation is not one. Both register themselves (rewards.lookup imports this module).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import functools
 import os
 import re
 
-from answers import find_all
+from plumbing.answers import find_all
+from rewards import register
 
 PMID_PATTERN = (r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*(?:[:#=\-][ \t]*)?(?:\n\s*(?=\d{5}))?"  # each run of blanks
                 r"(\d+(?:[ \t]*(?:\n[ \t]*)?(?:[,;&]|\band\b)[ \t]*(?:\n[ \t]*)?\d{5,}(?!\d|[.\-]\d))*)")  # one way: linear
@@ -123,3 +124,5 @@ def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN
 
 
 citation_grounding.check_args = invented_citation.check_args = check_valid_file
+register("citation_grounding", row_keys=("valid_key",))(citation_grounding)
+register("invented_citation", row_keys=("valid_key",))(invented_citation)

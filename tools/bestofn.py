@@ -4,12 +4,12 @@ preference pairs (TRL's prompt / chosen / rejected, for DPO).
 
     python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8 \
         --data.select=null '--eval.select=[0,1000]' --eval.out_dir=runs/samples   # training rows: held-out ones would leak
-    python bestofn.py runs/samples/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
+    python -m tools.bestofn runs/samples/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
     python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
-People's ratings serve too: `python ratings.py export --dir DIR > rated.jsonl` writes each rated
+People's ratings serve too: `python -m tools.ratings export --dir DIR > rated.jsonl` writes each rated
 reply with its reward (the human reward's value), and `bestofn.py rated.jsonl --pairs ...` pairs
 each prompt's best- and worst-rated replies. Those replies carry any forced prefix in their text
 (the raters saw it), so both outputs train with data.assistant_prefix: ''.
@@ -37,8 +37,8 @@ import json
 import sys
 from pathlib import Path
 
-import jsonl
-from typed_config import check_writable
+from plumbing import jsonl
+from plumbing.typed_config import check_writable
 
 
 def groups(records: list[dict]) -> dict[tuple, list[dict]]:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "ratings.py export's rated replies (prompt, completion, scores, reward)")
                 if "row" not in rec and "reward" not in rec:
                     raise ValueError(f"{path}: rated replies without a reward: export them again with this "
-                                     "version of ratings.py (python ratings.py export --dir ...)")
+                                     "version of ratings.py (python -m tools.ratings export --dir ...)")
                 reward = rec.get("reward")
                 if not isinstance(rec["completion"], str) or not (
                         reward is None or (isinstance(reward, (int, float)) and not isinstance(reward, bool))):

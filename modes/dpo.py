@@ -2,7 +2,7 @@
 a GRPO run, trained on preference pairs (a prompt, a chosen reply, a rejected one). Run it
 through train.py, e.g. on bestofn.py's best-vs-worst pairs:
 
-    python bestofn.py runs/eval/predictions_sft.jsonl --pairs pairs.jsonl
+    python -m tools.bestofn runs/eval/predictions_sft.jsonl --pairs pairs.jsonl
     python train.py --config my_dpo.yaml      # mode: dpo, data.chosen / data.rejected: the replies' columns
 
 With y_w the chosen reply, y_l the rejected one, log pi(y|x) a reply's summed token log-probs
@@ -64,7 +64,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
     """Each row twice, its chosen reply then its rejected one (rows 2i and 2i + 1: a pair stays in one
     micro-batch and its prompt runs once, grpo.share_prompt), as sft.sft_batch builds them."""
-    from sft import sft_batch
+    from modes.sft import sft_batch
     twice = [r for r in rows for _ in range(2)]
     replies = [r[k] for r in rows for k in ("chosen", "rejected")]
     return sft_batch(tokenizer, twice, cfg, device, replies=replies, limit=("dpo.max_length", cfg.dpo.max_length))

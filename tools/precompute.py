@@ -2,9 +2,9 @@
 answer policy (any OpenAI-compatible model), and each answer's gold score, written once to the file
 that rubric_alignment training reads.
 
-    python precompute.py --config configs/grubrics.yaml --precompute.questions=data/healthbench.jsonl \\
+    python -m tools.precompute --config configs/grubrics.yaml --precompute.questions=data/healthbench.jsonl \\
         --precompute.map=healthbench --precompute.out=data/cache/grubrics_open.jsonl
-    python precompute.py --config configs/grubrics.yaml --precompute.questions=GBaker/MedQA-USMLE-4-options \\
+    python -m tools.precompute --config configs/grubrics.yaml --precompute.questions=GBaker/MedQA-USMLE-4-options \\
         --precompute.map=medqa --precompute.out=data/cache/grubrics_verifiable.jsonl --precompute.limit=300 \\
         --precompute.system_prompt="Answer the question. End with: The answer is <letter>." \\
         --precompute.gold_reward="{name: choice_accuracy, args: {fallback_pattern: '[Aa]nswer is\\W*([A-D])\\b'}}"
@@ -29,7 +29,7 @@ command, and one with failed requests (which wrote its file) into a new precompu
 only for what it lacked. precompute.out is written atomically at the end, and an existing one is
 never overwritten.
 
-    python precompute.py --config configs/grubrics.yaml --validate data/cache/grubrics_open.jsonl
+    python -m tools.precompute --config configs/grubrics.yaml --validate data/cache/grubrics_open.jsonl
 
 --validate scores the expert rubrics themselves: rubric_alignment of each row's precompute.rubric_key
 against its gold_scores, through the judge: section, exactly as training scores a generated rubric.
@@ -45,12 +45,12 @@ import math
 import sys
 from pathlib import Path
 
-import jsonl
-from jsonl import interrupted, sigterm_as_interrupt
+from plumbing import jsonl
+from plumbing.jsonl import interrupted, sigterm_as_interrupt
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
-from typed_config import check_writable
+from plumbing.typed_config import check_writable
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
-from client import Judge, JudgeUnusable
+from api.client import Judge, JudgeUnusable
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
 from rollout import chat_messages
 from scoring import check_rows, check_specs, compute_rewards

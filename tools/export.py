@@ -1,8 +1,8 @@
 """Export a trained LoRA adapter as a standalone model: the base with its adapter chain merged in,
 saved as a plain transformers directory that AutoModelForCausalLM and vLLM load as they are.
 
-    python export.py --config configs/quickstart.yaml --adapter runs/quickstart --out exported/quickstart
-    HF_TOKEN=hf_... python export.py ... --dtype float16 --push-to-hub my-org/my-model --private
+    python -m tools.export --config configs/quickstart.yaml --adapter runs/quickstart --out exported/quickstart
+    HF_TOKEN=hf_... python -m tools.export ... --dtype float16 --push-to-hub my-org/my-model --private
 
 --adapter is a run directory (its newest checkpoint), a checkpoint or an adapter directory. The base
 is loaded per the config's model section (`--section.key=value` overrides work) on CPU in fp32,
@@ -33,12 +33,13 @@ from pathlib import Path
 
 import torch
 
-import overlap
+from plumbing import overlap
 import rollout
 from config import Config, ConfigError, data_label, load_config
-from typed_config import check_writable
-from adapters import apply_adapter_chain, check_adapter_base, find_adapter
-from model import BUILTIN, load_base
+from plumbing.typed_config import check_writable
+from plumbing.adapters import apply_adapter_chain, check_adapter_base, find_adapter
+from model import load_base
+from plumbing.hub import BUILTIN
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

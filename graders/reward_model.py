@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from rewards import register
+
 _WARNED: set[str] = set()  # models whose inputs past max_length were reported
 _LOADED: dict[tuple, tuple] = {}  # (model, revision, device, dtype) -> (classifier, tokenizer)
 
@@ -40,7 +42,7 @@ def check_args(model: str | None = None, batch_size: int = 8, max_length: int = 
     """The args' values, checked before any model loads (scoring.check_specs); ValueError says what to fix."""
     if not isinstance(model, str) or not model:
         raise ValueError("reward_model needs args: {model: a hub id or a local directory of a sequence classifier}")
-    from model import local_or_hub
+    from plumbing.hub import local_or_hub
     local_or_hub(model, "reward_model: model")  # ConfigError, a ValueError
     for key, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -56,7 +58,8 @@ def load(model: str, revision: str | None = None, device: str = "auto", dtype: s
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from config import ConfigError
-    from model import local_or_hub, offline_if_unreachable, pick_device, pick_dtype
+    from model import pick_device, pick_dtype
+    from plumbing.hub import local_or_hub, offline_if_unreachable
     try:
         dev = pick_device(device)
     except ConfigError as e:  # its message names run.device
@@ -170,7 +173,7 @@ def reward_model(completions: list[str], samples: list[dict], *, model: str, bat
                                          f"{enc.input_ids.shape[1]} tokens; lower its args batch_size (now {batch_size}) "
                                          f"or max_length (now {max_length}), or give it dtype: bfloat16") from None
         if not bool(torch.isfinite(scores).all()):  # every later batch alike: stop, as for NaN logits in sampling
-            from client import JudgeUnusable  # the run stops on it (a reward that can only give its fallback)
+            from api.client import JudgeUnusable  # the run stops on it (a reward that can only give its fallback)
             raise JudgeUnusable(f"reward_model: model={model} gave a non-finite score ({scores.tolist()[:4]}); in float16 "
                                 "many models overflow: give it dtype: bfloat16 (or float32)")
         out += scores.tolist()
@@ -178,3 +181,4 @@ def reward_model(completions: list[str], samples: list[dict], *, model: str, bat
 
 
 reward_model.check_args, reward_model.open = check_args, open_reward
+register("reward_model", batched=True)(reward_model)

@@ -1,7 +1,7 @@
 """Files that survive a kill: append-only JSON Lines (the judge cache, people's ratings, a run's logs)
 and atomic rewrites (results, configs).
 
-    import jsonl
+    from plumbing import jsonl
     offset = jsonl.append(path, [{"key": "...", "reply": "..."}])  # one write, fsynced; where the first record starts
     for offset, end, record in jsonl.read(path):                  # complete lines only; record None: not a JSON object
         ...

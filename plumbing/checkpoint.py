@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-import jsonl
+from plumbing import jsonl
 from config import ConfigError, save_config
-from adapters import PROVENANCE, save_adapter
+from plumbing.adapters import PROVENANCE, save_adapter
 from model import is_peft
 
 if TYPE_CHECKING:
-    from train import Run
+    from step import Run
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

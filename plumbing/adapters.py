@@ -21,6 +21,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from config import ConfigError, ModelConfig
+from plumbing.hub import resolve_model_path
 
 PROVENANCE = "minigrpo_base.json"
 
@@ -47,7 +48,6 @@ def check_adapter_base(adapter: Path, mcfg: ModelConfig) -> dict:
     """The adapter's provenance; ConfigError when it was trained on another base than model.name."""
     prov = adapter_provenance(adapter)
     # an adapter saved by plain peft records the path or hub id the base was loaded from
-    from model import resolve_model_path  # model.py loads adapters through this module
     plain_peft = not (adapter / PROVENANCE).is_file()
     same = prov["base_model"] is not None and prov["base_model"] in (mcfg.name, resolve_model_path(mcfg) if plain_peft else None)
     if not same or prov.get("revision") != mcfg.revision:
@@ -120,5 +120,5 @@ def save_adapter(model, path: Path) -> None:
         config = path / "adapter_config.json"
         cfg = json.loads(config.read_text())
         cfg["base_model_name_or_path"] = (f"NOT-{prov['base_model']}: {prov['base_model']} with {len(prov['merged'])} "
-                                          f"adapter(s) merged in, see {PROVENANCE}; python export.py makes a loadable model")
+                                          f"adapter(s) merged in, see {PROVENANCE}; python -m tools.export makes a loadable model")
         config.write_text(json.dumps(cfg, indent=2))

@@ -21,7 +21,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from rewards import REGISTRY, RewardSpec
+from config import RewardSpec
+
+from rewards import REGISTRY, lookup, names
 
 
 def did_you_mean(word: str, choices) -> str:
@@ -74,10 +76,11 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
     """The (function, batched) a spec names; ValueError with a one-line hint when there is none."""
     name = spec.name
     if ":" not in name:
-        if name in REGISTRY:
-            return REGISTRY[name]
-        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, REGISTRY)}; registered: "
-                         f"{', '.join(sorted(REGISTRY))}; or write 'package.module:function' or 'path/to/file.py:function'")
+        found = lookup(name)
+        if found:
+            return found
+        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, names())}; registered: "
+                         f"{', '.join(names())}; or write 'package.module:function' or 'path/to/file.py:function'")
     fn = import_function(name)
     # a user function marks itself batched by registering: @register("name", batched=True)
     registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)

@@ -17,7 +17,7 @@ import math
 import sys
 import time
 
-from client import Judge
+from api.client import Judge
 
 FIRST_PAUSE_S = 10.0  # the first wait before asking again; doubles up to MAX_PAUSE_S
 MAX_PAUSE_S = 60.0  # so a line is said at least each minute

@@ -18,7 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
-import jsonl
+from plumbing import jsonl
 
 FILE = "trained_prompts.txt"
 
@@ -68,7 +68,7 @@ def seen_before(mcfg) -> set[str]:
             try:  # from the hub cache, or fetched (a few KB); offline, or a repo without one: nothing recorded
                 from huggingface_hub import hf_hub_download
 
-                from hub import offline_if_unreachable
+                from plumbing.hub import offline_if_unreachable
                 with offline_if_unreachable():
                     f = hf_hub_download(name, FILE, revision=mcfg.revision)
             except Exception:

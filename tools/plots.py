@@ -1,8 +1,8 @@
 """Training curves and eval bar charts as PNG files, one per metric.
 
-    python plots.py runs/a runs/b                          # plots/reward.png, plots/kl.png (beta > 0), ...: a line per run
-    python plots.py runs/a --metrics reward entropy --smooth 0.9 --out plots/a
-    python plots.py --eval runs/eval/results.json          # plots/heldout_<metric>.png: a bar per model
+    python -m tools.plots runs/a runs/b                          # plots/reward.png, plots/kl.png (beta > 0), ...: a line per run
+    python -m tools.plots runs/a --metrics reward entropy --smooth 0.9 --out plots/a
+    python -m tools.plots --eval runs/eval/results.json          # plots/heldout_<metric>.png: a bar per model
                                                            # (not eval_: run.eval_every's curves are eval/<metric>)
 
 Curves: each run's metrics.jsonl against `step`, labelled with the run directory's name. Default
@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from typed_config import ConfigError, check_writable
+from plumbing.typed_config import ConfigError, check_writable
 
 INSTALL_HINT = "plots need matplotlib: pip install matplotlib"
 GROUPS = {"clip_ratio": ("clip_ratio/low_mean", "clip_ratio/high_mean")}  # drawn together, one line style each

@@ -3,13 +3,13 @@
 The trainer queues each step's completions and waits; people rate them in a browser; the ratings
 are the rewards (the question-generation workflow's "online mode"). Two terminals:
 
-    python ratings.py serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
+    python -m tools.ratings serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
     python train.py --config configs/qgen_human.yaml         # rewards: [{name: human, args: {dir: ...}}]
 
-    python ratings.py stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
-    python ratings.py export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores, reward
-    python ratings.py export --dir runs/qgen_human/ratings --out rated.parquet   # or --out rated.jsonl
-    python bestofn.py rated.jsonl --pairs human_pairs.jsonl     # the best- vs worst-rated reply: DPO data
+    python -m tools.ratings stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
+    python -m tools.ratings export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores, reward
+    python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet   # or --out rated.jsonl
+    python -m tools.bestofn rated.jsonl --pairs human_pairs.jsonl     # the best- vs worst-rated reply: DPO data
 
 The folder holds two append-only JSONL files, each line fsynced when written, so no rating is
 lost to a kill (a line torn by one is skipped, and the next write starts a fresh line):
@@ -38,12 +38,7 @@ a script can also append to ratings.jsonl in the format above.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
-import errno
-import fcntl
 import hashlib
-import ipaddress
 import json
 import math
 import sys
@@ -52,8 +47,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jsonl
+from plumbing import jsonl
 from judge import as_text
+from rewards import register
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
 
@@ -248,7 +244,7 @@ def check_args(dir: str | None = None, criteria: list[str] = ("overall",), scale
                criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0, **_) -> None:
     """The human reward's args, checked before any model loads (scoring.check_specs); ValueError says what to fix."""
     if not isinstance(dir, str) or not dir:
-        raise ValueError("reward 'human' needs args.dir: the ratings folder that `python ratings.py serve --dir` serves")
+        raise ValueError("reward 'human' needs args.dir: the ratings folder that `python -m tools.ratings serve --dir` serves")
     if isinstance(criteria, str) or not criteria or not all(isinstance(c, str) and c for c in criteria):
         raise ValueError(f"reward 'human': criteria must be a list of names, e.g. [relevance, clarity]; got {criteria!r}")
     if criterion is not None and criterion not in criteria:
@@ -301,7 +297,7 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
         if now - last_said >= 60:
             last_said = now
             say(f"waiting for people's ratings: {len(waiting)} of {len(set(ids))} left ({now - start:.0f} s so far); "
-                f"rate them on the page of `python ratings.py serve --dir {dir}`")
+                f"rate them on the page of `python -m tools.ratings serve --dir {dir}`")
         time.sleep(poll_s)
     unrated = {i for i, g in zip(ids, got) if g is None}
     if unrated:
@@ -315,90 +311,4 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
 
 
 human.check_args = check_args  # scoring.check_specs calls a reward's check_args(**args), when it has one
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["serve", "stats", "export"])
-    p.add_argument("--dir", required=True, help="the ratings folder named by the human reward's args.dir")
-    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login: keep it "
-                   "127.0.0.1 and let raters in through an SSH tunnel)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a host name the page may "
-                   "be addressed by besides IP addresses, localhost and the --host name (repeatable), e.g. the machine's name on a trusted network")
-    p.add_argument("--port", type=int, default=8000, help="serve: port")
-    p.add_argument("--out", help="export: write to this .jsonl or .parquet file (atomically; never over an existing "
-                   "one) instead of standard output")
-    args = p.parse_args(argv)
-    if args.out and args.command != "export":
-        print(f"error: --out is for export, not {args.command}", file=sys.stderr)
-        return 2
-    if args.command != "serve":
-        if not Path(args.dir).is_dir():
-            print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)
-            return 2
-        if not any((Path(args.dir) / n).is_file() for n in (QUEUE, RATINGS)) and \
-                any(f.name not in ("page_token", "page_token.tmp", "serve.lock") for f in Path(args.dir).iterdir()):
-            print(f"error: {args.dir} holds no {QUEUE} or {RATINGS}: is it the human reward's args.dir?", file=sys.stderr)
-            return 2  # an empty folder is one `serve` made before anything was queued: zero counts
-        store = store_for(args.dir)
-        store.refresh()
-        if args.command == "stats":
-            print(json.dumps(store.stats(), indent=1))
-        elif args.out:
-            rated = store.rated_items()
-            try:
-                export(rated, args.out)
-            except (ValueError, OSError) as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            print(f"[ratings] {args.out}: {len(rated)} rated items", file=sys.stderr)
-        else:
-            sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
-        return 0
-    if not 0 <= args.port <= 65535:
-        print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
-        return 2
-    created = [d for d in [Path(args.dir), *Path(args.dir).parents] if not d.exists()]  # deepest first
-    try:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
-        return 2
-    from rating_page import make_server  # it imports this module
-    try:
-        lock = open(Path(args.dir) / "serve.lock", "a")  # held while serving: a second server would count ratings twice
-    except OSError as e:
-        print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
-        return 2
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        print(f"error: another `ratings.py serve` is using {args.dir}; rate on its page (two servers on one folder "
-              "can count one item's ratings twice)", file=sys.stderr)
-        return 2
-    try:
-        server = make_server(args.dir, args.host, args.port, tuple(args.allow_host))
-    except OSError as e:
-        lock.close()
-        (Path(args.dir) / "serve.lock").unlink(missing_ok=True)
-        for d in created:
-            d.rmdir()  # nothing is left behind by a start that failed
-        why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
-        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
-        return 2
-    with contextlib.suppress(ValueError):  # the address bound: --host "" or a host name bind beyond loopback too
-        if not ipaddress.ip_address(server.server_address[0].split("%")[0] or "0.0.0.0").is_loopback:
-            print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the page has no login); "
-                  "127.0.0.1 with an SSH tunnel keeps it to the raters you let in", file=sys.stderr)
-    print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+register("human", batched=True, row_keys=("prompt_key",))(human)

@@ -1,6 +1,6 @@
 """The API client's reply cache (client.py): every reply paid for, kept so that no rerun pays twice.
 
-    from reply_cache import ReplyCache, cache_key
+    from api.reply_cache import ReplyCache, cache_key
     cache = ReplyCache("runs/x/judge_cache.jsonl", memory_size=10000, label="judge")
     key = cache_key("gpt-4o-mini", messages, temperature=0.0, max_tokens=512)
     cache.get(key)                                       # None: not cached
@@ -21,7 +21,7 @@ import logging
 import os
 from collections import OrderedDict
 
-import jsonl
+from plumbing import jsonl
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import jsonl
+from plumbing import jsonl
 from config import Config, saved_dict
 
 

@@ -1,7 +1,7 @@
 """Built-in row maps (dataset adapters): rewrite a dataset's rows into the columns a recipe reads.
 
     data: {name: openlifescienceai/medmcqa, map: medmcqa_json, ...}     # train.py, eval.py
-    python precompute.py ... --precompute.map=healthbench                  # GRubrics' answer files
+    python -m tools.precompute ... --precompute.map=healthbench                  # GRubrics' answer files
 
 A map is a plain function row -> row (or None to leave the row out); data.map names one of MAPS
 or "file.py:function" for your own (data.resolve_map). data.py applies it after the split.

@@ -1,6 +1,6 @@
 """The rating page of ratings.py: a browser page for people, and a JSON API for rating tools of your own.
 
-    python ratings.py serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
+    python -m tools.ratings serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
 
 The page shows one prompt's pending completions together, newest batch first (ratings.Store's
 order), each with a choice per criterion. Its form posts to /rate: `token` (the hidden field of the
@@ -34,8 +34,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import jsonl
-from ratings import Store, parquet_bytes, say, store_for
+from plumbing import jsonl
+from graders.ratings import Store, parquet_bytes, say, store_for
 
 PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width,initial-scale=1"><title>{title}minigrpo ratings</title>{refresh}

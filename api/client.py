@@ -1,7 +1,7 @@
 """The chat client behind every API call minigrpo makes (judges, API models in eval.py, the answer
 policy of precompute.py): any OpenAI-compatible endpoint, cached, rate-limited, retried, costed.
 
-    from client import Judge, JudgeConfig
+    from api.client import Judge, JudgeConfig
     client = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))
     replies = client.complete_many([[{"role": "user", "content": "Hi"}]])  # list[str | None]; None = failed
     client.pop_step_stats()  # {"judge_requests": 1.0, "judge_cost_usd": 0.0, ..., "judge_cost_usd_total": ...}
@@ -46,43 +46,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 from urllib.parse import urlsplit
 
-from reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
+from api.reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
+from config import ENV_REF, JudgeConfig, mask_urls  # noqa: F401 (JudgeConfig: part of this module's API)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class JudgeConfig:
-    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI; ${NAME} reads the env
-    model: str = ""  # model name sent with each request (the deployment name on Azure); ${NAME} reads the env
-    api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
-    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
-    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
-    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
-    #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
-    max_concurrent: int = 8  # most requests in flight at once
-    requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
-    timeout_s: float = 60.0  # hard limit on one request
-    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error/a body that is not JSON only)
-    backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
-    backoff_max_s: float = 30.0  # cap on one wait of our own backoff
-    retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks for 45-60 s: sooner
-    #   is another 429)
-    temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
-    #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
-    max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
-    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field max_tokens goes in:
-    #   OpenAI's reasoning models (o-series, GPT-5) take only max_completion_tokens (which counts reasoning tokens too)
-    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {reasoning_effort: low} (part of the cache key)
-    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
-    score_max: float = 10.0  # highest valid score
-    cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
-    memory_cache: bool = True  # keep recent replies in RAM
-    memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
-    price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
-    price_cached_prompt_per_m: float | None = None  # USD per million prompt tokens the provider served from its
-    #   prompt cache (usage.prompt_tokens_details.cached_tokens; OpenAI bills them at a discount); None: price_prompt_per_m
-    price_completion_per_m: float = 0.0  # USD per million completion tokens
 
 
 # Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
@@ -133,26 +100,13 @@ def _looks_like_a_key(name: str) -> bool:
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value read from the environment
 
 
 UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
 FAILED_LIMIT = 16  # this many requests failed (after their retries), and none answered, stop the run
 
 
-ENV_FIELDS = ("base_url", "azure_endpoint", "model")
-_USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-
-
-def mask_urls(text: str) -> str:
-    """text with the user info of each URL in it (a password: http://user:pw@host) as ***.
-
-    >>> mask_urls("error: no reply from http://judge:pw-SECRET@127.0.0.1:8013/v1 (5 tries)")
-    'error: no reply from http://***@127.0.0.1:8013/v1 (5 tries)'
-    """
-    return _USER_INFO.sub(r"\1***@", text)  # filled from ${NAME} references when a client is built
-
-
+ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} references when a client is built
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
     URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its first
