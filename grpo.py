@@ -2,7 +2,8 @@
 
     adv  = group_advantages(rewards, G)                                  # (N,)
     mask, truncated = completion_mask(completion_ids, eos_ids)           # (N, C), (N,)
-    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, norm)   # scalar, dict of sums
+    s = LossSettings.of(cfg.grpo)                                        # epsilons, beta, variants
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, norm, s)  # scalar, dict of sums
 
 The log-probs come from logprobs.py (sequence_log_probs), the completions from rollout.py.
 Shapes: N = B prompts x G completions, C = completion length.
@@ -109,73 +110,60 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return m & (entropy >= tau)
 
 
-def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
-                   epsilon: float, epsilon_high: float, beta: float,
-                   is_weight: Tensor | None = None, seq_mask: Tensor | None = None,
-                   keep: Tensor | None = None, delta: float = 0.0,
-                   cispo_cap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """l_t = -k_t w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta * KL_t, rho_t = exp(logp_t - old_logp_t).
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's settings, built from the config by LossSettings.of(cfg.grpo); the defaults are
+    PPO's symmetric clip (the config's are DAPO's clip-higher, epsilon_high: 0.28)."""
+    epsilon: float = 0.2  # lower clip: rho >= 1 - epsilon
+    epsilon_high: float = 0.2  # upper clip: rho <= 1 + epsilon_high
+    beta: float = 0.0  # weight of the KL term (0: none, and no reference pass)
+    delta: float = 0.0  # two-sided clip: with A < 0, rho is capped at delta too (0: off)
+    cispo_cap: float | None = None  # CISPO: a detached min(rho, cap) weight instead of the clip
+    sequence: bool = False  # GSPO: one ratio per completion instead of one per token
 
-    delta > 0 (INTELLECT-2's two-sided clip, arXiv 2505.07291; TRL's `delta`): rho_t A becomes
-    min(rho_t, delta) A. With A > 0 nothing changes (delta > 1 + eps_high); with A < 0 the PPO clip
-    leaves rho unbounded, so one token the policy now favours far more than the sampler did could
-    push an arbitrarily large update; past delta its gradient is 0 instead.
+    @classmethod
+    def of(cls, g) -> LossSettings:
+        """From the config's grpo section (config.GrpoConfig)."""
+        return cls(g.epsilon, g.epsilon_high, g.beta, g.delta,
+                   g.cispo_cap if g.policy_loss == "cispo" else None, g.importance_sampling_level == "sequence")
 
-    cispo_cap given (CISPO, MiniMax-M1 arXiv 2506.13585, as in ScaleRL and TRL): the clip moves from
-    the objective to a detached weight, l_t = -k_t w_t sg(min(rho_t, cap)) A logp_t + beta * KL_t.
-    Every token keeps a gradient (PPO's clip zeroes it outside [1 - eps, 1 + eps_high]); large
-    ratios only stop growing its weight. On-policy (rho = 1) its gradient is the clipped objective's;
-    its loss value is -A logp, not near 0.
 
-    seq_mask (N, C) given: GSPO's sequence-level ratio (arXiv 2507.18071) instead, the same for
-    every token of completion i, the geometric mean of its tokens' ratios over the mask:
-    rho_i = exp((1/|y_i|) sum_t m_it (logp_it - old_logp_it)); clipped per completion, so its
-    epsilons are much smaller (3e-4 / 4e-4 in the paper). With the "grpo" loss_type the loss is
-    then GSPO's (1/N) sum_i -min(rho_i A_i, clip(rho_i) A_i). On-policy (rho = 1) the gradient is
-    the token-level one of that loss_type: the two differ where ratios leave 1 (off-policy updates),
-    and with importance weights w_t, whose gradient each token then takes as its completion's
-    mean w. The KL term stays per token. Clip fractions still count tokens (the paper's figure).
+def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
+                   s: LossSettings, is_weight: Tensor | None = None,
+                   keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """l_t = -k_t w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta KL_t,
+    rho_t = exp(logp_t - old_logp_t), KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3, >= 0).
 
-    w_t is 1, or the detached weight step.sampler_weight gives when another engine (vLLM) sampled:
-    exp(old_logp - sampler_logp) per token or per completion (grpo.tis_mode), capped at tis_cap or
-    zeroed past it; it corrects the policy-gradient term for the sampler's slightly different
-    distribution (see vllm_engine.py).
-
-    k_t is 1, or 0/1 from `keep` (N, C) (high_entropy_mask, grpo.top_entropy_quantile): a token with
-    k_t = 0 leaves the policy-gradient term but keeps its KL term and its place in the loss
-    normalisation (the paper's and TRL's choice: the normaliser is the same with or without it).
-    Token-level ratios only: under GSPO's per-completion ratio a dropped token would still get a
-    gradient through rho_i (config.py refuses the pair).
-
-    KL_t is the k3 estimator exp(ref_t - logp_t) - (ref_t - logp_t) - 1 >= 0 (0 when beta = 0).
-    With one update per rollout, old_logp is logp.detach(): rho is exactly 1 in value but
-    exp(logp - logp.detach()) still carries d logp, so the loss value is only a token-weighted mean
-    of -A, plus beta * KL (-A alone is 0 for loss_type "grpo", whose group advantages sum to 0, as long
-    as no completion is masked out whole and no keep or w_t is on; for the others it is set by how
-    length and advantage go together) while the policy learns. That is
-    why "loss is 0" (or a small number) is normal in GRPO: watch the reward instead.
-    logp, old_logp, ref_logp: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
+    Variants (docs/loss.md says when each helps):
+      delta > 0        rho_t A -> min(rho_t, delta) A                    (INTELLECT-2 two-sided clip)
+      cispo_cap        l_t = -k_t w_t sg(min(rho_t, cap)) A logp_t + beta KL_t            (CISPO)
+      sequence         rho_i = exp(mean over completion i's mask of log rho_t), every token (GSPO)
+    w_t: the detached importance weight of another sampler (vllm_engine.sampler_weight), else 1;
+    k_t: 0/1 from `keep` (high_entropy_mask), else 1: a dropped token keeps its KL term.
+    With old_logp = logp.detach() (on-policy) rho is 1 in value but still carries d logp: the loss
+    value is about -mean(A) + beta KL while the policy learns, so a loss near 0 is normal.
+    logp, old_logp, ref_logp, mask: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
     log_rho = logp - old_logp  # (N, C)
-    if seq_mask is not None:  # GSPO: each completion's mean log-ratio, broadcast to its tokens
-        kept = torch.where(seq_mask.bool(), log_rho, 0.0)  # a NaN at a masked position stays out of the mean
-        log_rho = (kept.sum(1, keepdim=True) / seq_mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    if s.sequence:  # a NaN at a masked position stays out of the mean
+        kept = torch.where(mask.bool(), log_rho, 0.0)
+        log_rho = (kept.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
     rho = torch.exp(log_rho)  # (N, C)
     a = adv[:, None]  # (N, 1)
-    if cispo_cap is not None:
-        loss = -torch.clamp(rho, max=cispo_cap).detach() * a * logp  # (N, C)
+    if s.cispo_cap is not None:
+        loss = -torch.clamp(rho, max=s.cispo_cap).detach() * a * logp  # (N, C)
     else:
-        unclipped = torch.clamp(rho, max=delta) if delta > 0 else rho  # (N, C)
-        loss = -torch.minimum(unclipped * a, torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * a)  # (N, C)
+        unclipped = torch.clamp(rho, max=s.delta) if s.delta > 0 else rho  # (N, C)
+        loss = -torch.minimum(unclipped * a, torch.clamp(rho, 1 - s.epsilon, 1 + s.epsilon_high) * a)
     if is_weight is not None:
         loss = loss * is_weight.detach()
     if keep is not None:
         loss = loss * keep
     kl = torch.zeros_like(logp)
-    if beta > 0:
+    if s.beta > 0:
         d = ref_logp - logp  # (N, C)
         kl = torch.exp(d) - d - 1
-        loss = loss + beta * kl
+        loss = loss + s.beta * kl
     return loss, rho, kl
 
 
@@ -183,7 +171,7 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
 class LossNorm:
     """What the loss is divided by; the counts are for the whole optimizer step, not the micro-batch."""
     loss_type: str  # grpo | bnpo | dr_grpo | dapo
-    num_sequences: int  # completions in the optimizer step that have a reward (fallback: skip ones are left out)
+    num_sequences: int  # completions in the optimizer step that have a reward (skipped ones left out)
     num_tokens: int  # unmasked completion tokens in the optimizer step
     max_completion_length: int  # rollout.max_new_tokens
     num_micro_batches: int  # micro-batches accumulated into the step that hold a scored completion
@@ -193,7 +181,7 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     """Reduce a micro-batch's (n, C) per-token loss so that summing micro-batches gives the step loss.
 
     grpo:    (1/N) sum_i (sum_t m_it l_it / sum_t m_it)       mean per sequence, then over sequences
-    bnpo:    (1/M) sum m l / sum m (this micro-batch)          token mean per micro-batch (M micro-batches)
+    bnpo:    (1/M) sum m l / sum m (this micro-batch)          token mean per micro-batch (M of them)
     dr_grpo: sum m l / (N * max_completion_length)             constant normaliser, no length bias
     dapo:    sum m l / (sum of m over the whole step)          global token mean
     N = sequences in the step. Only bnpo depends on how the step is split into micro-batches.
@@ -211,42 +199,28 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
-              norm: LossNorm, epsilon: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-              is_weight: Tensor | None = None, level: str = "token",
-              keep: Tensor | None = None, delta: float = 0.0,
-              cispo_cap: float | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The micro-batch's share of the step loss, and token sums for the step's metrics. The defaults
-    are PPO's symmetric clip; the config's are DAPO's clip-higher (grpo.epsilon_high: 0.28).
+              norm: LossNorm, s: LossSettings = LossSettings(), is_weight: Tensor | None = None,
+              keep: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
-    old_logp None means on-policy (one update per rollout batch): old_logp = logp.detach().
-    Outside the mask (padding, skipped or masked truncated rows) old_logp and ref_logp are replaced
-    by logp.detach(), so rho = 1 and KL = 0 there: masking the loss afterwards hides only the value,
-    and exp(ref - logp) overflowing at a padding token would still make the gradient 0 * inf = NaN.
-    Clip fractions count tokens where the clip is active: rho < 1 - eps with A < 0 (low),
-    rho > 1 + eps_high with A > 0 (high); with delta, rho > delta with A < 0 (clip_delta); under
-    CISPO (cispo_cap) the weight's cap, rho > cap, counts as high and nothing as low. Divide the sums
-    by `tokens` for means. level: "token" (a ratio per token) or "sequence" (GSPO: a ratio per
-    completion, see per_token_loss). keep (n, C) bool: the tokens in the policy-gradient term
-    (high_entropy_mask); None: all. delta, cispo_cap: see per_token_loss.
+    old_logp None: on-policy, old_logp = logp.detach(). Outside the mask old_logp and ref_logp
+    become logp.detach() (rho = 1, KL = 0): exp(ref - logp) overflowing at a padding token would
+    make the gradient 0 * inf = NaN even though the loss masks it. Clip fractions count the tokens
+    where the clip acts: rho < 1 - eps with A < 0 (low), rho > 1 + eps_high with A > 0 (high),
+    rho > delta with A < 0 (delta); under CISPO rho > cap counts as high. Divide by `tokens`.
+    logp, old_logp, ref_logp, mask, keep: (n, C); adv: (n,).
     """
-    if level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level must be token or sequence, got {level!r}")
     m = mask.bool()  # (n, C)
     old_logp = logp.detach() if old_logp is None else torch.where(m, old_logp, logp.detach())  # (n, C)
     if ref_logp is not None:
         ref_logp = torch.where(m, ref_logp, logp.detach())  # (n, C)
-    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, epsilon, epsilon_high, beta, is_weight,
-                                       mask if level == "sequence" else None, keep, delta, cispo_cap)  # (n, C) x3
-    loss = aggregate(loss_tok, mask, norm)
+    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, mask, s, is_weight, keep)  # (n, C) x3
     a = adv[:, None].expand_as(rho)  # (n, C)
     with torch.no_grad():
-        stats = {
-            "tokens": float(m.sum()),
-            "kl_sum": float(kl[m].sum()),
-            "ratio_sum": float(rho[m].sum()),
-            "clip_low_sum": 0.0 if cispo_cap is not None else float(((rho < 1 - epsilon) & (a < 0))[m].sum()),
-            "clip_high_sum": float((rho > cispo_cap)[m].sum()) if cispo_cap is not None
-            else float(((rho > 1 + epsilon_high) & (a > 0))[m].sum()),
-            "clip_delta_sum": float(((rho > delta) & (a < 0))[m].sum()) if delta > 0 and cispo_cap is None else 0.0,
-        }
-    return loss, stats
+        high = rho > s.cispo_cap if s.cispo_cap is not None else (rho > 1 + s.epsilon_high) & (a > 0)
+        low = (rho < 1 - s.epsilon) & (a < 0) & (s.cispo_cap is None)
+        past_delta = (rho > s.delta) & (a < 0) & (s.delta > 0 and s.cispo_cap is None)
+        stats = {"tokens": float(m.sum()), "kl_sum": float(kl[m].sum()), "ratio_sum": float(rho[m].sum()),
+                 "clip_low_sum": float(low[m].sum()), "clip_high_sum": float(high[m].sum()),
+                 "clip_delta_sum": float(past_delta[m].sum())}
+    return aggregate(loss_tok, mask, norm), stats

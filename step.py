@@ -1,14 +1,14 @@
-"""One GRPO step: sample B prompts x G completions, score them, turn the rewards into group
-advantages, and take num_iterations x num_mini_batches clipped-surrogate updates (train_step). train.py runs the loop
-around it; the math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
+"""One GRPO step, as the algorithm box reads: sample, score, advantages, old and reference
+log-probs, clipped-surrogate updates, metrics (train_step). train.py runs the loop around it; the
+math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
 
     metrics, shown = train_step(run)      # run: a Run (below), built by train.setup
 
-Rewards are computed while the next slice samples (rollout.prompts_per_generate with
-rollout.overlap_rewards); the log-prob forward runs in micro-batches sized by
-optim.micro_batch_size and optim.micro_batch_tokens, and the loss of a step is the sum of its
-micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split
-(except under loss_type: bnpo, whose token mean is per micro-batch by definition).
+What a first read can skip is named and kept elsewhere: micro-batching and the optimizer update
+(plumbing/updates.py), the metrics (plumbing/metrics.py), running the rewards (plumbing/scoring.py),
+vLLM's importance weights (plumbing/vllm_engine.py). The loss of a step is the sum of its
+micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split (except
+under loss_type: bnpo, whose token mean is per micro-batch by definition).
 """
 from __future__ import annotations
 
@@ -16,25 +16,26 @@ import concurrent.futures
 import contextlib
 import functools
 import math
-import resource
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 import torch
 
 import grpo
-import logprobs
 import rollout
-from plumbing import vllm_engine
-from config import Config
-from plumbing.sampler import PromptSampler
 from api.client import Judge
-from model import merged_for_sampling, mixed_precision, reference_mode
-from scoring import RewardResult, compute_rewards, in_background, join_results, reward_context, reward_means
+from config import Config
+from model import merged_for_sampling, reference_mode
+from plumbing import vllm_engine
+from plumbing.metrics import source_metrics, step_metrics
+from plumbing.sampler import PromptSampler
+from plumbing.scoring import RewardResult, compute_rewards, in_background, join_results, reward_context
+from plumbing.updates import (batch_log_probs, micro_batch_log_probs, micro_batches, norm_metrics,
+                              optimizer_step, peak_memory_mb)
+from plumbing.vllm_engine import sampler_weight
+
 
 @dataclass
 class Run:
@@ -62,6 +63,137 @@ class Run:
     ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
     changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
     step: int = 0  # the step under way (what an interrupted run reports)
+
+
+def train_step(r: Run) -> tuple[dict, list[dict]]:
+    """One rollout batch and its updates -> (metrics, the completions sampled, for samples.jsonl)."""
+    cfg, g, G = r.cfg, r.cfg.grpo, r.cfg.rollout.num_generations
+    t0, device = time.time(), next(r.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    r.phase = "sampling"  # 1. B prompts x G completions, scored
+    kept, drawn, n_prompts = collect(cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
+    r.phase, t_rollout = "training", time.time() - t0
+    if g.num_mini_batches > 1:  # no mini-batch all flat groups (resample_zero_std puts those last)
+        kept = shuffle_groups(kept, G)
+    batch = kept.rollout
+    # 2. group advantages, A_i = (r_i - mean) / std over each group of G
+    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
+    mask = loss_mask(r, batch, kept.total)  # (N, C) the tokens in the loss
+    keep = None  # (N, C) the tokens in the policy-gradient term: all, or the high-entropy ones
+    if g.top_entropy_quantile < 1:
+        keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
+    minis = mini_batches(cfg, batch, mask, kept.total)  # [(micro-batches, LossNorm)]
+    # 3. old and reference log-probs, once, before any update
+    mbs = [mb for part, _ in minis for mb in part]
+    off_policy = g.num_iterations > 1 or g.num_mini_batches > 1  # else the ratio is exactly 1
+    old_logp = batch_log_probs(r.model, batch, cfg, mbs) if off_policy else None  # (N, C)
+    ref_logp = None
+    if g.beta > 0:
+        with reference_mode(r.model, r.ref_copy) as ref:
+            ref_logp = batch_log_probs(ref, batch, cfg, mbs)  # (N, C)
+    # 4. num_iterations passes, an optimizer update per mini-batch
+    sums, tis, norms, logged, lr = update(r, batch, adv.to(device), mask, keep, minis, old_logp, ref_logp)
+    if r.engine:
+        r.phase = "syncing the weights to vLLM"
+        r.engine.sync(r.model)  # the next rollout samples from the updated policy
+    # 5. metrics over everything drawn, and the completions shown
+    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) \
+        | source_metrics(r, drawn) | extra_metrics(r, batch, sums, tis) | {
+            "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0,
+            "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
+            "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
+    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
+              "advantage": float(a)} for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
+    return metrics, shown
+
+
+def update(r: Run, batch: rollout.Rollout, adv, mask, keep, minis, old_logp, ref_logp):
+    """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
+    the sum of its micro-batches' shares -> (the loss terms' sums over the updates whose loss was
+    finite, vLLM's importance-weight sums, each update's gradient norm, those updates, the lr)."""
+    g, settings = r.cfg.grpo, grpo.LossSettings.of(r.cfg.grpo)
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum",
+                          "clip_delta_sum"), 0.0)
+    tis = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # 1st iteration
+    norms, logged, lr = [], 0, 0.0
+    r.model.train()
+    for it in range(g.num_iterations):
+        for mbs, norm in minis:
+            r.optimizer.zero_grad(set_to_none=True)
+            upd = dict.fromkeys(sums, 0.0)  # this update's sums: into the step's only when finite
+            for mb in mbs:
+                logp, C = micro_batch_log_probs(r.model, batch, batch.input_ids, batch.attention_mask,
+                                                mb, r.cfg)  # (n, C)
+                old = None if old_logp is None else old_logp[mb, :C]  # None: on-policy
+                weight = None  # vLLM sampled: pi_old / pi_sampler, corrects for its sampler
+                if batch.sampler_logp is not None:
+                    weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
+                                            mask[mb, :C], g.tis_cap, tis if it == 0 else None, g.tis_mode)
+                loss, stats = grpo.grpo_loss(
+                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C],
+                    norm, settings, weight, None if keep is None else keep[mb, :C])
+                (r.scaler.scale(loss) if r.scaler else loss).backward()
+                upd["loss"] += float(loss.detach())
+                for key, v in stats.items():
+                    upd[key] += v
+            gn, lr = optimizer_step(r)
+            norms.append(gn)
+            if all(math.isfinite(v) for v in upd.values()):
+                logged += 1
+                for key, v in upd.items():
+                    sums[key] += v
+    return sums, tis, norms, logged, lr
+
+
+def loss_mask(r: Run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
+    """(N, C): each completion's tokens up to its EOS, without the completions whose reward was
+    skipped (fallback: skip; NaN) or, with grpo.mask_truncated_completions, that never ended."""
+    mask = batch.completion_mask.clone()  # (N, C)
+    if r.cfg.grpo.mask_truncated_completions:
+        mask[batch.truncated] = 0
+        if bool(batch.truncated.all()) and not r.warned_all_truncated:
+            r.warned_all_truncated = True
+            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
+                  f"{r.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks them all "
+                  "out: this step trains nothing. Raise max_new_tokens (or set "
+                  "mask_truncated_completions: false).", file=sys.stderr)
+    mask[torch.isnan(total)] = 0
+    return mask
+
+
+def mini_batches(cfg: Config, batch: rollout.Rollout, mask, total) -> list[tuple[list[slice], grpo.LossNorm]]:
+    """grpo.num_mini_batches mini-batches of whole groups, each its micro-batches and the counts its
+    loss is normalised by: sequences without the skipped ones (truncated ones count, as in TRL),
+    and the mask's tokens."""
+    N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
+    minis = []
+    for lo in range(0, N, N // k):
+        rows = slice(lo, lo + N // k)
+        part = rollout.select_rows(batch, list(range(N))[rows])
+        mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
+            part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
+        scored_mbs = max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1)
+        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, max(int((~skipped[rows]).sum()), 1),
+                                         int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
+    return minis
+
+
+def extra_metrics(r: Run, batch: rollout.Rollout, sums: dict, tis: dict) -> dict:
+    """The optional metrics: vLLM's distance to the trainer's policy and its importance weights,
+    the two-sided clip's share."""
+    out = {}
+    if batch.sampler_logp is not None:
+        out["sampler_logp_abs_diff"] = tis["abs_diff"] / max(tis["tokens"], 1.0)
+        if r.cfg.grpo.tis_cap:
+            units = max(tis["units"], 1.0)
+            out |= {"tis/weight_mean": tis["weight"] / units, "tis/capped_frac": tis["capped"] / units}
+    if r.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
+        out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
+    return out
+
+
+# ---------------------------------------------------------------- sampling and scoring
 
 
 @dataclass
@@ -129,6 +261,12 @@ def take_group(p: Scored, g: int, G: int) -> Scored:
     return take_rows(p, list(range(g * G, (g + 1) * G)))
 
 
+def shuffle_groups(p: Scored, G: int) -> Scored:
+    """p's groups in a random order (torch's generator), each group's rows kept together."""
+    order = torch.randperm(len(p.samples) // G).tolist()
+    return take_rows(p, [grp * G + j for grp in order for j in range(G)])
+
+
 def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judges: dict[str, Judge],
             engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
     """-> (the B groups to train on, everything drawn, prompts drawn).
@@ -152,289 +290,3 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     kept = [take_group(p, g, G) for p, g in (signal + flat)[:B]]
     pad = tokenizer.pad_token_id
     return concat(kept, pad), concat(parts, pad), drawn
-
-
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
-
-
-def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
-                   sums: dict | None, mode: str = "token_truncate") -> torch.Tensor | None:
-    """Importance weight of the trainer's policy against the sampler's (None when cap is 0: off),
-    old, sampler_logp, mask (n, C) -> (n, C), the ratio rho = pi_old / pi_sampler taken per token
-    (token_*) or per completion, the product over its tokens (sequence_*, the same for each of them):
-
-        *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
-        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
-
-    `sums` given (the first iteration, for the step's metrics): adds to it "tokens" and "abs_diff"
-    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in sequence
-    modes completions, as TRL counts them), "weight" (their weights) and "capped" (those capped or
-    masked)."""
-    if mode not in TIS_MODES:
-        raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
-    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)  # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
-    weight = None
-    if cap:
-        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves a completion's product alone
-        if mode.startswith("sequence"):
-            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one ratio per completion
-        rho = torch.exp(log_rho)
-        weight = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho > cap, 0.0, rho)
-        past = rho >= cap if mode.endswith("truncate") else rho > cap  # (n, C)
-    if sums is not None:
-        m = mask.bool()
-        sums["tokens"] += float(m.sum())
-        sums["abs_diff"] += float(diff.abs()[m].sum())
-        if weight is not None:
-            rows = m.any(1)  # (n,) completions with a token in the loss
-            per_row = mode.startswith("sequence")
-            sums["units"] += float(rows.sum()) if per_row else float(m.sum())
-            sums["weight"] += float(weight[rows, 0].sum()) if per_row else float(weight[m].sum())
-            sums["capped"] += float(past[rows, 0].sum()) if per_row else float(past[m].sum())
-    return weight
-
-
-def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0, group: int = 1) -> list[slice]:
-    """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0 (optim.micro_batch_tokens),
-    at most that many padded tokens: rows x (longest prompt + longest completion) of the micro-batch,
-    what its forward pays for after trimming. A row over the budget on its own gets its own
-    micro-batch. Consecutive rows keep a group's rows together (grpo.share_prompt) when `size` is a
-    multiple of G; other sizes split groups (the same gradient, less prompt sharing). group: cut only
-    between whole groups of that many rows (a DPO pair's two replies, which one loss term joins)."""
-    n = batch.completion_ids.shape[0]
-    size = max(size // group, 1) * group
-    if not max_tokens:
-        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
-    p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
-    out, start = [], 0
-    for i in range(group, n, group):  # do rows i .. i + group - 1 still fit in the micro-batch that starts at `start`?
-        end = min(i + group, n)
-        padded = (end - start) * (max(p_len[start:end]) + max(c_len[start:end]))
-        if i - start >= size or padded > max_tokens:
-            out.append(slice(start, i))
-            start = i
-    return out + [slice(start, n)]
-
-
-def micro_batch_log_probs(model, batch: rollout.Rollout, ids, attn, mb: slice, cfg: Config,
-                          temperature: float | None = None) -> tuple[torch.Tensor, int]:
-    """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
-    The temperature is the sampler's (rollout.temperature) unless given."""
-    i, a, C = logprobs.trim(ids[mb], attn[mb], batch.completion_mask[mb])
-    T = cfg.rollout.temperature if temperature is None else temperature
-    share = logprobs.share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
-    with mixed_precision(model):  # bf16/fp16 matmuls over a half-precision base; nothing on an fp32 model
-        return logprobs.sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk, cfg.grpo.fused_lm_head, share), C
-
-
-@torch.no_grad()
-def batch_log_probs(model, batch: rollout.Rollout, cfg: Config, mbs: list[slice] | None = None) -> torch.Tensor:
-    """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each micro-batch's longest
-    completion; between a row's end and that, the log-probs of padding, which the loss masks out."""
-    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32, device=batch.completion_ids.device)
-    ids, attn = batch.input_ids, batch.attention_mask
-    for mb in mbs or micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
-        logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
-        out[mb, :C] = logp
-    return out
-
-
-def train_step(r: Run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its updates -> (metrics, sampled completions): num_iterations passes over
-    it, each pass an optimizer step on each of its num_mini_batches mini-batches of whole groups,
-    whose loss is normalised over that mini-batch (grpo.LossNorm)."""
-    cfg, model, optimizer, scaler = r.cfg, r.model, r.optimizer, r.scaler
-    t0 = time.time()
-    G, g = cfg.rollout.num_generations, cfg.grpo
-    device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    r.phase = "sampling"
-    kept, drawn, n_prompts = collect(cfg, model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
-    r.phase = "training"
-    t_rollout = time.time() - t0
-    k = g.num_mini_batches
-    if k > 1:  # groups shuffled, so that no mini-batch is all flat groups (resample_zero_std puts those last)
-        kept = take_rows(kept, [grp * G + j for grp in torch.randperm(len(kept.samples) // G).tolist() for j in range(G)])
-    batch = kept.rollout
-    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol).to(device)  # (N,)
-    mask = batch.completion_mask.clone()  # (N, C)
-    if g.mask_truncated_completions:
-        mask[batch.truncated] = 0
-        if bool(batch.truncated.all()) and not r.warned_all_truncated:
-            r.warned_all_truncated = True
-            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens={cfg.rollout.max_new_tokens} and "
-                  "grpo.mask_truncated_completions masks them all out: this step trains nothing. Raise "
-                  "max_new_tokens (or set mask_truncated_completions: false).", file=sys.stderr)
-    skipped = torch.isnan(kept.total)  # (N,) a reward with fallback: skip failed: no advantage, no part in the loss
-    mask[skipped] = 0
-    keep = None  # (N, C) the tokens in the policy-gradient term: all, or the step's high-entropy ones
-    if g.top_entropy_quantile < 1:  # chosen once over the whole step, by the sampling policy's entropy
-        keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
-    N = batch.completion_ids.shape[0]
-    minis = []  # (its micro-batches, its LossNorm) for each mini-batch of N / k rows, whole groups
-    for lo in range(0, N, N // k):
-        rows = slice(lo, lo + N // k)
-        mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
-            rollout.select_rows(batch, list(range(N))[rows]), cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        # the mini-batch's counts: sequences leave out skipped completions (truncated ones count, as in TRL);
-        # tokens are the mask's, without those of truncated completions under mask_truncated_completions
-        minis.append((mbs, grpo.LossNorm(g.loss_type, max(int((~skipped[rows]).sum()), 1), int(mask[rows].sum()),
-                                         cfg.rollout.max_new_tokens, max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1))))
-    train_mbs = [mb for mbs, _ in minis for mb in mbs]  # old and reference log-probs in the loss's micro-batches
-    off_policy = g.num_iterations > 1 or k > 1  # an update before some loss: compare with the sampling policy
-    old_logp = batch_log_probs(model, batch, cfg, train_mbs) if off_policy else None  # (N, C); None: on-policy
-    ref_logp = None
-    if g.beta > 0:
-        with reference_mode(model, r.ref_copy) as ref:
-            ref_logp = batch_log_probs(ref, batch, cfg, train_mbs)  # (N, C)
-    ids, attn = batch.input_ids, batch.attention_mask
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "clip_delta_sum"), 0.0)
-    norms = []  # each update's gradient norm
-    engine_sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # vLLM's samples, first iteration
-    model.train()
-    logged = 0  # updates whose loss and stats were finite
-    for it in range(g.num_iterations):
-        for mbs, norm in minis:
-            optimizer.zero_grad(set_to_none=True)
-            upd = dict.fromkeys(sums, 0.0)  # this update's sums: into the step's only when finite
-            for mb in mbs:
-                logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)  # (n, C)
-                old = None if old_logp is None else old_logp[mb, :C]
-                weight = None
-                if batch.sampler_logp is not None:  # another engine sampled: how far is it from the trainer's policy?
-                    weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                            mask[mb, :C], g.tis_cap, engine_sums if it == 0 else None, g.tis_mode)
-                loss, stats = grpo.grpo_loss(
-                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C], norm,
-                    g.epsilon, g.epsilon_high, g.beta, weight, g.importance_sampling_level,
-                    None if keep is None else keep[mb, :C], g.delta, g.cispo_cap if g.policy_loss == "cispo" else None)
-                (scaler.scale(loss) if scaler else loss).backward()
-                upd["loss"] += float(loss.detach())
-                for key, v in stats.items():
-                    upd[key] += v
-            gn, lr = optimizer_step(r)
-            norms.append(gn)
-            if all(math.isfinite(v) for v in upd.values()):
-                logged += 1
-                for key, v in upd.items():
-                    sums[key] += v
-    if r.engine:
-        r.phase = "syncing the weights to vLLM"
-        r.engine.sync(model)  # the next rollout samples from the updated policy
-    extra = {}  # the optional metrics: vLLM's mismatch and importance weights, the two-sided clip
-    if batch.sampler_logp is not None:
-        n = max(engine_sums["tokens"], 1.0)
-        extra = {"sampler_logp_abs_diff": engine_sums["abs_diff"] / n}
-        if g.tis_cap:
-            units = max(engine_sums["units"], 1.0)
-            extra |= {"tis/weight_mean": engine_sums["weight"] / units, "tis/capped_frac": engine_sums["capped"] / units}
-    if g.delta:  # tokens with A < 0 whose ratio passed delta (two-sided clip)
-        extra["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) | source_metrics(r, drawn) | extra | {
-        "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0, "rollout_time": t_rollout,
-        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        "peak_memory_mb": peak_memory_mb(device)}  # judge_*: train.py adds them, the held-out scoring's calls counted
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw), "advantage": float(a)}
-             for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
-    return metrics, shown
-
-
-def optimizer_step(r: Run) -> tuple[float, float]:
-    """Unscale (fp16), clip, step the optimizer and the schedule -> (grad norm, lr used).
-    A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
-    would write NaN into every trained weight for the rest of the run."""
-    if r.scaler:
-        r.scaler.unscale_(r.optimizer)
-    max_norm = r.cfg.optim.max_grad_norm if r.cfg.optim.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, max_norm))
-    lr = r.scheduler.get_last_lr()[0]
-    if r.scaler:
-        r.scaler.step(r.optimizer)  # skips non-finite gradients itself, and lowers the loss scale
-        r.scaler.update()
-        if r.scaler.get_scale() < 1.0:  # halved 17 times from 65536: not a scale still to find, a pass that overflows
-            raise rollout.NonFiniteLogits("float16 loss scaling has halved its scale below 1, skipping update after "
-                                          "update: the training pass gives inf or NaN; " + rollout.NON_FINITE)
-    elif math.isfinite(grad_norm):
-        r.optimizer.step()
-    else:
-        print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped", file=sys.stderr)
-    if math.isfinite(grad_norm):
-        r.scheduler.step()
-    else:  # skipped: torch warns that no optimizer.step came first (LambdaLR reads only the count). Only here, as
-        with warnings.catch_warnings():  # catch_warnings resets which warnings were shown: others would repeat
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            r.scheduler.step()
-    return grad_norm, lr
-
-
-def norm_metrics(norms: list[float]) -> dict:
-    """grad_norm: the mean over the step's updates that were applied; skipped_updates: how many had a
-    non-finite gradient (fp16's GradScaler skips those as it finds its scale; see optimizer_step), only
-    when some did. A step with no update applied logs no grad_norm (not inf or NaN, which JSON lacks).
-
-    >>> norm_metrics([1.0, 3.0]), norm_metrics([2.0, float("inf")]), norm_metrics([float("nan")])
-    ({'grad_norm': 2.0}, {'grad_norm': 2.0, 'skipped_updates': 1}, {'skipped_updates': 1})
-    """
-    applied = [n for n in norms if math.isfinite(n)]
-    skipped = len(norms) - len(applied)
-    return ({"grad_norm": sum(applied) / len(applied)} if applied else {}) | ({"skipped_updates": skipped} if skipped else {})
-
-
-def step_metrics(drawn: Scored, G: int, sums: dict, updates: int, zero_std_tol: float, kl: bool = True) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens
-    of the `updates` optimizer updates whose loss was finite, loss their mean (grad_norm: norm_metrics).
-    reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
-    tokens of their sampling distributions' entropy (HF generate only); kl only with a reference (kl)."""
-    tok, r = max(sums["tokens"], 1.0), drawn.total
-    lengths, truncated, h = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated, drawn.rollout.entropy
-    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
-    _, std, n = grpo.group_stats(r, G)  # (B,) each
-    return {
-        **({"loss": sums["loss"] / updates} if updates else {}),  # over the updates whose loss was finite (none: no value)
-        **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
-        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
-        **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
-        **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
-        "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        **({"kl": sums["kl_sum"] / tok} if kl and sums["tokens"] else {}),  # as TRL: only with a reference (beta > 0)
-        **({"ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
-            "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
-            "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok} if sums["tokens"] else {}),
-        "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()),
-        **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),
-    }
-
-
-def source_shares(r: Run) -> dict:
-    """For a mixture: data/<label>, the share of the rows drawn since the last call (this step's) from
-    each source, and data/<label>/weight, the share the mixture (its curriculum, now) draws with."""
-    counts = r.sampler.pop_counts()
-    if len(counts) < 2:
-        return {}
-    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)} | {
-        f"data/{label}/weight": w for label, w in zip(r.source_labels, r.sampler.shares())}
-
-
-def source_metrics(r: Run, drawn: Scored) -> dict:
-    """For a mixture: data/<label> (source_shares), and data/<label>/reward, the mean reward of each
-    source's completions (skipped ones left out)."""
-    out = source_shares(r)
-    if not out:
-        return {}
-    label_of, start = {}, 0  # a sample is one of r.rows itself: its source by identity
-    for label, size in zip(r.source_labels, r.sampler.sizes):
-        label_of.update((id(row), label) for row in r.rows[start:start + size])
-        start += size
-    rewards: dict[str, list[float]] = {}
-    for sample, total in zip(drawn.samples, drawn.total.tolist()):
-        if not math.isnan(total) and id(sample) in label_of:
-            rewards.setdefault(label_of[id(sample)], []).append(total)
-    return out | {f"data/{label}/reward": sum(v) / len(v) for label, v in rewards.items()}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -49,7 +49,7 @@ from plumbing.hub import resolve_model_path
 from plumbing.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint, save_checkpoint
 from api.client import Judge, JudgeUnusable
 from judge import judges_stats
-from scoring import check_rows, open_rewards, open_scoring
+from plumbing.scoring import check_rows, open_rewards, open_scoring
 from step import Run, train_step
 from plumbing.display import NO_SIGNAL, NO_SIGNAL_WARN_AFTER, flat_steps_at_end, open_tracker, out_of_memory, progress_display
 

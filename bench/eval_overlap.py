@@ -28,7 +28,7 @@ import eval as ev  # noqa: E402
 from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from plumbing.hub import resolve_model_path
-from scoring import in_background  # noqa: E402
+from plumbing.scoring import in_background  # noqa: E402
 
 
 def synchronous(fn, after=None) -> concurrent.futures.Future:

@@ -251,7 +251,7 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     from rollout import chat_messages
     from model import pick_device, pick_dtype
     from plumbing.hub import resolve_model_path
-    from scoring import compute_rewards
+    from plumbing.scoring import compute_rewards
 
     cfg = load_config(cfg_path)
     ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run

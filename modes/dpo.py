@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 import rollout
 from model import reference_mode
+from plumbing.metrics import source_shares
+from plumbing.updates import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb
 
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -73,7 +75,6 @@ def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = N
 def pair_passes(r, batch: rollout.Rollout, train: bool, keys: list):
     """For each micro-batch of whole pairs (a pair's two replies are never split): (its rows, their
     summed reply log-probs under the policy, under the reference), as pair_log_probs gives them."""
-    from step import micro_batches
     for mb in micro_batches(batch, max(r.cfg.optim.micro_batch_size, 2), r.cfg.optim.micro_batch_tokens, group=2):
         yield mb, *pair_log_probs(r, batch, mb, train, keys)
 
@@ -83,7 +84,6 @@ def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list
     and under the reference (without) -> ((m,), (m,)), rows in batch order. keys: one a row of the
     batch, naming its reply; with dpo.cache_reference a reply's reference log-prob is computed once a
     run (r.ref_logps) and read back in later epochs: the reference never changes."""
-    from step import micro_batch_log_probs
 
     def summed(model) -> torch.Tensor:
         logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, r.cfg, temperature=1.0)
@@ -116,7 +116,6 @@ def pair_metrics(loss, r_w, r_l, pi) -> dict:
 
 def dpo_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
-    from step import norm_metrics, optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":

@@ -16,6 +16,8 @@ import time
 import torch
 
 import rollout
+from plumbing.metrics import source_shares
+from plumbing.updates import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb
 
 
 def with_eos(tokenizer, reply: str) -> str:
@@ -47,7 +49,6 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
 
 def sft_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
-    from step import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb, source_shares
     cfg, model, t0 = r.cfg, r.model, time.time()
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -74,7 +75,6 @@ def sft_step(r) -> tuple[dict, list[dict]]:
 def held_out_loss(r) -> float:
     """eval/loss: the mean reply-token cross-entropy on the held-out rows (eval.select's), the
     training loss on rows it never saw: where it turns up while the training loss falls, SFT overfits."""
-    from step import micro_batch_log_probs, micro_batches
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     was_training, nll, tokens = model.training, 0.0, 0.0

@@ -195,3 +195,43 @@ def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int
     texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
     return rollout.Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
                         c_ids.to(device), c_mask.to(device), truncated.to(device), texts, sampler_logp=logp.to(device))
+
+
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
+
+
+def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
+                   sums: dict | None, mode: str = "token_truncate") -> torch.Tensor | None:
+    """Importance weight of the trainer's policy against the sampler's (None when cap is 0: off),
+    old, sampler_logp, mask (n, C) -> (n, C), the ratio rho = pi_old / pi_sampler taken per token
+    (token_*) or per completion, the product over its tokens (sequence_*, the same for each of them):
+
+        *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
+        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
+
+    `sums` given (the first iteration, for the step's metrics): adds to it "tokens" and "abs_diff"
+    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in sequence
+    modes completions, as TRL counts them), "weight" (their weights) and "capped" (those capped or
+    masked)."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
+    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)  # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
+    weight = None
+    if cap:
+        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves a completion's product alone
+        if mode.startswith("sequence"):
+            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one ratio per completion
+        rho = torch.exp(log_rho)
+        weight = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho > cap, 0.0, rho)
+        past = rho >= cap if mode.endswith("truncate") else rho > cap  # (n, C)
+    if sums is not None:
+        m = mask.bool()
+        sums["tokens"] += float(m.sum())
+        sums["abs_diff"] += float(diff.abs()[m].sum())
+        if weight is not None:
+            rows = m.any(1)  # (n,) completions with a token in the loss
+            per_row = mode.startswith("sequence")
+            sums["units"] += float(rows.sum()) if per_row else float(m.sum())
+            sums["weight"] += float(weight[rows, 0].sum()) if per_row else float(weight[m].sum())
+            sums["capped"] += float(past[rows, 0].sum()) if per_row else float(past[m].sum())
+    return weight

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 import rollout
-import step
+from plumbing import updates
 import train
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
@@ -85,7 +85,7 @@ def test_micro_batches_cut_only_between_whole_pairs():
                             mask(c_len, 6).float(), torch.zeros(n, dtype=torch.bool), [""] * n)
     for size in (1, 2, 3, 4, 7, 10):
         for budget in (0, 1, 12, 20, 40, 1000):
-            mbs = step.micro_batches(batch, size, budget, group=2)
+            mbs = updates.micro_batches(batch, size, budget, group=2)
             assert [i for mb in mbs for i in range(n)[mb]] == list(range(n))  # every row once, in order
             assert all(mb.start % 2 == 0 and (mb.stop - mb.start) % 2 == 0 for mb in mbs), (size, budget, mbs)
             assert all(mb.stop - mb.start <= max(size // 2, 1) * 2 for mb in mbs)
@@ -93,7 +93,7 @@ def test_micro_batches_cut_only_between_whole_pairs():
                 rows = range(n)[mb]
                 padded = len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows))
                 assert not budget or padded <= budget or len(rows) == 2
-    assert step.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]  # group 1: as before
+    assert updates.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]  # group 1: as before
 
 
 @pytest.fixture
@@ -163,12 +163,12 @@ def grads_of_one_step(path, *overrides):
     def capture(run):
         got["grads"] = [p.grad.clone() for p in run.params]
         return 0.0, 0.0
-    original, step.optimizer_step = step.optimizer_step, capture
+    from modes import dpo
+    original, dpo.optimizer_step = dpo.optimizer_step, capture
     try:
-        from modes.dpo import dpo_step
-        m, _ = dpo_step(r)
+        m, _ = dpo.dpo_step(r)
     finally:
-        step.optimizer_step = original
+        dpo.optimizer_step = original
     return got["grads"], m
 
 

@@ -16,7 +16,7 @@ from plumbing.entries import parse_model_entries
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
 from plumbing.adapters import save_adapter
 from config import RewardSpec
-from scoring import compute_rewards
+from plumbing.scoring import compute_rewards
 
 MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
 

@@ -6,6 +6,7 @@ import torch
 
 import grpo
 from grpo import LossNorm
+from grpo import LossSettings as S
 
 
 def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len, micro_batches=1, keep=None,
@@ -60,7 +61,7 @@ def test_each_loss_type_matches_the_per_token_loop_in_value_and_gradient(loss_ty
     logp, old, ref, adv, mask = random_batch()
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=0.2, epsilon_high=0.28, beta=beta)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta))
     (g,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
     expected = reference_loss(logp2, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C)
@@ -79,13 +80,13 @@ def test_two_sided_clip_and_cispo_match_the_per_token_loop_in_value_and_gradient
     logp, old, ref, adv, mask = random_batch(seed=1)
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, 0.2, 0.28, beta, **variant)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta, **variant))
     (g,) = torch.autograd.grad(loss, logp)
     lp = logp.detach().clone().requires_grad_()
     expected = reference_loss(lp, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C, **variant)
     (g2,) = torch.autograd.grad(expected, lp)
     assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
-    plain, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, 0.2, 0.28, beta)
+    plain, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta))
     (g0,) = torch.autograd.grad(plain, logp)
     assert not torch.allclose(g, g0, atol=1e-4)
 
@@ -99,7 +100,7 @@ def test_two_sided_clip_zeroes_the_gradient_of_negative_advantages_past_delta_on
     norm = LossNorm("dapo", 4, 4, 1, 1)
     grads = []
     for delta in (0.0, 2.0):
-        loss, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, 0.2, 0.28, delta=delta)
+        loss, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28, delta=delta))
         grads.append(torch.autograd.grad(loss, logp)[0].flatten().tolist())
     assert grads[0] == pytest.approx([0.75, 0.0, 0.375, 0.0]) and grads[1] == pytest.approx([0.0, 0.0, 0.375, 0.0])
     assert stats["clip_delta_sum"] == 1.0  # row 0 only: rows 1 and 3 pass delta with A > 0
@@ -111,15 +112,15 @@ def test_cispo_keeps_the_gradient_where_the_clip_drops_it_and_equals_it_on_polic
     logp = torch.zeros(2, 1, requires_grad=True)
     old, adv, mask = torch.log(torch.tensor([[0.5], [2.0]])), torch.tensor([1.0, -1.0]), torch.ones(2, 1)  # rho = 2, 0.5
     norm = LossNorm("dapo", 2, 2, 1, 1)
-    clip, clip_stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, 0.2, 0.28)
-    cispo, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, 0.2, 0.28, cispo_cap=1.5)
+    clip, clip_stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28))
+    cispo, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28, cispo_cap=1.5))
     assert torch.autograd.grad(clip, logp)[0].flatten().tolist() == [0.0, 0.0]  # both outside the clip
     assert torch.autograd.grad(cispo, logp)[0].flatten().tolist() == pytest.approx([-0.75, 0.25])  # weights 1.5, 0.5; / 2
     assert (clip_stats["clip_high_sum"], clip_stats["clip_low_sum"]) == (1.0, 1.0)
     assert (stats["clip_high_sum"], stats["clip_low_sum"]) == (1.0, 0.0)  # only the cap clips under CISPO
     lp, _, _, adv, mask = random_batch()
     norm = LossNorm("grpo", 6, int(mask.sum()), 7, 1)
-    g = [torch.autograd.grad(grpo.grpo_loss(lp, None, None, adv, mask, norm, cispo_cap=cap)[0], lp)[0] for cap in (None, 5.0)]
+    g = [torch.autograd.grad(grpo.grpo_loss(lp, None, None, adv, mask, norm, S(cispo_cap=cap))[0], lp)[0] for cap in (None, 5.0)]
     assert torch.allclose(g[0], g[1], atol=1e-7) and g[0].abs().sum() > 0
 
 
@@ -139,7 +140,7 @@ def test_gradient_does_not_depend_on_micro_batch_size(loss_type):
         norm = LossNorm(loss_type, 8, int(mask.sum()), 9, len(slices))
         total = 0.0
         for sl in slices:
-            loss, _ = grpo.grpo_loss(lp[sl], old[sl], ref[sl], adv[sl], mask[sl], norm, 0.2, 0.28, 0.04)
+            loss, _ = grpo.grpo_loss(lp[sl], old[sl], ref[sl], adv[sl], mask[sl], norm, S(0.2, 0.28, 0.04))
             loss.backward()
             total += float(loss.detach())
         grads.append((lp.grad.clone(), total))
@@ -176,22 +177,22 @@ def test_clip_fractions_count_tokens_where_the_clip_is_active():
     old = torch.log(torch.tensor([[1 / 0.5, 1.0], [1 / 1.5, 1.0], [1 / 0.5, 1.0], [1 / 1.5, 1.0]]))  # rho = .5, 1.5
     adv = torch.tensor([-1.0, 1.0, 1.0, -1.0])
     mask = torch.ones(4, 2)
-    _, s = grpo.grpo_loss(logp, old, None, adv, mask, LossNorm("dapo", 4, 8, 2, 1), epsilon=0.2, epsilon_high=0.28)
+    _, s = grpo.grpo_loss(logp, old, None, adv, mask, LossNorm("dapo", 4, 8, 2, 1), S(0.2, 0.28))
     # row 0: rho .5 < .8 with A < 0 -> low; row 1: rho 1.5 > 1.28 with A > 0 -> high;
     # rows 2, 3: the same ratios with the other sign of A are not clipped (min picks the unclipped term)
     assert (s["clip_low_sum"], s["clip_high_sum"], s["tokens"]) == (1.0, 1.0, 8.0)
     for row, low, high in ((0, 1.0, 0.0), (1, 0.0, 1.0), (2, 0.0, 0.0), (3, 0.0, 0.0)):  # each row on its own
         _, s = grpo.grpo_loss(logp[row:row + 1], old[row:row + 1], None, adv[row:row + 1], mask[row:row + 1],
-                              LossNorm("dapo", 1, 2, 2, 1), epsilon=0.2, epsilon_high=0.28)
+                              LossNorm("dapo", 1, 2, 2, 1), S(0.2, 0.28))
         assert (s["clip_low_sum"], s["clip_high_sum"]) == (low, high), row
 
 
 def test_kl_is_zero_when_policy_equals_reference_and_positive_otherwise():
     logp, _, _, adv, mask = random_batch()
     norm = LossNorm("dapo", 6, int(mask.sum()), 7, 1)
-    _, same = grpo.grpo_loss(logp, None, logp.detach(), adv, mask, norm, beta=0.1)
+    _, same = grpo.grpo_loss(logp, None, logp.detach(), adv, mask, norm, S(beta=0.1))
     assert same["kl_sum"] == 0.0
-    _, diff = grpo.grpo_loss(logp, None, logp.detach() + 0.5, adv, mask, norm, beta=0.1)
+    _, diff = grpo.grpo_loss(logp, None, logp.detach() + 0.5, adv, mask, norm, S(beta=0.1))
     assert diff["kl_sum"] > 0
     d = torch.tensor(0.5)
     assert diff["kl_sum"] / diff["tokens"] == pytest.approx(float(torch.exp(d) - d - 1), rel=1e-5)
@@ -205,7 +206,7 @@ def test_extreme_log_probs_outside_the_mask_leave_the_gradient_finite(old_given)
     ref = torch.tensor([[-1.1, -0.9, -2.0]])
     old = torch.tensor([[-1.0, -1.0, -300.0]]) if old_given else None
     mask, adv = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1.0])
-    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, LossNorm("dapo", 1, 2, 3, 1), beta=0.04)
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, LossNorm("dapo", 1, 2, 3, 1), S(beta=0.04))
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(g).all() and g[0, 2] == 0
     expected = reference_loss(logp.detach().clone().requires_grad_(), logp.detach() if old is None else old,
@@ -286,8 +287,8 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     logp = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -1.0]])
     adv, w = torch.tensor([2.0]), torch.tensor([[0.5, 3.0]])
-    plain, _, kl = grpo.per_token_loss(logp, logp, ref, adv, 0.2, 0.2, beta=0.1)
-    weighted, _, _ = grpo.per_token_loss(logp, logp, ref, adv, 0.2, 0.2, beta=0.1, is_weight=w)
+    plain, _, kl = grpo.per_token_loss(logp, logp, ref, adv, torch.ones_like(logp), S(beta=0.1))
+    weighted, _, _ = grpo.per_token_loss(logp, logp, ref, adv, torch.ones_like(logp), S(beta=0.1), is_weight=w)
     pg = plain - 0.1 * kl  # rho = 1: the policy-gradient term is -A per token
     assert torch.allclose(pg, torch.tensor([[-2.0, -2.0]]))
     assert torch.allclose(weighted, w * pg + 0.1 * kl)
@@ -320,8 +321,8 @@ def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_ty
     weight = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))) if weighted else torch.ones_like(logp)
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=3e-3, epsilon_high=4e-3, beta=beta,
-                                 is_weight=weight if weighted else None, level="sequence")
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(3e-3, 4e-3, beta, sequence=True),
+                                 is_weight=weight if weighted else None)
     (g,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
     expected = reference_sequence_loss(logp2, old, ref, adv, mask, loss_type, 3e-3, 4e-3, beta, weight)
@@ -338,8 +339,6 @@ def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_ty
             kept = g[i][mask[i] > 0]
             assert kept.numel() == 0 or (kept.abs().sum() == 0) == bool(low[i] | high[i])
             assert torch.allclose(kept, kept[:1].expand_as(kept), atol=1e-7)
-    with pytest.raises(ValueError, match="importance_sampling_level"):
-        grpo.grpo_loss(logp, old, None, adv, mask, norm, level="sentence")
 
 
 def test_a_nan_log_prob_at_a_masked_position_stays_out_of_the_sequence_ratio():
@@ -348,7 +347,7 @@ def test_a_nan_log_prob_at_a_masked_position_stays_out_of_the_sequence_ratio():
     with torch.no_grad():
         logp[0, -1] = float("nan")
     norm = LossNorm("grpo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
-    loss, _ = grpo.grpo_loss(logp, old, None, adv, mask, norm, level="sequence")
+    loss, _ = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(sequence=True))
     assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, logp)[0]).all()
 
 
@@ -356,7 +355,7 @@ def test_on_policy_the_sequence_ratio_gives_the_token_level_gradient():
     """rho = 1 exactly: GSPO's gradient with loss_type grpo is the token-level grpo gradient."""
     logp, _, _, adv, mask = random_batch(seed=4)
     norm = LossNorm("grpo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
-    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, level=lv)[0], logp)[0]
+    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, S(sequence=lv == "sequence"))[0], logp)[0]
              for lv in ("token", "sequence")]
     assert torch.allclose(grads[0], grads[1], atol=1e-7) and grads[0].abs().sum() > 0
 
@@ -390,7 +389,7 @@ def test_tokens_left_out_by_keep_lose_their_policy_gradient_only(loss_type, beta
     keep = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) < 0.4  # (N, C)
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, epsilon=0.2, epsilon_high=0.28, beta=beta, keep=keep)
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta), keep=keep)
     (g,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
     expected = reference_loss(logp2, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C, keep=keep)

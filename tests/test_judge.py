@@ -13,7 +13,7 @@ from fake_openai_server import Behaviour, FakeOpenAIServer, malformed, ok, out_o
 from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
 from judge import JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score, render, rubric_alignment
 from config import RewardSpec
-from scoring import _LOGGED, compute_rewards
+from plumbing.scoring import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
 KEY_ENV = "MINIGRPO_TEST_JUDGE_KEY"  # not OPENAI_API_KEY, so a developer's real key is never picked up
@@ -669,7 +669,7 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
 def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call(row, says):
     """helper-49: one such row failed its whole batch, after the batch's judge calls were paid."""
     from config import ConfigError
-    from scoring import check_rows
+    from plumbing.scoring import check_rows
     good = {"question": "q", "answers": ["a", "b"], "gold_scores": [1, 2]}
     check_rows([RewardSpec("rubric_alignment")], [good])
     with pytest.raises(ConfigError, match=f"reward 'rubric_alignment': data row 1 \\(id 'hb-7'\\): .*{re.escape(says)}"):
@@ -681,7 +681,7 @@ def test_gold_scores_rubric_alignment_reads_as_numbers_pass_the_row_check():
     from decimal import Decimal
 
     import numpy as np
-    from scoring import check_rows
+    from plumbing.scoring import check_rows
     for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False], np.array([1.0, 2.0])):
         check_rows([RewardSpec("rubric_alignment")], [{"question": "q", "answers": ["a", "b"], "gold_scores": gold}])
 

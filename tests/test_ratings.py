@@ -23,7 +23,7 @@ from graders import rating_page
 from graders.rating_page import make_server
 from graders.ratings import Store, human, item_id
 from config import RewardSpec
-from scoring import check_specs, compute_rewards
+from plumbing.scoring import check_specs, compute_rewards
 
 CRITERIA = ["relevance", "clarity"]
 
@@ -143,7 +143,7 @@ def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
 def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_path):
     """The queue keeps data.assistant_prefix + the completion: its export becomes DPO pairs that the
     same template renders again, so a block the template opens (R1's <think>) must not be in them."""
-    from scoring import reward_context
+    from plumbing.scoring import reward_context
     ratings._STORES.clear()
     spec = RewardSpec("human", args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
     compute_rewards(["x"], [{"prompt": "p"}], [spec], context=reward_context("<think>\nokay", {}, "okay"))

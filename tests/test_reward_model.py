@@ -7,7 +7,7 @@ import torch
 import yaml
 
 from graders import reward_model as rm
-import scoring
+from plumbing import scoring
 import train
 from config import ConfigError
 from conftest import make_tokenizer

@@ -16,6 +16,7 @@ import rewards
 import rollout
 import step
 import train
+from plumbing import vllm_engine
 from conftest import write_run_config
 
 
@@ -72,7 +73,8 @@ def test_gspo_sequence_ratios_reach_the_loss(tmp_path, tiny_llama, monkeypatch):
 
     def spy(*a, **k):
         out = real(*a, **k)
-        ratios.append((out[1].detach(), inspect.signature(real).bind(*a, **k).arguments.get("seq_mask")))  # rho, its mask
+        args = inspect.signature(real).bind(*a, **k).arguments
+        ratios.append((out[1].detach(), args["mask"] if args["s"].sequence else None))  # rho, its mask
         return out
     monkeypatch.setattr(grpo, "per_token_loss", spy)
     r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--grpo.loss_type=grpo",
@@ -91,8 +93,8 @@ def test_delta_and_cispo_reach_the_loss_from_the_config(tmp_path, tiny_llama, mo
     seen, sums, real, real_loss = [], [], grpo.per_token_loss, grpo.grpo_loss
 
     def spy(*a, **k):
-        args = inspect.signature(real).bind(*a, **k).arguments
-        seen.append((args.get("delta", 0.0), args.get("cispo_cap")))
+        s = inspect.signature(real).bind(*a, **k).arguments["s"]
+        seen.append((s.delta, s.cispo_cap))
         return real(*a, **k)
 
     def loss_spy(*a, **k):
@@ -220,7 +222,7 @@ def test_importance_weights_are_capped_and_counted():
     assert step.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
 
 
-@pytest.mark.parametrize("mode", step.TIS_MODES)
+@pytest.mark.parametrize("mode", vllm_engine.TIS_MODES)
 def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     """TRL's four modes: the ratio per token or per completion (the product over its tokens, padding
     left out), capped at tis_cap or masked past it; `capped` counts the tokens at or past the cap."""

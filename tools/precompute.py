@@ -53,7 +53,7 @@ from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_
 from api.client import Judge, JudgeUnusable
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
 from rollout import chat_messages
-from scoring import check_rows, check_specs, compute_rewards
+from plumbing.scoring import check_rows, check_specs, compute_rewards
 
 
 def check(cfg: Config) -> PrecomputeConfig:
