@@ -125,6 +125,12 @@ def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None 
     return out
 
 
+def with_eos(tokenizer, reply: str) -> str:
+    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log, maybe with
+    the template's newline after it) gets no second."""
+    return reply.rstrip() if reply.rstrip().endswith(tokenizer.eos_token) else reply + tokenizer.eos_token
+
+
 def eos_token_ids(tokenizer, model) -> list[int]:
     """Where a completion ends: the tokenizer's EOS, the model's generation_config EOS, and the token
     the chat template closes an assistant turn with (turn_end_id) when that is another one: a base

@@ -51,8 +51,9 @@ def main() -> int:
     out = Path(load_config(args[i + 1], args[:i] + args[i + 2:]).run.out_dir)
     print(f"[memory_cap] {torch.cuda.get_device_name(0)}, {total / 2**30:.1f} GiB; cap {a.budget_gb} GiB "
           f"(fraction {fraction:.3f}); train.py {' '.join(args)}", flush=True)
-    ran_out, explain = [], train.out_of_memory  # train.main reports a step's OOM itself (one line, exit 2)
-    train.out_of_memory = lambda *x, **k: ran_out.append(True) or explain(*x, **k)
+    from plumbing import runs
+    ran_out, explain = [], runs.out_of_memory  # train.main reports a step's OOM itself (one line, exit 2)
+    runs.out_of_memory = lambda *x, **k: ran_out.append(True) or explain(*x, **k)
     try:
         rc = train.main(args)
     except torch.OutOfMemoryError as e:  # while loading, before the steps

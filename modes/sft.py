@@ -20,18 +20,12 @@ from plumbing.metrics import source_shares
 from plumbing.updates import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb
 
 
-def with_eos(tokenizer, reply: str) -> str:
-    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log, maybe with
-    the template's newline after it) gets no second."""
-    return reply.rstrip() if reply.rstrip().endswith(tokenizer.eos_token) else reply + tokenizer.eos_token
-
-
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None, replies: list[str] | None = None,
               limit: tuple[str, int] | None = None) -> rollout.Rollout:
     """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on device).
     replies: one a row (default: the rows' targets); limit: (config key, tokens) a row may hold (sft.max_length)."""
     prompts = rollout.render_rows(tokenizer, rows, cfg.data)
-    replies = [with_eos(tokenizer, t) for t in (replies if replies is not None else [r["target"] for r in rows])]
+    replies = [rollout.with_eos(tokenizer, t) for t in (replies if replies is not None else [r["target"] for r in rows])]
     key, most = limit or ("sft.max_length", cfg.sft.max_length)
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"

@@ -1,6 +1,7 @@
 """DPO (mode: dpo): the loss against the obvious formula, pairs kept whole across micro-batches, a
 gradient that does not depend on the split, log 2 at the first step (the reference is the model
 DPO starts from, SFT merged in), learning to prefer the chosen replies, and bad input refused."""
+from pathlib import Path
 import json
 import math
 
@@ -11,6 +12,7 @@ import yaml
 import rollout
 from plumbing import updates
 import train
+from plumbing import runs
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
 from modes.dpo import dpo_loss
@@ -73,7 +75,7 @@ def test_each_loss_type_learns_the_preference_through_train_py(dpo_config, loss_
     path, cfg = dpo_config
     extra = ["--dpo.label_smoothing=0.1"] if loss_type == "sigmoid" else []
     assert train.main(["--config", str(path), f"--dpo.loss_type={loss_type}", *extra]) == 0
-    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    m = metrics(Path(cfg["run"]["out_dir"]))
     assert m[-1]["loss"] < m[0]["loss"] and all(x["rewards/accuracies"] == 1.0 for x in m[-3:]), [x["loss"] for x in m]
 
 
@@ -120,7 +122,7 @@ def metrics(run):
 def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
     path, cfg = dpo_config
     assert train.main(["--config", str(path), "--run.eval_every=8"]) == 0
-    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    m = metrics(Path(cfg["run"]["out_dir"]))
     assert len(m) == 8
     assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and m[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert m[0]["rewards/accuracies"] == 0  # a tie is not a win (TRL counts r_w > r_l)
@@ -128,7 +130,7 @@ def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
     assert sum(x["loss"] for x in last) / 3 < 0.3 and sum(x["rewards/margins"] for x in last) / 3 > 1.0
     assert all(x["rewards/accuracies"] == 1.0 for x in last)
     assert m[-1]["eval/rewards/accuracies"] == 1.0 and m[-1]["eval/loss"] < math.log(2)  # held-out pairs (16..20)
-    saved = load_config(train.Path(cfg["run"]["out_dir"]) / "config.yaml")
+    saved = load_config(Path(cfg["run"]["out_dir"]) / "config.yaml")
     assert saved.mode == "dpo" and saved.data.chosen == "chosen"
 
 
@@ -143,7 +145,7 @@ def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, mo
     runs = {}
     for cache in ("true", "false"):
         calls.clear()
-        out = train.Path(cfg["run"]["out_dir"] + cache)
+        out = Path(cfg["run"]["out_dir"] + cache)
         assert train.main(["--config", str(path), "--run.steps=6", f"--dpo.cache_reference={cache}",
                            f"--run.out_dir={out}"]) == 0  # 6 steps x 8 pairs: 3 passes over 16
         runs[cache] = (metrics(out), len(calls))
@@ -157,7 +159,7 @@ def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, mo
 def grads_of_one_step(path, *overrides):
     """The gradient dpo_step computes (its optimizer step swapped for a capture)."""
     args, rest = train.parse_args(["--config", str(path), *overrides])
-    r = train.setup(args, rest)
+    r = runs.setup(args, rest)
     got = {}
 
     def capture(run):
@@ -209,7 +211,7 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
     from modes import dpo
     import rollout as ro
     path, _ = dpo_config
-    r = train.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",
+    r = runs.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",
                                        "--run.eval_every=1", "--optim.micro_batch_size=4"]))
     dpo.dpo_step(r)
     got = dpo.held_out_metrics(r)
@@ -251,7 +253,7 @@ def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
     m = metrics(out)
     assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     with pytest.raises(ConfigError, match="dpo.beta > 0 with a continued model.init_adapter"):
-        train.setup(*train.parse_args(["--config", str(path), f"--model.init_adapter={sft_dir}",
+        runs.setup(*train.parse_args(["--config", str(path), f"--model.init_adapter={sft_dir}",
                                        f"--run.out_dir={tmp_path / 'x'}"]))
 
 
@@ -293,7 +295,7 @@ def test_a_mixture_of_pair_files_logs_each_sources_share(dpo_config, tmp_path):
     mix = json.dumps([{"name": str(tmp_path / "easy.jsonl"), "weight": 3}, {"name": str(tmp_path / "hard.jsonl")}])
     assert train.main(["--config", str(path), "--data.name=null", f"--data.mixture={mix}", "--data.select=null",
                        "--data.split_seed=null", "--eval.select=null", "--run.steps=3", "--dpo.batch_size=4"]) == 0
-    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    m = metrics(Path(cfg["run"]["out_dir"]))
     assert all(x["data/easy"] + x["data/hard"] == pytest.approx(1.0) for x in m)
     assert sum(x["data/easy"] for x in m) > sum(x["data/hard"] for x in m)  # drawn 3 to 1
 

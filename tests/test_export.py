@@ -318,7 +318,7 @@ def test_an_out_that_is_a_file_or_empty_and_an_empty_verify_prompt_are_one_line(
 
 
 def test_the_model_card_of_a_run_that_counted_epochs_says_so_not_the_default_steps():
-    """A run with run.epochs saves its config.yaml without run.steps (train.with_epochs makes them), so
+    """A run with run.epochs saves its config.yaml without run.steps (runs.with_epochs makes them), so
     the card, written from that file, said "60 steps" (the default) for bioreasoner_dpo.yaml's 105."""
     from config import Config
     cfg = Config(mode="dpo")

@@ -1,5 +1,6 @@
 """SFT, data splits, and chaining SFT into GRPO: the GRPO run starts from the SFT policy, and an
 adapter never loads silently onto the wrong base."""
+from pathlib import Path
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import yaml
 
 import logprobs
 import train
+from plumbing import runs
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
 from plumbing.adapters import find_adapter
@@ -42,7 +44,7 @@ def metrics(run):
 def test_sft_lowers_the_loss_on_the_reply_tokens(sft_config):
     path, cfg = sft_config  # all weights: a random 2-layer model learns fast that way (LoRA is tested below)
     assert train.main(["--config", str(path), "--lora.enabled=false", "--optim.lr=0.01"]) == 0
-    m = metrics(train.Path(cfg["run"]["out_dir"]))
+    m = metrics(Path(cfg["run"]["out_dir"]))
     assert len(m) == 12 and m[0]["tokens"] > 0
     assert m[-1]["loss"] < 0.5 * m[0]["loss"], [x["loss"] for x in m]
 
@@ -197,7 +199,7 @@ def test_sft_needs_a_target(sft_config):
 
 def test_sft_resume_reproduces_the_uninterrupted_run(sft_config):
     path, cfg = sft_config
-    run = train.Path(cfg["run"]["out_dir"])
+    run = Path(cfg["run"]["out_dir"])
     args = ["--config", str(path), "--run.steps=4", "--run.save_every=2", "--sft.batch_size=5"]
     assert train.main(args) == 0
     full = metrics(run)
@@ -267,7 +269,7 @@ def test_sft_eval_every_logs_the_held_out_loss_and_trains_as_without_it(sft_conf
     path, cfg = sft_config
     args = ["--config", str(path), "--run.steps=4", "--lora.enabled=false", "--optim.lr=0.01"]
     assert train.main(args) == 0
-    plain = metrics(train.Path(cfg["run"]["out_dir"]))
+    plain = metrics(Path(cfg["run"]["out_dir"]))
     out = tmp_path / "with_eval"
     assert train.main(args + ["--run.eval_every=2", "--eval.select=[12,20]", f"--run.out_dir={out}"]) == 0
     m = metrics(out)
@@ -286,7 +288,7 @@ def test_lora_dropout_acts_in_sft_only(sft_config, tmp_path):
     """lora.dropout is SFT's: GRPO and DPO turn dropout off (old, reference and current log-probs must agree)."""
     path, cfg = sft_config
     for mode, extra, active in (("sft", [], True), ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"], False)):
-        r = train.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.25",
+        r = runs.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.25",
                                            f"--run.out_dir={tmp_path / mode}", *extra]))
         drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
         assert drops and all(isinstance(m, torch.nn.Dropout) == active for m in drops), mode
@@ -307,7 +309,7 @@ def test_a_continued_adapter_takes_this_runs_lora_dropout(sft_config, tmp_path):
     path, cfg = sft_config
     assert train.main(["--config", str(path), "--run.steps=1"]) == 0  # saved with lora_dropout 0
     for mode, extra, want in (("sft", [], 0.3), ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"], 0.0)):
-        r = train.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.3", *extra,
+        r = runs.setup(*train.parse_args(["--config", str(path), f"--mode={mode}", "--lora.dropout=0.3", *extra,
                                            f"--model.init_adapter={cfg['run']['out_dir']}", f"--run.out_dir={tmp_path / (mode + '2')}"]))
         drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
         assert drops and all((m.p if isinstance(m, torch.nn.Dropout) else 0.0) == want for m in drops), mode
@@ -320,7 +322,7 @@ def test_full_fine_tuning_from_a_merged_adapter_trains_and_resumes_only_on_that_
     out = tmp_path / "full"
     args = ["--config", str(path), "--lora.enabled=false", f"--model.init_adapter={sft}", "--model.merge_init_adapter=true",
             "--run.steps=2", "--run.save_every=1", f"--run.out_dir={out}"]
-    r = train.setup(*train.parse_args(args))
+    r = runs.setup(*train.parse_args(args))
     assert sum(p.numel() for p in r.params) == sum(p.numel() for p in r.model.parameters())  # every weight trains
     assert train.main(args) == 0
     import shutil

@@ -16,6 +16,7 @@ import rewards
 import rollout
 import step
 import train
+from plumbing import runs
 from plumbing import vllm_engine
 from conftest import write_run_config
 
@@ -24,7 +25,7 @@ def make_run(tmp_path, tiny_llama, *overrides, **sections):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")}, **sections)
     args, extra = train.parse_args(["--config", str(cfg), *overrides])
-    return train.setup(args, extra)
+    return runs.setup(args, extra)
 
 
 def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iteration(tmp_path, tiny_llama, monkeypatch):
@@ -349,7 +350,7 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
     m, _ = step.train_step(r)
     assert len(grads) == 2 and len(olds) == 1  # one pass, yet the second half is off-policy: the old log-probs count
     r.cfg.grpo.num_iterations = 3
-    assert train.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
+    assert runs.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
     with pytest.raises(train.ConfigError, match="num_mini_batches=3 must divide rollout.prompts_per_step=2"):
         make_run(tmp_path / "bad", tiny_llama, "--grpo.num_mini_batches=3")
 

@@ -17,7 +17,8 @@ import rollout
 import step
 from plumbing import display
 import train
-from config import ConfigError, RewardSpec, load_config
+from plumbing import runs
+from config import Config, ConfigError, RewardSpec, load_config
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 
@@ -123,7 +124,7 @@ def test_resume_with_another_num_iterations_puts_the_schedule_where_the_steps_ar
     shutil.rmtree(run / "checkpoints/step_000004")
     assert train.main(args + ["--grpo.num_iterations=1", "--resume"]) == 0
     # 4 updates in all now, 2 done by step 2: steps 3 and 4 use the schedule's updates 2 and 3
-    f = train.lr_lambda(train.load_config(str(cfg), ["--optim.warmup_steps=3", "--run.steps=4"]), 4)
+    f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=3", "--run.steps=4"]), 4)
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == pytest.approx([0.01 * f(2), 0.01 * f(3)])
 
 
@@ -136,17 +137,17 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
     assert "steps 0->3 (0.5 epochs)" in capsys.readouterr().err
     assert train.main(args + ["--dry-run", f"--run.out_dir={run}_dry", "--grpo.num_iterations=2"]) == 0
     assert "steps: 3 (0.5 epochs), 2 optimizer update(s) each" in capsys.readouterr().out
-    f = train.lr_lambda(train.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
+    f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == pytest.approx([0.01 * f(u) for u in range(3)])
     assert "steps" not in yaml.safe_load((run / "config.yaml").read_text())["run"]  # the epochs make them
     shutil.rmtree(run / "checkpoints/step_000003")
     assert train.main(args + ["--resume"]) == 0
     assert "changed settings" not in capsys.readouterr().err  # the steps the epochs make, as saved
     assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
-    assert train.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7  # the command line's wins
-    assert train.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
+    assert runs.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7  # the command line's wins
+    assert runs.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
     with pytest.raises(ConfigError, match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
-        train.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
+        runs.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
     with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=5 and optim.warmup_ratio=0.1: keep one"):
         load_config(str(cfg), ["--optim.warmup_ratio=0.1", "--optim.warmup_steps=5"])
     with pytest.raises(ConfigError, match="optim.warmup_ratio=1.5 must be in .0, 1."):
@@ -165,10 +166,10 @@ def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newe
     for old in ("step_000001", "step_000002"):
         assert not (run / "checkpoints" / old / "trainer_state.pt").exists()
         assert find_adapter(str(run / "checkpoints" / old)) == run / "checkpoints" / old / "adapter"
-    assert [p.name for p in train.checkpoints(run)] == ["step_000003"]
+    assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
     import shutil
     shutil.copytree(run / "checkpoints/step_000003", run / "checkpoints/step_000009.tmp")  # a write cut by a kill
-    assert [p.name for p in train.checkpoints(run)] == ["step_000003"]
+    assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
     shutil.rmtree(run / "checkpoints/step_000009.tmp")
     assert train.main(args[:2] + ["--run.steps=4", "--run.save_every=1", "--run.keep_checkpoints=1",
                                   "--run.keep_adapters=false", "--resume"]) == 0
@@ -539,7 +540,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     calls, generate = [], rollout.generate_rollout
     monkeypatch.setattr(rollout, "generate_rollout", lambda model, tok, prompts, *a, **k: (
         calls.append(len(prompts)), generate(model, tok, prompts, *a, **k))[1])
-    r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
+    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
     r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"  # a longer prompt
     G, idx = r.cfg.rollout.num_generations, [0, 1, 2]
     got = {}
@@ -577,7 +578,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.append(started.wait(timeout=30) if seen and overlap else started.is_set())
         return out
     monkeypatch.setattr(rollout, "generate_rollout", gen)
-    r = train.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
+    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
     r.cfg.rewards = [RewardSpec("test_marks_start"), RewardSpec("answer_match", weight=2.0)]
     got = {}
     for overlap in (False, True):
@@ -718,7 +719,7 @@ def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(s
     calls.clear()
     assert train.main(args[:-1] + ["--run.steps=3", "--resume"]) == 0
     assert calls[0][1]["id"] == init["id"] and [c[1] for c in calls if c[0] == "log"] == [3]
-    monkeypatch.setattr(train.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(runs.importlib.util, "find_spec", lambda name: None)
     assert train.main(["--config", str(cfg), "--run.report_to=trackio", f"--run.out_dir={run.parent / 'trk'}"]) == 2
     assert "pip install trackio" in capsys.readouterr().err
 
@@ -780,7 +781,7 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w], lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    cfg = train.Config()
+    cfg = Config()
     r = types.SimpleNamespace(cfg=cfg, scaler=None, params=[w], optimizer=opt, scheduler=sched)
     w.grad = torch.tensor([1.0, float("nan"), 0.0])
     gn, _ = step.optimizer_step(r)
@@ -917,7 +918,7 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "load_policy", interrupt)
+    monkeypatch.setattr(runs, "load_policy", interrupt)
     assert train.main(["--config", str(cfg), f"--run.out_dir={run.parent / 'new'}"]) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; nothing was written")
     assert not (run.parent / "new").exists()
@@ -968,8 +969,8 @@ def test_warmup_ratio_makes_as_many_warmup_updates_as_trl():
     from config import Config
     cfg = Config()
     cfg.optim.warmup_ratio = 0.1
-    assert train.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
-    assert train.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
+    assert runs.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
+    assert runs.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
 
 
 class _KillServerAfterStep:
@@ -1060,7 +1061,7 @@ def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, mon
 
 def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(setup, monkeypatch, capsys):
     cfg, _ = setup
-    monkeypatch.setattr(train, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(runs, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(["--config", str(cfg), "--run.out_dir=/proc/x"]) == 2
     assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything in /proc (No such "
                                                "file or directory); choose another path")
