@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import logprobs
+from plumbing import logsoftmax
 from config import LoraConfig, ModelConfig
 from model import load_policy
 from test_rollout import biased_to_eos, load, padded_batch
@@ -25,12 +26,12 @@ def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperatu
 
 def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
     """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per chunk."""
-    assert logprobs.chunk_rows(0, 151_936) == 441 and logprobs.chunk_rows(0, 49_152) == 1365 and logprobs.chunk_rows(7, 151_936) == 7
-    assert logprobs.chunk_rows(0, 2**27) == 1
-    monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 100)  # 2 rows of 50 a chunk: the automatic size really chunks
+    assert logsoftmax.chunk_rows(0, 151_936) == 441 and logsoftmax.chunk_rows(0, 49_152) == 1365 and logsoftmax.chunk_rows(7, 151_936) == 7
+    assert logsoftmax.chunk_rows(0, 2**27) == 1
+    monkeypatch.setattr(logsoftmax, "LOGITS_PER_CHUNK", 100)  # 2 rows of 50 a chunk: the automatic size really chunks
     seen = []
-    real = logprobs._pick_and_lse
-    monkeypatch.setattr(logprobs, "_pick_and_lse", lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
+    real = logsoftmax._pick_and_lse
+    monkeypatch.setattr(logsoftmax, "_pick_and_lse", lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 50, generator=g)
     ids = torch.randint(0, 50, (3, 4), generator=g)
@@ -130,7 +131,7 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
-    assert torch.autograd.gradcheck(lambda h, w: logprobs._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+    assert torch.autograd.gradcheck(lambda h, w: logsoftmax._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
 
 
 def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):

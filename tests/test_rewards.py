@@ -12,7 +12,8 @@ import rewards
 from plumbing.plugins import resolve
 from graders.citations import citation_grounding, invented_citation
 from config import RewardSpec
-from rewards import (REGISTRY, answer_match, choice_accuracy, json_schema, json_valid,
+from graders.json_answers import choice_accuracy, json_schema, json_valid
+from rewards import (REGISTRY, answer_match,
                      length_penalty, register, short_answer, think_format)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'

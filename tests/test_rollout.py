@@ -302,13 +302,13 @@ QWEN3_OFF = CHATML.replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\
     (CHATML, "", "Reason inside <think> tags, then answer.", ""),  # the system prompt's words are not the reply's
 ])
 def test_reply_prefix_is_what_every_reply_starts_with_that_the_policy_did_not_write(template, forced, system, expected):
-    import rewards
+    from graders import json_answers
     data = SimpleNamespace(system_prompt=system, assistant_prefix=forced, chat_template_kwargs={})
     prefix = rollout.reply_prefix(make_tokenizer(template), data)
     assert prefix == expected
     if "{" not in forced:  # the rule rewards read the answer after it (after the reply closes an opened block)
         reply = ("</think>" if prefix.rfind("<think>") > prefix.rfind("</think>") else "") + '{"a": 1}'
-        assert rewards.json_valid(reply, {}, assistant_prefix=prefix) == 1.0
+        assert json_answers.json_valid(reply, {}, assistant_prefix=prefix) == 1.0
 
 
 def test_reply_prefix_of_a_template_that_wants_the_rows_own_system_message_is_the_forced_prefix():
