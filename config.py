@@ -20,8 +20,13 @@ from typing import Any, Literal
 import yaml
 
 from plumbing import jsonl
-from plumbing.typed_config import ConfigError, apply_overrides, exclusive_layers, from_dict, read_yaml  # noqa: F401 (ConfigError: imported from here)
-
+from plumbing.typed_config import (  # noqa: F401 (ConfigError: imported from here)
+    ConfigError,
+    apply_overrides,
+    exclusive_layers,
+    from_dict,
+    read_yaml,
+)
 
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value read from the environment
 

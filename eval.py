@@ -52,22 +52,38 @@ from rich.console import Console
 from rich.table import Table
 from safetensors import SafetensorError
 
-from plumbing import jsonl
-from plumbing import overlap
 import rollout
 from api.client import Judge, JudgeConfig, JudgeUnusable
-from config import Config, ConfigError, EvalConfig, ModelConfig, active_mixture, data_label, load_config, saved_dict
-from plumbing.typed_config import check_writable
-from plumbing.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
+from config import (
+    Config,
+    ConfigError,
+    EvalConfig,
+    ModelConfig,
+    active_mixture,
+    data_label,
+    load_config,
+    saved_dict,
+)
 from data import Source, check_not_data_file, load_sources
-from plumbing.entries import ModelEntry, parse_model_entries, trained_on_held_out
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
+from plumbing import jsonl, overlap
+from plumbing.entries import ModelEntry, parse_model_entries, trained_on_held_out
 from plumbing.hub import resolve_model_path
+from plumbing.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from plumbing.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
+from plumbing.scoring import (
+    RewardResult,
+    check_rows,
+    compute_rewards,
+    in_background,
+    open_rewards,
+    open_scoring,
+    reward_context,
+    reward_keys,
+)
+from plumbing.typed_config import check_writable
 from rewards import answer_key
-from plumbing.scoring import (RewardResult, check_rows, compute_rewards, in_background, open_rewards, open_scoring, reward_context,
-                     reward_keys)
 
 
 @dataclass

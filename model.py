@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
-import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -24,9 +21,15 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError
 
-from plumbing.adapters import apply_adapter_chain
 from config import ConfigError, LoraConfig, ModelConfig
-from plumbing.hub import BUILTIN, hub_unreachable, local_or_hub, offline_if_unreachable, resolve_model_path  # noqa: F401
+from plumbing.adapters import apply_adapter_chain
+from plumbing.hub import (  # noqa: F401
+    BUILTIN,
+    hub_unreachable,
+    local_or_hub,
+    offline_if_unreachable,
+    resolve_model_path,
+)
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
 # FutureWarning on every run that a user can do nothing about
@@ -181,7 +184,8 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     if mcfg.gradient_checkpointing:  # also makes the embeddings' output require grad, so LoRA's gradients flow
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
         peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,
                                   target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
         try:
@@ -251,6 +255,7 @@ def merged_for_sampling(model: nn.Module):
         yield
         return
     from collections import Counter
+
     from peft.tuners.lora import LoraLayer
     shared = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
 

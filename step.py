@@ -31,9 +31,21 @@ from model import merged_for_sampling, reference_mode
 from plumbing import vllm_engine
 from plumbing.metrics import source_metrics, step_metrics
 from plumbing.sampler import PromptSampler
-from plumbing.scoring import RewardResult, compute_rewards, in_background, join_results, reward_context
-from plumbing.updates import (batch_log_probs, micro_batch_log_probs, micro_batches, norm_metrics,
-                              optimizer_step, peak_memory_mb)
+from plumbing.scoring import (
+    RewardResult,
+    compute_rewards,
+    in_background,
+    join_results,
+    reward_context,
+)
+from plumbing.updates import (
+    batch_log_probs,
+    micro_batch_log_probs,
+    micro_batches,
+    norm_metrics,
+    optimizer_step,
+    peak_memory_mb,
+)
 from plumbing.vllm_engine import sampler_weight
 
 

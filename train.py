@@ -24,21 +24,33 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start: i
 
 import torch
 
-from plumbing import jsonl
-from api import outage
-from plumbing import overlap
 import rollout
-from config import ConfigError, save_config
-from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
-from model import pick_dtype
-from plumbing.checkpoint import keep_lines_up_to, save_checkpoint
+from api import outage
 from api.client import JudgeUnusable
+from config import ConfigError, save_config
 from judge import judges_stats
-from plumbing.runs import (ROW_NAMES, RUN_FILES, dry_run_report, judge_back, out_of_time, resume_command,
-                           setup, stop_on_error)
+from model import pick_dtype
+from plumbing import jsonl, overlap
+from plumbing.checkpoint import keep_lines_up_to, save_checkpoint
+from plumbing.display import (
+    NO_SIGNAL,
+    NO_SIGNAL_WARN_AFTER,
+    flat_steps_at_end,
+    open_tracker,
+    progress_display,
+)
+from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
+from plumbing.runs import (
+    ROW_NAMES,
+    RUN_FILES,
+    dry_run_report,
+    judge_back,
+    out_of_time,
+    resume_command,
+    setup,
+    stop_on_error,
+)
 from step import Run, train_step
-from plumbing.display import NO_SIGNAL, NO_SIGNAL_WARN_AFTER, flat_steps_at_end, open_tracker, progress_display
-
 
 # ----------------------------------------------------------------------------- CLI and loop
 
@@ -57,8 +69,8 @@ def held_out_metrics(r: Run) -> dict:
     by the policy now, scored with the rewards (SFT: eval/loss; DPO: eval/loss, eval/rewards/*; and these
     when it has rewards). The random state is set aside and restored, so a run with run.eval_every
     trains exactly as one without."""
-    from modes import dpo
     import eval as ev
+    from modes import dpo
     from modes.sft import held_out_loss
     cfg, t0 = r.cfg, time.time()
     r.phase = "scoring the held-out rows"

@@ -42,8 +42,7 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 from urllib.parse import urlsplit
 
 from api.reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)

@@ -58,7 +58,7 @@ class ReplyCache:
 
     def _load(self) -> None:
         bad, end = 0, 0
-        for offset, end, rec in jsonl.read(self.path):  # complete lines: a torn last one is not read
+        for offset, end, rec in jsonl.read(self.path):  # noqa: B007 (end: the last line's, read below)
             if rec is not None and isinstance(rec.get("key"), str) and isinstance(rec.get("reply"), str):
                 self.index[rec["key"]] = offset
                 if rec.get("finish") == "length":

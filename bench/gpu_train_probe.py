@@ -67,11 +67,12 @@ def main() -> int:
     import resource
     peak = (lambda: torch.cuda.max_memory_allocated() / 2**20) if cuda else (
         lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # CPU: the process's peak RSS (MB)
+    from vs_trl import LORA_TARGETS, model_dir
+
     import logprobs
     import rollout
     from config import LoraConfig, ModelConfig
     from model import load_policy, mixed_precision
-    from vs_trl import LORA_TARGETS, model_dir
     path = model_dir(a.model, a.device, a.tokenizer, 0)
     dev = torch.device(a.device)
     model, tok = load_policy(ModelConfig(name=str(path)), LoraConfig(r=16, alpha=32, target_modules=LORA_TARGETS), dev)

@@ -103,6 +103,7 @@ def builtin_policy():
 
 def generate_lever(args) -> None:
     import contextlib
+
     from model import merged_for_sampling
     model, tok = builtin_policy()
     with torch.no_grad():  # a trained-looking adapter (B starts at zero), so merging has work to do

@@ -95,9 +95,11 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
     the CPU, with no 4-bit quantization and no checkpointing (micro_batch_peak sets that per trace):
     a `random:` model.name is a shape written once by bench/vs_trl.py's model_dir."""
     import dataclasses
+
+    from vs_trl import model_dir, random_config
+
     import model as model_mod
     from model import load_policy
-    from vs_trl import model_dir, random_config
     if META and mcfg.name.startswith("random:"):  # weights on the meta device: nothing written, nothing materialised
         from transformers import AutoModelForCausalLM
         hf, tok = random_config(mcfg.name.split(":", 1)[1], tokenizer)
@@ -128,9 +130,10 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
                      autocast: bool = True, checkpointing: bool = False) -> tuple[int, int]:
     """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
     backward's include the trained weights' gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     import logprobs
     from model import mixed_precision
-    from torch._subclasses.fake_tensor import FakeTensorMode
     model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
     if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

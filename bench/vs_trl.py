@@ -242,16 +242,17 @@ def _cuda() -> bool:
 def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     """TRL's GRPOTrainer set up from the same minigrpo config, on the prompts minigrpo drew (in order)."""
     import torch
+    import trl
+    import trl.trainer.grpo_trainer as gt
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
-    import trl
-    import trl.trainer.grpo_trainer as gt
+
     from config import load_config
-    from rollout import chat_messages
     from model import pick_device, pick_dtype
     from plumbing.hub import resolve_model_path
     from plumbing.scoring import compute_rewards
+    from rollout import chat_messages
 
     cfg = load_config(cfg_path)
     ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run
@@ -447,6 +448,7 @@ def main() -> int:
         if getattr(a, k, None) is None:
             setattr(a, k, v)
     import importlib.metadata as md
+
     import torch
     vers = {p: md.version(p) for p in ("torch", "transformers", "peft", "accelerate", "datasets", "trl")}
     print(f"[bench] {time.strftime('%Y-%m-%d %H:%M:%S %Z')} python {sys.version.split()[0]} "

@@ -34,8 +34,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from plumbing import jsonl
 from graders.ratings import Store, parquet_bytes, say, store_for
+from plumbing import jsonl
 
 PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width,initial-scale=1"><title>{title}minigrpo ratings</title>{refresh}

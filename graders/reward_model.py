@@ -173,7 +173,9 @@ def reward_model(completions: list[str], samples: list[dict], *, model: str, bat
                                          f"{enc.input_ids.shape[1]} tokens; lower its args batch_size (now {batch_size}) "
                                          f"or max_length (now {max_length}), or give it dtype: bfloat16") from None
         if not bool(torch.isfinite(scores).all()):  # every later batch alike: stop, as for NaN logits in sampling
-            from api.client import JudgeUnusable  # the run stops on it (a reward that can only give its fallback)
+            from api.client import (
+                JudgeUnusable,  # the run stops on it (a reward that can only give its fallback)
+            )
             raise JudgeUnusable(f"reward_model: model={model} gave a non-finite score ({scores.tolist()[:4]}); in float16 "
                                 "many models overflow: give it dtype: bfloat16 (or float32)")
         out += scores.tolist()

@@ -28,8 +28,13 @@ import torch.nn.functional as F
 import rollout
 from model import reference_mode
 from plumbing.metrics import source_shares
-from plumbing.updates import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb
-
+from plumbing.updates import (
+    micro_batch_log_probs,
+    micro_batches,
+    norm_metrics,
+    optimizer_step,
+    peak_memory_mb,
+)
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -54,8 +59,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     elif loss_type == "ipo":
         if lengths is None:
             raise ValueError("the ipo loss needs the replies' token counts (lengths)")
-        w, l = (n.to(h.dtype).clamp(min=1) for n in lengths)
-        loss = ((policy_chosen - ref_chosen) / w - (policy_rejected - ref_rejected) / l - 1 / (2 * beta)) ** 2
+        n_chosen, n_rejected = (n.to(h.dtype).clamp(min=1) for n in lengths)
+        loss = ((policy_chosen - ref_chosen) / n_chosen - (policy_rejected - ref_rejected) / n_rejected
+                - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         loss = torch.relu(1 - beta * h)
     else:

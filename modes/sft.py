@@ -17,7 +17,13 @@ import torch
 
 import rollout
 from plumbing.metrics import source_shares
-from plumbing.updates import micro_batch_log_probs, micro_batches, norm_metrics, optimizer_step, peak_memory_mb
+from plumbing.updates import (
+    micro_batch_log_probs,
+    micro_batches,
+    norm_metrics,
+    optimizer_step,
+    peak_memory_mb,
+)
 
 
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None, replies: list[str] | None = None,

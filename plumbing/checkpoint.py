@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from plumbing import jsonl
 from config import ConfigError, save_config
-from plumbing.adapters import PROVENANCE, save_adapter
 from model import is_peft
+from plumbing import jsonl
+from plumbing.adapters import PROVENANCE, save_adapter
 
 if TYPE_CHECKING:
     from step import Run

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-from plumbing import jsonl
 from config import Config, saved_dict
-
+from plumbing import jsonl
 
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
          ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
@@ -107,7 +106,13 @@ class progress_display:
         self.total, self.start = total, start
         self.progress = None
         if sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
                                      TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"))
 

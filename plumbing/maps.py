@@ -13,6 +13,7 @@ from typing import Callable
 
 from judge import as_text
 
+
 def medmcqa_json(row: dict) -> dict:
     """MedMCQA (openlifescienceai/medmcqa) for the JSON classifier: adds `answer_letter` ("A"-"D"
     from the 0-based `cop`) and `target_json`, the reply SFT learns, as in the MedMCQA workflow:

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import math
 
-from scipy.stats import spearmanr
-
 import torch
+from scipy.stats import spearmanr
 
 import grpo
 from plumbing.scoring import RewardResult, reward_means

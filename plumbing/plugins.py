@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable
 
 from config import RewardSpec
-
 from rewards import REGISTRY, lookup, names
 
 

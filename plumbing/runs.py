@@ -21,25 +21,29 @@ from pathlib import Path
 
 import torch
 
-from api import outage
-from plumbing import overlap
 import rollout
-from plumbing import vllm_engine
-from config import Config, ConfigError, config_to_dict, load_config, redacted
-from plumbing.typed_config import check_writable
-from plumbing.jsonl import interrupted
-from data import load_sources
-from plumbing.sampler import PromptSampler
-from plumbing.adapters import PROVENANCE, same_base
-from model import is_peft, load_policy, load_tokenizer, pick_device, pick_dtype, trainable_parameters
-from plumbing.hub import resolve_model_path
-from plumbing.checkpoint import checkpoints, load_checkpoint
+from api import outage
 from api.client import Judge
-from plumbing.scoring import check_rows, open_rewards, open_scoring
-from step import Run
+from config import Config, ConfigError, config_to_dict, load_config, redacted
+from data import load_sources
+from model import (
+    is_peft,
+    load_policy,
+    load_tokenizer,
+    pick_device,
+    pick_dtype,
+    trainable_parameters,
+)
+from plumbing import overlap, vllm_engine
+from plumbing.adapters import PROVENANCE, same_base
+from plumbing.checkpoint import checkpoints, load_checkpoint
 from plumbing.display import out_of_memory
-
-
+from plumbing.hub import resolve_model_path
+from plumbing.jsonl import interrupted
+from plumbing.sampler import PromptSampler
+from plumbing.scoring import check_rows, open_rewards, open_scoring
+from plumbing.typed_config import check_writable
+from step import Run
 
 
 def lr_lambda(cfg: Config, total_updates: int):

@@ -33,13 +33,12 @@ from typing import Any, Callable, Collection
 
 import torch
 
-from config import Config, ConfigError, judge_names, judge_sections
-from plumbing.typed_config import check_writable, convert
-from data import check_not_data_file
 from api.client import Judge, JudgeUnusable
+from config import Config, ConfigError, RewardSpec, judge_names, judge_sections
+from data import check_not_data_file
 from judge import open_judges
-from config import RewardSpec
-from plumbing.plugins import did_you_mean, one_line, reward_params, resolve
+from plumbing.plugins import did_you_mean, one_line, resolve, reward_params
+from plumbing.typed_config import check_writable, convert
 
 log = logging.getLogger("minigrpo.scoring")
 

@@ -68,6 +68,7 @@ def write_run_config(tmp_path: Path, model_path: Path, **sections) -> Path:
     """A small GRPO run config on 12 arithmetic rows: 2 prompts x G=4, 8 new tokens, 2 steps;
     `sections` update the config's sections key by key."""
     import json
+
     import yaml
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server = FakeOpenAIServer(reply=reply, port=args.port).start()
     except OSError as e:  # run with `&`, a traceback would scroll by and the recipe would talk to whatever holds the port
-        raise SystemExit(f"error: cannot listen on 127.0.0.1:{args.port} ({e.strerror}): another fake server? pick another --port")
+        raise SystemExit(f"error: cannot listen on 127.0.0.1:{args.port} ({e.strerror}): another fake server? pick another --port") from None
     print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
     try:
         while True:

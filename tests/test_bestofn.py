@@ -5,9 +5,9 @@ import json
 import pytest
 import yaml
 
-from tools import bestofn
 import eval as ev
 import train
+from tools import bestofn
 
 
 def rec(row, completion, reward, source=None, **more):

@@ -258,8 +258,10 @@ def test_an_unreachable_hub_is_used_offline_at_once(monkeypatch):
     """No network: one DNS lookup decides, and hub calls use the local cache instead of retrying for
     ~25 s per file (a dataset id that is not cached fails at once, with one line)."""
     import time
+
     import datasets.config
     import huggingface_hub.constants as hub_constants
+
     from plumbing import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: False)
     with hub.offline_if_unreachable():
@@ -276,6 +278,7 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
     named, not an IndexError; a dataset missing from the cache of a machine without a network says
     how to bring it over."""
     import datasets
+
     from plumbing import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: True)
     raised = [ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', 'socratic']\nExample: ..."),
@@ -337,9 +340,10 @@ def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
     """precompute.config_name reaches load_dataset (GSM8K has no default config); eval.name's config is
     eval.config_name, else data.config_name's ("default" names a dataset without configs)."""
     import datasets
+
     import eval as ev
-    from tools import precompute
     from config import Config, EvalConfig, PrecomputeConfig
+    from tools import precompute
     seen = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append((a, k["split"]) + ((k["revision"],) if k.get("revision")
                                                                                          else ())) or [{"question": "x", "answer": "1"}])

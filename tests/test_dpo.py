@@ -1,21 +1,20 @@
 """DPO (mode: dpo): the loss against the obvious formula, pairs kept whole across micro-batches, a
 gradient that does not depend on the split, log 2 at the first step (the reference is the model
 DPO starts from, SFT merged in), learning to prefer the chosen replies, and bad input refused."""
-from pathlib import Path
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 import rollout
-from plumbing import updates
 import train
-from plumbing import runs
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
 from modes.dpo import dpo_loss
+from plumbing import runs, updates
 
 NO = ["I do not know, sorry.", "No.", "", "Maybe a large number; I cannot say for sure which one it is."]  # "" is a reply too
 PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": NO[(a + 2 * b) % 4]}
@@ -208,8 +207,8 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
     """After one update (full fine-tuning: the reference is a frozen copy), eval/* on the held-out
     pairs equal the DPO formulas over plain forwards of prompt + reply + EOS at temperature 1:
     padding, the prompt and the sampling temperature (0.7 in this config) left out, EOS counted."""
-    from modes import dpo
     import rollout as ro
+    from modes import dpo
     path, _ = dpo_config
     r = runs.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",
                                        "--run.eval_every=1", "--optim.micro_batch_size=4"]))

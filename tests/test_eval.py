@@ -10,12 +10,11 @@ import torch
 import yaml
 
 import eval as ev
-from plumbing import metrics
-from config import ConfigError, ModelConfig
-from plumbing.entries import parse_model_entries
+from config import ConfigError, ModelConfig, RewardSpec
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
+from plumbing import metrics
 from plumbing.adapters import save_adapter
-from config import RewardSpec
+from plumbing.entries import parse_model_entries
 from plumbing.scoring import compute_rewards
 
 MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
@@ -89,8 +88,8 @@ def test_pass_at_k_averages_over_prompts_of_num_samples_completions():
 
 
 def test_greedy_generation_in_left_padded_batches_equals_argmax_decoding_one_prompt_at_a_time(tiny_llama):
-    from rollout import eos_token_ids
     from model import load_inference
+    from rollout import eos_token_ids
     model, tok = load_inference(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in ("Hi", "What is 2 + 3? Reply with just the number.", "Which vitamin? A) B12")]
@@ -421,6 +420,7 @@ def test_an_adapter_loads_on_the_base_its_run_recorded_and_another_tools_adapter
     it is evaluated there, beside the base of model.name (MedMCQA's phases in separate jobs). An
     adapter saved by another tool (no provenance) of another base is refused before anything loads."""
     import shutil
+
     from transformers import AutoModelForCausalLM
     cfg, tmp = project
     sft_merged = tmp / "sft_merged"  # stands in for the pushed SFT model: another base than model.name, other weights

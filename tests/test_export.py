@@ -7,10 +7,10 @@ import pytest
 import torch
 import yaml
 
-from tools import export
 from config import ModelConfig
-from plumbing.adapters import PROVENANCE, save_adapter
 from model import load_base
+from plumbing.adapters import PROVENANCE, save_adapter
+from tools import export
 
 PROMPT = "What is 2 + 3? Reply with just the number."
 

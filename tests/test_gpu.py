@@ -10,8 +10,8 @@ import torch
 import logprobs
 import train
 from config import LoraConfig, ModelConfig
-from model import load_policy
 from conftest import write_run_config as run_config
+from model import load_policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -1,18 +1,35 @@
 """Tests for client.py and judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
 
 import asyncio
-import math
 import json
 import logging
+import math
 import re
 import time
 
 import pytest
 
-from fake_openai_server import Behaviour, FakeOpenAIServer, malformed, ok, out_of_range, rate_limited, server_error, stall
 from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
-from judge import JudgeScore, POINTWISE_CRITERIA, judge_reward, load_template, parse_score, render, rubric_alignment
 from config import RewardSpec
+from fake_openai_server import (
+    Behaviour,
+    FakeOpenAIServer,
+    malformed,
+    ok,
+    out_of_range,
+    rate_limited,
+    server_error,
+    stall,
+)
+from judge import (
+    POINTWISE_CRITERIA,
+    JudgeScore,
+    judge_reward,
+    load_template,
+    parse_score,
+    render,
+    rubric_alignment,
+)
 from plumbing.scoring import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
@@ -496,7 +513,8 @@ def test_a_malformed_reply_is_a_failure_and_is_cached_so_a_rerun_gets_its_fallba
     assert rerun.score_many([chat("q")], parse_score) == [None]  # the same fallback, not paid again
     stats = rerun.pop_step_stats()
     assert len(server.requests) == 1 and (stats["judge_sent"], stats["judge_failures"]) == (0, 1)
-    fixed = lambda reply, lo, hi: JudgeScore(0.0, {}) if "not sure" in reply else None  # a parser that reads it now
+    def fixed(reply, lo, hi):  # a parser that reads it now
+        return JudgeScore(0.0, {}) if "not sure" in reply else None
     assert rerun.score_many([chat("q")], fixed) == [JudgeScore(0.0, {})]  # the cached reply, parsed anew
     assert len(server.requests) == 1
 
@@ -681,6 +699,7 @@ def test_gold_scores_rubric_alignment_reads_as_numbers_pass_the_row_check():
     from decimal import Decimal
 
     import numpy as np
+
     from plumbing.scoring import check_rows
     for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False], np.array([1.0, 2.0])):
         check_rows([RewardSpec("rubric_alignment")], [{"question": "q", "answers": ["a", "b"], "gold_scores": gold}])
@@ -806,7 +825,6 @@ def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
 @pytest.mark.parametrize("template", ["pointwise_criteria", "logic_novelty", "rubric_scoring", "criterion_met"])
 def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape(template):
     from fake_openai_server import shaped_score
-
     from judge import TEMPLATE_CRITERIA, parse_met
     prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q", "rubric": "r",
                                               "answer": "a", "score_min": 0, "score_max": 5, "criterion": "x", "points": "+5"})

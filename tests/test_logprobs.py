@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import logprobs
-from plumbing import logsoftmax
 from config import LoraConfig, ModelConfig
 from model import load_policy
+from plumbing import logsoftmax
 from test_rollout import biased_to_eos, load, padded_batch
 
 

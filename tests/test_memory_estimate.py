@@ -62,8 +62,9 @@ def test_gradient_checkpointing_keeps_less_and_leaves_the_model_as_it_was(tiny_l
 
 
 def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
-    from config import LoraConfig, ModelConfig
     from memory_estimate import NF4_BYTES, weight_bytes
+
+    from config import LoraConfig, ModelConfig
     from model import load_policy
     model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype="bfloat16"), LoraConfig(r=4, alpha=8), torch.device("cpu"))
     linears = [m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
@@ -77,10 +78,10 @@ def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
 
 def test_meta_weights_estimate_what_real_weights_do(tiny_llama, tmp_path, monkeypatch):
     """--meta: a random shape on the meta device (an 8B model in little RAM) traces as its real weights do."""
-    import pytest
-
     import memory_estimate as me
+    import pytest
     import vs_trl
+
     from config import LoraConfig, ModelConfig
     monkeypatch.setattr(vs_trl, "CACHE", tmp_path)  # the real weights are written here, not in ~/.cache
     mcfg, lora = ModelConfig(name="random:tiny", dtype="bfloat16"), LoraConfig(r=4, alpha=8)

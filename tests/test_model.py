@@ -50,7 +50,7 @@ def test_mixed_precision_runs_lora_matmuls_in_the_base_dtype(tmp_path, tiny_llam
         assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
         lora_a = next(m for n, m in model.named_modules() if n.endswith("q_proj.lora_A.default"))
         seen = []
-        lora_a.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+        lora_a.register_forward_hook(lambda m, i, o, seen=seen: seen.append((i[0].dtype, o.dtype)))
         with mixed_precision(model):
             model(input_ids=torch.tensor([[1, 2, 3]]))
         assert seen == [(want, want)], dtype  # bf16 in (no fp32 copy of the input), bf16 out
@@ -67,6 +67,7 @@ def test_broken_model_directories_and_templates_are_one_line_errors(tmp_path, ti
     """Weights cut short, a folder without tokenizer files, a chat template that does not compile:
     ConfigError naming what to fix, not a traceback from transformers or jinja."""
     import shutil
+
     from config import ConfigError
     cut = tmp_path / "cut"
     shutil.copytree(tiny_llama, cut)

@@ -4,10 +4,10 @@ leakage audit found each of these passing unnoticed when only the configs were c
 import json
 
 import eval as ev
-from tools import export
-from plumbing import overlap
 import train
 from conftest import write_run_config
+from plumbing import overlap
+from tools import export
 
 
 def lines(path):

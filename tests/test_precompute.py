@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from tools import precompute
 import train
 from fake_openai_server import FakeOpenAIServer, server_error
+from tools import precompute
 
 CONSTANT = "Any answer scores 5."  # a rubric under which the fake judge gives every answer the same score
 

@@ -16,14 +16,13 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 
-from plumbing import jsonl
-from graders import ratings
-from tools import ratings as ratings_cmd
-from graders import rating_page
+from config import RewardSpec
+from graders import rating_page, ratings
 from graders.rating_page import make_server
 from graders.ratings import Store, human, item_id
-from config import RewardSpec
+from plumbing import jsonl
 from plumbing.scoring import check_specs, compute_rewards
+from tools import ratings as ratings_cmd
 
 CRITERIA = ["relevance", "clarity"]
 
@@ -437,8 +436,8 @@ def test_a_rating_off_the_scale_never_makes_the_reward_leave_0_1_even_when_read_
 def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, tiny_llama, capsys):
     """People's ratings are paid for: ratings.py export gives each rated reply its reward, bestofn.py
     pairs each prompt's best- and worst-rated replies, and train.py's DPO mode trains on them."""
-    from tools import bestofn
     import train
+    from tools import bestofn
     ratings._STORES.clear()
     folder = tmp_path / "ratings"
     folder.mkdir()

@@ -8,15 +8,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from scipy.stats import spearmanr
 
 import eval as ev
-from graders import rating_page
-from graders import ratings
 import train
 from config import load_config
 from data import load_rows
 from fake_openai_server import FakeOpenAIServer
-from scipy.stats import spearmanr
+from graders import rating_page, ratings
 from test_ratings import rater
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,12 +6,11 @@ import pytest
 import torch
 import yaml
 
+import train
+from config import ConfigError, RewardSpec
+from conftest import make_tokenizer
 from graders import reward_model as rm
 from plumbing import scoring
-import train
-from config import ConfigError
-from conftest import make_tokenizer
-from config import RewardSpec
 
 PROMPTS = ["What is 2 + 3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}],
            "Which vitamin?"]
@@ -286,6 +285,7 @@ def test_max_length_stops_at_the_models_positions(tmp_path):
 
 def test_non_finite_scores_stop_the_run_and_several_outputs_need_a_label(tmp_path, classifier, monkeypatch):
     from transformers import LlamaForSequenceClassification
+
     from api.client import JudgeUnusable
     real = LlamaForSequenceClassification.forward
 

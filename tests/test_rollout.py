@@ -121,8 +121,9 @@ def test_policy_has_no_active_dropout(tiny_gpt2):
 def test_a_shipped_generation_config_does_not_leak_into_sampling(tmp_path):
     """repetition_penalty, min_p or top_k from generation_config.json would make the sampler differ
     from the policy whose log-probs the loss uses (logits / T only)."""
-    from conftest import write_tiny_model
     from transformers import GenerationConfig
+
+    from conftest import write_tiny_model
     path = write_tiny_model(tmp_path / "m")
     gc = GenerationConfig.from_pretrained(path)
     gc.do_sample, gc.repetition_penalty, gc.min_p, gc.top_k = True, 1.3, 0.05, 20
@@ -177,6 +178,7 @@ def test_merged_sampling_is_the_same_policy_in_fp32_and_restores_the_base_weight
 
 def test_merged_sampling_trains(tmp_path, tiny_llama):
     import json
+
     import train
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"q": f"{a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(6)))
@@ -192,6 +194,7 @@ def test_merged_sampling_trains(tmp_path, tiny_llama):
                                              ("tiny_llama", {"target_modules": ["q_proj"], "modules_to_save": ["lm_head"]})])
 def test_merged_sampling_leaves_tied_dora_and_saved_modules_as_they_are(arch, peft_args, request):
     import peft
+
     from model import merged_for_sampling
     base = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(arch))
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **peft_args))

@@ -9,11 +9,9 @@ import types
 import pytest
 
 from config import RewardSpec
-
-from rewards import REGISTRY
 from plumbing.scoring import check_specs, compute_rewards, reward_means
+from rewards import REGISTRY
 from test_rewards import _pred
-
 
 # ---------------------------------------------------------------- check_specs
 

@@ -1,7 +1,7 @@
 """SFT, data splits, and chaining SFT into GRPO: the GRPO run starts from the SFT policy, and an
 adapter never loads silently onto the wrong base."""
-from pathlib import Path
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,11 +9,11 @@ import yaml
 
 import logprobs
 import train
-from plumbing import runs
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
-from plumbing.adapters import find_adapter
 from model import load_inference, load_policy
+from plumbing import runs
+from plumbing.adapters import find_adapter
 
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
 
@@ -144,7 +144,7 @@ def test_a_grpo_adapter_trained_on_a_merged_sft_base_reloads_with_that_merge(sft
     named = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert named.startswith("NOT-") and "python -m tools.export" in named  # tools that read the base from here fail loudly
     from peft import AutoPeftModelForCausalLM
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (whichever the hub client raises for a name that is no repo)
         AutoPeftModelForCausalLM.from_pretrained(str(adapter))
     # the reloaded chain is base + SFT merged + GRPO adapter: it equals replaying that by hand
     manual, _ = load_inference(mcfg, torch.device("cpu"), adapter=cfg["run"]["out_dir"])
@@ -225,9 +225,11 @@ def test_continuing_an_adapter_with_a_kl_term_is_refused(sft_config):
 
 
 def test_an_adapter_without_a_recorded_base_is_neither_saved_nor_loaded(tmp_path, tiny_llama):
-    from plumbing.adapters import save_adapter
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
     from model import load_base
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+    from plumbing.adapters import save_adapter
     base, _ = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     peft_model = get_peft_model(base, PeftLoraConfig(r=2, target_modules="all-linear"))
     with pytest.raises(ValueError, match="provenance"):

@@ -46,6 +46,7 @@ def log_probs_and_grads(model, ids, attn, C, weights, **kw):
 def tiny_qwen3(tmp_path_factory):
     """Qwen3's shape (q/k norms, tied embeddings): the family the GPU configs train."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from conftest import make_tokenizer
     tok = make_tokenizer()
     eos = tok.convert_tokens_to_ids("<|im_end|>")

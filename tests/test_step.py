@@ -16,9 +16,8 @@ import rewards
 import rollout
 import step
 import train
-from plumbing import runs
-from plumbing import vllm_engine
 from conftest import write_run_config
+from plumbing import runs, vllm_engine
 
 
 def make_run(tmp_path, tiny_llama, *overrides, **sections):

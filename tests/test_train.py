@@ -15,10 +15,9 @@ from safetensors.torch import load_file
 
 import rollout
 import step
-from plumbing import display
 import train
-from plumbing import runs
 from config import Config, ConfigError, RewardSpec, load_config
+from plumbing import display, runs
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 
@@ -433,7 +432,9 @@ def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_d
     monkeypatch.setenv("MINIGRPO_TEST_JUDGE_KEY", secret)
     cfg, run = setup
     # the judge likes short completions: score 10 for <= 3 words, else 2
-    reply = lambda body: '{"score": %d}' % (10 if len(body["messages"][-1]["content"].split("COMPLETION:")[-1].split()) <= 3 else 2)
+    def reply(body):
+        words = body["messages"][-1]["content"].split("COMPLETION:")[-1].split()
+        return '{"score": %d}' % (10 if len(words) <= 3 else 2)
     with FakeOpenAIServer(reply=reply) as server:
         server.script(server_error(500))  # the first call fails once and is retried
         judge = (f"{{base_url: '{server.url}', model: fake-judge, api_key_env: MINIGRPO_TEST_JUDGE_KEY, "
@@ -889,7 +890,7 @@ def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_check
             try:
                 raise OSError(errno.ENOSPC, "No space left on device")
             except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")  # noqa: B904 (torch's chain)
         return real(obj, f, *a, **k)
     monkeypatch.setattr(checkpoint.torch, "save", full)
     assert train.main(["--config", str(cfg), "--run.steps=3"]) == 2

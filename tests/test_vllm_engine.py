@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 import rollout
 import train
-from plumbing import vllm_engine
 from config import ConfigError, load_config
+from plumbing import vllm_engine
 
 
 @dataclass
@@ -240,6 +240,7 @@ def test_adapters_vllm_would_serve_otherwise_are_refused():
 def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_path, tiny_llama, capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
     from plumbing.adapters import save_adapter
     dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, lora_alpha=8, use_dora=True,
                                                                                      target_modules=["q_proj", "v_proj"]))

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from plumbing import overlap
 import rollout
 from config import Config, ConfigError, data_label, load_config
-from plumbing.typed_config import check_writable
-from plumbing.adapters import apply_adapter_chain, check_adapter_base, find_adapter
 from model import load_base
+from plumbing import overlap
+from plumbing.adapters import apply_adapter_chain, check_adapter_base, find_adapter
 from plumbing.hub import BUILTIN
+from plumbing.typed_config import check_writable
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

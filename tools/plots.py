@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.metrics or []:
             if not set(GROUPS.get(m, (m,))) & logged:
                 raise PlotError(f"no input logged metric {m!r}; logged: {', '.join(sorted(logged - {'step'}))}")
-        for (label, recs), path in zip(runs, args.runs):
+        for (_, recs), path in zip(runs, args.runs):
             if not recs:
                 raise PlotError(f"{path}: no metrics lines to draw (a run killed before its first step?)")
         if args.eval and not any(models.values()):
