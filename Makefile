@@ -1,4 +1,5 @@
 # make demo: set up .venv (once) and run the CPU quickstart.   make test: set up and run the tests.
+# make lint: ruff over the whole tree (pyproject.toml's rules), as CI runs it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -20,4 +21,7 @@ demo: setup   # train, then compare base and trained model on the 100 held-out p
 test: setup
 	$(BIN)/python -m pytest
 
-.PHONY: setup demo test
+lint: setup
+	$(BIN)/ruff check .
+
+.PHONY: setup demo test lint

@@ -1,6 +1,7 @@
 """The one typed config of a minigrpo run: nested dataclasses loaded from YAML.
 
-    cfg = load_config("configs/quickstart.yaml", ["--grpo.beta=0.04", "--rollout.num_generations=8"])
+    cfg = load_config("configs/quickstart.yaml",
+                      ["--grpo.beta=0.04", "--rollout.num_generations=8"])
 
 Every field below carries a one-line comment; that comment is the documentation of the knob.
 Overrides are `--section.key=value`, the value parsed as YAML (`0.04`, `true`, `[a, b]`, `null`).
@@ -28,7 +29,7 @@ from plumbing.typed_config import (  # noqa: F401 (ConfigError: imported from he
     read_yaml,
 )
 
-ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value read from the environment
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value from the environment
 
 
 _USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
@@ -49,42 +50,48 @@ class RewardSpec:
     name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
     weight: float = 1.0  # weight of this reward in the total
     args: dict = field(default_factory=dict)  # keyword arguments passed to the function
-    fallback: float | Literal["skip"] = 0.0  # value used when the function raises or returns a non-number;
-    #   "skip": no value at all, the completion is left out of its group's advantage and of the loss (judge, human)
-    label: str | None = None  # its name in metrics (rewards/<label>/mean); None: the name ("name#2" when repeated)
+    fallback: float | Literal["skip"] = 0.0  # value if the function raises or gives no number;
+    #   "skip": the completion is left out of its group's advantage and the loss (judge, human)
+    label: str | None = None  # rewards/<label>/mean in metrics (None: name; "name#2" if repeated)
 
 
 @dataclass
 class JudgeConfig:
-    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp, Ollama, OpenAI; ${NAME} reads the env
-    model: str = ""  # model name sent with each request (the deployment name on Azure); ${NAME} reads the env
-    api_key_env: str = "OPENAI_API_KEY"  # NAME of the env var holding the key; unset -> "EMPTY" (local servers)
-    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
-    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (required with azure_endpoint)
-    extra_headers: dict[str, str] = field(default_factory=dict)  # sent with every request; write a secret as
-    #   "Bearer ${MY_TOKEN}": ${NAME} is read from the environment when the client is built, never saved
+    base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
+    #   Ollama, OpenAI; ${NAME} reads the env
+    model: str = ""  # model sent in requests (on Azure: the deployment name); ${NAME} reads the env
+    api_key_env: str = "OPENAI_API_KEY"  # env var with the key; unset -> "EMPTY" (local servers)
+    azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or
+    #   ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
+    api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (azure_endpoint needs it)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # sent in every request; a secret
+    #   as "Bearer ${MY_TOKEN}": ${NAME} is read from the env when the client is built, never saved
     max_concurrent: int = 8  # most requests in flight at once
-    requests_per_minute: float | None = None  # start at most this many requests a minute, retries included
+    requests_per_minute: float | None = None  # most requests started per minute, retries included
     timeout_s: float = 60.0  # hard limit on one request
-    max_retries: int = 4  # retries after the first try (429/408/5xx/timeout/connection error/a body that is not JSON only)
+    max_retries: int = 4  # retries after the first try
+    #   (429/408/5xx/timeout/connection error/a body that is not JSON only)
     backoff_s: float = 1.0  # first retry waits about this long, doubling each retry, with jitter
     backoff_max_s: float = 30.0  # cap on one wait of our own backoff
-    retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks for 45-60 s: sooner
-    #   is another 429)
-    temperature: float | None = 0.0  # judge sampling temperature (part of the cache key); null: not sent, for
-    #   models that take only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to any other)
+    retry_after_max_s: float = 120.0  # a server's Retry-After is honoured up to this (Azure asks
+    #   for 45-60 s: sooner is another 429)
+    temperature: float | None = 0.0  # judge temperature (part of the cache key); null: not sent,
+    #   for models taking only their default (OpenAI's o-series and GPT-5 answer HTTP 400 to others)
     max_tokens: int = 512  # cap on the judge's reply length (part of the cache key)
-    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field max_tokens goes in:
-    #   OpenAI's reasoning models (o-series, GPT-5) take only max_completion_tokens (which counts reasoning tokens too)
-    extra_body: dict = field(default_factory=dict)  # more request fields, e.g. {reasoning_effort: low} (part of the cache key)
-    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] is a failure
+    token_param: Literal["max_tokens", "max_completion_tokens"] = "max_tokens"  # the request field
+    #   max_tokens goes in: OpenAI's reasoning models (o-series, GPT-5) take only
+    #   max_completion_tokens (which counts reasoning tokens too)
+    extra_body: dict = field(default_factory=dict)  # more request fields (part of the cache key),
+    #   e.g. {reasoning_effort: low}
+    score_min: float = 0.0  # lowest valid score; a reply outside [score_min, score_max] fails
     score_max: float = 10.0  # highest valid score
-    cache_path: str | None = None  # append-only JSONL of good replies, loaded at start; None = no disk cache
+    cache_path: str | None = None  # append-only JSONL of good replies, read at start; None: no file
     memory_cache: bool = True  # keep recent replies in RAM
     memory_cache_size: int = 10000  # most replies kept in RAM (LRU)
     price_prompt_per_m: float = 0.0  # USD per million prompt tokens, for judge_cost_usd
-    price_cached_prompt_per_m: float | None = None  # USD per million prompt tokens the provider served from its
-    #   prompt cache (usage.prompt_tokens_details.cached_tokens; OpenAI bills them at a discount); None: price_prompt_per_m
+    price_cached_prompt_per_m: float | None = None  # USD per million prompt tokens the provider
+    #   served from its prompt cache (usage.prompt_tokens_details.cached_tokens; OpenAI bills them
+    #   at a discount); None: price_prompt_per_m
     price_completion_per_m: float = 0.0  # USD per million completion tokens
 
 
@@ -92,67 +99,75 @@ class JudgeConfig:
 class ModelConfig:
     name: str = "smollm2-135m"  # hub id, local directory, or the built-in "smollm2-135m"
     revision: str | None = None  # hub revision (branch, tag or commit) to load
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on GPUs that have it, else fp16
-    quant: Literal["4bit"] | None = None  # "4bit": NF4 base weights through bitsandbytes (QLoRA, CUDA only)
-    chat_template: str | None = None  # Jinja chat template (text or file path) for models that ship none
-    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
-    attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None lets transformers pick
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on
+    #   GPUs that have it, else fp16
+    quant: Literal["4bit"] | None = None  # NF4 base weights via bitsandbytes (QLoRA, CUDA only)
+    chat_template: str | None = None  # Jinja chat template (text or file) for models that ship none
+    gradient_checkpointing: bool = False  # recompute activations: less memory, ~30% slower
+    attn_implementation: str | None = None  # "sdpa", "flash_attention_2"; None: transformers picks
     trust_remote_code: bool = False  # allow custom modelling code from the hub
     cache_dir: str = "~/.cache/minigrpo"  # where the built-in model is converted once and reused
-    init_adapter: str | None = None  # start from this LoRA adapter (adapter dir, checkpoint or run dir), e.g. an SFT run
-    merge_init_adapter: bool = False  # merge init_adapter into the base and train a fresh LoRA on top (else continue it)
+    init_adapter: str | None = None  # start from this LoRA: adapter/checkpoint/run dir (e.g. SFT's)
+    merge_init_adapter: bool = False  # merge init_adapter into the base and train a fresh LoRA on
+    #   top (else continue it)
 
 
 @dataclass
 class LoraConfig:
-    enabled: bool = True  # false trains all weights (and keeps a frozen reference copy when beta > 0)
+    enabled: bool = True  # false trains all weights (and keeps a frozen reference copy if beta > 0)
     r: int = 16  # LoRA rank
     alpha: int = 32  # LoRA scaling numerator: the update is (alpha / r) * B @ A
-    dropout: float = 0.0  # LoRA dropout, SFT only: GRPO and DPO turn dropout off (it makes old/ref log-probs disagree)
+    dropout: float = 0.0  # SFT only: GRPO and DPO turn it off (old/ref log-probs would disagree)
     target_modules: list[str] | str = "all-linear"  # module names to adapt, or "all-linear"
 
 
 @dataclass
 class DataSource:
     name: str  # a local file, hub dataset id or built-in task, as data.name
-    weight: float = 1.0  # share of the prompts drawn from this source (normalised over the sources) at the first step
-    weight_end: float | None = None  # share at the last step, linear in between: a curriculum (None: weight throughout)
-    label: str | None = None  # name in the metrics (data/<label>); None: the file stem or the dataset id's last part
+    weight: float = 1.0  # share of prompts from this source at the first step (normalised)
+    weight_end: float | None = None  # final share, linear in between: a curriculum; None: weight
+    label: str | None = None  # data/<label> in metrics (None: file stem, or dataset id's last part)
     config_name: str | None = None  # hub dataset config (subset) name
-    revision: str | None = None  # hub dataset revision (branch, tag or commit): the same rows after the hub copy changes
+    revision: str | None = None  # hub revision (branch, tag, commit): same rows after hub changes
     split: str = "train"  # hub dataset split
     prompt: str | None = None  # column or template of this source's prompt (None: data.prompt)
-    map: str | None = None  # this source's row mapping, e.g. an adapter to the shared columns (None: data.map)
-    select: list[int] | None = None  # [start, end) of this source's shuffled rows to train on (None: data.select)
+    map: str | None = None  # row mapping, e.g. an adapter to the shared columns (None: data.map)
+    select: list[int] | None = None  # [start, end) of its shuffled rows to use (None: data.select)
     num_examples: int = 0  # keep the first n rows (0: all)
 
 
 @dataclass
 class DataConfig:
-    name: str | None = "arithmetic"  # built-in task ("arithmetic"), a local .jsonl/.json/.csv/.parquet file, or a hub dataset id (null with a mixture)
-    root: str | None = None  # directory that relative data file names (data.name, mixture sources) are read from
+    name: str | None = "arithmetic"  # built-in task ("arithmetic"), a local
+    #   .jsonl/.json/.csv/.parquet file, or a hub dataset id (null with a mixture)
+    root: str | None = None  # directory for relative data file names (data.name, mixture sources)
     config_name: str | None = None  # hub dataset config (subset) name
-    revision: str | None = None  # hub dataset revision (branch, tag or commit): split_seed and select pick the same
-    #   rows only while the hub copy keeps its row order (MedMCQA's was re-uploaded once), so pin it for SFT -> GRPO -> eval
+    revision: str | None = None  # hub dataset revision (branch, tag or commit): split_seed and
+    #   select pick the same rows only while the hub copy keeps its row order (MedMCQA's was
+    #   re-uploaded once), so pin it for SFT -> GRPO -> eval
     split: str = "train"  # hub dataset split
-    prompt: str = "prompt"  # column holding the prompt, or a template like "Q: {question}\nA) {opa}"
+    prompt: str = "prompt"  # column of the prompt, or a template like "Q: {question}\nA) {opa}"
     target: str | None = None  # SFT: column or template of the assistant reply to learn
-    chosen: str | None = None  # DPO: column or template of the preferred reply (e.g. bestofn.py's pairs: chosen)
+    chosen: str | None = None  # DPO: column/template of the preferred reply (bestofn.py: chosen)
     rejected: str | None = None  # DPO: column or template of the dispreferred reply (rejected)
-    answer_key: str | None = "answer"  # column with the gold answer that rewards read (None: no gold)
+    answer_key: str | None = "answer"  # column of the gold answer rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
-    assistant_prefix: str = ""  # text forced at the start of the reply (e.g. "<think>"); counts as prompt
-    chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template arguments, e.g. {enable_thinking: false} for Qwen3
-    num_examples: int = 0  # size of the built-in task (0: all 400); for files and hub: keep the first n (0: all)
-    split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA workflow: 42)
-    select: list[int] | None = None  # [start, end) of the (shuffled) rows this run trains on, e.g. [1000, 1500]
+    assistant_prefix: str = ""  # text forced at the reply's start, e.g. "<think>"; counts as prompt
+    chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template arguments, e.g.
+    #   {enable_thinking: false} for Qwen3
+    num_examples: int = 0  # built-in task size (0: all 400); files, hub: keep the first n (0: all)
+    split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA: 42)
+    select: list[int] | None = None  # [start, end) of (shuffled) rows trained on, e.g. [1000, 1500]
     shuffle_seed: int = 0  # order in which prompts are drawn
-    map: str | None = None  # row mapping applied before prompts are built: a built-in (medmcqa_json) or "file.py:fn" / "module:fn"; None from it drops the row
-    mixture: list[DataSource] | None = None  # train on several sources drawn by weight (replaces data.name); see data.py
-    presets: dict[str, list[DataSource]] = field(default_factory=dict)  # named mixtures, e.g. GRubrics' open_only, curriculum
-    preset: str | None = None  # the entry of data.presets to train on (e.g. --data.preset=curriculum)
-    skip_long: bool = False  # leave out (and count) training rows over the length limit (rollout.max_prompt_tokens;
-    #   sft.max_length, dpo.max_length) instead of stopping at the first: real datasets hold a few very long rows
+    map: str | None = None  # row mapping applied before prompts are built: a built-in
+    #   (medmcqa_json) or "file.py:fn" / "module:fn"; None from it drops the row
+    mixture: list[DataSource] | None = None  # weighted sources, replacing data.name (see data.py)
+    presets: dict[str, list[DataSource]] = field(default_factory=dict)  # named mixtures, e.g.
+    #   GRubrics' open_only, curriculum
+    preset: str | None = None  # the data.presets entry to train on (e.g. --data.preset=curriculum)
+    skip_long: bool = False  # leave out (and count) training rows over the length limit
+    #   (rollout.max_prompt_tokens; sft.max_length, dpo.max_length) instead of stopping at the
+    #   first: real datasets hold a few very long rows
 
 
 @dataclass
@@ -162,51 +177,68 @@ class RolloutConfig:
     max_new_tokens: int = 64  # completion length cap; longer ones are cut and flagged truncated
     max_prompt_tokens: int = 512  # prompts longer than this are an error (data.skip_long: left out)
     temperature: float = 1.0  # sampling temperature; the trainer's log-probs use the same value
-    top_p: float = 1.0  # nucleus sampling; the loss's log-probs are softmax(logits / T)'s, untruncated, so < 1 samples
-    #   slightly off the policy it trains (as in TRL)
+    top_p: float = 1.0  # nucleus sampling; the loss's log-probs are softmax(logits / T)'s,
+    #   untruncated, so < 1 samples slightly off the policy it trains (as in TRL)
     top_k: int = 0  # top-k sampling (0: off); off the policy as top_p < 1 is
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
-    ignore_eos: bool = False  # always generate max_new_tokens (EOS suppressed): fixed-length runs for speed benchmarks
-    compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing
-    prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer caps the sampling KV cache
-    #   at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache) for more, smaller calls; see bench/memory_estimate.py
-    overlap_rewards: bool = True  # with prompts_per_generate: score each slice (judge calls, ratings) while the next one samples
-    merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights (restored after): faster sampling; see model.py
-    engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU (LoRA only; see vllm_engine.py)
-    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights + KV cache); the trainer gets the rest
-    vllm_sleep: bool = False  # put vLLM to sleep (free its KV cache, offload weights) while the trainer runs
-    resample_zero_std: bool = False  # DAPO dynamic sampling: draw more prompts until B groups have signal
-    max_prompts_per_step: int = 0  # cap on prompts drawn per step when resampling (0: 4 * prompts_per_step)
+    ignore_eos: bool = False  # EOS suppressed, always max_new_tokens: fixed-length speed benchmarks
+    compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA
+    #   (prompts padded to 64-token buckets); no prompt sharing
+    prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer
+    #   caps the sampling KV cache at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache)
+    #   for more, smaller calls; see bench/memory_estimate.py
+    overlap_rewards: bool = True  # with prompts_per_generate: score each slice (judge calls,
+    #   ratings) while the next one samples
+    merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights
+    #   (restored after): faster sampling; see model.py
+    engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU
+    #   (LoRA only; see vllm_engine.py)
+    vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights +
+    #   KV cache); the trainer gets the rest
+    vllm_sleep: bool = False  # sleep vLLM (free KV cache, offload weights) while the trainer runs
+    resample_zero_std: bool = False  # DAPO dynamic sampling: draw until B groups have signal
+    max_prompts_per_step: int = 0  # resampling's cap on prompts per step (0: 4 * prompts_per_step)
 
 
 @dataclass
 class GrpoConfig:
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # loss normalisation (see grpo.py)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # loss normalisation (grpo.py)
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference forward
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher)
-    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio per completion
-    #   (with loss_type: grpo and epsilons near 3e-4 / 4e-4); differs only off-policy or with tis_cap (grpo.py)
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio
+    #   per completion (with loss_type: grpo and epsilons near 3e-4 / 4e-4); differs only off-policy
+    #   or with tis_cap (grpo.py)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
     num_iterations: int = 1  # mu: passes over each rollout batch
-    num_mini_batches: int = 1  # optimizer steps per pass: the B groups, shuffled, split into this many mini-batches
-    #   (B divisible by it), each its own loss and update (PPO's minibatches); the later ones are off-policy. Not TRL's
-    #   steps_per_generation, which counts gradient-accumulation steps (TRL: steps_per_generation / GA updates)
+    num_mini_batches: int = 1  # optimizer steps per pass: the B groups, shuffled, split into this
+    #   many mini-batches (B divisible by it), each its own loss and update (PPO's minibatches); the
+    #   later ones are off-policy. Not TRL's steps_per_generation, which counts
+    #   gradient-accumulation steps (TRL: steps_per_generation / GA updates)
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
-    logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26 logits a chunk
-    #   (256 MiB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at SmolLM2's 49,152); see logprobs.py
-    fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits never exist (GPU memory)
-    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per group, not G times (see logprobs.py):
-    #   true: in the sampling prefill and the loss forward; auto: the prefill always, the loss forward on CPU only
-    #   (on a GPU its second pass costs more kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
-    top_entropy_quantile: float = 1.0  # policy gradient only on the step's top share of tokens by sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
-    delta: float = 0.0  # two-sided clip (INTELLECT-2): with A < 0 the ratio is also capped at delta (> 1 + epsilon_high, e.g. 4); 0: off
-    policy_loss: Literal["clip", "cispo"] = "clip"  # clip: PPO's clipped objective; cispo: a detached weight min(ratio, cispo_cap)
-    #   on -A log p, every token keeping its gradient (MiniMax-M1, ScaleRL; grpo.py). Both the same on-policy
-    cispo_cap: float = 5.0  # policy_loss: cispo: the cap on its importance weight (TRL: epsilon_high = 5 with loss_type cispo)
-    tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap) (0: off; 2-3 is usual)
-    tis_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"  # ratio per token or completion; cap it or mask past it (step.py)
+    logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26
+    #   logits a chunk (256 MiB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at
+    #   SmolLM2's 49,152); see logprobs.py
+    fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits
+    #   never exist (GPU memory)
+    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per
+    #   group, not G times (see logprobs.py): true: in the sampling prefill and the loss forward;
+    #   auto: the prefill always, the loss forward on CPU only (on a GPU its second pass costs more
+    #   kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
+    top_entropy_quantile: float = 1.0  # policy gradient only on the step's top share of tokens by
+    #   sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
+    delta: float = 0.0  # two-sided clip (INTELLECT-2): with A < 0 the ratio is also capped at delta
+    #   (> 1 + epsilon_high, e.g. 4); 0: off
+    policy_loss: Literal["clip", "cispo"] = "clip"  # clip: PPO's clipped objective; cispo: a
+    #   detached weight min(ratio, cispo_cap) on -A log p, every token keeping its gradient
+    #   (MiniMax-M1, ScaleRL; grpo.py). Both the same on-policy
+    cispo_cap: float = 5.0  # policy_loss: cispo: the cap on its importance weight
+    #   (TRL: epsilon_high = 5 with loss_type cispo)
+    tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap)
+    #   (0: off; 2-3 is usual)
+    tis_mode: Literal[  # ratio per token or completion; cap it or mask past it (step.py)
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
 
 
 @dataclass
@@ -215,66 +247,75 @@ class OptimConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     warmup_steps: int = 0  # linear warmup (optimizer updates)
-    warmup_ratio: float = 0.0  # or warmup over this share of the run's updates (TRL's warmup_ratio); one of the two
+    warmup_ratio: float = 0.0  # or this share of the run's updates (TRL's warmup_ratio); not both
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
     micro_batch_size: int = 8  # completions per forward/backward; accumulation covers the rest
-    micro_batch_tokens: int = 0  # also cap a micro-batch at this many padded tokens (rows x longest row): flat memory with long, uneven completions (0: off)
+    micro_batch_tokens: int = 0  # also cap a micro-batch at this many padded tokens
+    #   (rows x longest row): flat memory with long, uneven completions (0: off)
 
 
 @dataclass
 class RunConfig:
     out_dir: str = "runs/quickstart"  # run directory: config, metrics, samples, checkpoints
-    steps: int = 60  # rollout batches (each gives num_iterations x num_mini_batches optimizer updates)
-    epochs: float = 0.0  # when > 0, sets run.steps to this many passes over the rows: epochs x rows / rows a step
-    #   (rollout.prompts_per_step, sft.batch_size or dpo.batch_size), rounded up
+    steps: int = 60  # rollout batches (each num_iterations x num_mini_batches optimizer updates)
+    epochs: float = 0.0  # when > 0, sets run.steps to this many passes over the rows, rounded up:
+    #   epochs x rows / rows a step (rollout.prompts_per_step, sft.batch_size or dpo.batch_size)
     seed: int = 0  # seeds python, numpy and torch
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
     threads: int = 0  # CPU threads for torch (0: torch's default)
     save_every: int = 20  # checkpoint every n steps (and at the end); 0 = only at the end
     keep_checkpoints: int = 2  # newest checkpoints kept whole (what --resume needs)
-    keep_adapters: bool = True  # older checkpoints keep their LoRA adapter (MBs, not the optimizer state), for eval.py
+    keep_adapters: bool = True  # older checkpoints keep just their LoRA adapter (MBs), for eval.py
     sample_every: int = 5  # write sampled completions every n steps (0 = never)
-    samples_per_log: int = 0  # completions written each time, the step's first ones (0: one whole group, G of them)
-    report_to: Literal["none", "wandb", "trackio"] = "none"  # also send each step's metrics to Weights & Biases
-    #   or Trackio (pip install wandb / trackio; their own env vars, e.g. WANDB_API_KEY, WANDB_MODE=offline, apply)
+    samples_per_log: int = 0  # completions written each time, the step's first (0: one whole group)
+    report_to: Literal["none", "wandb", "trackio"] = "none"  # also send each step's metrics to
+    #   Weights & Biases or Trackio (pip install wandb / trackio; their own env vars, e.g.
+    #   WANDB_API_KEY, WANDB_MODE=offline, apply)
     project: str = "minigrpo"  # the tracker's project; the run is named after run.out_dir
-    eval_every: int = 0  # every n steps, score eval.py's held-out rows (eval.select, eval.limit of them) as eval.py
-    #   decodes them, logged as eval/* in metrics.jsonl (eval/reward, eval/accuracy, ...); 0 = never
-    stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row in which no
-    #   group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing learned); 0: only warn, after 5
-    max_minutes: float = 0.0  # a job's time limit: checkpoint and stop (exit code 0) after the step past which the
-    #   next one would end later than this many minutes from the process's start; --resume goes on. 0: no limit
-    judge_outage: Literal["wait", "stop"] = "wait"  # a judge that got no reply to (nearly) any call for
-    #   judge_outage_steps steps in a row: wait, asking it again with backoff (a line each minute) up to
-    #   judge_wait_minutes, then checkpoint and stop (exit code 4); stop: checkpoint and stop at once
+    eval_every: int = 0  # every n steps, score eval.py's held-out rows (eval.select, eval.limit of
+    #   them) as eval.py decodes them: eval/reward, eval/accuracy, ... in metrics.jsonl; 0 = never
+    stop_without_signal: int = 0  # checkpoint and stop (exit code 3) after this many steps in a row
+    #   in which no group's rewards differed (frac_reward_zero_std = 1: every advantage 0, nothing
+    #   learned); 0: only warn, after 5
+    max_minutes: float = 0.0  # a job's time limit: checkpoint and stop (exit code 0) after the step
+    #   past which the next one would end later than this many minutes from the process's start;
+    #   --resume goes on. 0: no limit
+    judge_outage: Literal["wait", "stop"] = "wait"  # a judge that got no reply to (nearly) any call
+    #   for judge_outage_steps steps in a row: wait, asking again with backoff (a line each minute)
+    #   up to judge_wait_minutes, then checkpoint and stop (exit code 4); stop: do so at once
     judge_outage_steps: int = 1  # steps in a row a judge must be down before judge_outage acts
-    judge_wait_minutes: float = 30.0  # judge_outage: wait gives up after this long (0: waits without limit)
+    judge_wait_minutes: float = 30.0  # judge_outage: wait gives up after this long (0: never)
 
 
 @dataclass
 class SftConfig:
     batch_size: int = 16  # examples per optimizer step (micro-batched by optim.micro_batch_size)
-    max_length: int = 1024  # prompt + reply tokens; a longer example is an error (data.skip_long: left out)
+    max_length: int = 1024  # prompt + reply tokens; longer is an error (data.skip_long: left out)
 
 
 @dataclass
 class DpoConfig:
-    beta: float = 0.1  # strength of the pull to the reference: the implicit reward is beta x the log-ratio
-    batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows, a pair's two together)
-    max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error (data.skip_long: left out)
-    cache_reference: bool = True  # compute each reply's reference log-prob once a run, not again every epoch
-    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's; IPO (per-token means, squared); hinge (SLiC): see dpo.py
-    label_smoothing: float = 0.0  # sigmoid: the share of pairs presumed mislabelled (cDPO, for noisy judges); 0: plain DPO
+    beta: float = 0.1  # pull to the reference: the implicit reward is beta x the log-ratio
+    batch_size: int = 8  # pairs per optimizer step (micro-batched by optim.micro_batch_size rows,
+    #   a pair's two together)
+    max_length: int = 1024  # prompt + reply tokens, for each reply; a longer pair is an error
+    #   (data.skip_long: left out)
+    cache_reference: bool = True  # each reply's reference log-prob once a run, not every epoch
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's; IPO
+    #   (per-token means, squared); hinge (SLiC): see dpo.py
+    label_smoothing: float = 0.0  # sigmoid: the share of pairs presumed mislabelled
+    #   (cDPO, for noisy judges); 0: plain DPO
 
 
 @dataclass
 class EvalConfig:
-    select: list[int] | None = None  # [start, end) of the shuffled rows held out for eval.py, e.g. [1500, 1700]
+    select: list[int] | None = None  # held-out [start, end) of the shuffled rows, e.g. [1500, 1700]
     split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
-    name: str | None = None  # a held-out file (or hub dataset) of its own, read in its own order with data's
-    #   prompt, map and answer_key; eval.select then picks its rows (None: all of them). None: data's rows
-    config_name: str | None = None  # eval.name's hub config (None: data.config_name; "default" for a dataset without configs)
+    name: str | None = None  # a held-out file (or hub dataset) of its own, read in its order with
+    #   data's prompt, map and answer_key; eval.select picks its rows (None: all). None: data's rows
+    config_name: str | None = None  # eval.name's hub config (None: data.config_name; "default" for
+    #   a dataset without configs)
     num_samples: int = 1  # completions per prompt; more gives pass@k
     temperature: float = 0.0  # 0: greedy decoding
     top_p: float = 1.0  # nucleus sampling when temperature > 0
@@ -283,44 +324,52 @@ class EvalConfig:
     batch_size: int = 16  # prompts per generate call
     limit: int = 0  # evaluate only the first n held-out rows of each data source (0: all)
     out_dir: str = "runs/eval"  # results.json, predictions_<model>.jsonl
-    keep_columns: list[str] = field(default_factory=list)  # row columns copied into each prediction line (under
-    #   "columns"), e.g. [id, prompt_type]
-    group_by: str | None = None  # a row column: n, reward and accuracy for each of its values as well
-    #   (<column>=<value>/accuracy, ...), e.g. prompt_type
-    api: JudgeConfig | None = None  # OpenAI-compatible endpoint for `api:MODEL` entries (its model field is ignored)
-    apis: dict[str, JudgeConfig] = field(default_factory=dict)  # named endpoints, each with its own model and
-    #   settings (temperature: null for GPT-5, ...): an `api:NAME` entry uses eval.apis.NAME
-    agreement: list[list[str]] = field(default_factory=list)  # pairs of reward labels, e.g. [[logic, logic_second]]
-    #   (one criterion from two judges): eval reports agreement/<a>_vs_<b>/spearman and /mean_abs_diff
+    keep_columns: list[str] = field(default_factory=list)  # row columns copied into each prediction
+    #   line (under "columns"), e.g. [id, prompt_type]
+    group_by: str | None = None  # a row column: n, reward and accuracy for each of its values as
+    #   well (<column>=<value>/accuracy, ...), e.g. prompt_type
+    api: JudgeConfig | None = None  # endpoint for `api:MODEL` entries (its model field is ignored)
+    apis: dict[str, JudgeConfig] = field(default_factory=dict)  # named endpoints with their own
+    #   model and settings (GPT-5: temperature: null, ...): `api:NAME` uses eval.apis.NAME
+    agreement: list[list[str]] = field(default_factory=list)  # pairs of reward labels, e.g.
+    #   [[logic, logic_second]] (one criterion from two judges): eval reports
+    #   agreement/<a>_vs_<b>/spearman and /mean_abs_diff
 
 
 @dataclass
 class PrecomputeConfig:
-    questions: str | None = None  # questions to answer, one a row: a local .jsonl/.json/.csv/.parquet file or a hub dataset id
+    questions: str | None = None  # questions to answer, one a row: a local
+    #   .jsonl/.json/.csv/.parquet file or a hub dataset id
     config_name: str | None = None  # hub dataset config (subset) name, e.g. "main" for openai/gsm8k
     split: str = "train"  # hub dataset split (MATH-500 has only "test")
-    map: str | None = None  # row mapping first: a built-in adapter (healthbench, medqa, medmcqa_json) or "file.py:fn"
-    question: str = "{question}"  # column or template of the question text the answer policy is asked
-    limit: int = 0  # the first n questions only (0: all), counted before precompute.map: try a few before paying for all
+    map: str | None = None  # row mapping first: a built-in adapter
+    #   (healthbench, medqa, medmcqa_json) or "file.py:fn"
+    question: str = "{question}"  # column or template of the question the answer policy is asked
+    limit: int = 0  # the first n questions only (0: all), counted before precompute.map: try a few
+    #   before paying for all
     num_answers: int = 4  # K answers per question, the answers a rubric must rank
     system_prompt: str | None = None  # the answer policy's system message
-    answers: JudgeConfig | None = None  # the answer policy: an OpenAI-compatible endpoint (model, temperature > 0 or
-    #   null, cache_path: required, every answer is paid for)
-    rubric_key: str = "rubric"  # gold by the judge: section: the column of the expert rubric it grades each answer by
-    template: str = "rubric_scoring"  # ... with this judge template (as rubric_alignment's); scores scaled to [0, 1]
-    criteria_key: str | None = None  # gold by the judge per criterion instead, as HealthBench grades: the column of
-    #   [{criterion, points}] (HealthBench's rubrics); gold = points of the criteria met / positive points, in [0, 1]
-    criteria_template: str = "criterion_met"  # ... asking the judge whether one criterion is met ({"met": 0 or 1})
-    gold_reward: RewardSpec | None = None  # gold by a rule instead, e.g. {name: choice_accuracy, args: {gold_key: answer}}:
-    #   each answer's value of this reward (1 right, 0 wrong)
-    keep_constant: bool = False  # keep questions whose K gold scores are all equal (rubric_alignment scores them 0: no signal)
-    out: str | None = None  # the answer file written (JSON Lines: the row's columns, answers, gold_scores); never overwritten
+    answers: JudgeConfig | None = None  # the answer policy: an OpenAI-compatible endpoint (model,
+    #   temperature > 0 or null, cache_path: required, every answer is paid for)
+    rubric_key: str = "rubric"  # gold by the judge: section: the column of the expert rubric it
+    #   grades each answer by
+    template: str = "rubric_scoring"  # ... by this template (rubric_alignment's); scaled to [0, 1]
+    criteria_key: str | None = None  # gold by the judge per criterion instead, as HealthBench
+    #   grades: the column of [{criterion, points}] (HealthBench's rubrics); gold = points of the
+    #   criteria met / positive points, in [0, 1]
+    criteria_template: str = "criterion_met"  # ... asking if one criterion is met ({"met": 0 or 1})
+    gold_reward: RewardSpec | None = None  # gold by a rule instead, e.g. {name: choice_accuracy,
+    #   args: {gold_key: answer}}: each answer's value of this reward (1 right, 0 wrong)
+    keep_constant: bool = False  # keep questions whose K gold scores are all equal
+    #   (rubric_alignment scores them 0: no signal)
+    out: str | None = None  # the answer file written (JSON Lines: the row's columns, answers,
+    #   gold_scores); never overwritten
 
 
 @dataclass
 class Config:
-    mode: Literal["grpo", "sft", "dpo"] = "grpo"  # what train.py does: GRPO, supervised fine-tuning on data.target,
-    #   or DPO on preference pairs (data.chosen over data.rejected)
+    mode: Literal["grpo", "sft", "dpo"] = "grpo"  # what train.py does: GRPO, supervised fine-tuning
+    #   on data.target, or DPO on preference pairs (data.chosen over data.rejected)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -329,26 +378,30 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
-    judge: JudgeConfig | None = None  # OpenAI-compatible LLM judge for the judge-based rewards (judge.py)
-    judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a reward's args: {judge: NAME}
-    #   (two judges scoring the same completions: dual-judge evaluation); each a full judge section
+    judge: JudgeConfig | None = None  # OpenAI-compatible judge for judge-based rewards (judge.py)
+    judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a
+    #   reward's args: {judge: NAME} (two judges scoring the same completions: dual-judge
+    #   evaluation); each a full judge section
     sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
     dpo: DpoConfig = field(default_factory=DpoConfig)  # direct preference optimization (mode: dpo)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
-    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for rubric_alignment (precompute.py)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for
+    #   rubric_alignment (precompute.py)
 
 
-EXCLUSIVE = (("run.steps", "run.epochs", True), ("optim.warmup_steps", "optim.warmup_ratio", False))  # one decides: a later
-#   layer's choice (a file that extends, the command line) wins; True: turning off epochs needs steps (not the default 60)
+# One of each pair decides: a later layer's choice (a file that extends, the command line) wins;
+# True: turning off epochs needs steps (not the default 60)
+EXCLUSIVE = (("run.steps", "run.epochs", True), ("optim.warmup_steps", "optim.warmup_ratio", False))
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """YAML file (and the files it `extends`) + `--section.key=value` overrides -> validated Config
     (ConfigError on any problem)."""
     raw: dict = read_yaml(Path(path), exclusive=EXCLUSIVE) if path is not None else {}
-    given: dict = {}  # the command line's layer alone, for exclusive_layers (--run.epochs=3, or --run={epochs: 3})
-    apply_overrides(given, [o for o in overrides if any(f"{k}.".startswith(o[2:].split("=", 1)[0] + ".")
-                                                        for pair in EXCLUSIVE for k in pair[:2])], Config)
+    given: dict = {}  # exclusive_layers' command-line layer (--run.epochs=3, --run={epochs: 3})
+    apply_overrides(given, [o for o in overrides
+                            if any(f"{k}.".startswith(o[2:].split("=", 1)[0] + ".")
+                                   for pair in EXCLUSIVE for k in pair[:2])], Config)
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
     cfg = from_dict(Config, raw)
@@ -358,144 +411,193 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 def _check(cfg: Config) -> None:
     """Cross-field checks that types alone cannot express."""
-    positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step, "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-                "grpo.num_iterations": cfg.grpo.num_iterations, "optim.micro_batch_size": cfg.optim.micro_batch_size,
-                "grpo.num_mini_batches": cfg.grpo.num_mini_batches,
-                "run.steps": cfg.run.steps, "run.judge_outage_steps": cfg.run.judge_outage_steps, "lora.r": cfg.lora.r, "lora.alpha": cfg.lora.alpha,
-                "sft.batch_size": cfg.sft.batch_size, "sft.max_length": cfg.sft.max_length,
-                "dpo.beta": cfg.dpo.beta, "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
+    positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step,
+                "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+                "grpo.num_iterations": cfg.grpo.num_iterations,
+                "optim.micro_batch_size": cfg.optim.micro_batch_size,
+                "grpo.num_mini_batches": cfg.grpo.num_mini_batches, "run.steps": cfg.run.steps,
+                "run.judge_outage_steps": cfg.run.judge_outage_steps, "lora.r": cfg.lora.r,
+                "lora.alpha": cfg.lora.alpha, "sft.batch_size": cfg.sft.batch_size,
+                "sft.max_length": cfg.sft.max_length, "dpo.beta": cfg.dpo.beta,
+                "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{k} must be > 0, got {v}")
     non_negative = {"run.save_every": cfg.run.save_every, "run.sample_every": cfg.run.sample_every,
-                    "run.samples_per_log": cfg.run.samples_per_log, "optim.lr": cfg.optim.lr,  # 0: a control run
-                    "rollout.top_k": cfg.rollout.top_k, "optim.warmup_steps": cfg.optim.warmup_steps,
-                    "data.num_examples": cfg.data.num_examples, "optim.max_grad_norm": cfg.optim.max_grad_norm,
+                    "run.samples_per_log": cfg.run.samples_per_log,
+                    "optim.lr": cfg.optim.lr,  # 0: a control run
+                    "rollout.top_k": cfg.rollout.top_k,
+                    "optim.warmup_steps": cfg.optim.warmup_steps,
+                    "data.num_examples": cfg.data.num_examples,
+                    "optim.max_grad_norm": cfg.optim.max_grad_norm,
                     "rollout.max_prompts_per_step": cfg.rollout.max_prompts_per_step,
-                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens, "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
+                    "optim.micro_batch_tokens": cfg.optim.micro_batch_tokens,
+                    "grpo.logprob_chunk": cfg.grpo.logprob_chunk,
                     "rollout.prompts_per_generate": cfg.rollout.prompts_per_generate,
-                    "run.stop_without_signal": cfg.run.stop_without_signal, "run.eval_every": cfg.run.eval_every,
-                    "run.threads": cfg.run.threads, "run.max_minutes": cfg.run.max_minutes, "run.epochs": cfg.run.epochs,
+                    "run.stop_without_signal": cfg.run.stop_without_signal,
+                    "run.eval_every": cfg.run.eval_every, "run.threads": cfg.run.threads,
+                    "run.max_minutes": cfg.run.max_minutes, "run.epochs": cfg.run.epochs,
                     "run.judge_wait_minutes": cfg.run.judge_wait_minutes}
     for k, v in non_negative.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
     if not 0 <= cfg.optim.warmup_ratio < 1 or (cfg.optim.warmup_ratio and cfg.optim.warmup_steps):
-        raise ConfigError(f"optim.warmup_ratio={cfg.optim.warmup_ratio} must be in [0, 1), and set only when "
-                          f"optim.warmup_steps is 0 (it is {cfg.optim.warmup_steps})")
+        raise ConfigError(f"optim.warmup_ratio={cfg.optim.warmup_ratio} must be in [0, 1), and set "
+                          f"only when optim.warmup_steps is 0 (it is {cfg.optim.warmup_steps})")
     if cfg.run.keep_checkpoints < 1:
-        raise ConfigError(f"run.keep_checkpoints must be >= 1 (the newest checkpoint is what --resume needs), got {cfg.run.keep_checkpoints}")
+        raise ConfigError("run.keep_checkpoints must be >= 1 (the newest checkpoint is what "
+                          f"--resume needs), got {cfg.run.keep_checkpoints}")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
-    if cfg.rollout.max_prompts_per_step and (not cfg.rollout.resample_zero_std
-                                             or cfg.rollout.max_prompts_per_step < cfg.rollout.prompts_per_step):
-        raise ConfigError(f"rollout.max_prompts_per_step={cfg.rollout.max_prompts_per_step} caps the prompts resampling draws: "
-                          f"it needs rollout.resample_zero_std: true and a value >= prompts_per_step "
-                          f"({cfg.rollout.prompts_per_step}); 0: 4 x prompts_per_step")
+    if cfg.rollout.max_prompts_per_step and (
+            not cfg.rollout.resample_zero_std
+            or cfg.rollout.max_prompts_per_step < cfg.rollout.prompts_per_step):
+        raise ConfigError(f"rollout.max_prompts_per_step={cfg.rollout.max_prompts_per_step} caps "
+                          "the prompts resampling draws: it needs rollout.resample_zero_std: true "
+                          f"and a value >= prompts_per_step ({cfg.rollout.prompts_per_step}); "
+                          "0: 4 x prompts_per_step")
     if cfg.rollout.vllm_sleep and cfg.rollout.engine != "vllm":
-        raise ConfigError("rollout.vllm_sleep puts vLLM to sleep between rollouts; it needs rollout.engine: vllm")
+        raise ConfigError("rollout.vllm_sleep puts vLLM to sleep between rollouts; "
+                          "it needs rollout.engine: vllm")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.optim.min_lr_ratio}")
     if cfg.grpo.num_mini_batches > 0 and cfg.rollout.prompts_per_step % cfg.grpo.num_mini_batches:
-        raise ConfigError(f"grpo.num_mini_batches={cfg.grpo.num_mini_batches} must divide rollout.prompts_per_step="
-                          f"{cfg.rollout.prompts_per_step}: each mini-batch holds whole groups")
+        raise ConfigError(f"grpo.num_mini_batches={cfg.grpo.num_mini_batches} must divide "
+                          f"rollout.prompts_per_step={cfg.rollout.prompts_per_step}: "
+                          "each mini-batch holds whole groups")
     if cfg.rollout.num_generations < 2:
-        raise ConfigError(f"rollout.num_generations must be >= 2 (a group needs a baseline), got {cfg.rollout.num_generations}")
+        raise ConfigError("rollout.num_generations must be >= 2 (a group needs a baseline), "
+                          f"got {cfg.rollout.num_generations}")
     if cfg.rollout.temperature <= 0:
-        raise ConfigError("rollout.temperature must be > 0 (GRPO samples; greedy decoding gives identical groups)")
+        raise ConfigError("rollout.temperature must be > 0 "
+                          "(GRPO samples; greedy decoding gives identical groups)")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or cfg.rollout.engine != "vllm"):
-        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm and a cap >= 1 (0 turns it off)")
+        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm "
+                          "and a cap >= 1 (0 turns it off)")
     if cfg.grpo.tis_mode != "token_truncate" and not cfg.grpo.tis_cap:
-        raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: set grpo.tis_cap (e.g. 2) too")
-    if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled or cfg.rollout.engine != "hf"):
-        raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision weights for HF generate: "
-                          "it needs lora.enabled, no model.quant and rollout.engine: hf")
+        raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: "
+                          "set grpo.tis_cap (e.g. 2) too")
+    if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled
+                                        or cfg.rollout.engine != "hf"):
+        raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision "
+                          "weights for HF generate: it needs lora.enabled, no model.quant "
+                          "and rollout.engine: hf")
     if cfg.rollout.prompts_per_generate and cfg.rollout.engine != "hf":
-        raise ConfigError("rollout.prompts_per_generate applies to HF generate; vLLM schedules its own batches "
-                          "(set rollout.prompts_per_generate: 0, or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
+        raise ConfigError("rollout.prompts_per_generate applies to HF generate; "
+                          "vLLM schedules its own batches (set rollout.prompts_per_generate: 0, "
+                          "or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
     if cfg.rollout.compile and cfg.rollout.engine != "hf":
-        raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling (set rollout.compile: false)")
-    if cfg.rollout.compile and cfg.model.quant:  # transformers' bitsandbytes quantizer is not is_compileable
-        raise ConfigError("rollout.compile: transformers does not compile generate over a 4-bit (bitsandbytes) model, so "
-                          "only the static cache's padding would remain; set rollout.compile: false")
+        raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling "
+                          "(set rollout.compile: false)")
+    if cfg.rollout.compile and cfg.model.quant:  # transformers' bnb quantizer is not is_compileable
+        raise ConfigError("rollout.compile: transformers does not compile generate over a 4-bit "
+                          "(bitsandbytes) model, so only the static cache's padding would "
+                          "remain; set rollout.compile: false")
     if not 0 <= cfg.grpo.top_entropy_quantile <= 1:
-        raise ConfigError(f"grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {cfg.grpo.top_entropy_quantile}")
+        raise ConfigError("grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), "
+                          f"got {cfg.grpo.top_entropy_quantile}")
     if cfg.grpo.top_entropy_quantile < 1 and cfg.grpo.importance_sampling_level == "sequence":
-        raise ConfigError("grpo.top_entropy_quantile picks tokens, but GSPO's ratio (importance_sampling_level: sequence) "
-                          "is one per completion, so every token would still get a gradient: use one or the other")
+        raise ConfigError("grpo.top_entropy_quantile picks tokens, but GSPO's ratio "
+                          "(importance_sampling_level: sequence) is one per completion, so every "
+                          "token would still get a gradient: use one or the other")
     if cfg.grpo.top_entropy_quantile < 1 and cfg.rollout.engine != "hf":
-        raise ConfigError("grpo.top_entropy_quantile picks tokens by the entropy HF generate records while sampling; "
-                          "vLLM does not report it: set grpo.top_entropy_quantile: 1 with rollout.engine: vllm")
+        raise ConfigError("grpo.top_entropy_quantile picks tokens by the entropy HF generate "
+                          "records while sampling; vLLM does not report it: "
+                          "set grpo.top_entropy_quantile: 1 with rollout.engine: vllm")
     if not 0 < cfg.rollout.vllm_gpu_memory_utilization < 1:
-        raise ConfigError(f"rollout.vllm_gpu_memory_utilization must be in (0, 1), got {cfg.rollout.vllm_gpu_memory_utilization}")
-    if not 0 <= cfg.dpo.label_smoothing < 0.5 or (cfg.dpo.label_smoothing and cfg.dpo.loss_type != "sigmoid"):
-        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} needs dpo.loss_type: sigmoid and a value in [0, 0.5) "
+        raise ConfigError("rollout.vllm_gpu_memory_utilization must be in (0, 1), "
+                          f"got {cfg.rollout.vllm_gpu_memory_utilization}")
+    if not 0 <= cfg.dpo.label_smoothing < 0.5 or (cfg.dpo.label_smoothing
+                                                  and cfg.dpo.loss_type != "sigmoid"):
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing} needs "
+                          "dpo.loss_type: sigmoid and a value in [0, 0.5) "
                           "(the share of pairs presumed mislabelled)")
     if cfg.grpo.beta < 0:
         raise ConfigError(f"grpo.beta must be >= 0 (0: no KL term), got {cfg.grpo.beta}")
-    if not 0 < cfg.grpo.epsilon < 1 or not cfg.grpo.epsilon_high > 0:  # epsilon >= 1: a lower bound 1 - eps <= 0 never acts
-        raise ConfigError(f"grpo.epsilon must be in (0, 1) and grpo.epsilon_high > 0 (the ratio is clipped to "
-                          f"[1 - epsilon, 1 + epsilon_high]); got {cfg.grpo.epsilon:g} and {cfg.grpo.epsilon_high:g}")
-    if cfg.grpo.delta and (cfg.grpo.delta <= 1 + cfg.grpo.epsilon_high or cfg.grpo.policy_loss != "clip"):
-        raise ConfigError(f"grpo.delta={cfg.grpo.delta} caps the clipped objective's ratio for negative advantages: it needs "
-                          f"policy_loss: clip and a value above 1 + epsilon_high = {1 + cfg.grpo.epsilon_high:g} (0 turns it off)")
+    # epsilon >= 1: a lower bound 1 - eps <= 0 never acts
+    if not 0 < cfg.grpo.epsilon < 1 or not cfg.grpo.epsilon_high > 0:
+        raise ConfigError("grpo.epsilon must be in (0, 1) and grpo.epsilon_high > 0 "
+                          "(the ratio is clipped to [1 - epsilon, 1 + epsilon_high]); "
+                          f"got {cfg.grpo.epsilon:g} and {cfg.grpo.epsilon_high:g}")
+    if cfg.grpo.delta and (cfg.grpo.delta <= 1 + cfg.grpo.epsilon_high
+                           or cfg.grpo.policy_loss != "clip"):
+        raise ConfigError(f"grpo.delta={cfg.grpo.delta} caps the clipped objective's ratio for "
+                          "negative advantages: it needs policy_loss: clip and a value above "
+                          f"1 + epsilon_high = {1 + cfg.grpo.epsilon_high:g} (0 turns it off)")
     if cfg.grpo.cispo_cap < 1:  # below 1 it would shrink even on-policy gradients
-        raise ConfigError(f"grpo.cispo_cap must be >= 1 (the largest importance weight CISPO keeps), got {cfg.grpo.cispo_cap}")
+        raise ConfigError("grpo.cispo_cap must be >= 1 "
+                          f"(the largest importance weight CISPO keeps), got {cfg.grpo.cispo_cap}")
     _check_mixture(cfg.data)
     mix_key, mix = active_mixture(cfg.data)
-    train_ranges = [("data.select", cfg.data.select)] + [(f"{mix_key}[{i}].select", s.select) for i, s in enumerate(mix or [])]
+    train_ranges = [("data.select", cfg.data.select)] + [(f"{mix_key}[{i}].select", s.select)
+                                                         for i, s in enumerate(mix or [])]
     for key, sel in train_ranges + [("eval.select", cfg.eval.select)]:
         if sel is not None and (len(sel) != 2 or not 0 <= sel[0] < sel[1]):
             raise ConfigError(f"{key} must be [start, end) with 0 <= start < end, got {sel}")
-    for key, src in [("data", cfg.data)] if mix is None else [(f"{mix_key}[{i}]", s) for i, s in enumerate(mix)]:
-        if src.split != "train" and is_local_data(src.name):  # else silently ignored (a config_name is only unused)
-            raise ConfigError(f"{key}.split={src.split!r} picks a split of a hub dataset; {key}.name={src.name} has none: "
-                              f"drop {key}.split (or give the file of that split as {key}.name)")
-    eval_key, eval_name = ("eval.name", cfg.eval.name) if cfg.eval.name else ("data.name", cfg.data.name)
-    local = [s.name for s in mix if is_local_data(s.name)] if mix is not None and not cfg.eval.name else \
-        [eval_name] if is_local_data(eval_name) else []
-    if cfg.eval.split is not None and local:  # else silently ignored: the held-out rows would be training rows
-        where = f"{mix_key} source {local[0]}" if mix is not None and not cfg.eval.name else f"{eval_key}={local[0]}"
-        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; {where} has none: "
-                          "hold rows out with eval.select instead")
-    # another split of a hub dataset, or another file, holds other rows: only the same split's ranges can overlap
-    same_split = not cfg.eval.name and (cfg.eval.split is None or cfg.eval.split in
-                                        ([cfg.data.split] if mix is None else [s.split for s in mix]))
+    for key, src in ([("data", cfg.data)] if mix is None
+                     else [(f"{mix_key}[{i}]", s) for i, s in enumerate(mix)]):
+        # a split of a local file would be silently ignored (a config_name is only unused)
+        if src.split != "train" and is_local_data(src.name):
+            raise ConfigError(f"{key}.split={src.split!r} picks a split of a hub dataset; "
+                              f"{key}.name={src.name} has none: drop {key}.split "
+                              f"(or give the file of that split as {key}.name)")
+    eval_key, eval_name = (("eval.name", cfg.eval.name) if cfg.eval.name
+                           else ("data.name", cfg.data.name))
+    local = ([s.name for s in mix if is_local_data(s.name)] if mix is not None and not cfg.eval.name
+             else [eval_name] if is_local_data(eval_name) else [])
+    if cfg.eval.split is not None and local:  # else ignored: held-out rows would be training rows
+        where = (f"{mix_key} source {local[0]}" if mix is not None and not cfg.eval.name
+                 else f"{eval_key}={local[0]}")
+        raise ConfigError(f"eval.split={cfg.eval.split!r} picks a split of a hub dataset; "
+                          f"{where} has none: hold rows out with eval.select instead")
+    # another hub split or file holds other rows: only the same split's ranges can overlap
+    same_split = not cfg.eval.name and (cfg.eval.split is None or cfg.eval.split in (
+        [cfg.data.split] if mix is None else [s.split for s in mix]))
     for key, sel in train_ranges if same_split and cfg.eval.select else []:
         if sel and sel[0] < cfg.eval.select[1] and cfg.eval.select[0] < sel[1]:
-            raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: evaluation rows must be held out")
+            raise ConfigError(f"{key} {sel} and eval.select {cfg.eval.select} overlap: "
+                              "evaluation rows must be held out")
     for name in cfg.judges:
-        if not isinstance(name, str) or name == "judge" or not re.fullmatch(r"[A-Za-z0-9_-]+", name):
-            raise ConfigError(f"judges.{name}: a judge's name is letters, digits, _ and - (and not 'judge', the judge: section's)")
+        if (not isinstance(name, str) or name == "judge"
+                or not re.fullmatch(r"[A-Za-z0-9_-]+", name)):
+            raise ConfigError(f"judges.{name}: a judge's name is letters, digits, _ and - "
+                              "(and not 'judge', the judge: section's)")
     caches = [(k, j.cache_path) for k, j in judge_sections(cfg).items() if j.cache_path]
     for i, (k, path) in enumerate(caches):
-        if other := next((k2 for k2, p2 in caches[:i] if Path(p2).resolve() == Path(path).resolve()), None):
-            raise ConfigError(f"{k}.cache_path and {other}.cache_path are both {path}: give each judge its own cache file")
+        if other := next((k2 for k2, p2 in caches[:i]
+                          if Path(p2).resolve() == Path(path).resolve()), None):
+            raise ConfigError(f"{k}.cache_path and {other}.cache_path are both {path}: "
+                              "give each judge its own cache file")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"optim.betas must be two numbers, got {cfg.optim.betas}")
     if cfg.mode == "sft" and not cfg.data.target:
-        raise ConfigError("mode: sft learns data.target: set it to the column (or template) of the reply to learn")
+        raise ConfigError("mode: sft learns data.target: "
+                          "set it to the column (or template) of the reply to learn")
     if cfg.mode == "dpo" and cfg.data.target:
-        raise ConfigError("data.target is the reply SFT learns; mode: dpo reads data.chosen and data.rejected: "
-                          "set data.target: null")
+        raise ConfigError("data.target is the reply SFT learns; "
+                          "mode: dpo reads data.chosen and data.rejected: set data.target: null")
     if cfg.mode != "dpo" and (cfg.data.chosen or cfg.data.rejected):
-        raise ConfigError(f"data.chosen and data.rejected are DPO's pairs; mode: {cfg.mode} does not read them: set both to null")
+        raise ConfigError(f"data.chosen and data.rejected are DPO's pairs; mode: {cfg.mode} "
+                          "does not read them: set both to null")
     if cfg.mode == "dpo" and not (cfg.data.chosen and cfg.data.rejected):
-        raise ConfigError("mode: dpo learns data.chosen over data.rejected: set both to the columns (or templates) of "
-                          "the two replies, e.g. data.chosen: chosen, data.rejected: rejected (bestofn.py's pairs)")
+        raise ConfigError("mode: dpo learns data.chosen over data.rejected: "
+                          "set both to the columns (or templates) of the two replies, "
+                          "e.g. data.chosen: chosen, data.rejected: rejected (bestofn.py's pairs)")
     if cfg.mode == "grpo" and not cfg.rewards:
-        raise ConfigError("rewards: list at least one reward, e.g. rewards: [{name: answer_match, weight: 1.0}]")
+        raise ConfigError("rewards: list at least one reward, "
+                          "e.g. rewards: [{name: answer_match, weight: 1.0}]")
 
 
 def judge_sections(cfg: Config) -> dict[str, JudgeConfig]:
     """The configured judges by config key: "judge" (the judge: section) and "judges.NAME"."""
-    return {**({"judge": cfg.judge} if cfg.judge else {}), **{f"judges.{n}": j for n, j in cfg.judges.items()}}
+    return {**({"judge": cfg.judge} if cfg.judge else {}),
+            **{f"judges.{n}": j for n, j in cfg.judges.items()}}
 
 
 def judge_names(cfg: Config) -> list[str]:
-    """The names a reward's args.judge may take: "judge" (the judge: section, the default) and the judges: keys."""
+    """A reward's args.judge: "judge" (the judge: section, the default) or a judges: key."""
     return [k.removeprefix("judges.") for k in judge_sections(cfg)]
 
 
@@ -526,16 +628,20 @@ def data_label(d: DataConfig) -> str:
 
 def _check_mixture(d: DataConfig) -> None:
     if d.preset is not None and d.preset not in d.presets:
-        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets ({', '.join(d.presets) or 'none defined'})")
-    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):  # else data.name is read
-        raise ConfigError(f"data.presets is set: choose one with data.preset ({', '.join(d.presets)}), or give data.name")
+        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets "
+                          f"({', '.join(d.presets) or 'none defined'})")
+    # presets, none chosen, and no data.name of its own (else data.name is read)
+    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):
+        raise ConfigError("data.presets is set: choose one with data.preset "
+                          f"({', '.join(d.presets)}), or give data.name")
     if d.preset is not None and d.mixture is not None:
         raise ConfigError("set data.mixture or data.preset, not both")
     key, mix = active_mixture(d)
     if mix is None:
         return
     if d.name not in (None, "arithmetic"):
-        raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r} (or set it to null)")
+        raise ConfigError(f"{key} replaces data.name: remove data.name={d.name!r} "
+                          "(or set it to null)")
     ignored = {"data.split": d.split != "train", "data.config_name": d.config_name is not None,
                "data.revision": d.revision is not None, "data.num_examples": d.num_examples != 0}
     if bad := [k for k, set_ in ignored.items() if set_]:
@@ -547,7 +653,8 @@ def _check_mixture(d: DataConfig) -> None:
             raise ConfigError(f"{key}[{i}]: weight, weight_end and num_examples must be >= 0")
     for end in (False, True):
         if sum(s.weight_end if end and s.weight_end is not None else s.weight for s in mix) <= 0:
-            raise ConfigError(f"{key}: the weights sum to 0 at the {'last' if end else 'first'} step; give a source a positive weight")
+            raise ConfigError(f"{key}: the weights sum to 0 at the {'last' if end else 'first'} "
+                              "step; give a source a positive weight")
 
 
 def config_to_dict(cfg: Config) -> dict:
@@ -555,9 +662,10 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def _only_references(value: Any) -> bool:
-    """A header value whose secret lives in the environment: ${NAME} references and short words only.
+    """A header value whose secret is in the environment: ${NAME} references and short words only.
 
-    >>> _only_references("Bearer ${TOKEN}"), _only_references("Bearer sk-live-1234 ${X}"), _only_references("ml")
+    >>> (_only_references("Bearer ${TOKEN}"), _only_references("Bearer sk-live-1234 ${X}"),
+    ...  _only_references("ml"))
     (True, False, False)
     """
     text = str(value)
@@ -566,13 +674,15 @@ def _only_references(value: Any) -> bool:
 
 
 def redacted(d: Any) -> Any:
-    """The config as a dict, with extra_headers values (often an Authorization header) masked, except
-    those that hold only ${NAME} references (and words like Bearer): their secret is in the environment;
-    and a password written in a URL (http://user:pw@host) too."""
+    """The config as a dict, with extra_headers values (often an Authorization header) masked,
+    except those that hold only ${NAME} references (and words like Bearer): their secret is in the
+    environment; and a password written in a URL (http://user:pw@host) too."""
     if isinstance(d, dict):
-        return {k: ({h: x if _only_references(x) else "***" for h, x in v.items()} if k == "extra_headers" and isinstance(v, dict)
-                    else redacted(v)) for k, v in d.items()}
-    return [redacted(x) for x in d] if isinstance(d, list) else mask_urls(d) if isinstance(d, str) else d
+        return {k: ({h: x if _only_references(x) else "***" for h, x in v.items()}
+                    if k == "extra_headers" and isinstance(v, dict) else redacted(v))
+                for k, v in d.items()}
+    return ([redacted(x) for x in d] if isinstance(d, list)
+            else mask_urls(d) if isinstance(d, str) else d)
 
 
 def saved_dict(cfg: Config) -> dict:

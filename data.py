@@ -1,5 +1,5 @@
-"""Training prompts: a built-in task, local files, hub datasets or a weighted mixture of them, turned
-into rows (dicts) that carry a "prompt" plus every column the rewards read, drawn in a reproducible order.
+"""Training prompts: a built-in task, local files, hub datasets or a weighted mix of them, turned
+into rows (dicts) holding a "prompt" plus every column the rewards read, drawn reproducibly.
 
     sources = load_sources(cfg.data)           # list[Source]: label, rows, weights
     rows = load_rows(cfg.data)                 # all sources' rows, each with row["prompt"]
@@ -7,7 +7,8 @@ into rows (dicts) that carry a "prompt" plus every column the rewards read, draw
 
 `data.prompt` is a column name or a template over the columns ("Q: {question}\\nA) {opa}"; write
 literal braces as {{ }}). `data.map` rewrites each row first (a built-in map of maps.py, e.g.
-medmcqa_json adds the JSON reply to learn, or your own file.py:function). A row missing a needed field is an error naming the row and the field.
+medmcqa_json adds the JSON reply to learn, or your own file.py:function). A row missing a needed
+field is an error naming the row and the field.
 
 Splits: `data.split_seed` shuffles all rows exactly as `datasets.Dataset.shuffle(seed=...)` does
 (numpy's default_rng permutation), then `data.select: [start, end)` keeps a range, so
@@ -45,16 +46,18 @@ class DataError(ConfigError):
 
 
 def arithmetic_task(num_examples: int = 0, seed: int = 1234, max_operand: int = 20) -> list[dict]:
-    """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand; 400 of
-    them, all when num_examples is 0) in a seeded order, the sum as the gold answer. Distinct, so any two row ranges are disjoint as problems;
-    a + b and b + a are two problems (of the quickstart's 100 held out, 73 have their swap in training).
+    """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand; 400
+    of them, all when num_examples is 0) in a seeded order, the sum as the gold answer. Distinct, so
+    any two row ranges are disjoint as problems; a + b and b + a are two problems (of the
+    quickstart's 100 held out, 73 have their swap in training).
 
     >>> arithmetic_task(2, seed=0)[0]["prompt"]
     'What is 8 + 11? Reply with just the number.'
     """
     pairs = [(a, b) for a in range(1, max_operand + 1) for b in range(1, max_operand + 1)]
     if num_examples > len(pairs):
-        raise DataError(f"the arithmetic task has {len(pairs)} distinct problems; data.num_examples={num_examples} is too many")
+        raise DataError(f"the arithmetic task has {len(pairs)} distinct problems; "
+                        f"data.num_examples={num_examples} is too many")
     random.Random(seed).shuffle(pairs)
     return [{"prompt": f"What is {a} + {b}? Reply with just the number.", "answer": str(a + b)}
             for a, b in pairs[:num_examples or len(pairs)]]
@@ -72,8 +75,9 @@ def _read_file(path: Path, key: str = "data.name") -> list[dict]:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
     except DataError:
         raise
-    except Exception as e:  # pyarrow's ArrowInvalid for a file that is not Parquet, csv's Error, ...
-        raise DataError(f"{path}: cannot read it as {suffix[1:]} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
+    except Exception as e:  # pyarrow's ArrowInvalid for a non-Parquet file, csv's Error, ...
+        raise DataError(f"{path}: cannot read it as {suffix[1:]} ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]})") from None
 
 
 def _parse_file(path: Path, suffix: str, key: str) -> list[dict]:
@@ -83,18 +87,22 @@ def _parse_file(path: Path, suffix: str, key: str) -> list[dict]:
             try:
                 return json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); fix the file") from None
-        if suffix == ".json" and text.lstrip().startswith("{"):  # one object holding the rows: {"data": [...]}
+                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
+                                "fix the file") from None
+        # one object holding the rows: {"data": [...]}
+        if suffix == ".json" and text.lstrip().startswith("{"):
             try:
                 whole = json.loads(text)
             except json.JSONDecodeError:
                 whole = None  # JSON lines in a .json file
             if isinstance(whole, dict):  # a list of chat messages is a row's column, not the rows
-                lists = [k for k, v in whole.items() if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
+                lists = [k for k, v in whole.items()
+                         if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)
                          and not all({"role", "content"} <= set(x) for x in v)]
                 if len(lists) > 1:
-                    raise DataError(f"{path} holds one JSON object with several lists of rows ({', '.join(lists)}); "
-                                    "write the one to train on as a list of rows, or one row per line")
+                    raise DataError(f"{path} holds one JSON object with several lists of rows "
+                                    f"({', '.join(lists)}); write the one to train on as a list "
+                                    "of rows, or one row per line")
                 if lists:
                     return whole[lists[0]]
         rows = []
@@ -103,15 +111,18 @@ def _parse_file(path: Path, suffix: str, key: str) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); fix or remove that line") from None
+                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); "
+                                    "fix or remove that line") from None
         return rows
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8-sig") as f:  # -sig: Excel's byte-order mark is not part of a name
+        # -sig: Excel's byte-order mark is not part of a name
+        with path.open(newline="", encoding="utf-8-sig") as f:
             return list(csv.DictReader(f))
     if suffix == ".parquet":
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    raise DataError(f"{key}={path}: unsupported file type '{suffix}'; use .jsonl, .json, .csv or .parquet")
+    raise DataError(f"{key}={path}: unsupported file type '{suffix}'; "
+                    "use .jsonl, .json, .csv or .parquet")
 
 
 def local_path(cfg: DataConfig, name: str) -> Path:
@@ -121,29 +132,37 @@ def local_path(cfg: DataConfig, name: str) -> Path:
 
 
 def load_raw(cfg: DataConfig, key: str = "data.name"):
-    """Rows as they are stored, before prompts are built: a list of dicts, or a hub Dataset. key: the
-    setting that named cfg.name (eval.name, precompute.questions), for the errors."""
+    """Rows as they are stored, before prompts are built: a list of dicts, or a hub Dataset. key:
+    the setting that named cfg.name (eval.name, precompute.questions), for the errors."""
     if cfg.name is None:
-        raise DataError(f"{key} is null: give a local data file, a hub dataset id, a built-in task or a data.mixture")
+        raise DataError(f"{key} is null: give a local data file, a hub dataset id, a built-in task "
+                        "or a data.mixture")
     if cfg.name in BUILTIN_TASKS:
         return BUILTIN_TASKS[cfg.name](cfg.num_examples)
     path = local_path(cfg, cfg.name)
     if path.is_file():
         rows = _read_file(path, key)
-    elif not path.is_dir() and (cfg.name.startswith((".", "/", "~")) or path.suffix.lower() in DATA_SUFFIXES):
-        raise DataError(f"{key}={cfg.name}: no such file{f' ({path})' if cfg.root else ''}; give a local data file, a hub dataset id or a built-in task ({', '.join(BUILTIN_TASKS)})")
-    else:  # a hub id, or a dataset folder (a hub dataset downloaded with `hf download --repo-type dataset`)
+    elif not path.is_dir() and (cfg.name.startswith((".", "/", "~"))
+                                or path.suffix.lower() in DATA_SUFFIXES):
+        raise DataError(f"{key}={cfg.name}: no such file{f' ({path})' if cfg.root else ''}; give a "
+                        "local data file, a hub dataset id or a built-in task "
+                        f"({', '.join(BUILTIN_TASKS)})")
+    else:  # a hub id, or a dataset folder (downloaded with `hf download --repo-type dataset`)
         import datasets
         where = str(path) if path.is_dir() else cfg.name
-        try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA has 183k)
+        try:  # a Dataset, not a list: split() then converts only the rows it keeps (MedMCQA: 183k)
             with offline_if_unreachable():
-                rows = datasets.load_dataset(where, cfg.config_name, split=cfg.split, revision=cfg.revision)
-        except Exception as e:  # the hub raises many types; the user needs the first lines ("pick one among: ...")
+                rows = datasets.load_dataset(where, cfg.config_name, split=cfg.split,
+                                             revision=cfg.revision)
+        # the hub raises many types; the user needs the first lines ("pick one among: ...")
+        except Exception as e:
             why = " ".join(line.strip() for line in str(e).splitlines()[:2]) or type(e).__name__
             config = f"config {cfg.config_name}, " if cfg.config_name else ""
-            missing = isinstance(e, ConnectionError) and not path.is_dir()  # datasets' "Couldn't reach": not cached
-            raise DataError(f"could not load hub dataset {key}={cfg.name} ({config}split {cfg.split}): "
-                            f"{(hub_unreachable(cfg.name, 'dataset') if missing else '') or why}") from None
+            # datasets' "Couldn't reach": not cached
+            missing = isinstance(e, ConnectionError) and not path.is_dir()
+            raise DataError(
+                f"could not load hub dataset {key}={cfg.name} ({config}split {cfg.split}): "
+                f"{(hub_unreachable(cfg.name, 'dataset') if missing else '') or why}") from None
         if cfg.num_examples:
             rows = rows.select(range(min(cfg.num_examples, len(rows))))
         return rows
@@ -153,7 +172,8 @@ def load_raw(cfg: DataConfig, key: str = "data.name"):
 
 
 class _Listed(list):
-    """A list column in a template reads "Go, Postgres", not "['Go', 'Postgres']"; {col[0]} still indexes."""
+    """A list column in a template reads "Go, Postgres", not "['Go', 'Postgres']"; {col[0]} still
+    indexes."""
     def __format__(self, spec: str) -> str:
         return format(", ".join(map(str, self)), spec)
 
@@ -162,35 +182,42 @@ def build_prompt(row: dict, template: str, index: int) -> str:
     """A column's value, or the template filled from the row's columns."""
     if "{" not in template:
         if row.get(template) in (None, ""):
-            raise DataError(f"row {index} has no (or an empty) field '{template}'; its fields: {', '.join(row)}")
+            raise DataError(f"row {index} has no (or an empty) field '{template}'; "
+                            f"its fields: {', '.join(row)}")
         return row[template]
     try:
         fields = [field for _, field, _, _ in string.Formatter().parse(template) if field]
     except ValueError:  # malformed: format_map below says so
         fields = []
     if any("." in field.split("[")[0] for field in fields):
-        raise DataError(f"the template {template!r} reads an attribute ({{column.name}}); name columns only, "
-                        "as {column} (or {column[0]} for a list's first item)")
+        raise DataError(f"the template {template!r} reads an attribute ({{column.name}}); "
+                        "name columns only, as {column} (or {column[0]} for a list's first item)")
     empty = [f for f in row if row[f] in (None, "") and "{" + f + "}" in template]
     if empty:  # a null would be rendered as the text "None"
-        raise DataError(f"row {index} has an empty field '{empty[0]}' used in the template {template!r}")
+        raise DataError(f"row {index} has an empty field '{empty[0]}' used in the template "
+                        f"{template!r}")
     try:
-        return template.format_map({k: _Listed(v) if isinstance(v, list) else v for k, v in row.items()})
+        return template.format_map({k: _Listed(v) if isinstance(v, list) else v
+                                    for k, v in row.items()})
     except KeyError as e:
-        raise DataError(f"row {index} has no field {e} used in the data.prompt template; its fields: {', '.join(row)}") from None
+        raise DataError(f"row {index} has no field {e} used in the data.prompt template; "
+                        f"its fields: {', '.join(row)}") from None
     except (ValueError, IndexError, AttributeError) as e:
-        raise DataError(f"data.prompt template {template!r} is malformed ({e}); use {{column}} and write literal braces as {{{{ }}}}") from None
+        raise DataError(f"data.prompt template {template!r} is malformed ({e}); use {{column}} "
+                        "and write literal braces as {{ }}") from None
 
 
 def split(rows, seed: int | None, select: list[int] | None) -> list:
-    """Shuffle with `seed` as `datasets.Dataset.shuffle(seed=seed)` does (None: keep the order), then
-    keep rows [start, end). Disjoint ranges of the same seed give disjoint splits, reproducibly
+    """Shuffle with `seed` as `datasets.Dataset.shuffle(seed=seed)` does (None: keep the order),
+    then keep rows [start, end). Disjoint ranges of the same seed give disjoint splits, reproducibly
     (MedMCQA: 0-1000 SFT, 1000-1500 GRPO, 1500-1700 eval).
 
-    >>> split(list(range(10)), 42, [0, 3]) == split(list(range(10)), 42, [0, 3]), split(list(range(5)), None, [1, 3])
+    >>> (split(list(range(10)), 42, [0, 3]) == split(list(range(10)), 42, [0, 3]),
+    ...  split(list(range(5)), None, [1, 3]))
     (True, [1, 2])
     """
-    order = np.random.default_rng(seed).permutation(len(rows)).tolist() if seed is not None else range(len(rows))
+    order = (np.random.default_rng(seed).permutation(len(rows)).tolist() if seed is not None
+             else range(len(rows)))
     if select is not None:
         if not len(rows):
             raise DataError("the data holds no rows")
@@ -207,7 +234,8 @@ def resolve_map(name: str) -> Callable[[dict], dict]:
     if name in MAPS:
         return MAPS[name]
     if ":" not in name:
-        raise DataError(f"data.map={name!r} is not a built-in map ({', '.join(MAPS)}) nor 'file.py:function' / 'module:function'")
+        raise DataError(f"data.map={name!r} is not a built-in map ({', '.join(MAPS)}) nor "
+                        "'file.py:function' / 'module:function'")
     try:
         return import_function(name, what="data.map")
     except ValueError as e:
@@ -223,8 +251,8 @@ class Source:
     rows: list[dict]  # checked rows, each with "prompt"
     weight: float  # relative draw weight at the first step
     weight_end: float  # ... and at the last step
-    positions: list[int]  # each row's place among the selected rows before data.map (a filtering map leaves gaps),
-    #   for eval's predictions: one per row
+    positions: list[int]  # each row's place among the selected rows before data.map (a
+    #   filtering map leaves gaps), for eval's predictions: one per row
 
 
 def _label(name: str) -> str:
@@ -236,24 +264,27 @@ def load_sources(cfg: DataConfig, select: list[int] | None = None, hub_split: st
                  key: str = "data.name") -> list[Source]:
     """Every source loaded, split, mapped and checked up front, so a bad row stops the run before
     anything is written. eval.py's held-out rows: `select` replaces data.select and each source's
-    own select, `hub_split` replaces data.split and each source's split (eval.select, eval.split)."""
+    own select, `hub_split` data.split and each source's split (eval.select, eval.split)."""
     mix_key, mix = active_mixture(cfg)
     if mix is None:
         rows, pos = _prepare(dataclasses.replace(cfg, split=hub_split or cfg.split), select, key)
         return [Source(_label(cfg.name), rows, 1.0, 1.0, pos)]
     out, seen = [], {}
     for n, src in enumerate(mix):
-        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name, revision=src.revision, split=hub_split or src.split,
+        sub = dataclasses.replace(cfg, name=src.name, config_name=src.config_name,
+                                  revision=src.revision, split=hub_split or src.split,
                                   prompt=src.prompt or cfg.prompt, map=src.map or cfg.map,
                                   select=src.select or cfg.select, num_examples=src.num_examples)
         label = src.label or _label(src.name)
         seen[label] = seen.get(label, 0) + 1
         label = label if seen[label] == 1 else f"{label}#{seen[label]}"
         try:
-            rows, pos = _prepare(sub, select, f"{mix_key}[{n}].name", f"{mix_key}[{n}].map" if src.map else "data.map")
+            rows, pos = _prepare(sub, select, f"{mix_key}[{n}].name",
+                                 f"{mix_key}[{n}].map" if src.map else "data.map")
         except DataError as e:
             raise DataError(f"data source {label!r}: {e}") from None
-        out.append(Source(label, rows, src.weight, src.weight if src.weight_end is None else src.weight_end, pos))
+        out.append(Source(label, rows, src.weight,
+                          src.weight if src.weight_end is None else src.weight_end, pos))
     return out
 
 
@@ -265,8 +296,10 @@ def check_not_data_file(cfg: DataConfig, path: str | None, key: str) -> None:
         return
     target = Path(path).expanduser().resolve()
     sources = [s for mix in [cfg.mixture or [], *cfg.presets.values()] for s in mix or []]
-    if any(local_path(cfg, n).resolve() == target for n in [s.name for s in sources] + [cfg.name] if n):
-        raise DataError(f"{key}={path} is a data file; the run appends to it, so give it a file of its own")
+    if any(local_path(cfg, n).resolve() == target
+           for n in [s.name for s in sources] + [cfg.name] if n):
+        raise DataError(f"{key}={path} is a data file; the run appends to it, "
+                        "so give it a file of its own")
 
 
 def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
@@ -274,7 +307,8 @@ def load_rows(cfg: DataConfig, select: list[int] | None = None) -> list[dict]:
     return [row for s in load_sources(cfg, select) for row in s.rows]
 
 
-def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") -> list[tuple[int, dict]]:
+def mapped_rows(rows, name: str, map_name: str | None,
+                key: str = "data.map") -> list[tuple[int, dict]]:
     """Each row (of the data `name`) as a dict rewritten by the row map `map_name` (built-in or
     file.py:fn, the config key `key`), with its position in `rows` -> [(i, row)]; a map that returns
     None leaves the row out (a filter: rows too long, or without gold), and says how many it left
@@ -292,82 +326,108 @@ def mapped_rows(rows, name: str, map_name: str | None, key: str = "data.map") ->
             try:
                 row = fn(dict(row))
             except Exception as e:
-                raise DataError(f"{key}={map_name} failed on row {i}: {type(e).__name__}: {e}") from None
+                raise DataError(f"{key}={map_name} failed on row {i}: "
+                                f"{type(e).__name__}: {e}") from None
             if row is None:
                 continue
             if not isinstance(row, dict):
-                raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; it must return a dict (or None)")
+                raise DataError(f"{key}={map_name} returned {type(row).__name__} for row {i}; "
+                                "it must return a dict (or None)")
         out.append((i, row))
     if not out:
         raise DataError(f"{key}={map_name} left out every one of the {len(rows)} rows of {name}")
     if len(out) < len(rows):
-        print(f"[minigrpo] {key}={map_name} left out {len(rows) - len(out)} of the {len(rows)} rows of {name}", file=sys.stderr)
+        print(f"[minigrpo] {key}={map_name} left out {len(rows) - len(out)} of the {len(rows)} "
+              f"rows of {name}", file=sys.stderr)
     return out
 
 
 def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
              map_key: str = "data.map") -> tuple[list[dict], list[int]]:
-    """The checked rows of one source (named by the config keys `key` and `map_key`), with each one's
-    place before the map -> (rows, places)."""
+    """The checked rows of one source (named by the config keys `key` and `map_key`), with each
+    one's place before the map -> (rows, places)."""
     rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
     out, places = [], []
-    for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map, map_key):  # i: the row's place before a filtering map
+    # i: the row's place before a filtering map
+    for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map, map_key):
         prompt = build_prompt(row, cfg.prompt, i)
         extra = {}
-        for reply in ("target", "chosen", "rejected"):  # SFT's reply; DPO's two replies, after the same prompt
+        # SFT's reply; DPO's two replies, after the same prompt
+        for reply in ("target", "chosen", "rejected"):
             if column := getattr(cfg, reply):
-                empty = reply != "target" and "{" not in column and row.get(column) == ""  # an empty DPO reply (EOS alone)
-                prompt, extra[reply] = split_reply(prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
-                if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):  # the prefix counts as prompt
-                    raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix {cfg.assistant_prefix!r}, which "
-                                    "the prompt already ends with (trained on, it would be doubled); set "
-                                    "data.assistant_prefix: '' for replies that carry it (bestofn.py's pairs do)")
+                # an empty DPO reply (EOS alone)
+                empty = reply != "target" and "{" not in column and row.get(column) == ""
+                prompt, extra[reply] = split_reply(
+                    prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
+                # the prefix counts as prompt
+                if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):
+                    raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
+                                    f"{cfg.assistant_prefix!r}, which the prompt already ends with "
+                                    "(trained on, it would be doubled); set data.assistant_prefix: "
+                                    "'' for replies that carry it (bestofn.py's pairs do)")
         no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
-        conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts ({type: text, text})
-            isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
-                isinstance(m.get("content"), list) and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
+        conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts
+            isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})
+                isinstance(m.get("content"), str) or (isinstance(m.get("content"), list)
+                and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
         if not (isinstance(prompt, str) or conversation) or not prompt:
-            raise DataError(f"row {i}: the prompt is {type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
+            raise DataError(f"row {i}: the prompt is "
+                            f"{type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
                             "conversation (a list of {role, content} messages)" + (
-                                f"; to write it as text, make data.prompt a template: \"{{{cfg.prompt}}}\"" if prompt else ""))
-        if conversation and not extra and prompt[-1]["role"] == "assistant":  # the reply, whose answer a prompt must not hold
-            fix = (f"set data.target: {cfg.prompt} to split it off (the messages before it are the prompt)"
-                   if active_mixture(cfg)[1] is None else  # a mixture: data.target would split every source
-                   "give this source map: split_messages and prompt: prompt (the reply goes to a column 'completion')"
-                   if cfg.prompt == "messages" else "give this source a map (data.map) that drops the reply")
-            if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):  # split_messages makes it
+                                "; to write it as text, make data.prompt a template: "
+                                f"\"{{{cfg.prompt}}}\"" if prompt else ""))
+        # the reply, whose answer a prompt must not hold
+        if conversation and not extra and prompt[-1]["role"] == "assistant":
+            fix = (f"set data.target: {cfg.prompt} to split it off "
+                   "(the messages before it are the prompt)"
+                   if active_mixture(cfg)[1] is None else  # data.target would split every source
+                   "give this source map: split_messages and prompt: prompt (the reply goes to a "
+                   "column 'completion')"
+                   if cfg.prompt == "messages" else
+                   "give this source a map (data.map) that drops the reply")
+            # split_messages makes it
+            if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):
                 fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
-            raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, so the answer would be in "
-                            f"the prompt; {fix}")
+            raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, "
+                            f"so the answer would be in the prompt; {fix}")
         if no_gold:
-            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' (data.answer_key; null when the rewards "
-                            f"need no gold answer); its fields: {', '.join(row)}")
+            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' "
+                            "(data.answer_key; null when the rewards need no gold answer); "
+                            f"its fields: {', '.join(row)}")
         out.append({**row, "prompt": prompt, **extra})
         places.append(i)
     return out, places
 
 
 def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") -> tuple:
-    """(prompt, reply text) of an SFT row (or a DPO reply: key chosen, rejected). A reply holding chat
-    messages (TRL's conversational formats: `messages`, or a `completion` list) is its last message,
-    which must be the assistant's; when data.prompt names the same column, the messages before it are
-    the prompt. Messages before the reply in another column are the prompt repeated (TRL's implicit
-    prompt), or for SFT a multi-turn completion's earlier turns (a tool call and its result), which
-    follow the prompt as context; anything else is refused, never dropped."""
+    """(prompt, reply text) of an SFT row (or a DPO reply: key chosen, rejected). A reply holding
+    chat messages (TRL's conversational formats: `messages`, or a `completion` list) is its last
+    message, which must be the assistant's; when data.prompt names the same column, the messages
+    before it are the prompt. Messages before the reply in another column are the prompt repeated
+    (TRL's implicit prompt), or for SFT a multi-turn completion's earlier turns (a tool call and its
+    result), which follow the prompt as context; anything else is refused, never dropped."""
     if not isinstance(target, (list, dict)):
         return prompt, str(target)  # text, or a number column (an answer of 5 is the reply "5")
     last = target[-1] if isinstance(target, list) and target else None
     column = getattr(cfg, key)
-    if not (isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str)):
-        raise DataError(f"row {i}: data.{key}={column} holds {'a list' if isinstance(target, list) else 'an object'}, "
-                        "not text or chat messages ending with the assistant's reply ({role: assistant, content: ...})")
+    if not (isinstance(last, dict) and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)):
+        raise DataError(f"row {i}: data.{key}={column} holds "
+                        f"{'a list' if isinstance(target, list) else 'an object'}, not text or "
+                        "chat messages ending with the assistant's reply "
+                        "({role: assistant, content: ...})")
     before = target[:-1]  # the messages ahead of the reply
     turn = lambda m: m.get("role") if isinstance(m, dict) else None  # noqa: E731
-    repeated = before == prompt or (isinstance(prompt, str) and len(before) == 1 and turn(before[0]) == "user"
-                                    and before[0].get("content") == prompt)  # ultrafeedback_binarized: text prompt, chat replies
-    if cfg.prompt == column or not before or repeated:  # the prompt itself, none, or the prompt repeated (TRL's implicit prompt)
+    repeated = before == prompt or (  # ultrafeedback_binarized: text prompt, chat replies
+        isinstance(prompt, str) and len(before) == 1 and turn(before[0]) == "user"
+        and before[0].get("content") == prompt)
+    # the prompt itself, none, or the prompt repeated (TRL's implicit prompt)
+    if cfg.prompt == column or not before or repeated:
         return (before if cfg.prompt == column else prompt), last["content"]
-    if key == "target" and isinstance(prompt, list) and prompt and turn(before[0]) not in (None, "user") and turn(prompt[-1]) == "user":
-        return prompt + before, last["content"]  # a multi-message completion: its earlier turns are context, not dropped
-    raise DataError(f"row {i}: data.{key}={column} holds messages before its reply that are not the prompt's "
-                    f"({cfg.prompt}); give the reply as one assistant message, or the same prompt in every reply column")
+    if (key == "target" and isinstance(prompt, list) and prompt
+            and turn(before[0]) not in (None, "user") and turn(prompt[-1]) == "user"):
+        # a multi-message completion: its earlier turns are context, not dropped
+        return prompt + before, last["content"]
+    raise DataError(f"row {i}: data.{key}={column} holds messages before its reply that are not "
+                    f"the prompt's ({cfg.prompt}); give the reply as one assistant message, or "
+                    "the same prompt in every reply column")

@@ -12,9 +12,9 @@ Departures from the paper (arXiv 2402.03300), all switchable in the config:
 - the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
 - no KL term unless `beta > 0` (TRL's default; when on, it is the paper's k3 estimator);
 - the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`);
-- the policy-gradient term can be limited to the step's high-entropy tokens (`top_entropy_quantile`);
-- negative-advantage ratios can be capped too (INTELLECT-2's two-sided clip, `delta`), or the clipped
-  objective swapped for CISPO's clipped, detached importance weight (`policy_loss: cispo`).
+- the policy-gradient term can be limited to high-entropy tokens (`top_entropy_quantile`);
+- negative-advantage ratios can be capped too (INTELLECT-2's two-sided clip, `delta`), or the
+  clipped objective swapped for CISPO's clipped, detached importance weight (`policy_loss: cispo`).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def group_stats(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tenso
 
 
 def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tensor:
-    """(B,) bool: groups whose rewards are all equal (up to `tol`, as judge scores are noisy floats);
+    """(B,) bool: groups whose rewards are all equal (up to `tol`: judge scores are noisy floats);
     NaN rewards (skipped) are left out, and a group with none left counts as equal."""
     r = rewards.view(-1, group_size)  # (B, G)
     valid = ~torch.isnan(r)
@@ -80,10 +80,10 @@ def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor,
     Masking by `token != pad` is wrong when pad == eos: it drops the real EOS, so the model
     never learns to stop. Returns (mask (N, C) float, truncated (N,) bool: no EOS at all).
     """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # (N, C)
+    is_eos = torch.isin(completion_ids, completion_ids.new_tensor(eos_ids))  # (N, C)
     has_eos = is_eos.any(dim=1)  # (N,)
     C = completion_ids.shape[1]
-    first = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, C, dtype=torch.long))  # (N,)
+    first = torch.where(has_eos, is_eos.int().argmax(dim=1), C)  # (N,)
     positions = torch.arange(C, device=completion_ids.device)[None, :]  # (1, C)
     return (positions <= first[:, None]).float(), ~has_eos
 
@@ -125,17 +125,18 @@ class LossSettings:
     def of(cls, g) -> LossSettings:
         """From the config's grpo section (config.GrpoConfig)."""
         return cls(g.epsilon, g.epsilon_high, g.beta, g.delta,
-                   g.cispo_cap if g.policy_loss == "cispo" else None, g.importance_sampling_level == "sequence")
+                   g.cispo_cap if g.policy_loss == "cispo" else None,
+                   g.importance_sampling_level == "sequence")
 
 
-def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
-                   s: LossSettings, is_weight: Tensor | None = None,
+def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
+                   mask: Tensor, s: LossSettings, is_weight: Tensor | None = None,
                    keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """l_t = -k_t w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta KL_t,
     rho_t = exp(logp_t - old_logp_t), KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3, >= 0).
 
     Variants (docs/loss.md says when each helps):
-      delta > 0        rho_t A -> min(rho_t, delta) A                    (INTELLECT-2 two-sided clip)
+      delta > 0        rho_t A -> min(rho_t, delta) A                   (INTELLECT-2 two-sided clip)
       cispo_cap        l_t = -k_t w_t sg(min(rho_t, cap)) A logp_t + beta KL_t            (CISPO)
       sequence         rho_i = exp(mean over completion i's mask of log rho_t), every token (GSPO)
     w_t: the detached importance weight of another sampler (vllm_engine.sampler_weight), else 1;
@@ -147,14 +148,14 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
     log_rho = logp - old_logp  # (N, C)
     if s.sequence:  # a NaN at a masked position stays out of the mean
         kept = torch.where(mask.bool(), log_rho, 0.0)
-        log_rho = (kept.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+        log_rho = (kept.sum(1) / mask.sum(1).clamp(min=1))[:, None].expand_as(logp)
     rho = torch.exp(log_rho)  # (N, C)
     a = adv[:, None]  # (N, 1)
     if s.cispo_cap is not None:
         loss = -torch.clamp(rho, max=s.cispo_cap).detach() * a * logp  # (N, C)
     else:
         unclipped = torch.clamp(rho, max=s.delta) if s.delta > 0 else rho  # (N, C)
-        loss = -torch.minimum(unclipped * a, torch.clamp(rho, 1 - s.epsilon, 1 + s.epsilon_high) * a)
+        loss = -torch.minimum(unclipped * a, rho.clamp(1 - s.epsilon, 1 + s.epsilon_high) * a)
     if is_weight is not None:
         loss = loss * is_weight.detach()
     if keep is not None:
@@ -169,21 +170,21 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
 
 @dataclass
 class LossNorm:
-    """What the loss is divided by; the counts are for the whole optimizer step, not the micro-batch."""
+    """What the loss is divided by; counts are for the whole optimizer step, not the micro-batch."""
     loss_type: str  # grpo | bnpo | dr_grpo | dapo
-    num_sequences: int  # completions in the optimizer step that have a reward (skipped ones left out)
+    num_sequences: int  # completions in the optimizer step with a reward (skipped ones left out)
     num_tokens: int  # unmasked completion tokens in the optimizer step
     max_completion_length: int  # rollout.max_new_tokens
     num_micro_batches: int  # micro-batches accumulated into the step that hold a scored completion
 
 
 def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
-    """Reduce a micro-batch's (n, C) per-token loss so that summing micro-batches gives the step loss.
+    """Reduce a micro-batch's (n, C) per-token loss so summing micro-batches gives the step loss.
 
-    grpo:    (1/N) sum_i (sum_t m_it l_it / sum_t m_it)       mean per sequence, then over sequences
-    bnpo:    (1/M) sum m l / sum m (this micro-batch)          token mean per micro-batch (M of them)
-    dr_grpo: sum m l / (N * max_completion_length)             constant normaliser, no length bias
-    dapo:    sum m l / (sum of m over the whole step)          global token mean
+    grpo:    (1/N) sum_i (sum_t m_it l_it / sum_t m_it)      mean per sequence, then over sequences
+    bnpo:    (1/M) sum m l / sum m (this micro-batch)         token mean per micro-batch (M of them)
+    dr_grpo: sum m l / (N * max_completion_length)            constant normaliser, no length bias
+    dapo:    sum m l / (sum of m over the whole step)         global token mean
     N = sequences in the step. Only bnpo depends on how the step is split into micro-batches.
     """
     masked = torch.where(mask.bool(), loss_tok, torch.zeros_like(loss_tok))  # (n, C)
@@ -198,8 +199,9 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     raise ValueError(f"unknown loss_type {norm.loss_type!r}")
 
 
-def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
-              norm: LossNorm, s: LossSettings = LossSettings(), is_weight: Tensor | None = None,
+def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, adv: Tensor,
+              mask: Tensor, norm: LossNorm, s: LossSettings = LossSettings(),
+              is_weight: Tensor | None = None,
               keep: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """The micro-batch's share of the step loss, and token sums for the step's metrics.
 
@@ -210,17 +212,17 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     rho > delta with A < 0 (delta); under CISPO rho > cap counts as high. Divide by `tokens`.
     logp, old_logp, ref_logp, mask, keep: (n, C); adv: (n,).
     """
-    m = mask.bool()  # (n, C)
-    old_logp = logp.detach() if old_logp is None else torch.where(m, old_logp, logp.detach())  # (n, C)
+    m, d = mask.bool(), logp.detach()  # (n, C)
+    old_logp = d if old_logp is None else torch.where(m, old_logp, d)  # (n, C)
     if ref_logp is not None:
-        ref_logp = torch.where(m, ref_logp, logp.detach())  # (n, C)
-    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, mask, s, is_weight, keep)  # (n, C) x3
-    a = adv[:, None].expand_as(rho)  # (n, C)
+        ref_logp = torch.where(m, ref_logp, d)  # (n, C)
+    loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, mask, s, is_weight, keep)
+    a = adv[:, None].expand_as(rho)  # (n, C), as loss_tok, rho and kl
     with torch.no_grad():
-        high = rho > s.cispo_cap if s.cispo_cap is not None else (rho > 1 + s.epsilon_high) & (a > 0)
+        high = (rho > 1 + s.epsilon_high) & (a > 0) if s.cispo_cap is None else rho > s.cispo_cap
         low = (rho < 1 - s.epsilon) & (a < 0) & (s.cispo_cap is None)
         past_delta = (rho > s.delta) & (a < 0) & (s.delta > 0 and s.cispo_cap is None)
-        stats = {"tokens": float(m.sum()), "kl_sum": float(kl[m].sum()), "ratio_sum": float(rho[m].sum()),
+        stats = {"tokens": float(m.sum()), "ratio_sum": float(rho[m].sum()),
                  "clip_low_sum": float(low[m].sum()), "clip_high_sum": float(high[m].sum()),
-                 "clip_delta_sum": float(past_delta[m].sum())}
+                 "clip_delta_sum": float(past_delta[m].sum()), "kl_sum": float(kl[m].sum())}
     return aggregate(loss_tok, mask, norm), stats

@@ -1,14 +1,14 @@
-"""LLM judges as GRPO rewards: prompt templates, reply parsing, the judge rewards, several judges in a run.
+"""LLM judges as GRPO rewards: templates, reply parsing, the judge rewards, several judges in a run.
 
     from judge import judge_reward, rubric_alignment, open_judges
-    judges = open_judges(cfg.judge, cfg.judges)  # {"judge": ..., "second": ...}: the judge: and judges: sections
-    rewards = judge_reward(completions, samples, judge=judges["judge"])  # list[float]; NaN = the judge failed
+    judges = open_judges(cfg.judge, cfg.judges)  # by name: {"judge": ..., "second": ...}
+    rewards = judge_reward(completions, samples, judge=judges["judge"])  # list[float]; NaN: failed
 
 A judge is a client.Judge (cache, retries, rate limit, cost). A reply is parsed for a score in
-[score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning model's thinking, up
-to its last </think>, is ignored); one without a usable score is a failure, which the reward's fallback covers.
-Configuration errors (unknown template, missing sample field) raise, and are checked before a run
-(check_args, row_fields: scoring.check_specs and check_rows).
+[score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning
+model's thinking, up to its last </think>, is ignored); one without a usable score is a failure,
+which the reward's fallback covers. Configuration errors (unknown template, missing sample field)
+raise, and are checked before a run (check_args, row_fields: scoring.check_specs and check_rows).
 """
 
 from __future__ import annotations
@@ -33,20 +33,23 @@ class JudgeScore:
     criteria: dict[str, float]  # per-criterion scores ({} when the reply gave only a score)
 
 
-# --- parsing ---------------------------------------------------------------------------------------
-_THINK = re.compile(r"<think>.*?(</think>|$)", re.S)  # reasoning judges: numbers in there are not the verdict
+# --- parsing --------------------------------------------------------------------------------------
+_THINK = re.compile(r"<think>.*?(</think>|$)", re.S)  # thinking: numbers in it are not the verdict
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.S | re.I)
-# "Score: 7", "**Score**: 7.5", "Score (0-10): 7"; not the range in "a score of 1-10". The last labelled one
-# ("Score: 7", "final score = 7") counts, else the first ("a score of 7"): "... a score of 9 would need ..." is not it
-_SCORE_TEXT = re.compile(r"score(?:\s*\([^)]*\))?\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)(?!\d|\.\d|[ \t]*(?:[-–]|to)[ \t]*\d)", re.I)
+# "Score: 7", "**Score**: 7.5", "Score (0-10): 7"; not the range in "a score of 1-10".
+# The last labelled one ("Score: 7", "final score = 7") counts, else the first ("a score of 7"):
+# "... a score of 9 would need ..." is not it
+_SCORE_TEXT = re.compile(r"score(?:\s*\([^)]*\))?\W{0,5}?(?:(?:is|of)\s*)?(-?\d+(?:\.\d+)?)"
+                         r"(?!\d|\.\d|[ \t]*(?:[-–]|to)[ \t]*\d)", re.I)
 _FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*\d+")  # "7/10" (the numerator as is)
-_OUT_OF = re.compile(r"(-?\d+(?:\.\d+)?)\s*out of\s*\d+")  # "7 out of 10", only without a "7/10" ("3 out of 5 claims ... 8/10")
+_OUT_OF = re.compile(r"(-?\d+(?:\.\d+)?)\s*out of\s*\d+")  # "7 out of 10", only without a "7/10"
+#   ("3 out of 5 claims ... 8/10")
 _LONE_NUMBER = re.compile(r"[\s*]*(-?\d+(?:\.\d+)?)[\s*]*\.?\s*")  # "8", "**8**"
 _NUMBER_TEXT = re.compile(r"\s*-?\d+(?:\.\d+)?\s*")
 
 
 def _number(v) -> float | None:
-    """A JSON value as a score: a number, or a string holding one ({"score": "8"}); never a boolean."""
+    """A JSON value as a score: a number, or one in a string ({"score": "8"}); never a boolean."""
     if isinstance(v, str) and _NUMBER_TEXT.fullmatch(v):
         v = float(v)
     ok = isinstance(v, (int, float)) and not isinstance(v, bool)  # JSON true would be 1 otherwise
@@ -69,7 +72,7 @@ def _first_json_object(text: str) -> dict | None:
 
 
 def _verdict_text(text: str) -> str:
-    """A judge reply without its thinking: everything up to the last </think>, or an unclosed <think> block."""
+    """A judge reply minus its thinking (up to the last </think>, or an unclosed <think> block)."""
     return _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
 
 
@@ -77,14 +80,14 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
                 criteria: list[str] | None = None) -> JudgeScore | None:
     """A JudgeScore from a judge reply, or None if there is no valid in-range score.
 
-    A reasoning model's thinking is dropped first: everything up to its last </think> (templates that
+    A reasoning model's thinking is dropped first: all up to its last </think> (templates that
     open <think> themselves send only the close), or an unclosed <think> block to the end.
-    JSON next (a ```json block, the whole reply, or the first {...} in it): the "score" key, else the
+    JSON next (a ```json block, the whole reply, or its first {...}): the "score" key, else the
     criteria (all named ones must be numbers; without names, every numeric value of a reply that
-    starts or ends with the object, or fences it: an object quoted mid-prose is not a verdict), score = their mean.
+    starts or ends with the object, or fences it, not one quoted mid-prose), score = their mean.
     Without a JSON verdict: the last labelled "Score: 7" (else the first "score of 7"), else "7/10",
     else "7 out of 10", else a lone number.
-    Every value must lie in [score_min, score_max]; booleans, NaN and words are not numbers ("8" is).
+    Every value must be in [score_min, score_max]; booleans, NaN and words are not numbers ("8" is).
 
     >>> parse_score('{"relevance": 6, "clarity": 8}')
     JudgeScore(score=7.0, criteria={'relevance': 6.0, 'clarity': 8.0})
@@ -98,7 +101,8 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     text = _verdict_text(text)
     obj = _first_json_object(text)
     alone = text.startswith("{") or text.endswith("}") or _FENCE.search(text) is not None
-    if obj is not None and not criteria and "score" not in {str(k).lower() for k in obj} and not alone:
+    if (obj is not None and not criteria and "score" not in {str(k).lower() for k in obj}
+            and not alone):
         obj = None  # {"a": 1, "b": 3} quoted in the judge's prose
     if obj is not None:  # a JSON verdict is final: never fall back to grabbing a number out of it
         fields = {str(k).lower(): v for k, v in obj.items()}
@@ -116,15 +120,16 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     else:
         ms = [*_SCORE_TEXT.finditer(text)]
         labelled = [x for x in ms if re.search(r"[:=]", x.group(0))]
-        m = (labelled or ms[:1] or [None])[-1] or _FRACTION.search(text) or _OUT_OF.search(text) or _LONE_NUMBER.fullmatch(text)
+        m = ((labelled or ms[:1] or [None])[-1] or _FRACTION.search(text) or _OUT_OF.search(text)
+             or _LONE_NUMBER.fullmatch(text))
         score, per = (float(m.group(1)) if m else None), {}
     if score is None or not all(score_min <= v <= score_max for v in [score, *per.values()]):
         return None
     return JudgeScore(score, per)
 
 
-# --- templates -------------------------------------------------------------------------------------
-# {name} is filled from the sample, plus {completion}, {score_min}, {score_max} (and {rubric}, {answer},
+# --- templates ------------------------------------------------------------------------------------
+# {name} comes from the sample, plus {completion}, {score_min}, {score_max} (and {rubric}, {answer},
 # {question} in rubric_alignment). Any other brace, e.g. the JSON shapes below, is left alone.
 POINTWISE_CRITERIA = """You are an expert technical interviewer judging a screening question written for the role below.
 
@@ -139,7 +144,7 @@ Score the question from {score_min} to {score_max} on each criterion:
 - clarity: is it unambiguous and well-formed?
 - discriminative_power: would it separate strong candidates from weak ones?
 
-Reply with only a JSON object: {"relevance": <number>, "clarity": <number>, "discriminative_power": <number>}"""
+Reply with only a JSON object: {"relevance": <number>, "clarity": <number>, "discriminative_power": <number>}"""  # noqa: E501
 
 RUBRIC_SCORING = """You are grading an answer strictly by the rubric below.
 
@@ -182,12 +187,12 @@ Criterion ({points} points):
 
 Does the answer meet the criterion? A criterion with negative points names something an answer should
 not do: it is met when the answer does it.
-Reply with only a JSON object: {"met": <number>}, the number 1 if the criterion is met, 0 if not."""
+Reply with only a JSON object: {"met": <number>}, the number 1 if the criterion is met, 0 if not."""  # noqa: E501
 
 TEMPLATES = {"pointwise_criteria": POINTWISE_CRITERIA, "rubric_scoring": RUBRIC_SCORING,
              "logic_novelty": LOGIC_NOVELTY, "criterion_met": CRITERION_MET}
 TEMPLATE_CRITERIA = {"pointwise_criteria": ["relevance", "clarity", "discriminative_power"],
-                     "logic_novelty": ["logic", "novelty"]}  # required JSON keys per built-in template
+                     "logic_novelty": ["logic", "novelty"]}  # the JSON keys each template requires
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
 
 
@@ -200,7 +205,8 @@ def load_template(spec: str) -> str:
             return f.read()
     if _PLACEHOLDER.search(spec):
         return spec
-    raise ValueError(f"template {spec!r} is not one of {sorted(TEMPLATES)}, a file, or text with a {{placeholder}}")
+    raise ValueError(f"template {spec!r} is not one of {sorted(TEMPLATES)}, a file, "
+                     f"or text with a {{placeholder}}")
 
 
 def as_text(value) -> str:
@@ -210,7 +216,7 @@ def as_text(value) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return "\n\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)  # a chat prompt
+        return "\n\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)  # chat prompt
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -227,24 +233,27 @@ def render(template: str, fields: dict) -> str:
 
 
 def _chat(text: str, system: str | None = None) -> list[dict]:
-    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return (([{"role": "system", "content": system}] if system else [])
+            + [{"role": "user", "content": text}])
 
 
-# --- several judges in one run ---------------------------------------------------------------------
-DEFAULT = "judge"  # the judge: section's name among a run's judges; the judges: section names the others
+# --- several judges in one run --------------------------------------------------------------------
+DEFAULT = "judge"  # the judge: section's name among a run's judges; judges: keys name the others
 
 
 def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> dict[str, Judge]:
-    """A run's judges by name: the judge: section as "judge", then the judges: section's. A judge-based
-    reward calls "judge", or the one its args name (`args: {judge: second}`). ValueError names the judge."""
+    """A run's judges by name: the judge: section as "judge", then the judges: section's. A judge
+    reward calls "judge", or the one its args name ({judge: second}). ValueError names the judge."""
     judges: dict[str, Judge] = {}
     for name, cfg in [*([(DEFAULT, default)] if default else []), *named.items()]:
         key = "judge" if name == DEFAULT else f"judges.{name}"
         judges[name] = Judge(cfg, label=key)  # a ValueError names the section itself
         if judges[name].key_missing:
-            where = mask_urls(judges[name].cfg.azure_endpoint or judges[name].cfg.base_url)  # ${NAME}s filled in
+            where = mask_urls(judges[name].cfg.azure_endpoint
+                              or judges[name].cfg.base_url)  # ${NAME}s filled in
             print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "
-                  "is not on this machine: its calls will be refused (export the key, or set api_key_env)", file=sys.stderr)
+                  "is not on this machine: its calls will be refused "
+                  "(export the key, or set api_key_env)", file=sys.stderr)
     return judges
 
 
@@ -252,13 +261,14 @@ def judges_stats(judges: dict[str, Judge]) -> dict[str, float]:
     """Every judge's counters since the last call: judge_<stat> for the judge: section (as always),
     judges/<name>/<stat> for a named one; each with its run total (<stat>_total)."""
     return {k: v for name, j in judges.items()
-            for k, v in j.pop_step_stats("judge_" if name == DEFAULT else f"judges/{name}/").items()}
+        for k, v in j.pop_step_stats("judge_" if name == DEFAULT else f"judges/{name}/").items()}
 
 
-# --- rewards ---------------------------------------------------------------------------------------
-def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "pointwise_criteria",
-                 criteria: list[str] | None = None, system: str | None = None,
-                 normalize: bool = True, criterion: str | None = None) -> list[float]:
+# --- rewards --------------------------------------------------------------------------------------
+def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge,
+                 template: str = "pointwise_criteria", criteria: list[str] | None = None,
+                 system: str | None = None, normalize: bool = True,
+                 criterion: str | None = None) -> list[float]:
     """Judge score of each completion: (score - score_min) / (score_max - score_min) when normalize.
 
     The composite is the reply's "score", else the mean of the criteria (by default the built-in
@@ -275,12 +285,15 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge, t
              for c, s in zip(completions, samples, strict=True)]
     scores = judge.score_many(chats, parse=partial(parse_score, criteria=criteria))
     span = cfg.score_max - cfg.score_min
-    values = [None if s is None else (s.criteria[criterion] if criterion else s.score) for s in scores]
-    return [math.nan if v is None else ((v - cfg.score_min) / span if normalize else v) for v in values]
+    values = [None if s is None else (s.criteria[criterion] if criterion else s.score)
+              for s in scores]
+    return [math.nan if v is None else ((v - cfg.score_min) / span if normalize else v)
+            for v in values]
 
 
-def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template: str = "rubric_scoring",
-                  answers_key: str = "answers", question_key: str = "question") -> list[list[float | None]]:
+def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *,
+                  template: str = "rubric_scoring", answers_key: str = "answers",
+                  question_key: str = "question") -> list[list[float | None]]:
     """The judge's score of each of sample i's answers (samples[i][answers_key]) under rubrics[i]:
     one list per sample, None where a call failed. All calls run concurrently. Used by
     rubric_alignment (the rubric a completion) and precompute.py (the rubric an expert's)."""
@@ -298,30 +311,35 @@ def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *, template:
 
 
 def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> JudgeScore | None:
-    """A criterion_met verdict: {"met": 1} or {"met": 0}, or true / false (whatever the judge's own score
-    range); HealthBench's own grader template answers {"explanation": ..., "criteria_met": true}.
+    """A criterion_met verdict: {"met": 1} or {"met": 0}, or true / false (whatever the judge's own
+    score range); HealthBench's grader template answers {"explanation": ..., "criteria_met": true}.
 
-    >>> parse_met('{"met": 1}').score, parse_met('{"met": 0}').score, parse_met('{"met": 7}'), parse_met("yes")
+    >>> (parse_met('{"met": 1}').score, parse_met('{"met": 0}').score, parse_met('{"met": 7}'),
+    ...  parse_met("yes"))
     (1.0, 0.0, None, None)
-    >>> parse_met('{"met": true}').score, parse_met('{"explanation": "It does.", "criteria_met": false}').score
+    >>> (parse_met('{"met": true}').score,
+    ...  parse_met('{"explanation": "It does.", "criteria_met": false}').score)
     (1.0, 0.0)
     >>> parse_met('{"criteria_met": 1}').score, parse_met('{"criteria_met": 2}')
     (1.0, None)
     """
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
     if verdict is None and isinstance(text, str):
-        obj = {str(k).lower(): v for k, v in (_first_json_object(_verdict_text(text)) or {}).items()}
+        obj = {str(k).lower(): v
+               for k, v in (_first_json_object(_verdict_text(text)) or {}).items()}
         met = obj.get("met", obj.get("criteria_met"))
         if isinstance(met, bool) or (type(met) in (int, float) and met in (0, 1)):
             return JudgeScore(float(met), {"met": float(met)})
     return verdict
 
 
-parse_met.want = '{"met": 1} or {"met": 0} (or true / false; HealthBench\'s "criteria_met")'  # score_many's message
+# score_many's message
+parse_met.want = '{"met": 1} or {"met": 0} (or true / false; HealthBench\'s "criteria_met")'
 
 
-def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict], *, template: str = "criterion_met",
-                  answers_key: str = "answers", question_key: str = "question") -> list[list[float | None]]:
+def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict], *,
+                  template: str = "criterion_met", answers_key: str = "answers",
+                  question_key: str = "question") -> list[list[float | None]]:
     """HealthBench's score of each of sample i's answers under its physicians' criteria[i]
     ([{criterion, points}, ...]): the judge says per criterion whether the answer meets it, and
 
@@ -334,8 +352,8 @@ def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict],
         for answer in s[answers_key]:
             start = len(chats)
             for c in crit:
-                fields = {**s, "question": s[question_key], "answer": answer, "criterion": c["criterion"],
-                          "points": f"{float(c['points']):+g}"}
+                fields = {**s, "question": s[question_key], "answer": answer,
+                          "criterion": c["criterion"], "points": f"{float(c['points']):+g}"}
                 chats.append(_chat(render(text, fields)))
             spans.append((start, len(chats), crit))
     verdicts = judge.score_many(chats, parse_met)
@@ -344,16 +362,17 @@ def criteria_gold(judge: Judge, criteria: list[list[dict]], samples: list[dict],
         met = verdicts[a:b]
         top = sum(float(c["points"]) for c in crit if float(c["points"]) > 0)
         gold.append(None if any(v is None for v in met) else
-                    min(1.0, max(0.0, sum(float(c["points"]) for c, v in zip(crit, met) if v.score >= 0.5) / top)))
+                    min(1.0, max(0.0, sum(float(c["points"]) for c, v in zip(crit, met)
+                                          if v.score >= 0.5) / top)))
     per = iter(gold)
     return [[next(per) for _ in s[answers_key]] for s in samples]
 
 
-def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge, template: str = "rubric_scoring",
-                     answers_key: str = "answers", gold_key: str = "gold_scores",
-                     question_key: str = "question") -> list[float]:
-    """Spearman rho between the judge's scores of a sample's K answers under the completion (a rubric)
-    and the sample's gold scores: rho = Pearson(rank(judge), rank(gold)), in [-1, 1].
+def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judge,
+                     template: str = "rubric_scoring", answers_key: str = "answers",
+                     gold_key: str = "gold_scores", question_key: str = "question") -> list[float]:
+    """Spearman rho between the judge's scores of a sample's K answers under the completion
+    (a rubric) and the sample's gold scores: rho = Pearson(rank(judge), rank(gold)), in [-1, 1].
 
     All K x N judge calls run concurrently. A constant score (or gold) vector has no ranking: 0.0,
     counted as judge_constant_scores. Any failed call -> NaN for that completion (the fallback).
@@ -380,19 +399,21 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
     return rewards
 
 
-# --- checks before a run (scoring.check_specs / check_rows) ------------------------------------------
-def _judge_criteria(template: str, criteria: list[str] | None, criterion: str | None) -> list[str] | None:
-    """The criteria a judge_reward reply must hold (the template's own by default); criterion one of them."""
+# --- checks before a run (scoring.check_specs / check_rows) ---------------------------------------
+def _judge_criteria(template: str, criteria: list[str] | None,
+                    criterion: str | None) -> list[str] | None:
+    """judge_reward's criteria (the template's by default); criterion must be one of them."""
     load_template(template)
     criteria = criteria if criteria is not None else TEMPLATE_CRITERIA.get(template)
     if criterion is not None and criterion not in (criteria or []):
-        raise ValueError(f"reward 'judge': criterion {criterion!r} is not one of the judge's criteria {criteria or []}")
+        raise ValueError(f"reward 'judge': criterion {criterion!r} is not one of the judge's "
+                         f"criteria {criteria or []}")
     return criteria
 
 
 def _check_judge_args(template: str = "pointwise_criteria", criteria: list[str] | None = None,
                       criterion: str | None = None, **_) -> None:
-    """judge_reward's args, checked before any model loads: the template exists, criterion is one of the criteria."""
+    """judge_reward's args, checked before any model loads: a known template, a valid criterion."""
     _judge_criteria(template, criteria, criterion)
 
 
@@ -422,25 +443,30 @@ def _check_rubric_args(template: str = "rubric_scoring", **_) -> None:
     load_template(template)
 
 
-def _check_rubric_row(row: dict, answers_key: str = "answers", gold_key: str = "gold_scores", **_) -> None:
-    """A row rubric_alignment can score: >= 2 answers (text) and as many finite gold scores. Checked when
-    the data loads, since a bad row would fail its whole batch after the judge calls were paid."""
+def _check_rubric_row(row: dict, answers_key: str = "answers", gold_key: str = "gold_scores",
+                      **_) -> None:
+    """A row rubric_alignment can score: >= 2 answers (text) and as many finite gold scores. Checked
+    when the data loads: a bad row would fail its whole batch after the judge calls were paid."""
     answers, gold = row.get(answers_key), row.get(gold_key)
     for key, value in ((answers_key, answers), (gold_key, gold)):
         if isinstance(value, str):
-            raise ValueError(f"{key} is text, not a list ({value[:40]!r}): a CSV cell holds text; write the file as "
-                             ".jsonl or .parquet, or decode the column in a data.map")
+            raise ValueError(f"{key} is text, not a list ({value[:40]!r}): a CSV cell holds text; "
+                             "write the file as .jsonl or .parquet, "
+                             "or decode the column in a data.map")
     if not _is_list(answers) or len(answers) < 2 or not all(isinstance(a, str) for a in answers):
-        raise ValueError(f"{answers_key} must be a list of >= 2 answers (text), got {str(answers)[:80]}")
+        raise ValueError(f"{answers_key} must be a list of >= 2 answers (text), "
+                         f"got {str(answers)[:80]}")
     if not _is_list(gold) or len(gold) != len(answers) or not all(_finite(g) for g in gold):
-        raise ValueError(f"{gold_key} must be {len(answers)} numbers, one per answer (no null or NaN), got {str(gold)[:80]}")
+        raise ValueError(f"{gold_key} must be {len(answers)} numbers, one per answer "
+                         f"(no null or NaN), got {str(gold)[:80]}")
 
 
 def _is_list(value) -> bool:  # a list, a tuple, a numpy array from parquet: not text, not a mapping
-    return hasattr(value, "__len__") and hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))
+    return (hasattr(value, "__len__") and hasattr(value, "__iter__")
+            and not isinstance(value, (str, bytes, dict)))
 
 
-def _finite(value) -> bool:  # what rubric_alignment's float() reads as a number (numpy ints, Decimal, True)
+def _finite(value) -> bool:  # a number to rubric_alignment's float() (numpy ints, Decimal, True)
     try:
         return math.isfinite(float(value))
     except (TypeError, ValueError):
@@ -451,4 +477,5 @@ judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row
 rubric_alignment.check_args, rubric_alignment.row_fields = _check_rubric_args, _rubric_row_fields
 rubric_alignment.check_row = _check_rubric_row
 register("judge", batched=True)(judge_reward)
-register("rubric_alignment", batched=True, row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)
+register("rubric_alignment", batched=True,
+         row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)

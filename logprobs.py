@@ -3,10 +3,9 @@
     logp = sequence_log_probs(model, input_ids, attention_mask, C, temperature)   # (N, C) fp32
 
 Only the chosen tokens' log-probs are ever computed: log softmax(logits / T)[id] = logits[id] / T -
-logsumexp(logits / T), in row chunks with the backward written out, or straight from the last
-hidden states without the (N, T, V) logits (grpo.fused_lm_head): both kernels are in
-plumbing/logsoftmax.py. Positions skip left padding; with grpo.share_prompt a group's prompt runs
-through the model once.
+logsumexp(logits / T), in row chunks with the backward written out, or straight from the last hidden
+states without the (N, T, V) logits (grpo.fused_lm_head), both in plumbing/logsoftmax.py. Positions
+skip left padding; grpo.share_prompt runs a group's prompt through the model once.
 Shapes: N = B prompts x G completions, P = prompt length, C = completion length, V = vocab.
 """
 from __future__ import annotations
@@ -25,11 +24,11 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 def share_prompt_in_loss(setting: bool | str, device: torch.device) -> bool:
     """grpo.share_prompt for the loss forward: true or false as set; "auto" shares on CPU only.
     Sharing runs a micro-batch through the model twice (the prompts, then the completions on their
-    cache), which doubles its kernel launches (25k against 12k aten operators for Qwen3-0.6B's 28
-    layers, counted on CPU: bench/gpu_h100/op_count_cpu.log). A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the
-    training time at 45-token prompts); a GPU running a small model is bound by launches, and on an
-    H100 (Qwen3-0.6B shape, 45-token prompts) minigrpo's training phase took 2.5x TRL's with it on.
-    The sampling prefill shares unless the setting is false: one extra forward per rollout."""
+    cache), doubling its kernel launches (25k vs 12k aten operators for Qwen3-0.6B's 28 layers,
+    counted on CPU: bench/gpu_h100/op_count_cpu.log). A CPU is bound by arithmetic, so the prompt
+    work saved wins there (0.64x the training time at 45-token prompts); a GPU on a small model is
+    bound by launches, and on an H100 (same model and prompts) minigrpo's training took 2.5x TRL's
+    with it on. The sampling prefill shares unless it is false: one extra forward per rollout."""
     return setting is True or (setting == "auto" and device.type != "cuda")
 
 
@@ -48,7 +47,8 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     (_shared_prompt_log_probs); the same values up to float rounding.
     input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
-    assert input_ids.shape[1] > num_completion, "a completion needs at least one prompt token before it"
+    assert input_ids.shape[1] > num_completion, \
+        "a completion needs at least one prompt token before it"
     # the last token predicts nothing we score: leave it out, so the kept logits are exactly the
     # C positions j whose logits predict token j + 1, contiguous (a [:, :-1] slice would copy them)
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
@@ -56,7 +56,8 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     ids = input_ids[:, -num_completion:]  # (N, C)
     head = plain_output_head(model) if fused_head else None
     if share_prompt:
-        logp = _shared_prompt_log_probs(model, input_ids, attention_mask, num_completion, temperature, chunk, head)
+        logp = _shared_prompt_log_probs(model, input_ids, attention_mask, num_completion,
+                                        temperature, chunk, head)
         if logp is not None:
             return logp
     if head is not None:
@@ -81,11 +82,11 @@ def prompt_cache(model):
         cache = DynamicCache(config=model.config)
     except (TypeError, ValueError, AttributeError):
         return None
-    return cache if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers) else None
+    return cache if cache.layers and all(type(x) is DynamicLayer for x in cache.layers) else None
 
 
-def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C: int, temperature: float,
-                             chunk: int, head: nn.Linear | None) -> Tensor | None:
+def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
+        temperature: float, chunk: int, head: nn.Linear | None) -> Tensor | None:
     """sequence_log_probs with each distinct prompt run through the model once (grpo.share_prompt).
 
     A group's G rows share their prompt, so a plain forward computes the same P prompt positions
@@ -106,7 +107,8 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
     P = W - C
     key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)  # (N, 2P)
     uniq, inv = torch.unique(key, dim=0, return_inverse=True)  # (u, 2P), (N,)
-    if len(uniq) == N or any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+    if len(uniq) == N or any(getattr(m, "gradient_checkpointing", False) is True
+                             for m in model.modules()):
         return None
     cache = prompt_cache(model)
     if cache is None:
@@ -115,8 +117,9 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
     u_mask = uniq[:, P:]  # (u, P)
     first_in = dict(input_ids=uniq[:, :P], attention_mask=u_mask, position_ids=position_ids(u_mask),
                     past_key_values=cache, use_cache=True)
-    rest_in = dict(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1], position_ids=pos[:, P:-1],
-                   past_key_values=cache, use_cache=True)  # (N, C - 1) on top of the (N, P) cache
+    rest_in = dict(input_ids=input_ids[:, P:-1], attention_mask=attention_mask[:, :-1],
+                   position_ids=pos[:, P:-1], past_key_values=cache,
+                   use_cache=True)  # (N, C - 1) on top of the (N, P) cache
     ids = input_ids[:, P:]  # (N, C)
     if head is not None:
         decoder = model.get_decoder()
@@ -125,19 +128,22 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
             cache.batch_select_indices(inv)
             hidden = torch.cat([hidden, decoder(**rest_in).last_hidden_state], dim=1)  # (N, C, H)
         return fused_head_log_probs(hidden, head, ids, temperature, chunk)  # (N, C)
-    first = selective_log_probs(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1], temperature, chunk)  # (N, 1)
+    first = selective_log_probs(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1],
+                                temperature, chunk)  # (N, 1)
     if C == 1:
         return first
     cache.batch_select_indices(inv)
-    rest = selective_log_probs(model(**rest_in).logits, ids[:, 1:], temperature, chunk)  # (N, C - 1)
+    rest = selective_log_probs(model(**rest_in).logits, ids[:, 1:], temperature, chunk)  # (N, C-1)
     return torch.cat([first, rest], dim=1)  # (N, C)
 
 
-def trim(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:
-    """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past the
-    longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
+def trim(input_ids: Tensor, attention_mask: Tensor,
+         completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past
+    the longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
     C_all = completion_mask.shape[1]
     C = max(int(completion_mask.sum(1).max()), 1)
-    start = int((attention_mask[:, : attention_mask.shape[1] - C_all].sum(0) > 0).long().argmax()) if attention_mask.shape[1] > C_all else 0
-    end = attention_mask.shape[1] - C_all + C
+    P = attention_mask.shape[1] - C_all  # prompt columns
+    start = int((attention_mask[:, :P].sum(0) > 0).long().argmax()) if P > 0 else 0
+    end = P + C
     return input_ids[:, start:end], attention_mask[:, start:end], C

@@ -33,7 +33,8 @@ from plumbing.hub import (  # noqa: F401
 
 # peft reads transformers' deprecated `is_gradient_checkpointing` on every adapter it builds: a
 # FutureWarning on every run that a user can do nothing about
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                        category=FutureWarning)
 
 
 
@@ -45,7 +46,8 @@ def pick_device(name: str) -> torch.device:
     try:
         return torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"run.device={name!r} is not a device; use auto, cpu, cuda, cuda:1, mps") from None
+        raise ConfigError(f"run.device={name!r} is not a device; "
+                          "use auto, cpu, cuda, cuda:1, mps") from None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -54,7 +56,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type != "cuda":
         return torch.float32
-    # not torch.cuda.is_bf16_supported(): it also says yes for the slow emulated bf16 of a T4 (sm_75)
+    # not torch.cuda.is_bf16_supported(): it also says yes for a T4's slow emulated bf16 (sm_75)
     return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
 
 
@@ -62,9 +64,11 @@ def load_tokenizer(cfg: ModelConfig, path: str):
     from transformers import AutoTokenizer
     try:
         with offline_if_unreachable():
-            tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(path, revision=cfg.revision,
+                                                trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:  # ValueError: a directory without tokenizer files
-        why = ("" if Path(path).exists() else hub_unreachable(path)) or (str(e).splitlines() or [''])[0][:300]
+        why = (("" if Path(path).exists() else hub_unreachable(path))
+               or (str(e).splitlines() or [''])[0][:300])
         raise ConfigError(f"could not load tokenizer for model.name={cfg.name}: {why}") from None
     if cfg.chat_template:
         if "{%" in cfg.chat_template or "{{" in cfg.chat_template:
@@ -72,17 +76,22 @@ def load_tokenizer(cfg: ModelConfig, path: str):
         else:  # no Jinja in it: a path
             t = Path(cfg.chat_template).expanduser()
             if not t.is_file():
-                raise ConfigError(f"model.chat_template={cfg.chat_template}: no such file (give a file path or the Jinja text)")
+                raise ConfigError(f"model.chat_template={cfg.chat_template}: no such file "
+                                  "(give a file path or the Jinja text)")
             tok.chat_template = t.read_text()
     if not tok.chat_template:
-        raise ConfigError(f"model {cfg.name} has no chat template; set model.chat_template to a Jinja template or a file holding one")
+        raise ConfigError(f"model {cfg.name} has no chat template; set model.chat_template to a "
+                          "Jinja template or a file holding one")
     from jinja2 import TemplateSyntaxError
-    try:  # a template that does not compile fails here, not as a traceback while prompts are rendered
-        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True)
+    try:  # a template that does not compile fails here, not in a traceback while rendering prompts
+        tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                add_generation_prompt=True)
     except TemplateSyntaxError as e:
         which = "model.chat_template" if cfg.chat_template else f"the chat template of {cfg.name}"
-        raise ConfigError(f"{which} is not a valid Jinja template ({(str(e).splitlines() or [''])[0][:200]}, line {e.lineno})") from None
-    except Exception:  # a template's own raise_exception (one that wants a system message first, say): the rows decide
+        raise ConfigError(f"{which} is not a valid Jinja template "
+                          f"({(str(e).splitlines() or [''])[0][:200]}, line {e.lineno})") from None
+    # a template's own raise_exception (one that wants a system message first, say): the rows decide
+    except Exception:
         pass
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -101,105 +110,127 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: bool = False):
-    """-> (model, tokenizer): the base model in its dtype (or NF4), sampling from logits / T only."""
+    """-> (model, tokenizer): the base in its dtype (or NF4), sampling from logits / T only."""
     from transformers import AutoModelForCausalLM, GenerationConfig
     path = resolve_model_path(mcfg)
     tokenizer = load_tokenizer(mcfg, path)
     dtype = pick_dtype(mcfg.dtype, device)
     if full_precision_weights and dtype != torch.float32:
-        raise ConfigError(f"lora.enabled=false trains all weights, which needs fp32 master weights; "
-                          f"set model.dtype: float32 (got {dtype}) or use LoRA")
+        raise ConfigError(f"lora.enabled=false trains all weights, which needs fp32 master "
+                          f"weights; set model.dtype: float32 (got {dtype}) or use LoRA")
     kwargs = dict(revision=mcfg.revision, dtype=dtype, trust_remote_code=mcfg.trust_remote_code)
     if mcfg.attn_implementation:
         kwargs["attn_implementation"] = mcfg.attn_implementation
     if mcfg.quant == "4bit":
         if device.type != "cuda":
-            raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; on this machine set model.quant: null")
+            raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; "
+                              "on this machine set model.quant: null")
         if full_precision_weights:
             raise ConfigError("model.quant=4bit trains through LoRA only; set lora.enabled: true")
-        if importlib.util.find_spec("bitsandbytes") is None:  # else an ImportError deep in from_pretrained
-            raise ConfigError("model.quant=4bit needs the bitsandbytes package: pip install bitsandbytes")
+        if importlib.util.find_spec("bitsandbytes") is None:  # else ImportError in from_pretrained
+            raise ConfigError("model.quant=4bit needs the bitsandbytes package: "
+                              "pip install bitsandbytes")
         from transformers import BitsAndBytesConfig
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0}
     try:
         with offline_if_unreachable():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except torch.OutOfMemoryError:
         raise
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # missing or truncated weights, another shape
+    # missing or truncated weights, another shape
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ConfigError(f"could not load model.name={mcfg.name} ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:300]}); is it complete?") from None
     if mcfg.quant != "4bit":
         model.to(device)
-    model.config.use_cache = False  # the cache is only wanted in generate(), which turns it on itself
+    model.config.use_cache = False  # only generate() wants the cache, and it turns it on itself
     # Sample from logits / T and nothing else: a shipped generation_config (repetition_penalty,
     # min_p, ...) would make the sampler differ from the policy the loss computes.
-    eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-    model.generation_config = GenerationConfig(bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
-                                               pad_token_id=tokenizer.pad_token_id)
+    eos = (model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None
+           else tokenizer.eos_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.generation_config.bos_token_id, eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id)
     return model, tokenizer
 
 
-def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False, beta: float = 0.0,
-                beta_key: str = "grpo.beta"):
+def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False,
+                beta: float = 0.0, beta_key: str = "grpo.beta"):
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
     starting from model.init_adapter when set: continued (the adapter keeps its own r, alpha and
-    target modules, and lora.* must name them: else ConfigError), or merged into the base under a fresh LoRA. beta > 0 (the
-    config key beta_key) means a reference policy, which a continued adapter cannot give. dropout:
-    the LoRA layers keep lora.dropout (SFT); the base's own dropout is always off."""
+    target modules, and lora.* must name them: else ConfigError), or merged into the base under a
+    fresh LoRA. beta > 0 (config key beta_key) means a reference policy, which a continued adapter
+    cannot give. dropout: the LoRA layers keep lora.dropout (SFT); the base's own is always off."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
-    disable_dropout(model)  # the base's own (GPT-2's 0.1, say): dropout=True turns on lora.dropout only
+    disable_dropout(model)  # the base's own (GPT-2's 0.1): dropout=True turns on lora.dropout only
     prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
     continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter
-    if continuing and beta > 0:  # the reference is the policy with its adapter off: here that is the base, not the SFT model
-        raise ConfigError(f"{beta_key} > 0 with a continued model.init_adapter would pull the policy back to the base, not to "
-                          "the SFT model; set model.merge_init_adapter: true (the merged SFT model is then the reference)")
+    # the reference is the policy with its adapter off: here that is the base, not the SFT model
+    if continuing and beta > 0:
+        raise ConfigError(
+            f"{beta_key} > 0 with a continued model.init_adapter would pull the policy back to "
+            "the base, not to the SFT model; set model.merge_init_adapter: true (the merged SFT "
+            "model is then the reference)")
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-    head = model.get_output_embeddings()  # peft's all-linear: every linear layer but the output head
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
+    head = model.get_output_embeddings()  # peft's all-linear: every linear layer but the head
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
     if mcfg.init_adapter:
-        model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing, trainable=True)
-        if not lcfg.enabled:  # peft froze the base while loading the adapter; full fine-tuning trains every weight
+        model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing,
+                                          trainable=True)
+        if not lcfg.enabled:  # peft froze the base; full fine-tuning trains every weight
             model.requires_grad_(True)
-    if continuing:  # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
+    # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
+    if continuing:
         own = model.peft_config["default"]
-        differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})" for k, v in (("r", own.r), ("alpha", own.lora_alpha))
-                  if getattr(lcfg, k) != v]
+        differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})"
+                  for k, v in (("r", own.r), ("alpha", own.lora_alpha)) if getattr(lcfg, k) != v]
         wanted = linear if lcfg.target_modules == "all-linear" else lcfg.target_modules
-        theirs = {t.rsplit(".", 1)[-1] for t in own.target_modules or ()}  # names, or full paths (a saved all-linear)
-        if not isinstance(own.target_modules, str) and not isinstance(wanted, str) and set(wanted) != theirs:
-            differ.append(f"lora.target_modules={lcfg.target_modules} (the adapter's: {sorted(theirs)})")
+        # names, or full paths (a saved all-linear)
+        theirs = {t.rsplit(".", 1)[-1] for t in own.target_modules or ()}
+        if (not isinstance(own.target_modules, str) and not isinstance(wanted, str)
+                and set(wanted) != theirs):
+            differ.append(f"lora.target_modules={lcfg.target_modules} "
+                          f"(the adapter's: {sorted(theirs)})")
         if differ:
-            raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own LoRA shape, so {'; '.join(differ)} "
-                              "would not apply: set lora.* to the adapter's, or model.merge_init_adapter: true for a fresh "
-                              "LoRA of this shape on top of it")
-        p = lcfg.dropout if dropout else 0.0  # the adapter's saved lora_dropout is its last run's, not this run's
+            raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own "
+                              f"LoRA shape, so {'; '.join(differ)} would not apply: set lora.* to "
+                              "the adapter's, or model.merge_init_adapter: true for a fresh LoRA "
+                              "of this shape on top of it")
+        p = lcfg.dropout if dropout else 0.0  # the adapter's saved lora_dropout was its last run's
         for m in model.modules():
             if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):
                 for k in m.lora_dropout:
                     m.lora_dropout[k] = nn.Dropout(p) if p else nn.Identity()
         own.lora_dropout = p  # saved with this run's adapter
-    if mcfg.gradient_checkpointing:  # also makes the embeddings' output require grad, so LoRA's gradients flow
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # also makes the embeddings' output require grad, so LoRA's gradients flow
+    if mcfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
-        peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout if dropout else 0.0,
+        peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha,
+                                  lora_dropout=lcfg.dropout if dropout else 0.0,
                                   target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
         try:
             model = get_peft_model(model, peft_cfg)
-        except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model does not have
-            if "target modules" not in str(e).lower():  # (lora.dropout and the rest are checked in config.py)
+        except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model lacks
+            if "target modules" not in str(e).lower():  # (config.py checks lora.dropout etc.)
                 raise
-            if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:  # one name, given as a string
-                raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other than all-linear is read by "
-                                  f"peft as a pattern for the whole module path; write a list: [{lcfg.target_modules}]") from None
-            raise ConfigError(f"lora.target_modules={lcfg.target_modules}: {str(e).splitlines()[0][:200]}; "
-                              f"this model's linear layers: {', '.join(linear)} (or all-linear)") from None
+            # one name, given as a string
+            if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:
+                raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other "
+                                  "than all-linear is read by peft as a pattern for the whole "
+                                  f"module path; write a list: [{lcfg.target_modules}]") from None
+            raise ConfigError(f"lora.target_modules={lcfg.target_modules}: "
+                              f"{str(e).splitlines()[0][:200]}; this model's linear layers: "
+                              f"{', '.join(linear)} (or all-linear)") from None
     if lcfg.enabled:
-        for p in model.parameters():  # fp16 has too little range for the trained weights: keep them fp32
+        for p in model.parameters():  # fp16 lacks the range for trained weights: keep them fp32
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
     if not dropout:
@@ -223,8 +254,8 @@ def is_peft(model: nn.Module) -> bool:
 
 
 def reference_mode(model: nn.Module, frozen_copy: nn.Module | None = None):
-    """Context in which `model` computes the reference policy: the adapter switched off (LoRA),
-    or `frozen_copy` substituted (full fine-tuning). Usage: `with reference_mode(m) as ref: ref(...)`."""
+    """Context in which `model` computes the reference policy: the adapter switched off (LoRA), or
+    `frozen_copy` instead (full fine-tuning). Usage: `with reference_mode(m) as ref: ref(...)`."""
     if is_peft(model):
         @contextlib.contextmanager
         def ctx():
@@ -262,16 +293,18 @@ def merged_for_sampling(model: nn.Module):
     def plain(m) -> bool:
         names = m.active_adapters
         return (len(names) == 1 and not m.disable_adapters and not m.use_dora.get(names[0], False)
-                and not m.lora_bias.get(names[0], False) and not getattr(m, "lora_variant", {}).get(names[0])
+                and not m.lora_bias.get(names[0], False)
+                and not getattr(m, "lora_variant", {}).get(names[0])
                 and shared[m.base_layer.weight.data_ptr()] == 1)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and plain(m)]
     with torch.no_grad():
         w0 = [m.base_layer.weight for m in layers]
-        saved = [w.detach().to("cpu", copy=True) for w in w0]  # off the GPU while the KV cache is at its peak
+        # off the GPU while the KV cache is at its peak
+        saved = [w.detach().to("cpu", copy=True) for w in w0]
         try:
             for m, w in zip(layers, w0):
                 w += m.get_delta_weight(m.active_adapters[0]).to(w.dtype)
-                m._disable_adapters = True  # this layer only: the base weight now carries its update
+                m._disable_adapters = True  # this layer only: the base weight carries its update
             yield
         finally:
             for m, w, c in zip(layers, w0, saved):
@@ -292,14 +325,16 @@ def mixed_precision(model: nn.Module, device_type: str | None = None):
     bf16/fp16 modes do, while the trained weights stay fp32 (autocast casts them). peft's own cast
     of each adapted layer's input to its weights' fp32 is switched off meanwhile: autograd kept
     those copies. For one 8 x 557-token Qwen3-0.6B micro-batch this takes the forward's peak from
-    12.8 to 9.2 GiB (estimated on CPU with bench/memory_estimate.py). A nullcontext otherwise (fp32
-    models: the CPU default). device_type: autocast's, when not the weights' (meta weights traced on a CPU)."""
-    frozen = next((p.dtype for p in model.parameters() if not p.requires_grad and p.dtype in HALF), None)
+    12.8 to 9.2 GiB (estimated on CPU: bench/memory_estimate.py). Else a nullcontext (fp32 models:
+    the CPU default). device_type: autocast's if not the weights' (meta weights traced on a CPU)."""
+    frozen = next((p.dtype for p in model.parameters()
+                   if not p.requires_grad and p.dtype in HALF), None)
     trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     if frozen is None or not trained:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type, dtype=frozen))
+    stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type,
+                                       dtype=frozen))
     if is_peft(model):
         from peft.helpers import disable_input_dtype_casting
         stack.enter_context(disable_input_dtype_casting(model))

@@ -1,4 +1,4 @@
-r"""Rewards: plain functions in a registry; scoring.py runs them over completions with the config's weights.
+r"""Rewards: plain functions in a registry, run over completions by scoring.py with config weights.
 
 A reward scores one completion of one sample; None means "does not apply to this sample":
 
@@ -7,10 +7,11 @@ A reward scores one completion of one sample; None means "does not apply to this
 A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
-before any model loads; an `open(**args)` attribute that acquires what it needs (reward_model loads its
-model) when train.py or eval.py open their rewards, ValueError when it cannot; and a `row_keys` attribute (or `register(..., row_keys=...)`) naming its
-arguments that hold a data column, as the built-ins' gold_key and valid_key do: a column no row
-has stops the run before it starts (scoring.check_rows). The config names rewards, weights and arguments:
+before any model loads; an `open(**args)` attribute that acquires what it needs (reward_model loads
+its model) when train.py or eval.py open their rewards, ValueError when it cannot; and a `row_keys`
+attribute (or `register(..., row_keys=...)`) naming its arguments that hold a data column, as the
+built-ins' gold_key and valid_key do: a column no row has stops the run before it starts
+(scoring.check_rows). The config names rewards, weights and arguments:
 
     rewards:
       - {name: json_valid}
@@ -21,10 +22,10 @@ has stops the run before it starts (scoring.check_rows). The config names reward
     total_i = sum_k weight_k * r_k(completion_i, sample_i)    (a None r_k adds 0)
 
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
-`assistant_prefix` (the text the trainer forced at the start of the reply, which the built-in
-rewards put back in front of the completion), `judge` or `judges` are filled in by
-scoring.compute_rewards; a function named by file or module is loaded by plugins.py, which also runs
-reward functions written for TRL's GRPOTrainer. Model output is only ever parsed (here, in answers.py and citations.py), never evaluated.
+`assistant_prefix` (the text the trainer forced at the start of the reply, which the built-ins put
+back in front), `judge` or `judges` are filled in by scoring.compute_rewards; a function named by
+file or module is loaded by plugins.py, which also runs reward functions written for TRL's
+GRPOTrainer. Model output is only ever parsed (here, answers.py, citations.py), never evaluated.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
         old = REGISTRY.get(name)
         # the same module imported twice (doctest and tests) re-registers the same function: fine
         if old and (old[0].__module__, old[0].__qualname__) != (fn.__module__, fn.__qualname__):
-            raise ValueError(f"reward {name!r} is already registered by {old[0].__module__}.{old[0].__qualname__}")
+            raise ValueError(f"reward {name!r} is already registered by "
+                             f"{old[0].__module__}.{old[0].__qualname__}")
         REGISTRY[name] = (fn, batched)
         return fn
     return decorate
@@ -59,28 +61,32 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
                  compare: str = "number") -> float | None:
     r"""1.0 if the completion's final number equals the gold number, else 0.0; None without gold.
 
-    The number is taken, in priority order, from `#### n`, `\boxed{n}`, `<answer>n</answer>`,
-    else the last (mode="last") or first (mode="first") number of the answer; with strip_think
-    the think block is ignored and an unclosed one leaves no answer. assistant_prefix (the forced
-    data.assistant_prefix, passed in by the trainer, e.g. "<think>") is put back in front first. Accepted: 1,000 and
-    1{,}000, $5, 72., 3.0, -4, 3/4 and \frac{3}{4}; not 1e5 or 1 000. The gold sample[gold_key]
-    is a number or a string read the same way (a GSM8K solution ending in `#### 72`). Numbers
-    are compared exactly as fractions, within an absolute tolerance, so huge integers that are
-    equal as floats still differ. A gold that is an expression (MATH's x^2+1, 2\sqrt{2},
-    (-\infty,2]) raises ValueError rather than being read as its first number: with
+    The number is taken, in priority order, from `#### n`, `\boxed{n}`, `<answer>n</answer>`, else
+    the last (mode="last") or first (mode="first") number of the answer; with strip_think the think
+    block is ignored and an unclosed one leaves no answer. assistant_prefix (the forced
+    data.assistant_prefix, passed in by the trainer, e.g. "<think>") is put back in front first.
+    Accepted: 1,000 and 1{,}000, $5, 72., 3.0, -4, 3/4 and \frac{3}{4}; not 1e5 or 1 000. The gold
+    sample[gold_key] is a number or a string read the same way (a GSM8K solution ending in
+    `#### 72`). Numbers are compared exactly as fractions, within an absolute tolerance, so huge
+    integers that are equal as floats still differ. A gold that is an expression (MATH's x^2+1,
+    2\sqrt{2}, (-\infty,2]) raises ValueError rather than being read as its first number: with
     compare="expression" the completion's marked answer (\boxed{...}, `####`, <answer>; else the
-    whole answer) and the gold's are compared as normalised text (answers.normalised), or as numbers when
-    both are one. That is string equality, not algebra: x+1 and 1+x differ.
+    whole answer) and the gold's are compared as normalised text (answers.normalised), or as numbers
+    when both are one. That is string equality, not algebra: x+1 and 1+x differ.
 
-    >>> answer_match("48/2 = 24, 48 + 24 = 72.\n#### 72", {"answer": "She sold 48/2 = 24.\n#### 72"})
+    >>> answer_match("48/2 = 24, 48 + 24 = 72.\n#### 72", {"answer": "She sold 48/2 = 24\n#### 72"})
     1.0
-    >>> answer_match(r"So \boxed{\frac{1}{2}}", {"answer": 0.5}), answer_match("It costs $1,000.", {"answer": 1000})
+    >>> (answer_match(r"So \boxed{\frac{1}{2}}", {"answer": 0.5}),
+    ...  answer_match("It costs $1,000.", {"answer": 1000}))
     (1.0, 1.0)
-    >>> answer_match("72 apples, minus 2, leaves 70", {"answer": 72}), answer_match("72 apples, minus 2", {"answer": 72}, mode="first")
+    >>> (answer_match("72 apples, minus 2, leaves 70", {"answer": 72}),
+    ...  answer_match("72 apples, minus 2", {"answer": 72}, mode="first"))
     (0.0, 1.0)
-    >>> answer_match("so 70 + 2 = 72", {"answer": 72}), answer_match("so 70 + 2 = 72", {"answer": 72}, assistant_prefix="<think>")
+    >>> (answer_match("so 70 + 2 = 72", {"answer": 72}),
+    ...  answer_match("so 70 + 2 = 72", {"answer": 72}, assistant_prefix="<think>"))
     (1.0, 0.0)
-    >>> answer_match(r"\boxed{x^{2} + 1}", {"answer": "x^2+1"}, compare="expression"), answer_match(r"\boxed{2}", {"answer": r"2\sqrt{2}"}, compare="expression")
+    >>> (answer_match(r"\boxed{x^{2} + 1}", {"answer": "x^2+1"}, compare="expression"),
+    ...  answer_match(r"\boxed{2}", {"answer": r"2\sqrt{2}"}, compare="expression"))
     (1.0, 0.0)
     """
     if compare not in ("number", "expression"):
@@ -95,10 +101,12 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     if compare == "expression":
         gold_text = str(gold) if not isinstance(gold, str) else (answers.marked(gold) or gold)
         pred = answers.marked(answer)
-        return float(bool(answer) and answers.same_expression(answer if pred is None else pred, gold_text))
+        return float(bool(answer)
+                     and answers.same_expression(answer if pred is None else pred, gold_text))
     if isinstance(gold, str) and (expression := answers.expression_gold(gold)) is not None:
-        raise ValueError(f"gold answer {expression!r} is an expression, not a number: answer_match would compare "
-                         "its first number; set args: {compare: expression} to compare answers as text")
+        raise ValueError(f"gold answer {expression!r} is an expression, not a number: answer_match "
+                         "would compare its first number; set args: {compare: expression} to "
+                         "compare answers as text")
     target = answers.final_number(gold) if isinstance(gold, str) else Fraction(gold)
     if target is None:
         raise ValueError(f"gold answer {gold!r} holds no number")
@@ -106,17 +114,20 @@ def answer_match(completion: str, sample: dict, gold_key: str = "answer", mode: 
     return float(pred is not None and abs(pred - target) <= tolerance)
 
 
-def answer_key(completion: str, assistant_prefix: str = "", mode: str = "last", strip_think: bool = True,
-               compare: str = "number", **_) -> str | None:
-    r"""The answer answer_match reads in a completion, as a key for majority voting (eval.py's maj@n):
+def answer_key(completion: str, assistant_prefix: str = "", mode: str = "last",
+               strip_think: bool = True, compare: str = "number", **_) -> str | None:
+    r"""The answer answer_match reads in a completion, as a majority-vote key (eval.py's maj@n):
     the exact number, or the normalised expression; None without one. Takes answer_match's args.
 
-    >>> answer_key("so 1,000"), answer_key(r"\boxed{\frac{1}{2}}"), answer_key(r"\boxed{x^{2}}", compare="expression"), answer_key("none")
+    >>> (answer_key("so 1,000"), answer_key(r"\boxed{\frac{1}{2}}"),
+    ...  answer_key(r"\boxed{x^{2}}", compare="expression"), answer_key("none"))
     ('1000', '1/2', 'x^2', None)
-    >>> answer_key(r"\boxed{x = 5}", compare="expression") == answer_key(r"\boxed{5}", compare="expression")
+    >>> (answer_key(r"\boxed{x = 5}", compare="expression")
+    ...  == answer_key(r"\boxed{5}", compare="expression"))
     True
     """
-    answer = answers.answer_part(assistant_prefix + completion) if strip_think else assistant_prefix + completion
+    completion = assistant_prefix + completion
+    answer = answers.answer_part(completion) if strip_think else completion
     if compare == "expression":
         return answers.expression_key(answers.marked(answer) or answer) or None
     number = answers.final_number(answer, mode)
@@ -124,8 +135,8 @@ def answer_key(completion: str, assistant_prefix: str = "", mode: str = "last", 
 
 
 @register("think_format")
-def think_format(completion: str, sample: dict, min_think_chars: int = 10, require_answer: bool = True,
-                 assistant_prefix: str = "") -> float:
+def think_format(completion: str, sample: dict, min_think_chars: int = 10,
+                 require_answer: bool = True, assistant_prefix: str = "") -> float:
     r"""1.0 for exactly one leading <think>...</think> block then an answer, else 0.0.
 
     The block must open the text (after whitespace), hold at least min_think_chars characters
@@ -134,39 +145,41 @@ def think_format(completion: str, sample: dict, min_think_chars: int = 10, requi
     trainer forced into the assistant turn (data.assistant_prefix, e.g. "<think>", passed in by
     the trainer): it belongs to the prompt, not the completion, so it is put back in front.
 
-    >>> think_format("<think>48 / 2 = 24 clips</think>72", {}), think_format("<think></think>72", {})
+    >>> think_format("<think>48/2 = 24 clips</think>72", {}), think_format("<think></think>72", {})
     (1.0, 0.0)
-    >>> think_format("48 / 2 = 24 clips</think>72", {}), think_format("48 / 2 = 24 clips</think>72", {}, assistant_prefix="<think>")
+    >>> (think_format("48/2 = 24 clips</think>72", {}),
+    ...  think_format("48/2 = 24 clips</think>72", {}, assistant_prefix="<think>"))
     (0.0, 1.0)
     """
     text = (assistant_prefix + completion).lstrip()
     if not text.startswith("<think>") or text.count("<think>") != 1 or text.count("</think>") != 1:
         return 0.0
     thought, _, answer = text[len("<think>"):].partition("</think>")
-    return float(len(thought.strip()) >= min_think_chars and (bool(answer.strip()) or not require_answer))
+    return float(len(thought.strip()) >= min_think_chars
+                 and (bool(answer.strip()) or not require_answer))
 
 
-# "PMID: 111", and a list after one label on one line: "PMIDs: 12345, 67890 and 13579", "[PMID 12345;
-# 67890]". Listed ids after the first have 5 digits or more, as PMIDs cited today do, so a year, a
-# dose or "30-day" after a citation ("PMID: 12345, 2019", "PMID: 12345, 2.5 mg") is not taken for one.
+# "PMID: 111", and a list after one label on one line: "PMIDs: 12345, 67890 and 13579", "[PMID
+# 12345; 67890]". Listed ids after the first have 5+ digits, as PMIDs cited today do, so a year, a
+# dose or "30-day" after a citation ("PMID: 12345, 2019", "PMID: 12345, 2.5 mg") is not read as one.
 @register("length_penalty")
 def length_penalty(completion: str, sample: dict, num_tokens: int, max_tokens: int = 512,
                    cache_tokens: int = 128) -> float:
     r"""DAPO's soft overlong punishment (arXiv 2503.14476, "Overlong Reward Shaping") of the
     completion's token count L, which compute_rewards passes as num_tokens:
 
-        0                                           if L <= max_tokens - cache_tokens
-        (max_tokens - cache_tokens - L) / cache_tokens   if max_tokens - cache_tokens < L <= max_tokens
-        -1                                          if L > max_tokens
+      0                                               if L <= max_tokens - cache_tokens
+      (max_tokens - cache_tokens - L) / cache_tokens  if max_tokens - cache_tokens < L <= max_tokens
+      -1                                              if L > max_tokens
 
-    Set max_tokens to the generation limit: the penalty then ramps from 0 to -1 over the last
-    cache_tokens tokens before truncation.
+    Set max_tokens to the generation limit: the penalty ramps 0 -> -1 over its last cache_tokens.
 
     >>> [length_penalty("", {}, n) for n in (384, 448, 512, 600)]
     [0.0, -0.5, -1.0, -1.0]
     """
     if not 0 <= cache_tokens <= max_tokens:
-        raise ValueError(f"need 0 <= cache_tokens <= max_tokens, got {cache_tokens} and {max_tokens}")
+        raise ValueError("need 0 <= cache_tokens <= max_tokens, "
+                         f"got {cache_tokens} and {max_tokens}")
     if num_tokens <= max_tokens - cache_tokens:
         return 0.0
     if num_tokens <= max_tokens:
@@ -201,9 +214,9 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
 # imported; lookup imports it the first time a config names one, so the core never imports graders/
 # (`import train` loads no rating page).
 ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_answers",
-             "choice_accuracy": "graders.json_answers", "judge": "judge", "rubric_alignment": "judge", "human": "graders.ratings",
-             "reward_model": "graders.reward_model", "citation_grounding": "graders.citations",
-             "invented_citation": "graders.citations"}
+             "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
+             "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
+             "citation_grounding": "graders.citations", "invented_citation": "graders.citations"}
 
 
 def lookup(name: str) -> tuple[Callable, bool] | None:

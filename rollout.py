@@ -1,8 +1,8 @@
 """The rollout: prompts rendered as in training, G completions sampled per prompt with HF generate.
 
-    prompts = render_rows(tokenizer, rows, cfg.data)                      # chat template + forced prefix
+    prompts = render_rows(tokenizer, rows, cfg.data)  # chat template + forced prefix
     r = generate_rollout(model, tokenizer, prompts, G, max_new_tokens, temperature, ...)   # Rollout
-    r.input_ids, r.attention_mask, r.completion_mask                      # (N, P + C), ..., (N, C)
+    r.input_ids, r.attention_mask, r.completion_mask  # (N, P + C), ..., (N, C)
 
 Completions are masked by position up to and including the first EOS (pad may equal EOS), cut at
 stop strings, and decoded; with grpo.share_prompt each prompt's KV cache is computed once for its G
@@ -44,8 +44,8 @@ class Rollout:
     completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
     texts: list[str]  # decoded completions, EOS and padding removed
-    sampler_logp: Tensor | None = None  # (N, C) the sampler's own log-probs (vLLM), for importance weights
-    entropy: Tensor | None = None  # (N, C) entropy of each token's sampling distribution (HF generate, EntropyMeter)
+    sampler_logp: Tensor | None = None  # (N, C) vLLM's own log-probs, for importance weights
+    entropy: Tensor | None = None  # (N, C) sampling entropy per token (HF generate, EntropyMeter)
 
     @property
     def input_ids(self) -> Tensor:
@@ -64,13 +64,13 @@ def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) ->
     return messages
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None, assistant_prefix: str = "",
-                  template_kwargs: dict | None = None) -> str:
+def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None = None,
+                  assistant_prefix: str = "", template_kwargs: dict | None = None) -> str:
     """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
-    to the chat template (Qwen3: {"enable_thinking": False}). A template that writes the prefix itself
-    (export.py's, on a model exported from a run that forced it) does not get it a second time. A
-    whitespace-only prefix is always added (any template could end with it by chance), so an export of
-    a run that forced one renders it twice here: evaluate that run's adapter instead."""
+    to the chat template (Qwen3: {"enable_thinking": False}). A template that writes the prefix
+    itself (export.py's, on a model exported from a run that forced it) does not get it a second
+    time. A whitespace-only prefix is always added (any template could end with it by chance), so an
+    export of a run that forced one renders it twice here: evaluate that run's adapter instead."""
     text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
                                          add_generation_prompt=True, **(template_kwargs or {}))
     return text + prefix_to_add(text, assistant_prefix)
@@ -86,9 +86,9 @@ class NonFiniteLogits(ConfigError):
     """Sampling met NaN or inf logits: a setting to change, not a step to retry."""
 
 
-NON_FINITE = ("in float16 some models overflow (Qwen2 and Qwen2.5 among them), so "
-              "set model.dtype: float32, or bfloat16 where the GPU has it (not a T4); if the loss or grad_norm of "
-              "the steps before went non-finite, the run diverged: lower optim.lr")
+NON_FINITE = ("in float16 some models overflow (Qwen2 and Qwen2.5 among them), so set "
+              "model.dtype: float32, or bfloat16 where the GPU has it (not a T4); if the loss or "
+              "grad_norm of the steps before went non-finite, the run diverged: lower optim.lr")
 
 
 _PROBE = "minigrpo probe 7f3a"  # a user message that no template rewrites
@@ -102,7 +102,8 @@ def reply_prefix(tokenizer, data) -> str:
     block is not one (answers.answer_part). A template this probe cannot render (one that wants the
     rows' own system message) gets the forced prefix alone."""
     try:
-        text = render_prompt(tokenizer, _PROBE, data.system_prompt, data.assistant_prefix, data.chat_template_kwargs)
+        text = render_prompt(tokenizer, _PROBE, data.system_prompt, data.assistant_prefix,
+                             data.chat_template_kwargs)
     except Exception:  # jinja2's TemplateError and whatever a template raises
         return data.assistant_prefix
     at = text.rfind(_PROBE)
@@ -111,31 +112,34 @@ def reply_prefix(tokenizer, data) -> str:
     return tail[opened:] if opened >= 0 else data.assistant_prefix
 
 
-def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None, what: str = "row") -> list[str]:
+def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None,
+                what: str = "row") -> list[str]:
     """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
     forced assistant prefix unless `assistant_prefix` is given); `what` the rows are, for errors."""
     prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
     out = []
     for i, r in enumerate(rows):
         try:
-            out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix, data.chat_template_kwargs))
-        except jinja2.TemplateError as e:  # a template's raise_exception ("System role not supported")
-            raise ConfigError(f"the chat template refused {what} {i}: {e} (check data.system_prompt, the prompt's roles, "
-                              "or give model.chat_template)") from None
+            out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix,
+                                     data.chat_template_kwargs))
+        except jinja2.TemplateError as e:  # raise_exception("System role not supported")
+            raise ConfigError(f"the chat template refused {what} {i}: {e} (check "
+                "data.system_prompt, the prompt's roles, or give model.chat_template)") from None
     return out
 
 
 def with_eos(tokenizer, reply: str) -> str:
-    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log, maybe with
-    the template's newline after it) gets no second."""
-    return reply.rstrip() if reply.rstrip().endswith(tokenizer.eos_token) else reply + tokenizer.eos_token
+    """The reply ending in EOS, once: a reply that carries it already (copied from a chat log, maybe
+    with the template's newline after it) gets no second."""
+    return reply.rstrip() if reply.rstrip().endswith(tokenizer.eos_token) \
+        else reply + tokenizer.eos_token
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
-    """Where a completion ends: the tokenizer's EOS, the model's generation_config EOS, and the token
-    the chat template closes an assistant turn with (turn_end_id) when that is another one: a base
-    model's tokenizer (Qwen2.5's <|endoftext|>) under a ChatML template would otherwise run on past
-    <|im_end|> into a made-up next turn."""
+    """Where a completion ends: the tokenizer's EOS, the model's generation_config EOS, and the
+    token the chat template closes an assistant turn with (turn_end_id) when that is another one: a
+    base model's tokenizer (Qwen2.5's <|endoftext|>) under a ChatML template would otherwise run on
+    past <|im_end|> into a made-up next turn."""
     ids = {tokenizer.eos_token_id, turn_end_id(tokenizer)}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
@@ -149,17 +153,19 @@ def turn_end_id(tokenizer) -> int | None:
     """The special token right after an assistant message in the chat template (ChatML's <|im_end|>,
     Llama 3's <|eot_id|>, Gemma's <end_of_turn>), or None (no template, or text there)."""
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant", "content": _REPLY_PROBE}],
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"},
+            {"role": "assistant", "content": _REPLY_PROBE}], tokenize=False)
     except Exception:  # a template that wants a system message, or none at all
         return None
     at = text.rfind(_REPLY_PROBE)
-    ids = tokenizer(text[at + len(_REPLY_PROBE):], add_special_tokens=False).input_ids if at >= 0 else []
+    ids = tokenizer(text[at + len(_REPLY_PROBE):], add_special_tokens=False).input_ids \
+        if at >= 0 else []
     return ids[0] if ids and ids[0] in set(tokenizer.all_special_ids) else None
 
 
-def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor, stops: list[str]) -> None:
-    """Shorten masks in place so a completion ends with the token that completes its first stop string."""
+def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor,
+                         stops: list[str]) -> None:
+    """Shorten masks in place so a completion ends at the token completing its first stop string."""
     for i in range(ids.shape[0]):
         n = int(mask[i].sum())
         text = tokenizer.decode(ids[i, :n], skip_special_tokens=True)
@@ -180,13 +186,12 @@ STATIC_BUCKET = 64  # rollout.compile: prompts are left-padded to a multiple of 
 
 
 class EntropyMeter:
-    """A logits processor that changes nothing and records, at each decoding step, every row's
-    entropy in nats of the policy at the sampling temperature, H = -sum_v p_v log p_v with
-    p = softmax(logits / T): the loss's distribution, and TRL's `entropy` (generate runs custom
-    processors before temperature, top-k and top-p, so a top-k / top-p cut is not in it; a token
-    banned before it, as EOS under rollout.ignore_eos (benchmarks), is left out). Falling
-    entropy is a policy collapsing onto few replies (what DAPO's clip-higher fights); it costs one
-    softmax over (N, V) a step."""
+    """A no-op logits processor that records, at each decoding step, every row's entropy in nats of
+    the policy at the sampling temperature, H = -sum_v p_v log p_v with p = softmax(logits / T): the
+    loss's distribution, and TRL's `entropy` (generate runs custom processors before temperature,
+    top-k and top-p, so a top-k / top-p cut is not in it; a token banned before it, as EOS under
+    rollout.ignore_eos (benchmarks), is left out). Falling entropy is a policy collapsing onto few
+    replies (what DAPO's clip-higher fights); it costs one softmax over (N, V) a step."""
 
     def __init__(self, temperature: float):
         self.temperature = temperature
@@ -194,8 +199,8 @@ class EntropyMeter:
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logp = scores.float() / self.temperature  # (N, V), a new tensor: scores stay as they are
-        logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))  # log softmax in place; -inf where a processor banned a token
-        self.steps.append(-(logp.exp() * logp).nansum(-1))  # (N,); a banned token's 0 * -inf is left out
+        logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))  # log softmax; -inf where banned
+        self.steps.append(-(logp.exp() * logp).nansum(-1))  # (N,); nansum drops banned 0 * -inf
         return scores
 
     def entropy(self, width: int) -> Tensor:
@@ -205,11 +210,12 @@ class EntropyMeter:
 
 
 @torch.no_grad()
-def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_tokens: int,
-                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                     stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000, ignore_eos: bool = False,
-                     share_prompt: bool = False, static_cache: bool = False, entropy: bool = False) -> Rollout:
-    """Sample `num_generations` completions for each rendered prompt with HF generate (left padding);
+def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
+        max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+        stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000,
+        ignore_eos: bool = False, share_prompt: bool = False, static_cache: bool = False,
+        entropy: bool = False) -> Rollout:
+    """Sample `num_generations` completions per rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
     share_prompt (grpo.share_prompt): each prompt but its last token is run through the model once
@@ -221,46 +227,50 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                     pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
-    longest = int(enc.attention_mask.sum(1).max())
+    G, ids, attn = num_generations, enc.input_ids, enc.attention_mask  # ids, attn: (B, P)
+    longest = int(attn.sum(1).max())
     if longest > max_prompt_tokens:
-        raise ValueError(f"a prompt has {longest} tokens > rollout.max_prompt_tokens={max_prompt_tokens}")
+        raise ValueError(f"a prompt has {longest} tokens > "
+                         f"rollout.max_prompt_tokens={max_prompt_tokens}")
     eos = eos_token_ids(tokenizer, model)
     was_training = model.training
     model.eval()
-    decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) if temperature > 0 \
-        else dict(do_sample=False)
+    decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) \
+        if temperature > 0 else dict(do_sample=False)
     shared = share_prompt and not static_cache
-    cache = prefill_shared(model, enc.input_ids, enc.attention_mask, num_generations) if shared else None
+    cache = prefill_shared(model, ids, attn, G) if shared else None
     if cache is not None:  # generate runs only the last prompt token, then samples
-        rows = dict(input_ids=enc.input_ids.repeat_interleave(num_generations, 0),
-                    attention_mask=enc.attention_mask.repeat_interleave(num_generations, 0), past_key_values=cache)
+        rows = dict(input_ids=ids.repeat_interleave(G, 0),
+                    attention_mask=attn.repeat_interleave(G, 0), past_key_values=cache)
     else:
-        rows = dict(input_ids=enc.input_ids, attention_mask=enc.attention_mask, num_return_sequences=num_generations)
+        rows = dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)
     meter = EntropyMeter(temperature) if entropy and temperature > 0 else None
     try:
         out = model.generate(
-            **rows, **decoding, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
-            logits_processor=[meter] if meter else None,
-            eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-            cache_implementation="static" if static_cache else None,
-            stop_strings=list(stop_strings) or None, tokenizer=tokenizer if stop_strings else None)
-    except RuntimeError as e:  # torch.multinomial on NaN or inf probabilities; on CUDA, its device-side assert
+            **rows, **decoding, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if ignore_eos else None,
+            use_cache=True, cache_implementation="static" if static_cache else None,
+            logits_processor=[meter] if meter else None, stop_strings=list(stop_strings) or None,
+            tokenizer=tokenizer if stop_strings else None)
+    except RuntimeError as e:  # multinomial on NaN/inf probabilities; on CUDA, a device-side assert
         if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
             raise
-        cuda = "device-side assert" in str(e)  # CUDA says no more than that: NaN logits are its likeliest cause here
-        raise NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or inf logits: " if cuda
-                               else "sampling met NaN or inf logits: ") + NON_FINITE) from None
+        cuda = "device-side assert" in str(e)  # CUDA says no more; NaN logits are the likely cause
+        raise NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or "
+                               "inf logits: " if cuda else "sampling met NaN or inf logits: ")
+                              + NON_FINITE) from None
     model.train(was_training)
-    P = enc.input_ids.shape[1]
+    P = ids.shape[1]
     completion_ids = out[:, P:]  # (N, C)
     mask, truncated = completion_mask(completion_ids, eos)  # (N, C), (N,)
     if stop_strings:
         _cut_at_stop_strings(tokenizer, completion_ids, mask, truncated, list(stop_strings))
     lengths = mask.sum(1).long().tolist()
-    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)], skip_special_tokens=True)
-    return Rollout(prompt_ids=enc.input_ids.repeat_interleave(num_generations, 0),
-                   prompt_mask=enc.attention_mask.repeat_interleave(num_generations, 0),
-                   completion_ids=completion_ids, completion_mask=mask, truncated=truncated, texts=texts,
+    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)],
+                                   skip_special_tokens=True)
+    return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=attn.repeat_interleave(G, 0),
+                   completion_ids=completion_ids, completion_mask=mask,
+                   truncated=truncated, texts=texts,
                    entropy=meter.entropy(completion_ids.shape[1]).to(device) if meter else None)
 
 
@@ -269,7 +279,7 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
     """generate_rollout on `per_call` prompts at a time (0: all in one call), the slices joined in
     order: each call's KV cache holds per_call x num_generations rows (rollout.prompts_per_generate,
     eval.batch_size). on_slice(first prompt's index, slice) runs after each call, before the next
-    one samples (step.score starts scoring the slice there). Further arguments are generate_rollout's."""
+    one samples (step.score scores the slice there). Further arguments are generate_rollout's."""
     k, parts = per_call or len(prompts), []
     for s in range(0, len(prompts), k):
         parts.append(generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs))
@@ -278,18 +288,20 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
     return concat_rollouts(parts, tokenizer.pad_token_id)
 
 
-def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor, num_generations: int) -> DynamicCache | None:
+def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor,
+                   num_generations: int) -> DynamicCache | None:
     """The KV cache of every prompt but its last token, computed once per prompt and repeated to its
     G rows (B * G, P - 1), for generate to continue from; None where sharing does not apply or pay:
     G = 1, a prompt of one token, or a cache that is not plain keys and values (prompt_cache).
     input_ids, attention_mask: (B, P), left-padded."""
-    cache = prompt_cache(model) if num_generations > 1 and int(attention_mask.sum(1).min()) >= 2 else None
+    cache = prompt_cache(model) \
+        if num_generations > 1 and int(attention_mask.sum(1).min()) >= 2 else None
     if cache is None:
         return None
     mask = attention_mask[:, :-1]  # (B, P - 1)
     model(input_ids=input_ids[:, :-1], attention_mask=mask, position_ids=position_ids(mask),
           past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.batch_repeat_interleave(num_generations)  # (B * G, P - 1): rows i*G .. i*G+G-1 share prompt i
+    cache.batch_repeat_interleave(num_generations)  # (B * G, P - 1): row i*G + j holds prompt i
     return cache
 
 
@@ -311,12 +323,15 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         completion_mask=torch.cat([_pad_to(r.completion_mask, C, 0, False) for r in parts]),
         truncated=torch.cat([r.truncated for r in parts]),
         texts=[t for r in parts for t in r.texts],
-        sampler_logp=None if parts[0].sampler_logp is None else torch.cat([_pad_to(r.sampler_logp, C, 0, False) for r in parts]),
-        entropy=None if parts[0].entropy is None else torch.cat([_pad_to(r.entropy, C, 0, False) for r in parts]))
+        sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
+            [_pad_to(r.sampler_logp, C, 0, False) for r in parts]),
+        entropy=None if parts[0].entropy is None else torch.cat(
+            [_pad_to(r.entropy, C, 0, False) for r in parts]))
 
 
 def select_rows(r: Rollout, rows: list[int]) -> Rollout:
     ix = torch.tensor(rows, dtype=torch.long, device=r.prompt_ids.device)
     return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
-                   r.truncated[ix], [r.texts[i] for i in rows], None if r.sampler_logp is None else r.sampler_logp[ix],
+                   r.truncated[ix], [r.texts[i] for i in rows],
+                   None if r.sampler_logp is None else r.sampler_logp[ix],
                    None if r.entropy is None else r.entropy[ix])

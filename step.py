@@ -59,7 +59,7 @@ class Run:
     device: torch.device
     model: torch.nn.Module
     tokenizer: object
-    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO with beta > 0, DPO) only
+    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO beta > 0, DPO) only
     params: list
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -70,21 +70,21 @@ class Run:
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
     eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
     warned_all_truncated: bool = False  # the all-truncated warning is given once a run
-    phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out rows, syncing to
-    #   vLLM): out of GPU memory, out_of_memory's advice fits it
-    ref_logps: dict = field(default_factory=dict)  # DPO: reference log-probs by reply (dpo.cache_reference)
-    changed: list[str] = field(default_factory=list)  # --resume: the settings that differ from the last checkpoint's
+    phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out
+    #   rows, syncing to vLLM): out of GPU memory, out_of_memory's advice fits it
+    ref_logps: dict = field(default_factory=dict)  # DPO: by reply, dpo.cache_reference's log-probs
+    changed: list[str] = field(default_factory=list)  # --resume: settings unlike the checkpoint's
     step: int = 0  # the step under way (what an interrupted run reports)
 
 
 def train_step(r: Run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its updates -> (metrics, the completions sampled, for samples.jsonl)."""
+    """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
     cfg, g, G = r.cfg, r.cfg.grpo, r.cfg.rollout.num_generations
     t0, device = time.time(), next(r.model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     r.phase = "sampling"  # 1. B prompts x G completions, scored
-    kept, drawn, n_prompts = collect(cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
+    kept, drawn, n_drawn = collect(cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
     r.phase, t_rollout = "training", time.time() - t0
     if g.num_mini_batches > 1:  # no mini-batch all flat groups (resample_zero_std puts those last)
         kept = shuffle_groups(kept, G)
@@ -105,18 +105,20 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
         with reference_mode(r.model, r.ref_copy) as ref:
             ref_logp = batch_log_probs(ref, batch, cfg, mbs)  # (N, C)
     # 4. num_iterations passes, an optimizer update per mini-batch
-    sums, tis, norms, logged, lr = update(r, batch, adv.to(device), mask, keep, minis, old_logp, ref_logp)
+    sums, tis, norms, logged, lr = update(r, batch, adv.to(device), mask, keep, minis, old_logp,
+                                          ref_logp)
     if r.engine:
         r.phase = "syncing the weights to vLLM"
         r.engine.sync(r.model)  # the next rollout samples from the updated policy
     # 5. metrics over everything drawn, and the completions shown
-    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) | norm_metrics(norms) \
-        | source_metrics(r, drawn) | extra_metrics(r, batch, sums, tis) | {
-            "learning_rate": lr, "prompts_drawn": n_prompts, "step_time": time.time() - t0,
-            "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
-            "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
+    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) \
+        | norm_metrics(norms) | source_metrics(r, drawn) | extra_metrics(r, batch, sums, tis) | {
+        "learning_rate": lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
+        "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
+        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
     shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
-              "advantage": float(a)} for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
+              "advantage": float(a)}
+             for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
     return metrics, shown
 
 
@@ -135,16 +137,17 @@ def update(r: Run, batch: rollout.Rollout, adv, mask, keep, minis, old_logp, ref
             r.optimizer.zero_grad(set_to_none=True)
             upd = dict.fromkeys(sums, 0.0)  # this update's sums: into the step's only when finite
             for mb in mbs:
-                logp, C = micro_batch_log_probs(r.model, batch, batch.input_ids, batch.attention_mask,
-                                                mb, r.cfg)  # (n, C)
+                logp, C = micro_batch_log_probs(r.model, batch, batch.input_ids,
+                                                batch.attention_mask, mb, r.cfg)  # (n, C)
                 old = None if old_logp is None else old_logp[mb, :C]  # None: on-policy
                 weight = None  # vLLM sampled: pi_old / pi_sampler, corrects for its sampler
                 if batch.sampler_logp is not None:
-                    weight = sampler_weight(logp.detach() if old is None else old, batch.sampler_logp[mb, :C],
-                                            mask[mb, :C], g.tis_cap, tis if it == 0 else None, g.tis_mode)
+                    weight = sampler_weight(logp.detach() if old is None else old,
+                                            batch.sampler_logp[mb, :C], mask[mb, :C], g.tis_cap,
+                                            tis if it == 0 else None, g.tis_mode)
                 loss, stats = grpo.grpo_loss(
-                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb], mask[mb, :C],
-                    norm, settings, weight, None if keep is None else keep[mb, :C])
+                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb],
+                    mask[mb, :C], norm, settings, weight, None if keep is None else keep[mb, :C])
                 (r.scaler.scale(loss) if r.scaler else loss).backward()
                 upd["loss"] += float(loss.detach())
                 for key, v in stats.items():
@@ -167,17 +170,17 @@ def loss_mask(r: Run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tens
         if bool(batch.truncated.all()) and not r.warned_all_truncated:
             r.warned_all_truncated = True
             print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
-                  f"{r.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks them all "
-                  "out: this step trains nothing. Raise max_new_tokens (or set "
+                  f"{r.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks them "
+                  "all out: this step trains nothing. Raise max_new_tokens (or set "
                   "mask_truncated_completions: false).", file=sys.stderr)
     mask[torch.isnan(total)] = 0
     return mask
 
 
-def mini_batches(cfg: Config, batch: rollout.Rollout, mask, total) -> list[tuple[list[slice], grpo.LossNorm]]:
+def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
+                 total) -> list[tuple[list[slice], grpo.LossNorm]]:
     """grpo.num_mini_batches mini-batches of whole groups, each its micro-batches and the counts its
-    loss is normalised by: sequences without the skipped ones (truncated ones count, as in TRL),
-    and the mask's tokens."""
+    loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
     N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
     minis = []
     for lo in range(0, N, N // k):
@@ -187,7 +190,7 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask, total) -> list[tuple
             part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
         scored_mbs = max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1)
         minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, max(int((~skipped[rows]).sum()), 1),
-                                         int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
+            int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
     return minis
 
 
@@ -199,7 +202,8 @@ def extra_metrics(r: Run, batch: rollout.Rollout, sums: dict, tis: dict) -> dict
         out["sampler_logp_abs_diff"] = tis["abs_diff"] / max(tis["tokens"], 1.0)
         if r.cfg.grpo.tis_cap:
             units = max(tis["units"], 1.0)
-            out |= {"tis/weight_mean": tis["weight"] / units, "tis/capped_frac": tis["capped"] / units}
+            out |= {"tis/weight_mean": tis["weight"] / units,
+                    "tis/capped_frac": tis["capped"] / units}
     if r.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
         out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
     return out
@@ -224,16 +228,18 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     ro, G = cfg.rollout, cfg.rollout.num_generations
     prompts = rollout.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
     samples = [rows[i] for i in idx for _ in range(G)]
-    context = reward_context(rollout.reply_prefix(tokenizer, cfg.data), judges, cfg.data.assistant_prefix)
+    context = reward_context(rollout.reply_prefix(tokenizer, cfg.data), judges,
+                             cfg.data.assistant_prefix)
 
-    def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:  # rows first, first + 1, ...
-        return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards, num_tokens=num_tokens,
-                               context=context)
+    def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:
+        return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards,
+                               num_tokens=num_tokens, context=context)  # rows first, first + 1, ...
 
-    def lengths(r: rollout.Rollout) -> list[int]:  # read on this thread: a GPU sync stays out of the rewards' thread
+    def lengths(r: rollout.Rollout) -> list[int]:  # read here: no GPU sync on the rewards' thread
         return r.completion_mask.sum(1).long().tolist()
     if engine is not None:
-        r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model), next(model.parameters()).device)
+        r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model),
+                            next(model.parameters()).device)
         return scored(r, samples, rewards_of(r.texts, lengths(r), 0))
     # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
     # computed in the background while the next slice samples; the results are joined in order.
@@ -241,26 +247,28 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
     pending: list[concurrent.futures.Future] = []
 
     def start_rewards(i: int, part: rollout.Rollout) -> None:
-        pending.append(in_background(functools.partial(rewards_of, part.texts, lengths(part), i * G),
-                                     after=pending[-1] if pending else None))
+        pending.append(in_background(functools.partial(
+            rewards_of, part.texts, lengths(part), i * G), after=pending[-1] if pending else None))
     with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-        r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G, ro.max_new_tokens,
-                                    ro.temperature, ro.top_p, ro.top_k, ro.stop_strings, ro.max_prompt_tokens,
-                                    ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile, entropy=True,
-                                    on_slice=start_rewards if overlap else None)
-    res = join_results([f.result() for f in pending]) if overlap else rewards_of(r.texts, lengths(r), 0)
+        r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G,
+            ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k, ro.stop_strings,
+            ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
+            entropy=True, on_slice=start_rewards if overlap else None)
+    res = join_results([f.result() for f in pending]) if overlap \
+        else rewards_of(r.texts, lengths(r), 0)
     return scored(r, samples, res)
 
 
 def scored(r: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
-    return Scored(r, samples, torch.tensor(res.total, dtype=torch.float32), res.per_reward, res.errors)
+    return Scored(r, samples, torch.tensor(res.total).float(), res.per_reward, res.errors)
 
 
 def concat(parts: list[Scored], pad_id: int) -> Scored:
     if len(parts) == 1:
         return parts[0]
     res = join_results([RewardResult(p.total.tolist(), p.per_reward, p.errors) for p in parts])
-    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id), [s for p in parts for s in p.samples], res)
+    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id),
+                  [s for p in parts for s in p.samples], res)
 
 
 def take_rows(p: Scored, rows: list[int]) -> Scored:
@@ -279,7 +287,8 @@ def shuffle_groups(p: Scored, G: int) -> Scored:
     return take_rows(p, [grp * G + j for grp in order for j in range(G)])
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler, judges: dict[str, Judge],
+def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler,
+            judges: dict[str, Judge],
             engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
     """-> (the B groups to train on, everything drawn, prompts drawn).
 

@@ -3,29 +3,29 @@ policy of precompute.py): any OpenAI-compatible endpoint, cached, rate-limited, 
 
     from api.client import Judge, JudgeConfig
     client = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))
-    replies = client.complete_many([[{"role": "user", "content": "Hi"}]])  # list[str | None]; None = failed
-    client.pop_step_stats()  # {"judge_requests": 1.0, "judge_cost_usd": 0.0, ..., "judge_cost_usd_total": ...}
+    replies = client.complete_many([[{"role": "user", "content": "Hi"}]])  # str, or None: failed
+    client.pop_step_stats()  # {"judge_requests": 1.0, ..., "judge_cost_usd_total": 0.0}
 
-Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at most
-`max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request timeout,
-and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts, connection errors and bodies
-that are not JSON, honouring retry-after-ms / Retry-After. Faults never raise: the call yields None,
-`judge_failures` counts it, the caller applies its fallback. A 401, 403 or 404 (the key, the model, the
-URL; not a 403 for one flagged input), a 402 or 429 insufficient_quota (the bill), a 400 for a parameter
-the model does not take, or FAILED_LIMIT failed requests before any reply, raise JudgeUnusable once the
-batch is done: no retry or later call fixes those. The key
-is read without surrounding whitespace (a secret file's newline). judge.py builds the judge rewards on it.
+Each call: cache lookup (in-memory LRU, then an append-only JSONL file that survives restarts), at
+most `max_concurrent` requests in flight, optional requests-per-minute spacing, a hard per-request
+timeout, and retries with exponential backoff + jitter on 429, 408, 5xx, timeouts, connection errors
+and bodies that are not JSON, honouring retry-after-ms / Retry-After. Faults never raise: the call
+yields None, `judge_failures` counts it, the caller applies its fallback. A 401, 403 or 404 (the
+key, the model, the URL; not a 403 for one flagged input), a 402 or 429 insufficient_quota (the
+bill), a 400 for a parameter the model does not take, or FAILED_LIMIT failed requests before any
+reply, raise JudgeUnusable once the batch is done: no retry or later call fixes those. The key is
+read without outer whitespace (a secret file's newline). judge.py builds the judge rewards on it.
 
 Choices worth knowing:
-- The openai client's own retries are off (max_retries=0): the retry policy lives here and is tested.
-- A reply that `score_many`'s parser rejects is a failure; it is not retried (at temperature 0 the same
-  prompt mostly gets the same reply, so re-asking pays twice for nothing) but cached like any reply: a
-  rerun gets the same fallback without paying (and parses it anew). A rerun pays only for the calls
-  whose requests got no reply (failed after their retries, or refused).
+- The openai client's retries are off (max_retries=0): the retry policy lives here and is tested.
+- A reply that `score_many`'s parser rejects is a failure; it is not retried (at temperature 0 the
+  same prompt mostly gets the same reply, so re-asking pays twice for nothing) but cached like any
+  reply: a rerun gets the same fallback without paying (and parses it anew). A rerun pays only for
+  the calls whose requests got no reply (failed after their retries, or refused).
 - The cache (reply_cache.py: an append-only JSONL file plus a bounded LRU in memory) keeps only
   key -> byte offset in RAM for the file, so a long run does not grow RAM with reply text.
-- Identical prompts in flight at once share one request (GRPO groups often repeat a completion); the
-  n samples of one prompt (complete_many n=) are n requests, each cached under its own index.
+- Identical prompts in flight at once share one request (GRPO groups often repeat a completion);
+  the n samples of one prompt (complete_many n=) are n requests, each cached under its own index.
 - The API key is read from the env var named by `api_key_env` only when a client is built; it is not
   stored in the config and is masked, with every header value, in every log line.
 """
@@ -52,28 +52,31 @@ log = logging.getLogger(__name__)
 
 
 # Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
-# Each call lands in exactly one of requests (a new usable reply), cache_hits (a reply from the cache
-# or from another call's request in flight) and failures (no usable reply: the caller's fallback);
-# sent counts the HTTP requests (retries included: what the server, its rate limit and the bill see).
+# Each call lands in exactly one of requests (a new usable reply), cache_hits (a reply from the
+# cache or from another call's request in flight) and failures (no usable reply: the caller's
+# fallback); sent counts the HTTP requests (retries included: what the server, its rate limit and
+# the bill see).
 STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "sent", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
-OUTAGE_SHARE = 0.9  # a step in which this share of the calls sent to the endpoint got no reply: a step down
+OUTAGE_SHARE = 0.9  # a step in which this share of the calls sent got no reply: a step down
 
 
 def _sendable(messages: list[dict]) -> list[dict]:
     """messages with each lone surrogate (a reply cut inside an emoji, legal in JSON) as U+FFFD: the
     openai client cannot encode one. The cache keys hash the messages as they were.
 
-    >>> _sendable([{"role": "user", "content": "cut " + chr(0xD83D)}])[0]["content"] == "cut " + chr(0xFFFD)
+    >>> _sendable([{"role": "user", "content": "cut " + chr(0xD83D)}])[0]["content"] == (
+    ...     "cut " + chr(0xFFFD))
     True
     """
     def fix(text):
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace") if isinstance(text, str) else text
+        return (text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+                if isinstance(text, str) else text)
     return [{k: fix(v) for k, v in m.items()} for m in messages]
 
 
 def _retry_after(headers) -> float | None:
-    """Seconds the server asks us to wait: retry-after-ms (OpenAI, Azure) first, then retry-after."""
+    """Seconds the server asks to wait: retry-after-ms (OpenAI, Azure) first, then retry-after."""
     for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
         try:
             value = float(headers.get(name)) * scale
@@ -88,29 +91,31 @@ def _looks_like_a_key(name: str) -> bool:
     """api_key_env holding a key rather than a variable's name: a provider's key prefix, or a long
     mix of lower case, upper case and digits (variable names are upper case by convention).
 
-    >>> _looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"), _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6")
+    >>> (_looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"),
+    ...  _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6"))
     (False, True, True)
     """
-    if re.fullmatch(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_][A-Za-z0-9_-]{8,}", name, re.I) and not name.isupper() \
-            and any(c.isdigit() for c in name):
+    if re.fullmatch(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_][A-Za-z0-9_-]{8,}", name, re.I) \
+            and not name.isupper() and any(c.isdigit() for c in name):
         return True
-    return len(name) >= 20 and "_" not in name and any(c.islower() for c in name) and any(c.isupper() for c in name) \
-        and any(c.isdigit() for c in name)
+    return len(name) >= 20 and "_" not in name and any(c.islower() for c in name) \
+        and any(c.isupper() for c in name) and any(c.isdigit() for c in name)
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-UNPARSED_LIMIT = 16  # score_many: this many replies without a usable score, and none with one, stop the run
-FAILED_LIMIT = 16  # this many requests failed (after their retries), and none answered, stop the run
+UNPARSED_LIMIT = 16  # score_many: this many unusable replies, and no usable one, stop the run
+FAILED_LIMIT = 16  # this many requests failed (after retries), and none answered, stop the run
 
 
-ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} references when a client is built
+ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} when a client is built
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
-    URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its first
-    FAILED_LIMIT requests all failed, or a judge's first UNPARSED_LIMIT replies held no usable score (its template): raised from
-    complete_many / score_many so that a run stops instead of training on nothing."""
+    URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its
+    first FAILED_LIMIT requests all failed, or a judge's first UNPARSED_LIMIT replies held no usable
+    score (its template): raised from complete_many / score_many so that a run stops instead of
+    training on nothing."""
 
 
 def _expand(value: str, key: str, section: str = "judge") -> str:
@@ -122,21 +127,23 @@ def _expand(value: str, key: str, section: str = "judge") -> str:
     'Bearer t0k'
     """
     if value == "***" or "://***@" in value:
-        raise ValueError(f"{section}: {key} holds '***', a secret masked when a run saved its config; put the "
-                         "secret in an environment variable and write it as ${NAME}")
+        raise ValueError(
+            f"{section}: {key} holds '***', a secret masked when a run saved its config; put the "
+            "secret in an environment variable and write it as ${NAME}")
     missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
     if missing:
-        raise ValueError(f"{section}: {key} reads ${{{missing[0]}}}, which is not set in the environment")
+        raise ValueError(f"{section}: {key} reads ${{{missing[0]}}}, which is not set in the "
+                         "environment")
     return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
 
 
 def run_sync(coro):
-    """The coroutine's result, from sync code; also when an event loop already runs in this thread."""
+    """The coroutine's result, from sync code; also when an event loop runs in this thread."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    # Called from inside a running loop (a notebook): asyncio.run refuses there, so use a private thread.
+    # Inside a running loop (a notebook): asyncio.run refuses there, so use a private thread.
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
 
@@ -145,48 +152,59 @@ class Judge:
     """Cached, rate-limited, retrying chat client; see the module docstring."""
 
     def __init__(self, cfg: JudgeConfig, label: str = "judge", key: str | None = None):
-        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api); key: its
-        config section, where hints send the user, when the label says more (None: the label). base_url,
-        azure_endpoint and model may read the environment as headers do: "${AZURE_OPENAI_ENDPOINT}"."""
+        """label: how warnings name this client (its config key: judge, judges.NAME, eval.api); key:
+        its config section, where hints send the user, when the label says more (None: the label).
+        base_url, azure_endpoint and model may read the environment as headers do:
+        "${AZURE_OPENAI_ENDPOINT}"."""
         section = key or label  # errors start with it: the caller's message as it stands
-        cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k, section) for k in ENV_FIELDS if getattr(cfg, k)})
+        cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k, section)
+                                          for k in ENV_FIELDS if getattr(cfg, k)})
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
-        for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):  # else every call fails, each counted
+        # else every call fails, each counted
+        for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):
             url = urlsplit(getattr(cfg, name) or "")
             if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"{section}: {name}={getattr(cfg, name)!r} is not an http(s) URL; give one such as "
-                                 "http://127.0.0.1:8000/v1 or https://api.openai.com/v1")
+                raise ValueError(f"{section}: {name}={getattr(cfg, name)!r} is not an http(s) URL; "
+                                 "give one such as http://127.0.0.1:8000/v1 or "
+                                 "https://api.openai.com/v1")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
-            raise ValueError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and score_max > score_min")
-        if not cfg.timeout_s > 0 or (cfg.requests_per_minute is not None and not cfg.requests_per_minute >= 0):
-            raise ValueError(f"{section}: need timeout_s > 0 (got {cfg.timeout_s}) and requests_per_minute >= 0 (0 or null: "
-                             f"no limit; got {cfg.requests_per_minute})")
+            raise ValueError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and "
+                             "score_max > score_min")
+        if not cfg.timeout_s > 0 or (cfg.requests_per_minute is not None
+                                     and not cfg.requests_per_minute >= 0):
+            raise ValueError(f"{section}: need timeout_s > 0 (got {cfg.timeout_s}) and "
+                             "requests_per_minute >= 0 (0 or null: no limit; "
+                             f"got {cfg.requests_per_minute})")
         if not _ENV_NAME.fullmatch(cfg.api_key_env or "") or _looks_like_a_key(cfg.api_key_env):
-            raise ValueError(f"{section}: api_key_env is the NAME of the environment variable that holds the key "
-                             "(e.g. OPENAI_API_KEY), not the key; export the key and name its variable")
-        self.headers = {h: _expand(v, f"extra_headers.{h}", section) for h, v in cfg.extra_headers.items()}
+            raise ValueError(f"{section}: api_key_env is the NAME of the environment variable that "
+                             "holds the key (e.g. OPENAI_API_KEY), not the key; export the key and "
+                             "name its variable")
+        self.headers = {h: _expand(v, f"extra_headers.{h}", section)
+                        for h, v in cfg.extra_headers.items()}
         self.cfg, self.label, self.key = cfg, label, key or label
-        self.fatal: str | None = None  # set by a reply no retry can fix (401, 403, 404, ...): the caller stops
-        self._unparsed_before_any = 0  # score_many: replies without a usable score, while none has had one (-1 after)
+        self.fatal: str | None = None  # a reply no retry fixes (401, 403, 404...): the caller stops
+        self._unparsed_before_any = 0  # score_many: unusable replies before a usable one (then -1)
         self._first_unparsed = ""  # the first of those replies, for the error
-        self._failed_before_any = 0  # requests that got no reply, while none has had one (-1 after): FAILED_LIMIT
+        self._failed_before_any = 0  # failed requests before any reply (then -1): FAILED_LIMIT
         self._first_failure = ""  # why the first of those failed, for the error
         self.last_failure = ""  # why the latest request failed, for the outage line
         self._last_failed: list[dict] | None = None  # its messages: what probe() asks again
-        self._asked = self._unanswered = 0  # this step's calls sent to the endpoint, and those without a reply
-        self.down_steps = 0  # steps in a row in which (nearly) every call sent got no reply (run.judge_outage)
+        self._asked = self._unanswered = 0  # this step's calls sent, and those without a reply
+        self.down_steps = 0  # steps in a row with (nearly) no call answered (run.judge_outage)
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
-        self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # the run's: in each checkpoint, put back on --resume
-        self._logged: set[str] = set()  # error kinds already logged this step (one line each, not one per call)
+        self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # run totals: checkpointed, back on --resume
+        self._logged: set[str] = set()  # error kinds logged this step: one line each, not per call
         self._next_slot = 0.0  # monotonic time the next request may start (requests_per_minute)
-        # Client, semaphore and in-flight table belong to one event loop; rebuilt when the loop changes.
+        # Client, semaphore and in-flight table belong to one event loop; rebuilt when it changes.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client = None
         self._sem: asyncio.Semaphore | None = None
         self._inflight: dict[str, asyncio.Future] = {}
-        self._requests: set[asyncio.Future] = set()  # every request task not yet done (shielded: they outlive a cancel)
-        self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0, label, self.key)
+        # every request task not yet done (shielded: they outlive a cancel)
+        self._requests: set[asyncio.Future] = set()
+        self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0,
+                                label, self.key)
 
     def __repr__(self) -> str:
         return (f"Judge(model={self.cfg.model!r}, endpoint={mask_urls(self._endpoint)!r}, "
@@ -198,11 +216,11 @@ class Judge:
 
     @property
     def key_missing(self) -> bool:
-        """api_key_env is unset while the endpoint is not on this machine: every call would be refused."""
+        """api_key_env is unset while the endpoint is not local: every call would be refused."""
         host = urlsplit(self._endpoint).hostname or ""
         return not self._key() and host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
-    # --- stats -------------------------------------------------------------------------------------
+    # --- stats ------------------------------------------------------------------------------------
     def add_stat(self, name: str, value: float = 1.0) -> None:
         self._step[name] += value
         self.totals[name] += value
@@ -225,13 +243,13 @@ class Judge:
             log.warning(self.masked(msg))
 
     def _key(self) -> str:
-        """The key in $api_key_env, without the newline a secret file or `echo` often leaves (sent with
-        it, the request never leaves the client)."""
+        """The key in $api_key_env, without the newline a secret file or `echo` often leaves
+        (sent with it, the request never leaves the client)."""
         return (os.environ.get(self.cfg.api_key_env) or "").strip()
 
     def masked(self, text: str) -> str:
         """text with the key, every header value (and each long word of one) and the user info of
-        every URL (http://user:pass@host) replaced by ***: servers echo a rejected key in their 401s."""
+        every URL (http://user:pass@host) replaced by ***: servers echo a rejected key in a 401."""
         secrets = [os.environ.get(self.cfg.api_key_env) or "", self._key()]
         for v in self.headers.values():
             secrets += [v, *(w for w in v.split() if len(w) >= 8)]
@@ -242,11 +260,12 @@ class Judge:
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
         try:
             self.cache.put(key, reply, usage)
-        except OSError as e:  # a full disk: the reply is paid for, so it is still used (raised, it was dropped)
-            self._warn_once("cachewrite", f"{self.label}: cannot write its cache {self.cfg.cache_path} ({e.strerror or e}): "
-                            "replies are used but not cached, so a rerun pays for them again; free space")
+        except OSError as e:  # a full disk: the paid reply is still used (raising would drop it)
+            self._warn_once("cachewrite", f"{self.label}: cannot write its cache "
+                            f"{self.cfg.cache_path} ({e.strerror or e}): replies are used but not "
+                            "cached, so a rerun pays for them again; free space")
 
-    # --- requests ----------------------------------------------------------------------------------
+    # --- requests ---------------------------------------------------------------------------------
     def _bind_loop(self) -> None:
         import openai  # imported on first use: runs without a judge do not need the package
         loop = asyncio.get_running_loop()
@@ -263,16 +282,17 @@ class Judge:
         self._loop, self._sem, self._inflight = loop, asyncio.Semaphore(cfg.max_concurrent), {}
 
     async def aclose(self) -> None:
-        """Close the HTTP client of the current loop (call it if you use acomplete in your own loop)."""
+        """Close the HTTP client of the current loop (call it after acomplete in your own loop)."""
         if self._client is not None:
             await self._client.close()
         self._client = self._loop = None
 
     async def acomplete(self, messages: list[dict]) -> str | None:
-        """One chat completion (cached, rate-limited, retried); None after a fault, never raises for one."""
+        """One chat completion (cached, rate-limited, retried); a fault gives None, never raises."""
         return await self._acomplete(messages, None)
 
-    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None, sample: int = 0) -> str | None:
+    async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None,
+                         sample: int = 0) -> str | None:
         self._bind_loop()
         self.add_stat("calls")
         key = self._cache_key(messages, sample)
@@ -299,8 +319,9 @@ class Judge:
         return self._counted(reply, accept, "cache_hits" if shared else "requests")
 
     def _counted(self, reply: str | None, accept, answered: str) -> str | None:
-        """reply, its call counted in exactly one of `answered` (requests, cache_hits) and failures: a
-        call without a reply, or with one `accept` rejects (score_many's parser), gets the fallback."""
+        """reply, its call counted in exactly one of `answered` (requests, cache_hits) and failures:
+        a call without a reply, or with one `accept` rejects (score_many's parser), gets the
+        fallback."""
         usable = reply is not None and (accept is None or accept(reply))
         self.add_stat(answered if usable else "failures")
         return reply
@@ -320,59 +341,71 @@ class Judge:
                 return None
             try:
                 async with self._sem:
-                    # the rate slot is taken once a connection is free: taken before, the slots of those
-                    # that waited for one would all have passed, and they would start at once
+                    # the rate slot is taken once a connection is free: taken before, the slots of
+                    # those that waited for one would all have passed, and they would start at once
                     await self._rate_slot()
                     if self.fatal:
                         return None
                     self.add_stat("sent")
                     resp = await asyncio.wait_for(self._client.chat.completions.create(
                         model=cfg.model, messages=_sendable(messages), **options), cfg.timeout_s)
-            except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # includes APITimeoutError
+            except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError too
                 why, wait = type(e).__name__, None
             except openai.APIStatusError as e:
                 code, text = getattr(e, "code", None), str(e.message)
-                no_credit = (e.status_code == 429 and code == "insufficient_quota") or e.status_code == 402  # OpenAI's, OpenRouter's
-                flagged = e.status_code == 403 and ("flagged" in text.lower() or "moderation" in text.lower())  # one request's
+                no_credit = ((e.status_code == 429 and code == "insufficient_quota")  # OpenAI's
+                             or e.status_code == 402)  # OpenRouter's
+                flagged = e.status_code == 403 and ("flagged" in text.lower()  # one request's
+                                                    or "moderation" in text.lower())
                 if not (e.status_code in (408, 429) or e.status_code >= 500) or no_credit:
-                    msg = f"{self.label}: HTTP {e.status_code} from {self._endpoint}, not retried: {self.masked(text)[:300]}"
-                    unsupported = e.status_code == 400 and code in ("unsupported_parameter", "unsupported_value")
-                    if (e.status_code in (401, 403, 404) and not flagged or no_credit or unsupported) and self.fatal is None:
-                        hint = (f"; reasoning models (o-series, GPT-5) take {self.key}.token_param: max_completion_tokens "
-                                f"and {self.key}.temperature: null" if unsupported else
-                                f" (out of credit at {self._endpoint}: top up the account or use another key)" if no_credit else
-                                f" (check {self.key}'s base_url, model and the key in ${cfg.api_key_env})")
-                        self.fatal = self.masked(" ".join(msg.split()) + hint)  # a key, model, URL, bill or request to fix
+                    msg = (f"{self.label}: HTTP {e.status_code} from {self._endpoint}, "
+                           f"not retried: {self.masked(text)[:300]}")
+                    unsupported = e.status_code == 400 and code in ("unsupported_parameter",
+                                                                    "unsupported_value")
+                    if (e.status_code in (401, 403, 404) and not flagged or no_credit
+                            or unsupported) and self.fatal is None:
+                        hint = (f"; reasoning models (o-series, GPT-5) take "
+                                f"{self.key}.token_param: max_completion_tokens and "
+                                f"{self.key}.temperature: null" if unsupported else
+                                f" (out of credit at {self._endpoint}: top up the account or use "
+                                "another key)" if no_credit else
+                                f" (check {self.key}'s base_url, model and the key in "
+                                f"${cfg.api_key_env})")
+                        # a key, model, URL, bill or request to fix
+                        self.fatal = self.masked(" ".join(msg.split()) + hint)
                     self._warn_once(f"http{e.status_code}", msg)
                     self._note_failure(msg)
                     return None
                 why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
             except openai.APIError as e:  # a 200 whose body is not a chat completion
-                self._warn_once("badbody", f"{self.label}: unusable response from {self._endpoint}: {type(e).__name__}")
+                self._warn_once("badbody", f"{self.label}: unusable response from "
+                                f"{self._endpoint}: {type(e).__name__}")
                 self._note_failure(f"an unusable response ({type(e).__name__})")
                 return None
-            except json.JSONDecodeError:  # a 200 labelled JSON whose body is not (a cut body): the SDK's json() raised
+            except json.JSONDecodeError:  # a 200 whose JSON body is cut: the SDK's json() raised
                 why, wait = "a response that is not JSON", None
             else:
-                if not isinstance(resp, str):  # the SDK hands back the text of a non-JSON content type (a proxy's page)
+                if not isinstance(resp, str):  # str: the text of a non-JSON reply (a proxy's page)
                     return self._take_response(key, resp)
                 why, wait = "a response that is not JSON", None
             if attempt < cfg.max_retries:
-                if wait is None:  # jitter spreads a burst of 429s so the retries do not land in lockstep
-                    wait = min(cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0), cfg.backoff_max_s)
+                if wait is None:  # jitter spreads a burst of 429s: retries do not land in lockstep
+                    wait = min(cfg.backoff_s * 2 ** attempt * random.uniform(0.5, 1.0),
+                               cfg.backoff_max_s)
                 await asyncio.sleep(min(wait, cfg.retry_after_max_s))
         tries = f"{cfg.max_retries + 1} tr{'y' if cfg.max_retries == 0 else 'ies'}"
-        self._warn_once(f"gaveup:{why}", f"{self.label}: {self._endpoint} failed {tries}, last {why}")
+        self._warn_once(f"gaveup:{why}",
+                        f"{self.label}: {self._endpoint} failed {tries}, last {why}")
         self._note_failure(f"{tries}, the last {why}")
         return None
 
     @property
     def first_failure(self) -> str:
-        """Why the first request failed, if it failed before any request had a reply ("" otherwise)."""
+        """Why the first request failed, if it failed before any reply ("" otherwise)."""
         return self._first_failure
 
     def _note_failure(self, why: str) -> None:
-        """A request that got no reply; FAILED_LIMIT of them before any reply stop the run (_gather)."""
+        """A request that got no reply; FAILED_LIMIT before any reply stop the run (_gather)."""
         self.last_failure = why
         if self._failed_before_any >= 0:
             self._failed_before_any += 1
@@ -390,57 +423,68 @@ class Judge:
 
     def _take_response(self, key: str, resp) -> str | None:
         usage = getattr(resp, "usage", None)
-        p, c = int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
-        cached = int(getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", 0) or 0)
-        cached_price = self.cfg.price_prompt_per_m if self.cfg.price_cached_prompt_per_m is None else self.cfg.price_cached_prompt_per_m
+        p, c = (int(getattr(usage, "prompt_tokens", 0) or 0),
+                int(getattr(usage, "completion_tokens", 0) or 0))
+        cached = int(getattr(getattr(usage, "prompt_tokens_details", None),
+                             "cached_tokens", 0) or 0)
+        cached_price = (self.cfg.price_prompt_per_m if self.cfg.price_cached_prompt_per_m is None
+                        else self.cfg.price_cached_prompt_per_m)
         self.add_stat("prompt_tokens", p)
         self.add_stat("completion_tokens", c)
-        self.add_stat("cost_usd", ((p - cached) * self.cfg.price_prompt_per_m + cached * cached_price
+        self.add_stat("cost_usd", ((p - cached) * self.cfg.price_prompt_per_m
+                                   + cached * cached_price
                                    + c * self.cfg.price_completion_per_m) / 1e6)
         if usage is None and (self.cfg.price_prompt_per_m or self.cfg.price_completion_per_m):
-            self._warn_once("nousage", f"{self.label}: {self._endpoint} sent no token usage; judge_cost_usd leaves those replies out")
+            self._warn_once("nousage", f"{self.label}: {self._endpoint} sent no token usage; "
+                            "judge_cost_usd leaves those replies out")
         try:
             choice = resp.choices[0]
             reply, finish = choice.message.content, choice.finish_reason
         except (AttributeError, IndexError, TypeError):
             reply, finish = None, None
         if not isinstance(reply, str) or (not reply.strip() and finish == "length"):
-            why = (f"its reply was cut at {self.cfg.token_param}={self.cfg.max_tokens} before any answer (a reasoning "
-                   f"model's thinking counts): raise {self.key}.max_tokens" if finish == "length" else "it had no text content")
-            self._warn_once("nocontent", f"{self.label}: a response from {self._endpoint} was unusable: {why}")
+            why = (f"its reply was cut at {self.cfg.token_param}={self.cfg.max_tokens} before any "
+                   f"answer (a reasoning model's thinking counts): raise {self.key}.max_tokens"
+                   if finish == "length" else "it had no text content")
+            self._warn_once("nocontent",
+                            f"{self.label}: a response from {self._endpoint} was unusable: {why}")
             self._note_failure(why)
             return None
         self._failed_before_any = -1
         if finish == "length":  # some text, cut at max_tokens: eval.py reports it as truncated
             self.cache.cut.add(key)
-        # every reply is cached, one the caller cannot use too: at temperature 0 asking again mostly gets
-        # it again, so a rerun reproduces its fallback (parsed anew: a fixed parser may read it) for free
+        # every reply is cached, one the caller cannot use too: at temperature 0 asking again mostly
+        # gets it again, so a rerun reproduces its fallback (parsed anew: a fixed parser may read
+        # it) for free
         self._cache_put(key, reply, {"prompt_tokens": p, "completion_tokens": c})
         return reply
 
-    async def _gather(self, message_lists: list[list[dict]], accept, samples: list[int] | None = None) -> list[str | None]:
+    async def _gather(self, message_lists: list[list[dict]], accept,
+                      samples: list[int] | None = None) -> list[str | None]:
         samples = samples or [0] * len(message_lists)
         try:
-            replies = await asyncio.gather(*(self._acomplete(m, accept, i) for m, i in zip(message_lists, samples, strict=True)))
+            replies = await asyncio.gather(*(self._acomplete(m, accept, i)
+                                             for m, i in zip(message_lists, samples, strict=True)))
         finally:
-            loop = asyncio.get_running_loop()  # interrupted (Ctrl-C): this loop's requests still out
+            loop = asyncio.get_running_loop()  # on Ctrl-C: this loop's requests still out
             pending = [f for f in self._requests if not f.done() and f.get_loop() is loop]
             for f in pending:
                 f.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            await self.aclose()  # the client's connections belong to this loop, which asyncio.run ends
+            await self.aclose()  # its connections belong to this loop, which asyncio.run ends
         if self.fatal:
             raise JudgeUnusable(self.fatal)
         if self._failed_before_any >= FAILED_LIMIT:
-            self.fatal = self.masked(f"{self.label}: none of its first {self._failed_before_any} requests to "
-                                     f"{self._endpoint} got a reply (the first: {self._first_failure[:300]}); "
-                                     "fix the endpoint or the request settings before paying for more")
-            raise JudgeUnusable(self.fatal)  # and it sends nothing more (a later model's scoring in eval.py)
+            self.fatal = self.masked(
+                f"{self.label}: none of its first {self._failed_before_any} requests to "
+                f"{self._endpoint} got a reply (the first: {self._first_failure[:300]}); "
+                "fix the endpoint or the request settings before paying for more")
+            raise JudgeUnusable(self.fatal)  # and sends nothing more (to later models in eval.py)
         return replies
 
     def probe(self) -> bool:
-        """Whether the endpoint answers now: the last request that got no reply, sent once more, with
-        no retries (run.judge_outage waits with it). Counted as any call; JudgeUnusable if refused."""
+        """Whether the endpoint answers: the last request without a reply, sent once more without
+        retries (run.judge_outage waits with it). Counted as any call; JudgeUnusable if refused."""
         messages = self._last_failed or [{"role": "user", "content": "Reply with one word."}]
         cfg, self.cfg = self.cfg, dataclasses.replace(self.cfg, max_retries=0)
         try:
@@ -460,32 +504,39 @@ class Judge:
         return [self._cache_key(m, i) for m in message_lists for i in range(n)]
 
     def _cache_key(self, messages: list[dict], sample: int = 0) -> str:
-        """What a request's reply is cached under: this client's model and sampling settings, and the messages."""
-        return cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens, self.cfg.extra_body, sample)
+        """What a request's reply is cached under: this client's model and sampling settings, and
+        the messages."""
+        return cache_key(self.cfg.model, messages, self.cfg.temperature, self.cfg.max_tokens,
+                         self.cfg.extra_body, sample)
 
     def cached(self, message_lists: list[list[dict]], n: int = 1) -> int:
         """How many of complete_many(message_lists, n)'s requests the cache would answer (free)."""
         return sum(k in self.cache for k in self._keys(message_lists, n))
 
     def was_cut(self, message_lists: list[list[dict]], n: int = 1) -> list[bool]:
-        """Whether each of complete_many(message_lists, n)'s replies was cut at max_tokens (now or when cached)."""
+        """Whether each of complete_many(message_lists, n)'s replies was cut at max_tokens (now or
+        when cached)."""
         return [k in self.cache.cut for k in self._keys(message_lists, n)]
 
     def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
-        """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or None);
-        a reply it rejects -> None, counted as a failure (cached, as every reply). When the judge's first
-        UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable: the template or the
-        score range is wrong for this model, and paying for more calls would train on fallbacks. Once
-        one reply has scored, an unusable reply is only counted (the caller's fallback)."""
+        """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or
+        None); a reply it rejects -> None, counted as a failure (cached, as every reply). When the
+        judge's first UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable: the
+        template or the score range is wrong for this model, and paying for more calls would train
+        on fallbacks. Once one reply has scored, an unusable reply is only counted (the caller's
+        fallback)."""
         lo, hi = self.cfg.score_min, self.cfg.score_max
         replies = run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
         scores = [None if r is None else parse(r, lo, hi) for r in replies]
-        criteria = getattr(parse, "keywords", {}).get("criteria")  # judge_reward's partial(parse_score, criteria=...)
+        # judge_reward's partial(parse_score, criteria=...)
+        criteria = getattr(parse, "keywords", {}).get("criteria")
         want = getattr(parse, "want", None) or (  # a parser may say what it reads (judge.parse_met)
-            f"a number in [{lo:g}, {hi:g}]" + (f" for each of {', '.join(criteria)} (JSON)" if criteria else ""))
+            f"a number in [{lo:g}, {hi:g}]"
+            + (f" for each of {', '.join(criteria)} (JSON)" if criteria else ""))
         for r, s in zip(replies, scores):
             if r is not None and s is None:  # counted in failures by _counted
-                self._warn_once("unparsable", f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
+                self._warn_once("unparsable",
+                                f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
                 if self._unparsed_before_any >= 0:
                     self._unparsed_before_any += 1
                     self._first_unparsed = self._first_unparsed or r[:160]
@@ -493,6 +544,7 @@ class Judge:
                 self._unparsed_before_any = -1
         if self._unparsed_before_any >= UNPARSED_LIMIT:
             raise JudgeUnusable(self.masked(
-                f"{self.label}: none of its first {self._unparsed_before_any} replies held a usable score (want {want}; the "
-                f"first was {self._first_unparsed!r}); fix its template (it must ask for that) or score_min / score_max"))
+                f"{self.label}: none of its first {self._unparsed_before_any} replies held a "
+                f"usable score (want {want}; the first was {self._first_unparsed!r}); fix its "
+                "template (it must ask for that) or score_min / score_max"))
         return scores

@@ -1,7 +1,7 @@
 """A judge that stops answering mid-run (run.judge_outage): wait for it, or checkpoint and stop.
 
     name = outage.down(judges, cfg.run.judge_outage_steps)   # a judge down that many steps in a row
-    back = outage.wait(judges[name], seconds=30 * 60)        # ask it again, with backoff, until it answers
+    back = outage.wait(judges[name], seconds=30 * 60)        # retry with backoff until it answers
 
 A step in which a judge got no reply to (nearly) every call it sent (client.OUTAGE_SHARE) is a step
 down; a step answered from the cache alone says nothing. Without this, a judge killed mid-run leaves
@@ -57,7 +57,7 @@ def wait(judge: Judge, seconds: float) -> bool:
 
 
 def stop_line(judge: Judge, step: int, run_dir, resume: str) -> str:
-    """The one line a run stopped by an outage ends with: the judge, its last error, how to go on."""
-    return (f"error: {judge.label} got no reply to its calls for {judge.down_steps} step(s) in a row "
-            f"(the last: {judge.masked(judge.last_failure)}); checkpoint saved at step {step} in "
-            f"{run_dir}; once it answers, go on with: {judge.masked(resume)}")
+    """The line a run stopped by an outage ends with: the judge, its last error, how to go on."""
+    return (f"error: {judge.label} got no reply to its calls for {judge.down_steps} step(s) in a "
+            f"row (the last: {judge.masked(judge.last_failure)}); checkpoint saved at step {step} "
+            f"in {run_dir}; once it answers, go on with: {judge.masked(resume)}")

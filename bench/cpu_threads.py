@@ -41,17 +41,19 @@ def run_case(tmp: Path, name: str, n: int, env: dict, extra: list[str]) -> list[
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     if any(p.wait() for p in procs):
         raise SystemExit(f"{name}: a run failed")
-    return [json.loads(line)["step_time"] for d in dirs for line in (d / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)["step_time"]
+            for d in dirs for line in (d / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help, and nothing else
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help only
     with tempfile.TemporaryDirectory() as tmp:
         medians = {}
         for name, n, env, extra in CASES:
             times = run_case(Path(tmp), name, n, env, extra)
             medians[name] = statistics.median(times)
-            print(f"{name:16s} median step {medians[name]:6.2f} s   steps {[round(t, 1) for t in times]}", flush=True)
+            print(f"{name:16s} median step {medians[name]:6.2f} s   "
+                  f"steps {[round(t, 1) for t in times]}", flush=True)
     print(f"alone PASSIVE / alone:      {medians['alone PASSIVE'] / medians['alone']:.2f}x")
     print(f"pair / alone:               {medians['pair'] / medians['alone']:.2f}x")
     print(f"pair threads=1 / pair:      {medians['pair threads=1'] / medians['pair']:.2f}x")

@@ -1,9 +1,9 @@
 """Side-by-side micro-benchmarks of minigrpo's speed levers against the alternative they replace,
 in one run, reported as ratios. Not part of the test suite.
 
-    .venv/bin/python bench/levers.py                     # logprob lever, CPU, SmolLM2's vocabulary (49,152)
+    .venv/bin/python bench/levers.py  # logprob lever, CPU, SmolLM2's vocabulary (49,152)
     .venv/bin/python bench/levers.py --device cuda --vocab 151936 --rows 4096 --dtype bfloat16
-    .venv/bin/python bench/levers.py --lever generate [--compile]   # the built-in SmolLM2 + LoRA r=16
+    .venv/bin/python bench/levers.py --lever generate [--compile]  # built-in SmolLM2 + LoRA r=16
     .venv/bin/python bench/levers.py --lever microbatch
     .venv/bin/python bench/levers.py --lever fusedhead
     .venv/bin/python bench/levers.py --lever share [--context-words 300]
@@ -30,9 +30,9 @@ Levers measured:
             forward + backward of that rollout in micro-batches of 8, alternating after a warm-up.
             --context-words N puts an N-word passage before each question (document-grounded
             prompts, where most tokens are prompt).
-  entropy   the cost of the logged `entropy` (rollout.EntropyMeter, a softmax over the vocabulary per
-            decoding step): HF generate of B=4 prompts x G=8 x 64 fixed new tokens with and without
-            it, alternating after a warm-up.
+  entropy   the cost of the logged `entropy` (rollout.EntropyMeter, a softmax over the vocabulary
+            per decoding step): HF generate of B=4 prompts x G=8 x 64 fixed new tokens with and
+            without it, alternating after a warm-up.
 """
 from __future__ import annotations
 
@@ -84,21 +84,25 @@ def measure(fn, logits, ids, args, reps: int) -> tuple[float, float]:
 
 
 def cpu_peak_rss_mb(name: str, args) -> float:
-    """Peak RSS of a fresh process that makes the inputs and runs 3 fwd+bwd of one implementation."""
-    code = (f"import sys, resource, torch; sys.path[:0] = [{str(Path(__file__).parent)!r}]; import levers; "
-            f"g = torch.Generator().manual_seed(0); x = torch.randn({args.rows}, {args.vocab}, generator=g); "
+    """Peak RSS of a fresh process that makes the inputs, runs 3 fwd+bwd of one implementation."""
+    code = (f"import sys, resource, torch; sys.path[:0] = [{str(Path(__file__).parent)!r}]; "
+            f"import levers; g = torch.Generator().manual_seed(0); "
+            f"x = torch.randn({args.rows}, {args.vocab}, generator=g); "
             f"ids = torch.randint(0, {args.vocab}, ({args.rows},), generator=g); "
             f"fn = levers.{name}\n"
-            f"for _ in range(3): fn(x.clone().requires_grad_(), ids, {args.temperature}, {args.chunk}).sum().backward()\n"
+            f"for _ in range(3): fn(x.clone().requires_grad_(), ids, {args.temperature}, "
+            f"{args.chunk}).sum().backward()\n"
             f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1])
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True).stdout.split()[-1])
 
 
 def builtin_policy():
     from config import LoraConfig, ModelConfig
     from model import load_policy
     torch.manual_seed(0)
-    return load_policy(ModelConfig(name="smollm2-135m"), LoraConfig(r=16, alpha=32), torch.device("cpu"))
+    return load_policy(ModelConfig(name="smollm2-135m"), LoraConfig(r=16, alpha=32),
+                       torch.device("cpu"))
 
 
 def generate_lever(args) -> None:
@@ -110,7 +114,8 @@ def generate_lever(args) -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
-    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
+    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.")
+               for a in range(4)]
 
     def once(merged: bool) -> float:
         t0 = time.perf_counter()  # the merge and the restore are timed too
@@ -123,15 +128,18 @@ def generate_lever(args) -> None:
     for _ in range(args.reps // 2 or 1):  # alternating
         times["peft LoRA layers (default)"].append(once(False))
         times["merged_for_sampling"].append(once(True))
-    print(f"generate lever: SmolLM2-135M + LoRA r=16 (all linear), 4 prompts x 8 x 64 tokens, fp32 CPU, "
-          f"{torch.get_num_threads()} threads; seconds per rollout incl. merge and restore, alternating after a warm-up")
+    print(f"generate lever: SmolLM2-135M + LoRA r=16 (all linear), 4 prompts x 8 x 64 tokens, "
+          f"fp32 CPU, {torch.get_num_threads()} threads; seconds per rollout incl. merge and "
+          "restore, alternating after a warm-up")
     for k, v in times.items():
-        print(f"  {k:28s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
+        print(f"  {k:28s} " + " ".join(f"{t:6.2f}" for t in v)
+              + f"   median {statistics.median(v):.2f} s")
     a, b = (statistics.median(v) for v in times.values())
     print(f"  ratio merged / default {b / a:.3f}")
     model.generation_config.cache_implementation = "static"
     static = [once(False) for _ in range(3)]
-    print(f"  static KV cache (default layers) {' '.join(f'{t:6.2f}' for t in static)}   ratio to default {statistics.median(static) / a:.3f}")
+    print(f"  static KV cache (default layers) {' '.join(f'{t:6.2f}' for t in static)}   "
+          f"ratio to default {statistics.median(static) / a:.3f}")
     if args.compile:
         base = model.get_base_model()
         base.forward = torch.compile(base.forward, dynamic=False)
@@ -149,13 +157,15 @@ def microbatch_lever(args) -> None:
     for size in (8, 16, 32) * 3:  # alternating; the first round is warm-up
         t0 = time.perf_counter()
         for s in range(0, 32, size):
-            logprobs.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64, 1.0).sum().backward()
+            logprobs.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64,
+                                        1.0).sum().backward()
         times.setdefault(size, []).append(time.perf_counter() - t0)
-    print(f"microbatch lever: fwd+bwd of 32 x 110 tokens (64 scored), SmolLM2-135M + LoRA r=16, fp32 CPU, "
-          f"{torch.get_num_threads()} threads; median of rounds 2-3")
+    print(f"microbatch lever: fwd+bwd of 32 x 110 tokens (64 scored), SmolLM2-135M + LoRA r=16, "
+          f"fp32 CPU, {torch.get_num_threads()} threads; median of rounds 2-3")
     base = statistics.median(times[8][1:])
     for size, t in times.items():
-        print(f"  micro-batch {size:2d}: {statistics.median(t[1:]):6.2f} s  ratio to 8: {statistics.median(t[1:]) / base:.3f}")
+        print(f"  micro-batch {size:2d}: {statistics.median(t[1:]):6.2f} s  "
+              f"ratio to 8: {statistics.median(t[1:]) / base:.3f}")
 
 
 def fusedhead_step(fused: bool, reps: int, chunk: int = 4096) -> list[float]:
@@ -165,7 +175,8 @@ def fusedhead_step(fused: bool, reps: int, chunk: int = 4096) -> list[float]:
     out = []
     for _ in range(reps + 1):  # the first is warm-up
         t0 = time.perf_counter()
-        logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk, fused_head=fused).sum().backward()
+        logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk,
+                                    fused_head=fused).sum().backward()
         out.append(time.perf_counter() - t0)
     return out[1:]
 
@@ -174,22 +185,26 @@ def fusedhead_lever(args) -> None:
     model_times = {False: [], True: []}
     for _ in range(2):  # alternating processes; each process's peak RSS is its mode's
         for fused in (False, True):
-            code = (f"import sys, resource; sys.path[:0] = [{str(Path(__file__).parent)!r}]; import levers; "
+            code = (f"import sys, resource; sys.path[:0] = [{str(Path(__file__).parent)!r}]; "
+                    "import levers; "
                     f"t = levers.fusedhead_step({fused}, {args.reps}, {args.chunk}); "
                     f"print(*t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
-            vals = [float(x) for x in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+            vals = [float(x) for x in subprocess.run([sys.executable, "-c", code],
+                                                     capture_output=True, text=True,
                                                      check=True).stdout.split()]
             model_times[fused].append((vals[:-1], vals[-1]))
-    print(f"fusedhead lever: one micro-batch fwd+bwd, 8 x 110 tokens (64 scored), SmolLM2-135M (V=49152) + LoRA r=16, "
-          f"fp32 CPU, {torch.get_num_threads()} threads, logprob chunk {args.chunk} rows; 2 processes per mode, "
-          f"{args.reps} timed calls each after a warm-up")
+    print(f"fusedhead lever: one micro-batch fwd+bwd, 8 x 110 tokens (64 scored), SmolLM2-135M "
+          f"(V=49152) + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads, logprob chunk "
+          f"{args.chunk} rows; 2 processes per mode, {args.reps} timed calls each after a warm-up")
     stats = {}
     for fused, runs in model_times.items():
         t = statistics.median(x for ts, _ in runs for x in ts)
         rss = max(r for _, r in runs)
         stats[fused] = (t, rss)
-        print(f"  {'fused head' if fused else 'logits (default)':18s} {t:6.2f} s   peak RSS {rss:7.1f} MB")
-    print(f"  ratio fused / default: time {stats[True][0] / stats[False][0]:.3f}, peak RSS {stats[True][1] / stats[False][1]:.3f}")
+        print(f"  {'fused head' if fused else 'logits (default)':18s} {t:6.2f} s   "
+              f"peak RSS {rss:7.1f} MB")
+    print(f"  ratio fused / default: time {stats[True][0] / stats[False][0]:.3f}, "
+          f"peak RSS {stats[True][1] / stats[False][1]:.3f}")
 
 
 def share_lever(args) -> None:
@@ -198,14 +213,17 @@ def share_lever(args) -> None:
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.01)
-    passage = " ".join(f"Fact {i}: the value of item {i} is {3 * i + 1}." for i in range(args.context_words // 8 + 1))
+    passage = " ".join(f"Fact {i}: the value of item {i} is {3 * i + 1}."
+                       for i in range(args.context_words // 8 + 1))
     passage = " ".join(passage.split()[:args.context_words])
-    prompts = [rollout.render_prompt(tok, (passage + "\n\n" if passage else "") + f"What is {a} + {a + 3}? Reply with just the number.")
+    prompts = [rollout.render_prompt(tok, (passage + "\n\n" if passage else "")
+                                     + f"What is {a} + {a + 3}? Reply with just the number.")
                for a in range(4)]
 
     def sample(share: bool) -> tuple[float, rollout.Rollout]:
         t0 = time.perf_counter()
-        r = rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=share)
+        r = rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True,
+                                     share_prompt=share)
         return time.perf_counter() - t0, r
 
     def train(share: bool, r: rollout.Rollout) -> float:
@@ -213,8 +231,9 @@ def share_lever(args) -> None:
         ids, attn = r.input_ids, r.attention_mask
         t0 = time.perf_counter()
         for s in range(0, ids.shape[0], 8):
-            logprobs.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8], r.completion_ids.shape[1], 1.0,
-                                    share_prompt=share).sum().backward()
+            logprobs.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8],
+                                        r.completion_ids.shape[1], 1.0,
+                                        share_prompt=share).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
@@ -227,74 +246,94 @@ def share_lever(args) -> None:
         times["train"].append(train(False, r))
         times["train shared"].append(train(True, r))
     P = int(r.prompt_mask[0].sum())
-    print(f"share lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; 4 prompts of ~{P} tokens "
-          f"x G=8 x 64 fixed new tokens; training fwd+bwd in micro-batches of 8; seconds, alternating after a warm-up")
+    print(f"share lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; "
+          f"4 prompts of ~{P} tokens x G=8 x 64 fixed new tokens; training fwd+bwd in "
+          "micro-batches of 8; seconds, alternating after a warm-up")
     for k, v in times.items():
-        print(f"  {k:15s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
+        print(f"  {k:15s} " + " ".join(f"{t:6.2f}" for t in v)
+              + f"   median {statistics.median(v):.2f} s")
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"  ratio shared / one pass per row: rollout {med['rollout shared'] / med['rollout']:.3f}, "
-          f"training {med['train shared'] / med['train']:.3f}, both {(med['rollout shared'] + med['train shared']) / (med['rollout'] + med['train']):.3f}")
+    print(f"  ratio shared / one pass per row: rollout {med['rollout shared'] / med['rollout']:.3f}"
+          f", training {med['train shared'] / med['train']:.3f}, both "
+          f"{(med['rollout shared'] + med['train shared']) / (med['rollout'] + med['train']):.3f}")
 
 
 def entropy_lever(args) -> None:
     model, tok = builtin_policy()
-    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.") for a in range(4)]
+    prompts = [rollout.render_prompt(tok, f"What is {a} + {a + 3}? Reply with just the number.")
+               for a in range(4)]
 
     def sample(entropy: bool) -> float:
         t0 = time.perf_counter()
-        rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True, share_prompt=True, entropy=entropy)
+        rollout.generate_rollout(model, tok, prompts, 8, 64, 1.0, ignore_eos=True,
+                                 share_prompt=True, entropy=entropy)
         return time.perf_counter() - t0
     sample(False), sample(True)  # warm-up
     times = {"without": [], "with entropy": []}
     for _ in range(args.reps // 2 or 1):  # alternating
         times["without"].append(sample(False))
         times["with entropy"].append(sample(True))
-    print(f"entropy lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; 4 prompts x G=8 x 64 "
-          "fixed new tokens; seconds, alternating after a warm-up")
+    print(f"entropy lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; "
+          "4 prompts x G=8 x 64 fixed new tokens; seconds, alternating after a warm-up")
     for k, v in times.items():
-        print(f"  {k:13s} " + " ".join(f"{t:6.2f}" for t in v) + f"   median {statistics.median(v):.2f} s")
-    print(f"  ratio with / without: {statistics.median(times['with entropy']) / statistics.median(times['without']):.3f}")
+        print(f"  {k:13s} " + " ".join(f"{t:6.2f}" for t in v)
+              + f"   median {statistics.median(v):.2f} s")
+    print(f"  ratio with / without: "
+          f"{statistics.median(times['with entropy']) / statistics.median(times['without']):.3f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lever", default="logprob", choices=["logprob", "generate", "microbatch", "fusedhead", "share", "entropy"])
-    ap.add_argument("--compile", action="store_true", help="generate: also time torch.compile (slow to compile)")
+    ap.add_argument("--lever", default="logprob",
+                    choices=["logprob", "generate", "microbatch", "fusedhead", "share", "entropy"])
+    ap.add_argument("--compile", action="store_true",
+                    help="generate: also time torch.compile (slow to compile)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--rows", type=int, default=8 * 64, help="completion tokens in a micro-batch (8 x 64)")
+    ap.add_argument("--rows", type=int, default=8 * 64,
+                    help="completion tokens in a micro-batch (8 x 64)")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--context-words", type=int, default=0, help="share: words of passage before each question")
+    ap.add_argument("--context-words", type=int, default=0,
+                    help="share: words of passage before each question")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.lever != "logprob":
-        return {"generate": generate_lever, "microbatch": microbatch_lever, "fusedhead": fusedhead_lever,
-                "share": share_lever, "entropy": entropy_lever}[args.lever](args)
+        return {"generate": generate_lever, "microbatch": microbatch_lever,
+                "fusedhead": fusedhead_lever, "share": share_lever,
+                "entropy": entropy_lever}[args.lever](args)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(args.rows, args.vocab, generator=g).to(args.device, getattr(torch, args.dtype))
+    logits = torch.randn(args.rows, args.vocab,
+                         generator=g).to(args.device, getattr(torch, args.dtype))
     ids = torch.randint(0, args.vocab, (args.rows,), generator=g).to(args.device)
     a = checkpointed_expression(logits.float(), ids, args.temperature, args.chunk)
     b = hand_written(logits.float(), ids, args.temperature, args.chunk)
     assert torch.allclose(a, b, atol=1e-5), "the two implementations disagree"
     results = {}
-    for name, fn in (("checkpointed expression", checkpointed_expression), ("hand-written backward", hand_written),
-                     ("checkpointed expression ", checkpointed_expression), ("hand-written backward ", hand_written)):
+    for name, fn in (("checkpointed expression", checkpointed_expression),
+                     ("hand-written backward", hand_written),
+                     ("checkpointed expression ", checkpointed_expression),
+                     ("hand-written backward ", hand_written)):
         t, m = measure(fn, logits, ids, args, args.reps)  # each measured twice, alternating
         results.setdefault(name.strip(), []).append((t, m))
-    print(f"logprob lever: {args.rows} rows x V={args.vocab}, {args.dtype} on {args.device}, chunk {args.chunk}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.reps} fwd+bwd, 2 alternations")
-    rows = {k: (statistics.median(t for t, _ in v), max(m for _, m in v)) for k, v in results.items()}
+    print(f"logprob lever: {args.rows} rows x V={args.vocab}, {args.dtype} on {args.device}, "
+          f"chunk {args.chunk}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"median of {args.reps} fwd+bwd, 2 alternations")
+    rows = {k: (statistics.median(t for t, _ in v), max(m for _, m in v))
+            for k, v in results.items()}
     if args.device == "cpu":
-        rows = {k: (t, cpu_peak_rss_mb(fn, args)) for (k, (t, _)), fn in zip(rows.items(), ("checkpointed_expression", "hand_written"))}
+        rows = {k: (t, cpu_peak_rss_mb(fn, args)) for (k, (t, _)), fn
+                in zip(rows.items(), ("checkpointed_expression", "hand_written"))}
     for k, (t, m) in rows.items():
-        print(f"  {k:24s} {t * 1000:8.1f} ms" + ("" if m != m else f"  peak {m:8.1f} MB" + (" RSS" if args.device == "cpu" else "")))
+        print(f"  {k:24s} {t * 1000:8.1f} ms" + ("" if m != m else f"  peak {m:8.1f} MB"
+                                                + (" RSS" if args.device == "cpu" else "")))
     (ta, ma), (tb, mb) = rows["checkpointed expression"], rows["hand-written backward"]
-    print(f"  ratio hand-written / checkpointed: time {tb / ta:.3f}" + ("" if ma != ma else f", peak memory {mb / ma:.3f}"))
+    print(f"  ratio hand-written / checkpointed: time {tb / ta:.3f}"
+          + ("" if ma != ma else f", peak memory {mb / ma:.3f}"))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Estimate a GPU run's peak memory on a CPU: one training micro-batch traced without its arithmetic.
+"""Estimate a GPU run's peak memory on a CPU: a training micro-batch traced without its arithmetic.
 
-    python bench/memory_estimate.py --compare     # the H100 benchmark's work: old and new defaults, the memory levers
-    python bench/memory_estimate.py --config configs/t4.yaml --model random:qwen2.5-1.5b --prompt-tokens 160
-    python bench/memory_estimate.py --config my.yaml --optim.micro_batch_size=4    # train.py's overrides apply
-    python bench/memory_estimate.py --config configs/grubrics.yaml --model random:qwen3-8b --prompt-tokens 100 --meta
+    # the H100 benchmark's work: old and new defaults, the memory levers
+    python bench/memory_estimate.py --compare
+    python bench/memory_estimate.py --config configs/t4.yaml --model random:qwen2.5-1.5b \\
+        --prompt-tokens 160
+    python bench/memory_estimate.py --config my.yaml --optim.micro_batch_size=4  # overrides apply
+    python bench/memory_estimate.py --config configs/grubrics.yaml --model random:qwen3-8b \\
+        --prompt-tokens 100 --meta
 
 With --config, the run's own settings size the estimate: model dtype and 4-bit base, LoRA,
 gradient checkpointing, G, max_new_tokens, rollout.prompts_per_generate (rows a generate call
@@ -30,11 +33,11 @@ counted either: the reference forward (grpo.beta > 0) and the old-policy forward
 --meta builds a `random:` shape on the meta device and traces it with a CPU fake per weight: nothing
 is written or held in RAM (about 0.5 GB for an 8B shape), so the recipes' 7B and 8B models estimate
 here too; it agrees with real weights to 0.02 GiB on the run peak (Qwen3-0.6B, Qwen2.5-1.5B). SFT
-(`mode: sft`) has no sampling term. Sizes are GiB (2^30 bytes), as torch.cuda.max_memory_allocated() / 2**30. Checked once: for the H100
-run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing and 4096-row chunks, this
-gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not part of the test suite;
-the first use of a `random:` shape writes its weights under ~/.cache/minigrpo/bench, and the
-estimate needs RAM for them in the GPU dtype.
+(`mode: sft`) has no sampling term. Sizes are GiB (2^30 bytes), as max_memory_allocated() / 2**30.
+Checked once: for the H100 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing
+and 4096-row chunks, this gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not
+part of the test suite; the first use of a `random:` shape writes its weights under
+~/.cache/minigrpo/bench, and the estimate needs RAM for them in the GPU dtype.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, preexisting=()):
         super().__init__()
         self.cur = self.peak = 0
-        self.keep = list(preexisting)  # alive, so a fake tensor's storage keeps its identity (the converter's memo is weak)
+        # alive, so a fake tensor's storage keeps its identity (the converter's memo is weak)
+        self.keep = list(preexisting)
         self.live: dict[int, object] = {t.untyped_storage()._cdata: None for t in self.keep}
 
     def _freed(self, key: int, n: int) -> None:
@@ -71,7 +75,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):
                 continue
@@ -100,7 +105,8 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
 
     import model as model_mod
     from model import load_policy
-    if META and mcfg.name.startswith("random:"):  # weights on the meta device: nothing written, nothing materialised
+    # weights on the meta device: nothing written, nothing materialised
+    if META and mcfg.name.startswith("random:"):
         from transformers import AutoModelForCausalLM
         hf, tok = random_config(mcfg.name.split(":", 1)[1], tokenizer)
         dtype = getattr(torch, mcfg.dtype)
@@ -111,13 +117,15 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
         model_mod.load_base = lambda *a, **k: (meta_model, tok)
         try:
             with torch.device("meta"):  # peft's LoRA layers too
-                model, _ = load_policy(dataclasses.replace(mcfg, quant=None, gradient_checkpointing=False), lora,
-                                       torch.device("cpu"))
+                model, _ = load_policy(
+                    dataclasses.replace(mcfg, quant=None, gradient_checkpointing=False), lora,
+                    torch.device("cpu"))
         finally:
             model_mod.load_base = real_load_base
         assert all(p.is_meta for p in model.parameters())
         return model.train(), model.config
-    name = str(model_dir(mcfg.name, "cuda", tokenizer, 0)) if mcfg.name.startswith("random:") else mcfg.name  # "cuda": bf16
+    name = (str(model_dir(mcfg.name, "cuda", tokenizer, 0))  # "cuda": bf16
+            if mcfg.name.startswith("random:") else mcfg.name)
     mcfg = dataclasses.replace(mcfg, name=name, quant=None, gradient_checkpointing=False)
     model, _ = load_policy(mcfg, lora, torch.device("cpu"))
     return model.train(), model.config
@@ -126,35 +134,42 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
 META = False
 
 
-def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0, fused_head: bool = False,
-                     autocast: bool = True, checkpointing: bool = False) -> tuple[int, int]:
+def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0,
+                     fused_head: bool = False, autocast: bool = True,
+                     checkpointing: bool = False) -> tuple[int, int]:
     """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
     backward's include the trained weights' gradients."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import logprobs
     from model import mixed_precision
-    model.train().zero_grad(set_to_none=True)  # train mode, as train.py's loss forward: checkpointing needs it
+    # train mode, as train.py's loss forward: checkpointing needs it
+    model.train().zero_grad(set_to_none=True)
     if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with fake:
-            conv = fake.fake_tensor_converter  # its memo holds fakes weakly: the mode keeps them alive
-            fake.meta_fakes = [conv.from_meta_and_device(fake, t, torch.device("cpu"))  # a CPU fake for each meta
-                               for t in [*model.parameters(), *model.buffers()] if t.is_meta]  # weight: traced as on the CPU
+            conv = fake.fake_tensor_converter  # its memo is weak: the mode keeps the fakes alive
+            # a CPU fake for each meta weight: traced as on the CPU
+            fake.meta_fakes = [conv.from_meta_and_device(fake, t, torch.device("cpu"))
+                               for t in [*model.parameters(), *model.buffers()] if t.is_meta]
             weights = [fake.from_tensor(p) for p in model.parameters()]
             ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
             with LiveBytes(weights) as mem:
-                with mixed_precision(model, "cpu") if autocast else contextlib.nullcontext():  # traced on the CPU
-                    logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head)
+                # traced on the CPU
+                with mixed_precision(model, "cpu") if autocast else contextlib.nullcontext():
+                    logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion,
+                                                       1.0, chunk, fused_head)
                 forward = mem.peak
                 logp.sum().backward()
     finally:
         model.zero_grad(set_to_none=True)
         if checkpointing:
             model.activation_checkpointing_disable()
-            model.disable_input_require_grads()  # which enabling turned on, and disabling leaves (transformers 5.23)
+            # which enabling turned on, and disabling leaves (transformers 5.23)
+            model.disable_input_require_grads()
     return forward, mem.peak
 
 
@@ -164,7 +179,8 @@ def kv_cache_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * rows * positions * heads * head_dim * 2 * dtype.itemsize
 
 
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit block absmax (64 weights) and the fp32 absmax of those (256 blocks)
+# a 4-bit weight, its 8-bit block absmax (64 weights) and the fp32 absmax of those (256 blocks)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 def weight_bytes(model, quant: str | None) -> int:
@@ -174,7 +190,8 @@ def weight_bytes(model, quant: str | None) -> int:
         return sum(p.numel() * p.element_size() for p in model.parameters())
     quantized = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                  and not m.weight.requires_grad and not n.endswith("lm_head")}
-    return int(sum(p.numel() * (NF4_BYTES if id(p) in quantized else p.element_size()) for p in model.parameters()))
+    return int(sum(p.numel() * (NF4_BYTES if id(p) in quantized else p.element_size())
+                   for p in model.parameters()))
 
 
 def sampling_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
@@ -185,16 +202,22 @@ def sampling_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", help="a train.py config: its model, lora, rollout, grpo and optim settings size the estimate; "
-                    "--section.key=value overrides follow as for train.py")
-    ap.add_argument("--model", help="random:<shape> (bench/vs_trl.py) or a model directory; replaces model.name "
-                    "(default without --config: random:qwen3-0.6b)")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="GPU dtype (default: model.dtype, auto as bfloat16)")
-    ap.add_argument("--tokenizer", help="tokenizer directory for random shapes (default: the built-in model's)")
-    ap.add_argument("--prompt-tokens", type=int, default=45, help="longest prompt in a micro-batch, chat template included")
-    ap.add_argument("--meta", action="store_true", help="random shapes only: build the model on the meta device "
-                    "(no weights written or held in RAM), so 7B/8B shapes estimate in little memory")
-    ap.add_argument("--compare", action="store_true", help="the H100 run's old defaults, the defaults now, and the memory levers")
+    ap.add_argument("--config", help="a train.py config: its model, lora, rollout, grpo and optim "
+                    "settings size the estimate; --section.key=value overrides follow as for "
+                    "train.py")
+    ap.add_argument("--model", help="random:<shape> (bench/vs_trl.py) or a model directory; "
+                    "replaces model.name (default without --config: random:qwen3-0.6b)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                    help="GPU dtype (default: model.dtype, auto as bfloat16)")
+    ap.add_argument("--tokenizer",
+                    help="tokenizer directory for random shapes (default: the built-in model's)")
+    ap.add_argument("--prompt-tokens", type=int, default=45,
+                    help="longest prompt in a micro-batch, chat template included")
+    ap.add_argument("--meta", action="store_true", help="random shapes only: build the model on "
+                    "the meta device (no weights written or held in RAM), so 7B/8B shapes estimate "
+                    "in little memory")
+    ap.add_argument("--compare", action="store_true",
+                    help="the H100 run's old defaults, the defaults now, and the memory levers")
     a, overrides = ap.parse_known_args()
     global META
     META = a.meta
@@ -206,49 +229,59 @@ def main() -> int:
     except ConfigError as e:
         ap.error(str(e))
     if not a.config:  # the H100 benchmark's work (bench/vs_trl.py --preset gpu)
-        cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = "random:qwen3-0.6b", 16, 512
+        cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = (
+            "random:qwen3-0.6b", 16, 512)
         from vs_trl import LORA_TARGETS
         cfg.lora.target_modules = LORA_TARGETS
     spec = cfg.model.name = a.model or cfg.model.name
-    dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto" else "bfloat16")
+    dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto"
+                                               else "bfloat16")
     dtype = getattr(torch, dtype_name)
     try:
         model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
     except ConfigError as e:  # a hub model without network, say: one line, as train.py gives it
-        print(f"error: {e}" + ("" if spec.startswith("random:") else "; --model random:SHAPE estimates a random model "
-                               "of a known shape (bench/vs_trl.py: qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b, qwen3-4b-instruct-2507, qwen2.5-7b, qwen3-8b; --meta for the large ones) without downloading"), file=sys.stderr)
+        print(f"error: {e}" + ("" if spec.startswith("random:") else "; --model random:SHAPE "
+                               "estimates a random model of a known shape (bench/vs_trl.py: "
+                               "qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b, qwen3-4b-instruct-2507, "
+                               "qwen2.5-7b, qwen3-8b; --meta for the large ones) without "
+                               "downloading"), file=sys.stderr)
         return 2
     weights = weight_bytes(model, cfg.model.quant)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     P, C, G = a.prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.num_generations
     print(f"[estimate] {spec} in {dtype_name}{', 4-bit base' if cfg.model.quant else ''}, "
-          f"{'LoRA r=' + str(cfg.lora.r) if cfg.lora.enabled else 'all weights trained'}: weights {weights / GiB:.2f} GiB, "
-          f"AdamW state {2 * trained / GiB:.2f} GiB; " + (f"{cfg.rollout.prompts_per_step} prompts x G={G}, "
-          if cfg.mode == "grpo" else f"{cfg.mode}, no sampling: ") + f"{P} + {C} tokens", flush=True)
+          f"{'LoRA r=' + str(cfg.lora.r) if cfg.lora.enabled else 'all weights trained'}: "
+          f"weights {weights / GiB:.2f} GiB, AdamW state {2 * trained / GiB:.2f} GiB; "
+          + (f"{cfg.rollout.prompts_per_step} prompts x G={G}, " if cfg.mode == "grpo"
+             else f"{cfg.mode}, no sampling: ") + f"{P} + {C} tokens", flush=True)
     o, g, ro = cfg.optim, cfg.grpo, cfg.rollout
     now = dict(rows=o.micro_batch_size, chunk=g.logprob_chunk, fused_head=g.fused_lm_head,
-               checkpointing=cfg.model.gradient_checkpointing, prompts=ro.prompts_per_generate or ro.prompts_per_step)
+               checkpointing=cfg.model.gradient_checkpointing,
+               prompts=ro.prompts_per_generate or ro.prompts_per_step)
     settings = {"as configured": now}
     if a.compare:
-        settings = {"4096-row chunks, no autocast (before 83ae6c3)": now | dict(chunk=4096, autocast=False),
-                    "chunks by vocabulary, no autocast": now | dict(autocast=False),
-                    "the defaults (chunks by vocabulary + autocast)": now,
-                    "+ grpo.fused_lm_head": now | dict(fused_head=True),
-                    "+ optim.micro_batch_size=4": now | dict(fused_head=True, rows=4),
-                    "+ rollout.prompts_per_generate=8": now | dict(fused_head=True, rows=4, prompts=8),
-                    "fused head, 2 prompts a call, gradient checkpointing": now | dict(fused_head=True, prompts=2,
-                                                                                         checkpointing=True)}
+        settings = {
+            "4096-row chunks, no autocast (before 83ae6c3)": now | dict(chunk=4096, autocast=False),
+            "chunks by vocabulary, no autocast": now | dict(autocast=False),
+            "the defaults (chunks by vocabulary + autocast)": now,
+            "+ grpo.fused_lm_head": now | dict(fused_head=True),
+            "+ optim.micro_batch_size=4": now | dict(fused_head=True, rows=4),
+            "+ rollout.prompts_per_generate=8": now | dict(fused_head=True, rows=4, prompts=8),
+            "fused head, 2 prompts a call, gradient checkpointing":
+                now | dict(fused_head=True, prompts=2, checkpointing=True)}
     if o.micro_batch_tokens:
         for s in settings.values():
             s["rows"] = max(1, min(s["rows"], o.micro_batch_tokens // (P + C)))
     for name, s in settings.items():
         kw = {k: v for k, v in s.items() if k != "prompts"}
         fwd, both = micro_batch_peak(model, prompt=P, completion=C, **kw)
-        sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype) if cfg.mode == "grpo" else 0  # SFT never samples
+        # SFT never samples
+        sample = sampling_bytes(mcfg, s["prompts"] * G, P + C, dtype) if cfg.mode == "grpo" else 0
         total = weights + 2 * trained + max(both, sample)
-        print(f"[estimate]   {name:54s} training {s['rows']} rows: {fwd / GiB:5.2f} GiB forward, {both / GiB:5.2f} with "
-              f"backward; " + (f"sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; " if cfg.mode == "grpo" else "")
-              + f"run peak ~{total / GiB:5.2f} GiB", flush=True)
+        print(f"[estimate]   {name:54s} training {s['rows']} rows: {fwd / GiB:5.2f} GiB forward, "
+              f"{both / GiB:5.2f} with backward; "
+              + (f"sampling {s['prompts'] * G} rows: {sample / GiB:5.2f} GiB; "
+                 if cfg.mode == "grpo" else "") + f"run peak ~{total / GiB:5.2f} GiB", flush=True)
     return 0
 
 

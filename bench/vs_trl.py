@@ -11,13 +11,13 @@ first step of every run is warm-up and is left out of the medians.
 
 Definitions (the same code computes them for both trainers):
   step time        wall time of one optimizer step: rollout + forward/backward + optimizer step
-                   (minigrpo: train_step's step_time; TRL: TrainerCallback on_step_begin -> on_step_end)
+                   (minigrpo: train_step's step_time; TRL: on_step_begin -> on_step_end callbacks)
   rollout time     sampling + decoding + rewards + advantages (minigrpo: rollout_time = collect();
                    TRL: GRPOTrainer._generate_and_score_completions). generate() alone is shown too.
   rollout tok/s    completion tokens sampled in the step / rollout time
   training tok/s   non-padding prompt + completion tokens of the step's B x G sequences (each is
                    forwarded and backpropagated once per step) / (step time - rollout time)
-  peak memory      CPU: the child process's peak RSS (ru_maxrss from wait4, whole run incl. loading);
+  peak memory      CPU: the child process's peak RSS (wait4's ru_maxrss, whole run incl. loading);
                    GPU: torch.cuda.max_memory_allocated, reset at the start of every step, max over
                    the measured steps
 
@@ -36,9 +36,9 @@ micro-batch 8, 4 steps per run, 2 alternations, 2 threads on both sides):
 
 GPU (a CUDA machine with torch, TRL and its dependencies, and a tokenizer directory with a chat
 template via --tokenizer, else the built-in model's; on the lent GPU machine, `sh bench/gpu_kit.sh
-bench` packs what it lacks and bench/RESULTS.md "GPU" gives the device command): randomly initialised models of real
-shapes (Qwen3-0.6B and Qwen2.5-1.5B, from hand-written configs below; no hub access), bf16, B=16,
-G=8, 512 fixed new tokens, micro-batch 8, 4 steps per run, 2 alternations:
+bench` packs what it lacks and bench/RESULTS.md "GPU" gives the device command): randomly
+initialised models of real shapes (Qwen3-0.6B and Qwen2.5-1.5B, from hand-written configs below; no
+hub access), bf16, B=16, G=8, 512 fixed new tokens, micro-batch 8, 4 steps per run, 2 alternations:
 
     .venv-bench/bin/python bench/vs_trl.py --preset gpu 2>&1 | tee bench/vs_trl_gpu.log
     .venv-bench/bin/python bench/vs_trl.py --preset gpu --model random:qwen3-0.6b --steps 3
@@ -72,46 +72,55 @@ ROOT = Path(__file__).resolve().parent.parent  # the minigrpo checkout
 sys.path.insert(0, str(ROOT))
 
 PRESETS = {
-    "cpu": dict(device="cpu", models=["smollm2-135m"], prompts_per_step=4, num_generations=8, max_new_tokens=64,
-                micro_batch_size=8, steps=4, alternations=2, threads=2),
-    "gpu": dict(device="cuda", models=["random:qwen3-0.6b", "random:qwen2.5-1.5b"], prompts_per_step=16,
-                num_generations=8, max_new_tokens=512, micro_batch_size=8, steps=4, alternations=2, threads=0),
+    "cpu": dict(device="cpu", models=["smollm2-135m"], prompts_per_step=4, num_generations=8,
+                max_new_tokens=64, micro_batch_size=8, steps=4, alternations=2, threads=2),
+    "gpu": dict(device="cuda", models=["random:qwen3-0.6b", "random:qwen2.5-1.5b"],
+                prompts_per_step=16, num_generations=8, max_new_tokens=512, micro_batch_size=8,
+                steps=4, alternations=2, threads=0),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # Real shapes, written out by hand (from the models' published config.json), weights random.
 RANDOM_MODELS = {
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=True, hidden_act="silu"),  # Qwen2 has q/k/v biases built in
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       attention_bias=False, hidden_act="silu"),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         hidden_act="silu"),  # Qwen2 has q/k/v biases built in
     # the recipes' models, from their public config.json (Hugging Face hub)
-    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
-    "qwen3-4b-instruct-2507": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                                   max_position_embeddings=262144, rope_theta=5_000_000.0, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False, hidden_act="silu"),  # Qwen2.5-7B-Instruct
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False, attention_bias=False, hidden_act="silu"),
-    # Qwen3-0.6B's depth and vocabulary at width 64: as many kernels per forward as the real model, little
-    # arithmetic, so a CPU can count what a GPU would launch (bench/gpu_train_probe.py --count-ops)
-    "qwen3-0.6b-narrow": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=28,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=151936,
-                              max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                              tie_word_embeddings=True, attention_bias=False, hidden_act="silu"),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       attention_bias=False, hidden_act="silu"),
+    "qwen3-4b-instruct-2507": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728,
+                                   num_hidden_layers=36, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                                   max_position_embeddings=262144, rope_theta=5_000_000.0,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                   attention_bias=False, hidden_act="silu"),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       hidden_act="silu"),  # Qwen2.5-7B-Instruct
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                     rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     attention_bias=False, hidden_act="silu"),
+    # Qwen3-0.6B's depth and vocabulary at width 64: as many kernels per forward as the real model,
+    # little arithmetic: a CPU counts what a GPU would launch (bench/gpu_train_probe.py --count-ops)
+    "qwen3-0.6b-narrow": dict(model_type="qwen3", hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=28, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, vocab_size=151936, max_position_embeddings=40960,
+                              rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                              attention_bias=False, hidden_act="silu"),
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=151936,
                  max_position_embeddings=4096, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
@@ -124,14 +133,17 @@ CACHE = Path("~/.cache/minigrpo").expanduser()
 
 
 def random_config(name: str, tokenizer: str | None):
-    """(transformers config of the RANDOM_MODELS shape `name`, the tokenizer whose special ids it takes)."""
+    """(transformers config of the RANDOM_MODELS shape `name`, the tokenizer whose special ids it
+    takes)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from plumbing.hub import builtin_model_dir
     tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
     d = dict(RANDOM_MODELS[name])
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id,
+                               eos_token_id=tok.eos_token_id,
+                               pad_token_id=(tok.pad_token_id if tok.pad_token_id is not None
+                                             else tok.eos_token_id))
     return cfg, tok
 
 
@@ -139,7 +151,8 @@ def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
     """A transformers directory both trainers load: the built-in model, or a seeded random model."""
     from plumbing.hub import builtin_model_dir
     if not spec.startswith("random:"):
-        return builtin_model_dir(spec, str(CACHE)) if spec == "smollm2-135m" else Path(spec).expanduser()
+        return (builtin_model_dir(spec, str(CACHE)) if spec == "smollm2-135m"
+                else Path(spec).expanduser())
     name = spec.split(":", 1)[1]
     dtype_name = "bfloat16" if device == "cuda" else "float32"
     target = CACHE / "bench" / f"{name}-random-seed{seed}-{dtype_name}"
@@ -163,17 +176,22 @@ def minigrpo_config(a: argparse.Namespace, path: Path, device: str, out_dir: Pat
     """The one config both trainers are built from (TRL's side reads every setting from it)."""
     return {
         "model": {"name": str(path), "dtype": "auto"},  # auto: fp32 on CPU, bf16 on Ampere+ GPUs
-        "lora": {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": 0.0, "target_modules": LORA_TARGETS},
-        "data": {"name": "arithmetic", "num_examples": 400, "shuffle_seed": a.seed},  # no system prompt
+        "lora": {"r": a.lora_r, "alpha": a.lora_alpha, "dropout": 0.0,
+                 "target_modules": LORA_TARGETS},
+        # data: no system prompt
+        "data": {"name": "arithmetic", "num_examples": 400, "shuffle_seed": a.seed},
         "rollout": {"prompts_per_step": a.prompts_per_step, "num_generations": a.num_generations,
-                    "max_new_tokens": a.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
-                    "ignore_eos": True},
-        "grpo": {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28, "scale_rewards": "group",
-                 "num_iterations": 1, "mask_truncated_completions": False},
-        "optim": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.99], "warmup_steps": 0, "min_lr_ratio": 0.1,
-                  "max_grad_norm": 1.0, "micro_batch_size": a.micro_batch_size},
-        "run": {"out_dir": str(out_dir), "steps": a.steps, "seed": a.seed, "device": device, "threads": a.threads,
-                "save_every": 0, "sample_every": 0},  # save_every 0: only the final checkpoint, after the last step
+                    "max_new_tokens": a.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
+                    "top_k": 0, "ignore_eos": True},
+        "grpo": {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28,
+                 "scale_rewards": "group", "num_iterations": 1,
+                 "mask_truncated_completions": False},
+        "optim": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.99], "warmup_steps": 0,
+                  "min_lr_ratio": 0.1, "max_grad_norm": 1.0,
+                  "micro_batch_size": a.micro_batch_size},
+        # save_every 0: only the final checkpoint, after the last step
+        "run": {"out_dir": str(out_dir), "steps": a.steps, "seed": a.seed, "device": device,
+                "threads": a.threads, "save_every": 0, "sample_every": 0},
         "rewards": [{"name": "answer_match", "weight": 1.0}],
     }
 
@@ -200,7 +218,8 @@ def sync() -> None:
 
 
 def child_minigrpo(cfg_path: Path, result: Path) -> None:
-    """train.py's own main loop; generate_rollout wrapped only to read the generate time and token counts."""
+    """train.py's own main loop; generate_rollout wrapped only to read the generate time and token
+    counts."""
     import rollout
     import step
     import train
@@ -210,14 +229,16 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
     def timed(*args, **kwargs):
         t = time.perf_counter()
         r = real(*args, **kwargs)
-        calls.append({"generate_time": time.perf_counter() - t, "prompt_tokens": int(r.prompt_mask.sum()),
+        calls.append({"generate_time": time.perf_counter() - t,
+                      "prompt_tokens": int(r.prompt_mask.sum()),
                       "completion_tokens": int(r.completion_mask.sum())})
         return r
     rollout.generate_rollout = timed
     drawn = []
     real_score = step.score
 
-    def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):  # the prompts drawn, for TRL's run
+    # the prompts drawn, for TRL's run
+    def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):
         drawn.append([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in idx])
         return real_score(cfg, model, tokenizer, rows, idx, *args, **kwargs)
     step.score = recording  # step.collect looks it up there
@@ -226,8 +247,10 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
         raise SystemExit(rc)
     import yaml
     out_dir = Path(yaml.safe_load(cfg_path.read_text())["run"]["out_dir"])
-    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert len(metrics) == len(calls), "one generate call per step expected (resample_zero_std is off)"
+    metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()
+               if x.strip()]
+    assert len(metrics) == len(calls), ("one generate call per step expected "
+                                        "(resample_zero_std is off)")
     steps = [{"step_time": m["step_time"], "rollout_time": m["rollout_time"], **c,
               "peak_gpu_mb": m["peak_memory_mb"] if _cuda() else None,
               "reward": m["reward"]} for m, c in zip(metrics, calls)]
@@ -240,7 +263,8 @@ def _cuda() -> bool:
 
 
 def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
-    """TRL's GRPOTrainer set up from the same minigrpo config, on the prompts minigrpo drew (in order)."""
+    """TRL's GRPOTrainer set up from the same minigrpo config, on the prompts minigrpo drew (in
+    order)."""
     import torch
     import trl
     import trl.trainer.grpo_trainer as gt
@@ -258,7 +282,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run
     if run.threads:
         torch.set_num_threads(run.threads)
-    assert not cfg.data.assistant_prefix and not cfg.data.chat_template_kwargs and not ro.stop_strings
+    assert (not cfg.data.assistant_prefix and not cfg.data.chat_template_kwargs
+            and not ro.stop_strings)
     assert not ro.resample_zero_std
     device = pick_device(run.device)
     dtype = pick_dtype(cfg.model.dtype, device)
@@ -271,8 +296,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     # the prompts minigrpo drew, step by step; TRL reads them unshuffled, each repeated G times
     order = [r for step in json.loads(prompts_path.read_text()) for r in step]
     assert len(order) == run.steps * ro.prompts_per_step
-    ds = Dataset.from_list([{"prompt": chat_messages(r["prompt"], cfg.data.system_prompt), "answer": r["answer"]}
-                            for r in order])
+    ds = Dataset.from_list([{"prompt": chat_messages(r["prompt"], cfg.data.system_prompt),
+                             "answer": r["answer"]} for r in order])
 
     def reward(prompts, completions, completion_ids, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -285,19 +310,22 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
     assert N % o.micro_batch_size == 0, "B x G must be a multiple of the micro-batch size"
     args = trl.GRPOConfig(
         output_dir=str(Path(run.out_dir) / "trl"), max_steps=run.steps, seed=run.seed,
-        per_device_train_batch_size=o.micro_batch_size, gradient_accumulation_steps=N // o.micro_batch_size,
-        num_generations=ro.num_generations,  # steps_per_generation defaults to gradient_accumulation_steps
-        max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-        generation_kwargs={"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None,  # = --rollout.ignore_eos
+        per_device_train_batch_size=o.micro_batch_size,
+        # steps_per_generation defaults to gradient_accumulation_steps
+        gradient_accumulation_steps=N // o.micro_batch_size, num_generations=ro.num_generations,
+        max_completion_length=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p,
+        top_k=ro.top_k, generation_kwargs=(  # = --rollout.ignore_eos
+            {"min_new_tokens": ro.max_new_tokens} if ro.ignore_eos else None),
         loss_type=g.loss_type, beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
         scale_rewards=g.scale_rewards, num_iterations=g.num_iterations,
         mask_truncated_completions=g.mask_truncated_completions,
         optim="adamw_torch", learning_rate=o.lr, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        weight_decay=o.weight_decay, warmup_steps=o.warmup_steps, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio}, max_grad_norm=o.max_grad_norm,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, bf16=dtype == torch.bfloat16, fp16=False,
-        model_init_kwargs={"dtype": dtype}, disable_dropout=True, use_cpu=device.type == "cpu",
-        shuffle_dataset=False, report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
+        weight_decay=o.weight_decay, warmup_steps=o.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": o.min_lr_ratio},
+        max_grad_norm=o.max_grad_norm, gradient_checkpointing=cfg.model.gradient_checkpointing,
+        bf16=dtype == torch.bfloat16, fp16=False, model_init_kwargs={"dtype": dtype},
+        disable_dropout=True, use_cpu=device.type == "cpu", shuffle_dataset=False,
+        report_to="none", save_strategy="no", eval_strategy="no", logging_strategy="no",
         log_completions=False, disable_tqdm=True, dataloader_num_workers=0)
     peft_cfg = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                           target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM")
@@ -323,7 +351,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
             sync()
             cur["rollout_time"] = cur.get("rollout_time", 0.0) + time.perf_counter() - t
             cur["prompt_tokens"] = cur.get("prompt_tokens", 0) + int(out["prompt_mask"].sum())
-            cur["completion_tokens"] = cur.get("completion_tokens", 0) + int(out["completion_mask"].sum())
+            cur["completion_tokens"] = (cur.get("completion_tokens", 0)
+                                        + int(out["completion_mask"].sum()))
             cur["reward"] = float(self._metrics["train"]["reward"][-1])
             return out
 
@@ -339,14 +368,16 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
             sync()
             rec = dict(cur, step_time=time.perf_counter() - cur.pop("t0"))
             rec.pop("t0", None)
-            rec["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+            rec["peak_gpu_mb"] = (torch.cuda.max_memory_allocated() / 2**20
+                                  if torch.cuda.is_available() else None)
             steps.append(rec)
 
-    trainer = Timed(model=path, reward_funcs=[reward], args=args, train_dataset=ds, processing_class=tok,
-                    peft_config=peft_cfg, callbacks=[StepTimer()])
+    trainer = Timed(model=path, reward_funcs=[reward], args=args, train_dataset=ds,
+                    processing_class=tok, peft_config=peft_cfg, callbacks=[StepTimer()])
     n_train = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    print(f"[bench] TRL {trl.__version__}: {path} ({dtype}), {n_train / 1e6:.2f}M trainable params, "
-          f"generation {trainer.generation_config.to_diff_dict()}", file=sys.stderr, flush=True)
+    print(f"[bench] TRL {trl.__version__}: {path} ({dtype}), {n_train / 1e6:.2f}M trainable "
+          f"params, generation {trainer.generation_config.to_diff_dict()}", file=sys.stderr,
+          flush=True)
     trainer.train()
     result.write_text(json.dumps({"steps": steps}))
 
@@ -354,7 +385,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
 # ----------------------------------------------------------------------------- parent
 
 
-def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path, prompts: Path | None = None) -> dict:
+def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path,
+              prompts: Path | None = None) -> dict:
     import yaml
     workdir.mkdir(parents=True)
     cfg_path, result = workdir / "config.yaml", workdir / "result.json"
@@ -362,8 +394,8 @@ def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path, promp
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if a.threads:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(a.threads)
-    cmd = [a.python, str(Path(__file__).resolve()), "--child", which, str(cfg_path), str(result)] + (
-        [str(prompts)] if prompts else [])
+    cmd = [a.python, str(Path(__file__).resolve()), "--child", which, str(cfg_path),
+           str(result)] + ([str(prompts)] if prompts else [])
     t = time.perf_counter()
     with open(workdir / "child.log", "w") as log:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -372,7 +404,8 @@ def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path, promp
     rc = os.waitstatus_to_exitcode(status)
     if rc != 0:
         tail = (workdir / "child.log").read_text()[-3000:]
-        raise SystemExit(f"[bench] {which} failed (exit {rc}); end of {workdir / 'child.log'}:\n{tail}")
+        raise SystemExit(f"[bench] {which} failed (exit {rc}); end of "
+                         f"{workdir / 'child.log'}:\n{tail}")
     out = json.loads(result.read_text())
     out["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux: KiB
     out["wall_s"] = wall
@@ -386,17 +419,20 @@ def run_child(which: str, cfg: dict, a: argparse.Namespace, workdir: Path, promp
 
 METRICS = [("step_time", "step time (s)", "lower"), ("rollout_time", "rollout time (s)", "lower"),
            ("train_time", "train time (s)", "lower"), ("rollout_tok_s", "rollout tok/s", "higher"),
-           ("generate_tok_s", "generate() tok/s", "higher"), ("train_tok_s", "training tok/s", "higher")]
+           ("generate_tok_s", "generate() tok/s", "higher"),
+           ("train_tok_s", "training tok/s", "higher")]
 
 
 def summarise(model: str, runs: dict[str, list[dict]], device: str, label: str = "") -> list[str]:
-    lines = [f"\n== {model}{label}: medians over steps 2..n of every run (step 1 of each run is warm-up, left out) =="]
+    lines = [f"\n== {model}{label}: medians over steps 2..n of every run "
+             "(step 1 of each run is warm-up, left out) =="]
     med = {}
     for who, rs in runs.items():
         kept = [s for r in rs for s in r["steps"][1:]]
         med[who] = {k: statistics.median(s[k] for s in kept) for k, _, _ in METRICS}
         if device == "cuda":
-            med[who]["peak_mb"] = statistics.median(max(s["peak_gpu_mb"] for s in r["steps"][1:]) for r in rs)
+            med[who]["peak_mb"] = statistics.median(max(s["peak_gpu_mb"] for s in r["steps"][1:])
+                                                    for r in rs)
         else:
             med[who]["peak_mb"] = statistics.median(r["peak_rss_mb"] for r in rs)
         med[who]["n"] = len(kept)
@@ -406,11 +442,13 @@ def summarise(model: str, runs: dict[str, list[dict]], device: str, label: str =
     for k, label, _ in METRICS + [("peak_mb", mem, "lower")]:
         m, t = med["minigrpo"][k], med["trl"][k]
         lines.append(f"{label:<22}{m:>12.2f}{t:>12.2f}{m / t:>14.3f}")
-    lines.append(f"steps measured: minigrpo {med['minigrpo']['n']}, TRL {med['trl']['n']}; tokens per step "
-                 f"(prompt, completion): minigrpo {med['minigrpo']['tokens']}, TRL {med['trl']['tokens']}")
+    lines.append(f"steps measured: minigrpo {med['minigrpo']['n']}, TRL {med['trl']['n']}; "
+                 f"tokens per step (prompt, completion): minigrpo {med['minigrpo']['tokens']}, "
+                 f"TRL {med['trl']['tokens']}")
     lines.append("per run (median step time s / peak MB): " + "; ".join(
         f"{who} #{i + 1} {statistics.median(s['step_time'] for s in r['steps'][1:]):.2f}/"
-        f"{(max(s['peak_gpu_mb'] for s in r['steps'][1:]) if device == 'cuda' else r['peak_rss_mb']):.0f}"
+        + (f"{max(s['peak_gpu_mb'] for s in r['steps'][1:]):.0f}" if device == "cuda"
+           else f"{r['peak_rss_mb']:.0f}")
         for who, rs in runs.items() for i, r in enumerate(rs)))
     return lines
 
@@ -423,26 +461,33 @@ def main() -> int:
         else:
             child_trl(cfg_path, result, Path(sys.argv[5]))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS, default="cpu")
-    ap.add_argument("--model", action="append", dest="models", help="smollm2-135m, a model directory, or "
-                    "random:qwen3-0.6b / random:qwen2.5-1.5b / random:tiny (repeatable; default: the preset's)")
-    for k in ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "steps", "alternations", "threads"):
+    ap.add_argument("--model", action="append", dest="models", help="smollm2-135m, a model "
+                    "directory, or random:qwen3-0.6b / random:qwen2.5-1.5b / random:tiny "
+                    "(repeatable; default: the preset's)")
+    for k in ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "steps",
+              "alternations", "threads"):
         ap.add_argument("--" + k.replace("_", "-"), type=int, dest=k)
     ap.add_argument("--device", choices=["cpu", "cuda"])
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--lora-alpha", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tokenizer", help="tokenizer directory for the random models (default: the built-in model's)")
-    ap.add_argument("--python", default=sys.executable, help="interpreter for both children (default: this one)")
+    ap.add_argument("--tokenizer", help="tokenizer directory for the random models (default: the "
+                    "built-in model's)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter for both children (default: this one)")
     ap.add_argument("--workdir", help="keep run directories here (default: a temporary directory)")
     ap.add_argument("--json", help="write every per-step record to this file")
     ap.add_argument("--minigrpo-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="a minigrpo-only setting (a speed lever TRL has no equivalent of), e.g. rollout.merged_sampling=true")
+                    help="a minigrpo-only setting (a speed lever TRL has no equivalent of), e.g. "
+                         "rollout.merged_sampling=true")
     ap.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE[,...]",
-                    help="one more minigrpo run per alternation with these settings (comma-separated) on top of "
-                         "--minigrpo-set, reported against the same TRL runs (repeatable)")
+                    help="one more minigrpo run per alternation with these settings "
+                         "(comma-separated) on top of --minigrpo-set, reported against the same "
+                         "TRL runs (repeatable)")
     a = ap.parse_args()
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
@@ -450,15 +495,16 @@ def main() -> int:
     import importlib.metadata as md
 
     import torch
-    vers = {p: md.version(p) for p in ("torch", "transformers", "peft", "accelerate", "datasets", "trl")}
+    vers = {p: md.version(p)
+            for p in ("torch", "transformers", "peft", "accelerate", "datasets", "trl")}
     print(f"[bench] {time.strftime('%Y-%m-%d %H:%M:%S %Z')} python {sys.version.split()[0]} "
           + " ".join(f"{k} {v}" for k, v in vers.items()), flush=True)
-    print(f"[bench] device {a.device}, B={a.prompts_per_step} G={a.num_generations} new tokens={a.max_new_tokens} "
-          f"(fixed, EOS suppressed) micro-batch={a.micro_batch_size} LoRA r={a.lora_r} alpha={a.lora_alpha} "
-          f"steps={a.steps} alternations={a.alternations} threads={a.threads or 'default'} "
-          f"(torch {torch.get_num_threads()} here)" + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else "")
-          + (f"; minigrpo variants: {' | '.join(a.variant)}" if a.variant else ""),
-          flush=True)
+    print(f"[bench] device {a.device}, B={a.prompts_per_step} G={a.num_generations} "
+          f"new tokens={a.max_new_tokens} (fixed, EOS suppressed) micro-batch={a.micro_batch_size} "
+          f"LoRA r={a.lora_r} alpha={a.lora_alpha} steps={a.steps} alternations={a.alternations} "
+          f"threads={a.threads or 'default'} (torch {torch.get_num_threads()} here)"
+          + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else "")
+          + (f"; minigrpo variants: {' | '.join(a.variant)}" if a.variant else ""), flush=True)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="minigrpo-vs-trl-"))
     everything, report = {}, []
     for spec in a.models:
@@ -479,22 +525,27 @@ def main() -> int:
                     raise SystemExit("[bench] no prompts recorded from minigrpo's run")
                 r = run_child(child, cfg, a, wd, prompts if child == "trl" else None)
                 runs[who].append(r)
-                if who == "minigrpo":  # same seed, so every minigrpo run draws the same prompts; TRL gets them
+                # same seed, so every minigrpo run draws the same prompts; TRL gets them
+                if who == "minigrpo":
                     prompts = wd / "prompts.json"
                     prompts.write_text(json.dumps(r["prompts"]))
                 st = ", ".join(f"{s['step_time']:.2f}" for s in r["steps"])
                 rt = ", ".join(f"{s['rollout_time']:.2f}" for s in r["steps"])
-                gpu = ", ".join(f"{s['peak_gpu_mb']:.0f}" for s in r["steps"]) if a.device == "cuda" else ""
-                print(f"[bench] {spec} {who} run {i + 1}: step times {st} s; rollout {rt} s; peak RSS "
-                      f"{r['peak_rss_mb']:.0f} MB" + (f"; peak GPU alloc {gpu} MB" if gpu else "")
+                gpu = (", ".join(f"{s['peak_gpu_mb']:.0f}" for s in r["steps"])
+                       if a.device == "cuda" else "")
+                print(f"[bench] {spec} {who} run {i + 1}: step times {st} s; rollout {rt} s; "
+                      f"peak RSS {r['peak_rss_mb']:.0f} MB"
+                      + (f"; peak GPU alloc {gpu} MB" if gpu else "")
                       + f"; wall {r['wall_s']:.0f} s", flush=True)
         lines = [x for who, _, extra in sides if who != "trl" for x in summarise(
-            spec, {"minigrpo": runs[who], "trl": runs["trl"]}, a.device, f" ({who})" if extra else "")]
+            spec, {"minigrpo": runs[who], "trl": runs["trl"]}, a.device,
+            f" ({who})" if extra else "")]
         print("\n".join(lines), flush=True)
         report += lines
         everything[spec] = runs
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything}, indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything},
+                                           indent=1))
     return 0
 
 

@@ -3,7 +3,7 @@ follows a schema, the letter it picks is the gold one. Registered by name, as ev
 
     rewards:
       - {name: json_valid}
-      - {name: json_schema, args: {schema: {predicted_category: {type: string, enum: [A, B, C, D]}}}}
+      - {name: json_schema, args: {schema: {predicted_category: {enum: [A, B, C, D]}}}}
       - {name: choice_accuracy, weight: 2.0, args: {gold_key: cop}}
 
 rewards.lookup imports this module the first time a config names one of them.
@@ -37,11 +37,14 @@ def json_valid(completion: str, sample: dict, allow_fence: bool = False, strip_t
     allow_fence: also accept the answer wrapped in a ```json (or bare ```) fence.
     require_object: only an object counts (MedMCQA); False accepts any JSON value.
 
-    >>> json_valid('{"a": {"b": [1, 2]}}', {}), json_valid('Sure! {"a": 1}', {}), json_valid('{"a": 1} ok', {})
+    >>> (json_valid('{"a": {"b": [1, 2]}}', {}), json_valid('Sure! {"a": 1}', {}),
+    ...  json_valid('{"a": 1} ok', {}))
     (1.0, 0.0, 0.0)
-    >>> json_valid('```json\n{"a": 1}\n```', {}), json_valid('```json\n{"a": 1}\n```', {}, allow_fence=True)
+    >>> (json_valid('```json\n{"a": 1}\n```', {}),
+    ...  json_valid('```json\n{"a": 1}\n```', {}, allow_fence=True))
     (0.0, 1.0)
-    >>> json_valid('<think>easy</think> {"a": 1}', {}), json_valid('[1, 2]', {}), json_valid('[1]', {}, require_object=False)
+    >>> (json_valid('<think>easy</think> {"a": 1}', {}), json_valid('[1, 2]', {}),
+    ...  json_valid('[1]', {}, require_object=False))
     (1.0, 0.0, 1.0)
     """
     ok, value = answers.parse_json(assistant_prefix + completion, allow_fence, strip_think)
@@ -63,7 +66,8 @@ def _follows(value: Any, rule: dict) -> bool:
     if "enum" in rule and not any(type(value) is type(e) and value == e for e in rule["enum"]):
         return False
     if ("min" in rule or "max" in rule) and not (
-            _is_type(value, "number") and rule.get("min", -math.inf) <= value <= rule.get("max", math.inf)):
+            _is_type(value, "number")
+            and rule.get("min", -math.inf) <= value <= rule.get("max", math.inf)):
         return False
     if "min_length" in rule or "max_length" in rule:
         if not isinstance(value, (str, list)):
@@ -75,7 +79,8 @@ def _follows(value: Any, rule: dict) -> bool:
 
 @register("json_schema")
 def json_schema(completion: str, sample: dict, schema: dict | None = None, exact: bool = True,
-                allow_fence: bool = False, strip_think: bool = True, assistant_prefix: str = "") -> float:
+                allow_fence: bool = False, strip_think: bool = True,
+                assistant_prefix: str = "") -> float:
     r"""1.0 if the answer is a JSON object whose keys follow `schema`, else 0.0.
 
     schema: {key: rule}, default MEDMCQA_SCHEMA. A rule may hold: type (string, number,
@@ -87,19 +92,24 @@ def json_schema(completion: str, sample: dict, schema: dict | None = None, exact
     allow_fence, strip_think: as in json_valid.
 
     >>> good = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is in meat"}'
-    >>> json_schema(good, {}), json_schema(good.replace("0.9", "true"), {}), json_schema(good.replace('"B"', '"E"'), {})
+    >>> (json_schema(good, {}), json_schema(good.replace("0.9", "true"), {}),
+    ...  json_schema(good.replace('"B"', '"E"'), {}))
     (1.0, 0.0, 0.0)
-    >>> json_schema('{"answer": 3, "note": ""}', {}, schema={"answer": {"type": "integer"}}, exact=False)
+    >>> json_schema('{"answer": 3, "note": ""}', {}, schema={"answer": {"type": "integer"}},
+    ...             exact=False)
     1.0
     """
     schema = MEDMCQA_SCHEMA if schema is None else schema
     for key, rule in schema.items():  # a broken schema is a config error, even if the JSON fails
         if unknown := set(rule or {}) - _RULES:
-            raise ValueError(f"schema rule for {key!r} has unknown fields {sorted(unknown)}; use {sorted(_RULES)}")
+            raise ValueError(f"schema rule for {key!r} has unknown fields {sorted(unknown)}; "
+                             f"use {sorted(_RULES)}")
         if (rule or {}).get("type", "string") not in _TYPES:
-            raise ValueError(f"schema type {rule['type']!r} for {key!r} is not one of {sorted(_TYPES)}")
+            raise ValueError(f"schema type {rule['type']!r} for {key!r} is not one of "
+                             f"{sorted(_TYPES)}")
     ok, obj = answers.parse_json(assistant_prefix + completion, allow_fence, strip_think)
-    if not ok or not isinstance(obj, dict) or not set(schema) <= set(obj) or (exact and set(obj) != set(schema)):
+    if (not ok or not isinstance(obj, dict) or not set(schema) <= set(obj)
+            or (exact and set(obj) != set(schema))):
         return 0.0
     return float(all(_follows(obj[key], rule or {}) for key, rule in schema.items()))
 
@@ -109,12 +119,14 @@ def _gold_letter(gold: Any, letters: list[str]) -> str:
         return letters[gold]  # MedMCQA's cop: a 0-based index
     if isinstance(gold, str) and gold.strip().upper() in letters:
         return gold.strip().upper()
-    raise ValueError(f"gold answer {gold!r} is neither one of {letters} nor an index 0-{len(letters) - 1}")
+    raise ValueError(f"gold answer {gold!r} is neither one of {letters} "
+                     f"nor an index 0-{len(letters) - 1}")
 
 
 @register("choice_accuracy", row_keys=("gold_key",))
-def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", field: str = "predicted_category",
-                    letters: str = "ABCD", fallback_pattern: str | None = None, allow_fence: bool = False,
+def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer",
+                    field: str = "predicted_category", letters: str = "ABCD",
+                    fallback_pattern: str | None = None, allow_fence: bool = False,
                     strip_think: bool = True, assistant_prefix: str = "") -> float | None:
     r"""1.0 if the predicted letter equals the sample's gold letter, else 0.0; None without gold.
 
@@ -125,7 +137,8 @@ def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", fie
 
     >>> choice_accuracy('{"predicted_category": "b"}', {"cop": 1}, gold_key="cop")
     1.0
-    >>> choice_accuracy('Answer: B', {"answer": "B"}), choice_accuracy('Answer: B', {"answer": "B"}, fallback_pattern=r"Answer:\s*([A-D])")
+    >>> (choice_accuracy('Answer: B', {"answer": "B"}),
+    ...  choice_accuracy('Answer: B', {"answer": "B"}, fallback_pattern=r"Answer:\s*([A-D])"))
     (0.0, 1.0)
     >>> print(choice_accuracy('{"predicted_category": "B"}', {}))
     None
@@ -139,7 +152,8 @@ def choice_accuracy(completion: str, sample: dict, gold_key: str = "answer", fie
     if ok:
         pred = obj.get(field) if isinstance(obj, dict) else None
     elif fallback_pattern:
-        found = answers.find_all(fallback_pattern, answers.answer_part(completion) if strip_think else completion)
+        found = answers.find_all(fallback_pattern,
+                                 answers.answer_part(completion) if strip_think else completion)
         pred = found[-1] if found else None
     else:
         pred = None

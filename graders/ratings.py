@@ -4,19 +4,19 @@ The trainer queues each step's completions and waits; people rate them in a brow
 are the rewards (the question-generation workflow's "online mode"). Two terminals:
 
     python -m tools.ratings serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
-    python train.py --config configs/qgen_human.yaml         # rewards: [{name: human, args: {dir: ...}}]
+    python train.py --config configs/qgen_human.yaml  # rewards: [{name: human, args: {dir: ...}}]
 
     python -m tools.ratings stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
-    python -m tools.ratings export --dir runs/qgen_human/ratings > rated.jsonl   # prompt, completion, scores, reward
-    python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet   # or --out rated.jsonl
-    python -m tools.bestofn rated.jsonl --pairs human_pairs.jsonl     # the best- vs worst-rated reply: DPO data
+    python -m tools.ratings export --dir runs/qgen_human/ratings > rated.jsonl  # scores and reward
+    python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet  # or .jsonl
+    python -m tools.bestofn rated.jsonl --pairs human_pairs.jsonl  # best- vs worst-rated: DPO pairs
 
 The folder holds two append-only JSONL files, each line fsynced when written, so no rating is
 lost to a kill (a line torn by one is skipped, and the next write starts a fresh line):
 
-    queue.jsonl     the trainer's: {"id", "batch", "prompt", "completion", "criteria", "scale", "time"}
-                    (and "messages", a chat prompt as it was, when the prompt shown is its text)
-    ratings.jsonl   the page's:    {"id", "scores": {criterion: int}, "time"}
+    queue.jsonl    trainer's: {"id", "batch", "prompt", "completion", "criteria", "scale", "time"}
+                   (and "messages", a chat prompt as it was, when the prompt shown is its text)
+    ratings.jsonl  page's:    {"id", "scores": {criterion: int}, "time"}
 
 and `page_token`, the page's form token, kept so that a page open across a server restart saves,
 and `serve.lock`, which a running `serve` holds so that a second server on the folder is refused.
@@ -71,14 +71,17 @@ def item_id(prompt: str, completion: str, scale: list[int]) -> str:
 
 @dataclass
 class Store:
-    """What the folder holds, read incrementally: complete lines only, each file from where it was left."""
+    """What the folder holds, read incrementally: complete lines only, each file from where it was
+    left."""
     dir: Path
     items: dict[str, dict] = field(default_factory=dict)  # id -> its latest queue record
-    scores: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # id -> criterion -> every score given
+    # id -> criterion -> every score given
+    scores: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     offsets: dict[str, int] = field(default_factory=dict)  # file name -> bytes read
-    files: dict[str, tuple] = field(default_factory=dict)  # file name -> (device, inode, first bytes) read
-    deadlines: dict[str, float] = field(default_factory=dict)  # id -> monotonic time its wait ends (queued by this process)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # the page serves from several threads
+    files: dict[str, tuple] = field(default_factory=dict)  # file name -> (dev, inode, first bytes)
+    # id -> monotonic time its wait ends (queued by this process)
+    deadlines: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the page uses several threads
 
     def refresh(self) -> None:
         for name, take in ((QUEUE, self._take_item), (RATINGS, self._take_rating)):
@@ -87,9 +90,11 @@ class Store:
                 continue
             st = path.stat()
             with open(path, "rb") as f:
-                head = f.read(256)  # appends never change it; a file copied over this one (same inode) does
+                # appends never change it; a file copied over this one (same inode) does
+                head = f.read(256)
             dev, ino, old_head = self.files.get(name, (st.st_dev, st.st_ino, b""))
-            if st.st_size < self.offsets.get(name, 0) or (dev, ino) != (st.st_dev, st.st_ino) or not head.startswith(old_head):
+            if (st.st_size < self.offsets.get(name, 0) or (dev, ino) != (st.st_dev, st.st_ino)
+                    or not head.startswith(old_head)):
                 self.offsets[name] = 0  # truncated, or replaced by another file: read it all again
                 (self.items if name == QUEUE else self.scores).clear()
             self.files[name] = (st.st_dev, st.st_ino, head)
@@ -105,50 +110,58 @@ class Store:
 
     def _take_item(self, rec: dict) -> None:
         item = {k: rec[k] for k in ("id", "batch", "prompt", "completion", "criteria", "scale")}
-        if not (isinstance(item["id"], str) and type(item["batch"]) is int and isinstance(item["prompt"], str)
-                and isinstance(item["completion"], str) and isinstance(item["criteria"], list) and item["criteria"]
-                and all(isinstance(c, str) for c in item["criteria"]) and isinstance(item["scale"], list)
-                and len(item["scale"]) == 2 and all(type(v) is int for v in item["scale"])
-                and item["scale"][0] < item["scale"][1] and isinstance(rec.get("messages", []), list)):
-            raise ValueError("not a queue record")  # one bad line must not stop the page, the stats or training
+        if not (isinstance(item["id"], str) and type(item["batch"]) is int
+                and isinstance(item["prompt"], str) and isinstance(item["completion"], str)
+                and isinstance(item["criteria"], list) and item["criteria"]
+                and all(isinstance(c, str) for c in item["criteria"])
+                and isinstance(item["scale"], list) and len(item["scale"]) == 2
+                and all(type(v) is int for v in item["scale"])
+                and item["scale"][0] < item["scale"][1]
+                and isinstance(rec.get("messages", []), list)):
+            # one bad line must not stop the page, the stats or training
+            raise ValueError("not a queue record")
         if "messages" in rec:
             item["messages"] = rec["messages"]
         self.items[rec["id"]] = item
 
     def _take_rating(self, rec: dict) -> None:
-        scores = {str(c): v for c, v in rec["scores"].items()}  # a bad record raises before anything is kept
+        # a bad record raises before anything is kept
+        scores = {str(c): v for c, v in rec["scores"].items()}
         if not all(type(v) is int for v in scores.values()):
             raise BadRating(f"scores must be whole numbers, got {scores}")
-        if (item := self.items.get(rec["id"])) and not all(item["scale"][0] <= v <= item["scale"][1] for v in scores.values()):
+        if (item := self.items.get(rec["id"])) and not all(
+                item["scale"][0] <= v <= item["scale"][1] for v in scores.values()):
             raise BadRating(f"scores {scores} fall outside the item's scale {item['scale']}")
         given = self.scores.setdefault(rec["id"], {})
         for criterion, value in scores.items():
             given.setdefault(criterion, []).append(value)
 
     def rated(self, id_: str, criteria: list[str]) -> dict[str, float] | None:
-        """Mean score per criterion, or None while any criterion is unrated; a score outside the item's
-        scale (written before its item was read) does not count."""
+        """Mean score per criterion, or None while any criterion is unrated; a score outside the
+        item's scale (written before its item was read) does not count."""
         lo, hi = self.items[id_]["scale"] if id_ in self.items else (-math.inf, math.inf)
-        given = {c: [v for v in self.scores.get(id_, {}).get(c, []) if lo <= v <= hi] for c in criteria}
+        given = {c: [v for v in self.scores.get(id_, {}).get(c, []) if lo <= v <= hi]
+                 for c in criteria}
         if not all(given.values()):
             return None
         return {c: sum(given[c]) / len(given[c]) for c in criteria}
 
     def pending(self) -> list[dict]:
-        """Queued items not yet rated on their criteria: the newest batch first, then queue order."""
+        """Queued items not yet rated on their criteria: newest batch first, then queue order."""
         waiting = [it for it in self.items.values() if self.rated(it["id"], it["criteria"]) is None]
-        return sorted(waiting, key=lambda it: -it["batch"])  # sorted() is stable: queue order within a batch
+        return sorted(waiting, key=lambda it: -it["batch"])  # stable: queue order within a batch
 
     def next_group(self) -> list[dict]:
         """The pending completions of one prompt in the newest batch: rated side by side, since GRPO
         learns only from how a group's completions compare."""
         pending = self.pending()
-        return [it for it in pending if (it["batch"], it["prompt"]) == (pending[0]["batch"], pending[0]["prompt"])]
+        return [it for it in pending
+                if (it["batch"], it["prompt"]) == (pending[0]["batch"], pending[0]["prompt"])]
 
     def rate(self, form: dict[str, str]) -> str | int:
-        """Record the page's form (`ids`, and `<id>.<criterion>` per item) in one write: all of it (->
-        the number of items rated), or nothing (-> the reason it is refused). Items rated meanwhile
-        (a resent form, a second rater) are skipped, so one person's rating is never counted twice."""
+        """Record the page's form (`ids`, and `<id>.<criterion>` per item) in one write: all of it
+        (-> the number of items rated), or nothing (-> the reason it is refused). Items rated
+        meanwhile (a resent form, a second rater) are skipped, so no rating is counted twice."""
         ids = list(dict.fromkeys(filter(None, form.get("ids", "").split(","))))
         if not ids:
             return "nothing to save: the form named no items"
@@ -166,8 +179,10 @@ class Store:
                     scores[c] = int(value)
                 except ValueError:
                     scores[c] = None
-                if scores[c] is None or not lo <= scores[c] <= hi or value.strip() != str(scores[c]):
-                    return f"{c}: give every answer a whole number from {lo} to {hi} (got {value!r})"
+                if (scores[c] is None or not lo <= scores[c] <= hi
+                        or value.strip() != str(scores[c])):
+                    return (f"{c}: give every answer a whole number from {lo} to {hi} "
+                            f"(got {value!r})")
             records.append({"id": id_, "scores": scores, "time": time.time()})
         if records:
             jsonl.append(self.dir / RATINGS, records)
@@ -175,15 +190,16 @@ class Store:
         return len(records)
 
     def rated_items(self) -> list[dict]:
-        """Every queued item with a rating on its criteria: its prompt (a chat prompt's messages as they
-        were), criteria, scale, mean scores, and reward, the human reward's value over all its criteria:
-        mean of (score - lo) / (hi - lo)."""
+        """Every queued item with a rating on its criteria: its prompt (a chat prompt's messages as
+        they were), criteria, scale, mean scores, and reward, the human reward's value over all its
+        criteria: mean of (score - lo) / (hi - lo)."""
         out = []
         for it in self.items.values():
             scores = self.rated(it["id"], it["criteria"])
             if scores is not None:
-                out.append({"id": it["id"], "prompt": it.get("messages", it["prompt"]), "completion": it["completion"],
-                            "criteria": it["criteria"], "scale": it["scale"], "scores": scores,
+                out.append({"id": it["id"], "prompt": it.get("messages", it["prompt"]),
+                            "completion": it["completion"], "criteria": it["criteria"],
+                            "scale": it["scale"], "scores": scores,
                             "reward": rescaled(scores, it["criteria"], it["scale"])})
         return out
 
@@ -206,7 +222,8 @@ def parquet_bytes(rows: list[dict]) -> bytes:
     try:
         table = pa.Table.from_pylist(rows)
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise ValueError(f"the rated items do not fit one Parquet table ({e}); export them as JSON Lines") from None
+        raise ValueError(f"the rated items do not fit one Parquet table ({e}); "
+                         "export them as JSON Lines") from None
     buf = io.BytesIO()
     pq.write_table(table, buf)
     return buf.getvalue()
@@ -220,11 +237,12 @@ def export(rows: list[dict], out: str) -> None:
         raise ValueError(f"--out {out}: give a .jsonl or a .parquet file")
     if path.exists():
         raise ValueError(f"--out {out} exists and is never overwritten; give a new file")
-    jsonl.write_atomic(path, parquet_bytes(rows) if parquet else "".join(json.dumps(r) + "\n" for r in rows))
+    jsonl.write_atomic(path, parquet_bytes(rows) if parquet
+                       else "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:
-    """The human reward's value: mean over `criteria` of (score - lo) / (hi - lo), scale = [lo, hi]."""
+    """The human reward: mean over `criteria` of (score - lo) / (hi - lo), scale = [lo, hi]."""
     lo, hi = scale
     return sum((scores[c] - lo) / (hi - lo) for c in criteria) / len(criteria)
 
@@ -239,25 +257,35 @@ def store_for(dir: str | Path) -> Store:
     return _STORES[path]
 
 
-# --- the reward ------------------------------------------------------------------------------------
-def check_args(dir: str | None = None, criteria: list[str] = ("overall",), scale: list[int] = (1, 5),
-               criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0, **_) -> None:
-    """The human reward's args, checked before any model loads (scoring.check_specs); ValueError says what to fix."""
+# --- the reward ---------------------------------------------------------------------------------
+def check_args(dir: str | None = None, criteria: list[str] = ("overall",),
+               scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0,
+               poll_s: float = 1.0, **_) -> None:
+    """The human reward's args, checked before any model loads (scoring.check_specs); ValueError
+    says what to fix."""
     if not isinstance(dir, str) or not dir:
-        raise ValueError("reward 'human' needs args.dir: the ratings folder that `python -m tools.ratings serve --dir` serves")
-    if isinstance(criteria, str) or not criteria or not all(isinstance(c, str) and c for c in criteria):
-        raise ValueError(f"reward 'human': criteria must be a list of names, e.g. [relevance, clarity]; got {criteria!r}")
+        raise ValueError("reward 'human' needs args.dir: the ratings folder that "
+                         "`python -m tools.ratings serve --dir` serves")
+    if (isinstance(criteria, str) or not criteria
+            or not all(isinstance(c, str) and c for c in criteria)):
+        raise ValueError("reward 'human': criteria must be a list of names, "
+                         f"e.g. [relevance, clarity]; got {criteria!r}")
     if criterion is not None and criterion not in criteria:
-        raise ValueError(f"reward 'human': criterion {criterion!r} must be one of the criteria {list(criteria)}")
-    if (not isinstance(scale, (list, tuple)) or len(scale) != 2 or not all(type(v) is int for v in scale)
-            or scale[0] >= scale[1]):
-        raise ValueError(f"reward 'human': scale must be two whole numbers [lo, hi] with lo < hi; got {scale!r}")
-    if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0 and isinstance(poll_s, (int, float)) and poll_s > 0):
-        raise ValueError(f"reward 'human': need timeout_s >= 0 (0: no limit) and poll_s > 0; got {timeout_s!r}, {poll_s!r}")
+        raise ValueError(f"reward 'human': criterion {criterion!r} must be one of the criteria "
+                         f"{list(criteria)}")
+    if (not isinstance(scale, (list, tuple)) or len(scale) != 2
+            or not all(type(v) is int for v in scale) or scale[0] >= scale[1]):
+        raise ValueError("reward 'human': scale must be two whole numbers [lo, hi] with lo < hi; "
+                         f"got {scale!r}")
+    if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0
+            and isinstance(poll_s, (int, float)) and poll_s > 0):
+        raise ValueError("reward 'human': need timeout_s >= 0 (0: no limit) and poll_s > 0; "
+                         f"got {timeout_s!r}, {poll_s!r}")
 
 
-def human(completions: list[str], samples: list[dict], *, dir: str, criteria: list[str] = ("overall",),
-          scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0,
+def human(completions: list[str], samples: list[dict], *, dir: str,
+          criteria: list[str] = ("overall",), scale: list[int] = (1, 5),
+          criterion: str | None = None, timeout_s: float = 0.0, poll_s: float = 1.0,
           prompt_key: str = "prompt", forced_prefix: str | None = None) -> list[float]:
     """People's rating of each completion, (score - lo) / (hi - lo) averaged over the criteria.
 
@@ -271,8 +299,10 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     check_args(dir, criteria, scale, criterion, timeout_s, poll_s)
     criteria, (lo, hi) = list(criteria), scale
     store = store_for(dir)
-    shown = [(as_text(s[prompt_key]), (forced_prefix or "") + c) for c, s in zip(completions, samples, strict=True)]
-    messages = {p: s[prompt_key] for (p, _), s in zip(shown, samples) if isinstance(s[prompt_key], list)}  # chat prompts
+    shown = [(as_text(s[prompt_key]), (forced_prefix or "") + c)
+             for c, s in zip(completions, samples, strict=True)]
+    messages = {p: s[prompt_key] for (p, _), s in zip(shown, samples)
+                if isinstance(s[prompt_key], list)}  # chat prompts
     ids = [item_id(p, c, scale) for p, c in shown]
     with store.lock:
         store.refresh()
@@ -296,12 +326,14 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
             break
         if now - last_said >= 60:
             last_said = now
-            say(f"waiting for people's ratings: {len(waiting)} of {len(set(ids))} left ({now - start:.0f} s so far); "
-                f"rate them on the page of `python -m tools.ratings serve --dir {dir}`")
+            say(f"waiting for people's ratings: {len(waiting)} of {len(set(ids))} left "
+                f"({now - start:.0f} s so far); rate them on the page of "
+                f"`python -m tools.ratings serve --dir {dir}`")
         time.sleep(poll_s)
     unrated = {i for i, g in zip(ids, got) if g is None}
     if unrated:
-        say(f"{len(unrated)} item(s) unrated after timeout_s={timeout_s:g} s get the fallback; they stay on the page")
+        say(f"{len(unrated)} item(s) unrated after timeout_s={timeout_s:g} s get the fallback; "
+            "they stay on the page")
 
     def value(g: dict[str, float] | None) -> float:
         if g is None:
@@ -310,5 +342,5 @@ def human(completions: list[str], samples: list[dict], *, dir: str, criteria: li
     return [value(g) for g in got]
 
 
-human.check_args = check_args  # scoring.check_specs calls a reward's check_args(**args), when it has one
+human.check_args = check_args  # scoring.check_specs calls a reward's check_args(**args), if any
 register("human", batched=True, row_keys=("prompt_key",))(human)

@@ -3,14 +3,14 @@ a GRPO run, trained on preference pairs (a prompt, a chosen reply, a rejected on
 through train.py, e.g. on bestofn.py's best-vs-worst pairs:
 
     python -m tools.bestofn runs/eval/predictions_sft.jsonl --pairs pairs.jsonl
-    python train.py --config my_dpo.yaml      # mode: dpo, data.chosen / data.rejected: the replies' columns
+    python train.py --config my_dpo.yaml  # mode: dpo; data.chosen, data.rejected: the reply columns
 
 With y_w the chosen reply, y_l the rejected one, log pi(y|x) a reply's summed token log-probs
 under the policy and log ref(y|x) under the reference (the model DPO starts from: the base with
 the adapter switched off, into which model.init_adapter is merged, e.g. the SFT run):
 
     r_w = beta (log pi(y_w|x) - log ref(y_w|x)),   r_l = beta (log pi(y_l|x) - log ref(y_l|x))
-    loss = -(1/n) sum_pairs log sigmoid(r_w - r_l)                           (dpo.loss_type: sigmoid)
+    loss = -(1/n) sum_pairs log sigmoid(r_w - r_l)                          (dpo.loss_type: sigmoid)
 
 dpo.loss_type picks another loss of the same h = (r_w - r_l) / beta (dpo_loss: cDPO's label
 smoothing, IPO, hinge). At the first step the policy is the reference, so the sigmoid loss is
@@ -40,28 +40,30 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-             lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair loss and implicit rewards from summed reply log-probs, each (n,) -> (loss, r_w, r_l),
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, lengths: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair loss, implicit rewards from summed reply log-probs, each (n,) -> (loss, r_w, r_l),
     r_w = beta (pi_w - ref_w), r_l = beta (pi_l - ref_l), h = (pi_w - ref_w) - (pi_l - ref_l):
 
-        sigmoid  -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   DPO; eps = label_smoothing > 0
-                 is cDPO, for pairs whose label is wrong with probability eps (noisy judges)
+        sigmoid  -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   DPO; label_smoothing
+                 eps > 0 is cDPO, for pairs whose label is wrong with probability eps (noisy judges)
         ipo      (h' - 1 / (2 beta))^2, h' the same difference of per-token means (lengths: the
-                 chosen and rejected replies' token counts): IPO (arXiv 2310.12036) as TRL computes it
+                 two replies' token counts): IPO (arXiv 2310.12036) as TRL computes it
         hinge    max(0, 1 - beta h)                                          SLiC (arXiv 2305.10425)
     """
     r_w = beta * (policy_chosen - ref_chosen)  # (n,)
     r_l = beta * (policy_rejected - ref_rejected)  # (n,)
     h = (r_w - r_l) / beta  # (n,)
     if loss_type == "sigmoid":
-        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        loss = (-(1 - label_smoothing) * F.logsigmoid(beta * h)
+                - label_smoothing * F.logsigmoid(-beta * h))
     elif loss_type == "ipo":
         if lengths is None:
             raise ValueError("the ipo loss needs the replies' token counts (lengths)")
         n_chosen, n_rejected = (n.to(h.dtype).clamp(min=1) for n in lengths)
-        loss = ((policy_chosen - ref_chosen) / n_chosen - (policy_rejected - ref_rejected) / n_rejected
-                - 1 / (2 * beta)) ** 2
+        loss = ((policy_chosen - ref_chosen) / n_chosen
+                - (policy_rejected - ref_rejected) / n_rejected - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         loss = torch.relu(1 - beta * h)
     else:
@@ -69,30 +71,35 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return loss, r_w, r_l
 
 
-def pair_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None) -> rollout.Rollout:
-    """Each row twice, its chosen reply then its rejected one (rows 2i and 2i + 1: a pair stays in one
-    micro-batch and its prompt runs once, grpo.share_prompt), as sft.sft_batch builds them."""
+def pair_batch(tokenizer, rows: list[dict], cfg,
+               device: torch.device | None = None) -> rollout.Rollout:
+    """Each row twice, its chosen reply then its rejected one (rows 2i and 2i + 1: a pair stays in
+    one micro-batch and its prompt runs once, grpo.share_prompt), as sft.sft_batch builds them."""
     from modes.sft import sft_batch
     twice = [r for r in rows for _ in range(2)]
     replies = [r[k] for r in rows for k in ("chosen", "rejected")]
-    return sft_batch(tokenizer, twice, cfg, device, replies=replies, limit=("dpo.max_length", cfg.dpo.max_length))
+    return sft_batch(tokenizer, twice, cfg, device, replies=replies,
+                     limit=("dpo.max_length", cfg.dpo.max_length))
 
 
 def pair_passes(r, batch: rollout.Rollout, train: bool, keys: list):
     """For each micro-batch of whole pairs (a pair's two replies are never split): (its rows, their
     summed reply log-probs under the policy, under the reference), as pair_log_probs gives them."""
-    for mb in micro_batches(batch, max(r.cfg.optim.micro_batch_size, 2), r.cfg.optim.micro_batch_tokens, group=2):
+    for mb in micro_batches(batch, max(r.cfg.optim.micro_batch_size, 2),
+                            r.cfg.optim.micro_batch_tokens, group=2):
         yield mb, *pair_log_probs(r, batch, mb, train, keys)
 
 
-def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool,
+                   keys: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed reply log-probs of a micro-batch's rows under the policy (with gradients when `train`)
     and under the reference (without) -> ((m,), (m,)), rows in batch order. keys: one a row of the
-    batch, naming its reply; with dpo.cache_reference a reply's reference log-prob is computed once a
-    run (r.ref_logps) and read back in later epochs: the reference never changes."""
+    batch, naming its reply; with dpo.cache_reference a reply's reference log-prob is computed once
+    a run (r.ref_logps) and read back in later epochs: the reference never changes."""
 
     def summed(model) -> torch.Tensor:
-        logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, r.cfg, temperature=1.0)
+        logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb,
+                                        r.cfg, temperature=1.0)
         return torch.where(batch.completion_mask[mb, :C].bool(), logp, 0.0).sum(1)  # (m,)
     keys, cache = keys[mb], r.ref_logps if r.cfg.dpo.cache_reference else {}
     if all(k in cache for k in keys):
@@ -107,16 +114,18 @@ def pair_log_probs(r, batch: rollout.Rollout, mb: slice, train: bool, keys: list
 
 
 def pairs_loss(cfg, pi: torch.Tensor, ref: torch.Tensor, lengths: torch.Tensor):
-    """dpo_loss of rows in pairs (chosen at even rows), each (2m,): summed log-probs under the policy
-    and the reference, and the replies' token counts -> (loss, r_w, r_l), each (m,)."""
-    return dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta, cfg.dpo.loss_type, cfg.dpo.label_smoothing,
-                    (lengths[0::2], lengths[1::2]))
+    """dpo_loss of rows in pairs (chosen at even rows), each (2m,): summed log-probs under the
+    policy and the reference, and the replies' token counts -> (loss, r_w, r_l), each (m,)."""
+    return dpo_loss(pi[0::2], pi[1::2], ref[0::2], ref[1::2], cfg.dpo.beta, cfg.dpo.loss_type,
+                    cfg.dpo.label_smoothing, (lengths[0::2], lengths[1::2]))
 
 
 def pair_metrics(loss, r_w, r_l, pi) -> dict:
-    """TRL's DPO metrics from per-pair values (n,) and the policy's summed log-probs (2n,), chosen at even rows."""
-    return {"loss": float(loss.mean()), "rewards/chosen": float(r_w.mean()), "rewards/rejected": float(r_l.mean()),
-            "rewards/margins": float((r_w - r_l).mean()), "rewards/accuracies": float((r_w > r_l).float().mean()),
+    """TRL's DPO metrics from per-pair values (n,) and the policy's summed log-probs (2n,), chosen
+    at even rows."""
+    return {"loss": float(loss.mean()), "rewards/chosen": float(r_w.mean()),
+            "rewards/rejected": float(r_l.mean()), "rewards/margins": float((r_w - r_l).mean()),
+            "rewards/accuracies": float((r_w > r_l).float().mean()),
             "logps/chosen": float(pi[0::2].mean()), "logps/rejected": float(pi[1::2].mean())}
 
 
@@ -128,7 +137,7 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
         torch.cuda.reset_peak_memory_stats(device)
     idx = r.sampler.draw(cfg.dpo.batch_size)
     batch = pair_batch(r.tokenizer, [r.rows[i] for i in idx], cfg, device)
-    keys = [("train", i, k) for i in idx for k in ("chosen", "rejected")]  # (2n,) as the batch's rows
+    keys = [("train", i, k) for i in idx for k in ("chosen", "rejected")]  # (2n,) as the batch rows
     n = len(idx)
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
@@ -143,16 +152,17 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     loss, r_w, r_l = pairs_loss(cfg, pi, ref, lengths)
     grad_norm, lr = optimizer_step(r)
     return pair_metrics(loss, r_w, r_l, pi) | {
-        "tokens": float(batch.completion_mask.sum()), "learning_rate": lr, **norm_metrics([grad_norm]),
-        "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
+        "tokens": float(batch.completion_mask.sum()), "learning_rate": lr,
+        **norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows),
+        "step_time": time.time() - t0,
         "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 
 
 @torch.no_grad()
 def held_out_metrics(r) -> dict:
-    """eval/loss, eval/rewards/margins, eval/rewards/accuracies, ...: the DPO metrics on the held-out
-    pairs (eval.select's), the policy now against the reference. Accuracy near 1 on training pairs
-    and near 0.5 on these: DPO memorised its pairs."""
+    """eval/loss, eval/rewards/margins, eval/rewards/accuracies, ...: the DPO metrics on the
+    held-out pairs (eval.select's), the policy now against the reference. Accuracy near 1 on
+    training pairs and near 0.5 on these: DPO memorised its pairs."""
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     was_training, pi, ref, lengths = model.training, [], [], []
@@ -167,4 +177,5 @@ def held_out_metrics(r) -> dict:
             ref.append(ref_logp)
     model.train(was_training)
     pi, ref = torch.cat(pi).float(), torch.cat(ref).float()
-    return {f"eval/{k}": v for k, v in pair_metrics(*pairs_loss(cfg, pi, ref, torch.cat(lengths)), pi).items()}
+    return {f"eval/{k}": v
+            for k, v in pair_metrics(*pairs_loss(cfg, pi, ref, torch.cat(lengths)), pi).items()}

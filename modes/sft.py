@@ -1,7 +1,7 @@
 """Supervised fine-tuning (`mode: sft`): the model setup, data, checkpoints and resume of a GRPO
 run, with a cross-entropy loss on the reply tokens only. Run it through train.py:
 
-    python train.py --config my_sft.yaml      # your config with mode: sft and data.target: the reply column
+    python train.py --config my_sft.yaml  # a config with mode: sft, data.target: the reply column
 
 An example is rendered exactly like a GRPO prompt (chat template, system prompt, forced
 assistant prefix) followed by the target reply and EOS, so SFT teaches the distribution that GRPO
@@ -26,12 +26,15 @@ from plumbing.updates import (
 )
 
 
-def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None, replies: list[str] | None = None,
+def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None,
+              replies: list[str] | None = None,
               limit: tuple[str, int] | None = None) -> rollout.Rollout:
-    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on device).
-    replies: one a row (default: the rows' targets); limit: (config key, tokens) a row may hold (sft.max_length)."""
+    """Left-padded rendered prompts and right-padded replies (each ending in EOS) as a Rollout (on
+    device). replies: one a row (default: the rows' targets); limit: (config key, tokens) a row may
+    hold (sft.max_length)."""
     prompts = rollout.render_rows(tokenizer, rows, cfg.data)
-    replies = [rollout.with_eos(tokenizer, t) for t in (replies if replies is not None else [r["target"] for r in rows])]
+    replies = [rollout.with_eos(tokenizer, t)
+               for t in (replies if replies is not None else [r["target"] for r in rows])]
     key, most = limit or ("sft.max_length", cfg.sft.max_length)
     p = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     side, tokenizer.padding_side = tokenizer.padding_side, "right"
@@ -42,9 +45,10 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
     lengths = p.attention_mask.sum(1) + c.attention_mask.sum(1)  # (n,)
     if int(lengths.max()) > most:
         i = int(lengths.argmax())
-        raise ValueError(f"an example has {int(lengths[i])} tokens > {key}={most}: {prompts[i][:80]!r}")
-    return rollout.Rollout(*(x.to(device or "cpu") for x in (p.input_ids, p.attention_mask, c.input_ids,
-                           c.attention_mask.float(), torch.zeros(len(rows), dtype=torch.bool))), replies)
+        raise ValueError(f"an example has {int(lengths[i])} tokens > {key}={most}: "
+                         f"{prompts[i][:80]!r}")
+    return rollout.Rollout(*(x.to(device or "cpu") for x in (p.input_ids, p.attention_mask,
+        c.input_ids, c.attention_mask.float(), torch.zeros(len(rows), dtype=torch.bool))), replies)
 
 
 def sft_step(r) -> tuple[dict, list[dict]]:
@@ -55,14 +59,15 @@ def sft_step(r) -> tuple[dict, list[dict]]:
         torch.cuda.reset_peak_memory_stats(device)
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
     batch = sft_batch(r.tokenizer, rows, cfg, device)
-    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask  # (n, P + C) x2, (n, C)
+    # (n, P + C) x2, (n, C)
+    ids, attn, mask = batch.input_ids, batch.attention_mask, batch.completion_mask
     tokens = float(mask.sum())
     model.train()
     r.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
         logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg, temperature=1.0)  # (m, C)
-        loss = -torch.where(mask[mb, :C].bool(), logp, 0.0).sum() / tokens  # this micro-batch's share
+        loss = -torch.where(mask[mb, :C].bool(), logp, 0.0).sum() / tokens  # a micro-batch's share
         (r.scaler.scale(loss) if r.scaler else loss).backward()
         total += float(loss.detach())
     grad_norm, lr = optimizer_step(r)
@@ -74,7 +79,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
 @torch.no_grad()
 def held_out_loss(r) -> float:
     """eval/loss: the mean reply-token cross-entropy on the held-out rows (eval.select's), the
-    training loss on rows it never saw: where it turns up while the training loss falls, SFT overfits."""
+    training loss on unseen rows: where it turns up while the training loss falls, SFT overfits."""
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     was_training, nll, tokens = model.training, 0.0, 0.0
@@ -82,7 +87,8 @@ def held_out_loss(r) -> float:
     for i in range(0, len(r.eval_rows), cfg.sft.batch_size):
         batch = sft_batch(r.tokenizer, r.eval_rows[i:i + cfg.sft.batch_size], cfg, device)
         for mb in micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
-            logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb, cfg, temperature=1.0)
+            logp, C = micro_batch_log_probs(model, batch, batch.input_ids, batch.attention_mask, mb,
+                                            cfg, temperature=1.0)
             mask = batch.completion_mask[mb, :C].bool()  # (m, C)
             nll -= float(torch.where(mask, logp, 0.0).sum())
             tokens += float(mask.sum())

@@ -30,7 +30,8 @@ def answer_part(text: str) -> str:
     otherwise pass as a JSON-only or a short answer). rollout.reply_prefix gives the rewards the
     <think> a chat template opens.
 
-    >>> answer_part("<think>2 + 2</think> 4"), answer_part("<think>2 + 2"), answer_part("2 + 2</think>4")
+    >>> (answer_part("<think>2 + 2</think> 4"), answer_part("<think>2 + 2"),
+    ...  answer_part("2 + 2</think>4"))
     ('4', '', '2 + 2</think>4')
     """
     if not text.lstrip().startswith("<think>"):
@@ -58,13 +59,14 @@ def parse_json(completion: str, allow_fence: bool, strip_think: bool) -> tuple[b
     if allow_fence and (fenced := _FENCE.fullmatch(text)):
         text = fenced.group(1)
     try:
-        return True, json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+        return True, json.loads(text, object_pairs_hook=_no_duplicate_keys,
+                                parse_constant=_no_constants)
     except (ValueError, RecursionError):  # ValueError also covers ints longer than 4300 digits
         return False, None
 
 
-# a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three
-NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?")  # .5 too
+# a sign only where it cannot be a minus ("3-5" is 3 and 5); 1,000 only in groups of three; .5 too
+NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+|(?=\.\d))(?:\.\d+)?(?:/\d+)?")
 
 
 def boxed(text: str) -> str | None:
@@ -80,16 +82,19 @@ def boxed(text: str) -> str | None:
 
 
 def latex_numbers(text: str) -> str:
-    r"""\frac{3}{4} as 3/4, LaTeX's thousands separators (1{,}000, 1\,000) dropped, a Unicode minus as -,
-    and -$5 as -5."""
+    r"""\frac{3}{4} as 3/4, LaTeX's thousands separators (1{,}000, 1\,000) dropped, a Unicode minus
+    as -, and -$5 as -5."""
     text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.,]+)\s*\}\{\s*([\d.,]+)\s*\}", r"\1/\2", text)
-    text = re.sub(r"-\\?\$(?=\d)", "-", text.replace("\u2212", "-"))  # a Unicode minus; -$5 is -5 ($10 - $15 is not)
+    # a Unicode minus; -$5 is -5 ($10 - $15 is not)
+    text = re.sub(r"-\\?\$(?=\d)", "-", text.replace("\u2212", "-"))
     return text.replace("{,}", ",").replace("\\,", "").replace("\\!", "")
 
 
 _HASHES = re.compile(r"(?<!#)####(?!#)([^\n]*)")
-_HEADING = re.compile(r"\s*[A-Za-z]{2,}")  # "#### Step 2: add", "#### Final Answer" with text below: Markdown, not a marker
-_ANSWER_LINE = re.compile(r"\s*(?:final\s+)?answer\b\W*\S", re.I)  # "#### Answer: 72" is one, text below or not
+# "#### Step 2: add", "#### Final Answer" with text below: Markdown, not a marker
+_HEADING = re.compile(r"\s*[A-Za-z]{2,}")
+# "#### Answer: 72" is one, text below or not
+_ANSWER_LINE = re.compile(r"\s*(?:final\s+)?answer\b\W*\S", re.I)
 
 
 def marked(text: str) -> str | None:
@@ -97,17 +102,21 @@ def marked(text: str) -> str | None:
     (GSM8K; not a Markdown heading: a line led by a word, with text after it), the last \\boxed{x},
     the last <answer>x</answer>; None without a marker.
 
-    >>> marked("#### 72"), marked("#### Step 1: add\\n48 + 24 = 72\\n\\\\boxed{72}"), marked("#### Final answer\\n72")
+    >>> (marked("#### 72"), marked("#### Step 1: add\\n48 + 24 = 72\\n\\\\boxed{72}"),
+    ...  marked("#### Final answer\\n72"))
     (' 72', '72', None)
-    >>> marked("so\\n#### Yes"), marked("#### no solution\\n"), marked("#### Answer: 72\\nsince 8 * 9 = 72")
+    >>> (marked("so\\n#### Yes"), marked("#### no solution\\n"),
+    ...  marked("#### Answer: 72\\nsince 8 * 9 = 72"))
     (' Yes', ' no solution', ' Answer: 72')
     """
     hashes = [m.group(1) for m in _HASHES.finditer(text)
-              if not (_HEADING.match(m.group(1)) and not _ANSWER_LINE.match(m.group(1)) and text[m.end():].strip())]
-    close = text.rfind("</answer>")  # rfind, not a lazy regex: that is quadratic on repeated <answer>
+              if not (_HEADING.match(m.group(1)) and not _ANSWER_LINE.match(m.group(1))
+                      and text[m.end():].strip())]
+    close = text.rfind("</answer>")  # rfind, not a lazy regex, quadratic on repeated <answer>
     open_at = text.rfind("<answer>", 0, max(close, 0))
     tag = text[open_at + len("<answer>"):close] if close >= 0 and open_at >= 0 else None
-    return next((s for s in (hashes[-1] if hashes else None, boxed(text), tag) if s is not None), None)
+    return next((s for s in (hashes[-1] if hashes else None, boxed(text), tag) if s is not None),
+                None)
 
 
 def final_number(text: str, mode: str = "last") -> Fraction | None:
@@ -128,10 +137,12 @@ def final_number(text: str, mode: str = "last") -> Fraction | None:
         return None
 
 
-_UNITS = re.compile(r"\\?\$|\\?%|°(?:\s*[CF](?![A-Za-z]))?|\\text\{ [^{}]*\}|(?<=\d)(?:\s|\\[,;:! ])*\\text\{\s*[A-Za-z][^{}]*\}(?:\^\{?\d\}?)?(?=\s*\.?\s*$)|\^\{?\\circ\}?")
-#   $, %, degrees (30°C), units (\text{ cm}; 5\,\text{cm}^2 ending the answer): not the answer's maths
+# $, %, degrees (30°C), units (\text{ cm}; 5\,\text{cm}^2 ending the answer): not the answer's maths
+_UNITS = re.compile(r"\\?\$|\\?%|°(?:\s*[CF](?![A-Za-z]))?|\\text\{ [^{}]*\}"
+                    r"|(?<=\d)(?:\s|\\[,;:! ])*\\text\{\s*[A-Za-z][^{}]*\}"
+                    r"(?:\^\{?\d\}?)?(?=\s*\.?\s*$)|\^\{?\\circ\}?")
 _LABEL = re.compile(r"^(?:[A-Za-z]\s*=|\(?[A-Ea-e]\))\s*")  # "x = 5", "(B) 5": the answer follows
-_LATEX = re.compile(r"[\\^_{}]|[\[(][^\])]*,[^\[(]*[\])]")  # LaTeX, or an interval or tuple: (-1, 2]
+_LATEX = re.compile(r"[\\^_{}]|[\[(][^\])]*,[^\[(]*[\])]")  # LaTeX, or an interval/tuple: (-1, 2]
 _VARIABLE = re.compile(r"(?<![A-Za-z])[A-Za-z](?![A-Za-z])")  # a lone letter: x + 1
 
 
@@ -141,9 +152,11 @@ def expression_gold(gold: str) -> str | None:
 
     >>> expression_gold(r"\boxed{2\sqrt{2}}"), expression_gold("x + 1"), expression_gold(r"\$18.90")
     ('2\\sqrt{2}', 'x + 1', None)
-    >>> expression_gold(r"\frac{1}{2}"), expression_gold("72 apples"), expression_gold("#### 1,000"), expression_gold("2 m/s")
+    >>> (expression_gold(r"\frac{1}{2}"), expression_gold("72 apples"),
+    ...  expression_gold("#### 1,000"), expression_gold("2 m/s"))
     (None, None, None, None)
-    >>> expression_gold("x = 5"), expression_gold("(B) 5"), expression_gold(r"90^\circ"), expression_gold("(1, 2)")
+    >>> (expression_gold("x = 5"), expression_gold("(B) 5"), expression_gold(r"90^\circ"),
+    ...  expression_gold("(1, 2)"))
     (None, None, None, '(1, 2)')
 
     A gold that starts with a number and holds no LaTeX ("5 m", "0.5 L", "1e5") is a number, read
@@ -162,12 +175,15 @@ def expression_gold(gold: str) -> str | None:
 
 def normalised(expr: str) -> str:
     r"""An answer written the way MATH's graders compare them: no spaces, $, %, degrees, units
-    (\text{ cm}: a \text{} starting with a space or after a number), \left / \right, spacing commands, \text{}
-    wrappers or final period; \dfrac and \tfrac as \frac; \frac12 and \sqrt2 braced; x^{2} as x^2.
+    (\text{ cm}: a \text{} starting with a space or after a number), \left / \right, spacing
+    commands, \text{} wrappers or final period; \dfrac and \tfrac as \frac; \frac12 and \sqrt2
+    braced; x^{2} as x^2.
 
-    >>> normalised(r"\left( -\infty, 2 \right]"), normalised(r"\dfrac{x^{2}}{2}."), normalised(r"\text{(B)}")
+    >>> (normalised(r"\left( -\infty, 2 \right]"), normalised(r"\dfrac{x^{2}}{2}."),
+    ...  normalised(r"\text{(B)}"))
     ('(-\\infty,2]', '\\frac{x^2}{2}', '(B)')
-    >>> normalised(r"5\text{ cm}"), normalised(r"90^\circ"), normalised(r"25\%"), normalised(r"\frac12 + \sqrt2")
+    >>> (normalised(r"5\text{ cm}"), normalised(r"90^\circ"), normalised(r"25\%"),
+    ...  normalised(r"\frac12 + \sqrt2"))
     ('5', '90', '25', '\\frac{1}{2}+\\sqrt{2}')
     >>> normalised(r"5\,\text{cm}"), normalised("90°"), normalised(r"\text{yes}")
     ('5', '90', 'yes')
@@ -177,13 +193,15 @@ def normalised(expr: str) -> str:
     s = re.sub(r"\\sqrt(\d)", r"\\sqrt{\1}", s)
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
     s = re.sub(r"\\(?:left|right|displaystyle|[!,;: ])", "", s)
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\$", "").replace("$", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\$", "").replace("$", "")
     s = re.sub(r"\s+", "", s).rstrip(".")
     return re.sub(r"([\^_])\{(\w)\}", r"\1\2", s)
 
 
 def expression_key(expr: str) -> str:
-    r"""normalised, and without a leading label ("x = 5" is 5, "(B) 5" is 5): what same_expression compares.
+    r"""normalised, and without a leading label ("x = 5" is 5, "(B) 5" is 5): what same_expression
+    compares.
 
     >>> expression_key(r"x = \frac{1}{2}"), expression_key("(C)"), expression_key("y=2x+1")
     ('\\frac{1}{2}', '(C)', '2x+1')
@@ -193,7 +211,8 @@ def expression_key(expr: str) -> str:
 
 
 def same_expression(pred: str, gold: str) -> bool:
-    """Equal as normalised text (expression_key), or as numbers when both are one ("0.5" and "\\frac{1}{2}")."""
+    """Equal as normalised text (expression_key), or as numbers when both are one ("0.5" and
+    "\\frac{1}{2}")."""
     a, b = expression_key(pred), expression_key(gold)
     if a == b:
         return True

@@ -1,8 +1,9 @@
-"""Checkpoints: atomic saves, loading for --resume, and trimming the run's logs (jsonl.py) back to the checkpoint.
+"""Checkpoints: atomic saves, loading for --resume, and trimming the run's logs (jsonl.py) back to
+the checkpoint.
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
                                RNG states, step, data position, the judges' run totals), config.yaml
-    (run.keep_checkpoints newest are whole; older ones keep adapter/ and config.yaml, run.keep_adapters)
+    (run.keep_checkpoints newest are whole; older keep adapter/ and config.yaml, run.keep_adapters)
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
 last complete checkpoint and at most a .tmp directory, which is ignored and cleaned up. Used by
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoints that --resume can continue from, oldest first: complete (a .tmp directory is an
-    interrupted write) and still holding their trainer state (an older one may keep only its adapter)."""
+    interrupted write) and holding their trainer state (an older one may keep only its adapter)."""
     d = run_dir / "checkpoints"
     return sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
                   and (p / "trainer_state.pt").is_file()) if d.is_dir() else []
@@ -42,7 +43,8 @@ def prune(ckpt: Path, keep_adapter: bool) -> None:
     """An old checkpoint: keep only its adapter/ and config.yaml (for eval.py: RL runs often peak
     before their last step), or delete it. The trainer state goes first, so a kill mid-way leaves a
     checkpoint that --resume ignores, never one it would take as complete."""
-    if not (keep_adapter and (ckpt / "adapter").is_dir()):  # full fine-tuning saves whole models: too big to keep
+    # full fine-tuning saves whole models: too big to keep
+    if not (keep_adapter and (ckpt / "adapter").is_dir()):
         shutil.rmtree(ckpt, ignore_errors=True)
         return
     (ckpt / "trainer_state.pt").unlink(missing_ok=True)
@@ -50,17 +52,18 @@ def prune(ckpt: Path, keep_adapter: bool) -> None:
 
 
 def save_checkpoint(r: Run, step: int) -> Path:
-    """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via .tmp + rename."""
+    """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via
+    .tmp + rename."""
     cfg = r.cfg
     final = r.run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    for stale in final.parent.glob("step_*.tmp"):  # left by a kill or a failed write: their space first
+    for stale in final.parent.glob("step_*.tmp"):  # from a kill or failed write: their space first
         shutil.rmtree(stale, ignore_errors=True)
     try:
         _write(r, tmp, step)
     except BaseException as e:  # Ctrl-C, a full disk: no half checkpoint left, holding the space
         shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: never a disk error, whatever it interrupted
+        if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: never a disk error, whatever it stopped
             raise
         cause = _os_error(e)  # torch.save wraps it in a RuntimeError
         if cause is None:  # a bug: its own traceback
@@ -76,7 +79,7 @@ def save_checkpoint(r: Run, step: int) -> Path:
 
 
 def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
-    """The OSError (a full disk, a folder made read-only) in e or what it was raised from, if any."""
+    """The OSError (a full disk, a read-only folder) in e or what it was raised from, if any."""
     if e is None or depth > 5:
         return None
     if isinstance(e, OSError):
@@ -93,17 +96,20 @@ def _write(r: Run, tmp: Path, step: int) -> None:
         save_adapter(model, tmp / "adapter")
     else:
         model.save_pretrained(tmp / "model")
-        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory that eval.py and export.py can load
-        (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))  # --resume checks the base
+        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory for eval.py, export.py
+        # --resume checks the base
+        (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))
     state = {
         "step": step, "data_position": r.sampler.state(),
         "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},  # judge_*_total goes on from here
+        # judge_*_total goes on from here
+        "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},
     }
-    with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: a write error surfaces as its OSError
+    with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: a write error raises OSError
         torch.save(state, f)
     save_config(cfg, tmp / "config.yaml")
     for f in tmp.rglob("*"):  # on disk before the rename makes the checkpoint visible
@@ -113,9 +119,9 @@ def _write(r: Run, tmp: Path, step: int) -> None:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
-    """Weights, optimizer, scaler and RNG states back in place; the returned state holds the step and the
-    data position (the caller rebuilds the schedule from the step and the config; the saved scheduler
-    state is kept for inspection only)."""
+    """Weights, optimizer, scaler and RNG states back in place; the returned state holds the step
+    and the data position (the caller rebuilds the schedule from the step and the config; the saved
+    scheduler state is kept for inspection only)."""
     from safetensors.torch import load_file
     if is_peft(model):
         from peft import set_peft_model_state_dict
@@ -126,7 +132,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
             state.update(load_file(f))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or any(k for k in missing if "lm_head" not in k):
-            raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     if scaler and state["scaler"]:
@@ -145,5 +152,6 @@ def keep_lines_up_to(path: Path, step: int) -> None:
     by a kill. Atomic rewrite."""
     if not path.exists():
         return
-    kept = [rec for _, _, rec in jsonl.read(path) if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
+    kept = [rec for _, _, rec in jsonl.read(path)
+            if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
     jsonl.write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in kept))

@@ -1,6 +1,6 @@
-"""What a run shows its user: the step line and the progress bar, the tracker (wandb or trackio), the
-advice for a step that ran out of GPU memory, and the warning for steps without a learning signal.
-train.py calls these; nothing here changes what is trained.
+"""What a run shows its user: the step line and the progress bar, the tracker (wandb or trackio),
+the advice for a step that ran out of GPU memory, and the warning for steps without a learning
+signal. train.py calls these; nothing here changes what is trained.
 
     python -m pytest --doctest-modules display.py      # its examples; train.py is what runs it
 """
@@ -19,8 +19,10 @@ from plumbing import jsonl
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
          ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),
          ("rewards/accuracies", "acc {:.2f}"), ("eval/rewards/accuracies", "eval acc {:.2f}"),
-         ("entropy", "ent {:.2f}"), ("completions/mean_length", "len {:.1f}"), ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
-         ("skipped_updates", "skipped {:.0f}"), ("learning_rate", "lr {:.2e}"), ("step_time", "{:.1f}s")]
+         ("entropy", "ent {:.2f}"), ("completions/mean_length", "len {:.1f}"),
+         ("frac_reward_zero_std", "zero_std {:.2f}"), ("epoch", "epoch {:.2f}"),
+         ("skipped_updates", "skipped {:.0f}"), ("learning_rate", "lr {:.2e}"),
+         ("step_time", "{:.1f}s")]
 
 
 def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
@@ -29,7 +31,8 @@ def format_line(step: int, total: int, m: dict, keys: tuple = ()) -> str:
     >>> format_line(3, 10, {"reward": 0.5, "reward_std": 0.1, "loss": 0.0, "step_time": 2.25})
     'step 3/10 | reward 0.500 ± 0.100 | loss +0.0000 | 2.2s'
     """
-    shown = [(k, fmt) for k, fmt in SHOWN if k in m and (not keys or k in keys) and (k != "reward_std" or "reward" in m)]
+    shown = [(k, fmt) for k, fmt in SHOWN
+             if k in m and (not keys or k in keys) and (k != "reward_std" or "reward" in m)]
     parts = [f"step {step}/{total}"] + [fmt.format(m[k]) for k, fmt in shown]
     return " | ".join(parts).replace(" | ±", " ±")
 
@@ -57,45 +60,58 @@ def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: st
     A reward model's own message (reward_model.py) says what to lower in its args."""
     where = ""
     if device.type == "cuda":
-        where = (f" ({torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated at the peak, "
-                 f"of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB)")
+        where = (
+            f" ({torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB allocated at the peak, "
+            f"of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB)")
     if err is not None and str(err).startswith("reward_model:"):
         return f"{err}{where}"
     o, ro, g, m = cfg.optim, cfg.rollout, cfg.grpo, cfg.model
-    training = [f"optim.micro_batch_size (now {o.micro_batch_size})" if o.micro_batch_size > 1 else "",
-                "optim.micro_batch_tokens (a cap on a micro-batch's padded tokens)" if not o.micro_batch_tokens
-                else f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
+    training = [f"optim.micro_batch_size (now {o.micro_batch_size})" if o.micro_batch_size > 1
+                else "",
+                "optim.micro_batch_tokens (a cap on a micro-batch's padded tokens)"
+                if not o.micro_batch_tokens else
+                f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
                 "" if m.gradient_checkpointing else "model.gradient_checkpointing: true",
                 "" if g.fused_lm_head or cfg.mode != "grpo" else "grpo.fused_lm_head: true",
-                "" if m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf" or ro.merged_sampling or ro.compile
+                "" if (m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf"
+                       or ro.merged_sampling or ro.compile)
                 else "model.quant: 4bit (QLoRA)"]  # refused with those (config.py, vllm_engine.py)
     if ro.engine == "vllm" and phase in ("sampling", "syncing the weights to vLLM"):
-        tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: vLLM's share; the trainer "
-                "gets the rest)", f"rollout.max_new_tokens (now {ro.max_new_tokens})"]
+        tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: "
+                "vLLM's share; the trainer gets the rest)",
+                f"rollout.max_new_tokens (now {ro.max_new_tokens})"]
     elif phase == "sampling":
-        tips = [f"rollout.prompts_per_generate (now {ro.prompts_per_generate or 'all'} prompts a generate call; "
-                "fewer hold a smaller KV cache)" if ro.prompts_per_generate != 1 else "",
-                f"rollout.max_new_tokens (now {ro.max_new_tokens})", f"rollout.num_generations (now {ro.num_generations})"]
-    elif phase == "scoring the held-out rows":  # SFT's and DPO's held-out loss batch as training does; then generation
-        tips = (training[:2] if cfg.mode != "grpo" else []) + [f"eval.batch_size (now {cfg.eval.batch_size})",
-                                                              f"eval.max_new_tokens (now {cfg.eval.max_new_tokens})"]
+        tips = [f"rollout.prompts_per_generate (now {ro.prompts_per_generate or 'all'} prompts a "
+                "generate call; fewer hold a smaller KV cache)" if ro.prompts_per_generate != 1
+                else "",
+                f"rollout.max_new_tokens (now {ro.max_new_tokens})",
+                f"rollout.num_generations (now {ro.num_generations})"]
+    elif phase == "scoring the held-out rows":
+        # SFT's and DPO's held-out loss batch as training does; then generation
+        tips = (training[:2] if cfg.mode != "grpo" else []) + [
+            f"eval.batch_size (now {cfg.eval.batch_size})",
+            f"eval.max_new_tokens (now {cfg.eval.max_new_tokens})"]
     else:
         tips = training
-    return (f"out of GPU memory while {phase}{where}; lower it with " + ", ".join(t for t in tips if t)
-            + f"; python bench/memory_estimate.py --config {config_path} estimates a setting's peak on a CPU")
+    return (f"out of GPU memory while {phase}{where}; lower it with "
+            + ", ".join(t for t in tips if t) + f"; python bench/memory_estimate.py --config "
+            f"{config_path} estimates a setting's peak on a CPU")
 
 
 NO_SIGNAL_WARN_AFTER = 5
-NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards differed (frac_reward_zero_std = 1), "
-             "so every advantage was 0 and nothing was learned. Usually the model never earns the reward (a format it "
-             "does not produce, say): give partial credit (a graded reward), force the reply's start "
-             "(data.assistant_prefix), raise rollout.num_generations or temperature, or set rollout.resample_zero_std. "
+NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards differed "
+             "(frac_reward_zero_std = 1), so every advantage was 0 and nothing was learned. "
+             "Usually the model never earns the reward (a format it does not produce, say): give "
+             "partial credit (a graded reward), force the reply's start (data.assistant_prefix), "
+             "raise rollout.num_generations or temperature, or set rollout.resample_zero_std. "
              "run.stop_without_signal: N stops such a run.")
 
 
 def flat_steps_at_end(metrics_path: Path) -> int:
-    """How many of the logged steps, counted back from the last, had no learning signal (frac_reward_zero_std = 1)."""
-    flags = [rec.get("frac_reward_zero_std") == 1.0 for _, _, rec in jsonl.read(metrics_path) if rec]
+    """How many of the logged steps, counted back from the last, had no learning signal
+    (frac_reward_zero_std = 1)."""
+    flags = [rec.get("frac_reward_zero_std") == 1.0
+             for _, _, rec in jsonl.read(metrics_path) if rec]
     return next((i for i, flat in enumerate(reversed(flags)) if not flat), len(flags))
 
 
@@ -113,8 +129,10 @@ class progress_display:
                 TimeElapsedColumn,
                 TimeRemainingColumn,
             )
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
-                                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"))
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TextColumn("{task.description}"))
 
     def __enter__(self):
         if self.progress:
@@ -124,8 +142,9 @@ class progress_display:
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:
-            keys = ("reward", "reward_std", "eval/reward", "kl", "completions/mean_length") if "reward_std" in m else (
-                "loss", "rewards/margins", "rewards/accuracies", "eval/rewards/accuracies", "epoch")
+            keys = (("reward", "reward_std", "eval/reward", "kl", "completions/mean_length")
+                    if "reward_std" in m else ("loss", "rewards/margins", "rewards/accuracies",
+                                               "eval/rewards/accuracies", "epoch"))
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
         else:

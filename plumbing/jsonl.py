@@ -1,11 +1,12 @@
-"""Files that survive a kill: append-only JSON Lines (the judge cache, people's ratings, a run's logs)
-and atomic rewrites (results, configs).
+"""Files that survive a kill: append-only JSON Lines (the judge cache, people's ratings, a run's
+logs) and atomic rewrites (results, configs).
 
     from plumbing import jsonl
-    offset = jsonl.append(path, [{"key": "...", "reply": "..."}])  # one write, fsynced; where the first record starts
-    for offset, end, record in jsonl.read(path):                  # complete lines only; record None: not a JSON object
+    # one write, fsynced; returns where the first record starts
+    offset = jsonl.append(path, [{"key": "...", "reply": "..."}])
+    for offset, end, record in jsonl.read(path):  # whole lines only; record None: not a JSON object
         ...
-    jsonl.write_atomic(path, text)                                # whole old file or whole new one, never half
+    jsonl.write_atomic(path, text)                # whole old file or whole new one, never half
 
 A kill during a write leaves at most a torn last line. `append` first ends such a line, so new
 records never glue onto it, and `read` never yields a line without its newline (it may still be
@@ -37,8 +38,8 @@ except ImportError:  # Windows: appends from one process at a time
 
 
 def append(path: str | Path, records: list[dict]) -> int:
-    """Append `records` as JSON lines in one write and fsync them (each line may have cost money or a
-    person's time: it must outlive a crash right after). Returns the byte offset of the first record."""
+    """Append `records` as JSON lines in one write, fsynced (each line may have cost money or a
+    person's time: it must outlive a crash right after). Returns the first record's byte offset."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+b") as f:  # "a": every write goes to the end, whatever the position
@@ -49,7 +50,8 @@ def append(path: str | Path, records: list[dict]) -> int:
         if size:
             f.seek(size - 1)
             torn = f.read(1) != b"\n"
-        # ASCII: a raw U+2028 or U+0085 in model output would split the line for readers that use str.splitlines
+        # ASCII: a raw U+2028 or U+0085 in model output would split the line for readers that use
+        # str.splitlines
         f.write((b"\n" if torn else b"") + "".join(json.dumps(r) + "\n" for r in records).encode())
         f.flush()
         os.fsync(f.fileno())
@@ -57,9 +59,9 @@ def append(path: str | Path, records: list[dict]) -> int:
 
 
 def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | None]]:
-    """(offset, end, record) for each complete line of `path` from byte `start` (nothing when the file
-    does not exist); record is None for a line that is not a JSON object (torn by a kill, or corrupt).
-    One line in memory at a time, so a large cache file costs no RAM to scan."""
+    """(offset, end, record) for each complete line of `path` from byte `start` (nothing when the
+    file does not exist); record is None for a line that is not a JSON object (torn by a kill, or
+    corrupt). One line in memory at a time, so a large cache file costs no RAM to scan."""
     if not os.path.exists(path):
         return
     with open(path, "rb") as f:
@@ -78,8 +80,8 @@ def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | No
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:
-    """Replace `path` with `text` (or bytes): written to path.tmp, fsynced, then renamed over it, so a
-    kill or a power cut leaves the old file or the new one, never a half-written one."""
+    """Replace `path` with `text` (or bytes): written to path.tmp, fsynced, then renamed over it, so
+    a kill or a power cut leaves the old file or the new one, never a half-written one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -98,8 +100,8 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt, so both end a
-    command the same clean way (its default ends the process at once: no message, no cleanup)."""
+    """SIGTERM (a scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt, so both
+    end a command the same clean way (its default kills the process: no message, no cleanup)."""
 
 
 @contextlib.contextmanager
@@ -118,7 +120,8 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG}
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+                errno.EFBIG}
 
 
 def is_write_error(e: BaseException) -> bool:
@@ -128,12 +131,14 @@ def is_write_error(e: BaseException) -> bool:
 
 
 def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
-    """What stopped the command and its exit code: Ctrl-C 130, SIGTERM 143 (128 + the signal, as a shell reports)."""
+    """What stopped the command and its exit code: Ctrl-C 130, SIGTERM 143 (128 + the signal, as a
+    shell reports)."""
     return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
 
 
-def said_interrupted(e: KeyboardInterrupt, what: str = "before it started; nothing was written") -> int:
-    """One line for a command stopped while it loads (models, data, hub files), and its exit code."""
+def said_interrupted(e: KeyboardInterrupt,
+                     what: str = "before it started; nothing was written") -> int:
+    """One line for a command stopped while loading (models, data, hub files), and its exit code."""
     name, code = interrupted(e)
     print(f"\ninterrupted ({name}) {what}", file=sys.stderr)
     return code

@@ -13,19 +13,22 @@ import torch
 from torch import Tensor, nn
 
 
-def _pick_and_lse(z: Tensor, ids: Tensor, temperature: float, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A chunk of logits z (c, V) -> (log softmax(z / T)[ids], logsumexp(z / T)), each (c,), in `acc`."""
-    lg = z.to(acc, copy=True).div_(temperature)  # (c, V): one fp32 buffer, not a cast and a quotient
+def _pick_and_lse(z: Tensor, ids: Tensor, temperature: float,
+                  acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Chunk logits z (c, V) -> (log softmax(z / T)[ids], logsumexp(z / T)), each (c,), in `acc`."""
+    lg = z.to(acc, copy=True).div_(temperature)  # (c, V): one fp32 buffer, not a cast and quotient
     lse = torch.logsumexp(lg, dim=-1)  # (c,)
     return lg.gather(-1, ids[:, None]).squeeze(-1) - lse, lse
 
 
-def _logits_grad(z: Tensor, ids: Tensor, lse: Tensor, grad_out: Tensor, temperature: float, owned: bool) -> Tensor:
+def _logits_grad(z: Tensor, ids: Tensor, lse: Tensor, grad_out: Tensor, temperature: float,
+                 owned: bool) -> Tensor:
     """d(sum_i g_i logp_i) / dz = (onehot(ids) - softmax(z / T)) * g / T for a chunk z (c, V), in
     lse's dtype, built in place in one (c, V) buffer. owned: z is a temporary that may be
     overwritten (else it is copied: fp32 logits would otherwise be the saved input itself)."""
     g = grad_out[:, None].to(lse.dtype) / temperature  # (c, 1)
-    dz = z.to(lse.dtype, copy=not owned).div_(temperature).sub_(lse[:, None]).exp_().mul_(-g)  # -softmax * g
+    # -softmax * g
+    dz = z.to(lse.dtype, copy=not owned).div_(temperature).sub_(lse[:, None]).exp_().mul_(-g)
     return dz.scatter_add_(-1, ids[:, None], g)
 
 
@@ -44,7 +47,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         lse = logits.new_empty(logits.shape[0], dtype=acc)  # (rows,)
         out = torch.empty_like(lse)  # (rows,)
         for s in range(0, logits.shape[0], chunk):
-            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(logits[s:s + chunk], ids[s:s + chunk], temperature, acc)
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(
+                logits[s:s + chunk], ids[s:s + chunk], temperature, acc)
         ctx.save_for_backward(logits, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -60,19 +64,20 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad, None, None, None
 
 
-LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MiB of fp32 logits a chunk)
+LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MiB fp32 logits)
 
 
 def chunk_rows(chunk: int, vocab: int) -> int:
     """Rows of logits per chunk: `chunk`, or for 0 as many as make LOGITS_PER_CHUNK logits. A fixed
-    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k, part
-    of the H100 run's excess memory (bench/RESULTS.md, GPU)."""
+    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k,
+    part of the H100 run's excess memory (bench/RESULTS.md, GPU)."""
     return chunk or max(1, LOGITS_PER_CHUNK // vocab)
 
 
-def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, chunk: int = 0) -> Tensor:
-    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows at a time
-    (0: chunk_rows's automatic size).
+def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0,
+                        chunk: int = 0) -> Tensor:
+    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows
+    at a time (0: chunk_rows's automatic size).
 
     Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512):
     forward and backward (_SelectiveLogSoftmax) each hold one fp32 chunk at a time.
@@ -80,7 +85,7 @@ def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0, c
     """
     N, T, V = logits.shape
     flat, flat_ids = logits.reshape(N * T, V), ids.reshape(N * T)  # (N*T, V), (N*T,)
-    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk_rows(chunk, V)).view(N, T)  # (N, T)
+    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk_rows(chunk, V)).view(N, T)
 
 
 class _FusedHeadLogSoftmax(torch.autograd.Function):
@@ -92,12 +97,14 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float,
+                chunk: int) -> Tensor:
         acc = torch.promote_types(hidden.dtype, torch.float32)
         lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # (rows,)
         out = torch.empty_like(lse)  # (rows,)
-        for s in range(0, hidden.shape[0], chunk):  # each chunk's logits as the model's head would give them
-            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(hidden[s:s + chunk] @ weight.T, ids[s:s + chunk], temperature, acc)
+        for s in range(0, hidden.shape[0], chunk):  # a chunk's logits as the head would give them
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(
+                hidden[s:s + chunk] @ weight.T, ids[s:s + chunk], temperature, acc)
         ctx.save_for_backward(hidden, weight, ids, lse)
         ctx.temperature, ctx.chunk = temperature, chunk
         return out
@@ -108,10 +115,12 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         T, chunk = ctx.temperature, ctx.chunk
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None  # (rows, H)
-        grad_w = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if want_w else None  # (V, H)
+        grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # (V, H)
+                  if want_w else None)
         for s in range(0, hidden.shape[0], chunk):
             e = slice(s, s + chunk)
-            dz = _logits_grad(hidden[e] @ weight.T, ids[e], lse[e], grad_out[e], T, owned=True)  # (c, V)
+            dz = _logits_grad(hidden[e] @ weight.T, ids[e], lse[e], grad_out[e], T,
+                              owned=True)  # (c, V)
             if want_h:
                 grad_h[e] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if want_w:
@@ -119,14 +128,18 @@ class _FusedHeadLogSoftmax(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
-def fused_head_log_probs(hidden: Tensor, head: nn.Linear, ids: Tensor, temperature: float, chunk: int) -> Tensor:
-    """log softmax(head(hidden) / T)[ids] through _FusedHeadLogSoftmax. hidden (N, C, H), ids (N, C) -> (N, C)."""
+def fused_head_log_probs(hidden: Tensor, head: nn.Linear, ids: Tensor, temperature: float,
+                         chunk: int) -> Tensor:
+    """log softmax(head(hidden) / T)[ids] through _FusedHeadLogSoftmax. hidden (N, C, H), ids (N, C)
+    -> (N, C)."""
     N, C, H = hidden.shape
-    return _FusedHeadLogSoftmax.apply(hidden.reshape(N * C, H), head.weight, ids.reshape(N * C),
-                                      temperature, chunk_rows(chunk, head.weight.shape[0])).view(N, C)
+    return _FusedHeadLogSoftmax.apply(
+        hidden.reshape(N * C, H), head.weight, ids.reshape(N * C), temperature,
+        chunk_rows(chunk, head.weight.shape[0])).view(N, C)
 
 
-_HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                "output_multiplier_scale")
 
 
 def plain_output_head(model) -> nn.Linear | None:
@@ -134,7 +147,8 @@ def plain_output_head(model) -> nn.Linear | None:
     scaling or soft-capping, a decoder we can call on its own), else None."""
     head = model.get_output_embeddings()
     config = getattr(model, "config", None)
-    if type(head) is not nn.Linear or head.bias is not None or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _HEAD_SCALES):
+    if (type(head) is not nn.Linear or head.bias is not None
+            or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _HEAD_SCALES)):
         return None
     try:
         model.get_decoder()

@@ -7,24 +7,26 @@ completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy,
   valid_json_rate    = #ok_json_valid / N
   schema_pass_rate   = #ok_json_schema / N                       (n_schema_pass = the count)
   accuracy_on_schema = #(correct and ok_json_schema) / n_schema_pass; 0.0 when n_schema_pass = 0
-                       (no usable answer is no correct usable answer; n_schema_pass tells them apart)
+                       (no usable answer is no correct usable one; n_schema_pass tells them apart)
   pass@k             = mean over prompts of 1 - C(n-c, k) / C(n, k), c = correct samples of the
                        prompt (the unbiased estimator of Chen et al. 2021); only when n > 1
-  reward             = mean weighted total (over the completions not skipped: a reward with fallback:
-                       skip that failed leaves its completion out, counted in `skipped`); reward/<name> = mean of the non-None values, as in
-                       training (judge rewards report their judge scores here); reward_errors/<name>
-                       = completions whose reward raised and got its fallback (listed when > 0)
-  best_of_n_reward   = mean over prompts of the highest total among the prompt's n samples: best-of-n
+  reward             = mean weighted total (over the completions not skipped: a reward with
+                       fallback: skip that failed leaves its completion out, counted in `skipped`);
+                       reward/<name> = mean of the non-None values, as in training (judge rewards
+                       report their judge scores here); reward_errors/<name> = completions whose
+                       reward raised and got its fallback (listed when > 0)
+  best_of_n_reward   = mean over prompts of the highest total among a prompt's n samples: best-of-n
                        sampling with the reward as the picker (only when n > 1)
   maj@n              = mean over prompts of whether the answer most of its n samples give is right
-                       (self-consistency; answer_match's answers; see majority_accuracy; only when n > 1)
+                       (self-consistency; answer_match's answers; majority_accuracy; only if n > 1)
   mean_length        = mean completion tokens, up to and including the first EOS
-  truncated_rate     = share of completions that hit max_new_tokens without EOS (API models: cut at their
-                       section's max_tokens, finish_reason "length")
-  api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures, judge_cost_usd (judges/<name>/failures, /cost_usd for
-                       the judges: section's): from the Judge clients' counters
+  truncated_rate     = share of completions that hit max_new_tokens without EOS (API models: cut at
+                       their section's max_tokens, finish_reason "length")
+  api_failures, api_cost_usd (the n above leaves failed API requests out); judge_failures,
+                       judge_cost_usd (judges/<name>/failures, /cost_usd for the judges: section's):
+                       from the Judge clients' counters
   agreement/<a>_vs_<b>/spearman, /mean_abs_diff, /n: for each eval.agreement pair of rewards (one
-                       criterion from two judges), over the completions both scored (see `agreement`)
+                       criterion from two judges), over the completions both scored (`agreement`)
 With a mixture, <source>/n, <source>/reward and <source>/accuracy give each source's share.
 Each task metric appears only when the reward it derives from is configured.
 """
@@ -40,7 +42,8 @@ from plumbing.scoring import RewardResult, reward_means
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k: the chance that k of the n samples, drawn without replacement, hold one of the c correct.
+    """Unbiased pass@k: the chance that k of the n samples, drawn without replacement, hold one of
+    the c correct.
 
     >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 3), pass_at_k(4, 3, 2)
     (0.25, 0.5, 0.0, 1.0)
@@ -48,7 +51,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1, pass_k: list[int] = ()) -> dict:
+def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1,
+                 pass_k: list[int] = ()) -> dict:
     """accuracy, valid_json_rate, schema_pass_rate, accuracy_on_schema, pass@k (module docstring).
 
     >>> task_metrics({"answer_match": [1.0, 0.0, 1.0, 1.0]}, num_samples=2, pass_k=[1, 2])
@@ -66,25 +70,28 @@ def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1
         passed = [i for i, p in enumerate(ok["json_schema"]) if p]
         out["schema_pass_rate"] = len(passed) / len(ok["json_schema"])
         if key:
-            out["accuracy_on_schema"] = sum(ok[key][i] for i in passed) / len(passed) if passed else 0.0
+            out["accuracy_on_schema"] = (sum(ok[key][i] for i in passed) / len(passed)
+                                         if passed else 0.0)
         out["n_schema_pass"] = len(passed)
     if key and num_samples > 1:
         values = per_reward[key]
         groups = [range(s, s + num_samples) for s in range(0, len(values), num_samples)]
-        groups = [g for g in groups if all(values[i] is not None for i in g)]  # prompts with a gold answer
+        groups = [g for g in groups if all(values[i] is not None for i in g)]  # with a gold answer
         for k in pass_k:
-            out[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(ok[key][i] for i in g), k) for g in groups) / max(len(groups), 1)
+            out[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(ok[key][i] for i in g), k)
+                                   for g in groups) / max(len(groups), 1)
     return out
 
 
 def best_of_n(totals: list[float], n: int) -> float:
-    """Mean over prompts of the best total among the prompt's n samples (skipped ones left out): what
-    best-of-n sampling with this reward as the picker would score.
+    """Mean over prompts of the best total among the prompt's n samples (skipped ones left out):
+    what best-of-n sampling with this reward as the picker would score.
 
     >>> best_of_n([0.0, 1.0, 0.5, 0.5, float("nan"), 0.0], 3)
     0.75
     """
-    best = [max(ok) for s in range(0, len(totals), n) if (ok := [t for t in totals[s:s + n] if not math.isnan(t)])]
+    best = [max(ok) for s in range(0, len(totals), n)
+            if (ok := [t for t in totals[s:s + n] if not math.isnan(t)])]
     return sum(best) / max(len(best), 1)
 
 
@@ -93,7 +100,8 @@ def majority_accuracy(answers: list, correct: list[float | None], n: int) -> flo
     Samples without an answer (None) do not vote; a tie goes to the answer given first; a prompt
     none of whose samples answered counts as wrong. answers, correct: (N,), prompt-major.
 
-    >>> majority_accuracy(["3", "4", "4", None, "7", "7", None, None, None], [0, 1, 1, 0, 0, 0, 0, 0, 0], 3)
+    >>> majority_accuracy(["3", "4", "4", None, "7", "7", None, None, None],
+    ...                   [0, 1, 1, 0, 0, 0, 0, 0, 0], 3)
     0.3333333333333333
     """
     right, prompts = 0, 0
@@ -112,7 +120,7 @@ def majority_accuracy(answers: list, correct: list[float | None], n: int) -> flo
 
 def agreement(a: list[float | None], b: list[float | None]) -> dict:
     """How two rewards (one criterion from two judges, say) agree over the completions both scored:
-    spearman = Spearman's rho of the two value lists (None when either is constant or fewer than 2 pairs),
+    spearman = Spearman's rho of the two lists (None when either is constant or fewer than 2 pairs),
     mean_abs_diff = mean |a_i - b_i|, n = the completions both scored.
 
     >>> agreement([1.0, 2.0, 3.0, None], [3.0, 5.0, 4.0, 0.0])
@@ -122,16 +130,18 @@ def agreement(a: list[float | None], b: list[float | None]) -> dict:
     xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
     ranked = len(set(xs)) > 1 and len(set(ys)) > 1  # a constant list has no ranking
     return {"spearman": float(spearmanr(xs, ys).statistic) if ranked else None,
-            "mean_abs_diff": sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None, "n": len(pairs)}
+            "mean_abs_diff": sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None,
+            "n": len(pairs)}
 
 
-def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool] | None, num_samples: int,
-                  pass_k: list[int], agree: list[list[str]] = ()) -> dict:
+def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool] | None,
+                  num_samples: int, pass_k: list[int], agree: list[list[str]] = ()) -> dict:
     """Everything reported for one model: counts, task metrics, reward means and errors, lengths
     (num_tokens, truncated: per completion; truncated None when unknown, for API models)."""
     n = len(num_tokens)
     scored = [t for t in res.total if not math.isnan(t)]  # NaN: skipped (a reward's fallback: skip)
-    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k), **({"reward": sum(scored) / len(scored)} if scored else {})}
+    out = {"n": n, **task_metrics(res.per_reward, num_samples, pass_k),
+           **({"reward": sum(scored) / len(scored)} if scored else {})}
     if len(scored) < n:
         out["skipped"] = n - len(scored)
     if num_samples > 1:
@@ -139,7 +149,8 @@ def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool
     out |= {f"reward/{k}": v for k, v in reward_means(res.per_reward).items()}
     out |= {f"reward_errors/{k}": v for k, v in res.errors.items() if v}
     for a, b in agree:
-        out |= {f"agreement/{a}_vs_{b}/{k}": v for k, v in agreement(res.per_reward[a], res.per_reward[b]).items()}
+        out |= {f"agreement/{a}_vs_{b}/{k}": v
+                for k, v in agreement(res.per_reward[a], res.per_reward[b]).items()}
     out["mean_length"] = sum(num_tokens) / n
     if truncated is not None:
         out["truncated_rate"] = sum(truncated) / n
@@ -147,7 +158,7 @@ def model_metrics(res: RewardResult, num_tokens: list[int], truncated: list[bool
 
 
 def failed_prompts(failed: list[bool] | None, n: int) -> set[int]:
-    """The prompts (of n samples each) with a failed API request among them, left out of the metrics whole.
+    """The prompts (of n samples each) with a failed API request, left out of the metrics whole.
 
     >>> sorted(failed_prompts([False, True, False, False, True, True], 2)), failed_prompts(None, 2)
     ([0, 2], set())
@@ -155,15 +166,16 @@ def failed_prompts(failed: list[bool] | None, n: int) -> set[int]:
     return {i // n for i, f in enumerate(failed or []) if f}
 
 
-def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: list[bool] | None = None,
-                       key: str = "source") -> dict:
-    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open vs verifiable),
+def per_source_metrics(where: list[dict], n: int, res: RewardResult,
+                       failed: list[bool] | None = None, key: str = "source") -> dict:
+    """<source>/n, /reward and /accuracy for each source of a mixture (GRubrics: open/verifiable),
     or each label under `key` (eval.group_by's "<column>=<value>"), over the answered prompts (a
     prompt with a failed API request left out whole, as in the totals)."""
     out = {}
     left_out = failed_prompts(failed, n)
     for label in dict.fromkeys(w[key] for w in where):
-        idx = [i for i in range(len(res.total)) if where[i // n][key] == label and i // n not in left_out]
+        idx = [i for i in range(len(res.total))
+               if where[i // n][key] == label and i // n not in left_out]
         out[f"{label}/n"] = len(idx)
         if not idx:
             continue
@@ -176,40 +188,49 @@ def per_source_metrics(where: list[dict], n: int, res: RewardResult, failed: lis
     return out
 
 
-def step_metrics(drawn, G: int, sums: dict, updates: int, zero_std_tol: float, kl: bool = True) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained tokens
-    of the `updates` optimizer updates whose loss was finite, loss their mean (grad_norm: norm_metrics).
-    reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the drawn completions'
-    tokens of their sampling distributions' entropy (HF generate only); kl only with a reference (kl)."""
+def step_metrics(drawn, G: int, sums: dict, updates: int, zero_std_tol: float,
+                 kl: bool = True) -> dict:
+    """Rewards over every completion drawn (what the policy produced); loss terms over the trained
+    tokens of the `updates` optimizer updates whose loss was finite, loss their mean (grad_norm:
+    norm_metrics). reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the
+    drawn completions' tokens of their sampling distributions' entropy (HF generate only); kl only
+    with a reference (kl)."""
     tok, r = max(sums["tokens"], 1.0), drawn.total
-    lengths, truncated, h = drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated, drawn.rollout.entropy
+    lengths, truncated, h = (drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated,
+                             drawn.rollout.entropy)
     scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(r, G)  # (B,) each
     return {
-        **({"loss": sums["loss"] / updates} if updates else {}),  # over the updates whose loss was finite (none: no value)
+        **({"loss": sums["loss"] / updates} if updates else {}),  # over the updates of finite loss
         **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
-        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0, "frac_reward_skipped": 1 - len(scored) / len(r),
+        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0,
+        "frac_reward_skipped": 1 - len(scored) / len(r),
         **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
         **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
         "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        **({"kl": sums["kl_sum"] / tok} if kl and sums["tokens"] else {}),  # as TRL: only with a reference (beta > 0)
+        # as TRL: only with a reference (beta > 0)
+        **({"kl": sums["kl_sum"] / tok} if kl and sums["tokens"] else {}),
         **({"ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
-            "clip_ratio/low_mean": sums["clip_low_sum"] / tok, "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
-            "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok} if sums["tokens"] else {}),
-        "completions/mean_length": float(lengths.float().mean()), "completions/max_length": int(lengths.max()),
+            "clip_ratio/low_mean": sums["clip_low_sum"] / tok,
+            "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
+            "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
+           if sums["tokens"] else {}),
+        "completions/mean_length": float(lengths.float().mean()),
+        "completions/max_length": int(lengths.max()),
         "completions/clipped_ratio": float(truncated.float().mean()),
-        **({"entropy": float((h * drawn.rollout.completion_mask).sum() / lengths.sum().clamp(min=1))} if h is not None else {}),
+        **({"entropy": float((h * drawn.rollout.completion_mask).sum()
+                             / lengths.sum().clamp(min=1))} if h is not None else {}),
     }
 
 
 def source_shares(r) -> dict:
-    """For a mixture: data/<label>, the share of the rows drawn since the last call (this step's) from
+    """For a mixture: data/<label>, the share of rows drawn since the last call (this step's) from
     each source, and data/<label>/weight, the share the mixture (its curriculum, now) draws with."""
     counts = r.sampler.pop_counts()
     if len(counts) < 2:
         return {}
-    return {f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)} | {
-        f"data/{label}/weight": w for label, w in zip(r.source_labels, r.sampler.shares())}
+    return ({f"data/{label}": n / max(1, sum(counts)) for label, n in zip(r.source_labels, counts)}
+            | {f"data/{label}/weight": w for label, w in zip(r.source_labels, r.sampler.shares())})
 
 
 def source_metrics(r, drawn) -> dict:

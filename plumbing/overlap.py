@@ -3,8 +3,9 @@ it trains on, with those of the runs behind model.name (a merged export) and mod
 and eval.py (and train.py, for run.eval_every) counts the held-out rows among them, whatever the
 configs' selects, seeds and file names say.
 
-    record(run_dir, rows, cfg.model, resumed)        # train.py, with its first checkpoint: run_dir/trained_prompts.txt
-    seen = recorded_for(Path("runs/sft/checkpoints/step_000100/adapter"))   # its run's hashes, or None
+    record(run_dir, rows, cfg.model, resumed)        # train.py, with its first checkpoint:
+                                                     # run_dir/trained_prompts.txt
+    seen = recorded_for("runs/sft/checkpoints/step_000100/adapter")   # its run's hashes, or None
     count(held_out_rows, seen)                       # how many held-out rows have a prompt in it
 
 A prompt is its text (a conversation: its messages as JSON) with runs of whitespace as one space.
@@ -35,13 +36,14 @@ def prompt_hash(row: dict) -> str:
 
 
 def recorded_file(path: str | Path) -> Path | None:
-    """The trained_prompts.txt of the run (or export) that made `path`: a run directory, a checkpoint,
-    its adapter/ or model/, or an export's directory; None when there is none."""
+    """The trained_prompts.txt of the run (or export) that made `path`: a run directory, a
+    checkpoint, its adapter/ or model/, or an export's directory; None when there is none."""
     p = Path(path).expanduser()
     for q in dict.fromkeys([p.absolute(), p.resolve()]):  # a symlinked checkpoint: its own run too
         ckpt = q.parent if q.name in ("adapter", "model") else q
-        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None  # run/checkpoints/step_N[/adapter]
-        for d in (q, run):  # not any folder above: a model kept under a run's folder is not that run's
+        # run/checkpoints/step_N[/adapter]
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+        for d in (q, run):  # not any folder above: a model under a run's folder is not that run's
             if d is not None and (d / FILE).is_file():
                 return d / FILE
     return None
@@ -58,14 +60,14 @@ def recorded_for(path: str | Path) -> set[str] | None:
 
 
 def seen_before(mcfg) -> set[str]:
-    """What the runs behind the model a run starts from recorded: model.name's (a merged export, in a
-    local directory or pushed to the hub) and model.init_adapter's, chains included."""
+    """What the runs behind the model a run starts from recorded: model.name's (a merged export, in
+    a local directory or pushed to the hub) and model.init_adapter's, chains included."""
     seen = set()
     for name in (mcfg.name, mcfg.init_adapter):
         if name and Path(name).expanduser().exists():
             seen |= recorded_for(name) or set()
-        elif name and name == mcfg.name and name.count("/") == 1:  # a hub repo (a pushed export): its record
-            try:  # from the hub cache, or fetched (a few KB); offline, or a repo without one: nothing recorded
+        elif name and name == mcfg.name and name.count("/") == 1:  # a hub repo (a pushed export)
+            try:  # its record, cached or fetched (a few KB); offline or a repo without one: none
                 from huggingface_hub import hf_hub_download
 
                 from plumbing.hub import offline_if_unreachable
@@ -83,8 +85,8 @@ def record(run_dir: Path, rows: list[dict], mcfg, resumed: bool = False) -> set[
     (seen_before), and, resumed, those already there -> the set written. train.py writes it with a
     run's first checkpoint of a process: what a checkpoint holds is what it trained on."""
     f = Path(run_dir) / FILE
-    hashes = {prompt_hash(r) for r in rows} | seen_before(mcfg) | ((recorded_for(run_dir) or set()) if resumed and f.is_file()
-                                                                  else set())
+    hashes = {prompt_hash(r) for r in rows} | seen_before(mcfg) | (
+        (recorded_for(run_dir) or set()) if resumed and f.is_file() else set())
     jsonl.write_atomic(f, "".join(h + "\n" for h in sorted(hashes)))
     return hashes
 

@@ -2,7 +2,7 @@
 "package.module:function", loaded once; and reward functions written for TRL's GRPOTrainer (they
 take `completions` by name and return a list), run unchanged as batched minigrpo rewards.
 
-    rewards: [{name: my_rewards.py:no_hedging}, {name: medmcqa_rewards.py:accuracy_reward}]   # either kind
+    rewards: [{name: my_rewards.py:no_hedging}, {name: medmcqa_rewards.py:accuracy_reward}]  # both
     python -m pytest --doctest-modules plugins.py tests/test_scoring.py
 
 resolve(spec) is what scoring.py calls: a registered name (rewards.REGISTRY) or one of these.
@@ -39,9 +39,10 @@ def _load_file(path: str, label: str):
     if not file.is_file():
         raise ValueError(f"{label}: file {path} not found (relative paths start at {Path.cwd()})")
     module_name = "_minigrpo_reward_" + re.sub(r"\W", "_", str(file))
-    if module_name in sys.modules:  # load each file once, so its module state survives between calls
+    if module_name in sys.modules:  # load each file once: its module state survives between calls
         return sys.modules[module_name]
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(module_name, file))
+    module = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location(module_name, file))
     sys.modules[module_name] = module  # dataclasses and pickle look a module up here while it runs
     try:
         module.__spec__.loader.exec_module(module)
@@ -79,7 +80,8 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
         if found:
             return found
         raise ValueError(f"unknown reward {name!r}{did_you_mean(name, names())}; registered: "
-                         f"{', '.join(names())}; or write 'package.module:function' or 'path/to/file.py:function'")
+                         f"{', '.join(names())}; or write 'package.module:function' or "
+                         "'path/to/file.py:function'")
     fn = import_function(name)
     # a user function marks itself batched by registering: @register("name", batched=True)
     registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)
@@ -88,16 +90,17 @@ def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
     return fn, bool(registered)
 
 
-TRL_FILLED = ("prompts", "completions")  # what a TRL reward function gets besides the data's columns
+TRL_FILLED = ("prompts", "completions")  # what a TRL reward gets besides the data's columns
 
 
 def is_trl_reward(fn: Callable) -> bool:
-    """A reward function written for TRL's GRPOTrainer: it takes `completions` (and `prompts`) by name
-    and returns a list; minigrpo's own take (completion, sample) or, batched, (completions, samples).
+    """A reward written for TRL's GRPOTrainer: it takes `completions` (and `prompts`) by name and
+    returns a list; minigrpo's own take (completion, sample) or, batched, (completions, samples).
 
-    >>> is_trl_reward(lambda completions, **kwargs: []), is_trl_reward(lambda prompts, completions, answer, **kw: [])
+    >>> is_trl_reward(lambda completions, **kwargs: []), is_trl_reward(
+    ...     lambda prompts, completions, answer, **kw: [])
     (True, True)
-    >>> is_trl_reward(lambda completion, sample: 0.0), is_trl_reward(lambda completions, samples: [])
+    >>> is_trl_reward(lambda completion, sample: 0), is_trl_reward(lambda completions, samples: [])
     (False, False)
     """
     names = [p.name for p in inspect.signature(fn).parameters.values()]
@@ -105,8 +108,8 @@ def is_trl_reward(fn: Callable) -> bool:
 
 
 def _per_function(make: Callable) -> Callable:
-    """make(fn), computed once per function object, by identity (lru_cache hashes: a callable instance of
-    a dataclass is unhashable). The functions are kept, as a run keeps its rewards."""
+    """make(fn), computed once per function object, by identity (lru_cache hashes: a callable
+    instance of a dataclass is unhashable). The functions are kept, as a run keeps its rewards."""
     memo: dict[int, tuple] = {}
 
     @functools.wraps(make)
@@ -131,12 +134,14 @@ def on_reward_loop(awaitable):
     with _LOOP_LOCK:
         if _LOOP is None:
             _LOOP = asyncio.new_event_loop()
-            threading.Thread(target=_LOOP.run_forever, name="minigrpo-async-rewards", daemon=True).start()
+            threading.Thread(target=_LOOP.run_forever, name="minigrpo-async-rewards",
+                             daemon=True).start()
 
-    if threading.current_thread().name == "minigrpo-async-rewards":  # .result() here would wait on itself forever
+    if threading.current_thread().name == "minigrpo-async-rewards":  # .result() would deadlock here
         if inspect.iscoroutine(awaitable):
             awaitable.close()  # never run: no "was never awaited" warning
-        raise RuntimeError("an async reward called another wrapped async reward from inside the reward loop; await it")
+        raise RuntimeError("an async reward called another wrapped async reward from inside the "
+                           "reward loop; await it")
 
     async def wait():
         return await awaitable
@@ -150,46 +155,53 @@ def on_reward_loop(awaitable):
 
 @_per_function
 def trl_reward(fn: Callable) -> Callable:
-    """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as a
-    batched minigrpo reward (an async one awaited): `prompts` are the rows' prompts (text or chat messages), `completions`
-    the completions' TEXT, also for chat prompts (TRL's conversational format hands lists of
-    {role, content} messages instead: the MedMCQA project's json.loads(completion) failed on every one
-    of them and its rewards were 0.0 throughout), and each other column of the rows is a keyword
-    holding its values in order (TRL's reward_kwargs). A None in the returned list: no value, as in TRL.
-    Arguments TRL fills that minigrpo does not have (completion_ids, trainer_state) must have defaults."""
+    """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as
+    a batched minigrpo reward (an async one awaited): `prompts` are the rows' prompts (text or chat
+    messages), `completions` the completions' TEXT, also for chat prompts (TRL's conversational
+    format hands lists of {role, content} messages instead: the MedMCQA project's
+    json.loads(completion) failed on every one of them and its rewards were 0.0 throughout), and
+    each other column of the rows is a keyword holding its values in order (TRL's reward_kwargs). A
+    None in the returned list: no value, as in TRL. Arguments TRL fills that minigrpo does not have
+    (completion_ids, trainer_state) must have defaults."""
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    required = [n for n, p in params.items() if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [n for n, p in params.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     label = f"reward {getattr(fn, '__name__', fn)!r} (TRL's signature {inspect.signature(fn)})"
 
     def batched(completions: list[str], samples: list[dict], **args) -> list:
-        columns = {k for s in samples for k in s if k != "prompt" and (takes_any or k in params)} - set(args)
+        columns = {k for s in samples for k in s
+                   if k != "prompt" and (takes_any or k in params)} - set(args)
         kwargs = {k: [s.get(k) for s in samples] for k in columns} | args
-        kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]), ("completions", list(completions)))
+        kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]),
+                                     ("completions", list(completions)))
                    if takes_any or k in params}
         try:
             out = fn(**kwargs)
             if inspect.isawaitable(out):  # async def, as TRL awaits them
                 out = on_reward_loop(out)
         except TypeError as e:
-            if "string indices" in str(e):  # completion[0]["content"]: written for TRL's conversational format
-                raise TypeError(f"{e}: completions are passed as text here, not as lists of {{role, content}} "
-                                "messages; read the text itself") from e
+            if "string indices" in str(e):  # completion[0]["content"]: TRL's conversational format
+                raise TypeError(f"{e}: completions are passed as text here, not as lists of "
+                                "{role, content} messages; read the text itself") from e
             raise
-        if not isinstance(out, (str, bytes, dict)) and hasattr(out, "__iter__"):  # TRL iterates what it gets: a
-            out = [v.item() if hasattr(v, "item") and not isinstance(v, (int, float)) else v  # numpy array, a generator;
-                   for v in out]  # numpy and torch scalars as numbers
+        # TRL iterates what it gets: a numpy array, a generator; numpy and torch scalars as numbers
+        if not isinstance(out, (str, bytes, dict)) and hasattr(out, "__iter__"):
+            out = [v.item() if hasattr(v, "item") and not isinstance(v, (int, float)) else v
+                   for v in out]
         return out
 
     def check_args(**args) -> None:
         if unknown := [a for a in args if a not in params and not takes_any]:
             raise ValueError(f"{label} has no argument {unknown[0]!r}")
         if unfilled := [n for n in required if n in ("completion_ids", "trainer_state")]:
-            raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; give it a default (None)")
-        if "prompt" in required:  # TRL leaves the prompt column out of a reward's keywords, as minigrpo does
-            raise ValueError(f"{label} takes 'prompt', which neither TRL nor minigrpo passes; take 'prompts' (the list)")
+            raise ValueError(f"{label} needs {unfilled[0]}, which minigrpo does not pass; "
+                             "give it a default (None)")
+        if "prompt" in required:  # TRL leaves the prompt column out of the keywords, like minigrpo
+            raise ValueError(f"{label} takes 'prompt', which neither TRL nor minigrpo passes; "
+                             "take 'prompts' (the list)")
 
-    def columns(**args) -> list[str]:  # scoring.check_rows: each must be in some row (the others get None)
+    def columns(**args) -> list[str]:  # scoring.check_rows: each must be in a row (others get None)
         return [n for n in required if n not in (*TRL_FILLED, *args)]
     batched.check_args, batched.columns, batched.trl = check_args, columns, fn
     batched.__name__ = getattr(fn, "__name__", "trl_reward")

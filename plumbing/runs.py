@@ -49,7 +49,8 @@ from step import Run
 def lr_lambda(cfg: Config, total_updates: int):
     """Linear warmup for warmup_steps updates (or warmup_ratio x total_updates), then cosine from lr
     down to lr * min_lr_ratio."""
-    w, floor = cfg.optim.warmup_steps or math.ceil(cfg.optim.warmup_ratio * total_updates), cfg.optim.min_lr_ratio  # TRL's
+    w = cfg.optim.warmup_steps or math.ceil(cfg.optim.warmup_ratio * total_updates)  # TRL's
+    floor = cfg.optim.min_lr_ratio
 
     def f(u: int) -> float:
         if u < w:
@@ -64,7 +65,7 @@ def flat(d: dict, prefix: str = "") -> dict:
             (flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) else [(f"{prefix}{k}", v)])}
 
 
-REPLIES = {"grpo": (), "sft": ("target",), "dpo": ("chosen", "rejected")}  # the reply columns a mode trains on
+REPLIES = {"grpo": (), "sft": ("target",), "dpo": ("chosen", "rejected")}  # a mode's reply columns
 
 
 ROW_NAMES = {"grpo": "prompts", "sft": "examples", "dpo": "pairs"}  # what a mode's rows are
@@ -84,7 +85,8 @@ def with_epochs(cfg: Config, n_rows: int) -> Config:
     """
     if not cfg.run.epochs:
         return cfg
-    per_step = {"grpo": cfg.rollout.prompts_per_step, "sft": cfg.sft.batch_size, "dpo": cfg.dpo.batch_size}[cfg.mode]
+    per_step = {"grpo": cfg.rollout.prompts_per_step, "sft": cfg.sft.batch_size,
+                "dpo": cfg.dpo.batch_size}[cfg.mode]
     steps = max(1, math.ceil(cfg.run.epochs * n_rows / per_step - 1e-9))
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, steps=steps))
 
@@ -94,194 +96,238 @@ def reference_beta(cfg: Config) -> float:
     return {"grpo": cfg.grpo.beta, "dpo": cfg.dpo.beta}.get(cfg.mode, 0.0)
 
 
-def row_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> tuple[list[int], str, int]:
+def row_lengths(cfg: Config, rows: list[dict], tokenizer,
+                what: str = "row") -> tuple[list[int], str, int]:
     """Each row's tokens as the batches count them (the prompt and the reply + EOS tokenized apart;
     DPO: its longer reply), and the limit they must fit -> (lengths, its config key, the limit)."""
     def count(texts: list[str]) -> list[int]:
         return [len(x) for x in tokenizer(texts, add_special_tokens=False).input_ids]
-    replies = [count([rollout.with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]  # one list a reply column
+    # one list a reply column
+    replies = [count([rollout.with_eos(tokenizer, r[k]) for r in rows]) for k in REPLIES[cfg.mode]]
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
-               for i, p in enumerate(count(rollout.render_rows(tokenizer, rows, cfg.data, what=what)))]
-    key, limit = {"sft": ("sft.max_length", cfg.sft.max_length), "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
+               for i, p in enumerate(
+                   count(rollout.render_rows(tokenizer, rows, cfg.data, what=what)))]
+    key, limit = {"sft": ("sft.max_length", cfg.sft.max_length),
+                  "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
         cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
     return lengths, key, limit
 
 
 def without_long_rows(cfg: Config, sources: list, tokenizer, what: str = "rows") -> list:
-    """data.skip_long: each source without its rows over the length limit, saying how many were left out."""
+    """data.skip_long: each source without its rows over the length limit (printing how many)."""
     out, dropped, total = [], 0, 0
     for s in sources:
-        lengths, key, limit = row_lengths(cfg, s.rows, tokenizer, f"data source {s.label}, {what[:-1]}")
+        lengths, key, limit = row_lengths(cfg, s.rows, tokenizer,
+                                          f"data source {s.label}, {what[:-1]}")
         fits = [n <= limit for n in lengths]
         dropped, total = dropped + fits.count(False), total + len(fits)
         out.append(dataclasses.replace(s, rows=[r for r, ok in zip(s.rows, fits) if ok],
                                        positions=[p for p, ok in zip(s.positions, fits) if ok]))
     if empty := [s.label for s in out if not s.rows]:
-        raise ConfigError(f"data.skip_long: every one of the {what} of {empty[0]} is over {key}={limit}; raise the limit")
+        raise ConfigError(f"data.skip_long: every one of the {what} of {empty[0]} is over "
+                          f"{key}={limit}; raise the limit")
     if dropped:
-        print(f"[minigrpo] data.skip_long: left out {dropped} of the {total} {what}, over {key}={limit}", file=sys.stderr)
+        print(f"[minigrpo] data.skip_long: left out {dropped} of the {total} {what}, "
+              f"over {key}={limit}", file=sys.stderr)
     return out
 
 
 def check_lengths(cfg: Config, rows: list[dict], tokenizer, what: str = "row") -> str:
     """Every prompt fits rollout.max_prompt_tokens (GRPO), every prompt + reply sft.max_length (SFT)
-    or dpo.max_length (DPO, each reply) (row_lengths); -> which row is the longest, for --dry-run."""
+    or dpo.max_length (DPO, each reply) (row_lengths); -> the longest row, for --dry-run."""
     lengths, key, limit = row_lengths(cfg, rows, tokenizer, what)
     longest = max(range(len(rows)), key=lengths.__getitem__)
     if lengths[longest] > limit:
-        raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; raise the limit or "
-                          "shorten it; data.skip_long: true leaves such rows out")
+        raise ConfigError(f"{what} {longest} renders to {lengths[longest]} tokens > {key}={limit}; "
+                          "raise the limit or shorten it; "
+                          "data.skip_long: true leaves such rows out")
     return f"{what} {longest}, {lengths[longest]} tokens ({key} {limit})"
 
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints")  # what makes run.out_dir a run
+# what makes run.out_dir a run
+RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints")
 
 
 def setup(args, overrides: list[str]) -> Run:
-    """Everything that can fail on bad input, as ConfigError, before the run directory is touched."""
+    """Everything that can fail on bad input, as ConfigError, before the run folder is touched."""
     cfg = load_config(args.config, overrides)
-    home = Path(args.config).parent  # a run's own config.yaml, in a copied or moved run, names the old folder
+    home = Path(args.config).parent  # a copied or moved run's own config.yaml names the old folder
     if Path(args.config).name == "config.yaml" and (home / "metrics.jsonl").is_file() and \
-            home.resolve() != Path(cfg.run.out_dir).resolve() and not any(o.startswith("--run.out_dir=") for o in overrides):
-        raise ConfigError(f"{args.config} is the config of the run in {home}, but its run.out_dir is {cfg.run.out_dir} (a "
-                          f"copied or moved run?): add --run.out_dir={home} to use this one, or --run.out_dir={cfg.run.out_dir}")
+            home.resolve() != Path(cfg.run.out_dir).resolve() and \
+            not any(o.startswith("--run.out_dir=") for o in overrides):
+        raise ConfigError(f"{args.config} is the config of the run in {home}, but its run.out_dir "
+                          f"is {cfg.run.out_dir} (a copied or moved run?): add "
+                          f"--run.out_dir={home} to use this one, or "
+                          f"--run.out_dir={cfg.run.out_dir}")
     vllm_engine.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
     check_writable(cfg.run.out_dir, "run.out_dir")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run.out_dir={run_dir} is a file; give a directory")
-    holds_run = any((run_dir / n).exists() for n in RUN_FILES)  # other files (a ratings/ queue, notes) are not a run
+    # other files (a ratings/ queue, notes) are not a run
+    holds_run = any((run_dir / n).exists() for n in RUN_FILES)
     if holds_run and not args.resume and not args.dry_run:
-        raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue it or set another run.out_dir")
+        raise ConfigError(f"run.out_dir={run_dir} already holds a run; pass --resume to continue "
+                          "it or set another run.out_dir")
     if args.resume and not run_dir.is_dir():
-        raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to continue; "
-                          "check the path, or drop --resume to start one")
+        raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to "
+                          "continue; check the path, or drop --resume to start one")
     ckpts = checkpoints(run_dir) if args.resume else []
     sources = load_sources(cfg.data)
-    short = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if cfg.data.skip_long else None  # the model loads last
+    # the model loads last
+    short = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if cfg.data.skip_long else None
     if short:  # before the epochs count the rows
         sources = without_long_rows(cfg, sources, short)
     rows = [row for s in sources for row in s.rows]
     cfg = with_epochs(cfg, len(rows))
     changed = []
     if ckpts:
-        before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"), len(rows))))
-        changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items() if before.get(k) != v)  # as saved
+        before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"),
+                                                 len(rows))))
+        changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items()  # as saved
+                         if before.get(k) != v)
         if any(k.startswith(("model.", "lora.")) or k == "mode" for k in changed):
-            raise ConfigError(f"--resume with a different mode, model or LoRA setup than {ckpts[-1]} ({', '.join(changed)}); "
-                              "resume with the run's own config.yaml, or start a new run.out_dir")
+            raise ConfigError("--resume with a different mode, model or LoRA setup than "
+                              f"{ckpts[-1]} ({', '.join(changed)}); resume with the run's own "
+                              "config.yaml, or start a new run.out_dir")
         if changed:
-            print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
+            print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}",
+                  file=sys.stderr)
     if cfg.rewards and cfg.mode == "grpo":  # SFT scores only held-out rows (checked below)
         check_rows(cfg.rewards, rows)
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
-        raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; pip install {cfg.run.report_to}")
+        raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; "
+                          f"pip install {cfg.run.report_to}")
     eval_rows = None
     if cfg.run.eval_every:
         if cfg.eval.select is None and not cfg.eval.name:
-            raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, e.g. [1500, 1700]) or eval.name")
+            raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, "
+                              "e.g. [1500, 1700]) or eval.name")
         import eval as ev
         ev.check_eval_config(cfg)
         held_out = ev.held_out_sources(cfg)
-        if short and cfg.mode != "grpo":  # SFT's and DPO's held-out rows go through the training batches
+        if short and cfg.mode != "grpo":  # SFT, DPO: held-out rows go through the training batches
             held_out = without_long_rows(cfg, held_out, short, "held-out rows")
         eval_rows = [row for s in held_out for row in s.rows]
         if cfg.rewards:
             check_rows(cfg.rewards, eval_rows, "held-out")
         seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model)
         if k := overlap.count(eval_rows, seen):
-            print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt of a row this run (or "
-                  "the runs behind its model) trains on: eval/* will overstate what it learned; check data.select, "
-                  "eval.select, split_seed and duplicates in the data", file=sys.stderr)
+            print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt "
+                  "of a row this run (or the runs behind its model) trains on: eval/* will "
+                  "overstate what it learned; check data.select, eval.select, split_seed and "
+                  "duplicates in the data", file=sys.stderr)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     if cfg.mode == "grpo" or eval_rows:
         open_rewards(cfg.rewards)  # a reward model loads here, once everything cheaper is checked
     rollout.seed_everything(cfg.run.seed)
     device = pick_device(cfg.run.device)
-    model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft", beta=reference_beta(cfg),
-                                   beta_key=f"{cfg.mode}.beta")
-    kept = next((ckpts[-1] / d / PROVENANCE for d in ("adapter", "model") if ckpts and (ckpts[-1] / d / PROVENANCE).is_file()), None)
+    model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft",
+                                   beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
+    kept = next((ckpts[-1] / d / PROVENANCE for d in ("adapter", "model")
+                 if ckpts and (ckpts[-1] / d / PROVENANCE).is_file()), None)
     if kept is not None:  # the LoRA adapter's, or full fine-tuning's whole model's
         saved = json.loads(kept.read_text())
-        if not same_base(saved, model.minigrpo_base):  # e.g. init_adapter names a run whose newest checkpoint has changed since
-            raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from the one {ckpts[-1]} "
-                              f"was trained on ({saved}); point model.init_adapter at the checkpoint it used")
+        # e.g. init_adapter names a run whose newest checkpoint has changed since
+        if not same_base(saved, model.minigrpo_base):
+            raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from "
+                              f"the one {ckpts[-1]} was trained on ({saved}); point "
+                              "model.init_adapter at the checkpoint it used")
     if not short:  # data.skip_long measured them already: every row left fits
         check_lengths(cfg, rows, tokenizer)
     if cfg.mode == "dpo" and (same := sum(r["chosen"] == r["rejected"] for r in rows)):
-        print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected reply; "
-              "they teach nothing (their loss stays at its first step's value)", file=sys.stderr)
+        print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected "
+              "reply; they teach nothing (their loss stays at its first step's value)",
+              file=sys.stderr)
     if eval_rows and cfg.mode != "grpo":  # eval/loss runs them through the same batches
         check_lengths(cfg, eval_rows, tokenizer, "held-out row")
-    elif eval_rows:  # GRPO's are only generated from: rendered now, so a template that refuses one stops the run here
+    elif eval_rows:
+        # GRPO's are only sampled from: rendered now, so a template refusing one stops the run here
         rollout.render_rows(tokenizer, eval_rows, cfg.data, what="held-out row")
     ref_copy = None
-    if reference_beta(cfg) > 0 and not is_peft(model):  # full fine-tuning: the reference needs its own weights
+    if reference_beta(cfg) > 0 and not is_peft(model):  # full fine-tuning: the reference's own copy
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
     params = trainable_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
     updates = cfg.run.steps * updates_per_step(cfg)
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
-    scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow without loss scaling
-    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed, [(s.weight, s.weight_end) for s in sources])
+    scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow unscaled
+    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed,
+                            [(s.weight, s.weight_end) for s in sources])
     start, updates_done = 0, 0
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
         start = state["step"]
         updates_done = start * updates_per_step(cfg)  # as far along as the steps are
-        for group in optimizer.param_groups:  # Adam's moments from the checkpoint, its settings from the config
+        for group in optimizer.param_groups:  # the checkpoint's moments, the config's settings
             group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                          weight_decay=cfg.optim.weight_decay)
         sampler.load_state(state["data_position"])
-        for name, totals in state.get("judge_totals", {}).items():  # the run's judge_*_total, cost included
+        for name, totals in state.get("judge_totals", {}).items():  # judge_*_total, cost included
             if name in judges:
-                judges[name].totals.update({k: v for k, v in totals.items() if k in judges[name].totals})
+                judges[name].totals.update({k: v for k, v in totals.items()
+                                            if k in judges[name].totals})
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
     # resumed: the schedule continues from the updates done, on the config's peak lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates), last_epoch=updates_done - 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates),
+                                                  last_epoch=updates_done - 1)
     engine = None
     if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":  # in a dry run too
         vllm_engine.check_policy(model)
         vllm_engine.check_install(model.peft_config["default"].r)
-    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo" and not args.dry_run:  # a dry run checks, starts nothing
-        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir, pick_dtype(cfg.model.dtype, device),
+    # a dry run checks, starts nothing
+    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo" and not args.dry_run:
+        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
+                                        pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r, start=start)
-    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy, params, optimizer,
-               scheduler, scaler, sampler, judges, start, engine, eval_rows, changed=changed)
+    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
+               params, optimizer, scheduler, scaler, sampler, judges, start, engine, eval_rows,
+               changed=changed)
 
 
 def dry_run_report(r: Run) -> str:
-    """What --dry-run prints: the data as loaded and the first row exactly as the model will see it."""
+    """What --dry-run prints: the data as loaded and the first row exactly as the model sees it."""
     cfg, row = r.cfg, r.rows[0]
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
     prompt = rollout.render_rows(r.tokenizer, [row], cfg.data)[0]
     shown = prompt + (rollout.with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
-    lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); nothing was trained or written",
-             f"  rows: {len(r.rows)} ({sources})", f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
+    lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); "
+             "nothing was trained or written",
+             f"  rows: {len(r.rows)} ({sources})",
+             f"  longest: {check_lengths(cfg, r.rows, r.tokenizer)}",
              f"  trainable parameters: {sum(p.numel() for p in r.params) / 1e6:.2f}M on {r.device}",
-             f"  steps: {cfg.run.steps}" + (f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else "")
+             f"  steps: {cfg.run.steps}"
+             + (f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else "")
              + f", {updates_per_step(cfg)} optimizer update(s) each"]
     lines += [f"  rewards: {', '.join(f'{s.name} x {s.weight:g}' for s in cfg.rewards)}"
-              + ("" if cfg.mode == "grpo" else " (not trained on: they score held-out generations, run.eval_every)")] if cfg.rewards else []
+              + ("" if cfg.mode == "grpo" else " (not trained on: they score held-out "
+                 "generations, run.eval_every)")] if cfg.rewards else []
     lines += [f"  judges: {', '.join(r.judges)} (not called)"] if r.judges else []
-    lines += [f"  warning: {n}'s key ${j.cfg.api_key_env} is not set" for n, j in r.judges.items() if j.key_missing]
+    lines += [f"  warning: {n}'s key ${j.cfg.api_key_env} is not set"
+              for n, j in r.judges.items() if j.key_missing]
     lines += [f"  held-out rows for run.eval_every: {len(r.eval_rows)}"] if r.eval_rows else []
-    lines += [f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"] if cfg.data.answer_key and cfg.mode == "grpo" else []
+    lines += ([f"  gold ({cfg.data.answer_key}): {row.get(cfg.data.answer_key)!r}"]
+              if cfg.data.answer_key and cfg.mode == "grpo" else [])
     if cfg.mode == "dpo":
-        return "\n".join(lines + ["  row 0 as the model sees it (prompt):", prompt, "  chosen reply:",
-                                   rollout.with_eos(r.tokenizer, row["chosen"]), "  rejected reply:", rollout.with_eos(r.tokenizer, row["rejected"])])
-    return "\n".join(lines + ["  row 0 as the model sees it" + (" (prompt, then the reply trained on):" if cfg.mode == "sft"
-                                                                  else " (the completion follows):"), shown])
+        return "\n".join(lines + [
+            "  row 0 as the model sees it (prompt):", prompt,
+            "  chosen reply:", rollout.with_eos(r.tokenizer, row["chosen"]),
+            "  rejected reply:", rollout.with_eos(r.tokenizer, row["rejected"])])
+    return "\n".join(lines + ["  row 0 as the model sees it"
+                              + (" (prompt, then the reply trained on):" if cfg.mode == "sft"
+                                 else " (the completion follows):"), shown])
 
 
 def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> int:
-    """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how to
-    go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume; without one, this
-    command's files are removed (a folder it created too), so the same command runs again once the cause is fixed."""
+    """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how
+    to go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume; without one,
+    this command's files are removed (a folder it created too), so the same command runs again once
+    the cause is fixed."""
     code, fix = 2, "fix it, then "
     if isinstance(e, KeyboardInterrupt):
         (signame, code), fix = interrupted(e), ""
@@ -289,36 +335,45 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
     elif isinstance(e, torch.OutOfMemoryError):
         what = out_of_memory(r.cfg, r.phase, r.device, args.config, e)
     elif isinstance(e, OSError):  # a full disk, a folder made read-only meanwhile
-        what = e.strerror if (e.strerror or "").startswith("cannot write") else \
-            f"cannot write in {r.run_dir}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        what = e.strerror if (e.strerror or "").startswith("cannot write") else (
+            f"cannot write in {r.run_dir}: {e.strerror or e}"
+            + (f" ({e.filename})" if e.filename else ""))
     else:
         what = str(e)
     run_dir = r.run_dir
     if any(checkpoints(run_dir)):
-        print(f"\nerror: {what}; stopped at step {step}: {fix}--resume from the last checkpoint in {run_dir}", file=sys.stderr)
+        print(f"\nerror: {what}; stopped at step {step}: {fix}--resume from the last checkpoint "
+              f"in {run_dir}", file=sys.stderr)
         return code
     if args.resume:  # its files were there before this command: left as they were
         print(f"\nerror: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
         return code
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):  # this run's (the folder held no run):
-        (run_dir / name).unlink(missing_ok=True)  # nothing to resume, so no half run is left behind
+    # this run's (the folder held no run): nothing to resume, so no half run is left behind
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):
+        (run_dir / name).unlink(missing_ok=True)
+    # empty: its first checkpoint was interrupted (a run's files, RUN_FILES)
     with contextlib.suppress(OSError):
-        (run_dir / "checkpoints").rmdir()  # empty: its first checkpoint was interrupted (a run's files, RUN_FILES)
+        (run_dir / "checkpoints").rmdir()
     with contextlib.suppress(OSError):
         if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
             run_dir.rmdir()
-    print(f"\nerror: {what}; stopped at step {step}, before any checkpoint (nothing of the run was kept): "
-          + (f"{fix}run the same command again" if fix else "run the same command to start again"), file=sys.stderr)
+    print(f"\nerror: {what}; stopped at step {step}, before any checkpoint (nothing of the run "
+          "was kept): " + (f"{fix}run the same command again" if fix
+                           else "run the same command to start again"), file=sys.stderr)
     return code
 
 
-def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float, extra: float = 0.0) -> bool:
-    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) and what
-    must follow it (`extra`: its held-out scoring, the checkpoint written when stopping) end past it?
+def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float,
+                extra: float = 0.0) -> bool:
+    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) and
+    what must follow it (`extra`: its held-out scoring, the checkpoint written when stopping) end
+    past it?
 
-    >>> cfg = Config(); cfg.run.max_minutes = 10  # 600 s: at 550 s, a 50 s step (55 with the margin) would pass it
-    >>> out_of_time(cfg, 0.0, [50.0, 30.0], 550.0), out_of_time(cfg, 0.0, [30.0], 550.0), out_of_time(Config(), 0.0, [30.0], 1e9)
-    (True, False, False)
+    >>> cfg = Config(); cfg.run.max_minutes = 10  # 600 s
+    >>> out_of_time(cfg, 0.0, [50.0, 30.0], 550.0)  # at 550 s, a 50 s step (55 with margin) passes
+    True
+    >>> out_of_time(cfg, 0.0, [30.0], 550.0), out_of_time(Config(), 0.0, [30.0], 1e9)
+    (False, False)
     >>> out_of_time(cfg, 0.0, [30.0], 550.0, extra=20.0)  # a 20 s checkpoint after it
     True
     """

@@ -2,9 +2,11 @@
 is a few integers saved in each checkpoint), and for a mixture of sources, weighted by a schedule
 that can turn the mix into a curriculum (data.mixture's weight -> weight_end).
 
-    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed, [(s.weight, s.weight_end) for s in sources])
-    sampler.progress = (step - 1) / (steps - 1); sampler.draw(4)   # 4 indices into the sources' rows, concatenated
-    sampler.load_state(state["data_position"])                    # --resume draws what the first run would have
+    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed,
+                            [(s.weight, s.weight_end) for s in sources])
+    sampler.progress = (step - 1) / (steps - 1)
+    sampler.draw(4)                             # 4 indices into the sources' rows, concatenated
+    sampler.load_state(state["data_position"])  # --resume draws what the first run would have
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class PromptSampler:
     uninterrupted one drew. The returned indices are into the sources' rows concatenated.
     """
 
-    def __init__(self, sizes: list[int], seed: int, weights: list[tuple[float, float]] | None = None):
+    def __init__(self, sizes: list[int], seed: int,
+                 weights: list[tuple[float, float]] | None = None):
         self.sizes, self.seed = list(sizes), seed
         self.weights = weights or [(1.0, 1.0)] * len(self.sizes)
         self.offsets = [sum(self.sizes[:s]) for s in range(len(self.sizes))]
@@ -74,15 +77,19 @@ class PromptSampler:
         return counts
 
     def state(self) -> dict:
-        return {"position": self.position, "positions": list(self.positions), "sizes": list(self.sizes)}
+        return {"position": self.position, "positions": list(self.positions),
+                "sizes": list(self.sizes)}
 
     def load_state(self, state: dict | int) -> None:
         if isinstance(state, int):  # checkpoints before mixtures saved the position alone
             state = {"position": state, "positions": [state]}
         if len(state["positions"]) != len(self.sizes):
-            raise ConfigError(f"the checkpoint drew from {len(state['positions'])} data sources, this config has {len(self.sizes)}")
-        if "sizes" in state and list(state["sizes"]) != list(self.sizes):  # e.g. a filtering data.map changed
-            raise ConfigError(f"the checkpoint drew from data sources of {state['sizes']} rows, this config gives {list(self.sizes)}: "
-                              "the same positions would draw other rows; restore the data (or the map, data.skip_long and the "
-                              "length limits) it trained on")
+            raise ConfigError(f"the checkpoint drew from {len(state['positions'])} data sources, "
+                              f"this config has {len(self.sizes)}")
+        # e.g. a filtering data.map changed
+        if "sizes" in state and list(state["sizes"]) != list(self.sizes):
+            raise ConfigError(f"the checkpoint drew from data sources of {state['sizes']} rows, "
+                              f"this config gives {list(self.sizes)}: the same positions would "
+                              "draw other rows; restore the data (or the map, data.skip_long and "
+                              "the length limits) it trained on")
         self.position, self.positions = state["position"], list(state["positions"])

@@ -1,7 +1,7 @@
-"""YAML to typed dataclasses: the generic half of config.py (which holds the fields and their checks).
+"""YAML to typed dataclasses: the generic half of config.py (which holds the fields and checks).
 
-    raw = read_yaml(Path("configs/x.yaml"))            # the file, with the files it `extends` under it
-    apply_overrides(raw, ["--grpo.beta=0.04"], Config)  # --section.key=value, each value parsed as YAML
+    raw = read_yaml(Path("configs/x.yaml"))            # the file, with those it `extends` under it
+    apply_overrides(raw, ["--grpo.beta=0.04"], Config)  # --section.key=value, values parsed as YAML
     cfg = from_dict(Config, raw)                        # types checked, unknown keys named
 
 Every problem is a ConfigError of one line that names the key: the entry points print it and exit 2.
@@ -45,13 +45,15 @@ def convert(value: Any, tp: Any, key: str) -> Any:
                 return convert(value, a, key)
             except ConfigError:
                 pass
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
+                          f"got {value!r}")
     if origin is Literal:
         if value in args:
             return value
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
-        if value is None:  # `run:` with every key commented out: it would also hide an extended file's section
+        # `run:` with every key commented out: it would also hide an extended file's section
+        if value is None:
             raise ConfigError(f"{key} is empty (null); remove the line, or give it keys")
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
@@ -79,29 +81,31 @@ def convert(value: Any, tp: Any, key: str) -> Any:
 
 
 def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
-    """The dataclass `cls` built from the mapping `d`: unknown keys (with the closest valid ones), missing
-    required keys and wrong types raise ConfigError naming the key."""
+    """The dataclass `cls` built from the mapping `d`: unknown keys (with the closest valid ones),
+    missing required keys and wrong types raise ConfigError naming the key."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     for f in dataclasses.fields(cls):
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in d:
+        if (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                and f.name not in d):
             raise ConfigError(f"{prefix or cls.__name__}: missing required key '{f.name}'")
     kwargs = {}
     for k, v in d.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if k not in names:
             close = difflib.get_close_matches(str(k), names, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(f'{prefix}.{c}' if prefix else c for c in close)}?" if close else ""
+            hint = (f"; did you mean {', '.join(f'{prefix}.{c}' if prefix else c for c in close)}?"
+                    if close else "")
             raise ConfigError(f"unknown config key '{key}'{hint} (valid: {', '.join(names)})")
         kwargs[k] = convert(v, hints[k], key)
     return cls(**kwargs)
 
 
 def check_writable(path: str | Path, key: str) -> None:
-    """A file or folder a command will write (create, append to, or replace by a rename): the nearest
-    of its parents that exists must be a folder this process can write in, and the path itself, if
-    it exists, writable. Else the failure would come late, as a traceback, maybe after paid-for
-    work. ConfigError names `key`."""
+    """A file or folder a command will write (create, append to, or replace by a rename): the
+    nearest of its parents that exists must be a folder this process can write in, and the path
+    itself, if it exists, writable. Else the failure would come late, as a traceback, maybe after
+    paid-for work. ConfigError names `key`."""
     if not str(path).strip():
         raise ConfigError(f"{key} is empty; give a path")
     p = Path(path).expanduser().absolute()
@@ -109,8 +113,9 @@ def check_writable(path: str | Path, key: str) -> None:
     if not there.is_dir():
         raise ConfigError(f"{key}={path}: {there} is a file, not a folder; choose another path")
     if not os.access(there, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ConfigError(f"{key}={path}: {p if p.exists() else there} is not writable; choose another path")
-    inside = p if p.is_dir() else there  # as root os.access says yes to anything: try what the command will do
+        raise ConfigError(f"{key}={path}: {p if p.exists() else there} is not writable; "
+                          "choose another path")
+    inside = p if p.is_dir() else there  # os.access says yes to root: try what the command will do
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".minigrpo-check-", dir=inside))
     except OSError as e:  # /proc, a read-only mount, a full disk
@@ -121,16 +126,20 @@ def check_writable(path: str | Path, key: str) -> None:
 def _entry(items: list, part: str, dotted: str) -> int:
     """The place in a config list (rewards:) that an override's part names: an index from 0, or an
     entry's label or name ("--rewards.accuracy.weight=2")."""
-    if part.isascii() and part.isdigit() and int(part) < len(items):  # "²".isdigit() too, and int() refuses it
+    # isascii: "²".isdigit() too, and int() refuses it
+    if part.isascii() and part.isdigit() and int(part) < len(items):
         return int(part)
-    named = [i for i, x in enumerate(items) if isinstance(x, dict) and part in (x.get("label"), x.get("name"))]
+    named = [i for i, x in enumerate(items)
+             if isinstance(x, dict) and part in (x.get("label"), x.get("name"))]
     if len(named) == 1:
         return named[0]
     names = [str(x.get("label") or x.get("name")) for x in items if isinstance(x, dict)]
-    raise ConfigError(f"override --{dotted}: '{part}' is " + (f"the name of {len(named)} entries; give their label or index"
-                      if named else f"neither an index (0 to {len(items) - 1}) nor a label or name of the list's entries "
-                      f"({', '.join(names) or 'none'})" + ("; a name with a dot (file.py:fn) is reached by its index, or "
-                                                          "by a label: you give it" if any("." in n for n in names) else "")))
+    raise ConfigError(f"override --{dotted}: '{part}' is " + (
+        f"the name of {len(named)} entries; give their label or index" if named
+        else f"neither an index (0 to {len(items) - 1}) nor a label or name of the list's entries "
+        f"({', '.join(names) or 'none'})" + ("; a name with a dot (file.py:fn) is reached by its "
+                                             "index, or by a label: you give it"
+                                             if any("." in n for n in names) else "")))
 
 
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:
@@ -142,10 +151,13 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
                 raise ConfigError(f"override --{dotted}: '{p}' is not a section")
             continue
         if p not in d and (nxt := (parents[n + 1:] + [last])[0]).isascii() and nxt.isdigit():
-            raise ConfigError(f"override --{dotted}: the config has no list '{p}' to index; write it in the config file")
+            raise ConfigError(f"override --{dotted}: the config has no list '{p}' to index; "
+                              "write it in the config file")
         node = d.setdefault(p, {})
-        if node is None:  # `run:` with every key commented out: which defaults (its own, or an extended file's) is unclear
-            raise ConfigError(f"override --{dotted}: '{p}' is empty (null) in the config; remove that line or give it keys")
+        # `run:` with every key commented out: its own defaults, or an extended file's? unclear
+        if node is None:
+            raise ConfigError(f"override --{dotted}: '{p}' is empty (null) in the config; "
+                              "remove that line or give it keys")
         if not isinstance(node, (dict, list)):
             raise ConfigError(f"override --{dotted}: '{p}' is not a section")
         d = node
@@ -156,20 +168,22 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 
 
 def _text_field(root: type, dotted: str) -> str | None:
-    """"text" when the field takes text (str), "optional" for str | None, else None. A text override
-    is kept verbatim, so "{question}" stays text; only null / ~ mean None for an optional one, and an
-    empty value (--data.assistant_prefix=) is empty text for a plain one."""
+    """"text" when the field takes text (str), "optional" for str | None, else None. A text
+    override is kept verbatim, so "{question}" stays text; only null / ~ mean None for an optional
+    one, and an empty value (--data.assistant_prefix=) is empty text for a plain one."""
     tp: Any = root
     for part in dotted.split("."):
-        if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):  # X | None: X
+        # X | None: X
+        if set(typing.get_args(tp)) - {type(None)} and type(None) in typing.get_args(tp):
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        if typing.get_origin(tp) in (dict, list):  # a mapping of sections by name (judges): part is a name; a
+        if typing.get_origin(tp) in (dict, list):  # sections by name (judges): part is a name; a
             tp = typing.get_args(tp)[-1]  # list of them (rewards): part is an index, label or name
         elif not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
             return None
         else:
             tp = typing.get_type_hints(tp)[part]
-    return "text" if tp is str else "optional" if set(typing.get_args(tp)) == {str, type(None)} else None
+    return ("text" if tp is str
+            else "optional" if set(typing.get_args(tp)) == {str, type(None)} else None)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -187,7 +201,7 @@ def _get(d: dict, dotted: str) -> Any:
 
 
 def _on(value) -> bool:
-    """Set to something other than 0 or null (also as text: "0e0", which convert reads as a number)."""
+    """Set to something other than 0 or null (also as text: "0e0", which convert reads as 0)."""
     if isinstance(value, str):
         try:
             return float(value) != 0
@@ -196,21 +210,22 @@ def _on(value) -> bool:
     return bool(value)
 
 
-def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str, bool], ...], where: str) -> None:
-    """For each pair of settings of which one decides (run.steps, run.epochs): the one `over` sets (to
-    something other than 0 or null) drops the other from `base`, so a later layer (a file that
-    extends, the command line) replaces the earlier one's choice; both set in `over` is an error. With
-    the pair's flag, `over` turning off the second that `base` set (run.epochs: 0) must set the first,
-    which an earlier layer's choice of the second dropped (else it would be its default, unsaid)."""
+def exclusive_layers(base: dict, over: dict, exclusive: tuple[tuple[str, str, bool], ...],
+                     where: str) -> None:
+    """For each pair of settings of which one decides (run.steps, run.epochs): the one `over` sets
+    (to something other than 0 or null) drops the other from `base`, so a later layer (a file that
+    extends, the command line) replaces the earlier one's choice; both set in `over` is an error.
+    With the pair's flag, `over` turning off the second that `base` set (run.epochs: 0) must set the
+    first, which an earlier layer's choice of the second dropped (else it would default, unsaid)."""
     for first, second, needs_first in exclusive:
         pair = (first, second)
         set_here = [k for k in pair if _on(_get(over, k))]
         if len(set_here) == 2:
-            raise ConfigError(f"{where} sets both {first}={_get(over, first)} and {second}={_get(over, second)}: "
-                              "keep one")
+            raise ConfigError(f"{where} sets both {first}={_get(over, first)} and "
+                              f"{second}={_get(over, second)}: keep one")
         if needs_first and not set_here and _has(over, second) and _on(_get(base, second)):
-            raise ConfigError(f"{where} turns off {second}={_get(base, second)}, which an earlier layer set: "
-                              f"give {first} too (it would fall back to its default)")
+            raise ConfigError(f"{where} turns off {second}={_get(base, second)}, which an earlier "
+                              f"layer set: give {first} too (it would fall back to its default)")
         for k in set_here:
             *parents, last = next(x for x in pair if x != k).split(".")
             section = _get(base, ".".join(parents))
@@ -224,13 +239,17 @@ def _has(d: dict, dotted: str) -> bool:  # the key is written in d (with any val
     return isinstance(section, dict) and last in section
 
 
-def read_yaml(p: Path, seen: tuple[Path, ...] = (), exclusive: tuple[tuple[str, str, bool], ...] = ()) -> dict:
-    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged under it
-    (`exclusive`: pairs of settings of which this file's choice replaces its parent's, exclusive_layers)."""
+def read_yaml(p: Path, seen: tuple[Path, ...] = (),
+              exclusive: tuple[tuple[str, str, bool], ...] = ()) -> dict:
+    """A config file as a dict, with its `extends: other.yaml` (a path relative to the file) merged
+    under it (`exclusive`: pairs of settings of which this file's choice replaces its parent's,
+    exclusive_layers)."""
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}" + (f" (extended by {seen[-1]})" if seen else ""))
+        raise ConfigError(f"config file not found: {p}"
+                          + (f" (extended by {seen[-1]})" if seen else ""))
     if p.resolve() in seen:
-        raise ConfigError(f"{p}: `extends` makes a cycle ({' -> '.join(str(s) for s in seen + (p,))})")
+        raise ConfigError(f"{p}: `extends` makes a cycle "
+                          f"({' -> '.join(str(s) for s in seen + (p,))})")
     try:
         raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
@@ -251,12 +270,12 @@ def read_yaml(p: Path, seen: tuple[Path, ...] = (), exclusive: tuple[tuple[str, 
 
 
 def apply_overrides(raw: dict, overrides: list[str], root: type) -> None:
-    """Set each `--section.key=value` of `overrides` in `raw`, the value parsed as YAML, except that a text
+    """Set each `--section.key=value` of `overrides` in `raw`, the value parsed as YAML, but a text
     field of `root` keeps its text verbatim ("{question}", "1e-4" as written, "" as empty text)."""
     for o in overrides:
         if not o.startswith("--") or "=" not in o:
-            raise ConfigError(f"'{o}' is neither an option of this command (see --help) nor an override "
-                              "--section.key=value")
+            raise ConfigError(f"'{o}' is neither an option of this command (see --help) nor an "
+                              "override --section.key=value")
         dotted, text = o[2:].split("=", 1)
         try:
             value = yaml.safe_load(text)

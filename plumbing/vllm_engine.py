@@ -1,9 +1,10 @@
 """Optional vLLM rollouts (`rollout.engine: vllm`): vLLM samples on the training GPU, the trainer's
-LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer recomputes every log-prob.
+LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer
+recomputes every log-prob.
 
-    engine = VllmEngine(cfg, base_path, run_dir, dtype, lora_rank)   # vllm.LLM(enable_lora=True, ...) on the same GPU
-    engine.sync(model)                                               # after each step's updates: the new adapter
-    rollout = engine.generate(tokenizer, prompts, eos_ids, device)   # rollout.sampler_logp = vLLM's log-probs
+    engine = VllmEngine(cfg, base_path, run_dir, dtype, lora_rank)  # vllm.LLM(enable_lora=True)
+    engine.sync(model)                                              # the new adapter, after updates
+    rollout = engine.generate(tokenizer, prompts, eos_ids, device)  # sampler_logp: vLLM's log-probs
 
 Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a few MB) is saved to
 run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
@@ -15,8 +16,9 @@ vLLM's sampler and the trainer's forward differ slightly (kernels, precision), s
 a little off-policy. The trainer recomputes log-probs (the loss never uses vLLM's), and with
 `grpo.tis_cap > 0` each token's policy-gradient term is weighted by the truncated importance ratio
 min(exp(logp_trainer - logp_vllm), tis_cap) (truncated importance sampling, as in Yao et al. 2025,
-"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). vLLM must report the log-probs of the
-distribution it samples from (after temperature): `logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2.
+"Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). vLLM must report the
+log-probs of the distribution it samples from (after temperature):
+`logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2.
 
 Not run on real vLLM: the development machine has no GPU and cannot install it. The sync logic
 and the conversion of vLLM's outputs are tested against a fake engine (tests/test_vllm_engine.py)
@@ -45,22 +47,26 @@ def check_config(cfg: Config) -> None:
     if cfg.rollout.engine != "vllm":
         return
     if not cfg.lora.enabled:
-        raise ConfigError("rollout.engine: vllm syncs LoRA adapters; full fine-tuning (lora.enabled: false) needs rollout.engine: hf")
+        raise ConfigError("rollout.engine: vllm syncs LoRA adapters; full fine-tuning "
+                          "(lora.enabled: false) needs rollout.engine: hf")
     if cfg.model.init_adapter and cfg.model.merge_init_adapter:
-        raise ConfigError("rollout.engine: vllm serves the base from a directory: export the merged init adapter with "
-                          "export.py and set model.name to the export (and model.init_adapter: null)")
+        raise ConfigError("rollout.engine: vllm serves the base from a directory: export the "
+                          "merged init adapter with export.py and set model.name to the export "
+                          "(and model.init_adapter: null)")
     if cfg.model.quant:
-        raise ConfigError("rollout.engine: vllm would sample from full-precision weights while the trainer uses 4-bit ones; "
-                          "use rollout.engine: hf with model.quant")
+        raise ConfigError("rollout.engine: vllm would sample from full-precision weights while the "
+                          "trainer uses 4-bit ones; use rollout.engine: hf with model.quant")
     if cfg.grpo.tis_cap and (cfg.rollout.top_p < 1 or cfg.rollout.top_k):
-        raise ConfigError("grpo.tis_cap compares vLLM's log-probs after top-p/top-k truncation with the trainer's "
-                          "untruncated ones: use top_p 1 and top_k 0 with it")
-    if cfg.grpo.tis_cap and cfg.rollout.ignore_eos:  # vLLM's min_tokens renormalises its log-probs without EOS
-        raise ConfigError("grpo.tis_cap compares vLLM's log-probs with EOS masked out (rollout.ignore_eos) with the "
-                          "trainer's, which keep it: use ignore_eos: false with it")
+        raise ConfigError("grpo.tis_cap compares vLLM's log-probs after top-p/top-k truncation "
+                          "with the trainer's untruncated ones: use top_p 1 and top_k 0 with it")
+    # vLLM's min_tokens renormalises its log-probs without EOS
+    if cfg.grpo.tis_cap and cfg.rollout.ignore_eos:
+        raise ConfigError("grpo.tis_cap compares vLLM's log-probs with EOS masked out "
+                          "(rollout.ignore_eos) with the trainer's, which keep it: "
+                          "use ignore_eos: false with it")
 
 
-MIN_VLLM = "0.10.2"  # logprobs_mode exists from 0.10.0; its processed log-probs follow temperature from 0.10.2
+MIN_VLLM = "0.10.2"  # logprobs_mode from 0.10.0; processed log-probs follow temperature from 0.10.2
 
 
 def check_policy(model) -> None:
@@ -68,34 +74,41 @@ def check_policy(model) -> None:
     continued init adapter may be another tool's): ConfigError, before vLLM starts."""
     merged = getattr(model, "minigrpo_base", {}).get("merged") or []
     if merged:  # the trainer merged them into its base; vLLM loads the bare model.name
-        raise ConfigError(f"rollout.engine: vllm serves model.name bare, but the init adapter was trained on {len(merged)} "
-                          "merged adapter(s): export that chain with export.py and set model.name to the export")
+        raise ConfigError("rollout.engine: vllm serves model.name bare, but the init adapter was "
+                          f"trained on {len(merged)} merged adapter(s): export that chain with "
+                          "export.py and set model.name to the export")
     pc = model.peft_config["default"]
-    if getattr(pc, "use_dora", False) or getattr(pc, "modules_to_save", None) or getattr(pc, "rank_pattern", None) \
-            or getattr(pc, "alpha_pattern", None) or getattr(pc, "bias", "none") != "none":  # vLLM's PEFTHelper refuses them
-        raise ConfigError("rollout.engine: vllm serves plain LoRA adapters: the init adapter uses DoRA, modules_to_save, "
-                          "per-module ranks or trained biases; use rollout.engine: hf")
+    if getattr(pc, "use_dora", False) or getattr(pc, "modules_to_save", None) \
+            or getattr(pc, "rank_pattern", None) or getattr(pc, "alpha_pattern", None) \
+            or getattr(pc, "bias", "none") != "none":  # vLLM's PEFTHelper refuses them
+        raise ConfigError("rollout.engine: vllm serves plain LoRA adapters: the init adapter uses "
+                          "DoRA, modules_to_save, per-module ranks or trained biases; "
+                          "use rollout.engine: hf")
 
 
 def check_install(lora_rank: int) -> None:
-    """vLLM is installed, recent enough, and serves the adapter's rank: ConfigError otherwise. train.py
-    calls it in a dry run too, before the engine (and its GPU memory) would start."""
+    """vLLM is installed, recent enough, and serves the adapter's rank: ConfigError otherwise.
+    train.py calls it in a dry run too, before the engine (and its GPU memory) would start."""
     if lora_rank > LORA_RANKS[-1]:
-        raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, the adapter has rank {lora_rank}")
+        raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, "
+                          f"the adapter has rank {lora_rank}")
     try:
         import vllm
     except ImportError as e:
-        raise ConfigError(f"rollout.engine: vllm needs the vllm package (pip install vllm; CUDA only): {e}") from None
-    if too_old(getattr(vllm, "__version__", "0")):  # older: no logprobs_mode, or log-probs before temperature
-        raise ConfigError(f"rollout.engine: vllm needs vllm >= {MIN_VLLM} (its log-probs after temperature), "
-                          f"found {getattr(vllm, '__version__', '?')}: pip install -U vllm")
+        raise ConfigError("rollout.engine: vllm needs the vllm package "
+                          f"(pip install vllm; CUDA only): {e}") from None
+    # older: no logprobs_mode, or log-probs before temperature
+    if too_old(getattr(vllm, "__version__", "0")):
+        raise ConfigError(f"rollout.engine: vllm needs vllm >= {MIN_VLLM} (its log-probs after "
+                          f"temperature), found {getattr(vllm, '__version__', '?')}: "
+                          "pip install -U vllm")
 
 
 def too_old(version: str) -> bool:
-    """A vLLM version before MIN_VLLM, its release candidates and dev builds included (packaging's order).
+    """A vLLM version before MIN_VLLM, release candidates and dev builds too (packaging's order).
 
-    >>> too_old("0.10.2+cu126"), too_old("0.11.0.dev123+gabc"), too_old("0.10.2rc1"), too_old("0.9.2"), too_old("dev")
-    (False, False, True, True, True)
+    >>> [too_old(v) for v in ("0.10.2+cu126", "0.11.0.dev123+gabc", "0.10.2rc1", "0.9.2", "dev")]
+    [False, False, True, True, True]
     """
     from packaging.version import InvalidVersion, Version  # a dependency of transformers
     try:
@@ -105,10 +118,11 @@ def too_old(version: str) -> bool:
 
 
 class VllmEngine:
-    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype, lora_rank: int, start: int = 0):
-        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its own).
-        start: the step a resumed run goes on from; vLLM's seed is run.seed + start, so a resumed run
-        draws new samples instead of replaying the sampling noise of step 1."""
+    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype,
+                 lora_rank: int, start: int = 0):
+        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its
+        own). start: the step a resumed run goes on from; vLLM's seed is run.seed + start, so a
+        resumed run draws new samples instead of replaying the sampling noise of step 1."""
         check_install(lora_rank)
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
@@ -118,56 +132,65 @@ class VllmEngine:
         ro, m = cfg.rollout, cfg.model
         try:
             self.llm = LLM(
-                model=base_path, tokenizer=base_path, revision=m.revision, tokenizer_revision=m.revision,
-                trust_remote_code=m.trust_remote_code, dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed + start,
-                gpu_memory_utilization=ro.vllm_gpu_memory_utilization, enable_sleep_mode=ro.vllm_sleep,
+                model=base_path, tokenizer=base_path, revision=m.revision,
+                tokenizer_revision=m.revision, trust_remote_code=m.trust_remote_code,
+                dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed + start,
+                gpu_memory_utilization=ro.vllm_gpu_memory_utilization,
+                enable_sleep_mode=ro.vllm_sleep,
                 max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
-                enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),
+                enable_lora=True, max_loras=1,
+                max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),
                 logprobs_mode="processed_logprobs")
-        except Exception as e:  # a model vLLM cannot serve with LoRA (GPT-2), too little free GPU memory, ...
-            raise ConfigError(f"rollout.engine: vllm could not start on {base_path} ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0][:300]}); rollout.engine: hf samples with any model") from None
+        # a model vLLM cannot serve with LoRA (GPT-2), too little free GPU memory, ...
+        except Exception as e:
+            raise ConfigError(f"rollout.engine: vllm could not start on {base_path} "
+                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}); "
+                              "rollout.engine: hf samples with any model") from None
         if ro.vllm_sleep:
-            self.llm.sleep(level=1)  # frees the KV cache (and offloads weights) until the first rollout
+            self.llm.sleep(level=1)  # frees the KV cache (offloads weights) until the first rollout
 
     def sync(self, model) -> None:
-        """Hand the policy's current adapter to vLLM: save it as a new version with a new LoRA id."""
+        """Hand the policy's current adapter to vLLM: saved as a new version with a new LoRA id."""
         self.version += 1
         path = self.dir / f"v{self.version}"
         shutil.rmtree(path, ignore_errors=True)
         save_adapter(model, path)
         self.request = self.LoRARequest(f"minigrpo-v{self.version}", self.version, str(path))
-        for old in self.dir.glob("v*"):  # vLLM has read older versions already (and max_loras=1 evicts them)
+        for old in self.dir.glob("v*"):  # vLLM has read older versions (max_loras=1 evicts them)
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def generate(self, tokenizer, prompts: list[str], eos_ids: list[int], device: torch.device) -> rollout.Rollout:
-        """G samples of each rendered prompt -> a Rollout shaped like rollout.generate_rollout's, with
-        sampler_logp (N, C): vLLM's log-prob of each sampled token (0 past the end)."""
+    def generate(self, tokenizer, prompts: list[str], eos_ids: list[int],
+                 device: torch.device) -> rollout.Rollout:
+        """G samples of each rendered prompt -> a Rollout shaped like rollout.generate_rollout's,
+        with sampler_logp (N, C): vLLM's log-prob of each sampled token (0 past the end)."""
         if self.request is None:
-            raise RuntimeError("VllmEngine.generate before sync(): vLLM would sample from the bare base")
+            raise RuntimeError("VllmEngine.generate before sync(): vLLM would sample from the "
+                               "bare base")
         ro = self.cfg.rollout
         G = ro.num_generations
         params = self.SamplingParams(
-            n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k or -1, max_tokens=ro.max_new_tokens,
-            min_tokens=ro.max_new_tokens if ro.ignore_eos else 0, ignore_eos=ro.ignore_eos,
-            stop=list(ro.stop_strings) or None, include_stop_str_in_output=True,  # as the HF path: the text keeps the stop
+            n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k or -1,
+            max_tokens=ro.max_new_tokens, min_tokens=ro.max_new_tokens if ro.ignore_eos else 0,
+            ignore_eos=ro.ignore_eos, stop=list(ro.stop_strings) or None,
+            include_stop_str_in_output=True,  # as the HF path: the text keeps the stop
             stop_token_ids=eos_ids, logprobs=0)
-        # token ids, not text: vLLM would otherwise tokenize again and may add a BOS the template already has
+        # token ids, not text: vLLM would re-tokenize and may add a BOS the template already has
         ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         if self.cfg.rollout.vllm_sleep:
             self.llm.wake_up()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params, lora_request=self.request,
-                                        use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": x} for x in ids], params,
+                                        lora_request=self.request, use_tqdm=False)
         finally:
             if self.cfg.rollout.vllm_sleep:
                 self.llm.sleep(level=1)
-        return to_rollout(tokenizer, ids, [c for o in outputs for c in o.outputs], G, device, eos_ids)
+        return to_rollout(tokenizer, ids, [c for o in outputs for c in o.outputs], G, device,
+                          eos_ids)
 
 
-def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int, device: torch.device,
-               eos_ids: list[int] = ()) -> rollout.Rollout:
+def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int,
+               device: torch.device, eos_ids: list[int] = ()) -> rollout.Rollout:
     """vLLM CompletionOutputs (prompt-major, G each) -> rollout.Rollout with sampler_logp.
 
     A completion is truncated when vLLM ended it for length and its last token is not an EOS (vLLM
@@ -189,40 +212,46 @@ def to_rollout(tokenizer, prompt_ids: list[list[int]], completions: list, G: int
         n = len(c.token_ids)
         c_ids[i, :n], c_mask[i, :n] = torch.tensor(list(c.token_ids), dtype=torch.long), 1.0
         if c.logprobs is not None:  # one {token_id: Logprob} per sampled token
-            logp[i, :n] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-    truncated = torch.tensor([c.finish_reason == "length" and not (c.token_ids and c.token_ids[-1] in eos_ids)
+            logp[i, :n] = torch.tensor([step[t].logprob
+                                        for step, t in zip(c.logprobs, c.token_ids)])
+    truncated = torch.tensor([c.finish_reason == "length"
+                              and not (c.token_ids and c.token_ids[-1] in eos_ids)
                               for c in completions])
     texts = [tokenizer.decode(list(c.token_ids), skip_special_tokens=True) for c in completions]
-    return rollout.Rollout(p_ids.repeat_interleave(G, 0).to(device), p_mask.repeat_interleave(G, 0).to(device),
-                        c_ids.to(device), c_mask.to(device), truncated.to(device), texts, sampler_logp=logp.to(device))
+    return rollout.Rollout(p_ids.repeat_interleave(G, 0).to(device),
+                           p_mask.repeat_interleave(G, 0).to(device), c_ids.to(device),
+                           c_mask.to(device), truncated.to(device), texts,
+                           sampler_logp=logp.to(device))
 
 
-TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # as in TRL
 
 
 def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
                    sums: dict | None, mode: str = "token_truncate") -> torch.Tensor | None:
     """Importance weight of the trainer's policy against the sampler's (None when cap is 0: off),
     old, sampler_logp, mask (n, C) -> (n, C), the ratio rho = pi_old / pi_sampler taken per token
-    (token_*) or per completion, the product over its tokens (sequence_*, the same for each of them):
+    (token_*) or per completion, the product over its tokens (sequence_*, same for each of them):
 
         *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
-        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past the cap leave the loss
+        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past cap leave the loss
 
     `sums` given (the first iteration, for the step's metrics): adds to it "tokens" and "abs_diff"
-    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in sequence
-    modes completions, as TRL counts them), "weight" (their weights) and "capped" (those capped or
-    masked)."""
+    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in
+    sequence modes completions, as TRL counts them), "weight" (their weights) and "capped" (those
+    capped or masked)."""
     if mode not in TIS_MODES:
         raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
-    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)  # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
+    # (n, C) a log-prob vLLM did not give: ratio 1, as TRL
+    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)
     weight = None
     if cap:
-        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves a completion's product alone
+        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves the product alone
         if mode.startswith("sequence"):
-            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one ratio per completion
+            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one per completion
         rho = torch.exp(log_rho)
-        weight = torch.clamp(rho, max=cap) if mode.endswith("truncate") else torch.where(rho > cap, 0.0, rho)
+        weight = (torch.clamp(rho, max=cap) if mode.endswith("truncate")
+                  else torch.where(rho > cap, 0.0, rho))
         past = rho >= cap if mode.endswith("truncate") else rho > cap  # (n, C)
     if sums is not None:
         m = mask.bool()

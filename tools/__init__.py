@@ -1,8 +1,8 @@
 """Commands run around training, from the repository root as modules:
 
-    python -m tools.precompute --config configs/grubrics.yaml ...   # answers and gold scores, before GRPO
-    python -m tools.export --config configs/quickstart.yaml --adapter runs/quickstart --out exported/q
-    python -m tools.bestofn runs/eval/predictions_trained.jsonl --sft best.jsonl  # best-of-n SFT data
-    python -m tools.plots runs/a runs/b                             # training curves, a line per run
-    python -m tools.ratings serve --dir runs/qgen_human/ratings     # the page people rate on
+    python -m tools.precompute --config configs/grubrics.yaml ...  # answers, gold scores (pre-GRPO)
+    python -m tools.export --config configs/quickstart.yaml --adapter runs/quickstart --out exported
+    python -m tools.bestofn runs/eval/predictions_trained.jsonl --sft best.jsonl  # best-of-n SFT
+    python -m tools.plots runs/a runs/b                            # training curves, a line per run
+    python -m tools.ratings serve --dir runs/qgen_human/ratings    # the page people rate on
 """

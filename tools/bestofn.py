@@ -2,33 +2,35 @@
 sampling / RAFT: sample n, keep the best, fine-tune on it), and its best against its worst as
 preference pairs (TRL's prompt / chosen / rejected, for DPO).
 
-    python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 --eval.temperature=0.8 \
-        --data.select=null '--eval.select=[0,1000]' --eval.out_dir=runs/samples   # training rows: held-out ones would leak
-    python -m tools.bestofn runs/samples/predictions_grpo.jsonl --sft best.jsonl --pairs pairs.jsonl --min-reward 1.0
+    python eval.py --config my_task.yaml --models grpo=runs/grpo --eval.num_samples=4 \\
+        --eval.temperature=0.8 --data.select=null '--eval.select=[0,1000]' \\
+        --eval.out_dir=runs/samples   # training rows: held-out ones would leak
+    python -m tools.bestofn runs/samples/predictions_grpo.jsonl --sft best.jsonl \\
+        --pairs pairs.jsonl --min-reward 1.0
     python train.py --config my_task.yaml --mode=sft --data.name=best.jsonl --data.prompt=prompt \\
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
-People's ratings serve too: `python -m tools.ratings export --dir DIR > rated.jsonl` writes each rated
-reply with its reward (the human reward's value), and `bestofn.py rated.jsonl --pairs ...` pairs
-each prompt's best- and worst-rated replies. Those replies carry any forced prefix in their text
-(the raters saw it), so both outputs train with data.assistant_prefix: ''.
+People's ratings serve too: `python -m tools.ratings export --dir DIR > rated.jsonl` writes each
+rated reply with its reward (the human reward's value), and `bestofn.py rated.jsonl --pairs ...`
+pairs each prompt's best- and worst-rated replies. Those replies carry any forced prefix in their
+text (the raters saw it), so both outputs train with data.assistant_prefix: ''.
 
-A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a reward (a failed API request, a
-reward with fallback: skip that failed) are never picked, nor is one cut at max_new_tokens
-(`truncated`; SFT on it would teach stopping mid-thought) unless --keep-truncated. For SFT the best
-completion is kept when its reward >= --min-reward; a pair is kept when best - worst >= --min-margin
-(> 0: a tie is no preference). --require NAME=V keeps only completions whose reward NAME is >= V
-(e.g. think_format=1: never pick a reply without its think block); the rejected one may miss it.
---by NAME+NAME ranks by those rewards' sum instead of the total (BioReasoner's pairs: the judge's
-logic+novelty decide, and with think_format among them a reply without its think block ranks low);
-the rows' reward stays the total, and the sum is written as by_reward (chosen_/rejected_by_reward).
-SFT rows hold `completion`, the text after the forced prefix the eval recorded (`assistant_prefix`):
-train them with the same data.assistant_prefix, which SFT puts back. Pairs are in TRL's form, for
-its DPOTrainer or minigrpo's `mode: dpo` (with data.assistant_prefix: ''), so their chosen and
-rejected include that prefix (a forced <think>); their
-prompt is the user prompt as built by data.prompt, without data.system_prompt. Outputs are written
-atomically and never overwritten; nothing is written when a requested output would be empty.
+A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a
+reward (a failed API request, a reward with fallback: skip that failed) are never picked, nor is one
+cut at max_new_tokens (`truncated`; SFT on it would teach stopping mid-thought) unless
+--keep-truncated. For SFT the best completion is kept when its reward >= --min-reward; a pair is
+kept when best - worst >= --min-margin (> 0: a tie is no preference). --require NAME=V keeps only
+completions whose reward NAME is >= V (e.g. think_format=1: never pick a reply without its think
+block); the rejected one may miss it. --by NAME+NAME ranks by those rewards' sum instead of the
+total (BioReasoner's pairs: the judge's logic+novelty decide, and with think_format among them a
+reply without its think block ranks low); the rows' reward stays the total, and the sum is written
+as by_reward (chosen_/rejected_by_reward). SFT rows hold `completion`, the text after the forced
+prefix the eval recorded (`assistant_prefix`): train them with the same data.assistant_prefix, which
+SFT puts back. Pairs are in TRL's form, for its DPOTrainer or minigrpo's `mode: dpo` (with
+data.assistant_prefix: ''), so their chosen and rejected include that prefix (a forced <think>);
+their prompt is the user prompt as built by data.prompt, without data.system_prompt. Outputs are
+written atomically and never overwritten; nothing is written when a requested output would be empty.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def groups(records: list[dict]) -> dict[tuple, list[dict]]:
     as JSON), so rewards on other criteria or scales are never compared."""
     out: dict[tuple, list[dict]] = {}
     for r in records:
-        key = (r.get("source"), r["row"]) if "row" in r else (None, json.dumps([r["prompt"], r.get("criteria"), r.get("scale")]))
+        key = ((r.get("source"), r["row"]) if "row" in r
+               else (None, json.dumps([r["prompt"], r.get("criteria"), r.get("scale")])))
         out.setdefault(key, []).append(r)
     return out
 
@@ -56,7 +59,8 @@ def ranked_by(rec: dict, by: list[str] | None = None) -> float | None:
     """What a completion is ranked by: its reward, or with `by` the sum of those rewards alone (None
     when one is missing), e.g. a judge's logic + novelty without the citation counts in the total.
 
-    >>> ranked_by({"reward": 3.5, "rewards": {"logic": 4, "novelty": 2, "cites": 1}}, ["logic", "novelty"])
+    >>> ranked_by({"reward": 3.5, "rewards": {"logic": 4, "novelty": 2, "cites": 1}},
+    ...           ["logic", "novelty"])
     6.0
     """
     if rec.get("api_failed"):
@@ -67,12 +71,14 @@ def ranked_by(rec: dict, by: list[str] | None = None) -> float | None:
     return None if any(v is None for v in values) else float(sum(values))
 
 
-def eligible(rec: dict, require: dict[str, float], keep_truncated: bool = False, by: list[str] | None = None) -> bool:
-    """Has a reward (the `by` ones), was not cut at max_new_tokens (unless keep_truncated), and every
-    required reward reaches its bar."""
+def eligible(rec: dict, require: dict[str, float], keep_truncated: bool = False,
+             by: list[str] | None = None) -> bool:
+    """Has a reward (the `by` ones), was not cut at max_new_tokens (unless keep_truncated), and
+    every required reward reaches its bar."""
     if ranked_by(rec, by) is None or (rec.get("truncated") and not keep_truncated):
         return False
-    return all((rec.get("rewards") or {}).get(k) is not None and rec["rewards"][k] >= v for k, v in require.items())
+    return all((rec.get("rewards") or {}).get(k) is not None and rec["rewards"][k] >= v
+               for k, v in require.items())
 
 
 def select(records: list[dict], min_reward: float | None = None, min_margin: float = 1e-9,
@@ -82,7 +88,8 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
     of the highest reward (file order), the worst the first of the lowest; `by`: ranked by the sum
     of those rewards instead (ranked_by), which min_reward and min_margin then apply to.
 
-    >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r} for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
+    >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r}
+    ...         for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
     >>> sft, pairs = select(recs, min_reward=0.5)
     >>> sft[0]["completion"], pairs[0]["chosen"], pairs[0]["rejected"]
     ('b', 'b', 'a')
@@ -94,26 +101,32 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
         if not ok:
             continue
         best = max(ok, key=lambda r: ranked_by(r, by))  # max/min keep the first of equals
-        worst = min([r for r in recs if ranked_by(r, by) is not None], key=lambda r: ranked_by(r, by))
-        where = {**({"row": row} if "row" in best else {}), **({"source": source} if source is not None else {}),
-                 **({"columns": best["columns"]} if best.get("columns") else {})}  # eval.keep_columns, nested as there
+        worst = min([r for r in recs if ranked_by(r, by) is not None],
+                    key=lambda r: ranked_by(r, by))
+        where = {**({"row": row} if "row" in best else {}),  # columns: eval.keep_columns, nested
+                 **({"source": source} if source is not None else {}),
+                 **({"columns": best["columns"]} if best.get("columns") else {})}
         forced = best.get("assistant_prefix") or ""
         prefix = {"assistant_prefix": forced} if forced else {}
         high, low = ranked_by(best, by), ranked_by(worst, by)
-        named = {"by": "+".join(by)} if by else {}  # reward stays the total; the --by sums under their own keys
+        # reward stays the total; the --by sums go under their own keys
+        named = {"by": "+".join(by)} if by else {}
         if min_reward is None or high >= min_reward:
-            sft.append({**where, "prompt": best["prompt"], **prefix, "completion": best["completion"],
-                        "reward": best.get("reward"), **({**named, "by_reward": high} if by else {})})
+            sft.append({**where, "prompt": best["prompt"], **prefix,
+                        "completion": best["completion"], "reward": best.get("reward"),
+                        **({**named, "by_reward": high} if by else {})})
         if high - low >= min_margin and best["completion"] != worst["completion"]:
-            pairs.append({**where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
-                          "rejected": forced + worst["completion"], "chosen_reward": best.get("reward"),
-                          "rejected_reward": worst.get("reward"),
-                          **({**named, "chosen_by_reward": high, "rejected_by_reward": low} if by else {})})
+            pairs.append({
+                **where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
+                "rejected": forced + worst["completion"], "chosen_reward": best.get("reward"),
+                "rejected_reward": worst.get("reward"),
+                **({**named, "chosen_by_reward": high, "rejected_by_reward": low} if by else {})})
     return sft, pairs
 
 
 def read_records(path: str) -> list:
-    """eval.py's predictions or ratings.py's export (JSON Lines), or the export as Parquet (--out x.parquet)."""
+    """eval.py's predictions or ratings.py's export (JSON Lines), or the export as Parquet
+    (--out x.parquet)."""
     if Path(path).suffix.lower() in (".parquet", ".pq"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
@@ -135,16 +148,23 @@ def parse_require(items: list[str]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: pooled per (source, "
-                    "row)) or ratings.py export's rated replies (pooled per prompt, criteria and scale; never with predictions)")
-    ap.add_argument("--sft", help="write each prompt's best completion here (prompt, completion, reward)")
+    ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: "
+                    "pooled per (source, row)) or ratings.py export's rated replies (pooled per "
+                    "prompt, criteria and scale; never with predictions)")
+    ap.add_argument("--sft",
+                    help="write each prompt's best completion here (prompt, completion, reward)")
     ap.add_argument("--pairs", help="write best-vs-worst pairs here (prompt, chosen, rejected)")
-    ap.add_argument("--min-reward", type=float, default=None, help="SFT: keep a best completion only from this reward up")
-    ap.add_argument("--min-margin", type=float, default=1e-9, help="pairs: keep only when best - worst >= this")
-    ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V", help="only completions whose reward NAME >= V")
-    ap.add_argument("--keep-truncated", action="store_true", help="also pick completions cut at max_new_tokens")
-    ap.add_argument("--by", default=None, metavar="NAME[+NAME...]", help="rank by the sum of these rewards, not the "
-                    "total (e.g. logic+novelty: a judge's scores without the rule rewards); --min-reward/--min-margin apply to it")
+    ap.add_argument("--min-reward", type=float, default=None,
+                    help="SFT: keep a best completion only from this reward up")
+    ap.add_argument("--min-margin", type=float, default=1e-9,
+                    help="pairs: keep only when best - worst >= this")
+    ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V",
+                    help="only completions whose reward NAME >= V")
+    ap.add_argument("--keep-truncated", action="store_true",
+                    help="also pick completions cut at max_new_tokens")
+    ap.add_argument("--by", default=None, metavar="NAME[+NAME...]", help="rank by the sum of these "
+                    "rewards, not the total (e.g. logic+novelty: a judge's scores without the rule "
+                    "rewards); --min-reward/--min-margin apply to it")
     args = ap.parse_args(argv)
     try:
         if not (args.sft or args.pairs):
@@ -161,37 +181,47 @@ def main(argv: list[str] | None = None) -> int:
         records = []
         for path in args.predictions:
             if not Path(path).is_file():
-                raise ValueError(f"{path}: no such file (eval.py writes eval.out_dir/predictions_<name>.jsonl)")
+                raise ValueError(f"{path}: no such file (eval.py writes "
+                                 "eval.out_dir/predictions_<name>.jsonl)")
             for n, rec in enumerate(read_records(path), 1):
-                if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec) and ("row" in rec or "scores" in rec)):
-                    raise ValueError(f"{path}:{n}: neither eval.py's predictions (row, prompt, completion, reward) nor "
-                                     "ratings.py export's rated replies (prompt, completion, scores, reward)")
+                if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec)
+                        and ("row" in rec or "scores" in rec)):
+                    raise ValueError(f"{path}:{n}: neither eval.py's predictions (row, prompt, "
+                                     "completion, reward) nor ratings.py export's rated replies "
+                                     "(prompt, completion, scores, reward)")
                 if "row" not in rec and "reward" not in rec:
-                    raise ValueError(f"{path}: rated replies without a reward: export them again with this "
-                                     "version of ratings.py (python -m tools.ratings export --dir ...)")
+                    raise ValueError(f"{path}: rated replies without a reward: export them again "
+                                     "with this version of ratings.py (python -m tools.ratings "
+                                     "export --dir ...)")
                 reward = rec.get("reward")
                 if not isinstance(rec["completion"], str) or not (
-                        reward is None or (isinstance(reward, (int, float)) and not isinstance(reward, bool))):
-                    raise ValueError(f"{path}:{n}: the completion must be text and the reward a number or null, got "
-                                     f"{type(rec['completion']).__name__} and {reward!r}")
+                        reward is None
+                        or (isinstance(reward, (int, float)) and not isinstance(reward, bool))):
+                    raise ValueError(f"{path}:{n}: the completion must be text and the reward a "
+                                     f"number or null, got {type(rec['completion']).__name__} and "
+                                     f"{reward!r}")
                 records.append(rec)
         if not records:
             raise ValueError(f"{', '.join(args.predictions)}: no predictions")
         named = {k for r in records for k in (r.get("rewards") or {})}
         by = args.by.split("+") if args.by else None
         if by and len(set(by)) < len(by):
-            raise ValueError(f"--by {args.by} names a reward twice; a weight belongs in eval's rewards: list")
+            raise ValueError(f"--by {args.by} names a reward twice; a weight belongs in eval's "
+                             "rewards: list")
         for flag, names in (("--require", require), ("--by", by or [])):
             if unknown := sorted(set(names) - named):
-                raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; they have: "
-                                 f"{', '.join(sorted(named)) or 'none'} (eval.py writes each reward under 'rewards')")
-        sft, pairs = select(records, args.min_reward, args.min_margin, require, args.keep_truncated, by)
+                raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; "
+                                 f"they have: {', '.join(sorted(named)) or 'none'} (eval.py "
+                                 "writes each reward under 'rewards')")
+        sft, pairs = select(records, args.min_reward, args.min_margin, require,
+                            args.keep_truncated, by)
     except (ValueError, OSError) as e:  # ConfigError (check_writable) is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if empty := [flag for flag, path, rows in (("--sft", args.sft, sft), ("--pairs", args.pairs, pairs)) if path and not rows]:
-        print(f"error: nothing passed the bars for {' and '.join(empty)} (see --min-reward, --min-margin, --require, "
-              "--keep-truncated); nothing was written", file=sys.stderr)
+    if empty := [flag for flag, path, rows in
+                 (("--sft", args.sft, sft), ("--pairs", args.pairs, pairs)) if path and not rows]:
+        print(f"error: nothing passed the bars for {' and '.join(empty)} (see --min-reward, "
+              "--min-margin, --require, --keep-truncated); nothing was written", file=sys.stderr)
         return 1
     prompts = len(groups(records))
     for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
@@ -200,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
             key = ("by_reward" if "reward" in rows[0] else "chosen_by_reward") if args.by else (
                 "reward" if "reward" in rows[0] else "chosen_reward")  # what they were picked by
             mean = sum(r[key] for r in rows) / len(rows)
-            print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts (mean {args.by or 'reward'} of the kept {mean:.3f})")
+            print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts "
+                  f"(mean {args.by or 'reward'} of the kept {mean:.3f})")
     scored = [r["reward"] for r in records if r.get("reward") is not None]
     if scored:
-        print(f"[bestofn] mean reward of all {len(scored)} scored completions: {sum(scored) / len(scored):.3f}")
+        print(f"[bestofn] mean reward of all {len(scored)} scored completions: "
+              f"{sum(scored) / len(scored):.3f}")
     return 0
 
 

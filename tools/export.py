@@ -1,8 +1,8 @@
 """Export a trained LoRA adapter as a standalone model: the base with its adapter chain merged in,
 saved as a plain transformers directory that AutoModelForCausalLM and vLLM load as they are.
 
-    python -m tools.export --config configs/quickstart.yaml --adapter runs/quickstart --out exported/quickstart
-    HF_TOKEN=hf_... python -m tools.export ... --dtype float16 --push-to-hub my-org/my-model --private
+    python -m tools.export --config configs/quickstart.yaml --adapter runs/quickstart --out exported
+    HF_TOKEN=hf_... python -m tools.export ... --dtype float16 --push-to-hub org/model --private
 
 --adapter is a run directory (its newest checkpoint), a checkpoint or an adapter directory. The base
 is loaded per the config's model section (`--section.key=value` overrides work) on CPU in fp32,
@@ -14,12 +14,12 @@ generation_config.json (bos/eos/pad only: training sampled from logits / T alone
 with its chat template (rendering prompts as training did: the checkpoint config's
 data.chat_template_kwargs fixed and its data.assistant_prefix written after the generation prompt)
 and README.md, a model card naming the base and each adapter's sha256.
---verify [PROMPT] reloads OUT.export-tmp as a server would and checks it against the merged model before
-it is kept (the saved template must render the prompt as training did: else exit 1, nothing written);
-it holds a second copy of the model in fp32 meanwhile.
-Written to OUT.export-tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub uploads
-OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2, nothing
-written; a failed upload exits 1 and keeps OUT.
+--verify [PROMPT] reloads OUT.export-tmp as a server would and checks it against the merged model
+before it is kept (the saved template must render the prompt as training did: else exit 1, nothing
+written); it holds a second copy of the model in fp32 meanwhile.
+Written to OUT.export-tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub
+uploads OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2,
+nothing written; a failed upload exits 1 and keeps OUT.
 """
 from __future__ import annotations
 
@@ -43,54 +43,73 @@ from plumbing.typed_config import check_writable
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Any config field: --section.key=value")
-    ap.add_argument("--config", required=True, help="the YAML config the adapter was trained with (its model section)")
-    ap.add_argument("--adapter", required=True, help="run directory, checkpoint or adapter directory")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Any config field: --section.key=value")
+    ap.add_argument("--config", required=True,
+                    help="the YAML config the adapter was trained with (its model section)")
+    ap.add_argument("--adapter", required=True,
+                    help="run directory, checkpoint or adapter directory")
     ap.add_argument("--out", required=True, help="directory to write the merged model to")
-    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="weights dtype")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="weights dtype")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    ap.add_argument("--push-to-hub", metavar="REPO_ID", help="upload to this hub repo (token from $HF_TOKEN)")
+    ap.add_argument("--push-to-hub", metavar="REPO_ID",
+                    help="upload to this hub repo (token from $HF_TOKEN)")
     ap.add_argument("--private", action="store_true", help="create the hub repo private")
     ap.add_argument("--verify", nargs="?", const="What is 2 + 2?", metavar="PROMPT",
-                    help="reload the export as a server would and check it against the merged model (default prompt: "
-                         "'What is 2 + 2?'); a template that renders the prompt otherwise than training fails the export")
+                    help="reload the export as a server would and check it against the merged "
+                         "model (default prompt: 'What is 2 + 2?'); a template that renders the "
+                         "prompt otherwise than training fails the export")
     return ap.parse_known_args(argv)
 
 
 def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
-    """README.md: hub metadata, where the weights come from, how they were trained, how to use them."""
+    """README.md: hub metadata, the weights' origin, how they were trained, how to use them."""
     m, r = cfg.model, cfg.rollout
-    hub_base = m.name not in BUILTIN and not Path(m.name).expanduser().exists() and m.name.count("/") == 1
+    hub_base = (m.name not in BUILTIN and not Path(m.name).expanduser().exists()
+                and m.name.count("/") == 1)
     base = f"`{m.name}`" + (f" (revision `{m.revision}`)" if m.revision else "") + (
-        f" (minigrpo's built-in model, de-quantized from `{BUILTIN[m.name][1]}`)" if m.name in BUILTIN else "")
+        f" (minigrpo's built-in model, de-quantized from `{BUILTIN[m.name][1]}`)"
+        if m.name in BUILTIN else "")
     rewards = ", ".join(f"{s.name} x {s.weight:g}" for s in cfg.rewards)
     last = Path(prov["merged"][-1]["adapter"]) / "adapter_config.json" if prov["merged"] else None
-    shape = json.loads(last.read_text()) if last and last.is_file() else {}  # the adapter's own (a continued one kept it)
+    # the adapter's own shape (a continued one kept it)
+    shape = json.loads(last.read_text()) if last and last.is_file() else {}
     lora_r, lora_alpha = shape.get("r", cfg.lora.r), shape.get("lora_alpha", cfg.lora.alpha)
     if cfg.mode == "sft":
-        kind, training = "An SFT fine-tune", f"supervised on `{data_label(cfg.data)}` (target `{cfg.data.target}`)"
+        kind, training = "An SFT fine-tune", (f"supervised on `{data_label(cfg.data)}` "
+                                              f"(target `{cfg.data.target}`)")
     elif cfg.mode == "dpo":
-        kind, training = "A DPO fine-tune", (f"preference pairs `{data_label(cfg.data)}` (`{cfg.data.chosen}` over "
-                                             f"`{cfg.data.rejected}`), beta {cfg.dpo.beta:g}, loss `{cfg.dpo.loss_type}`"
-                                             + (f", label smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""))
+        kind, training = "A DPO fine-tune", (
+            f"preference pairs `{data_label(cfg.data)}` (`{cfg.data.chosen}` over "
+            f"`{cfg.data.rejected}`), beta {cfg.dpo.beta:g}, loss `{cfg.dpo.loss_type}`"
+            + (f", label smoothing {cfg.dpo.label_smoothing:g}" if cfg.dpo.label_smoothing else ""))
     else:
-        kind, training = "A GRPO fine-tune", (f"data `{data_label(cfg.data)}`, rewards {rewards}; loss `{cfg.grpo.loss_type}`, "
-                                              f"beta {cfg.grpo.beta:g}, G = {r.num_generations}, temperature {r.temperature:g}")
-    return "\n".join(["---", "library_name: transformers", f"tags: [minigrpo, {cfg.mode}]"] + [f"base_model: {m.name}"] * hub_base + [
-        "---", f"# {Path(name).name}", "", f"{kind} trained with minigrpo and exported by its `export.py`: "
-        "the LoRA adapters below are merged into the base, so this is a plain transformers model.", "",
+        kind, training = "A GRPO fine-tune", (
+            f"data `{data_label(cfg.data)}`, rewards {rewards}; loss `{cfg.grpo.loss_type}`, "
+            f"beta {cfg.grpo.beta:g}, G = {r.num_generations}, temperature {r.temperature:g}")
+    return "\n".join(["---", "library_name: transformers", f"tags: [minigrpo, {cfg.mode}]"]
+                     + [f"base_model: {m.name}"] * hub_base + [
+        "---", f"# {Path(name).name}", "", f"{kind} trained with minigrpo and exported by its "
+        "`export.py`: the LoRA adapters below are merged into the base, so this is a plain "
+        "transformers model.", "",
         f"- base: {base}", "- adapters merged, in order:",
-        *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)" for i, a in enumerate(prov["merged"], 1)],
+        *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)"
+          for i, a in enumerate(prov["merged"], 1)],
         f"- weights: {dtype}", f"- training (the final adapter's config): {training}; "
-        f"{f'{cfg.run.epochs:g} epochs' if cfg.run.epochs else f'{cfg.run.steps} steps'}, lr {cfg.optim.lr:g}, LoRA r {lora_r} alpha {lora_alpha}"
-        + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "", "## Use", "", "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer", f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f"{f'{cfg.run.epochs:g} epochs' if cfg.run.epochs else f'{cfg.run.steps} steps'}, "
+        f"lr {cfg.optim.lr:g}, LoRA r {lora_r} alpha {lora_alpha}"
+        + (f", system prompt {cfg.data.system_prompt!r}" if cfg.data.system_prompt else ""), "",
+        "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
         f"or serve it: `vllm serve {name}`. The chat template renders prompts as training did"
-        + (f": chat template arguments {cfg.data.chat_template_kwargs} are fixed in it" if cfg.data.chat_template_kwargs else "")
-        + (f"{' and' if cfg.data.chat_template_kwargs else ':'} every reply starts with {cfg.data.assistant_prefix!r}, "
-           "which the template writes after the generation prompt (it is part of the prompt, not of the reply)"
-           if cfg.data.assistant_prefix else "") + ".", ""])
+        + (f": chat template arguments {cfg.data.chat_template_kwargs} are fixed in it"
+           if cfg.data.chat_template_kwargs else "")
+        + (f"{' and' if cfg.data.chat_template_kwargs else ':'} every reply starts with "
+           f"{cfg.data.assistant_prefix!r}, which the template writes after the generation prompt "
+           "(it is part of the prompt, not of the reply)" if cfg.data.assistant_prefix else "")
+        + ".", ""])
 
 
 def serving_template(template: str, kwargs: dict, prefix: str) -> str:
@@ -109,12 +128,14 @@ def serving_template(template: str, kwargs: dict, prefix: str) -> str:
         if isinstance(v, dict):
             return "{" + ", ".join(f"{literal(str(k))}: {literal(x)}" for k, x in v.items()) + "}"
         return json.dumps(v, ensure_ascii=False)  # strings and numbers
-    if bad := [k for k in kwargs if not str(k).isidentifier() or k in ("true", "false", "none", "True", "False", "None")]:
+    if bad := [k for k in kwargs if not str(k).isidentifier()
+               or k in ("true", "false", "none", "True", "False", "None")]:
         raise ConfigError(f"data.chat_template_kwargs: {bad[0]!r} is not a template variable name")
-    # `+%}` and `{%+` keep transformers' trim_blocks / lstrip_blocks off the template's own first and
-    # last whitespace, and Jinja drops one trailing newline of a source, which is no longer last here
+    # `+%}` and `{%+` keep transformers' trim_blocks/lstrip_blocks off the template's own first and
+    # last whitespace, and Jinja drops one trailing newline of a source, no longer last here
     head = "".join(f"{{%- set {k} = {literal(v)} +%}}" for k, v in kwargs.items())
-    tail = f"{{%+ if add_generation_prompt %}}{{{{ {literal(prefix)} }}}}{{% endif %}}" if prefix else ""
+    tail = (f"{{%+ if add_generation_prompt %}}{{{{ {literal(prefix)} }}}}{{% endif %}}"
+            if prefix else "")
     body = template[:-1] if tail and template.endswith("\n") else template
     return head + body + tail
 
@@ -124,38 +145,44 @@ class ExportCheckFailed(Exception):
 
 
 @torch.no_grad()
-def greedy(model, tokenizer, text: str, new_tokens: int = 16) -> tuple[str, list[int], torch.Tensor]:
+def greedy(model, tokenizer, text: str,
+           new_tokens: int = 16) -> tuple[str, list[int], torch.Tensor]:
     """(the rendered prompt, its first greedy tokens, the first next-token logits) of `model`."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     logits = model(ids).logits[0, -1].float()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                         eos_token_id=rollout.eos_token_ids(tokenizer, model),  # where training stopped
+    # eos_token_id: where training stopped
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                         do_sample=False, eos_token_id=rollout.eos_token_ids(tokenizer, model),
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return text, out[0, ids.shape[1]:].tolist(), logits
 
 
 def verify(folder: Path, reference: tuple, prompt: str, system_prompt: str | None) -> str:
-    """--verify: load `folder` as a server would (AutoTokenizer, AutoModelForCausalLM) and compare it with
-    the merged model before the cast. The saved template must render the prompt as training did
-    (else ExportCheckFailed); the logits and greedy tokens are reported (a bf16 cast moves them a little)."""
+    """--verify: load `folder` as a server would (AutoTokenizer, AutoModelForCausalLM) and compare
+    it with the merged model before the cast. The saved template must render the prompt as training
+    did (else ExportCheckFailed); the logits and greedy tokens are reported (a bf16 cast moves them
+    a little)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folder)
-    text = tok.apply_chat_template(rollout.chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(rollout.chat_messages(prompt, system_prompt), tokenize=False,
+                                   add_generation_prompt=True)
     want_text, want_tokens, want_logits = reference
     if text != want_text:
-        raise ExportCheckFailed(f"the saved chat template renders {text[-80:]!r} where training rendered {want_text[-80:]!r}")
+        raise ExportCheckFailed(f"the saved chat template renders {text[-80:]!r} where training "
+                                f"rendered {want_text[-80:]!r}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     _, tokens, logits = greedy(model, tok, text, len(want_tokens))
     same = sum(a == b for a, b in zip(tokens, want_tokens))
-    return (f"[minigrpo] verify: the saved template renders the prompt as training did; next-token logits within "
-            f"{float((logits - want_logits).abs().max()):.3g} of the merged model's; {same}/{len(want_tokens)} greedy tokens "
-            f"the same ({tok.decode(tokens)!r})")
+    return (f"[minigrpo] verify: the saved template renders the prompt as training did; next-token "
+            f"logits within {float((logits - want_logits).abs().max()):.3g} of the merged model's; "
+            f"{same}/{len(want_tokens)} greedy tokens the same ({tok.decode(tokens)!r})")
 
 
 def readable_by_older_transformers(folder: Path) -> None:
-    """transformers 5 writes `dtype`, `rope_parameters` and tokenizer_class TokenizersBackend; 4.x (many vLLM
-    installs) reads `torch_dtype`, `rope_theta`, `rope_scaling`, fails on that class, and silently takes
-    rope_theta = 10000 without the key (SmolLM2 uses 100000). Add the old spellings; 5.x reads both the same."""
+    """transformers 5 writes `dtype`, `rope_parameters` and tokenizer_class TokenizersBackend; 4.x
+    (many vLLM installs) reads `torch_dtype`, `rope_theta`, `rope_scaling`, fails on that class, and
+    silently takes rope_theta = 10000 without the key (SmolLM2 uses 100000). Add the old spellings;
+    5.x reads both the same."""
     cfg = json.loads((folder / "config.json").read_text())
     rope = cfg.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:  # not the per-layer-type form
@@ -174,38 +201,48 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> None:
     from huggingface_hub import HfApi
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload model exported by minigrpo")
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder),
+                      commit_message="Upload model exported by minigrpo")
 
 
 def check_args(args, cfg: Config) -> str | None:
-    """Cheap checks first, so bad input fails before the base is loaded. -> the hub token, if pushing."""
+    """Cheap checks first: bad input fails before the base loads. -> the hub token, if pushing."""
     check_writable(args.out, "--out")
     out = Path(args.out).resolve()
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {args.out} is a file; give the directory the model should be written to")
+        raise ConfigError(f"--out {args.out} is a file; give the directory the model should be "
+                          "written to")
     if args.verify is not None and not args.verify.strip():
-        raise ConfigError("--verify '' has no prompt to check; give one, or --verify alone for the default")
+        raise ConfigError("--verify '' has no prompt to check; give one, or --verify alone for "
+                          "the default")
     if out.exists() and not args.overwrite:
-        raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or choose another directory")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):  # --overwrite deletes it: only an earlier export
-        keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(), Path(args.config).resolve(), Path.cwd(),
+        raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or "
+                          "choose another directory")
+    # --overwrite deletes it: only an earlier export
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        keep = [Path(args.adapter).resolve(), find_adapter(args.adapter).resolve(),
+                Path(args.config).resolve(), Path.cwd(),
                 Path(cfg.model.name).expanduser().resolve()]  # the base (itself an export, maybe)
         card = out / "README.md"
-        an_export = (out / "config.json").is_file() and any(out.glob("*.safetensors")) and card.is_file() and \
-            "tags: [minigrpo," in card.read_text(errors="replace")[:2000] and not \
-            any((out / n).exists() for n in ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml"))
+        an_export = (out / "config.json").is_file() and any(out.glob("*.safetensors")) and \
+            card.is_file() and "tags: [minigrpo," in card.read_text(errors="replace")[:2000] \
+            and not any((out / n).exists() for n in
+                        ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml"))
         if not an_export or any(p == out or out in p.parents for p in keep):
-            raise ConfigError(f"--out {args.out} is not an earlier export of export.py (its model card, config.json and "
-                              "*.safetensors, holding nothing you train with); --overwrite replaces only that, so choose another directory")
+            raise ConfigError(f"--out {args.out} is not an earlier export of export.py (its model "
+                              "card, config.json and *.safetensors, holding nothing you train "
+                              "with); --overwrite replaces only that, so choose another directory")
     if not args.push_to_hub:
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id
     try:
         validate_repo_id(args.push_to_hub)
     except HFValidationError:
-        raise ConfigError(f"--push-to-hub {args.push_to_hub!r} is not a hub repo id; use org/name") from None
+        raise ConfigError(f"--push-to-hub {args.push_to_hub!r} is not a hub repo id; "
+                          "use org/name") from None
     if not os.environ.get("HF_TOKEN"):
-        raise ConfigError("--push-to-hub needs a hub token with write access in the HF_TOKEN environment variable")
+        raise ConfigError("--push-to-hub needs a hub token with write access in the HF_TOKEN "
+                          "environment variable")
     return os.environ["HF_TOKEN"]
 
 
@@ -215,26 +252,32 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         token = check_args(args, cfg)
         adapter = find_adapter(args.adapter)
-        try:  # before the base loads: a recipe config names the recipe's model, the run may have trained another
+        # before the base loads: a recipe's config names its model, the run may have trained another
+        try:
             check_adapter_base(adapter, cfg.model)
         except ConfigError as e:
             saved = adapter.parent / "config.yaml"
-            raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})" if saved.is_file() else "")) from None
+            raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})"
+                                        if saved.is_file() else "")) from None
         try:  # the checkpoint's own config describes its training best; an older one may not parse
-            train_cfg = load_config(adapter.parent / "config.yaml") if (adapter.parent / "config.yaml").is_file() else cfg
+            train_cfg = (load_config(adapter.parent / "config.yaml")
+                         if (adapter.parent / "config.yaml").is_file() else cfg)
         except ConfigError:
             train_cfg = cfg
         mcfg = dataclasses.replace(cfg.model, dtype="float32", quant=None)
         model, tokenizer = load_base(mcfg, torch.device("cpu"))
         if getattr(model.config, "quantization_config", None) is not None:
-            raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs a base in full precision")
+            raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs "
+                              "a base in full precision")
         model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
         data = train_cfg.data
-        reference = greedy(model, tokenizer, rollout.render_prompt(tokenizer, args.verify, data.system_prompt,
-                                                                   data.assistant_prefix, data.chat_template_kwargs)) \
-            if args.verify else None  # before the template is rewritten and the weights cast
-        # a template that already ends with the prefix (an R1-style "<think>\n") wrote it in training too
-        probe = rollout.render_prompt(tokenizer, "x", None, "", data.chat_template_kwargs) if tokenizer.chat_template else ""
+        # before the template is rewritten and the weights cast
+        reference = greedy(model, tokenizer, rollout.render_prompt(
+            tokenizer, args.verify, data.system_prompt, data.assistant_prefix,
+            data.chat_template_kwargs)) if args.verify else None
+        # a template already ending with the prefix (R1-style "<think>\n") wrote it in training too
+        probe = (rollout.render_prompt(tokenizer, "x", None, "", data.chat_template_kwargs)
+                 if tokenizer.chat_template else "")
         prefix = rollout.prefix_to_add(probe, data.assistant_prefix)
         if tokenizer.chat_template and (data.chat_template_kwargs or prefix):
             t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
@@ -248,20 +291,23 @@ def main(argv: list[str] | None = None) -> int:
     model.config.use_cache = True  # load_base turned it off for training
     gen = model.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-    # stop where training stopped (vLLM, generate): the tokenizer's EOS and the template's end of turn too
-    eos = [e for e in eos if e is not None] + [e for e in rollout.eos_token_ids(tokenizer, model) if e not in eos]
+    # stop as training did (vLLM, generate): the tokenizer's EOS and the template's end of turn too
+    eos = [e for e in eos if e is not None] + [e for e in rollout.eos_token_ids(tokenizer, model)
+                                               if e not in eos]
     gen.eos_token_id = eos[0] if len(eos) == 1 else eos
     out = Path(args.out)
-    # names of export.py's own, so that clearing what a killed export left never touches a folder of yours
+    # export.py's own names, so clearing what a killed export left never touches a folder of yours
     tmp, old = out.with_name(out.name + ".export-tmp"), out.with_name(out.name + ".export-old")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         readable_by_older_transformers(tmp)
-        if seen := overlap.recorded_file(adapter):  # eval.py finds held-out rows the merged model trained on
+        # eval.py finds held-out rows the merged model trained on
+        if seen := overlap.recorded_file(adapter):
             shutil.copy(seen, tmp / overlap.FILE)
-        (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov, args.dtype))
+        (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov,
+                                                  args.dtype))
         if reference is not None:
             print(verify(tmp, reference, args.verify, train_cfg.data.system_prompt))
     except ExportCheckFailed as e:
@@ -270,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as e:  # a full disk, a folder made read-only meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"error: cannot write --out {args.out} ({e.strerror or e}); nothing was written", file=sys.stderr)
+        print(f"error: cannot write --out {args.out} ({e.strerror or e}); nothing was written",
+              file=sys.stderr)
         return 2
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -281,14 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     tmp.replace(out)
     shutil.rmtree(old, ignore_errors=True)
     n = sum(p.numel() for p in model.parameters())
-    print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + {len(prov['merged'])} merged adapter(s)")
+    print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + "
+          f"{len(prov['merged'])} merged adapter(s)")
     if not token:
         return 0
     try:
         push_to_hub(out, args.push_to_hub, args.private, token)
     except Exception as e:  # network, permissions: the export itself is done and kept
         msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}".replace(token, "***")
-        print(f"error: upload to {args.push_to_hub} failed ({msg}); the export is kept in {out}", file=sys.stderr)
+        print(f"error: upload to {args.push_to_hub} failed ({msg}); the export is kept in {out}",
+              file=sys.stderr)
         return 1
     print(f"[minigrpo] uploaded to https://huggingface.co/{args.push_to_hub}")
     return 0

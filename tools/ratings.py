@@ -2,8 +2,9 @@
 
     python -m tools.ratings serve --dir runs/qgen_human/ratings    # then open http://127.0.0.1:8000
     python -m tools.ratings stats --dir runs/qgen_human/ratings    # counts and mean scores (JSON)
-    python -m tools.ratings export --dir runs/qgen_human/ratings > rated.jsonl     # prompt, completion, scores, reward
-    python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet   # or --out rated.jsonl
+    # rated items (prompt, completion, scores, reward) to standard output, or a .parquet/.jsonl
+    python -m tools.ratings export --dir runs/qgen_human/ratings > rated.jsonl
+    python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet
 
 The folder, its files and the `human` reward that waits on it are described in graders/ratings.py;
 the page and its JSON API in graders/rating_page.py.
@@ -26,25 +27,30 @@ from graders.ratings import QUEUE, RATINGS, export, store_for
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["serve", "stats", "export"])
-    p.add_argument("--dir", required=True, help="the ratings folder named by the human reward's args.dir")
-    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has no login: keep it "
-                   "127.0.0.1 and let raters in through an SSH tunnel)")
-    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a host name the page may "
-                   "be addressed by besides IP addresses, localhost and the --host name (repeatable), e.g. the machine's name on a trusted network")
+    p.add_argument("--dir", required=True,
+                   help="the ratings folder named by the human reward's args.dir")
+    p.add_argument("--host", default="127.0.0.1", help="serve: address to listen on (the page has "
+                   "no login: keep it 127.0.0.1 and let raters in through an SSH tunnel)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME", help="serve: a "
+                   "host name the page may be addressed by besides IP addresses, localhost and the "
+                   "--host name (repeatable), e.g. the machine's name on a trusted network")
     p.add_argument("--port", type=int, default=8000, help="serve: port")
-    p.add_argument("--out", help="export: write to this .jsonl or .parquet file (atomically; never over an existing "
-                   "one) instead of standard output")
+    p.add_argument("--out", help="export: write to this .jsonl or .parquet file (atomically; never "
+                   "over an existing one) instead of standard output")
     args = p.parse_args(argv)
     if args.out and args.command != "export":
         print(f"error: --out is for export, not {args.command}", file=sys.stderr)
         return 2
     if args.command != "serve":
         if not Path(args.dir).is_dir():
-            print(f"error: {args.dir} is not a folder; give the human reward's args.dir", file=sys.stderr)
+            print(f"error: {args.dir} is not a folder; give the human reward's args.dir",
+                  file=sys.stderr)
             return 2
         if not any((Path(args.dir) / n).is_file() for n in (QUEUE, RATINGS)) and \
-                any(f.name not in ("page_token", "page_token.tmp", "serve.lock") for f in Path(args.dir).iterdir()):
-            print(f"error: {args.dir} holds no {QUEUE} or {RATINGS}: is it the human reward's args.dir?", file=sys.stderr)
+                any(f.name not in ("page_token", "page_token.tmp", "serve.lock")
+                    for f in Path(args.dir).iterdir()):
+            print(f"error: {args.dir} holds no {QUEUE} or {RATINGS}: is it the human reward's "
+                  "args.dir?", file=sys.stderr)
             return 2  # an empty folder is one `serve` made before anything was queued: zero counts
         store = store_for(args.dir)
         store.refresh()
@@ -64,22 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
         return 2
-    created = [d for d in [Path(args.dir), *Path(args.dir).parents] if not d.exists()]  # deepest first
+    # the folders mkdir will make, deepest first
+    created = [d for d in [Path(args.dir), *Path(args.dir).parents] if not d.exists()]
     try:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
         return 2
     try:
-        lock = open(Path(args.dir) / "serve.lock", "a")  # held while serving: a second server would count ratings twice
+        # held while serving: a second server would count ratings twice
+        lock = open(Path(args.dir) / "serve.lock", "a")
     except OSError as e:
         print(f"error: cannot use {args.dir} as the ratings folder ({e.strerror})", file=sys.stderr)
         return 2
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        print(f"error: another `python -m tools.ratings serve` is using {args.dir}; rate on its page (two servers on one folder "
-              "can count one item's ratings twice)", file=sys.stderr)
+        print(f"error: another `python -m tools.ratings serve` is using {args.dir}; rate on its "
+              "page (two servers on one folder can count one item's ratings twice)",
+              file=sys.stderr)
         return 2
     try:
         server = make_server(args.dir, args.host, args.port, tuple(args.allow_host))
@@ -88,14 +97,20 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.dir) / "serve.lock").unlink(missing_ok=True)
         for d in created:
             d.rmdir()  # nothing is left behind by a start that failed
-        why = "the port is taken: pick another --port" if e.errno == errno.EADDRINUSE else "check --host and --port"
-        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}", file=sys.stderr)
+        why = ("the port is taken: pick another --port" if e.errno == errno.EADDRINUSE
+               else "check --host and --port")
+        print(f"error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); {why}",
+              file=sys.stderr)
         return 2
-    with contextlib.suppress(ValueError):  # the address bound: --host "" or a host name bind beyond loopback too
-        if not ipaddress.ip_address(server.server_address[0].split("%")[0] or "0.0.0.0").is_loopback:
-            print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the page has no login); "
-                  "127.0.0.1 with an SSH tunnel keeps it to the raters you let in", file=sys.stderr)
-    print(f"rating page: http://{args.host}:{server.server_port}/  (folder {store_for(args.dir).dir}; Ctrl-C stops)")
+    # the address bound: --host "" or a host name bind beyond loopback too
+    with contextlib.suppress(ValueError):
+        if not ipaddress.ip_address(
+                server.server_address[0].split("%")[0] or "0.0.0.0").is_loopback:
+            print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the "
+                  "page has no login); 127.0.0.1 with an SSH tunnel keeps it to the raters you let "
+                  "in", file=sys.stderr)
+    print(f"rating page: http://{args.host}:{server.server_port}/  "
+          f"(folder {store_for(args.dir).dir}; Ctrl-C stops)")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
