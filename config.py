@@ -7,8 +7,8 @@ Every field below carries a one-line comment; that comment is the documentation 
 Overrides are `--section.key=value`, the value parsed as YAML (`0.04`, `true`, `[a, b]`, `null`).
 An unknown key names the closest valid keys, a wrong type names the expected type, and both
 raise ConfigError, which the entry points turn into one line on stderr and exit code 2. How YAML
-becomes these dataclasses (extends, overrides, type checks) is typed_config.py; what is here is the
-fields and the checks across them (`_check`).
+becomes these dataclasses (extends, overrides, type checks) is plumbing/typed_config.py; what is
+here is the fields and the checks across them (`_check`).
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ class DataConfig:
     split: str = "train"  # hub dataset split
     prompt: str = "prompt"  # column of the prompt, or a template like "Q: {question}\nA) {opa}"
     target: str | None = None  # SFT: column or template of the assistant reply to learn
-    chosen: str | None = None  # DPO: column/template of the preferred reply (bestofn.py: chosen)
+    chosen: str | None = None  # DPO: column/template of the preferred reply (bestofn: chosen)
     rejected: str | None = None  # DPO: column or template of the dispreferred reply (rejected)
     answer_key: str | None = "answer"  # column of the gold answer rewards read (None: no gold)
     system_prompt: str | None = None  # system message put before every prompt
@@ -192,7 +192,7 @@ class RolloutConfig:
     merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights
     #   (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU
-    #   (LoRA only; see vllm_engine.py)
+    #   (LoRA only; see plumbing/vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights +
     #   KV cache); the trainer gets the rest
     vllm_sleep: bool = False  # sleep vLLM (free KV cache, offload weights) while the trainer runs
@@ -303,7 +303,7 @@ class DpoConfig:
     #   (data.skip_long: left out)
     cache_reference: bool = True  # each reply's reference log-prob once a run, not every epoch
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's; IPO
-    #   (per-token means, squared); hinge (SLiC): see dpo.py
+    #   (per-token means, squared); hinge (SLiC): see modes/dpo.py
     label_smoothing: float = 0.0  # sigmoid: the share of pairs presumed mislabelled
     #   (cDPO, for noisy judges); 0: plain DPO
 
@@ -386,7 +386,7 @@ class Config:
     dpo: DpoConfig = field(default_factory=DpoConfig)  # direct preference optimization (mode: dpo)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for
-    #   rubric_alignment (precompute.py)
+    #   rubric_alignment (tools/precompute.py)
 
 
 # One of each pair decides: a later layer's choice (a file that extends, the command line) wins;
@@ -584,7 +584,8 @@ def _check(cfg: Config) -> None:
     if cfg.mode == "dpo" and not (cfg.data.chosen and cfg.data.rejected):
         raise ConfigError("mode: dpo learns data.chosen over data.rejected: "
                           "set both to the columns (or templates) of the two replies, "
-                          "e.g. data.chosen: chosen, data.rejected: rejected (bestofn.py's pairs)")
+                          "e.g. data.chosen: chosen, data.rejected: rejected "
+                          "(tools/bestofn.py's pairs)")
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, "
                           "e.g. rewards: [{name: answer_match, weight: 1.0}]")

@@ -3,12 +3,12 @@ into rows (dicts) holding a "prompt" plus every column the rewards read, drawn r
 
     sources = load_sources(cfg.data)           # list[Source]: label, rows, weights
     rows = load_rows(cfg.data)                 # all sources' rows, each with row["prompt"]
-    # sampler.py draws from them: PromptSampler([len(s.rows) for s in sources], seed, weights)
+    # plumbing/sampler.py draws: PromptSampler([len(s.rows) for s in sources], seed, weights)
 
 `data.prompt` is a column name or a template over the columns ("Q: {question}\\nA) {opa}"; write
-literal braces as {{ }}). `data.map` rewrites each row first (a built-in map of maps.py, e.g.
-medmcqa_json adds the JSON reply to learn, or your own file.py:function). A row missing a needed
-field is an error naming the row and the field.
+literal braces as {{ }}). `data.map` rewrites each row first (a built-in map of plumbing/maps.py,
+e.g. medmcqa_json adds the JSON reply to learn, or your own file.py:function). A row missing a
+needed field is an error naming the row and the field.
 
 Splits: `data.split_seed` shuffles all rows exactly as `datasets.Dataset.shuffle(seed=...)` does
 (numpy's default_rng permutation), then `data.select: [start, end)` keeps a range, so
@@ -227,7 +227,7 @@ def split(rows, seed: int | None, select: list[int] | None) -> list:
     return [rows[i] for i in order]
 
 
-# ----------------------------------------------------------------------------- row maps (maps.py)
+# ------------------------------------------------------------------ row maps (plumbing/maps.py)
 
 
 def resolve_map(name: str) -> Callable[[dict], dict]:
@@ -364,7 +364,7 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
                     raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
                                     f"{cfg.assistant_prefix!r}, which the prompt already ends with "
                                     "(trained on, it would be doubled); set data.assistant_prefix: "
-                                    "'' for replies that carry it (bestofn.py's pairs do)")
+                                    "'' for replies that carry it (tools/bestofn.py's pairs do)")
         no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
         conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts
             isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})

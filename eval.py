@@ -32,7 +32,7 @@ prefix (rewards then see assistant_prefix=""), eval.num_samples completions per 
 endpoint's own temperature and max_tokens (each sample cached under its own index); their length is
 counted in the base model's tokens. A prompt with a failed request is left out whole.
 
-Metrics: see metrics.py, which computes them (formulas in its docstring).
+Metrics: see plumbing/metrics.py, which computes them (formulas in its docstring).
 """
 from __future__ import annotations
 
@@ -312,7 +312,7 @@ class Plan:
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base's tokenizer, counts API completion tokens (None if no api entries)
-    # entry name -> held-out rows its runs trained on (overlap.py)
+    # entry name -> held-out rows its runs trained on (plumbing/overlap.py)
     trained_on: dict[str, int] = field(default_factory=dict)
 
 
@@ -423,7 +423,7 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
     failure loses nothing paid for) -> its metrics. Runs in the background while the next model
     generates (main), one model at a time, so the judge counters it reads are this model's alone."""
     cfg = plan.cfg
-    # recorded: what bestofn.py's SFT rows put back
+    # recorded: what tools/bestofn.py's SFT rows put back
     forced = "" if entry.kind == "api" else cfg.data.assistant_prefix
     samples, res, metrics = score_rows(gen, plan.rows, n, cfg, prefix, plan.judges, forced)
     for key in ("source", "group"):

@@ -296,7 +296,7 @@ def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *,
                   question_key: str = "question") -> list[list[float | None]]:
     """The judge's score of each of sample i's answers (samples[i][answers_key]) under rubrics[i]:
     one list per sample, None where a call failed. All calls run concurrently. Used by
-    rubric_alignment (the rubric a completion) and precompute.py (the rubric an expert's)."""
+    rubric_alignment (the rubric a completion) and tools/precompute.py (the rubric an expert's)."""
     text, cfg = load_template(template), judge.cfg
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
     chats, spans = [], []

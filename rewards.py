@@ -1,10 +1,10 @@
-r"""Rewards: plain functions in a registry, run over completions by scoring.py with config weights.
+r"""Rewards: plain functions in a registry, run over completions (plumbing/scoring.py) with weights.
 
 A reward scores one completion of one sample; None means "does not apply to this sample":
 
     def my_reward(completion: str, sample: dict, **args) -> float | None
 
-A batched reward (LLM judges, see judge.py; people's ratings, see ratings.py) takes and returns
+A batched reward (LLM judges, see judge.py; people's ratings, graders/ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
 `check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
 before any model loads; an `open(**args)` attribute that acquires what it needs (reward_model loads
@@ -24,8 +24,9 @@ built-ins' gold_key and valid_key do: a column no row has stops the run before i
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-ins put
 back in front), `judge` or `judges` are filled in by scoring.compute_rewards; a function named by
-file or module is loaded by plugins.py, which also runs reward functions written for TRL's
-GRPOTrainer. Model output is only ever parsed (here, answers.py, citations.py), never evaluated.
+file or module is loaded by plumbing/plugins.py, which also runs reward functions written for
+TRL's GRPOTrainer. Model output is only ever parsed (here, plumbing/answers.py,
+graders/citations.py), never evaluated.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 
 Completions are masked by position up to and including the first EOS (pad may equal EOS), cut at
 stop strings, and decoded; with grpo.share_prompt each prompt's KV cache is computed once for its G
-rows. vLLM rollouts (vllm_engine.py) return the same Rollout.
+rows. vLLM rollouts (plumbing/vllm_engine.py) return the same Rollout.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def render_prompt(tokenizer, prompt: str | list[dict], system_prompt: str | None
                   assistant_prefix: str = "", template_kwargs: dict | None = None) -> str:
     """Chat-template a prompt; the forced assistant prefix is part of the prompt. template_kwargs go
     to the chat template (Qwen3: {"enable_thinking": False}). A template that writes the prefix
-    itself (export.py's, on a model exported from a run that forced it) does not get it a second
+    itself (an export's, from a run that forced it: tools/export.py) does not get it a second
     time. A whitespace-only prefix is always added (any template could end with it by chance), so an
     export of a run that forced one renders it twice here: evaluate that run's adapter instead."""
     text = tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,

@@ -30,26 +30,10 @@ from api.client import JudgeUnusable
 from config import ConfigError, save_config
 from judge import judges_stats
 from model import pick_dtype
-from plumbing import jsonl, overlap
+from modes import dpo, sft
+from plumbing import display, jsonl, overlap, runs
 from plumbing.checkpoint import keep_lines_up_to, save_checkpoint
-from plumbing.display import (
-    NO_SIGNAL,
-    NO_SIGNAL_WARN_AFTER,
-    flat_steps_at_end,
-    open_tracker,
-    progress_display,
-)
 from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
-from plumbing.runs import (
-    ROW_NAMES,
-    RUN_FILES,
-    dry_run_report,
-    judge_back,
-    out_of_time,
-    resume_command,
-    setup,
-    stop_on_error,
-)
 from step import Run, train_step
 
 # ----------------------------------------------------------------------------- CLI and loop
@@ -72,11 +56,9 @@ def held_out_metrics(r: Run) -> dict:
     eval/rewards/*; and these when it has rewards). The random state is set aside and restored, so
     a run with run.eval_every trains exactly as one without."""
     import eval as ev
-    from modes import dpo
-    from modes.sft import held_out_loss
     cfg, t0 = r.cfg, time.time()
     r.phase = "scoring the held-out rows"
-    loss = {"sft": lambda: {"eval/loss": held_out_loss(r)},
+    loss = {"sft": lambda: {"eval/loss": sft.held_out_loss(r)},
             "dpo": lambda: dpo.held_out_metrics(r)}.get(cfg.mode, dict)()
     if not cfg.rewards:
         return loss | {"eval/seconds": time.time() - t0}
@@ -99,15 +81,15 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     args.argv = argv  # for the --resume command a stopped run gives
     try:
         with sigterm_as_interrupt():  # loading a model can take minutes: if stopped, one line too
-            r = setup(args, overrides)
+            r = runs.setup(args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         return said_interrupted(e)
     if args.dry_run:
-        print(dry_run_report(r))
-        if not args.resume and any((r.run_dir / n).exists() for n in RUN_FILES):
+        print(runs.dry_run_report(r))
+        if not args.resume and any((r.run_dir / n).exists() for n in runs.RUN_FILES):
             print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it "
                   "without --resume (or set another run.out_dir)")
         return 0
@@ -115,12 +97,12 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     r.step, tracker = r.start, None
     try:
         with sigterm_as_interrupt():
-            tracker = open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
+            tracker = display.open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
             return run(r, args, created, tracker, started)
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (the run's files)
         if isinstance(e, OSError) and not is_write_error(e):
             raise  # a bug's missing file, a reset connection: its traceback; the run's files kept
-        return stop_on_error(r, args, e, r.step, created)
+        return runs.stop_on_error(r, args, e, r.step, created)
     finally:
         if tracker:
             tracker.finish()
@@ -140,17 +122,15 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     n_train = sum(p.numel() for p in r.params)
     epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
     print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {ROW_NAMES[cfg.mode]}, "
+          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {runs.ROW_NAMES[cfg.mode]}, "
           f"steps {start}->{cfg.run.steps}{epochs}", file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
-    from modes.dpo import dpo_step  # sft.py and dpo.py import from this module: import them late
-    from modes.sft import sft_step
-    step_fn = {"sft": sft_step, "dpo": dpo_step}.get(cfg.mode, train_step)
-    flat_steps = flat_steps_at_end(metrics_path)  # steps in a row with no signal, a resume's too
+    step_fn = {"sft": sft.sft_step, "dpo": dpo.dpo_step}.get(cfg.mode, train_step)
+    flat_steps = display.flat_steps_at_end(metrics_path)  # steps in a row without signal
     recorded, started, step_seconds = None, time.monotonic() if started is None else started, []
     eval_seconds = save_seconds = 0.0  # the last held-out scoring's and save's, for run.max_minutes
-    with progress_display(cfg.run.steps, start) as show:
+    with display.progress_display(cfg.run.steps, start) as show:
         for step in range(start + 1, cfg.run.steps + 1):
             r.step, t_step = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # mixture curriculum clock
@@ -165,7 +145,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 metrics |= judges_stats(r.judges)  # the step's judge calls, held-out too (any mode)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
-                return stop_on_error(r, args, e, step, created)
+                return runs.stop_on_error(r, args, e, step, created)
             metrics = {"step": step, **metrics}
             jsonl.append(metrics_path, [metrics])
             if tracker:
@@ -186,7 +166,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             scoring = eval_seconds or max(step_seconds[-5:])
             extra = (scoring if r.eval_rows and (step + 1) % cfg.run.eval_every == 0
                      else 0.0) + save_seconds * (1 + bool(saving))
-            timed_out = not stop and step < cfg.run.steps and out_of_time(
+            timed_out = not stop and step < cfg.run.steps and runs.out_of_time(
                 cfg, started, step_seconds, time.monotonic(), extra)
             if saving or timed_out:
                 if recorded is None:  # for eval.py's overlap check, with the first checkpoint
@@ -195,13 +175,14 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 save_checkpoint(r, step)
                 save_seconds = max(save_seconds, time.monotonic() - t_save)
             show(step, metrics)
-            if flat_steps == NO_SIGNAL_WARN_AFTER or (stop and flat_steps < NO_SIGNAL_WARN_AFTER):
+            warn_at = display.NO_SIGNAL_WARN_AFTER
+            if flat_steps == warn_at or (stop and flat_steps < warn_at):
                 skipped = metrics.get("frac_reward_skipped", 0.0)
-                print(NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the "
+                print(display.NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the "
                       "completions had no reward (fallback: skip): a judge or rating outage? See "
                       "reward_errors/* and judge_failures." if skipped else ""), file=sys.stderr)
-            if judge_down and not judge_back(r, judge_down, started):
-                print(outage.stop_line(judge_down, step, run_dir, resume_command(args)),
+            if judge_down and not runs.judge_back(r, judge_down, started):
+                print(outage.stop_line(judge_down, step, run_dir, runs.resume_command(args)),
                       file=sys.stderr)
                 return 4
             if stop:

@@ -1,5 +1,6 @@
-"""The chat client behind every API call minigrpo makes (judges, API models in eval.py, the answer
-policy of precompute.py): any OpenAI-compatible endpoint, cached, rate-limited, retried, costed.
+"""The chat client behind every API call minigrpo makes (judges, API models in eval.py, the
+answer policy of tools/precompute.py): any OpenAI-compatible endpoint, cached, rate-limited,
+retried, costed.
 
     from api.client import Judge, JudgeConfig
     client = Judge(JudgeConfig(base_url="http://127.0.0.1:8000/v1", model="Qwen/Qwen3-8B"))

@@ -1,6 +1,6 @@
 """Direct preference optimization (`mode: dpo`): the model setup, data, checkpoints and resume of
 a GRPO run, trained on preference pairs (a prompt, a chosen reply, a rejected one). Run it
-through train.py, e.g. on bestofn.py's best-vs-worst pairs:
+through train.py, e.g. on tools/bestofn.py's best-vs-worst pairs:
 
     python -m tools.bestofn runs/eval/predictions_sft.jsonl --pairs pairs.jsonl
     python train.py --config my_dpo.yaml  # mode: dpo; data.chosen, data.rejected: the reply columns

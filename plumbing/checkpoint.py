@@ -7,7 +7,8 @@ the checkpoint.
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
 last complete checkpoint and at most a .tmp directory, which is ignored and cleaned up. Used by
-train.py (run.save_every, --resume); eval.py and export.py find the newest one through model.py.
+train.py (run.save_every, --resume); eval.py and tools/export.py find the newest one through
+model.py.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def _write(r: Run, tmp: Path, step: int) -> None:
         save_adapter(model, tmp / "adapter")
     else:
         model.save_pretrained(tmp / "model")
-        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory for eval.py, export.py
+        r.tokenizer.save_pretrained(tmp / "model")  # a full model directory: eval.py, export
         # --resume checks the base
         (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))
     state = {

@@ -57,7 +57,7 @@ def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: st
                   err: BaseException | None = None) -> str:
     """One line for a step that ran out of GPU memory: how much, while doing what, and the settings
     that lower that phase's peak, each with its value now (those already at their leanest left out).
-    A reward model's own message (reward_model.py) says what to lower in its args."""
+    A reward model's own message (graders/reward_model.py) says what to lower in its args."""
     where = ""
     if device.type == "cuda":
         where = (

@@ -13,7 +13,7 @@ records never glue onto it, and `read` never yields a line without its newline (
 being written; a later read, from `end`, picks it up once whole). Appends hold an exclusive lock
 (flock, where the OS has it) from the torn-line check to the fsync, so writers sharing a file (a
 training run and an eval on one judge cache) neither interleave nor misreport offsets. Standard
-library only: the ratings (ratings.py, rating_page.py) import this without torch.
+library only: the ratings (graders/ratings.py, graders/rating_page.py) import this without torch.
 
 A command that is stopped (Ctrl-C, or SIGTERM from a scheduler, turned into the same exception by
 `sigterm_as_interrupt`) ends with one line and its exit code (`interrupted`), after its files are

@@ -10,7 +10,7 @@ configs' selects, seeds and file names say.
 
 A prompt is its text (a conversation: its messages as JSON) with runs of whitespace as one space.
 The file is written atomically, and a resumed run adds to it (a changed data.select trains on both).
-export.py copies it next to a merged model. Models from other tools have none: eval.py then
+tools/export.py copies it next to a merged model. Models from other tools have none: eval.py then
 compares configs instead (entries.trained_on_held_out).
 """
 from __future__ import annotations

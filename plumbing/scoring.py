@@ -2,7 +2,7 @@
 are in rewards.py).
 
     check_specs(cfg.rewards, judges=judge_names(cfg))  # before any model loads: names, args, judges
-    open_rewards(cfg.rewards)                          # then a reward model loads (reward_model.py)
+    open_rewards(cfg.rewards)                          # then a reward model loads (graders/)
     res = compute_rewards(texts, samples, cfg.rewards, num_tokens=lengths,
                           context=reward_context(prefix, judges))
     res.total, res.per_reward, res.errors              # (N,); name -> (N,) values; name -> failures
@@ -365,8 +365,8 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
 def reward_context(assistant_prefix: str, judges: dict, forced_prefix: str | None = None) -> dict:
     """The context training and eval score with: the start of each reply the policy did not write
     (rollout.reply_prefix: the forced data.assistant_prefix, from a think block the chat template
-    opens), the forced prefix alone (`forced_prefix`: what ratings.py's queue keeps, since its
-    exported replies meet the template again), the judge: section's judge (`judge`) and every
+    opens), the forced prefix alone (`forced_prefix`: what graders/ratings.py's queue keeps, since
+    its exported replies meet the template again), the judge: section's judge (`judge`) and every
     judge by name (`judges`, for args: {judge: NAME})."""
     return {"assistant_prefix": assistant_prefix,
             "forced_prefix": assistant_prefix if forced_prefix is None else forced_prefix,

@@ -10,7 +10,8 @@ Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a f
 run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
 id for every version, so vLLM never serves a stale adapter from its cache. Only LoRA runs can use
 vLLM (full fine-tuning would need vLLM's internal weight loader), and a merged init adapter must be
-exported first (`export.py`) and used as model.name, since vLLM serves the base from a directory.
+exported first (`python -m tools.export`) and used as model.name, since vLLM serves the base from a
+directory.
 
 vLLM's sampler and the trainer's forward differ slightly (kernels, precision), so the samples are
 a little off-policy. The trainer recomputes log-probs (the loss never uses vLLM's), and with
@@ -51,7 +52,8 @@ def check_config(cfg: Config) -> None:
                           "(lora.enabled: false) needs rollout.engine: hf")
     if cfg.model.init_adapter and cfg.model.merge_init_adapter:
         raise ConfigError("rollout.engine: vllm serves the base from a directory: export the "
-                          "merged init adapter with export.py and set model.name to the export "
+                          "merged init adapter with python -m tools.export and set model.name to "
+                          "the export "
                           "(and model.init_adapter: null)")
     if cfg.model.quant:
         raise ConfigError("rollout.engine: vllm would sample from full-precision weights while the "
@@ -76,7 +78,7 @@ def check_policy(model) -> None:
     if merged:  # the trainer merged them into its base; vLLM loads the bare model.name
         raise ConfigError("rollout.engine: vllm serves model.name bare, but the init adapter was "
                           f"trained on {len(merged)} merged adapter(s): export that chain with "
-                          "export.py and set model.name to the export")
+                          "tools/export.py and set model.name to the export")
     pc = model.peft_config["default"]
     if getattr(pc, "use_dora", False) or getattr(pc, "modules_to_save", None) \
             or getattr(pc, "rank_pattern", None) or getattr(pc, "alpha_pattern", None) \

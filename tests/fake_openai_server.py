@@ -1,8 +1,9 @@
 """A tiny OpenAI-compatible chat server for tests: stdlib only, runs in a background thread.
 Also a stand-in judge for trying a judge recipe offline:
 
-    python tests/fake_openai_server.py --port 8001    # then --judge.base_url=http://127.0.0.1:8001/v1
-                                                      # (and precompute.answers.base_url: it answers questions too)
+    python tests/fake_openai_server.py --port 8001
+    # then --judge.base_url=http://127.0.0.1:8001/v1
+    # (and precompute.answers.base_url: it answers questions too)
 
 It serves `POST /v1/chat/completions` and the Azure form
 `POST /openai/deployments/{deployment}/chat/completions?api-version=...`, records every request,
@@ -11,11 +12,12 @@ and misbehaves on demand so retry, timeout, cache and parsing code can be tested
     from fake_openai_server import FakeOpenAIServer, ok, rate_limited, server_error, stall
 
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
-        server.script(rate_limited(retry_after="0.2"), server_error(500))  # next two requests fail,
-        ...                                                              # then `server.default` answers
-        JudgeConfig(base_url=server.url, ...)                            # "http://127.0.0.1:PORT/v1"
-        server.requests[-1].headers["authorization"]                     # "Bearer sk-..."
-        server.max_in_flight                                             # most requests seen at once
+        # the next two requests fail, then `server.default` answers
+        server.script(rate_limited(retry_after="0.2"), server_error(500))
+        ...
+        JudgeConfig(base_url=server.url, ...)          # "http://127.0.0.1:PORT/v1"
+        server.requests[-1].headers["authorization"]   # "Bearer sk-..."
+        server.max_in_flight                           # most requests seen at once
 
 How a request is answered: the next `Behaviour` from the `script(...)` queue, or `server.default`
 when the queue is empty. A 200 answers with `behaviour.text`, or `server.reply(body)` when text is
@@ -46,13 +48,13 @@ class Behaviour:
     status: int = 200  # HTTP status; non-200 sends an OpenAI-style error body
     text: str | None = None  # reply content for a 200; None = ask server.reply(body)
     retry_after: str | None = None  # value of the Retry-After header, if any
-    delay_s: float = 0.0  # wait this long before answering (longer than the client timeout = a stall)
-    code: str | None = None  # the error body's "code" (OpenAI's 429 "insufficient_quota": out of credit)
+    delay_s: float = 0.0  # wait this long before answering (past the client timeout: a stall)
+    code: str | None = None  # the error's "code" (OpenAI's 429 "insufficient_quota": out of credit)
     message: str | None = None  # the error body's message (None: "fake error <status>")
-    headers: dict[str, str] = field(default_factory=dict)  # more response headers (retry-after-ms, ...)
+    headers: dict[str, str] = field(default_factory=dict)  # more headers (retry-after-ms, ...)
     raw: str | None = None  # a 200 whose body is this text as it is (a proxy's page, a cut body)
     finish_reason: str = "stop"  # "length": cut at max_tokens
-    null_content: bool = False  # content null (vLLM's reasoning parser when thinking used up max_tokens)
+    null_content: bool = False  # content null (vLLM reasoning parser when thinking used max_tokens)
     usage: dict | None = None  # the usage sent (None: counted in words; {}: none sent)
 
 
@@ -67,13 +69,15 @@ def shaped_score(body: dict, top: int = 10) -> str:
     template's criteria) gets a 0-top score that varies with the message's length, else "score"."""
     text = body["messages"][-1]["content"]
     keys = re.findall(r'"(\w+)": <number>', text) or ["score"]
-    return json.dumps({k: (len(text) + i) % (2 if k == "met" else top + 1) for i, k in enumerate(keys)})  # met: 0 or 1
+    # met: 0 or 1
+    return json.dumps({k: (len(text) + i) % (2 if k == "met" else top + 1)
+                       for i, k in enumerate(keys)})
 
 
 class Answers:
-    """Replies for an answer policy (precompute.py, API models in eval.py): the k-th request with the
-    same messages gets the k-th of answers that differ in length and in the letter they pick, so the
-    K samples of one question differ (and a length-based judge grades them differently)."""
+    """Replies for an answer policy (precompute.py, API models in eval.py): the k-th request with
+    the same messages gets the k-th of answers that differ in length and in the letter they pick, so
+    the K samples of one question differ (and a length-based judge grades them differently)."""
 
     def __init__(self):
         self.seen: dict[str, int] = {}
@@ -83,17 +87,20 @@ class Answers:
         key = json.dumps(body["messages"], sort_keys=True)
         with self.lock:
             self.seen[key] = k = self.seen.get(key, 0) + 1
-        return "Let me think this through. " * (k % 4) + f"Answer {k}: the answer is {'ABCD'[k % 4]}."
+        return "Let me think this through. " * (k % 4) \
+            + f"Answer {k}: the answer is {'ABCD'[k % 4]}."
 
 
 def judge_or_answer(top: int = 10) -> Callable[[dict], str]:
-    """The command line's default: a judge's scores (shaped_score) for a prompt that asks for a score,
-    else an answer (Answers): one server plays both the judge and the answer policy."""
+    """The command line's default: a judge's scores (shaped_score) for a prompt that asks for a
+    score, else an answer (Answers): one server plays both the judge and the answer policy."""
     answers = Answers()
 
     def reply(body: dict) -> str:
-        text = body["messages"][-1]["content"]  # a judge template asks to "Score ... from a to b" or for "<number>"s
-        asks_score = "<number>" in text or re.search(r"\bscore\b.{0,60}?\b(from|between|out of)\b", text, re.I | re.S)
+        # a judge template asks to "Score ... from a to b" or for "<number>"s
+        text = body["messages"][-1]["content"]
+        asks_score = "<number>" in text or re.search(r"\bscore\b.{0,60}?\b(from|between|out of)\b",
+                                                     text, re.I | re.S)
         return shaped_score(body, top) if asks_score else answers(body)
     return reply
 
@@ -114,7 +121,7 @@ def server_error(status: int = 500) -> Behaviour:
 
 
 def stall(seconds: float = 30.0) -> Behaviour:
-    """Answer only after `seconds` (cut short when the server closes), to trigger client timeouts."""
+    """Answer only after `seconds` (cut short if the server closes), to trigger client timeouts."""
     return Behaviour(delay_s=seconds)
 
 
@@ -156,7 +163,8 @@ def _words(text: str) -> int:
 class FakeOpenAIServer:
     """OpenAI-compatible chat server on 127.0.0.1 at a free port; see the module docstring."""
 
-    def __init__(self, reply: Callable[[dict], str] | None = None, default: Behaviour | None = None, port: int = 0):
+    def __init__(self, reply: Callable[[dict], str] | None = None, default: Behaviour | None = None,
+                 port: int = 0):
         self.port = port  # 0: a free one
         self.reply = reply or (lambda body: '{"score": 5}')  # content for 200s without fixed text
         self.default = default or ok()  # behaviour once the script queue is empty
@@ -231,7 +239,8 @@ class FakeOpenAIServer:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a stalled handler must not keep the test process alive
-    request_queue_size = 256  # the default listen backlog of 5 drops bursts of connects (1 s SYN retry)
+    # the default listen backlog of 5 drops bursts of connects (1 s SYN retry)
+    request_queue_size = 256
 
 
 def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
@@ -245,11 +254,13 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             parts = urlsplit(self.path)
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             if not parts.path.endswith("/chat/completions"):
-                return self._send(404, {"error": {"message": f"no route {parts.path}", "type": "not_found"}})
+                return self._send(404, {"error": {"message": f"no route {parts.path}",
+                                                  "type": "not_found"}})
             try:
                 body = json.loads(raw or b"{}")
             except ValueError:
-                return self._send(400, {"error": {"message": "body is not JSON", "type": "invalid_request_error"}})
+                return self._send(400, {"error": {"message": "body is not JSON",
+                                                  "type": "invalid_request_error"}})
             headers = {k.lower(): v for k, v in self.headers.items()}
             rec = Recorded(path=parts.path, query=parts.query, headers=headers, body=body)
             server._enter(rec)
@@ -264,28 +275,34 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             rec.status = b.status
             if b.status != 200:
                 message = b.message or f"fake error {b.status}"
-                if b.status == 401:  # real servers echo (part of) the key; the client must redact it
+                if b.status == 401:
+                    # real servers echo (part of) the key; the client must redact it
                     key = rec.headers.get("authorization", rec.headers.get("api-key", ""))
                     message = f"Incorrect API key provided: {key.removeprefix('Bearer ')}"
                 extra = {"Retry-After": b.retry_after} if b.retry_after is not None else {}
-                return self._send(b.status, {"error": {"message": message, "type": "fake", "code": b.code}}, extra | b.headers)
+                return self._send(b.status, {"error": {"message": message, "type": "fake",
+                                                       "code": b.code}}, extra | b.headers)
             if b.raw is not None:
                 return self._send(200, b.raw, b.headers)
             text = b.text if b.text is not None else server.reply(rec.body)
-            rec.usage = {"prompt_tokens": _words(rec.prompt_text), "completion_tokens": _words(text)} if b.usage is None else b.usage
+            rec.usage = {"prompt_tokens": _words(rec.prompt_text),
+                         "completion_tokens": _words(text)} if b.usage is None else b.usage
             if b.usage is None:
-                rec.usage["total_tokens"] = rec.usage["prompt_tokens"] + rec.usage["completion_tokens"]
+                rec.usage["total_tokens"] = rec.usage["prompt_tokens"] \
+                    + rec.usage["completion_tokens"]
             self._send(200, {
                 "id": f"chatcmpl-fake-{len(server.requests)}",
                 "object": "chat.completion",
                 "created": int(time.time()),
                 "model": rec.body.get("model", ""),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": None if b.null_content else text},
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": None if b.null_content else text},
                              "finish_reason": b.finish_reason}],
                 **({"usage": rec.usage} if rec.usage else {}),
             }, b.headers)
 
-        def _send(self, status: int, payload: dict | str, headers: dict[str, str] | None = None) -> None:
+        def _send(self, status: int, payload: dict | str,
+                  headers: dict[str, str] | None = None) -> None:
             data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
             try:
                 self.send_response(status)
@@ -303,18 +320,23 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="A fake OpenAI-compatible judge on 127.0.0.1, to try judge recipes offline.")
+    ap = argparse.ArgumentParser(description="A fake OpenAI-compatible judge on 127.0.0.1, to try "
+                                             "judge recipes offline.")
     ap.add_argument("--port", type=int, default=8001)
-    ap.add_argument("--top", type=int, default=10, help="scores run 0..top (the judge section's score_max)")
-    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' (default: to a prompt '
-                    "asking for a score, 0..top scores for the keys it asks for, varying with its length; to any "
-                    "other, an answer that differs each time the same prompt is asked: an answer policy)")
+    ap.add_argument("--top", type=int, default=10,
+                    help="scores run 0..top (the judge section's score_max)")
+    ap.add_argument("--reply", help='the reply to every request instead, e.g. \'{"score": 7}\' '
+                    "(default: to a prompt asking for a score, 0..top scores for the keys it asks "
+                    "for, varying with its length; to any other, an answer that differs each time "
+                    "the same prompt is asked: an answer policy)")
     args = ap.parse_args(argv)
     reply = (lambda body: args.reply) if args.reply else judge_or_answer(args.top)
     try:
         server = FakeOpenAIServer(reply=reply, port=args.port).start()
-    except OSError as e:  # run with `&`, a traceback would scroll by and the recipe would talk to whatever holds the port
-        raise SystemExit(f"error: cannot listen on 127.0.0.1:{args.port} ({e.strerror}): another fake server? pick another --port") from None
+    except OSError as e:
+        # run with `&`, a traceback would scroll by and the recipe talk to whatever holds the port
+        raise SystemExit(f"error: cannot listen on 127.0.0.1:{args.port} ({e.strerror}): another "
+                         "fake server? pick another --port") from None
     print(f"fake judge at {server.url}; Ctrl-C stops it", flush=True)
     try:
         while True:

@@ -1,4 +1,5 @@
-"""Config loading: YAML + overrides, unknown keys, wrong types, missing files; every field documented."""
+"""Config loading: YAML + overrides, unknown keys, wrong types, missing files; every field
+documented."""
 import dataclasses
 import inspect
 from pathlib import Path
@@ -23,7 +24,8 @@ MINIMAL = "rewards: [{name: answer_match}]\n"
 
 def test_yaml_and_overrides_are_typed_and_nested(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL + "grpo: {beta: 0.1}\n"),
-                      ["--grpo.beta=0.04", "--rollout.num_generations=8", "--lora.target_modules=[q_proj, v_proj]",
+                      ["--grpo.beta=0.04", "--rollout.num_generations=8",
+                       "--lora.target_modules=[q_proj, v_proj]",
                        "--model.quant=null", "--optim.lr=1e-4"])
     assert cfg.grpo.beta == 0.04 and cfg.rollout.num_generations == 8
     assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.model.quant is None
@@ -33,22 +35,32 @@ def test_yaml_and_overrides_are_typed_and_nested(tmp_path):
 
 def test_one_reward_of_the_list_is_overridden_by_index_label_or_name(tmp_path):
     """A sweep over one reward's weight (GRubrics' REWARD_LAMBDA_*) without restating the list."""
-    path = write(tmp_path, "rewards:\n  - {name: json_valid}\n  - {name: choice_accuracy, label: acc, args: {gold_key: cop}}\n"
-                           "  - {name: judge, label: clarity}\n  - {name: judge, label: relevance}\n")
-    cfg = load_config(path, ["--rewards.0.weight=0.5", "--rewards.acc.args.gold_key=answer", "--rewards.clarity.fallback=skip",
+    path = write(tmp_path, "rewards:\n  - {name: json_valid}\n  - {name: choice_accuracy, label: "
+                           "acc, args: {gold_key: cop}}\n  - {name: judge, label: clarity}\n"
+                           "  - {name: judge, label: relevance}\n")
+    cfg = load_config(path, ["--rewards.0.weight=0.5", "--rewards.acc.args.gold_key=answer",
+                             "--rewards.clarity.fallback=skip",
                              "--rewards.json_valid.label=valid", "--rewards.3.label=null"])
-    assert [r.weight for r in cfg.rewards] == [0.5, 1.0, 1.0, 1.0] and cfg.rewards[1].args == {"gold_key": "answer"}
-    assert cfg.rewards[2].fallback == "skip" and cfg.rewards[0].label == "valid" and cfg.rewards[3].label is None
+    assert [r.weight for r in cfg.rewards] == [0.5, 1.0, 1.0, 1.0] \
+        and cfg.rewards[1].args == {"gold_key": "answer"}
+    assert cfg.rewards[2].fallback == "skip" and cfg.rewards[0].label == "valid" \
+        and cfg.rewards[3].label is None
     assert load_config(path, ["--rewards.1={name: json_schema}"]).rewards[1].name == "json_schema"
-    for override, message in [("--rewards.9.weight=1", r"'9' is neither an index \(0 to 3\) nor a label or name.*json_valid, acc"),
-                              ("--rewards.judge.weight=1", "'judge' is the name of 2 entries; give their label or index"),
-                              ("--rewards.acc.wieght=1", r"unknown config key 'rewards\[1\].wieght'"),
-                              ("--rewards.².weight=1", r"'²' is neither an index"),  # a digit to isdigit(), not to int()
-                              ("--rewards.２.weight=1", r"'２' is neither an index")]:  # a full-width 2 is not index 2
+    for override, message in [("--rewards.9.weight=1", r"'9' is neither an index \(0 to 3\) nor a "
+                                                       r"label or name.*json_valid, acc"),
+                              ("--rewards.judge.weight=1",
+                               "'judge' is the name of 2 entries; give their label or index"),
+                              ("--rewards.acc.wieght=1",
+                               r"unknown config key 'rewards\[1\].wieght'"),
+                              # a digit to isdigit(), not to int()
+                              ("--rewards.².weight=1", r"'²' is neither an index"),
+                              # a full-width 2 is not index 2
+                              ("--rewards.２.weight=1", r"'２' is neither an index")]:
         with pytest.raises(ConfigError, match=message):
             load_config(path, [override])
     dotted = write(tmp_path, "rewards:\n  - {name: my_rewards.py:brevity}\n")
-    with pytest.raises(ConfigError, match="a name with a dot .* by its index, or by a label: you give it"):
+    with pytest.raises(ConfigError,
+                       match="a name with a dot .* by its index, or by a label: you give it"):
         load_config(dotted, ["--rewards.my_rewards.py:brevity.weight=2"])
     assert load_config(dotted, ["--rewards.0.weight=2"]).rewards[0].weight == 2.0
     with pytest.raises(ConfigError, match="the config has no list 'rewards' to index"):
@@ -60,7 +72,8 @@ def test_an_int_is_accepted_where_a_float_is_expected(tmp_path):
 
 
 def test_unknown_key_names_the_key_and_the_closest_valid_ones(tmp_path):
-    with pytest.raises(ConfigError, match=r"unknown config key 'grpo.betta'.*did you mean grpo.beta"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'grpo.betta'.*did you mean grpo.beta"):
         load_config(write(tmp_path, MINIMAL + "grpo: {betta: 0.1}\n"))
     with pytest.raises(ConfigError, match=r"'rollout.num_generation'.*rollout.num_generations"):
         load_config(write(tmp_path, MINIMAL), ["--rollout.num_generation=4"])
@@ -71,7 +84,8 @@ def test_unknown_key_names_the_key_and_the_closest_valid_ones(tmp_path):
 def test_wrong_type_names_the_key_and_the_expected_type(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout.num_generations: expected int, got 'eight'"):
         load_config(write(tmp_path, MINIMAL), ["--rollout.num_generations=eight"])
-    with pytest.raises(ConfigError, match=r"grpo.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'"):
+    with pytest.raises(ConfigError,
+                       match=r"grpo.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', 'dapo'"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.loss_type=ppo"])
     with pytest.raises(ConfigError, match=r"lora.enabled: expected bool"):
         load_config(write(tmp_path, MINIMAL), ["--lora.enabled=3"])
@@ -97,11 +111,16 @@ def test_cross_field_checks(tmp_path):
         load_config(write(tmp_path, "grpo: {beta: 0}\n"))
     with pytest.raises(ConfigError, match=r"grpo.top_entropy_quantile must be in \[0, 1\]"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=1.5"])
-    with pytest.raises(ConfigError, match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
-        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="GSPO's ratio .* is one per completion, so every token would still get a gradient"):
-        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2", "--grpo.importance_sampling_level=sequence"])
-    assert load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
+    with pytest.raises(ConfigError,
+                       match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
+        load_config(write(tmp_path, MINIMAL),
+                    ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="GSPO's ratio .* is one per completion, so every token "
+                                          "would still get a gradient"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2",
+                                               "--grpo.importance_sampling_level=sequence"])
+    assert load_config(write(tmp_path, MINIMAL),
+                       ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
     with pytest.raises(ConfigError, match=r"grpo.delta=1.2 caps .* above 1 \+ epsilon_high = 1.28"):
         load_config(write(tmp_path, MINIMAL), ["--grpo.delta=1.2", "--grpo.epsilon_high=0.28"])
     with pytest.raises(ConfigError, match="it needs policy_loss: clip"):
@@ -117,7 +136,8 @@ def test_cross_field_checks(tmp_path):
 
 def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):
     path = write(tmp_path, "rewards: [{name: answer_match}]\n")
-    assert load_config(path).grpo.share_prompt == "auto" and load_config(path).grpo.logprob_chunk == 0
+    assert load_config(path).grpo.share_prompt == "auto" \
+        and load_config(path).grpo.logprob_chunk == 0
     for v, want in (("true", True), ("false", False), ("auto", "auto")):
         assert load_config(path, [f"--grpo.share_prompt={v}"]).grpo.share_prompt == want
     with pytest.raises(ConfigError, match="grpo.share_prompt"):
@@ -137,10 +157,11 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_every_config_field_has_a_one_line_comment():
     src = inspect.getsource(config)
-    for cls in (config.ModelConfig, config.LoraConfig, config.DataConfig, config.RolloutConfig, config.GrpoConfig,
-                config.OptimConfig, config.RunConfig):
+    for cls in (config.ModelConfig, config.LoraConfig, config.DataConfig, config.RolloutConfig,
+                config.GrpoConfig, config.OptimConfig, config.RunConfig):
         for f in dataclasses.fields(cls):
-            line = next(ln for ln in inspect.getsource(cls).splitlines() if ln.strip().startswith(f"{f.name}:"))
+            line = next(ln for ln in inspect.getsource(cls).splitlines()
+                        if ln.strip().startswith(f"{f.name}:"))
             assert "  # " in line, f"{cls.__name__}.{f.name} has no comment"
     assert src
 
@@ -153,11 +174,14 @@ def test_every_shipped_config_loads(path):
 
 def test_null_overrides_clear_optional_text_fields_and_other_text_stays_verbatim(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL + "data: {system_prompt: Be brief.}\n"),
-                      ["--data.system_prompt=null", "--data.answer_key=~", "--data.prompt={question} {{x}}"])
+                      ["--data.system_prompt=null", "--data.answer_key=~",
+                       "--data.prompt={question} {{x}}"])
     assert cfg.data.system_prompt is None and cfg.data.answer_key is None
     assert cfg.data.prompt == "{question} {{x}}"
-    cfg = load_config(write(tmp_path, MINIMAL + "data: {assistant_prefix: <think>}\n"), ["--data.assistant_prefix="])
-    assert cfg.data.assistant_prefix == ""  # an empty override is empty text, not null (a str field takes no null)
+    cfg = load_config(write(tmp_path, MINIMAL + "data: {assistant_prefix: <think>}\n"),
+                      ["--data.assistant_prefix="])
+    # an empty override is empty text, not null (a str field takes no null)
+    assert cfg.data.assistant_prefix == ""
 
 
 def test_a_missing_required_key_and_non_finite_numbers_are_config_errors(tmp_path):
@@ -170,7 +194,8 @@ def test_a_missing_required_key_and_non_finite_numbers_are_config_errors(tmp_pat
 
 
 def test_saved_configs_mask_extra_headers(tmp_path):
-    cfg = load_config(write(tmp_path, MINIMAL + "judge: {model: m, extra_headers: {Authorization: Bearer sk-SECRET}}\n"))
+    cfg = load_config(write(tmp_path, MINIMAL + "judge: {model: m, extra_headers: {Authorization: "
+                                                "Bearer sk-SECRET}}\n"))
     config.save_config(cfg, tmp_path / "saved.yaml")
     text = (tmp_path / "saved.yaml").read_text()
     assert "sk-SECRET" not in text and "Authorization: '***'" in text
@@ -178,13 +203,17 @@ def test_saved_configs_mask_extra_headers(tmp_path):
 
 def test_extends_merges_sections_key_by_key_and_replaces_lists(tmp_path):
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub/base.yaml").write_text(MINIMAL + "mode: sft\ndata: {target: '{answer}', system_prompt: Be brief.}\n"
+    (tmp_path / "sub/base.yaml").write_text(MINIMAL + "mode: sft\n"
+                                            "data: {target: '{answer}', system_prompt: Be brief.}\n"
                                             "optim: {lr: 2.0e-4, micro_batch_size: 4}\n")
     child = tmp_path / "sub/child.yaml"
-    child.write_text("extends: base.yaml\nmode: grpo\noptim: {lr: 1.0e-5}\nrewards: [{name: short_answer}]\n")
+    child.write_text("extends: base.yaml\nmode: grpo\noptim: {lr: 1.0e-5}\n"
+                     "rewards: [{name: short_answer}]\n")
     cfg = load_config(child, ["--optim.micro_batch_size=2"])
-    assert cfg.mode == "grpo" and cfg.data.system_prompt == "Be brief." and cfg.data.target == "{answer}"
-    assert cfg.optim.lr == 1e-5 and cfg.optim.micro_batch_size == 2  # merged, then the override wins
+    assert cfg.mode == "grpo" and cfg.data.system_prompt == "Be brief." \
+        and cfg.data.target == "{answer}"
+    # merged, then the override wins
+    assert cfg.optim.lr == 1e-5 and cfg.optim.micro_batch_size == 2
     assert [r.name for r in cfg.rewards] == ["short_answer"]  # a list is replaced, not appended to
 
 
@@ -195,7 +224,8 @@ def test_extends_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="makes a cycle"):
         load_config(a)
     a.write_text("extends: missing.yaml\n")
-    with pytest.raises(ConfigError, match=r"config file not found: .*missing.yaml \(extended by .*a.yaml\)"):
+    with pytest.raises(ConfigError,
+                       match=r"config file not found: .*missing.yaml \(extended by .*a.yaml\)"):
         load_config(a)
     a.write_text("extends: [b.yaml]\n")
     with pytest.raises(ConfigError, match="extends: expected the path"):
@@ -207,31 +237,40 @@ def test_eval_on_another_split_may_reuse_the_training_range(tmp_path):
     with pytest.raises(ConfigError, match="overlap"):
         load_config(write(tmp_path, text))
     assert load_config(write(tmp_path, text), ["--eval.split=test"]).eval.split == "test"
-    with pytest.raises(ConfigError, match="data.name=rows.jsonl has none"):  # a local file has no splits
+    with pytest.raises(ConfigError, match="data.name=rows.jsonl has none"):
+        # a local file has no splits
         load_config(write(tmp_path, text), ["--eval.split=test", "--data.name=rows.jsonl"])
-    # a mixture: hub sources' test split holds other rows; a local source would give its training rows again
-    mix = MINIMAL + ("data: {mixture: [{name: openai/gsm8k, select: [0, 100]}, {name: %s, select: [0, 100]}]}\n"
-                     "eval: {select: [0, 50]}\n")
+    # a mixture: hub sources' test split holds other rows; a local source would give its training
+    # rows again
+    mix = MINIMAL + ("data: {mixture: [{name: openai/gsm8k, select: [0, 100]}, {name: %s, select: "
+                     "[0, 100]}]}\neval: {select: [0, 50]}\n")
     with pytest.raises(ConfigError, match="overlap"):
         load_config(write(tmp_path, mix % "cais/mmlu"))
-    assert load_config(write(tmp_path, mix % "cais/mmlu"), ["--eval.split=test"]).eval.split == "test"
+    assert load_config(write(tmp_path, mix % "cais/mmlu"),
+                       ["--eval.split=test"]).eval.split == "test"
     with pytest.raises(ConfigError, match="data.mixture source rows.jsonl has none"):
         load_config(write(tmp_path, mix % "rows.jsonl"), ["--eval.split=test"])
 
 
 def test_named_judges_are_typed_sections_with_their_own_names_and_caches(tmp_path):
-    rewards = "rewards: [{name: judge}, {name: judge, args: {judge: second}}, {name: judge, args: {judge: third}}]\n"
-    text = rewards + "judge: {model: a, cache_path: c/a.jsonl}\njudges: {second: {model: b, cache_path: c/b.jsonl}}\n"
-    cfg = load_config(write(tmp_path, text), ["--judges.second.model=1234", "--judges.third.max_concurrent=2"])
-    assert cfg.judges["second"].model == "1234" and cfg.judges["second"].cache_path == "c/b.jsonl"  # text stays text
-    assert cfg.judges["third"].max_concurrent == 2 and config.judge_names(cfg) == ["judge", "second", "third"]
+    rewards = ("rewards: [{name: judge}, {name: judge, args: {judge: second}}, {name: judge, args: "
+               "{judge: third}}]\n")
+    text = rewards + ("judge: {model: a, cache_path: c/a.jsonl}\n"
+                      "judges: {second: {model: b, cache_path: c/b.jsonl}}\n")
+    cfg = load_config(write(tmp_path, text),
+                      ["--judges.second.model=1234", "--judges.third.max_concurrent=2"])
+    # text stays text
+    assert cfg.judges["second"].model == "1234" and cfg.judges["second"].cache_path == "c/b.jsonl"
+    assert cfg.judges["third"].max_concurrent == 2 \
+        and config.judge_names(cfg) == ["judge", "second", "third"]
     with pytest.raises(ConfigError, match="judges.second.max_concurrent: expected int"):
         load_config(write(tmp_path, text), ["--judges.second.max_concurrent=many"])
     with pytest.raises(ConfigError, match="unknown config key 'judges.second.modle'"):
         load_config(write(tmp_path, text), ["--judges.second.modle=x"])
     with pytest.raises(ConfigError, match="judges.judge: a judge's name"):
         load_config(write(tmp_path, text), ["--judges.judge.model=x"])
-    with pytest.raises(ConfigError, match="judges.second.cache_path and judge.cache_path are both c/./a.jsonl"):
+    with pytest.raises(ConfigError,
+                       match="judges.second.cache_path and judge.cache_path are both c/./a.jsonl"):
         load_config(write(tmp_path, text), ["--judges.second.cache_path=c/./a.jsonl"])
     for name in ("2", "true"):  # YAML reads these as an int and a bool
         with pytest.raises(ConfigError, match="a judge's name is letters"):
@@ -257,22 +296,27 @@ def test_a_config_that_is_not_text_and_a_section_left_empty(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--lora.alpha=0", r"lora.alpha must be > 0"),  # the update scaled to nothing
-    ("--optim.lr=-1e-5", r"optim.lr must be >= 0"),  # 0 is a control run: the base policy's rewards, sampled as training would
+    # 0 is a control run: the base policy's rewards, sampled as training would
+    ("--optim.lr=-1e-5", r"optim.lr must be >= 0"),
     ("--lora.dropout=1.5", r"lora.dropout must be in \[0, 1\)"),  # not blamed on target_modules
-    ("--rollout.max_prompts_per_step=8", r"needs rollout.resample_zero_std: true"),  # ignored without it
+    # ignored without it
+    ("--rollout.max_prompts_per_step=8", r"needs rollout.resample_zero_std: true"),
     ("--rollout.vllm_sleep=true", r"rollout.vllm_sleep .* needs rollout.engine: vllm"),
 ])
 def test_settings_that_would_train_nothing_or_be_ignored_are_refused(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, MINIMAL), [override])
-    cfg = load_config(write(tmp_path, MINIMAL), ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=8"])
+    cfg = load_config(write(tmp_path, MINIMAL),
+                      ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=8"])
     assert cfg.rollout.max_prompts_per_step == 8
     with pytest.raises(ConfigError, match=r">= prompts_per_step \(4\)"):
-        load_config(write(tmp_path, MINIMAL), ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2"])
+        load_config(write(tmp_path, MINIMAL),
+                    ["--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2"])
 
 
 def test_every_recipe_writes_its_own_run_directory():
-    """A config that extends another and forgets run.out_dir would train into (or --resume) the other's run."""
+    """A config that extends another and forgets run.out_dir would train into (or --resume) the
+    other's run."""
     from pathlib import Path
     dirs = {}
     for path in sorted(Path("configs").glob("*.yaml")):
@@ -281,54 +325,70 @@ def test_every_recipe_writes_its_own_run_directory():
 
 
 def test_steps_or_epochs_the_later_layer_decides_and_one_layer_may_not_set_both(tmp_path):
-    """A recipe that counts epochs extends one that counts steps (bioreasoner_dpo.yaml); the command line's
-    --run.steps beats a file's epochs; a file, or a command line, that sets both is refused."""
+    """A recipe that counts epochs extends one that counts steps (bioreasoner_dpo.yaml); the command
+    line's --run.steps beats a file's epochs; a file, or a command line, that sets both is
+    refused."""
     parent = tmp_path / "parent.yaml"
     parent.write_text(MINIMAL + "run: {steps: 200}\n")
     child = tmp_path / "child.yaml"
     child.write_text("extends: parent.yaml\nrun: {epochs: 3}\n")
-    assert (load_config(child).run.epochs, load_config(child).run.steps) == (3, 60)  # steps: made from the epochs
-    assert (load_config(child, ["--run.steps=2"]).run.epochs, load_config(child, ["--run.steps=2"]).run.steps) == (0, 2)
-    with pytest.raises(ConfigError, match=r"the command line turns off run.epochs=3, which an earlier layer set: give run.steps"):
+    # steps: made from the epochs
+    assert (load_config(child).run.epochs, load_config(child).run.steps) == (3, 60)
+    assert (load_config(child, ["--run.steps=2"]).run.epochs,
+            load_config(child, ["--run.steps=2"]).run.steps) == (0, 2)
+    with pytest.raises(ConfigError, match=r"the command line turns off run.epochs=3, which an "
+                                          r"earlier layer set: give run.steps"):
         load_config(child, ["--run.epochs=0"])  # the parent's steps are gone: not a silent 60 steps
     grandchild = tmp_path / "grandchild.yaml"  # a file that turns them off likewise
     grandchild.write_text("extends: child.yaml\nrun: {epochs: 0}\n")
-    with pytest.raises(ConfigError, match=r"grandchild.yaml turns off run.epochs=3, which an earlier layer set"):
+    with pytest.raises(ConfigError,
+                       match=r"grandchild.yaml turns off run.epochs=3, which an earlier layer set"):
         load_config(grandchild)
     with pytest.raises(ConfigError, match=r"turns off run.epochs=3"):
         load_config(child, ["--run.epochs=0e0"])  # text that convert reads as 0 is 0 here too
     assert load_config(child, ["--run.epochs=0", "--run.steps=7"]).run.steps == 7
-    with pytest.raises(ConfigError, match="the command line sets both run.steps=5 and run.epochs=1: keep one"):
+    with pytest.raises(ConfigError,
+                       match="the command line sets both run.steps=5 and run.epochs=1: keep one"):
         load_config(parent, ["--run={steps: 5, epochs: 1}"])  # one mapping is one layer too
-    assert load_config(child, ["--run={steps: 5}"]).run.steps == 5  # the section replaced: the file's epochs are gone
+    # the section replaced: the file's epochs are gone
+    assert load_config(child, ["--run={steps: 5}"]).run.steps == 5
     assert load_config(parent, ["--run.epochs=1"]).run.epochs == 1
     both = write(tmp_path, MINIMAL + "run: {steps: 10, epochs: 2}\n")
-    with pytest.raises(ConfigError, match=r"c.yaml sets both run.steps=10 and run.epochs=2: keep one"):
+    with pytest.raises(ConfigError,
+                       match=r"c.yaml sets both run.steps=10 and run.epochs=2: keep one"):
         load_config(both)
 
 
-def test_warmup_ratio_on_the_command_line_replaces_a_files_warmup_steps_as_epochs_replace_steps(tmp_path):
-    """--optim.warmup_ratio=0.1 on a recipe with warmup_steps (quickstart.yaml, bioreasoner_dpo.yaml) was
-    refused until --optim.warmup_steps=0 was added too, unlike --run.epochs over a file's run.steps."""
+def test_warmup_ratio_on_the_command_line_replaces_a_files_warmup_steps_as_epochs_replace_steps(
+        tmp_path):
+    """--optim.warmup_ratio=0.1 on a recipe with warmup_steps (quickstart.yaml,
+    bioreasoner_dpo.yaml) was refused until --optim.warmup_steps=0 was added too, unlike
+    --run.epochs over a file's run.steps."""
     path = write(tmp_path, MINIMAL + "optim: {warmup_steps: 5}\n")
     cfg = load_config(path, ["--optim.warmup_ratio=0.1"])
     assert (cfg.optim.warmup_steps, cfg.optim.warmup_ratio) == (0, 0.1)
-    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=3 and optim.warmup_ratio=0.1"):
+    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=3 and "
+                                          "optim.warmup_ratio=0.1"):
         load_config(path, ["--optim.warmup_steps=3", "--optim.warmup_ratio=0.1"])
 
 
 @pytest.mark.parametrize("override, bad", [("--grpo.epsilon=2", "2"), ("--grpo.epsilon=1", "1"),
-                                           ("--grpo.epsilon=0", "0"), ("--grpo.epsilon_high=0", "0.2")])
+                                           ("--grpo.epsilon=0", "0"),
+                                           ("--grpo.epsilon_high=0", "0.2")])
 def test_a_clip_range_that_never_clips_is_refused_with_the_key_named(tmp_path, override, bad):
     """Issue 30: epsilon=2 was accepted, and the lower clip bound 1 - 2 = -1 never acts."""
-    with pytest.raises(ConfigError, match=rf"grpo.epsilon must be in \(0, 1\) and grpo.epsilon_high > 0 .*got {bad} "):
+    with pytest.raises(ConfigError, match=r"grpo.epsilon must be in \(0, 1\) and "
+                                          rf"grpo.epsilon_high > 0 .*got {bad} "):
         load_config(write(tmp_path, MINIMAL), [override])
 
 
 def test_a_run_dir_nothing_can_be_created_in_is_refused_before_anything_loads(tmp_path):
-    """Issue 30: as root os.access says /proc is writable; the run died at mkdir after the model loaded."""
+    """Issue 30: as root os.access says /proc is writable; the run died at mkdir after the model
+    loaded."""
     from plumbing.typed_config import check_writable
-    with pytest.raises(ConfigError, match=r"run.out_dir=/proc/x: cannot create anything in /proc \("):
+    with pytest.raises(ConfigError,
+                       match=r"run.out_dir=/proc/x: cannot create anything in /proc \("):
         check_writable("/proc/x", "run.out_dir")
-    check_writable(tmp_path / "new" / "run", "run.out_dir")  # a folder that can be made: fine, and nothing left
+    # a folder that can be made: fine, and nothing left
+    check_writable(tmp_path / "new" / "run", "run.out_dir")
     assert list(tmp_path.iterdir()) == []

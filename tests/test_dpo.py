@@ -16,9 +16,11 @@ from data import DataError, load_rows
 from modes.dpo import dpo_loss
 from plumbing import runs, updates
 
-NO = ["I do not know, sorry.", "No.", "", "Maybe a large number; I cannot say for sure which one it is."]  # "" is a reply too
-PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.", "rejected": NO[(a + 2 * b) % 4]}
-         for a in range(5) for b in range(4)]
+# "" is a reply too
+NO = ["I do not know, sorry.", "No.", "",
+      "Maybe a large number; I cannot say for sure which one it is."]
+PAIRS = [{"question": f"What is {a} + {b}?", "chosen": f"The answer is {a + b}.",
+          "rejected": NO[(a + 2 * b) % 4]} for a in range(5) for b in range(4)]
 
 
 def slow_dpo_loss(pc, pr, rc, rr, beta):
@@ -36,8 +38,10 @@ def test_dpo_loss_matches_the_formula_and_is_log2_when_policy_is_reference():
         assert torch.allclose(loss, torch.tensor(want, dtype=torch.float64), atol=1e-12)
         assert torch.allclose(r_w, beta * (pc - rc)) and torch.allclose(r_l, beta * (pr - rr))
     loss, r_w, r_l = dpo_loss(pc, pr, pc, pr, 0.1)  # policy == reference
-    assert torch.allclose(loss, torch.full_like(loss, math.log(2))) and not r_w.any() and not r_l.any()
-    big = torch.tensor([1000.0])  # a huge margin is a loss of 0, not NaN (logsigmoid, not log(sigmoid))
+    assert torch.allclose(loss, torch.full_like(loss, math.log(2))) \
+        and not r_w.any() and not r_l.any()
+    # a huge margin is a loss of 0, not NaN (logsigmoid, not log(sigmoid))
+    big = torch.tensor([1000.0])
     assert dpo_loss(big, -big, big * 0, big * 0, 1.0)[0].item() == 0.0
     assert dpo_loss(-big, big, big * 0, big * 0, 1.0)[0].item() == pytest.approx(2000.0)
 
@@ -46,7 +50,8 @@ def slow_variant_loss(pc, pr, rc, rr, beta, loss_type, eps=0.0, lw=1, ll=1):
     """The other losses for one pair in plain floats: cDPO, IPO on per-token means, hinge."""
     h = (pc - rc) - (pr - rr)
     if loss_type == "sigmoid":
-        return -(1 - eps) * math.log(1 / (1 + math.exp(-beta * h))) - eps * math.log(1 / (1 + math.exp(beta * h)))
+        return -(1 - eps) * math.log(1 / (1 + math.exp(-beta * h))) \
+            - eps * math.log(1 / (1 + math.exp(beta * h)))
     if loss_type == "ipo":
         return ((pc - rc) / lw - (pr - rr) / ll - 1 / (2 * beta)) ** 2
     return max(0.0, 1 - beta * h)
@@ -59,12 +64,14 @@ def test_the_other_losses_match_their_formulas(loss_type, eps):
     lw, ll = (torch.randint(1, 30, (16,), generator=g) for _ in range(2))
     for beta in (0.1, 0.5):
         loss, r_w, r_l = dpo_loss(pc, pr, rc, rr, beta, loss_type, eps, (lw, ll))
-        want = [slow_variant_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), beta, loss_type, eps, int(lw[i]), int(ll[i]))
-                for i in range(16)]
+        want = [slow_variant_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), beta, loss_type, eps,
+                                  int(lw[i]), int(ll[i])) for i in range(16)]
         assert torch.allclose(loss, torch.tensor(want, dtype=torch.float64), atol=1e-10)
         assert torch.allclose(r_w, beta * (pc - rc)) and torch.allclose(r_l, beta * (pr - rr))
-    at_start = {"sigmoid": math.log(2), "ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}[loss_type]  # policy == reference
-    assert torch.allclose(dpo_loss(pc, pr, pc, pr, 0.5, loss_type, eps, (lw, ll))[0], torch.full((16,), at_start, dtype=torch.float64))
+    # policy == reference
+    at_start = {"sigmoid": math.log(2), "ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}[loss_type]
+    assert torch.allclose(dpo_loss(pc, pr, pc, pr, 0.5, loss_type, eps, (lw, ll))[0],
+                          torch.full((16,), at_start, dtype=torch.float64))
     with pytest.raises(ValueError, match="token counts" if loss_type == "ipo" else "loss_type"):
         dpo_loss(pc, pr, rc, rr, 0.5, loss_type if loss_type == "ipo" else "robust")
 
@@ -75,26 +82,33 @@ def test_each_loss_type_learns_the_preference_through_train_py(dpo_config, loss_
     extra = ["--dpo.label_smoothing=0.1"] if loss_type == "sigmoid" else []
     assert train.main(["--config", str(path), f"--dpo.loss_type={loss_type}", *extra]) == 0
     m = metrics(Path(cfg["run"]["out_dir"]))
-    assert m[-1]["loss"] < m[0]["loss"] and all(x["rewards/accuracies"] == 1.0 for x in m[-3:]), [x["loss"] for x in m]
+    assert m[-1]["loss"] < m[0]["loss"] \
+        and all(x["rewards/accuracies"] == 1.0 for x in m[-3:]), [x["loss"] for x in m]
 
 
 def test_micro_batches_cut_only_between_whole_pairs():
     p_len, c_len = [3, 3, 2, 2, 5, 5, 1, 1, 4, 9], [4, 1, 2, 6, 3, 3, 2, 2, 1, 1]  # 5 pairs
     n = len(p_len)
-    mask = lambda lens, w: (torch.arange(w)[None] < torch.tensor(lens)[:, None]).long()  # noqa: E731
-    batch = rollout.Rollout(torch.zeros(n, 9, dtype=torch.long), mask(p_len, 9), torch.zeros(n, 6, dtype=torch.long),
+    mask = lambda lens, w: (torch.arange(w)[None]  # noqa: E731
+                            < torch.tensor(lens)[:, None]).long()
+    batch = rollout.Rollout(torch.zeros(n, 9, dtype=torch.long), mask(p_len, 9),
+                            torch.zeros(n, 6, dtype=torch.long),
                             mask(c_len, 6).float(), torch.zeros(n, dtype=torch.bool), [""] * n)
     for size in (1, 2, 3, 4, 7, 10):
         for budget in (0, 1, 12, 20, 40, 1000):
             mbs = updates.micro_batches(batch, size, budget, group=2)
-            assert [i for mb in mbs for i in range(n)[mb]] == list(range(n))  # every row once, in order
-            assert all(mb.start % 2 == 0 and (mb.stop - mb.start) % 2 == 0 for mb in mbs), (size, budget, mbs)
+            # every row once, in order
+            assert [i for mb in mbs for i in range(n)[mb]] == list(range(n))
+            assert all(mb.start % 2 == 0 and (mb.stop - mb.start) % 2 == 0
+                       for mb in mbs), (size, budget, mbs)
             assert all(mb.stop - mb.start <= max(size // 2, 1) * 2 for mb in mbs)
             for mb in mbs:  # within the budget, unless a single pair is over it on its own
                 rows = range(n)[mb]
                 padded = len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows))
                 assert not budget or padded <= budget or len(rows) == 2
-    assert updates.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]  # group 1: as before
+    # group 1: as before
+    assert updates.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9),
+                                                  slice(9, 10)]
 
 
 @pytest.fixture
@@ -102,10 +116,12 @@ def dpo_config(tmp_path, tiny_llama):
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in PAIRS))
     cfg = {"mode": "dpo", "model": {"name": str(tiny_llama)}, "lora": {"r": 8, "alpha": 16},
-           "data": {"name": str(data), "prompt": "question", "chosen": "chosen", "rejected": "rejected",
+           "data": {"name": str(data), "prompt": "question", "chosen": "chosen",
+                    "rejected": "rejected",
                     "answer_key": None, "split_seed": 42, "select": [0, 16]},
            "dpo": {"batch_size": 8, "beta": 0.5},
-           "rollout": {"temperature": 0.7},  # GRPO's sampling temperature: DPO's log-probs must not use it
+           # GRPO's sampling temperature: DPO's log-probs must not use it
+           "rollout": {"temperature": 0.7},
            "optim": {"lr": 0.02, "micro_batch_size": 4, "min_lr_ratio": 1.0, "warmup_steps": 0},
            "eval": {"select": [16, 20]},
            "run": {"out_dir": str(tmp_path / "dpo"), "steps": 8, "save_every": 0}}
@@ -123,12 +139,15 @@ def test_dpo_learns_to_prefer_the_chosen_replies_from_log2(dpo_config):
     assert train.main(["--config", str(path), "--run.eval_every=8"]) == 0
     m = metrics(Path(cfg["run"]["out_dir"]))
     assert len(m) == 8
-    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) and m[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
+    assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5) \
+        and m[0]["rewards/margins"] == pytest.approx(0, abs=1e-5)
     assert m[0]["rewards/accuracies"] == 0  # a tie is not a win (TRL counts r_w > r_l)
     last = m[-3:]  # a high lr: steps are noisy
-    assert sum(x["loss"] for x in last) / 3 < 0.3 and sum(x["rewards/margins"] for x in last) / 3 > 1.0
+    assert sum(x["loss"] for x in last) / 3 < 0.3 \
+        and sum(x["rewards/margins"] for x in last) / 3 > 1.0
     assert all(x["rewards/accuracies"] == 1.0 for x in last)
-    assert m[-1]["eval/rewards/accuracies"] == 1.0 and m[-1]["eval/loss"] < math.log(2)  # held-out pairs (16..20)
+    # held-out pairs (16..20)
+    assert m[-1]["eval/rewards/accuracies"] == 1.0 and m[-1]["eval/loss"] < math.log(2)
     saved = load_config(Path(cfg["run"]["out_dir"]) / "config.yaml")
     assert saved.mode == "dpo" and saved.data.chosen == "chosen"
 
@@ -149,7 +168,8 @@ def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, mo
                            f"--run.out_dir={out}"]) == 0  # 6 steps x 8 pairs: 3 passes over 16
         runs[cache] = (metrics(out), len(calls))
     (cached, n_cached), (plain, n_plain) = runs["true"], runs["false"]
-    assert n_plain == 6 * 4 and n_cached == 2 * 4  # 4 micro-batches of 2 pairs a step; the first pass only
+    # 4 micro-batches of 2 pairs a step; the first pass only
+    assert n_plain == 6 * 4 and n_cached == 2 * 4
     for a, b in zip(cached, plain):
         for k in ("loss", "rewards/margins", "rewards/chosen", "logps/rejected", "grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
@@ -183,23 +203,28 @@ def test_dpo_gradient_does_not_depend_on_the_micro_batch_split(dpo_config, loss)
     base = ["--lora.enabled=false", "--run.eval_every=0",
             *(["--dpo.label_smoothing=0.2"] if loss == "cdpo" else [f"--dpo.loss_type={loss}"])]
     want, m = grads_of_one_step(path, *base, "--optim.micro_batch_size=16")
-    first = {"ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}.get(loss, math.log(2))  # the copy is the policy before its update
+    # the copy is the policy before its update
+    first = {"ipo": (1 / (2 * 0.5)) ** 2, "hinge": 1.0}.get(loss, math.log(2))
     assert m["loss"] == pytest.approx(first, abs=1e-5)
     assert sum(float(g.abs().sum()) for g in want) > 0
-    for split in (["--optim.micro_batch_size=2"], ["--optim.micro_batch_size=1"], ["--optim.micro_batch_tokens=60"]):
+    for split in (["--optim.micro_batch_size=2"], ["--optim.micro_batch_size=1"],
+                  ["--optim.micro_batch_tokens=60"]):
         got, m2 = grads_of_one_step(path, *base, "--optim.micro_batch_size=16", *split)
-        for k in ("loss", "logps/chosen", "logps/rejected", "tokens"):  # over the whole step, not one micro-batch
+        for k in ("loss", "logps/chosen", "logps/rejected", "tokens"):
+            # over the whole step, not one micro-batch
             assert m2[k] == pytest.approx(m[k], rel=1e-5, abs=1e-6), k
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def plain_reply_log_prob(model, tok, prompt: str, reply: str) -> float:
-    """log pi(reply + EOS | prompt) by one unpadded forward and a full log-softmax, the obvious way."""
+    """log pi(reply + EOS | prompt) by one unpadded forward and a full log-softmax, the obvious
+    way."""
     p = tok(prompt, add_special_tokens=False).input_ids
     ids = torch.tensor([p + tok(reply + tok.eos_token, add_special_tokens=False).input_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(
+            -1, ids[0, 1:, None])[:, 0]
     return float(logp[len(p) - 1:].sum())
 
 
@@ -210,7 +235,8 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
     import rollout as ro
     from modes import dpo
     path, _ = dpo_config
-    r = runs.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false", "--optim.lr=1e-3",
+    r = runs.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false",
+                                      "--optim.lr=1e-3",
                                        "--run.eval_every=1", "--optim.micro_batch_size=4"]))
     dpo.dpo_step(r)
     got = dpo.held_out_metrics(r)
@@ -223,9 +249,11 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
         rr.append(plain_reply_log_prob(r.ref_copy, r.tokenizer, prompt, row["rejected"]))
     losses = [slow_dpo_loss(*v, beta) for v in zip(pc, pr, rc, rr)]
     margins = [beta * (a - c) - beta * (b - d) for a, b, c, d in zip(pc, pr, rc, rr)]
-    assert len(r.eval_rows) == 4 and min(abs(x) for x in margins) > 1e-4  # the update moved every pair
-    want = {"eval/loss": sum(losses) / 4, "eval/logps/chosen": sum(pc) / 4, "eval/logps/rejected": sum(pr) / 4,
-            "eval/rewards/margins": sum(margins) / 4, "eval/rewards/accuracies": sum(x > 0 for x in margins) / 4,
+    # the update moved every pair
+    assert len(r.eval_rows) == 4 and min(abs(x) for x in margins) > 1e-4
+    want = {"eval/loss": sum(losses) / 4, "eval/logps/chosen": sum(pc) / 4,
+            "eval/logps/rejected": sum(pr) / 4, "eval/rewards/margins": sum(margins) / 4,
+            "eval/rewards/accuracies": sum(x > 0 for x in margins) / 4,
             "eval/rewards/chosen": beta * (sum(pc) - sum(rc)) / 4}
     for k, v in want.items():
         assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
@@ -243,11 +271,12 @@ def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
     would make the reference the base, which is refused."""
     path, cfg = dpo_config
     sft_dir = tmp_path / "sft"
-    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen", "--data.chosen=null",
-                       "--data.rejected=null", "--run.steps=2", "--run.eval_every=0",
-                       f"--run.out_dir={sft_dir}", "--optim.lr=0.05"]) == 0
+    assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen",
+                       "--data.chosen=null", "--data.rejected=null", "--run.steps=2",
+                       "--run.eval_every=0", f"--run.out_dir={sft_dir}", "--optim.lr=0.05"]) == 0
     out = tmp_path / "dpo_after_sft"
-    assert train.main(["--config", str(path), f"--model.init_adapter={sft_dir}", "--model.merge_init_adapter=true",
+    assert train.main(["--config", str(path), f"--model.init_adapter={sft_dir}",
+                       "--model.merge_init_adapter=true",
                        "--run.steps=1", f"--run.out_dir={out}"]) == 0
     m = metrics(out)
     assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -263,11 +292,13 @@ def test_bad_dpo_input_is_refused_with_the_key_named(dpo_config, tmp_path, capsy
     assert train.main(["--config", str(path), "--dpo.max_length=12"]) == 2
     assert "dpo.max_length=12" in capsys.readouterr().err
     long = tmp_path / "long.jsonl"  # only the rejected reply is too long
-    long.write_text(json.dumps({"question": "Hi?", "chosen": "Hello.", "rejected": "no " * 40}) + "\n")
-    assert train.main(["--config", str(path), f"--data.name={long}", "--data.select=null", "--eval.select=null",
-                       "--dpo.max_length=30"]) == 2
+    long.write_text(json.dumps({"question": "Hi?", "chosen": "Hello.", "rejected": "no " * 40})
+                    + "\n")
+    assert train.main(["--config", str(path), f"--data.name={long}", "--data.select=null",
+                       "--eval.select=null", "--dpo.max_length=30"]) == 2
     assert "row 0 renders to" in capsys.readouterr().err
-    assert train.main(["--config", str(path), "--data.target=chosen"]) == 2  # SFT's reply column, left set
+    # SFT's reply column, left set
+    assert train.main(["--config", str(path), "--data.target=chosen"]) == 2
     assert "set data.target: null" in capsys.readouterr().err
     assert train.main(["--config", str(path), "--mode=sft", "--data.target=chosen"]) == 2
     assert "mode: sft does not read them" in capsys.readouterr().err
@@ -275,43 +306,55 @@ def test_bad_dpo_input_is_refused_with_the_key_named(dpo_config, tmp_path, capsy
     assert "dpo.beta must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "dpo").exists()  # nothing written
     with pytest.raises(DataError, match="data.chosen starts with data.assistant_prefix 'The'"):
-        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="{chosen}", rejected="rejected",
-                             answer_key=None, assistant_prefix="The"))
+        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="{chosen}",
+                             rejected="rejected", answer_key=None, assistant_prefix="The"))
     with pytest.raises(DataError, match="data.rejected starts with data.assistant_prefix 'No'"):
-        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="chosen", rejected="rejected",
+        load_rows(DataConfig(name=cfg["data"]["name"], prompt="question", chosen="chosen",
+                             rejected="rejected",
                              answer_key=None, assistant_prefix="No", select=[4, 5]))  # 1 + 0: "No."
-    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "Hi"}],
-                                                     "chosen": [{"role": "assistant", "content": "Hello!"}],
-                                                     "rejected": [{"role": "user", "content": "?"}]}) + "\n")
+    (tmp_path / "chat.jsonl").write_text(
+        json.dumps({"prompt": [{"role": "user", "content": "Hi"}],
+                    "chosen": [{"role": "assistant", "content": "Hello!"}],
+                    "rejected": [{"role": "user", "content": "?"}]}) + "\n")
     with pytest.raises(DataError, match="data.rejected=rejected holds a list"):
-        load_rows(DataConfig(name=str(tmp_path / "chat.jsonl"), chosen="chosen", rejected="rejected", answer_key=None))
+        load_rows(DataConfig(name=str(tmp_path / "chat.jsonl"), chosen="chosen",
+                             rejected="rejected", answer_key=None))
 
 
 def test_a_mixture_of_pair_files_logs_each_sources_share(dpo_config, tmp_path):
     path, cfg = dpo_config
     for name, rows in (("easy", PAIRS[:10]), ("hard", PAIRS[10:])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mix = json.dumps([{"name": str(tmp_path / "easy.jsonl"), "weight": 3}, {"name": str(tmp_path / "hard.jsonl")}])
-    assert train.main(["--config", str(path), "--data.name=null", f"--data.mixture={mix}", "--data.select=null",
-                       "--data.split_seed=null", "--eval.select=null", "--run.steps=3", "--dpo.batch_size=4"]) == 0
+    mix = json.dumps([{"name": str(tmp_path / "easy.jsonl"), "weight": 3},
+                      {"name": str(tmp_path / "hard.jsonl")}])
+    assert train.main(["--config", str(path), "--data.name=null", f"--data.mixture={mix}",
+                       "--data.select=null", "--data.split_seed=null", "--eval.select=null",
+                       "--run.steps=3", "--dpo.batch_size=4"]) == 0
     m = metrics(Path(cfg["run"]["out_dir"]))
     assert all(x["data/easy"] + x["data/hard"] == pytest.approx(1.0) for x in m)
     assert sum(x["data/easy"] for x in m) > sum(x["data/hard"] for x in m)  # drawn 3 to 1
 
 
 def test_conversational_pairs_and_the_dry_run(dpo_config, tmp_path, capsys):
-    """TRL's conversational preference rows: prompt messages, chosen and rejected as assistant turns."""
+    """TRL's conversational preference rows: prompt messages, chosen and rejected as assistant
+    turns."""
     path, _ = dpo_config
-    row = {"prompt": [{"role": "user", "content": "Hi"}], "chosen": [{"role": "assistant", "content": "Hello!"}],
+    row = {"prompt": [{"role": "user", "content": "Hi"}],
+           "chosen": [{"role": "assistant", "content": "Hello!"}],
            "rejected": [{"role": "assistant", "content": "Go away."}]}
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps(row) + "\n")
-    (got,) = load_rows(DataConfig(name=str(data), chosen="chosen", rejected="rejected", answer_key=None))
+    (got,) = load_rows(DataConfig(name=str(data), chosen="chosen", rejected="rejected",
+                                  answer_key=None))
     assert (got["prompt"], got["chosen"], got["rejected"]) == (row["prompt"], "Hello!", "Go away.")
-    implicit = {"chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]}  # prompt inside
+    # prompt inside
+    implicit = {"chosen": row["prompt"] + row["chosen"],
+                "rejected": row["prompt"] + row["rejected"]}
     data.write_text(json.dumps(implicit) + "\n")
-    (got,) = load_rows(DataConfig(name=str(data), prompt="chosen", chosen="chosen", rejected="rejected", answer_key=None))
+    (got,) = load_rows(DataConfig(name=str(data), prompt="chosen", chosen="chosen",
+                                  rejected="rejected", answer_key=None))
     assert (got["prompt"], got["chosen"], got["rejected"]) == (row["prompt"], "Hello!", "Go away.")
     assert train.main(["--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "(dpo)" in out and "chosen reply:\nThe answer is" in out and "rejected reply:\nNo.<|im_end|>" in out
+    assert "(dpo)" in out and "chosen reply:\nThe answer is" in out \
+        and "rejected reply:\nNo.<|im_end|>" in out

@@ -1,4 +1,4 @@
-"""The GRPO math against slow, obvious references written from the formulas (CPU, random tensors)."""
+"""GRPO math against slow, obvious references written from the formulas (CPU, random tensors)."""
 import math
 
 import pytest
@@ -9,11 +9,12 @@ from grpo import LossNorm
 from grpo import LossSettings as S
 
 
-def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len, micro_batches=1, keep=None,
-                   delta=0.0, cispo_cap=None):
+def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len,
+                   micro_batches=1, keep=None, delta=0.0, cispo_cap=None):
     """A per-token Python loop: the formulas of GRPO_NOTES.md, one token at a time; keep[i][t] = 0
     drops token t's policy-gradient term (top_entropy_quantile), not its KL or its count. delta: the
-    unclipped term's ratio capped at delta (INTELLECT-2); cispo_cap: CISPO's -sg(min(rho, cap)) A logp."""
+    unclipped term's ratio capped at delta (INTELLECT-2); cispo_cap: CISPO's -sg(min(rho, cap)) A
+    logp."""
     N, C = logp.shape
     seq_terms, total, tokens = [], 0.0, 0
     for i in range(N):
@@ -74,7 +75,8 @@ def test_each_loss_type_matches_the_per_token_loop_in_value_and_gradient(loss_ty
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("variant", [{"delta": 1.5}, {"cispo_cap": 1.2}])
-def test_two_sided_clip_and_cispo_match_the_per_token_loop_in_value_and_gradient(loss_type, beta, variant):
+def test_two_sided_clip_and_cispo_match_the_per_token_loop_in_value_and_gradient(
+        loss_type, beta, variant):
     """delta and CISPO against the loop; both act on this batch (ratios up to ~2.5), so each gives
     another gradient than the plain clipped objective."""
     logp, old, ref, adv, mask = random_batch(seed=1)
@@ -93,34 +95,43 @@ def test_two_sided_clip_and_cispo_match_the_per_token_loop_in_value_and_gradient
 
 def test_two_sided_clip_zeroes_the_gradient_of_negative_advantages_past_delta_only():
     """rho = 3 > delta = 2: with A < 0 no gradient (plain clip: -A rho, a gradient); with A > 0 the
-    upper clip already held it; rho = 1.5 < delta with A < 0: unchanged. clip_delta counts the first."""
+    upper clip already held it; rho = 1.5 < delta with A < 0: unchanged. clip_delta counts the
+    first."""
     logp = torch.zeros(4, 1, requires_grad=True)
-    old = torch.log(torch.tensor([[1 / 3.0], [1 / 3.0], [1 / 1.5], [1 / 3.0]]))  # rho = 3, 3, 1.5, 3
+    # rho = 3, 3, 1.5, 3
+    old = torch.log(torch.tensor([[1 / 3.0], [1 / 3.0], [1 / 1.5], [1 / 3.0]]))
     adv, mask = torch.tensor([-1.0, 1.0, -1.0, 1.0]), torch.ones(4, 1)
     norm = LossNorm("dapo", 4, 4, 1, 1)
     grads = []
     for delta in (0.0, 2.0):
         loss, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28, delta=delta))
         grads.append(torch.autograd.grad(loss, logp)[0].flatten().tolist())
-    assert grads[0] == pytest.approx([0.75, 0.0, 0.375, 0.0]) and grads[1] == pytest.approx([0.0, 0.0, 0.375, 0.0])
+    assert grads[0] == pytest.approx([0.75, 0.0, 0.375, 0.0]) \
+        and grads[1] == pytest.approx([0.0, 0.0, 0.375, 0.0])
     assert stats["clip_delta_sum"] == 1.0  # row 0 only: rows 1 and 3 pass delta with A > 0
 
 
 def test_cispo_keeps_the_gradient_where_the_clip_drops_it_and_equals_it_on_policy():
-    """rho = 2 with A > 0: the clip gives no gradient, CISPO a capped one (weight min(2, 1.5) = 1.5);
+    """rho = 2, A > 0: the clip gives no gradient, CISPO a capped one (weight min(2, 1.5) = 1.5);
     on-policy both give -A per token. CISPO's cap counts as clip_high."""
     logp = torch.zeros(2, 1, requires_grad=True)
-    old, adv, mask = torch.log(torch.tensor([[0.5], [2.0]])), torch.tensor([1.0, -1.0]), torch.ones(2, 1)  # rho = 2, 0.5
+    # rho = 2, 0.5
+    old, adv, mask = torch.log(torch.tensor([[0.5], [2.0]])), \
+        torch.tensor([1.0, -1.0]), torch.ones(2, 1)
     norm = LossNorm("dapo", 2, 2, 1, 1)
     clip, clip_stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28))
     cispo, stats = grpo.grpo_loss(logp, old, None, adv, mask, norm, S(0.2, 0.28, cispo_cap=1.5))
-    assert torch.autograd.grad(clip, logp)[0].flatten().tolist() == [0.0, 0.0]  # both outside the clip
-    assert torch.autograd.grad(cispo, logp)[0].flatten().tolist() == pytest.approx([-0.75, 0.25])  # weights 1.5, 0.5; / 2
+    # both outside the clip
+    assert torch.autograd.grad(clip, logp)[0].flatten().tolist() == [0.0, 0.0]
+    # weights 1.5, 0.5; / 2
+    assert torch.autograd.grad(cispo, logp)[0].flatten().tolist() == pytest.approx([-0.75, 0.25])
     assert (clip_stats["clip_high_sum"], clip_stats["clip_low_sum"]) == (1.0, 1.0)
-    assert (stats["clip_high_sum"], stats["clip_low_sum"]) == (1.0, 0.0)  # only the cap clips under CISPO
+    # only the cap clips under CISPO
+    assert (stats["clip_high_sum"], stats["clip_low_sum"]) == (1.0, 0.0)
     lp, _, _, adv, mask = random_batch()
     norm = LossNorm("grpo", 6, int(mask.sum()), 7, 1)
-    g = [torch.autograd.grad(grpo.grpo_loss(lp, None, None, adv, mask, norm, S(cispo_cap=cap))[0], lp)[0] for cap in (None, 5.0)]
+    g = [torch.autograd.grad(grpo.grpo_loss(lp, None, None, adv, mask, norm, S(cispo_cap=cap))[0],
+                             lp)[0] for cap in (None, 5.0)]
     assert torch.allclose(g[0], g[1], atol=1e-7) and g[0].abs().sum() > 0
 
 
@@ -140,7 +151,8 @@ def test_gradient_does_not_depend_on_micro_batch_size(loss_type):
         norm = LossNorm(loss_type, 8, int(mask.sum()), 9, len(slices))
         total = 0.0
         for sl in slices:
-            loss, _ = grpo.grpo_loss(lp[sl], old[sl], ref[sl], adv[sl], mask[sl], norm, S(0.2, 0.28, 0.04))
+            loss, _ = grpo.grpo_loss(lp[sl], old[sl], ref[sl], adv[sl], mask[sl], norm,
+                                     S(0.2, 0.28, 0.04))
             loss.backward()
             total += float(loss.detach())
         grads.append((lp.grad.clone(), total))
@@ -155,9 +167,12 @@ def test_bnpo_does_depend_on_micro_batch_size_as_documented():
     for size in (8, 3):
         slices = [slice(s, min(s + size, 8)) for s in range(0, 8, size)]
         norm = LossNorm("bnpo", 8, int(mask.sum()), 9, len(slices))
-        values.append(sum(float(grpo.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s], norm)[0].detach()) for s in slices))
-        slow = sum(reference_loss(logp[s], old[s], ref[s], adv[s], mask[s], "bnpo", 0.2, 0.2, 0.0, 9, len(slices)) for s in slices)
-        assert values[-1] == pytest.approx(float(slow.detach()), rel=1e-5)  # the mean of the micro-batches' token means
+        values.append(sum(float(grpo.grpo_loss(logp[s], old[s], ref[s], adv[s], mask[s],
+                                               norm)[0].detach()) for s in slices))
+        slow = sum(reference_loss(logp[s], old[s], ref[s], adv[s], mask[s], "bnpo", 0.2, 0.2, 0.0,
+                                  9, len(slices)) for s in slices)
+        # the mean of the micro-batches' token means
+        assert values[-1] == pytest.approx(float(slow.detach()), rel=1e-5)
     assert not math.isclose(values[0], values[1], rel_tol=1e-4)
 
 
@@ -174,16 +189,18 @@ def test_on_policy_ratio_is_one_but_still_carries_the_gradient():
 
 def test_clip_fractions_count_tokens_where_the_clip_is_active():
     logp = torch.zeros(4, 2)
-    old = torch.log(torch.tensor([[1 / 0.5, 1.0], [1 / 1.5, 1.0], [1 / 0.5, 1.0], [1 / 1.5, 1.0]]))  # rho = .5, 1.5
+    # rho = .5, 1.5
+    old = torch.log(torch.tensor([[1 / 0.5, 1.0], [1 / 1.5, 1.0], [1 / 0.5, 1.0], [1 / 1.5, 1.0]]))
     adv = torch.tensor([-1.0, 1.0, 1.0, -1.0])
     mask = torch.ones(4, 2)
     _, s = grpo.grpo_loss(logp, old, None, adv, mask, LossNorm("dapo", 4, 8, 2, 1), S(0.2, 0.28))
     # row 0: rho .5 < .8 with A < 0 -> low; row 1: rho 1.5 > 1.28 with A > 0 -> high;
-    # rows 2, 3: the same ratios with the other sign of A are not clipped (min picks the unclipped term)
+    # rows 2, 3: the same ratios, the other sign of A: not clipped (min picks the unclipped term)
     assert (s["clip_low_sum"], s["clip_high_sum"], s["tokens"]) == (1.0, 1.0, 8.0)
-    for row, low, high in ((0, 1.0, 0.0), (1, 0.0, 1.0), (2, 0.0, 0.0), (3, 0.0, 0.0)):  # each row on its own
-        _, s = grpo.grpo_loss(logp[row:row + 1], old[row:row + 1], None, adv[row:row + 1], mask[row:row + 1],
-                              LossNorm("dapo", 1, 2, 2, 1), S(0.2, 0.28))
+    for row, low, high in ((0, 1.0, 0.0), (1, 0.0, 1.0), (2, 0.0, 0.0), (3, 0.0, 0.0)):
+        # each row on its own
+        _, s = grpo.grpo_loss(logp[row:row + 1], old[row:row + 1], None, adv[row:row + 1],
+                              mask[row:row + 1], LossNorm("dapo", 1, 2, 2, 1), S(0.2, 0.28))
         assert (s["clip_low_sum"], s["clip_high_sum"]) == (low, high), row
 
 
@@ -200,16 +217,18 @@ def test_kl_is_zero_when_policy_equals_reference_and_positive_otherwise():
 
 @pytest.mark.parametrize("old_given", [False, True])
 def test_extreme_log_probs_outside_the_mask_leave_the_gradient_finite(old_given):
-    # a padding token's log-prob can be anything: exp(ref - logp) overflows to inf there, and masking
-    # the loss afterwards would still give it a 0 * inf = NaN gradient, spreading to every weight
+    # a padding token's log-prob can be anything: exp(ref - logp) overflows to inf there, and
+    # masking the loss afterwards still gives it a 0 * inf = NaN gradient, spreading to every weight
     logp = torch.tensor([[-1.0, -1.0, -95.0]], requires_grad=True)
     ref = torch.tensor([[-1.1, -0.9, -2.0]])
     old = torch.tensor([[-1.0, -1.0, -300.0]]) if old_given else None
     mask, adv = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1.0])
-    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, LossNorm("dapo", 1, 2, 3, 1), S(beta=0.04))
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, LossNorm("dapo", 1, 2, 3, 1),
+                                 S(beta=0.04))
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(g).all() and g[0, 2] == 0
-    expected = reference_loss(logp.detach().clone().requires_grad_(), logp.detach() if old is None else old,
+    expected = reference_loss(logp.detach().clone().requires_grad_(),
+                              logp.detach() if old is None else old,
                               ref, adv, mask, "dapo", 0.2, 0.2, 0.04, 3)
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), abs=1e-6)
     assert stats["kl_sum"] == pytest.approx(sum(math.exp(d) - d - 1 for d in (-0.1, 0.1)), rel=1e-5)
@@ -250,7 +269,8 @@ def test_skipped_rewards_are_left_out_of_their_groups_advantages():
                 div = {"group": std + 1e-4, "batch": float(kept.std()) + 1e-4, "none": 1.0}[scale]
                 want.append((x - mean) / div)
         assert torch.allclose(adv, torch.tensor(want), atol=1e-6), scale
-    assert grpo.zero_std_groups(r, 4).tolist() == [False, True, False]  # group 2 has one reward left
+    # group 2 has one reward left
+    assert grpo.zero_std_groups(r, 4).tolist() == [False, True, False]
     assert torch.equal(grpo.group_advantages(torch.full((4,), nan), 4, "batch"), torch.zeros(4))
 
 
@@ -258,14 +278,16 @@ def test_equal_rewards_get_exactly_zero_advantage_despite_rounding_in_the_mean()
     r = torch.full((8,), 1.4583333730697632)  # fp32 mean of these is off by an ulp
     assert torch.equal(grpo.group_advantages(r, 8, "group"), torch.zeros(8))
     noisy = torch.tensor([0.5, 0.5 + 1e-7, 0.5, 0.5], dtype=torch.float64)
-    assert torch.equal(grpo.group_advantages(noisy, 4, zero_std_tol=1e-6), torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(grpo.group_advantages(noisy, 4, zero_std_tol=1e-6),
+                       torch.zeros(4, dtype=torch.float64))
 
 
 def test_zero_std_groups_use_a_tolerance_for_noisy_judge_scores():
     r = torch.tensor([0.7, 0.7 + 1e-9, 0.7, 0.7, 0.1, 0.9, 0.5, 0.5], dtype=torch.float64)
     assert grpo.zero_std_groups(r, 4, tol=1e-6).tolist() == [True, False]
     assert grpo.zero_std_groups(r, 4, tol=0.0).tolist() == [False, False]
-    assert grpo.zero_std_groups(torch.ones(4), 4, tol=0.0).tolist() == [True]  # exactly equal is equal at tol 0
+    # exactly equal is equal at tol 0
+    assert grpo.zero_std_groups(torch.ones(4), 4, tol=0.0).tolist() == [True]
 
 
 def test_completion_mask_keeps_the_real_eos_when_pad_equals_eos():
@@ -288,15 +310,17 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     ref = torch.tensor([[-1.5, -1.0]])
     adv, w = torch.tensor([2.0]), torch.tensor([[0.5, 3.0]])
     plain, _, kl = grpo.per_token_loss(logp, logp, ref, adv, torch.ones_like(logp), S(beta=0.1))
-    weighted, _, _ = grpo.per_token_loss(logp, logp, ref, adv, torch.ones_like(logp), S(beta=0.1), is_weight=w)
+    weighted, _, _ = grpo.per_token_loss(logp, logp, ref, adv, torch.ones_like(logp), S(beta=0.1),
+                                         is_weight=w)
     pg = plain - 0.1 * kl  # rho = 1: the policy-gradient term is -A per token
     assert torch.allclose(pg, torch.tensor([[-2.0, -2.0]]))
     assert torch.allclose(weighted, w * pg + 0.1 * kl)
 
 
 def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, weight):
-    """GSPO from its formula, one completion at a time: s_i = exp(mean over its tokens of logp - old),
-    l_it = -w_it min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i) + beta KL_it on each of its tokens."""
+    """GSPO from its formula, one completion at a time: s_i = exp(mean over its tokens of logp -
+    old), l_it = -w_it min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i) + beta KL_it on each of
+    its tokens."""
     N, C = logp.shape
     per_seq, total, tokens = [], 0.0, 0
     for i in range(N):
@@ -306,7 +330,8 @@ def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi
             continue
         s = torch.exp(sum(logp[i, t] - old[i, t] for t in ts) / len(ts))
         pg = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
-        terms = [pg * weight[i, t] + beta * (torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1) for t in ts]
+        terms = [pg * weight[i, t] + beta * (torch.exp(ref[i, t] - logp[i, t])
+                                             - (ref[i, t] - logp[i, t]) - 1) for t in ts]
         per_seq.append(sum(terms) / len(ts))
         total, tokens = total + sum(terms), tokens + len(ts)
     return sum(per_seq) / N if loss_type == "grpo" else total / tokens
@@ -316,25 +341,33 @@ def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi
 @pytest.mark.parametrize("beta, weighted", [(0.0, False), (0.04, True)])
 def test_sequence_level_ratio_matches_gspo_formula_in_value_and_gradient(loss_type, beta, weighted):
     logp, old, ref, adv, mask = random_batch(N=16, seed=3)
-    old = logp.detach() + 0.05 * (old - logp.detach())  # ratios near 1, so that a small clip cuts some and not all
+    # ratios near 1, so that a small clip cuts some and not all
+    old = logp.detach() + 0.05 * (old - logp.detach())
     mask[5] = 0  # a completion masked out whole (truncated, or its reward skipped)
-    weight = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))) if weighted else torch.ones_like(logp)
+    weight = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))) \
+        if weighted else torch.ones_like(logp)
     N, C = logp.shape
     norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
-    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(3e-3, 4e-3, beta, sequence=True),
+    loss, stats = grpo.grpo_loss(logp, old, ref, adv, mask, norm,
+                                 S(3e-3, 4e-3, beta, sequence=True),
                                  is_weight=weight if weighted else None)
     (g,) = torch.autograd.grad(loss, logp)
     logp2 = logp.detach().clone().requires_grad_()
-    expected = reference_sequence_loss(logp2, old, ref, adv, mask, loss_type, 3e-3, 4e-3, beta, weight)
+    expected = reference_sequence_loss(logp2, old, ref, adv, mask, loss_type, 3e-3, 4e-3, beta,
+                                       weight)
     (g2,) = torch.autograd.grad(expected, logp2)
-    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6) and torch.isfinite(g).all()
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6) \
+        and torch.isfinite(g).all()
     lengths = mask.sum(1)
     s = torch.exp(((logp.detach() - old) * mask).sum(1) / lengths.clamp(min=1))  # (N,)
-    assert stats["ratio_sum"] == pytest.approx(float((lengths * s).sum()), rel=1e-6)  # each token counts its completion's
+    # each token counts its completion's
+    assert stats["ratio_sum"] == pytest.approx(float((lengths * s).sum()), rel=1e-6)
     low, high = (s < 1 - 3e-3) & (adv < 0), (s > 1 + 4e-3) & (adv > 0)
-    assert stats["clip_low_sum"] == float(lengths[low].sum()) and stats["clip_high_sum"] == float(lengths[high].sum())
+    assert stats["clip_low_sum"] == float(lengths[low].sum()) \
+        and stats["clip_high_sum"] == float(lengths[high].sum())
     assert (low | high).any() and not (low | high).all()
-    if beta == 0 and not weighted:  # a clipped completion gets no gradient at all, an unclipped one the same on each token
+    if beta == 0 and not weighted:
+        # a clipped completion gets no gradient at all, an unclipped one the same on each token
         for i in range(N):
             kept = g[i][mask[i] > 0]
             assert kept.numel() == 0 or (kept.abs().sum() == 0) == bool(low[i] | high[i])
@@ -355,13 +388,14 @@ def test_on_policy_the_sequence_ratio_gives_the_token_level_gradient():
     """rho = 1 exactly: GSPO's gradient with loss_type grpo is the token-level grpo gradient."""
     logp, _, _, adv, mask = random_batch(seed=4)
     norm = LossNorm("grpo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
-    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, S(sequence=lv == "sequence"))[0], logp)[0]
+    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm,
+                                                S(sequence=lv == "sequence"))[0], logp)[0]
              for lv in ("token", "sequence")]
     assert torch.allclose(grads[0], grads[1], atol=1e-7) and grads[0].abs().sum() > 0
 
 
 def test_high_entropy_mask_keeps_the_masked_tokens_at_or_above_the_quantile():
-    """Against numpy's quantile (linear interpolation) of the masked entropies; padding never counts."""
+    """Against numpy's quantile (linear interpolation) of masked entropies; padding never counts."""
     import numpy as np
     g = torch.Generator().manual_seed(7)
     h = torch.rand(6, 9, generator=g) * 4  # (N, C) distinct values
@@ -373,7 +407,8 @@ def test_high_entropy_mask_keeps_the_masked_tokens_at_or_above_the_quantile():
         got = grpo.high_entropy_mask(h, mask, q)
         assert torch.equal(got, expected), q
         assert abs(int(got.sum()) - q * len(values)) <= 1  # about that share of the tokens
-        padded = torch.where(mask.bool(), h, torch.full_like(h, 1e9))  # huge entropies in the padding
+        # huge entropies in the padding
+        padded = torch.where(mask.bool(), h, torch.full_like(h, 1e9))
         assert torch.equal(grpo.high_entropy_mask(padded, mask, q), got)
     assert torch.equal(grpo.high_entropy_mask(h, mask, 1.0), mask.bool())
     top = grpo.high_entropy_mask(h, mask, 0.0)
@@ -384,7 +419,7 @@ def test_high_entropy_mask_keeps_the_masked_tokens_at_or_above_the_quantile():
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_tokens_left_out_by_keep_lose_their_policy_gradient_only(loss_type, beta):
-    """keep drops a token's clipped-surrogate term; its KL term and its place in the normaliser stay."""
+    """keep drops a token's clipped-surrogate term; its KL term and place in the normaliser stay."""
     logp, old, ref, adv, mask = random_batch(seed=11)
     keep = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) < 0.4  # (N, C)
     N, C = logp.shape

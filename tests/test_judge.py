@@ -1,4 +1,5 @@
-"""Tests for client.py and judge.py against the local fake server (tests/fake_openai_server.py); no real network."""
+"""Tests for client.py and judge.py against the local fake server (tests/fake_openai_server.py); no
+real network."""
 
 import asyncio
 import json
@@ -33,7 +34,8 @@ from judge import (
 from plumbing.scoring import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
-KEY_ENV = "MINIGRPO_TEST_JUDGE_KEY"  # not OPENAI_API_KEY, so a developer's real key is never picked up
+# not OPENAI_API_KEY, so a developer's real key is never picked up
+KEY_ENV = "MINIGRPO_TEST_JUDGE_KEY"
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +60,7 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-# --- retries, timeouts, failures -------------------------------------------------------------------
+# --- retries, timeouts, failures ------------------------------------------------------------------
 def test_429_with_retry_after_is_retried_after_waiting_that_long(server):
     judge = make_judge(server, backoff_s=0.001)
     server.script(rate_limited(retry_after="0.4"))
@@ -99,18 +101,20 @@ def test_final_failure_yields_none_and_counts_without_raising(server):
 
 @pytest.mark.parametrize("status", [400, 401, 404])
 def test_client_errors_other_than_429_are_not_retried(server, status, caplog):
-    """400 is one request's problem (a content filter): a failure. 401/403/404 are the key, the model
-    or the URL, which no later call fixes either: JudgeUnusable, so that a run stops."""
+    """400 is one request's problem (a content filter): a failure. 401/403/404 are the key, the
+    model or the URL, which no later call fixes either: JudgeUnusable, so that a run stops."""
     judge = make_judge(server)
     server.default = server_error(status)
     if status == 400:
         assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
     else:
-        with pytest.raises(JudgeUnusable, match=f"HTTP {status}.*check judge's base_url, model and the key in \\${KEY_ENV}"):
+        with pytest.raises(JudgeUnusable, match=f"HTTP {status}.*check judge's base_url, model and "
+                                                f"the key in \\${KEY_ENV}"):
             judge.complete_many([chat("a"), chat("b")])
     assert len(server.requests) == 2
     assert judge.pop_step_stats()["judge_failures"] == 2
-    assert len([r for r in caplog.records if f"HTTP {status}" in r.getMessage()]) == 1  # one line, not one per call
+    # one line, not one per call
+    assert len([r for r in caplog.records if f"HTTP {status}" in r.getMessage()]) == 1
 
 
 def test_once_the_key_is_refused_no_further_request_is_sent(server):
@@ -122,36 +126,48 @@ def test_once_the_key_is_refused_no_further_request_is_sent(server):
 
 
 def test_endpoint_and_model_may_come_from_the_environment(server, monkeypatch):
-    """GRubrics read AZURE_OPENAI_ENDPOINT and JUDGE_MODEL from the environment: ${NAME} in base_url,
-    azure_endpoint or model is filled in when the client is built; the config keeps the reference."""
+    """GRubrics read AZURE_OPENAI_ENDPOINT and JUDGE_MODEL from the environment: ${NAME} in
+    base_url, azure_endpoint or model is filled in when the client is built; the config keeps the
+    reference."""
     monkeypatch.setenv("MINIGRPO_TEST_URL", server.url)
     monkeypatch.setenv("MINIGRPO_TEST_MODEL", "judge-from-env")
-    cfg = JudgeConfig(base_url="${MINIGRPO_TEST_URL}", model="${MINIGRPO_TEST_MODEL}", api_key_env=KEY_ENV, max_retries=0)
+    cfg = JudgeConfig(base_url="${MINIGRPO_TEST_URL}", model="${MINIGRPO_TEST_MODEL}",
+                      api_key_env=KEY_ENV, max_retries=0)
     judge = Judge(cfg)
     server.default = ok(text='{"score": 7}')
     assert judge.complete_many([chat("a")]) == ['{"score": 7}']
-    assert server.requests[-1].body["model"] == "judge-from-env" and cfg.model == "${MINIGRPO_TEST_MODEL}"
+    assert server.requests[-1].body["model"] == "judge-from-env" \
+        and cfg.model == "${MINIGRPO_TEST_MODEL}"
     monkeypatch.delenv("MINIGRPO_TEST_MODEL")
-    with pytest.raises(ValueError, match=r"model reads \$\{MINIGRPO_TEST_MODEL\}, which is not set"):
+    with pytest.raises(ValueError,
+                       match=r"model reads \$\{MINIGRPO_TEST_MODEL\}, which is not set"):
         Judge(cfg)
 
 
-def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(server, monkeypatch, caplog):
+def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(
+        server, monkeypatch, caplog):
     from config import redacted
     monkeypatch.setenv("MINIGRPO_TEST_HEADER_TOKEN", "hdr-SECRET-456789")
-    judge = make_judge(server, extra_headers={"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "X-Team": "ml"})
+    judge = make_judge(server,
+                       extra_headers={"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}",
+                                      "X-Team": "ml"})
     server.default = ok(text='{"score": 7}')
     judge.complete_many([chat("a")])
     assert server.requests[0].headers["authorization"] == "Bearer hdr-SECRET-456789"
     assert server.requests[0].headers["x-team"] == "ml"
-    server.default = server_error(401)  # the fake echoes the presented Authorization value in its error
+    # the fake echoes the presented Authorization value in its error
+    server.default = server_error(401)
     with pytest.raises(JudgeUnusable) as err:
         judge.complete_many([chat("b")])
     assert "Incorrect API key provided: ***" in str(err.value)
     assert "hdr-SECRET-456789" not in str(err.value) + caplog.text
-    # a saved config keeps the reference (no secret) and masks a literal value; '***' is refused when a client is built
-    saved = redacted({"judge": {"extra_headers": {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "K": "lit"}}})
-    assert saved["judge"]["extra_headers"] == {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "K": "***"}
+    # a saved config keeps the reference (no secret) and masks a literal value; '***' is refused
+    # when a client is built
+    saved = redacted(
+        {"judge": {"extra_headers": {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}",
+                                     "K": "lit"}}})
+    assert saved["judge"]["extra_headers"] == \
+        {"Authorization": "Bearer ${MINIGRPO_TEST_HEADER_TOKEN}", "K": "***"}
     with pytest.raises(ValueError, match="masked when a run saved its config"):
         make_judge(server, extra_headers={"K": "***"})
     with pytest.raises(ValueError, match=r"reads \$\{MINIGRPO_NO_SUCH_VAR\}, which is not set"):
@@ -196,7 +212,8 @@ def test_complete_many_preserves_order_when_replies_arrive_out_of_order(server):
     judge = make_judge(server, memory_cache=False)
     for _ in range(3):  # repeated calls from sync code each get a fresh event loop
         server.reset()
-        assert judge.complete_many([chat(str(i)) for i in range(8)]) == [f"reply {i}" for i in range(8)]
+        assert judge.complete_many([chat(str(i)) for i in range(8)]) == \
+            [f"reply {i}" for i in range(8)]
         assert len(server.requests) == 8
 
 
@@ -228,12 +245,14 @@ def test_identical_prompts_in_flight_share_one_request(server):
     assert (stats["judge_calls"], stats["judge_requests"], stats["judge_cache_hits"]) == (5, 1, 4)
 
 
-def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_own_index(server, tmp_path):
+def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_own_index(
+        server, tmp_path):
     count = iter(range(100))
     server.reply = lambda body: f"answer {next(count)}"
     path = tmp_path / "answers.jsonl"
     first = make_judge(server, cache_path=str(path), temperature=1.0)
-    replies = first.complete_many([chat("q1"), chat("q2")], n=3)  # request-major: q1's three, then q2's
+    # request-major: q1's three, then q2's
+    replies = first.complete_many([chat("q1"), chat("q2")], n=3)
     assert len(set(replies)) == 6 and len(server.requests) == 6
     server.reset()
     restarted = make_judge(server, cache_path=str(path), temperature=1.0, memory_cache=False)
@@ -242,7 +261,8 @@ def test_n_samples_of_one_request_are_distinct_requests_each_cached_under_its_ow
     assert again[:3] == replies[:3] and again[4:7] == replies[3:]
     assert len(server.requests) == 2  # the fourth sample of each: all others came from the cache
     key = cache_key("m", chat("q"), 1.0, 512)  # sample 0 keeps the key caches were written with
-    assert cache_key("m", chat("q"), 1.0, 512, sample=0) == key != cache_key("m", chat("q"), 1.0, 512, sample=1)
+    assert cache_key("m", chat("q"), 1.0, 512, sample=0) == key != \
+        cache_key("m", chat("q"), 1.0, 512, sample=1)
 
 
 def test_an_interrupted_batch_cancels_its_requests_and_keeps_what_arrived(server, tmp_path, caplog):
@@ -255,7 +275,8 @@ def test_an_interrupted_batch_cancels_its_requests_and_keeps_what_arrived(server
 
     async def main():
         task = asyncio.ensure_future(judge._gather([chat(f"p{i}") for i in range(4)], None))
-        for _ in range(200):  # until the first reply is cached (a cold `import openai` takes a while)
+        for _ in range(200):
+            # until the first reply is cached (a cold `import openai` takes a while)
             await asyncio.sleep(0.05)
             if path.exists() and path.read_text().count("\n") == 1:
                 break
@@ -270,12 +291,14 @@ def test_an_interrupted_batch_cancels_its_requests_and_keeps_what_arrived(server
 
 def test_a_data_file_given_as_the_cache_is_refused_not_appended_to(server, tmp_path):
     answers = tmp_path / "grubrics_open.jsonl"  # paid answers, say
-    answers.write_text(json.dumps({"question": "q", "answers": ["a", "b"], "gold_scores": [1, 0]}) + "\n")
+    answers.write_text(json.dumps({"question": "q", "answers": ["a", "b"], "gold_scores": [1, 0]})
+                       + "\n")
     before = answers.read_bytes()
     with pytest.raises(ValueError, match="holds lines but no cache records"):
         make_judge(server, cache_path=str(answers))
     assert answers.read_bytes() == before
-    pretty = tmp_path / "rows.json"  # a pretty-printed JSON array, or a CSV: no line is a cache record either
+    # a pretty-printed JSON array, or a CSV: no line is a cache record either
+    pretty = tmp_path / "rows.json"
     pretty.write_text(json.dumps([{"question": "q"}], indent=1) + "\n")
     with pytest.raises(ValueError, match="holds lines but no cache records"):
         make_judge(server, cache_path=str(pretty))
@@ -297,7 +320,8 @@ def test_requests_per_minute_holds_when_a_busy_connection_frees():
     starts = []
     with FakeOpenAIServer(reply=lambda body: starts.append(time.monotonic()) or "x") as s:
         s.script(ok("slow", delay_s=1.0), ok("slow", delay_s=0.9))
-        make_judge(s, max_concurrent=2, requests_per_minute=600, max_retries=0).complete_many([chat(f"q{i}") for i in range(6)])
+        make_judge(s, max_concurrent=2, requests_per_minute=600,
+                   max_retries=0).complete_many([chat(f"q{i}") for i in range(6)])
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert len(starts) == 4 and min(gaps) >= 0.08, gaps
 
@@ -306,24 +330,28 @@ def test_requests_per_minute_holds_when_a_busy_connection_frees():
 def test_a_timeout_or_rate_that_could_never_send_is_refused(server, bad):
     with pytest.raises(ValueError, match="need timeout_s > 0"):
         make_judge(server, **bad)
-    assert make_judge(server, requests_per_minute=0).complete_many([chat("a")]) == ['{"score": 7}']  # 0: no limit
+    # 0: no limit
+    assert make_judge(server, requests_per_minute=0).complete_many([chat("a")]) == ['{"score": 7}']
 
 
 def test_a_key_with_a_trailing_newline_is_sent_without_it(server, monkeypatch):
-    """A key read from a secret file often ends in a newline; sent with it, no request leaves the client."""
+    """A key read from a secret file often ends in a newline; sent with it, no request leaves the
+    client."""
     monkeypatch.setenv(KEY_ENV, SECRET + "\n")
     assert make_judge(server).complete_many([chat("a")]) == ['{"score": 7}']
     assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"
 
 
 def test_out_of_credit_stops_the_run_instead_of_being_retried(server):
-    """OpenAI's 429 insufficient_quota is a bill to pay, not a rate to wait out: no retry, JudgeUnusable."""
+    """OpenAI's 429 insufficient_quota is a bill to pay, not a rate to wait out: no retry,
+    JudgeUnusable."""
     server.default = Behaviour(status=429, code="insufficient_quota")
     with pytest.raises(JudgeUnusable, match="HTTP 429"):
         make_judge(server, max_retries=3).complete_many([chat("a")])
     assert len(server.requests) == 1
     server.default = rate_limited("0")  # a plain 429 is still retried
-    assert make_judge(server, max_retries=1).complete_many([chat("b")]) == [None] and len(server.requests) == 3
+    assert make_judge(server, max_retries=1).complete_many([chat("b")]) == [None] \
+        and len(server.requests) == 3
 
 
 def test_what_real_providers_send_besides_a_reply(server, caplog):
@@ -344,8 +372,10 @@ def test_what_real_providers_send_besides_a_reply(server, caplog):
     with pytest.raises(JudgeUnusable, match="HTTP 402"):
         make_judge(server).complete_many([chat("e")])
     server.default = Behaviour(status=400, code="unsupported_parameter",
-                               message="Unsupported parameter: 'max_tokens' is not supported with this model.")
-    with pytest.raises(JudgeUnusable, match="judge.token_param: max_completion_tokens and judge.temperature: null"):
+                               message="Unsupported parameter: 'max_tokens' is not supported with "
+                                       "this model.")
+    with pytest.raises(JudgeUnusable, match="judge.token_param: max_completion_tokens and "
+                                            "judge.temperature: null"):
         make_judge(server).complete_many([chat("f")])
 
 
@@ -354,31 +384,37 @@ def test_a_reply_cut_before_any_answer_is_a_failure_never_cached(server, tmp_pat
     vLLM's reasoning parser null; neither is an answer, and neither may come back from the cache."""
     cache = tmp_path / "cache.jsonl"
     judge = make_judge(server, cache_path=str(cache), max_tokens=64)
-    server.script(Behaviour(text="", finish_reason="length"), Behaviour(null_content=True, finish_reason="length"))
+    server.script(Behaviour(text="", finish_reason="length"),
+                  Behaviour(null_content=True, finish_reason="length"))
     with caplog.at_level(logging.WARNING):
         assert judge.complete_many([chat("a"), chat("b")]) == [None, None]
-    assert "cut at max_tokens=64 before any answer" in caplog.text and "raise judge.max_tokens" in caplog.text
+    assert "cut at max_tokens=64 before any answer" in caplog.text \
+        and "raise judge.max_tokens" in caplog.text
     assert not cache.exists() and judge.complete_many([chat("a")]) == ['{"score": 7}']
 
 
 def test_a_judge_that_never_answers_stops_the_run(server):
     """FAILED_LIMIT requests failed after their retries, none answered (a 400 for every request, a
-    server that is down): JudgeUnusable instead of a run trained on fallbacks. Once one has answered,
-    failures are only counted."""
+    server that is down): JudgeUnusable instead of a run trained on fallbacks. Once one has
+    answered, failures are only counted."""
     from api.client import FAILED_LIMIT
     server.default = server_error(400)
     judge = make_judge(server)
-    assert judge.complete_many([chat(f"a{i}") for i in range(FAILED_LIMIT - 1)]) == [None] * (FAILED_LIMIT - 1)
-    with pytest.raises(JudgeUnusable, match=f"none of its first {FAILED_LIMIT} requests .* got a reply .*HTTP 400"):
+    assert judge.complete_many([chat(f"a{i}") for i in range(FAILED_LIMIT - 1)]) == \
+        [None] * (FAILED_LIMIT - 1)
+    with pytest.raises(JudgeUnusable, match=f"none of its first {FAILED_LIMIT} requests .* got a "
+                                            "reply .*HTTP 400"):
         judge.complete_many([chat("last")])
     server.reset()
-    with pytest.raises(JudgeUnusable):  # stopped: nothing more is sent (eval.py's next model scored by it)
+    with pytest.raises(JudgeUnusable):
+        # stopped: nothing more is sent (eval.py's next model scored by it)
         judge.complete_many([chat("again")])
     assert server.requests == []
     judge = make_judge(server)
     server.script(ok())
     judge.complete_many([chat("first")])
-    assert judge.complete_many([chat(f"b{i}") for i in range(FAILED_LIMIT + 2)]) == [None] * (FAILED_LIMIT + 2)
+    assert judge.complete_many([chat(f"b{i}") for i in range(FAILED_LIMIT + 2)]) == \
+        [None] * (FAILED_LIMIT + 2)
 
 
 def test_a_key_pasted_as_api_key_env_is_refused_without_echoing_it(server):
@@ -386,27 +422,35 @@ def test_a_key_pasted_as_api_key_env_is_refused_without_echoing_it(server):
         with pytest.raises(ValueError, match="NAME of the environment variable") as err:
             make_judge(server, api_key_env=key)
         assert key not in str(err.value)
-    for name in ("OPENAI_API_KEY_gpt4o", "AZURE_OPENAI_KEY_eastus2", "hf_token", "sk_key"):  # names people do use
+    for name in ("OPENAI_API_KEY_gpt4o", "AZURE_OPENAI_KEY_eastus2", "hf_token", "sk_key"):
+        # names people do use
         assert make_judge(server, api_key_env=name).cfg.api_key_env == name
 
 
-def test_a_proxy_s_html_page_is_retried_and_a_request_that_cannot_be_built_is_not(server, monkeypatch):
-    server.script(Behaviour(raw="<html>502 Bad Gateway</html>", headers={"Content-Type": "text/html"}))
+def test_a_proxy_s_html_page_is_retried_and_a_request_that_cannot_be_built_is_not(
+        server, monkeypatch):
+    server.script(Behaviour(raw="<html>502 Bad Gateway</html>",
+                            headers={"Content-Type": "text/html"}))
     judge = make_judge(server, max_retries=1)
     assert judge.complete_many([chat("a")]) == ['{"score": 7}'] and len(server.requests) == 2
-    monkeypatch.setenv(KEY_ENV, "sk-caf\u00e9")  # a key the HTTP header cannot carry: our error, not the server's
+    # a key the HTTP header cannot carry: our error, not the server's
+    monkeypatch.setenv(KEY_ENV, "sk-caf\u00e9")
     with pytest.raises(UnicodeEncodeError):
         make_judge(server).complete_many([chat("b")])
     assert len(server.requests) == 2
 
 
 def test_provider_cached_prompt_tokens_are_priced_at_their_own_rate(server):
-    server.default = Behaviour(text='{"score": 7}', usage={"prompt_tokens": 1000, "completion_tokens": 10,
-                                                           "prompt_tokens_details": {"cached_tokens": 900}})
-    judge = make_judge(server, price_prompt_per_m=1.0, price_cached_prompt_per_m=0.1, price_completion_per_m=4.0)
+    server.default = Behaviour(text='{"score": 7}',
+                               usage={"prompt_tokens": 1000, "completion_tokens": 10,
+                                      "prompt_tokens_details": {"cached_tokens": 900}})
+    judge = make_judge(server, price_prompt_per_m=1.0, price_cached_prompt_per_m=0.1,
+                       price_completion_per_m=4.0)
     judge.complete_many([chat("a")])
-    assert judge.pop_step_stats()["judge_cost_usd"] == pytest.approx((100 * 1.0 + 900 * 0.1 + 10 * 4.0) / 1e6)
-    judge = make_judge(server, price_prompt_per_m=1.0, price_completion_per_m=4.0)  # no cached price: the prompt price
+    assert judge.pop_step_stats()["judge_cost_usd"] == \
+        pytest.approx((100 * 1.0 + 900 * 0.1 + 10 * 4.0) / 1e6)
+    # no cached price: the prompt price
+    judge = make_judge(server, price_prompt_per_m=1.0, price_completion_per_m=4.0)
     judge.complete_many([chat("b")])
     assert judge.pop_step_stats()["judge_cost_usd"] == pytest.approx((1000 * 1.0 + 10 * 4.0) / 1e6)
 
@@ -446,19 +490,24 @@ def test_cache_key_covers_model_and_sampling_settings(server, tmp_path):
     assert len(server.requests) == 3
 
 
-def test_reasoning_models_get_max_completion_tokens_no_temperature_and_extra_fields(server, tmp_path):
+def test_reasoning_models_get_max_completion_tokens_no_temperature_and_extra_fields(
+        server, tmp_path):
     """OpenAI's o-series and GPT-5 answer HTTP 400 to max_tokens or a non-default temperature."""
     make_judge(server).complete_many([chat("q")])
-    assert server.requests[-1].body["max_tokens"] == 512 and server.requests[-1].body["temperature"] == 0.0
+    assert server.requests[-1].body["max_tokens"] == 512 \
+        and server.requests[-1].body["temperature"] == 0.0
     path = str(tmp_path / "c.jsonl")
-    judge = make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens",
-                       extra_body={"reasoning_effort": "low"})
+    judge = make_judge(server, cache_path=path, temperature=None,
+                       token_param="max_completion_tokens", extra_body={"reasoning_effort": "low"})
     judge.complete_many([chat("q")])
     body = server.requests[-1].body
-    assert body["max_completion_tokens"] == 512 and "max_tokens" not in body and "temperature" not in body
+    assert body["max_completion_tokens"] == 512 and "max_tokens" not in body \
+        and "temperature" not in body
     assert body["reasoning_effort"] == "low"
-    make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens").complete_many([chat("q")])
-    assert len(server.requests) == 3  # another extra_body is another reply: not answered from the cache
+    make_judge(server, cache_path=path, temperature=None,
+               token_param="max_completion_tokens").complete_many([chat("q")])
+    # another extra_body is another reply: not answered from the cache
+    assert len(server.requests) == 3
     make_judge(server, cache_path=path, temperature=None, token_param="max_completion_tokens",
                extra_body={"reasoning_effort": "low"}).complete_many([chat("q")])
     assert len(server.requests) == 3
@@ -479,7 +528,8 @@ def test_torn_last_line_is_skipped_and_later_appends_stay_readable(server, tmp_p
 
     lines = path.read_bytes().split(b"\n")
     assert lines[-1] == b""  # file ends with a newline
-    readable = [json.loads(line) for line in lines if line.startswith(b'{"key": "') and line.endswith(b"}")]
+    readable = [json.loads(line) for line in lines
+                if line.startswith(b'{"key": "') and line.endswith(b"}")]
     assert len(readable) == 3  # a, b, and c on its own line, not glued to the torn record
 
     server.reset()
@@ -501,7 +551,8 @@ def test_memory_cache_is_a_bounded_lru_and_can_be_turned_off(server):
     assert [r.prompt_text for r in server.requests] == ["a", "b", "c", "b"]
 
 
-def test_a_malformed_reply_is_a_failure_and_is_cached_so_a_rerun_gets_its_fallback_for_free(server, tmp_path):
+def test_a_malformed_reply_is_a_failure_and_is_cached_so_a_rerun_gets_its_fallback_for_free(
+        server, tmp_path):
     """Issue 30: unusable replies were not cached, and a rerun paid for them again."""
     path = tmp_path / "c.jsonl"
     judge = make_judge(server, cache_path=str(path))
@@ -515,7 +566,8 @@ def test_a_malformed_reply_is_a_failure_and_is_cached_so_a_rerun_gets_its_fallba
     assert len(server.requests) == 1 and (stats["judge_sent"], stats["judge_failures"]) == (0, 1)
     def fixed(reply, lo, hi):  # a parser that reads it now
         return JudgeScore(0.0, {}) if "not sure" in reply else None
-    assert rerun.score_many([chat("q")], fixed) == [JudgeScore(0.0, {})]  # the cached reply, parsed anew
+    # the cached reply, parsed anew
+    assert rerun.score_many([chat("q")], fixed) == [JudgeScore(0.0, {})]
     assert len(server.requests) == 1
 
 
@@ -523,30 +575,38 @@ def test_every_call_lands_in_exactly_one_of_requests_cache_hits_and_failures(ser
     """Issue 30: calls sharing a request that failed were in neither requests nor cache hits."""
     judge = make_judge(server, max_retries=1, cache_path=str(tmp_path / "c.jsonl"))
     server.script(server_error(503), server_error(503))
-    assert judge.score_many([chat("a"), chat("a"), chat("a")], parse_score) == [None] * 3  # one request, failed twice
+    # one request, failed twice
+    assert judge.score_many([chat("a"), chat("a"), chat("a")], parse_score) == [None] * 3
     server.script(malformed())
-    replies = judge.score_many([chat("b")], parse_score) + judge.score_many([chat("c"), chat("c")], parse_score)
+    replies = judge.score_many([chat("b")], parse_score) \
+        + judge.score_many([chat("c"), chat("c")], parse_score)
     judge.score_many([chat("c"), chat("b")], parse_score)  # from the cache: one usable, one not
     stats = judge.pop_step_stats()
     assert replies[0] is None and replies[1] == replies[2] == JudgeScore(7.0, {})
-    calls, requests, hits, failures = (stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "failures"))
+    calls, requests, hits, failures = (stats[f"judge_{k}"]
+                                       for k in ("calls", "requests", "cache_hits", "failures"))
     assert calls == requests + hits + failures == 8
     assert (requests, hits, failures) == (1, 2, 5)  # c; c's twin and c cached; a x3, b, b cached
     assert stats["judge_sent"] == len(server.requests) == 4  # a twice, b, c
 
 
-def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_does_not(server, monkeypatch):
+def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_does_not(
+        server, monkeypatch):
     """16 unusable replies before any usable one: a wrong template or score range, not noise."""
     from api import client
     monkeypatch.setattr(client, "UNPARSED_LIMIT", 4)
     judge = make_judge(server)
     server.default = ok(text="A thoughtful answer, well argued.")
-    assert judge.score_many([chat("a"), chat("b"), chat("c")], parse_score) == [None] * 3  # 3 < 4: the fallback
-    with pytest.raises(JudgeUnusable, match=r"none of its first 4 replies held a usable score \(want a number in \[0, 10\]; "
-                                            r"the first was 'A thoughtful answer, well argued.'\); fix its template"):
+    # 3 < 4: the fallback
+    assert judge.score_many([chat("a"), chat("b"), chat("c")], parse_score) == [None] * 3
+    with pytest.raises(JudgeUnusable, match=r"none of its first 4 replies held a usable score "
+                                            r"\(want a number in \[0, 10\]; "
+                                            r"the first was 'A thoughtful answer, well argued.'\); "
+                                            r"fix its template"):
         judge.score_many([chat("d")], parse_score)
     from judge import parse_met
-    server.default = ok(text='{"met": 5}')  # a criterion_met reply on the judge's 0-10 scale: what it wants, said
+    # a criterion_met reply on the judge's 0-10 scale: what it wants, said
+    server.default = ok(text='{"met": 5}')
     with pytest.raises(JudgeUnusable, match=r'want \{"met": 1\} or \{"met": 0\}'):
         make_judge(server).score_many([chat(x) for x in "hijk"], parse_met)
     scored = make_judge(server)
@@ -561,11 +621,12 @@ def test_a_judge_whose_first_replies_never_score_stops_and_a_later_bad_reply_doe
 def test_out_of_range_score_is_rejected(server):
     judge = make_judge(server)
     server.script(out_of_range(42))
-    assert judge.score_many([chat("q"), chat("r")], parse_score) in ([None, JudgeScore(7.0, {})], [JudgeScore(7.0, {}), None])
+    assert judge.score_many([chat("q"), chat("r")], parse_score) in ([None, JudgeScore(7.0, {})],
+                                                                     [JudgeScore(7.0, {}), None])
     assert judge.pop_step_stats()["judge_failures"] == 1
 
 
-# --- parsing ---------------------------------------------------------------------------------------
+# --- parsing --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
     ('{"score": 7}', 7.0),
     ('{"score": 7.5, "reason": "ok"}', 7.5),
@@ -582,20 +643,26 @@ def test_out_of_range_score_is_rejected(server):
     ('{"score": "7"}', 7.0),  # small judges quote it
     ('**8**', 8.0), ('8 out of 10', 8.0),
     ('Score (0-10): 7', 7.0), ('Score (1–10): 7', 7.0),  # the range is not the score
-    ('a score of 3 seems harsh</think>\n\nScore: 8', 8.0),  # a template opened <think>: only the close comes back
+    # a template opened <think>: only the close comes back
+    ('a score of 3 seems harsh</think>\n\nScore: 8', 8.0),
     ('Initially a score of 5; on reflection, final score: 7', 7.0),  # the last one is the verdict
-    ('The code returns {"a": 1, "b": 3}. Score: 9', 9.0),  # an object quoted in prose is not a verdict
-    ('Score: 7\nTo reach a score of 9 it would need citations.', 7.0),  # a labelled score beats a hypothetical one
-    ('Score: 8\n- 2 citations are missing', 8.0),  # a bullet on the next line is not a range "8 - 2"
+    # an object quoted in prose is not a verdict
+    ('The code returns {"a": 1, "b": 3}. Score: 9', 9.0),
+    # a labelled score beats a hypothetical one
+    ('Score: 7\nTo reach a score of 9 it would need citations.', 7.0),
+    # a bullet on the next line is not a range "8 - 2"
+    ('Score: 8\n- 2 citations are missing', 8.0),
     ('3 out of 5 claims are supported. Overall: 8/10', 8.0),
-    ('Here is my evaluation:\n{"accuracy": 8, "clarity": 6}', 7.0), ('{"accuracy": 8, "clarity": 6}\nThat is all.', 7.0),
+    ('Here is my evaluation:\n{"accuracy": 8, "clarity": 6}', 7.0),
+    ('{"accuracy": 8, "clarity": 6}\nThat is all.', 7.0),
 ])
 def test_parse_score_accepts(text, expected):
     assert parse_score(text, 0, 10).score == expected
 
 
 @pytest.mark.parametrize("text", [
-    '{"score": true}', '{"score": false}', '{"score": "7 points"}', '{"score": NaN}', '{"score": Infinity}',
+    '{"score": true}', '{"score": false}', '{"score": "7 points"}', '{"score": NaN}',
+    '{"score": Infinity}',
     '{"score": 11}', '{"score": -1}', 'Score: 12/10', 'no number here', '', '{"score": null}',
     '{"reason": "fine"}',  # JSON with no score and no numbers
     '{"reason": "scored 7"}',  # a JSON verdict never falls back to numbers inside it
@@ -608,21 +675,28 @@ def test_parse_score_rejects(text):
 
 def test_parse_score_per_criteria():
     names = ["relevance", "clarity", "discriminative_power"]
-    s = parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 10, "notes": "x"}', 0, 10, names)
+    s = parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 10, "notes": "x"}',
+                    0, 10, names)
     assert s == JudgeScore(8.0, {"relevance": 6.0, "clarity": 8.0, "discriminative_power": 10.0})
     assert parse_score('{"relevance": 6, "clarity": 8}', 0, 10, names) is None  # one missing
-    assert parse_score('{"relevance": 6, "clarity": true, "discriminative_power": 1}', 0, 10, names) is None
-    assert parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 11}', 0, 10, names) is None
-    assert parse_score('relevance 6, clarity 8, discriminative_power 10', 0, 10, names) is None  # needs JSON
-    assert parse_score('{"score": 9, "logic": 8, "novelty": 2}', 0, 10, ["logic", "novelty"]).score == 9.0
-    assert parse_score('{"logic": 8, "novelty": 2}', 0, 10) == JudgeScore(5.0, {"logic": 8.0, "novelty": 2.0})
-    assert parse_score('{"a": 5, "ok": true}', 0, 10) == JudgeScore(5.0, {"a": 5.0})  # unnamed: bools skipped
+    assert parse_score('{"relevance": 6, "clarity": true, "discriminative_power": 1}', 0, 10,
+                       names) is None
+    assert parse_score('{"relevance": 6, "clarity": 8, "discriminative_power": 11}', 0, 10,
+                       names) is None
+    # needs JSON
+    assert parse_score('relevance 6, clarity 8, discriminative_power 10', 0, 10, names) is None
+    assert parse_score('{"score": 9, "logic": 8, "novelty": 2}', 0, 10,
+                       ["logic", "novelty"]).score == 9.0
+    assert parse_score('{"logic": 8, "novelty": 2}', 0, 10) == \
+        JudgeScore(5.0, {"logic": 8.0, "novelty": 2.0})
+    # unnamed: bools skipped
+    assert parse_score('{"a": 5, "ok": true}', 0, 10) == JudgeScore(5.0, {"a": 5.0})
 
 
 # --- templates -----------------------------------------------------------------------------------
 def test_render_fills_known_names_once_and_leaves_other_braces(tmp_path):
-    out = render("Q: {prompt}\nA: {completion}\nReply {\"score\": n}", {"prompt": "f({x}) {completion}",
-                                                                      "completion": '{"k": 1}'})
+    out = render("Q: {prompt}\nA: {completion}\nReply {\"score\": n}",
+                 {"prompt": "f({x}) {completion}", "completion": '{"k": 1}'})
     assert out == 'Q: f({x}) {completion}\nA: {"k": 1}\nReply {"score": n}'
     with pytest.raises(KeyError, match="prompt"):
         render("{prompt} {completion}", {"completion": "c"})
@@ -638,15 +712,17 @@ def test_load_template_accepts_name_path_or_text(tmp_path):
         load_template("pointwise_critera")  # a typo must not become the prompt
 
 
-# --- rewards ---------------------------------------------------------------------------------------
+# --- rewards --------------------------------------------------------------------------------------
 def rubric_reply(body):
-    """Score answer k by the rubric's marker: GOOD -> k, REVERSED -> 9 - k, FLAT -> 5, PARTIAL swaps 0 and 1."""
+    """Score answer k by the rubric's marker: GOOD -> k, REVERSED -> 9 - k, FLAT -> 5, PARTIAL swaps
+    0 and 1."""
     text = body["messages"][-1]["content"]
     rubric = re.search(r"RUBRIC-(\w+)", text).group(1)
     k = int(re.search(r"ANSWER-(\d)", text).group(1))
     if rubric == "BROKEN" and k == 2:
         return "I cannot grade this."
-    score = {"GOOD": k, "REVERSED": 9 - k, "FLAT": 5, "PARTIAL": [1, 0, 2, 3][k], "BROKEN": k}[rubric]
+    score = {"GOOD": k, "REVERSED": 9 - k, "FLAT": 5, "PARTIAL": [1, 0, 2, 3][k],
+             "BROKEN": k}[rubric]
     return json.dumps({"score": score})
 
 
@@ -654,7 +730,8 @@ def test_rubric_alignment_is_spearman_of_judge_scores_against_gold(server):
     server.reply = rubric_reply
     server.default = ok(delay_s=0.2)
     judge = make_judge(server, max_concurrent=64)
-    sample = {"question": "Is aspirin safe?", "answers": [f"ANSWER-{k}" for k in range(4)], "gold_scores": [1, 2, 3, 4]}
+    sample = {"question": "Is aspirin safe?", "answers": [f"ANSWER-{k}" for k in range(4)],
+              "gold_scores": [1, 2, 3, 4]}
     rubrics = ["RUBRIC-GOOD", "RUBRIC-REVERSED", "RUBRIC-FLAT", "RUBRIC-PARTIAL", "RUBRIC-BROKEN"]
     rewards = rubric_alignment(rubrics, [sample] * 5, judge=judge)
     # PARTIAL: ranks (2,1,3,4) vs (1,2,3,4): d^2 sum = 2, rho = 1 - 6*2 / (4*(16-1)) = 0.8
@@ -676,7 +753,8 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"answers": ["a", "b"], "gold_scores": [1, None]}, "2 numbers, one per answer (no null or NaN)"),
+    ({"answers": ["a", "b"], "gold_scores": [1, None]},
+     "2 numbers, one per answer (no null or NaN)"),
     ({"answers": ["a", "b"], "gold_scores": [1, float("nan")]}, "no null or NaN"),
     ({"answers": ["a", "b", "c"], "gold_scores": [1, 2]}, "must be 3 numbers"),
     ({"answers": ["a"], "gold_scores": [1]}, ">= 2 answers"),
@@ -690,28 +768,34 @@ def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call
     from plumbing.scoring import check_rows
     good = {"question": "q", "answers": ["a", "b"], "gold_scores": [1, 2]}
     check_rows([RewardSpec("rubric_alignment")], [good])
-    with pytest.raises(ConfigError, match=f"reward 'rubric_alignment': data row 1 \\(id 'hb-7'\\): .*{re.escape(says)}"):
+    with pytest.raises(ConfigError, match="reward 'rubric_alignment': data row 1 \\(id 'hb-7'\\): "
+                                          f".*{re.escape(says)}"):
         check_rows([RewardSpec("rubric_alignment")], [good, {"question": "q", "id": "hb-7", **row}])
 
 
 def test_gold_scores_rubric_alignment_reads_as_numbers_pass_the_row_check():
-    """numpy ints from a data.map, Decimal from parquet, a tuple, 0/1 as booleans: float() reads them all."""
+    """numpy ints from a data.map, Decimal from parquet, a tuple, 0/1 as booleans: float() reads
+    them all."""
     from decimal import Decimal
 
     import numpy as np
 
     from plumbing.scoring import check_rows
-    for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False], np.array([1.0, 2.0])):
-        check_rows([RewardSpec("rubric_alignment")], [{"question": "q", "answers": ["a", "b"], "gold_scores": gold}])
+    for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False],
+                 np.array([1.0, 2.0])):
+        check_rows([RewardSpec("rubric_alignment")],
+                   [{"question": "q", "answers": ["a", "b"], "gold_scores": gold}])
 
 
 def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, caplog):
     server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
     judge = make_judge(server)
     samples = [{"prompt": "Backend role, {skills}: Go, Postgres"}] * 2
-    rewards = judge_reward(["Explain MVCC.", "What is a goroutine?"], samples, judge=judge, system="Be strict.")
+    rewards = judge_reward(["Explain MVCC.", "What is a goroutine?"], samples, judge=judge,
+                           system="Be strict.")
     assert rewards == pytest.approx([0.8, 0.8])
-    assert judge_reward(["Explain MVCC."], samples[:1], judge=judge, normalize=False) == pytest.approx([8.0])
+    assert judge_reward(["Explain MVCC."], samples[:1], judge=judge, normalize=False) == \
+        pytest.approx([8.0])
     # the two calls run concurrently, so find the request by its content, not its arrival order
     sent = next(r.messages for r in server.requests if "Explain MVCC." in r.messages[-1]["content"])
     assert sent[0] == {"role": "system", "content": "Be strict."}
@@ -720,12 +804,15 @@ def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, capl
     server.reply = lambda body: '{"relevance": 6, "clarity": 8}'  # a criterion missing -> failure
     with caplog.at_level(logging.WARNING):
         assert [math.isnan(x) for x in judge_reward(["new"], samples[:1], judge=judge)] == [True]
-    assert "want a number in [0, 10] for each of relevance, clarity, discriminative_power" in caplog.text
-    # through compute_rewards: the fallback, counted, and one line without a traceback (the judge said why)
+    assert "want a number in [0, 10] for each of relevance, clarity, discriminative_power" \
+        in caplog.text
+    # through compute_rewards: the fallback, counted, and one line without a traceback (the judge
+    # said why)
     caplog.clear()
     _LOGGED.discard("judge")  # each reward's first failure is logged once per process
     with caplog.at_level(logging.WARNING, logger="minigrpo.scoring"):
-        res = compute_rewards(["newer"], samples[:1], [RewardSpec("judge", fallback=0.0)], context={"judge": judge})
+        res = compute_rewards(["newer"], samples[:1], [RewardSpec("judge", fallback=0.0)],
+                              context={"judge": judge})
     assert res.total == [0.0] and res.errors == {"judge": 1}
     (rec,) = [r for r in caplog.records if r.name == "minigrpo.scoring"]
     assert "returned NaN" in rec.getMessage() and rec.exc_info is None
@@ -734,7 +821,8 @@ def test_judge_reward_normalizes_the_criteria_mean_to_unit_interval(server, capl
 def test_judge_reward_with_custom_score_range(server):
     server.reply = lambda body: '{"logic": 4, "novelty": 2}'
     judge = make_judge(server, score_min=1, score_max=5)
-    assert judge_reward(["r"], [{"prompt": "p"}], judge=judge, template="logic_novelty") == pytest.approx([0.5])
+    assert judge_reward(["r"], [{"prompt": "p"}], judge=judge, template="logic_novelty") == \
+        pytest.approx([0.5])
     assert "from 1 to 5" in server.requests[0].prompt_text
 
 
@@ -745,13 +833,16 @@ def test_token_and_cost_accounting_adds_up(server):
     judge.complete_many([chat("one two three"), chat("four five"), chat("one two three")])
     judge.complete_many([chat("four five")])  # memory cache hit: free
     sent = [r.usage for r in server.requests if r.status == 200]
-    prompt, completion = sum(u["prompt_tokens"] for u in sent), sum(u["completion_tokens"] for u in sent)
+    prompt, completion = sum(u["prompt_tokens"] for u in sent), \
+        sum(u["completion_tokens"] for u in sent)
     assert prompt > 0 and completion > 0
     stats = judge.pop_step_stats()
     assert (stats["judge_prompt_tokens"], stats["judge_completion_tokens"]) == (prompt, completion)
     assert stats["judge_cost_usd"] == pytest.approx((prompt * 2.0 + completion * 10.0) / 1e6)
-    counts = [stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "sent", "retries", "failures")]
-    assert counts == [4, 2, 2, 3, 1, 0]  # 2 distinct prompts + 1 retry; a shared in-flight twin and a memory hit
+    counts = [stats[f"judge_{k}"] for k in ("calls", "requests", "cache_hits", "sent", "retries",
+                                            "failures")]
+    # 2 distinct prompts + 1 retry; a shared in-flight twin and a memory hit
+    assert counts == [4, 2, 2, 3, 1, 0]
 
     judge.complete_many([chat("six")])
     step, total = judge.pop_step_stats(), server.requests[-1].usage
@@ -764,7 +855,8 @@ def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, cap
     caplog.set_level(logging.DEBUG)
     path = tmp_path / "c.jsonl"
     judge = make_judge(server, cache_path=str(path))
-    server.script(server_error(401))  # the fake echoes the presented key in its error, as OpenAI does
+    # the fake echoes the presented key in its error, as OpenAI does
+    server.script(server_error(401))
     print(judge, judge.cfg)
     with pytest.raises(JudgeUnusable) as err:
         judge.complete_many([chat("a")])
@@ -773,12 +865,15 @@ def test_api_key_is_sent_as_bearer_but_never_leaks(server, tmp_path, caplog, cap
     judge.score_many([chat("b")], parse_score)
 
     assert server.requests[0].headers["authorization"] == f"Bearer {SECRET}"
-    assert any("HTTP 401" in r.getMessage() for r in caplog.records)  # the error was logged, redacted
+    # the error was logged, redacted
+    assert any("HTTP 401" in r.getMessage() for r in caplog.records)
     out = capsys.readouterr()
     stats = judge.pop_step_stats()
-    for text in [caplog.text, out.out, out.err, path.read_text(), repr(judge), str(judge.cfg), json.dumps(stats)]:
+    for text in [caplog.text, out.out, out.err, path.read_text(), repr(judge), str(judge.cfg),
+                 json.dumps(stats)]:
         assert SECRET not in text
-    assert path.read_text().count("\n") == 1  # the cache was written (the check above is not vacuous)
+    # the cache was written (the check above is not vacuous)
+    assert path.read_text().count("\n") == 1
 
 
 def test_missing_key_env_sends_a_placeholder(server, monkeypatch):
@@ -788,7 +883,8 @@ def test_missing_key_env_sends_a_placeholder(server, monkeypatch):
 
 
 def test_azure_endpoint_uses_deployment_path_and_api_key_header(server):
-    judge = make_judge(server, azure_endpoint=server.root, api_version="2024-06-01", model="gpt-judge")
+    judge = make_judge(server, azure_endpoint=server.root, api_version="2024-06-01",
+                       model="gpt-judge")
     assert judge.complete_many([chat("q")]) == ['{"score": 7}']
     req = server.requests[0]
     assert req.path == "/openai/deployments/gpt-judge/chat/completions"
@@ -802,8 +898,10 @@ def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
     samples = [{"prompt": "Backend role"}]
     assert judge_reward(["Explain MVCC."], samples, judge=judge) == pytest.approx([0.8])
     asked = len(server.requests)
-    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="clarity") == pytest.approx([0.8])
-    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="relevance") == pytest.approx([0.6])
+    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="clarity") == \
+        pytest.approx([0.8])
+    assert judge_reward(["Explain MVCC."], samples, judge=judge, criterion="relevance") == \
+        pytest.approx([0.6])
     assert len(server.requests) == asked  # answered from the cache
     with pytest.raises(ValueError, match="criterion 'novelty' is not one of"):
         judge_reward(["x"], samples, judge=judge, criterion="novelty")
@@ -811,38 +909,47 @@ def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
 
 def test_open_judges_names_each_judge_in_its_counters_and_errors(tmp_path):
     from judge import judges_stats, open_judges
-    judges = open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(model="b", cache_path=str(tmp_path / "b.jsonl"))})
+    judges = open_judges(JudgeConfig(model="a"),
+                         {"second": JudgeConfig(model="b", cache_path=str(tmp_path / "b.jsonl"))})
     assert list(judges) == ["judge", "second"] and judges["second"].cfg.model == "b"
     judges["second"].add_stat("requests", 3)
     stats = judges_stats(judges)
-    assert stats["judge_requests"] == 0 and stats["judges/second/requests"] == 3 and stats["judges/second/requests_total"] == 3
-    assert judges_stats(judges)["judges/second/requests"] == 0  # counters restart each call; totals go on
+    assert stats["judge_requests"] == 0 and stats["judges/second/requests"] == 3 \
+        and stats["judges/second/requests_total"] == 3
+    # counters restart each call; totals go on
+    assert judges_stats(judges)["judges/second/requests"] == 0
     assert open_judges(None, {}) == {}
     with pytest.raises(ValueError, match=r"^judges.second: need max_concurrent >= 1"):
         open_judges(JudgeConfig(model="a"), {"second": JudgeConfig(max_concurrent=0)})
 
 
-@pytest.mark.parametrize("template", ["pointwise_criteria", "logic_novelty", "rubric_scoring", "criterion_met"])
+@pytest.mark.parametrize("template",
+                         ["pointwise_criteria", "logic_novelty", "rubric_scoring", "criterion_met"])
 def test_the_stand_alone_fake_judge_answers_every_built_in_template_in_its_shape(template):
     from fake_openai_server import shaped_score
     from judge import TEMPLATE_CRITERIA, parse_met
-    prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q", "rubric": "r",
-                                              "answer": "a", "score_min": 0, "score_max": 5, "criterion": "x", "points": "+5"})
+    prompt = render(load_template(template), {"prompt": "p", "completion": "c", "question": "q",
+                                              "rubric": "r", "answer": "a", "score_min": 0,
+                                              "score_max": 5, "criterion": "x", "points": "+5"})
     met = set()
     for extra in ("", "y"):  # two lengths: both of criterion_met's answers, 0 and 1
         reply = shaped_score({"messages": [{"role": "user", "content": prompt + extra}]}, top=5)
-        if template == "criterion_met":  # precompute.criteria_key's: met or not, whatever the score range
+        if template == "criterion_met":
+            # precompute.criteria_key's: met or not, whatever the score range
             met.add(parse_met(reply).score)
             continue
         parsed = parse_score(reply, 0, 5, criteria=TEMPLATE_CRITERIA.get(template))
-        assert parsed is not None and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
+        assert parsed is not None \
+            and set(parsed.criteria) == set(TEMPLATE_CRITERIA.get(template, []))
     assert met == ({0.0, 1.0} if template == "criterion_met" else set())
 
 
 def test_a_missing_key_for_a_remote_endpoint_is_said_before_any_call(monkeypatch, capsys):
     from judge import open_judges
-    remote = JudgeConfig(base_url="https://api.example.com/v1", model="m", api_key_env="MINIGRPO_TEST_UNSET_KEY")
-    assert Judge(remote).key_missing and not Judge(JudgeConfig(model="m", api_key_env="MINIGRPO_TEST_UNSET_KEY")).key_missing
+    remote = JudgeConfig(base_url="https://api.example.com/v1", model="m",
+                         api_key_env="MINIGRPO_TEST_UNSET_KEY")
+    assert Judge(remote).key_missing \
+        and not Judge(JudgeConfig(model="m", api_key_env="MINIGRPO_TEST_UNSET_KEY")).key_missing
     open_judges(remote, {})
     assert "$MINIGRPO_TEST_UNSET_KEY is not set" in capsys.readouterr().err
     monkeypatch.setenv("MINIGRPO_TEST_UNSET_KEY", "sk-x")
@@ -856,9 +963,11 @@ def test_a_base_url_that_is_not_an_http_url_is_refused_when_the_client_is_built(
         make_judge(server, base_url=url)
 
 
-def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, tmp_path, monkeypatch, caplog):
-    """A full disk under cache_path: each reply is still returned (it was paid for; raised, the whole batch fell
-    back and its other requests were cancelled), with one warning a step that a rerun pays again."""
+def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, tmp_path,
+                                                                        monkeypatch, caplog):
+    """A full disk under cache_path: each reply is still returned (it was paid for; raised, the
+    whole batch fell back and its other requests were cancelled), with one warning a step that a
+    rerun pays again."""
     import errno
 
     from plumbing import jsonl
@@ -870,21 +979,24 @@ def test_a_cache_write_that_fails_keeps_the_paid_reply_and_says_so_once(server, 
     with caplog.at_level(logging.WARNING, logger="client"):
         assert judge.complete_many([chat(f"p{i}") for i in range(3)]) == ['{"score": 7}'] * 3
     warned = [r.getMessage() for r in caplog.records if "cannot write its cache" in r.getMessage()]
-    assert len(warned) == 1 and "No space left on device" in warned[0] and "pays for them again" in warned[0]
+    assert len(warned) == 1 and "No space left on device" in warned[0] \
+        and "pays for them again" in warned[0]
     assert judge.pop_step_stats()["judge_failures"] == 0
 
 
 def test_a_criterion_met_verdict_given_as_a_json_boolean_counts():
-    """{"met": true} is how HealthBench's own grader answers ("criteria_met": true); read as no verdict, it
-    failed the call and left the question out of precompute's gold (a parse failure is not retried)."""
+    """{"met": true} is how HealthBench's own grader answers ("criteria_met": true); read as no
+    verdict, it failed the call and left the question out of precompute's gold (a parse failure is
+    not retried)."""
     from judge import parse_met
-    assert (parse_met('{"met": true}').score, parse_met('```json\n{"met": false}\n```').score) == (1.0, 0.0)
+    assert (parse_met('{"met": true}').score,
+            parse_met('```json\n{"met": false}\n```').score) == (1.0, 0.0)
     assert parse_met('{"met": "maybe"}') is None
 
 
 def test_a_password_in_the_judge_url_is_masked_in_warnings_errors_repr_and_saved_configs(
         monkeypatch, caplog, tmp_path):
-    """Issue 30: http://user:${PASS}@host printed the password in the warning and the exit-2 error."""
+    """Issue 30: http://user:${PASS}@host printed the password in the warning and exit-2 error."""
     from api import client
     from config import Config, save_config
     monkeypatch.setattr(client, "FAILED_LIMIT", 2)
@@ -895,9 +1007,11 @@ def test_a_password_in_the_judge_url_is_masked_in_warnings_errors_repr_and_saved
     with pytest.raises(JudgeUnusable) as err:
         judge.complete_many([chat("a"), chat("b")])
     shown = [str(err.value), repr(judge), *(r.getMessage() for r in caplog.records)]
-    assert all("pw-SECRET123" not in text for text in shown) and "http://***@127.0.0.1" in str(err.value)
+    assert all("pw-SECRET123" not in text for text in shown) \
+        and "http://***@127.0.0.1" in str(err.value)
     cfg = Config()
-    cfg.judge = JudgeConfig(base_url="http://judge:pw-SECRET123@host/v1", model="m")  # written in clear
+    # written in clear
+    cfg.judge = JudgeConfig(base_url="http://judge:pw-SECRET123@host/v1", model="m")
     save_config(cfg, tmp_path / "config.yaml")
     saved = (tmp_path / "config.yaml").read_text()
     assert "pw-SECRET123" not in saved and "http://***@host/v1" in saved

@@ -22,7 +22,8 @@ def modules() -> dict[str, Path]:
     """Every module of the project by its import name (train, plumbing.jsonl, ...)."""
     found = {p.stem: p for p in ROOT.glob("*.py")}
     for folder in FOLDERS:
-        found |= {f"{folder}.{p.stem}": p for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
+        found |= {f"{folder}.{p.stem}": p
+                  for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"}
     return found
 
 
@@ -43,7 +44,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
-    """The import cycles of g: its strongly connected components of more than one module (Tarjan)."""
+    """Import cycles of g: its strongly connected components of more than one module (Tarjan)."""
     index, low, stack, on, found = {}, {}, [], set(), []
 
     def visit(v):
@@ -97,14 +98,15 @@ def test_config_imports_nothing_that_does_work():
 
 def test_imports_point_from_the_core_outwards_never_back():
     """The root never imports graders/ or tools/ (graders are reached by name: rewards.lookup);
-    api/ and plumbing/ import none of graders/, modes/, tools/; nothing imports tools/ but tools/."""
+    api/ and plumbing/ import none of graders/, modes/, tools/; only tools/ imports tools/."""
     g = graph()
     for name, deps in g.items():
         outer = {d for d in deps if d.startswith(("graders.", "tools."))}
         if "." not in name:
             assert not outer, f"{name} imports {outer}"
         if name.startswith(("api.", "plumbing.")):
-            assert not {d for d in deps if d.startswith(("graders.", "modes.", "tools."))}, (name, deps)
+            assert not {d for d in deps
+                        if d.startswith(("graders.", "modes.", "tools."))}, (name, deps)
         if not name.startswith("tools."):
             assert not {d for d in deps if d.startswith("tools.")}, (name, deps)
 
@@ -112,7 +114,8 @@ def test_imports_point_from_the_core_outwards_never_back():
 def test_importing_train_loads_no_grader_and_no_tool():
     code = ("import sys, train; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('graders', 'tools')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -1,5 +1,6 @@
 """The log-prob forward (logprobs.py): chunked selective log-softmax against the full one, the fused
-head, positions under left padding, temperature, prompt sharing's switch (CPU, tiny random models)."""
+head, positions under left padding, temperature, prompt sharing's switch (CPU, tiny random
+models)."""
 import pytest
 import torch
 
@@ -25,24 +26,31 @@ def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperatu
 
 
 def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
-    """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per chunk."""
-    assert logsoftmax.chunk_rows(0, 151_936) == 441 and logsoftmax.chunk_rows(0, 49_152) == 1365 and logsoftmax.chunk_rows(7, 151_936) == 7
+    """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per
+    chunk."""
+    assert logsoftmax.chunk_rows(0, 151_936) == 441 and logsoftmax.chunk_rows(0, 49_152) == 1365 \
+        and logsoftmax.chunk_rows(7, 151_936) == 7
     assert logsoftmax.chunk_rows(0, 2**27) == 1
-    monkeypatch.setattr(logsoftmax, "LOGITS_PER_CHUNK", 100)  # 2 rows of 50 a chunk: the automatic size really chunks
+    # 2 rows of 50 a chunk: the automatic size really chunks
+    monkeypatch.setattr(logsoftmax, "LOGITS_PER_CHUNK", 100)
     seen = []
     real = logsoftmax._pick_and_lse
-    monkeypatch.setattr(logsoftmax, "_pick_and_lse", lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
+    monkeypatch.setattr(logsoftmax, "_pick_and_lse",
+                        lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 50, generator=g)
     ids = torch.randint(0, 50, (3, 4), generator=g)
     got = logprobs.selective_log_probs(logits, ids, 0.7)
-    assert seen == [2] * 6 and torch.allclose(got, logprobs.selective_log_probs(logits, ids, 0.7, 12), atol=1e-6)
+    assert seen == [2] * 6 \
+        and torch.allclose(got, logprobs.selective_log_probs(logits, ids, 0.7, 12), atol=1e-6)
 
 
 def test_prompt_sharing_in_the_loss_is_automatic_on_cpu_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert logprobs.share_prompt_in_loss("auto", cpu) and not logprobs.share_prompt_in_loss("auto", cuda)
-    assert logprobs.share_prompt_in_loss(True, cuda) and not logprobs.share_prompt_in_loss(False, cpu)
+    assert logprobs.share_prompt_in_loss("auto", cpu) \
+        and not logprobs.share_prompt_in_loss("auto", cuda)
+    assert logprobs.share_prompt_in_loss(True, cuda) \
+        and not logprobs.share_prompt_in_loss(False, cpu)
 
 
 def test_position_ids_skip_left_padding():
@@ -52,7 +60,8 @@ def test_position_ids_skip_left_padding():
 
 def test_trim_drops_only_padding_columns():
     ids = torch.arange(16).view(2, 8)
-    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])  # prompt = 4 cols, completion = 4
+    # prompt = 4 cols, completion = 4
+    attn = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]])
     cmask = attn[:, 4:].clone()
     i, a, C = logprobs.trim(ids, attn, cmask)
     assert C == 3 and i.tolist() == [[1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14]]
@@ -62,7 +71,8 @@ def test_selective_log_probs_keep_the_logits_dtype_in_the_gradient_and_pass_grad
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 3, 11, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 11, (2, 3), generator=g)
-    assert torch.autograd.gradcheck(lambda x: logprobs.selective_log_probs(x, ids, 0.7, 4), (logits,))
+    assert torch.autograd.gradcheck(lambda x: logprobs.selective_log_probs(x, ids, 0.7, 4),
+                                    (logits,))
     half = torch.randn(2, 3, 11, generator=g).bfloat16().requires_grad_()
     logprobs.selective_log_probs(half, ids, 1.0, 4).sum().backward()
     assert half.grad.dtype == torch.bfloat16
@@ -88,8 +98,10 @@ def test_without_position_ids_an_absolute_position_model_would_disagree(tiny_gpt
     model, tok = load(tiny_gpt2)
     ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, 42"])
     with torch.no_grad():
-        right = model(input_ids=ids, attention_mask=attn, position_ids=logprobs.position_ids(attn)).logits[1, -1]
-        wrong = model(input_ids=ids, attention_mask=attn, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits[1, -1]
+        right = model(input_ids=ids, attention_mask=attn,
+                      position_ids=logprobs.position_ids(attn)).logits[1, -1]
+        wrong = model(input_ids=ids, attention_mask=attn,
+                      position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).logits[1, -1]
     assert not torch.allclose(right, wrong, atol=1e-4)
 
 
@@ -105,9 +117,11 @@ def test_log_probs_use_the_sampling_temperature(tiny_llama):
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
 def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
-    """grpo.fused_lm_head never builds the (N, C, V) logits; values and LoRA gradients must not change."""
-    model, tok = load_policy(ModelConfig(name=str(request.getfixturevalue(arch))), LoraConfig(r=4, alpha=8), torch.device("cpu"))
-    assert logprobs.plain_output_head(model) is not None  # else the test would compare the default path with itself
+    """grpo.fused_lm_head builds no (N, C, V) logits; values and LoRA gradients must not change."""
+    model, tok = load_policy(ModelConfig(name=str(request.getfixturevalue(arch))),
+                             LoraConfig(r=4, alpha=8), torch.device("cpu"))
+    # else the test would compare the default path with itself
+    assert logprobs.plain_output_head(model) is not None
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -117,9 +131,11 @@ def test_fused_lm_head_gives_the_same_log_probs_and_gradients(arch, request):
     results = []
     for fused in (False, True):
         model.zero_grad(set_to_none=True)
-        lp = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=fused)
+        lp = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3,
+                                         fused_head=fused)
         (lp * weights).sum().backward()
-        results.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append((lp.detach(), {n: p.grad.clone()
+                                      for n, p in model.named_parameters() if p.grad is not None}))
     (a, ga), (b, gb) = results
     assert torch.allclose(a, b, atol=1e-5) and ga.keys() == gb.keys() and ga
     assert all(torch.allclose(ga[k], gb[k], atol=1e-5) for k in ga)
@@ -131,7 +147,8 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     h = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
-    assert torch.autograd.gradcheck(lambda h, w: logsoftmax._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+    assert torch.autograd.gradcheck(
+        lambda h, w: logsoftmax._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
 
 
 def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):
@@ -145,23 +162,25 @@ def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):
         setattr(model.config, key, None)
 
 
-@pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5), ("logits_scaling", 8.0),
-                                        ("output_multiplier_scale", 0.25)])
+@pytest.mark.parametrize("key, value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5),
+                                        ("logits_scaling", 8.0), ("output_multiplier_scale", 0.25)])
 def test_every_known_logit_scale_keeps_the_head_unfused(tiny_llama, key, value):
-    """Granite's logits_scaling and output_multiplier_scale divide or scale the logits after hidden @ W^T as
-    Gemma's soft-capping does: the fused head would compute other log-probs than the model."""
+    """Granite's logits_scaling and output_multiplier_scale divide or scale the logits after hidden
+    @ W^T as Gemma's soft-capping does: the fused head would compute other log-probs than the
+    model."""
     model, _ = load(tiny_llama)
     setattr(model.config, key, value)
     assert logprobs.plain_output_head(model) is None
 
 
 def test_a_head_with_a_bias_is_not_fused_and_scores_as_the_model(tiny_llama):
-    """hidden @ W^T leaves out a bias (Phi-2's lm_head has one): such a head must take the logits path."""
+    """hidden @ W^T omits a bias (Phi-2's lm_head has one): that head must take the logits path."""
     model, tok = load(tiny_llama)
     biased_to_eos(model, tok.eos_token_id, 3.0)
     assert logprobs.plain_output_head(model) is None
     ids, attn = padded_batch(tok, ["What is 2 + 3? The answer is 5.", "Hello world, this is 42"])
     with torch.no_grad():
-        fused = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3, fused_head=True)
+        fused = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7, chunk=3,
+                                            fused_head=True)
         plain = logprobs.sequence_log_probs(model, ids, attn, 4, temperature=0.7)
     assert torch.allclose(fused, plain, atol=1e-5)

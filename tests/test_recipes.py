@@ -24,9 +24,10 @@ FIXTURES = ROOT / "tests/fixtures"
 
 def small(tiny, out, steps=2):
     """Overrides that shrink a recipe to a CPU smoke run."""
-    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false", "--rollout.prompts_per_step=2",
-            "--rollout.num_generations=3", "--rollout.max_new_tokens=8",
-            "--optim.micro_batch_size=4", f"--run.steps={steps}", f"--run.out_dir={out}", "--run.save_every=0",
+    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false",
+            "--rollout.prompts_per_step=2", "--rollout.num_generations=3",
+            "--rollout.max_new_tokens=8", "--optim.micro_batch_size=4", f"--run.steps={steps}",
+            f"--run.out_dir={out}", "--run.save_every=0",
             "--eval.max_new_tokens=8", "--eval.limit=3", f"--eval.out_dir={out}/eval"]
 
 
@@ -35,12 +36,13 @@ def metrics(run):
 
 
 def judge_overrides(server, cache):
-    return [f"--judge.base_url={server.url}", f"--judge.cache_path={cache}", "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY",
+    return [f"--judge.base_url={server.url}", f"--judge.cache_path={cache}",
+            "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY",
             "--judge.requests_per_minute=null", "--judge.max_retries=0"]
 
 
 def judge_reply(body) -> str:
-    """A deterministic fake judge: criteria for the built-in templates, a varying score for rubrics."""
+    """A deterministic fake judge: criteria for built-in templates, a varying score for rubrics."""
     text = body["messages"][-1]["content"]
     if "relevance" in text:
         return '{"relevance": 8, "clarity": 6, "discriminative_power": 7}'
@@ -49,7 +51,8 @@ def judge_reply(body) -> str:
     if "Rubric:" in text:
         answer = text.split("Answer to grade:")[1]
         return '{"score": %d}' % (len(answer) % 11)
-    return "How would you make a payment API idempotent under retries?"  # an API model being evaluated
+    # an API model being evaluated
+    return "How would you make a payment API idempotent under retries?"
 
 
 @pytest.fixture(scope="module")
@@ -65,27 +68,33 @@ def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, 
                        "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4"]) == 0
     assert metrics(sft)[-1]["loss"] > 0
     assert train.main(["--config", "configs/medmcqa_grpo.yaml", *small(tiny_llama, grpo), *data,
-                       "--data.select=[16,32]", "--eval.select=[32,40]", f"--model.init_adapter={sft}"]) == 0
+                       "--data.select=[16,32]", "--eval.select=[32,40]",
+                       f"--model.init_adapter={sft}"]) == 0
     m = metrics(grpo)
-    assert {"rewards/json_valid/mean", "rewards/json_schema/mean", "rewards/choice_accuracy/mean"} <= set(m[0])
+    assert {"rewards/json_valid/mean", "rewards/json_schema/mean",
+            "rewards/choice_accuracy/mean"} <= set(m[0])
     base = json.loads((grpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())
     assert str(sft) in json.dumps(base)  # the GRPO adapter records base + SFT as its base
-    assert ev.main(["--config", "configs/medmcqa_grpo.yaml", "--models", "base", f"sft={sft}", f"grpo={grpo}",
-                    f"--model.name={tiny_llama}", *data, "--data.select=[16,32]", "--eval.select=[32,40]",
-                    "--eval.max_new_tokens=8", "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
+    assert ev.main(["--config", "configs/medmcqa_grpo.yaml", "--models", "base", f"sft={sft}",
+                    f"grpo={grpo}", f"--model.name={tiny_llama}", *data, "--data.select=[16,32]",
+                    "--eval.select=[32,40]", "--eval.max_new_tokens=8", "--eval.limit=3",
+                    f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())
     for name in ("base", "sft", "grpo"):
-        assert {"accuracy", "valid_json_rate", "schema_pass_rate", "accuracy_on_schema"} <= set(results["models"][name]["metrics"])
+        assert {"accuracy", "valid_json_rate", "schema_pass_rate", "accuracy_on_schema"} \
+            <= set(results["models"][name]["metrics"])
 
 
 def test_gsm8k_with_a_forced_think_prefix(tmp_path, tiny_llama):
     run = tmp_path / "run"
-    assert train.main(["--config", "configs/gsm8k.yaml", *small(tiny_llama, run), f"--data.name={FIXTURES / 'gsm8k_sample.jsonl'}",
-                       "--data.select=[0,30]", "--eval.select=[30,40]", "--eval.split=null", "--run.sample_every=1"]) == 0
+    assert train.main(["--config", "configs/gsm8k.yaml", *small(tiny_llama, run),
+                       f"--data.name={FIXTURES / 'gsm8k_sample.jsonl'}", "--data.select=[0,30]",
+                       "--eval.select=[30,40]", "--eval.split=null", "--run.sample_every=1"]) == 0
     m = metrics(run)
     assert {"rewards/answer_match/mean", "rewards/think_format/mean"} <= set(m[-1])
     prompts = [json.loads(ln)["prompt"] for ln in (run / "samples.jsonl").read_text().splitlines()]
-    assert prompts and all("####" not in p for p in prompts)  # the gold solution never reaches the prompt
+    # the gold solution never reaches the prompt
+    assert prompts and all("####" not in p for p in prompts)
 
 
 @pytest.mark.parametrize("preset", ["open_only", "verifiable_only", "curriculum", "full_mix"])
@@ -97,40 +106,47 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
         (cache / name).chmod(0o444)  # the trainer must not need to write the pre-computed answers
     before = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
     run = tmp_path / "run"
-    args = ["--config", "configs/grubrics.yaml", *small(tiny_llama, run, steps=3), f"--data.root={cache}",
-            f"--data.preset={preset}", "--data.select=[0,16]", *judge_overrides(server, tmp_path / "judge.jsonl")]
+    args = ["--config", "configs/grubrics.yaml", *small(tiny_llama, run, steps=3),
+            f"--data.root={cache}", f"--data.preset={preset}", "--data.select=[0,16]",
+            *judge_overrides(server, tmp_path / "judge.jsonl")]
     assert train.main(args) == 0
     m = metrics(run)
     assert all(x["reward_errors/rubric_alignment"] == 0 for x in m) and m[0]["judge_requests"] > 0
     assert any(x["rewards/rubric_alignment/mean"] != 0 for x in m)
-    if preset in ("curriculum", "full_mix"):  # both sources are drawn from (the shares' schedule: test_data.py)
+    if preset in ("curriculum", "full_mix"):
+        # both sources are drawn from (the shares' schedule: test_data.py)
         assert {"data/verifiable", "data/open"} <= set(m[0])
     after = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in cache.iterdir()}
     assert after == before and (tmp_path / "judge.jsonl").stat().st_size > 0
     # pointing the judge's cache at one of the run's data files is refused before anything runs
-    data_file = cache / ("grubrics_verifiable.jsonl" if preset == "verifiable_only" else "grubrics_open.jsonl")
-    assert train.main([*args[:-len(judge_overrides(server, ''))], *judge_overrides(server, data_file),
+    data_file = cache / ("grubrics_verifiable.jsonl" if preset == "verifiable_only"
+                         else "grubrics_open.jsonl")
+    assert train.main([*args[:-len(judge_overrides(server, ''))],
+                       *judge_overrides(server, data_file),
                        f"--run.out_dir={tmp_path / 'other'}"]) == 2
 
 
 def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny_llama, server):
-    """grubrics_sft.yaml: HealthBench's rubrics, rewritten as the GRPO prompt asks (weights summing to
-    10), are the SFT target; grubrics.yaml's GRPO then starts from that adapter, merged."""
+    """grubrics_sft.yaml: HealthBench's rubrics, rewritten as the GRPO prompt asks (weights summing
+    to 10), are the SFT target; grubrics.yaml's GRPO then starts from that adapter, merged."""
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
-    assert train.main(["--config", "configs/grubrics_sft.yaml", *small(tiny_llama, sft), f"--data.root={FIXTURES}",
-                       "--data.name=healthbench_sample.jsonl", "--data.select=[0,6]", "--sft.batch_size=2"]) == 0
+    assert train.main(["--config", "configs/grubrics_sft.yaml", *small(tiny_llama, sft),
+                       f"--data.root={FIXTURES}", "--data.name=healthbench_sample.jsonl",
+                       "--data.select=[0,6]", "--sft.batch_size=2"]) == 0
     assert [m["loss"] > 0 for m in metrics(sft)] == [True, True]
     cfg = load_config(sft / "config.yaml")
     rows = load_rows(cfg.data)  # the sixth question has three criteria: left out by the map
     assert len(rows) == 5 and all(r["prompt"] == r["question"] for r in rows)
-    assert rows[0]["target"].splitlines() == ["1. (4 points) Recommends reducing salt intake",
-                                              "2. (3 points) Recommends regular aerobic exercise",
-                                              "3. (3 points) Suggests home blood pressure monitoring and follow-up with a doctor",
-                                              "4. (costs 4 points) Claims supplements can replace medication"]
+    assert rows[0]["target"].splitlines() == \
+        ["1. (4 points) Recommends reducing salt intake",
+         "2. (3 points) Recommends regular aerobic exercise",
+         "3. (3 points) Suggests home blood pressure monitoring and follow-up with a doctor",
+         "4. (costs 4 points) Claims supplements can replace medication"]
     cache = tmp_path / "data_cache"
     shutil.copytree(FIXTURES, cache, ignore=shutil.ignore_patterns("*.md"))
-    assert train.main(["--config", "configs/grubrics.yaml", *small(tiny_llama, grpo), f"--data.root={cache}",
-                       "--data.select=[0,6]", f"--model.init_adapter={sft}", "--model.merge_init_adapter=true",
+    assert train.main(["--config", "configs/grubrics.yaml", *small(tiny_llama, grpo),
+                       f"--data.root={cache}", "--data.select=[0,6]", f"--model.init_adapter={sft}",
+                       "--model.merge_init_adapter=true",
                        *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
     assert metrics(grpo)[-1]["reward_errors/rubric_alignment"] == 0
     base = json.loads((grpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())
@@ -138,91 +154,123 @@ def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny
 
 
 def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
-    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]", "--eval.select=[24,30]"]
+    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]",
+            "--eval.select=[24,30]"]
     rules, judged = tmp_path / "rules", tmp_path / "judged"
-    assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules), *data]) == 0
-    assert {"rewards/think_format/mean", "rewards/citation_grounding/mean", "rewards/hallucinated/mean"} <= set(metrics(rules)[0])
-    assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged), *data,
-                       *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
+    assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules),
+                       *data]) == 0
+    assert {"rewards/think_format/mean", "rewards/citation_grounding/mean",
+            "rewards/hallucinated/mean"} <= set(metrics(rules)[0])
+    assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged),
+                       *data, *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
     m = metrics(judged)[0]
-    assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # mean(logic 4, novelty 3) on a 0-5 scale
+    # mean(logic 4, novelty 3) on a 0-5 scale
+    assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)
     assert m["reward_errors/judge"] == 0
-    # the DPO round, from the GRPO run's adapter (merged in: the reference), on pairs that prefer a valid citation
-    rows = [json.loads(ln) for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
+    # the DPO round, from the GRPO run's adapter (merged in: the reference), on pairs that prefer a
+    # valid citation
+    rows = [json.loads(ln)
+            for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": f"<think>Both papers agree.</think> PMID: {r['valid_pmids'][0]}",
-                                         "rejected": "<think>Unclear.</think> PMID: 12345678"}) + "\n" for r in rows))
+    pairs.write_text("".join(json.dumps({"prompt": r["prompt"],
+                                         "chosen": "<think>Both papers agree.</think> PMID: "
+                                                   f"{r['valid_pmids'][0]}",
+                                         "rejected": "<think>Unclear.</think> PMID: 12345678"})
+                             + "\n" for r in rows))
     dpo = tmp_path / "dpo"
-    assert train.main(["--config", "configs/bioreasoner_dpo.yaml", *small(tiny_llama, dpo), f"--data.name={pairs}",
+    assert train.main(["--config", "configs/bioreasoner_dpo.yaml", *small(tiny_llama, dpo),
+                       f"--data.name={pairs}",
                        f"--model.init_adapter={rules}", "--dpo.batch_size=4"]) == 0
     m = metrics(dpo)
-    assert m[0]["loss"] == pytest.approx(0.6931, abs=1e-4) and {"rewards/margins", "logps/chosen"} <= set(m[0])
-    merged = json.loads((dpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())["merged"]
-    assert [Path(a["adapter"]).parent.parent.parent for a in merged] == [rules]  # eval.py replays that merge
+    assert m[0]["loss"] == pytest.approx(0.6931, abs=1e-4) \
+        and {"rewards/margins", "logps/chosen"} <= set(m[0])
+    merged = json.loads(
+        (dpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())["merged"]
+    # eval.py replays that merge
+    assert [Path(a["adapter"]).parent.parent.parent for a in merged] == [rules]
 
 
-def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(tmp_path, tiny_llama, server):
-    """configs/bioreasoner_dual_judge.yaml: a second judge (its own server, cache and counters) scores the
-    same completions; eval.py reports both judges' scores and agreement/* recomputed here from the predictions."""
+def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(
+        tmp_path, tiny_llama, server):
+    """configs/bioreasoner_dual_judge.yaml: a second judge (its own server, cache and counters)
+    scores the same completions; eval.py reports both judges' scores and agreement/* recomputed here
+    from the predictions."""
     def varying(mult: int):  # scores that vary with the completion, a different way for each judge
         def reply(body) -> str:
             n = len(body["messages"][-1]["content"]) * mult
             return json.dumps({"logic": n % 6, "novelty": n // 6 % 6})
         return reply
-    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]", "--eval.select=[24,30]"]
+    data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]",
+            "--eval.select=[24,30]"]
     run, out = tmp_path / "run", tmp_path / "eval"
     with FakeOpenAIServer(reply=varying(1)) as second, FakeOpenAIServer(reply=varying(5)) as first:
-        judges = [*judge_overrides(server, tmp_path / "judge.jsonl"), f"--judges.second.base_url={second.url}",
+        judges = [*judge_overrides(server, tmp_path / "judge.jsonl"),
+                  f"--judges.second.base_url={second.url}",
                   f"--judges.second.cache_path={tmp_path / 'second.jsonl'}",
-                  "--judges.second.api_key_env=MINIGRPO_NO_SUCH_KEY", "--judges.second.max_retries=0"]
-        assert train.main(["--config", "configs/bioreasoner_dual_judge.yaml", *small(tiny_llama, run), *data, *judges]) == 0
+                  "--judges.second.api_key_env=MINIGRPO_NO_SUCH_KEY",
+                  "--judges.second.max_retries=0"]
+        assert train.main(["--config", "configs/bioreasoner_dual_judge.yaml",
+                           *small(tiny_llama, run), *data, *judges]) == 0
         m = metrics(run)[0]
-        assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)  # the reward is still the first judge's
+        # the reward is still the first judge's
+        assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)
         assert (m["rewards/logic/mean"], m["rewards/novelty/mean"]) == (4.0, 3.0)  # raw 0-5 scores
         assert "rewards/logic_second/mean" in m and m["reward_errors/logic_second"] == 0
         # the second judge is asked once per distinct completion (its novelty entry reads its cache)
         assert 0 < m["judges/second/requests"] <= 6 and m["judges/second/cache_hits"] >= 6
-        assert m["judge_requests"] <= 6 and len(second.requests) == metrics(run)[-1]["judges/second/requests_total"]
-        judges[:2] = judge_overrides(first, tmp_path / "first.jsonl")[:2]  # eval: a first judge whose scores vary too
-        assert ev.main(["--config", "configs/bioreasoner_dual_judge.yaml", "--models", "base", f"grpo={run}",
-                        f"--model.name={tiny_llama}", *data, *judges, "--eval.max_new_tokens=8", "--eval.limit=6",
-                        f"--eval.out_dir={out}"]) == 0
+        assert m["judge_requests"] <= 6 \
+            and len(second.requests) == metrics(run)[-1]["judges/second/requests_total"]
+        # eval: a first judge whose scores vary too
+        judges[:2] = judge_overrides(first, tmp_path / "first.jsonl")[:2]
+        assert ev.main(["--config", "configs/bioreasoner_dual_judge.yaml", "--models", "base",
+                        f"grpo={run}", f"--model.name={tiny_llama}", *data, *judges,
+                        "--eval.max_new_tokens=8", "--eval.limit=6", f"--eval.out_dir={out}"]) == 0
     results = json.loads((out / "results.json").read_text())["models"]
     for name in ("base", "grpo"):
         got = results[name]["metrics"]
-        preds = [json.loads(ln)["rewards"] for ln in (out / f"predictions_{name}.jsonl").read_text().splitlines()]
+        preds = [json.loads(ln)["rewards"]
+                 for ln in (out / f"predictions_{name}.jsonl").read_text().splitlines()]
         assert got["judges/second/failures"] == 0 and got["judge_failures"] == 0
         for crit in ("logic", "novelty"):
             a, b = [p[crit] for p in preds], [p[f"{crit}_second"] for p in preds]
             key = f"agreement/{crit}_vs_{crit}_second"
             assert got[f"reward/{crit}_second"] == pytest.approx(sum(b) / len(b))
-            assert got[f"{key}/n"] == 6 and got[f"{key}/mean_abs_diff"] == pytest.approx(sum(abs(x - y) for x, y in zip(a, b)) / 6)
+            assert got[f"{key}/n"] == 6 and got[f"{key}/mean_abs_diff"] == pytest.approx(
+                sum(abs(x - y) for x, y in zip(a, b)) / 6)
             rho = spearmanr(a, b).statistic if len(set(a)) > 1 and len(set(b)) > 1 else None
             assert got[f"{key}/spearman"] == (pytest.approx(rho) if rho is not None else None)
 
 
-def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama, server):
+def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama,
+                                                                         server):
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]", "--eval.select=[32,40]"]
+    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+            "--eval.select=[32,40]"]
     judge = judge_overrides(server, tmp_path / "judge.jsonl")
-    assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data, *judge]) == 0
+    assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data,
+                       *judge]) == 0
     m = metrics(run)[0]
     assert m["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
-    assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"], m["rewards/discriminative_power/mean"]) == pytest.approx((0.8, 0.6, 0.7))
-    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 18  # the per-criterion entries cost no requests
-    assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}", "api:fake-model",
-                    f"--model.name={tiny_llama}", *data, *judge, f"--eval.api.base_url={server.url}",
-                    "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8", "--eval.limit=3",
-                    f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
+    assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"],
+            m["rewards/discriminative_power/mean"]) == pytest.approx((0.8, 0.6, 0.7))
+    # the per-criterion entries cost no requests
+    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 18
+    assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
+                    "api:fake-model", f"--model.name={tiny_llama}", *data, *judge,
+                    f"--eval.api.base_url={server.url}",
+                    "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8",
+                    "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
     assert set(results) == {"base", "grpo", "fake-model"}
-    assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)  # as in training: rescaled to 0-1
+    # as in training: rescaled to 0-1
+    assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)
     assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
 
 
 def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_llama, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the config's ratings folder, runs/qgen_human/ratings, lands here
-    monkeypatch.setitem(ratings.human.__kwdefaults__, "timeout_s", 60.0)  # a broken page fails the test, not hangs it
+    # a broken page fails the test, not hangs it
+    monkeypatch.setitem(ratings.human.__kwdefaults__, "timeout_s", 60.0)
     ratings._STORES.clear()
     page = rating_page.make_server("runs/qgen_human/ratings", port=0)
     threading.Thread(target=page.serve_forever, daemon=True).start()
@@ -230,9 +278,11 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     rater(f"http://127.0.0.1:{page.server_port}", lambda c: {"relevance": "5", "clarity": "3",
                                                             "discriminative_power": "4"}, stop)
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]", "--model.init_adapter=null"]
+    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+            "--model.init_adapter=null"]
     try:
-        assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"), *small(tiny_llama, run), *data]) == 0
+        assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"),
+                           *small(tiny_llama, run), *data]) == 0
     finally:
         stop.set()
         page.shutdown()
@@ -243,13 +293,15 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
         assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"]) == pytest.approx((1.0, 0.5))
         assert m["reward_errors/human"] == 0
     rated = tmp_path / "runs/qgen_human/ratings/ratings.jsonl"
-    assert 1 <= len(rated.read_text().splitlines()) <= 2 * 2 * 3  # at most every completion of 2 steps, once
+    # at most every completion of 2 steps, once
+    assert 1 <= len(rated.read_text().splitlines()) <= 2 * 2 * 3
 
 
 def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
-    """The docs' BioReasoner DPO round: tools/bestofn.py --by logic+novelty+think_format over eval.py's predictions
-    from bioreasoner_judge.yaml (bioreasoner_dpo.yaml's commands), which logged no logic nor novelty: the
-    command stopped with "--by logic: no prediction has a reward of that name"."""
+    """The docs' BioReasoner DPO round: tools/bestofn.py --by logic+novelty+think_format over
+    eval.py's predictions from bioreasoner_judge.yaml (bioreasoner_dpo.yaml's commands), which
+    logged no logic nor novelty: the command stopped with "--by logic: no prediction has a reward of
+    that name"."""
     import re
 
     from config import load_config
@@ -257,6 +309,7 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
     logged = set(reward_keys(load_config("configs/bioreasoner_judge.yaml").rewards))
     pages = [Path("docs/recipes/bioreasoner.md"), Path("docs/evaluation.md")]
     found = [by for page in pages for by in re.findall(r"`--by ([\w+]+)`", page.read_text())]
-    assert "logic+novelty+think_format" in found  # the page still gives the command: the test checks something
+    # the page still gives the command: the test checks something
+    assert "logic+novelty+think_format" in found
     for by in found:
         assert set(by.split("+")) <= logged, by

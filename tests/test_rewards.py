@@ -16,8 +16,8 @@ from plumbing.plugins import resolve
 from rewards import REGISTRY, answer_match, length_penalty, register, short_answer, think_format
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
-BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format", "invented_citation",
-            "citation_grounding", "length_penalty", "short_answer"}
+BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format",
+            "invented_citation", "citation_grounding", "length_penalty", "short_answer"}
 
 
 # ---------------------------------------------------------------- json_valid
@@ -72,7 +72,8 @@ def test_a_think_close_that_closes_nothing_hides_nothing():
     assert json_valid(reasoning + GOOD, {}) == 0.0
     assert choice_accuracy(reasoning + GOOD, {"answer": "B"}) == 0.0
     assert short_answer(reasoning + "72", {}, max_words=4) == 0.0
-    assert answer_match(reasoning + "72", {"answer": 72}) == 1.0  # the last number is still the answer
+    # the last number is still the answer
+    assert answer_match(reasoning + "72", {"answer": 72}) == 1.0
     assert json_valid(reasoning + GOOD, {}, assistant_prefix="<think>") == 1.0
     assert short_answer(reasoning + "72", {}, max_words=4, assistant_prefix="<think>\n") == 1.0
 
@@ -86,21 +87,24 @@ def _medmcqa(**changes):
 
 
 @pytest.mark.parametrize("completion", [
-    GOOD, _medmcqa(confidence=0), _medmcqa(confidence=1), _medmcqa(confidence=1.0), _medmcqa(predicted_category="D"),
-    "<think>B12 comes from animals</think>" + GOOD,
+    GOOD, _medmcqa(confidence=0), _medmcqa(confidence=1), _medmcqa(confidence=1.0),
+    _medmcqa(predicted_category="D"), "<think>B12 comes from animals</think>" + GOOD,
 ])
 def test_json_schema_accepts_the_medmcqa_answer(completion):
     assert json_schema(completion, {}) == 1.0
 
 
 @pytest.mark.parametrize("completion", [
-    _medmcqa(confidence=True), _medmcqa(confidence="0.9"), _medmcqa(confidence=1.5), _medmcqa(confidence=-0.1),
+    _medmcqa(confidence=True), _medmcqa(confidence="0.9"), _medmcqa(confidence=1.5),
+    _medmcqa(confidence=-0.1),
     _medmcqa(confidence=None), GOOD.replace("0.9", "1e999"),  # parses to inf
-    _medmcqa(predicted_category="E"), _medmcqa(predicted_category="b"), _medmcqa(predicted_category="AB"),
-    _medmcqa(predicted_category=1), _medmcqa(predicted_category=["B"]), _medmcqa(predicted_category=" B"),
+    _medmcqa(predicted_category="E"), _medmcqa(predicted_category="b"),
+    _medmcqa(predicted_category="AB"), _medmcqa(predicted_category=1),
+    _medmcqa(predicted_category=["B"]), _medmcqa(predicted_category=" B"),
     _medmcqa(reason=""), _medmcqa(reason="   \n"), _medmcqa(reason=5), _medmcqa(reason=["x"]),
     _medmcqa(reason=...), _medmcqa(confidence=...),           # missing key
-    _medmcqa(extra="x"),                                      # extra key: the seed wants exactly three
+    # extra key: the seed wants exactly three
+    _medmcqa(extra="x"),
     "[" + GOOD + "]", GOOD + " trailing", "Answer: " + GOOD, "{}",
 ])
 def test_json_schema_rejects_wrong_types_values_and_keys(completion):
@@ -108,17 +112,22 @@ def test_json_schema_rejects_wrong_types_values_and_keys(completion):
 
 
 def test_json_schema_is_configurable():
-    schema = {"answer": {"type": "integer", "min": 0}, "steps": {"type": "array", "min_length": 1}, "note": {}}
+    schema = {"answer": {"type": "integer", "min": 0}, "steps": {"type": "array", "min_length": 1},
+              "note": {}}
     assert json_schema('{"answer": 3, "steps": ["x"], "note": null}', {}, schema=schema) == 1.0
-    assert json_schema('{"answer": 3.0, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0  # 3.0 is no integer
+    # 3.0 is no integer
+    assert json_schema('{"answer": 3.0, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0
     assert json_schema('{"answer": true, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0
     assert json_schema('{"answer": -1, "steps": ["x"], "note": 1}', {}, schema=schema) == 0.0
     assert json_schema('{"answer": 3, "steps": [], "note": 1}', {}, schema=schema) == 0.0
-    assert json_schema('{"answer": 3, "steps": ["x"]}', {}, schema=schema) == 0.0  # note is required
+    # note is required
+    assert json_schema('{"answer": 3, "steps": ["x"]}', {}, schema=schema) == 0.0
     assert json_schema(_medmcqa(extra="x"), {}, exact=False) == 1.0
-    assert json_schema('{"ok": 1}', {}, schema={"ok": {"enum": [True]}}) == 0.0  # enum matches type too
+    # enum matches type too
+    assert json_schema('{"ok": 1}', {}, schema={"ok": {"enum": [True]}}) == 0.0
     assert json_schema('{"ok": true}', {}, schema={"ok": {"enum": [True]}}) == 1.0
-    assert json_schema('{"s": "abcd"}', {}, schema={"s": {"type": "string", "max_length": 3}}) == 0.0
+    assert json_schema('{"s": "abcd"}', {},
+                       schema={"s": {"type": "string", "max_length": 3}}) == 0.0
 
 
 def test_json_schema_rejects_a_broken_schema_even_when_the_answer_is_not_json():
@@ -141,13 +150,15 @@ def test_choice_accuracy_compares_the_json_field_with_a_letter_or_an_index_gold(
     assert choice_accuracy(_pred("A"), {"cop": 0}, gold_key="cop") == 1.0
     assert choice_accuracy(_pred("B"), {"cop": 0}, gold_key="cop") == 0.0
     assert choice_accuracy(_pred("D"), {"answer": " d "}) == 1.0
-    assert choice_accuracy(_pred(" b "), {"answer": "B"}) == 1.0  # case and spaces are format, not accuracy
+    # case and spaces are format, not accuracy
+    assert choice_accuracy(_pred(" b "), {"answer": "B"}) == 1.0
     assert choice_accuracy('{"letter": "B"}', {"answer": "B"}, field="letter") == 1.0
     assert choice_accuracy("<think>not A</think>" + _pred("B"), {"answer": "B"}) == 1.0
 
 
 @pytest.mark.parametrize("completion", [
-    _pred("E"), _pred("BC"), _pred("B)"), _pred(1), _pred(None), _pred(["B"]), '{"answer": "B"}', "B",
+    _pred("E"), _pred("BC"), _pred("B)"), _pred(1), _pred(None), _pred(["B"]), '{"answer": "B"}',
+    "B",
     "The answer is B: " + _pred("B"),        # JSON in prose does not parse, and no fallback is set
     "<think>" + _pred("B"),                   # unclosed think
     '["B"]',
@@ -160,14 +171,20 @@ def test_choice_accuracy_fallback_pattern_only_applies_when_the_answer_is_not_js
     pattern = r"Answer:\s*([A-D])"
     assert choice_accuracy("Answer: B", {"answer": "B"}) == 0.0
     assert choice_accuracy("Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
-    assert choice_accuracy("Answer: A ... no wait, Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
-    assert choice_accuracy("Answer: B then Answer: A", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+    assert choice_accuracy("Answer: A ... no wait, Answer: B", {"answer": "B"},
+                           fallback_pattern=pattern) == 1.0
+    assert choice_accuracy("Answer: B then Answer: A", {"answer": "B"},
+                           fallback_pattern=pattern) == 0.0
     assert choice_accuracy("Answer: E", {"answer": "B"}, fallback_pattern=pattern) == 0.0
     # JSON plus text is not JSON: the fallback reads the text, and only one answer counts
-    assert choice_accuracy(_pred("C") + " Answer: B", {"answer": "B"}, fallback_pattern=pattern) == 1.0
-    assert choice_accuracy(_pred("B") + " Answer: C", {"answer": "B"}, fallback_pattern=pattern) == 0.0
-    assert choice_accuracy('{"predicted_category": "C"}', {"answer": "B"}, fallback_pattern=r'"([A-D])"') == 0.0
-    assert choice_accuracy("<think>Answer: B</think>Answer: C", {"answer": "B"}, fallback_pattern=pattern) == 0.0
+    assert choice_accuracy(_pred("C") + " Answer: B", {"answer": "B"},
+                           fallback_pattern=pattern) == 1.0
+    assert choice_accuracy(_pred("B") + " Answer: C", {"answer": "B"},
+                           fallback_pattern=pattern) == 0.0
+    assert choice_accuracy('{"predicted_category": "C"}', {"answer": "B"},
+                           fallback_pattern=r'"([A-D])"') == 0.0
+    assert choice_accuracy("<think>Answer: B</think>Answer: C", {"answer": "B"},
+                           fallback_pattern=pattern) == 0.0
 
 
 def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
@@ -188,15 +205,19 @@ def test_choice_accuracy_is_none_without_gold_and_raises_on_unreadable_gold():
     ("#### 72 (that is 8 * 9)", 72),                      # inside a marker the first number counts
     ("so x = 3 \\boxed{72}", 72), ("\\boxed{\\frac{1}{2}}", 0.5), ("\\boxed{\\dfrac{3}{4}}", 0.75),
     ("\\boxed{\\text{\\$}1{,}000}", 1000), ("\\boxed{{72}}", 72), ("\\boxed{-5}", -5),
-    ("<answer> 72 </answer>", 72), ("<answer>72</answer> then <answer>5", 72), ("<answer>5</answer> \\boxed{72}", 72), ("\\boxed{5} ... #### 72", 72),
+    ("<answer> 72 </answer>", 72), ("<answer>72</answer> then <answer>5", 72),
+    ("<answer>5</answer> \\boxed{72}", 72), ("\\boxed{5} ... #### 72", 72),
     ("The answer is 72.", 72), ("It costs $72.00", 72), ("3.0", 3), ("3", 3.0), ("x = -4", -4),
     ("10 - 3 = 7", 7), ("3/4 of them", 0.75), ("That is 50%", 50), ("1, 2, 3", 3), ("0.1", 0.1),
     ("<think>maybe 70? 3 + 4...</think>It is 72", 72),
     ("1000000000000000000000000", "#### 1000000000000000000000000"),
-    ("#### Final Answer\n\\boxed{72}", 72), ("#### Step 1: add\n48 + 24 = 72", 72),  # Markdown headings are not markers
-    ("##### 3 steps\nso 72", 72), ("#### \u22125", -5), ("#### -$5", -5), ("#### .5", 0.5), ("so 0.5", ".5"),
+    # Markdown headings are not markers
+    ("#### Final Answer\n\\boxed{72}", 72), ("#### Step 1: add\n48 + 24 = 72", 72),
+    ("##### 3 steps\nso 72", 72), ("#### \u22125", -5), ("#### -$5", -5), ("#### .5", 0.5),
+    ("so 0.5", ".5"),
     ("Prices range from $10 - $15", 15), ("- $5 for pens", 5), ("#### Answer: 72", 72),
-    ("#### Answer: 72\nBecause 8 * 9 = 72, over 3 days.", 72),                          # an answer line, text below
+    # an answer line, text below
+    ("#### Answer: 72\nBecause 8 * 9 = 72, over 3 days.", 72),
 ])
 def test_answer_match_reads_the_final_number(completion, gold):
     assert answer_match(completion, {"answer": gold}) == 1.0
@@ -207,7 +228,8 @@ def test_answer_match_reads_the_final_number(completion, gold):
     ("72 minus 2 is 70", 72),                          # last number, not any number
     ("Janet has 16 eggs and eats 3.", 16),             # echoing the question is not answering
     ("\\boxed{72} no wait #### 70", 72),               # #### has priority over \boxed
-    ("10-3", -3), ("1,000", 1), ("1,0000", 1000), ("12,34", 12.34), ("7.2", 72), ("72", 73), ("-72", 72),
+    ("10-3", -3), ("1,000", 1), ("1,0000", 1000), ("12,34", 12.34), ("7.2", 72), ("72", 73),
+    ("-72", 72),
     ("1000000000000000000000001", 10**24),             # equal as floats, not as numbers
     ("9" * 5000, 72), ("72 then " + "9" * 5000, 72),   # no fallback to an earlier number
     ("1/0", 72), ("x2 = 72y", 2),
@@ -234,10 +256,14 @@ def test_answer_match_mode_tolerance_and_think():
 
 def test_parsing_stays_linear_on_degenerate_repetitive_output():
     start = time.perf_counter()
-    for text in ("<answer>" * 20_000 + "7", "\\boxed{" * 20_000, "```" * 20_000, "1," * 50_000, "-" * 100_000 + "7"):
-        answer_match(text, {"answer": 7}), json_schema(text, {}, allow_fence=True), short_answer(text, {})
-    for text in ("PMID" + " " * 20_000 + "x", "PMID: 12345" + " " * 20_000 + "x", "PMID: 12345 " * 5_000):
-        citation_grounding(text, {"valid_pmids": ["12345"]})  # helper-47: runs of blanks were quadratic
+    for text in ("<answer>" * 20_000 + "7", "\\boxed{" * 20_000, "```" * 20_000, "1," * 50_000,
+                 "-" * 100_000 + "7"):
+        answer_match(text, {"answer": 7}), json_schema(text, {}, allow_fence=True), \
+            short_answer(text, {})
+    for text in ("PMID" + " " * 20_000 + "x", "PMID: 12345" + " " * 20_000 + "x",
+                 "PMID: 12345 " * 5_000):
+        # helper-47: runs of blanks were quadratic
+        citation_grounding(text, {"valid_pmids": ["12345"]})
     assert time.perf_counter() - start < 2.0  # a quadratic regex takes minutes here
 
 
@@ -268,15 +294,19 @@ def test_think_format_accepts_one_leading_think_block_then_an_answer(completion,
 
 @pytest.mark.parametrize("completion, kwargs", [
     ("B", {}), ("", {}),
-    ("<think></think>B", {}), ("<think>          \n   </think>B", {}), ("<think>hi</think>B", {}),  # empty or trivial
-    ("<think>long enough reasoning</think>", {}), ("<think>long enough reasoning</think>  \n ", {}),  # no answer
+    # empty or trivial
+    ("<think></think>B", {}), ("<think>          \n   </think>B", {}), ("<think>hi</think>B", {}),
+    # no answer
+    ("<think>long enough reasoning</think>", {}), ("<think>long enough reasoning</think>  \n ", {}),
     ("<think>long enough reasoning", {}),                                              # unclosed
     ("<think>long enough <think>nested</think> reasoning</think>B", {}),             # nested
     ("<think>long enough reasoning</think>B<think>second thoughts!</think>C", {}),   # repeated
     ("<think>long enough reasoning</think>B</think>", {}),                          # stray close
     ("Sure. <think>long enough reasoning</think>B", {}),                             # not leading
-    ("long enough reasoning</think>B", {}),                                          # opening tag missing
-    ("<think>long enough reasoning</think>B", {"assistant_prefix": "<think>"}),               # prefix + model's own tag
+    # opening tag missing
+    ("long enough reasoning</think>B", {}),
+    # prefix + model's own tag
+    ("<think>long enough reasoning</think>B", {"assistant_prefix": "<think>"}),
     ("</think>long enough reasoning<think>B", {}),
     ("<THINK>long enough reasoning</THINK>B", {}),
 ])
@@ -300,15 +330,25 @@ SOURCES = {"valid_pmids": ["12345", 67890, " 555 "]}
     ("pmid 12345 and Pmid: 99999", -1.0),                    # case does not hide an invention
     ("<think>PMID: 99999</think>PMID: 12345", -1.0),         # inventions in the reasoning count
     ("No citations here, 12345 is just a number.", 0.0),
-    ("PMID: 12345, 99999", -1.0),                            # an invention listed after a valid id counts
-    ("[PMID: 12345; 99999]", -1.0), ("PMIDs: 99999, 99998", -4.0), ("(PMID 12345, 67890 & 555)", 2.0),
+    # an invention listed after a valid id counts
+    ("PMID: 12345, 99999", -1.0),
+    ("[PMID: 12345; 99999]", -1.0), ("PMIDs: 99999, 99998", -4.0),
+    ("(PMID 12345, 67890 & 555)", 2.0),
     ("PMID: 12345, 67890 and PMID: 99999", 0.0), ("PMID: 12345 and 67890 AND 99999.", 0.0),
-    ("According to PMIDs 12345 and 99999 the drug works", -1.0), ("PMIDs: 12345, 99999 reported benefit", -1.0),
-    ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0), ("(PMID: 12345, 2019)", 1.0),  # not ids:
-    ("PMID: 12345, 2.5 mg", 1.0), ("PMID: 12345, 30-day mortality", 1.0), ("PMID: 12345 and\n2. Next", 1.0),  # too short
-    ("PMID:\n99999", -2.0), ("PMID: 12345,\n99999", -1.0), ("PMID-99999", -2.0), ("PMID#99999", -2.0),  # no hiding place
+    ("According to PMIDs 12345 and 99999 the drug works", -1.0),
+    ("PMIDs: 12345, 99999 reported benefit", -1.0),
+    # not ids:
+    ("PMID: 12345, 30 patients", 1.0), ("PMID: 12345, 2020 study", 1.0),
+    ("(PMID: 12345, 2019)", 1.0),
+    # too short
+    ("PMID: 12345, 2.5 mg", 1.0), ("PMID: 12345, 30-day mortality", 1.0),
+    ("PMID: 12345 and\n2. Next", 1.0),
+    # no hiding place
+    ("PMID:\n99999", -2.0), ("PMID: 12345,\n99999", -1.0), ("PMID-99999", -2.0),
+    ("PMID#99999", -2.0),
     ("PMID=99999", -2.0), ("PubMed ID: 99999", -2.0), ("PubMed IDs: 12345 and 99999", -1.0),
-    ("Relevant PMIDs:\n1. PMID: 12345", 1.0),               # a list's numbering on the next line is not an id
+    # a list's numbering on the next line is not an id
+    ("Relevant PMIDs:\n1. PMID: 12345", 1.0),
 ])
 def test_citation_grounding_rewards_valid_and_penalises_invented_ids(completion, expected):
     assert citation_grounding(completion, SOURCES) == expected
@@ -324,7 +364,8 @@ def test_citation_grounding_options():
     assert citation_grounding("doi:10.1/abc doi:10.9/zzz", {"dois": ["10.1/abc"]},
                               pattern=r"doi:(\S+)", valid_key="dois") == -1.0
     assert citation_grounding("PMID: 1", {"valid_pmids": set()}) == -2.0
-    assert invented_citation("PMID: 12345, 99999", SOURCES) == 1.0 and invented_citation("PMIDs 12345; 555", SOURCES) == 0.0
+    assert invented_citation("PMID: 12345, 99999", SOURCES) == 1.0 \
+        and invented_citation("PMIDs 12345; 555", SOURCES) == 0.0
 
 
 def test_citation_grounding_is_none_without_a_valid_set_and_raises_on_a_string_set():
@@ -337,7 +378,8 @@ def test_citation_grounding_is_none_without_a_valid_set_and_raises_on_a_string_s
 # ---------------------------------------------------------------- length_penalty, short_answer
 
 @pytest.mark.parametrize("tokens, expected", [
-    (0, 0.0), (100, 0.0), (384, 0.0), (385, -1 / 128), (416, -0.25), (448, -0.5), (512, -1.0), (513, -1.0), (10**6, -1.0),
+    (0, 0.0), (100, 0.0), (384, 0.0), (385, -1 / 128), (416, -0.25), (448, -0.5), (512, -1.0),
+    (513, -1.0), (10**6, -1.0),
 ])
 def test_length_penalty_follows_the_dapo_formula(tokens, expected):
     assert length_penalty("ignored", {}, tokens) == pytest.approx(expected)
@@ -353,7 +395,8 @@ def test_length_penalty_with_no_cache_is_a_hard_cut_and_rejects_bad_settings():
 
 @pytest.mark.parametrize("completion, expected", [
     ("72", 1.0), ("one two three four five six seven eight", 1.0), (" ".join(["w"] * 9), 23 / 24),
-    (" ".join(["w"] * 20), 0.5), (" ".join(["w"] * 31), 1 / 24), (" ".join(["w"] * 32), 0.0), ("w " * 1000, 0.0),
+    (" ".join(["w"] * 20), 0.5), (" ".join(["w"] * 31), 1 / 24), (" ".join(["w"] * 32), 0.0),
+    ("w " * 1000, 0.0),
     ("", 0.0), ("   \n ", 0.0),                                 # saying nothing is not brevity
     ("<think>" + "long reasoning " * 50 + "</think> 72", 1.0),  # reasoning is not the answer
     ("<think>" + "long reasoning " * 50, 0.0),                  # unclosed: no answer
@@ -365,7 +408,9 @@ def test_short_answer_decays_linearly_from_max_words_to_four_times_it(completion
 def test_short_answer_options():
     assert short_answer("a b c", {}, max_words=2) == pytest.approx(5 / 6)
     assert short_answer("<think>x y z</think>a", {}, max_words=1) == 1.0
-    assert short_answer("<think>x y z</think>a", {}, max_words=1, strip_think=False) == pytest.approx(1 / 3)  # 3 words
+    # 3 words
+    assert short_answer("<think>x y z</think>a", {}, max_words=1, strip_think=False) == \
+        pytest.approx(1 / 3)
     with pytest.raises(ValueError):
         short_answer("a", {}, max_words=0)
 
@@ -412,7 +457,8 @@ def test_resolve_loads_a_function_from_a_file_and_its_batched_mark(tmp_path):
     path.write_text(
         "from dataclasses import dataclass\n"
         "import rewards\n"
-        "@dataclass\nclass Counter:\n    n: int = 0\n"          # dataclasses need the module in sys.modules
+        # dataclasses need the module in sys.modules
+        "@dataclass\nclass Counter:\n    n: int = 0\n"
         "def shouty(completion, sample):\n    return float(completion.isupper())\n"
         "@rewards.register('test_file_batched_9c1', batched=True)\n"
         "def lengths(completions, samples):\n    return [len(c) for c in completions]\n")
@@ -432,9 +478,10 @@ def test_resolve_loads_a_function_from_a_file_and_its_batched_mark(tmp_path):
         resolve(RewardSpec(f"{broken}:f"))
 
 
-# ---------------------------------------------------------------- answer_match on expressions (MATH)
+# ------------------------------------------------------------ answer_match on expressions (MATH)
 
-@pytest.mark.parametrize("gold", [r"x^2-5", r"2\sqrt{2}", r"[2,7)", r"\boxed{\frac{\pi}{3}}", "x + 1"])
+@pytest.mark.parametrize("gold",
+                         [r"x^2-5", r"2\sqrt{2}", r"[2,7)", r"\boxed{\frac{\pi}{3}}", "x + 1"])
 def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_number(gold):
     with pytest.raises(ValueError, match="is an expression, not a number.*compare: expression"):
         answer_match(r"\boxed{2}", {"answer": gold})
@@ -447,27 +494,38 @@ def test_an_expression_gold_is_an_error_when_comparing_numbers_not_its_first_num
     (r"\boxed{2\sqrt{2}}", r"2 \sqrt{2}", 1.0),
     (r"\boxed{\left(-\infty, 2\right]}", r"(-\infty,2]", 1.0),
     (r"\boxed{(-\infty,2]}", r"[2,7)", 0.0),
-    (r"\boxed{\dfrac{\pi}{3}}", r"The answer is $\boxed{\frac{\pi}{3}}$.", 1.0),  # a solution: its boxed answer
-    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),                                         # numbers still compare as numbers
-    (r"\boxed{35}", "3, 5", 0.0), (r"\boxed{-23}", "-2, 3", 0.0), (r"\boxed{1000}", "1,000", 1.0),  # a list is not a number
-    (r"\boxed{5}", r"5\text{ cm}", 1.0), (r"\boxed{90}", r"90^\circ", 1.0), (r"\boxed{25}", r"25\%", 1.0),  # units go
-    (r"\boxed{\sqrt2}", r"\sqrt{2}", 1.0), (r"\boxed{\frac12}", "0.5", 1.0),
-    ("#### 72", 72, 1.0),
-    (r"<think>\boxed{3}</think> \boxed{x+1}", "1+x", 0.0),                          # text, not algebra
+    # a solution: its boxed answer
+    (r"\boxed{\dfrac{\pi}{3}}", r"The answer is $\boxed{\frac{\pi}{3}}$.", 1.0),
+    # numbers still compare as numbers
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    # a list is not a number
+    (r"\boxed{35}", "3, 5", 0.0), (r"\boxed{-23}", "-2, 3", 0.0), (r"\boxed{1000}", "1,000", 1.0),
+    # units go
+    (r"\boxed{5}", r"5\text{ cm}", 1.0), (r"\boxed{90}", r"90^\circ", 1.0),
+    (r"\boxed{25}", r"25\%", 1.0), (r"\boxed{\sqrt2}", r"\sqrt{2}", 1.0),
+    (r"\boxed{\frac12}", "0.5", 1.0), ("#### 72", 72, 1.0),
+    # text, not algebra
+    (r"<think>\boxed{3}</think> \boxed{x+1}", "1+x", 0.0),
     ("<think>never closed", "x", 0.0),
-    (r"\boxed{x = 5}", "5", 1.0), (r"\boxed{5}", "x = 5", 1.0), (r"\boxed{y=2x+1}", "2x+1", 1.0),  # a label goes
-    (r"\boxed{(C)}", "(B)", 0.0),                                                    # unless it is the answer
-    (r"\boxed{5 \text{cm}}", "5", 1.0), (r"\boxed{5\,\text{cm}}", "5", 1.0), (r"\boxed{90°}", r"90^\circ", 1.0),
-    (r"\boxed{\text{yes}}", "yes", 1.0), ("#### Final answer\n\\boxed{\\frac{1}{2}}", r"\frac12", 1.0),
-    ("#### Yes", "Yes", 1.0), ("#### no solution", "no solution", 1.0),                # a last #### line is an answer
-    (r"\boxed{2\text{or}3}", "23", 0.0), (r"\boxed{5\text{ cm}}", "5", 1.0), (r"\boxed{5\text{cm}^2}", "5", 1.0),
+    # a label goes
+    (r"\boxed{x = 5}", "5", 1.0), (r"\boxed{5}", "x = 5", 1.0), (r"\boxed{y=2x+1}", "2x+1", 1.0),
+    # unless it is the answer
+    (r"\boxed{(C)}", "(B)", 0.0),
+    (r"\boxed{5 \text{cm}}", "5", 1.0), (r"\boxed{5\,\text{cm}}", "5", 1.0),
+    (r"\boxed{90°}", r"90^\circ", 1.0), (r"\boxed{\text{yes}}", "yes", 1.0),
+    ("#### Final answer\n\\boxed{\\frac{1}{2}}", r"\frac12", 1.0),
+    # a last #### line is an answer
+    ("#### Yes", "Yes", 1.0), ("#### no solution", "no solution", 1.0),
+    (r"\boxed{2\text{or}3}", "23", 0.0), (r"\boxed{5\text{ cm}}", "5", 1.0),
+    (r"\boxed{5\text{cm}^2}", "5", 1.0),
     (r"\boxed{30°C}", "30", 1.0), ("\\boxed{x\u22121}", "x-1", 1.0),
 ])
 def test_compare_expression_matches_normalised_answers(completion, gold, expected):
     assert answer_match(completion, {"answer": gold}, compare="expression") == expected
 
 
-@pytest.mark.parametrize("gold", ["5 m", "0.5 L", "5 h", "5 m/s", "x = 5", "x=5", "A) 5", "(B) 5", "5 kg"])
+@pytest.mark.parametrize("gold",
+                         ["5 m", "0.5 L", "5 h", "5 m/s", "x = 5", "x=5", "A) 5", "(B) 5", "5 kg"])
 def test_a_number_with_a_unit_or_a_label_is_still_a_number(gold):
     assert answer_match("#### 5", {"answer": gold}) == (1.0 if not gold.startswith("0.5") else 0.0)
 
@@ -475,7 +533,8 @@ def test_a_number_with_a_unit_or_a_label_is_still_a_number(gold):
 def test_number_golds_keep_their_reading():
     assert answer_match("It is 72.", {"answer": "72 apples"}) == 1.0
     assert answer_match(r"\boxed{18.90}", {"answer": r"\$18.90"}) == 1.0
-    assert answer_match("30", {"answer": r"30^\circ"}) == 1.0 and answer_match("5", {"answer": "5%"}) == 1.0
+    assert answer_match("30", {"answer": r"30^\circ"}) == 1.0 \
+        and answer_match("5", {"answer": "5%"}) == 1.0
     with pytest.raises(ValueError, match="compare must be"):
         answer_match("1", {"answer": 1}, compare="algebra")
 
@@ -489,22 +548,29 @@ def test_a_valid_file_adds_the_corpus_ids_to_every_rows_or_stands_alone(tmp_path
     text = "PMID: 11111, PMID: 44444, PMID: 99999"
     assert citation_grounding(text, row) == -3.0  # the row's id alone: two invented
     assert citation_grounding(text, row, valid_file=str(corpus)) == 0.0  # 1 + 1 - 2
-    assert citation_grounding(text, {}, valid_key=None, valid_file=str(corpus)) == -3.0  # the corpus alone
+    # the corpus alone
+    assert citation_grounding(text, {}, valid_key=None, valid_file=str(corpus)) == -3.0
     assert invented_citation("PMID: 22222", {}, valid_key=None, valid_file=str(corpus)) == 0.0
-    assert citation_grounding(text, {}, valid_file=str(corpus)) == -3.0  # a row without the column: the file still counts
-    saved_by_excel = tmp_path / "bom.txt"  # a byte-order mark in front of the first id (Notepad, Excel, utf-8-sig)
+    # a row without the column: the file still counts
+    assert citation_grounding(text, {}, valid_file=str(corpus)) == -3.0
+    # a byte-order mark in front of the first id (Notepad, Excel, utf-8-sig)
+    saved_by_excel = tmp_path / "bom.txt"
     saved_by_excel.write_bytes(b"\xef\xbb\xbf11111\n22222\n")
-    assert citation_grounding("PMID: 11111", {}, valid_key=None, valid_file=str(saved_by_excel)) == 1.0
-    check_specs([RewardSpec("citation_grounding", args={"valid_key": None, "valid_file": str(corpus)})])
+    assert citation_grounding("PMID: 11111", {}, valid_key=None,
+                              valid_file=str(saved_by_excel)) == 1.0
+    check_specs([RewardSpec("citation_grounding",
+                            args={"valid_key": None, "valid_file": str(corpus)})])
     with pytest.raises(ValueError, match=r"args.valid_file=.*nope.txt: No such file"):
-        check_specs([RewardSpec("citation_grounding", args={"valid_file": str(tmp_path / "nope.txt")})])
+        check_specs([RewardSpec("citation_grounding",
+                                args={"valid_file": str(tmp_path / "nope.txt")})])
     with pytest.raises(ValueError, match="valid_key is null and there is no args.valid_file"):
         check_specs([RewardSpec("invented_citation", args={"valid_key": None})])
 
 
 def test_a_large_valid_file_is_looked_up_not_copied_for_every_completion(tmp_path):
-    """A corpus of 500k ids (a slice of PubMed): each completion's score looks its ids up in the file's
-    set; a copy of it per completion (the row's ids | the file's) took ~40 ms a call, minutes per eval."""
+    """A corpus of 500k ids (a slice of PubMed): each completion's score looks its ids up in the
+    file's set; a copy of it per completion (the row's ids | the file's) took ~40 ms a call, minutes
+    per eval."""
     corpus = tmp_path / "pmids.txt"
     corpus.write_text("\n".join(str(10_000_000 + i) for i in range(500_000)))
     text, row = "PMID: 10000001, PMID: 44444, PMID: 99999", {"valid_pmids": ["44444"]}

@@ -27,7 +27,8 @@ def make_run(tmp_path, tiny_llama, *overrides, **sections):
     return runs.setup(args, extra)
 
 
-def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iteration(tmp_path, tiny_llama, monkeypatch):
+def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iteration(
+        tmp_path, tiny_llama, monkeypatch):
     """loss = (sum of every micro-batch's loss share) / num_iterations, grad_norm = mean of the
     iterations' norms; each iteration starts from zeroed gradients (so with lr 0 both iterations see
     the same gradient)."""
@@ -53,7 +54,8 @@ def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iter
     assert norms[1] == pytest.approx(norms[0], rel=1e-4)  # not the sum of two iterations' gradients
 
 
-def test_a_second_iteration_is_off_policy_and_the_reference_is_the_policy_without_its_update(tmp_path, tiny_llama):
+def test_a_second_iteration_is_off_policy_and_the_reference_is_the_policy_without_its_update(
+        tmp_path, tiny_llama):
     """num_iterations > 1 compares with the sampling policy's log-probs (ratio != 1 after an
     update); beta > 0 compares with the reference (KL > 0 once the policy moved), for LoRA (the
     adapter switched off) and for full fine-tuning (a frozen copy)."""
@@ -61,23 +63,27 @@ def test_a_second_iteration_is_off_policy_and_the_reference_is_the_policy_withou
     m, _ = step.train_step(r)
     assert abs(m["ratio_mean"] - 1) > 1e-4  # exactly 1 if the second iteration compared with itself
     for lora in ("true", "false"):
-        r = make_run(tmp_path / lora, tiny_llama, "--grpo.beta=0.1", "--optim.lr=0.05", f"--lora.enabled={lora}")
+        r = make_run(tmp_path / lora, tiny_llama, "--grpo.beta=0.1", "--optim.lr=0.05",
+                     f"--lora.enabled={lora}")
         first, _ = step.train_step(r)
         second, _ = step.train_step(r)
         assert first["kl"] == pytest.approx(0, abs=1e-9) and second["kl"] > 1e-7, lora
 
 
 def test_gspo_sequence_ratios_reach_the_loss(tmp_path, tiny_llama, monkeypatch):
-    """grpo.importance_sampling_level: sequence gives each completion one ratio in the second iteration."""
+    """grpo.importance_sampling_level: sequence gives each completion one ratio in the second
+    iteration."""
     ratios, real = [], grpo.per_token_loss
 
     def spy(*a, **k):
         out = real(*a, **k)
         args = inspect.signature(real).bind(*a, **k).arguments
-        ratios.append((out[1].detach(), args["mask"] if args["s"].sequence else None))  # rho, its mask
+        # rho, its mask
+        ratios.append((out[1].detach(), args["mask"] if args["s"].sequence else None))
         return out
     monkeypatch.setattr(grpo, "per_token_loss", spy)
-    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--grpo.loss_type=grpo",
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",
+                 "--grpo.loss_type=grpo",
                  "--grpo.importance_sampling_level=sequence", "--optim.micro_batch_size=8")
     m, _ = step.train_step(r)
     rho, mask = ratios[-1]
@@ -103,16 +109,19 @@ def test_delta_and_cispo_reach_the_loss_from_the_config(tmp_path, tiny_llama, mo
         return out
     monkeypatch.setattr(grpo, "per_token_loss", spy)
     monkeypatch.setattr(grpo, "grpo_loss", loss_spy)
-    for name, flags, want in (("delta", ["--grpo.delta=1.06"], (1.06, None)), ("cispo", ["--grpo.policy_loss=cispo",
-                              "--grpo.cispo_cap=2.5"], (0.0, 2.5)), ("clip", [], (0.0, None))):
+    for name, flags, want in (("delta", ["--grpo.delta=1.06"], (1.06, None)),
+                              ("cispo", ["--grpo.policy_loss=cispo", "--grpo.cispo_cap=2.5"],
+                               (0.0, 2.5)), ("clip", [], (0.0, None))):
         seen.clear()
         sums.clear()
-        r = make_run(tmp_path / name, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--grpo.epsilon_high=0.05", *flags)
+        r = make_run(tmp_path / name, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",
+                     "--grpo.epsilon_high=0.05", *flags)
         m, _ = step.train_step(r)
         assert seen and set(seen) == {want}, name
         assert ("clip_ratio/delta_mean" in m) == (name == "delta") and math.isfinite(m["loss"])
         if name == "delta":  # the share of the step's tokens that passed delta with A < 0
-            assert m["clip_ratio/delta_mean"] == pytest.approx(sum(d for d, _ in sums) / sum(t for _, t in sums))
+            assert m["clip_ratio/delta_mean"] == \
+                pytest.approx(sum(d for d, _ in sums) / sum(t for _, t in sums))
             assert m["clip_ratio/delta_mean"] > 0
 
 
@@ -129,9 +138,12 @@ def test_the_loss_scores_tokens_at_the_sampling_temperature(tmp_path, tiny_llama
 
 
 def test_each_completion_is_scored_against_its_own_row(tmp_path, tiny_llama, monkeypatch):
-    """Rows i*G .. i*G+G-1 are prompt i's: a reward reading the row's answer gives each group its row's value."""
-    monkeypatch.setitem(rewards.REGISTRY, "test_row_answer", (lambda completion, sample: float(sample["answer"]), False))
-    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_row_answer}]", "--rollout.prompts_per_step=3")
+    """Rows i*G .. i*G+G-1 are prompt i's: a reward reading the row's answer gives each group its
+    row's value."""
+    monkeypatch.setitem(rewards.REGISTRY, "test_row_answer",
+                        (lambda completion, sample: float(sample["answer"]), False))
+    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_row_answer}]",
+                 "--rollout.prompts_per_step=3")
     idx = [5, 0, 7]
     s = step.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
     G = r.cfg.rollout.num_generations
@@ -139,27 +151,33 @@ def test_each_completion_is_scored_against_its_own_row(tmp_path, tiny_llama, mon
     assert s.total.tolist() == [float(r.rows[i]["answer"]) for i in idx for _ in range(G)]
 
 
-@pytest.mark.parametrize("opens, forced, expected", [(False, "", ""), (False, "<think>", "<think>"), (True, "", "<think>\n")])
-def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(tmp_path, tiny_llama, monkeypatch, opens,
-                                                                              forced, expected):
+@pytest.mark.parametrize("opens, forced, expected",
+                         [(False, "", ""), (False, "<think>", "<think>"), (True, "", "<think>\n")])
+def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(
+        tmp_path, tiny_llama, monkeypatch, opens, forced, expected):
     seen = set()
 
     def reward(completion, sample, assistant_prefix="", forced_prefix=None):
-        seen.add((assistant_prefix, forced_prefix))  # forced_prefix: ratings.py's queue, which exports replies
+        # forced_prefix: ratings.py's queue, which exports replies
+        seen.add((assistant_prefix, forced_prefix))
         return 0.0
     monkeypatch.setitem(rewards.REGISTRY, "test_prefix", (reward, False))
-    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_prefix}]", f"--data.assistant_prefix={forced}")
+    r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_prefix}]",
+                 f"--data.assistant_prefix={forced}")
     if opens:  # DeepSeek-R1's template ends its generation prompt inside a think block
-        r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'", "assistant\n<think>\n'")
+        r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'",
+                                                                      "assistant\n<think>\n'")
     step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1], r.judges)
     assert seen == {(expected, forced)}
 
 
 def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_llama, monkeypatch):
     G = 4
-    flat = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2), torch.ones(G, 3, dtype=torch.long),
+    flat = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2),
+                           torch.ones(G, 3, dtype=torch.long),
                            torch.ones(G, 3), torch.zeros(G, dtype=torch.bool), ["flat"] * G)
-    varied = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2), torch.ones(G, 3, dtype=torch.long),
+    varied = rollout.Rollout(torch.ones(G, 2, dtype=torch.long), torch.ones(G, 2),
+                             torch.ones(G, 3, dtype=torch.long),
                              torch.ones(G, 3), torch.zeros(G, dtype=torch.bool), ["varied"] * G)
     draws = iter([(flat, [1.0] * G), (varied, [0.0, 1.0, 0.0, 1.0])])
 
@@ -167,19 +185,21 @@ def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_
         ro, total = next(draws)
         return step.Scored(ro, [{}] * G, torch.tensor(total), {}, {})
     monkeypatch.setattr(step, "score", fake_score)
-    r = make_run(tmp_path, tiny_llama, "--rollout.prompts_per_step=1", "--rollout.resample_zero_std=true",
-                 "--rollout.max_prompts_per_step=2")
+    r = make_run(tmp_path, tiny_llama, "--rollout.prompts_per_step=1",
+                 "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2")
     kept, drawn, n = step.collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)
     assert kept.rollout.texts == ["varied"] * G and n == 2 and len(drawn.rollout.texts) == 2 * G
 
 
 def test_micro_batches_hold_at_most_size_rows_with_or_without_a_token_budget():
     n = 6
-    batch = rollout.Rollout(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2), torch.ones(n, 3, dtype=torch.long),
+    batch = rollout.Rollout(torch.ones(n, 2, dtype=torch.long), torch.ones(n, 2),
+                            torch.ones(n, 3, dtype=torch.long),
                             torch.ones(n, 3), torch.zeros(n, dtype=torch.bool), [""] * n)
     for budget in (0, 10_000):
         assert step.micro_batches(batch, 2, budget) == [slice(0, 2), slice(2, 4), slice(4, 6)]
-    assert step.micro_batches(batch, 6, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]  # 2 rows x 5 tokens
+    # 2 rows x 5 tokens
+    assert step.micro_batches(batch, 6, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
 
 
 def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
@@ -191,12 +211,14 @@ def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
     w.grad = torch.tensor([3.0, 4.0, 0.0])
     norm, lr = step.optimizer_step(run)
     assert norm == pytest.approx(5.0) and lr == 1.0
-    assert w.detach().tolist() == pytest.approx([-0.6, -0.8, 0.0])  # one step along the clipped gradient
+    # one step along the clipped gradient
+    assert w.detach().tolist() == pytest.approx([-0.6, -0.8, 0.0])
 
 
-def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_training_nothing(recwarn):
-    """A T4's float16 pass that overflows: GradScaler skips each update and halves its scale, and the
-    run went on silently, training nothing (its step line just lost loss and grad_norm)."""
+def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_training_nothing(
+        recwarn):
+    """A T4's float16 pass that overflows: GradScaler skips each update and halves its scale, and
+    the run went on silently, training nothing (its step line just lost loss and grad_norm)."""
     w = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([w], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -206,11 +228,14 @@ def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_trai
     for scale in (4.0, 2.0):  # skipped while the scale can still be found: the run goes on, quietly
         scaler.scale(torch.tensor(float("inf"), requires_grad=True) * w.sum()).backward()
         norm, _ = step.optimizer_step(run)
-        assert not math.isfinite(norm) and w.detach().tolist() == [0.0, 0.0, 0.0] and scaler.get_scale() == scale / 2
+        assert not math.isfinite(norm) and w.detach().tolist() == [0.0, 0.0, 0.0] \
+            and scaler.get_scale() == scale / 2
         w.grad = None
-    assert not [x for x in recwarn if "lr_scheduler.step" in str(x.message)]  # torch's warning for a skipped step
+    # torch's warning for a skipped step
+    assert not [x for x in recwarn if "lr_scheduler.step" in str(x.message)]
     scaler.scale(torch.tensor(float("inf"), requires_grad=True) * w.sum()).backward()
-    with pytest.raises(rollout.NonFiniteLogits, match="float16 loss scaling has halved its scale below 1"):
+    with pytest.raises(rollout.NonFiniteLogits,
+                       match="float16 loss scaling has halved its scale below 1"):
         step.optimizer_step(run)  # the scale fell below 1: not a scale still to find
 
 
@@ -218,15 +243,17 @@ def test_importance_weights_are_capped_and_counted():
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
     w = step.sampler_weight(old, sampler, mask, 2.0, sums)
-    assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 and sums["tokens"] == 2
+    assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 \
+        and sums["tokens"] == 2
     assert step.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
 
 
 @pytest.mark.parametrize("mode", vllm_engine.TIS_MODES)
 def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     """TRL's four modes: the ratio per token or per completion (the product over its tokens, padding
-    left out), capped at tis_cap or masked past it; `capped` counts the tokens at or past the cap."""
-    g = torch.Generator().manual_seed(1)  # a draw with completions on both sides of the cap in every mode
+    left out), capped at tis_cap or masked past it; `capped` counts tokens at or past the cap."""
+    # a draw with completions on both sides of the cap in every mode
+    g = torch.Generator().manual_seed(1)
     old, sampler = (torch.randn(5, 6, generator=g) * 0.6 for _ in range(2))
     mask = (torch.arange(6)[None] < torch.tensor([6, 3, 1, 5, 4])[:, None]).float()
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
@@ -239,25 +266,31 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
         for t in range(6):
             rho = seq if seq_mode else math.exp(float(old[i, t] - sampler[i, t]))
             want[i, t] = min(rho, 1.5) if mode.endswith("truncate") else (0.0 if rho > 1.5 else rho)
-            counted = t == ts[0] if seq_mode else t in ts  # sequence modes count completions, as TRL
+            # sequence modes count completions, as TRL
+            counted = t == ts[0] if seq_mode else t in ts
             past += counted and (rho >= 1.5 if mode.endswith("truncate") else rho > 1.5)
             weights += float(want[i, t]) if counted else 0.0
-    torch.testing.assert_close(w[mask.bool()], want[mask.bool()])  # padding: any weight, the loss masks it
+    # padding: any weight, the loss masks it
+    torch.testing.assert_close(w[mask.bool()], want[mask.bool()])
     assert sums["units"] == (5 if seq_mode else mask.sum()) and sums["tokens"] == mask.sum()
-    assert sums["capped"] == past and 0 < past < sums["units"] and sums["weight"] == pytest.approx(weights, rel=1e-6)
+    assert sums["capped"] == past and 0 < past < sums["units"] \
+        and sums["weight"] == pytest.approx(weights, rel=1e-6)
     if seq_mode:
-        assert all(len(set(w[i][mask[i].bool()].tolist())) == 1 for i in range(5))  # one weight a completion
+        # one weight a completion
+        assert all(len(set(w[i][mask[i].bool()].tolist())) == 1 for i in range(5))
     nan = sampler.clone()
-    nan[0, 1] = float("nan")  # a log-prob vLLM did not give: ratio 1 there, as TRL, not a NaN weight
+    # a log-prob vLLM did not give: ratio 1 there, as TRL, not a NaN weight
+    nan[0, 1] = float("nan")
     assert torch.isfinite(step.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
     with pytest.raises(ValueError, match="tis_mode"):
         step.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
 
 
 def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_llama, monkeypatch):
-    """bnpo divides by the micro-batches that train; dapo by the tokens that train (not skipped ones)."""
+    """bnpo divides by the micro-batches that train; dapo by the tokens that train (not skipped)."""
     monkeypatch.setitem(rewards.REGISTRY, "test_first_two_fail", (
-        lambda completions, samples: [math.nan if i < 2 else float(i % 3) for i in range(len(completions))], True))
+        lambda completions, samples: [math.nan if i < 2 else float(i % 3)
+                                      for i in range(len(completions))], True))
     seen, real = [], grpo.grpo_loss
 
     def recording(logp, old, ref, adv, mask, norm, *a, **k):
@@ -265,11 +298,13 @@ def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_
         return real(logp, old, ref, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
     for loss_type in ("bnpo", "dapo"):
-        r = make_run(tmp_path / loss_type, tiny_llama, "--rewards=[{name: test_first_two_fail, fallback: skip}]",
+        r = make_run(tmp_path / loss_type, tiny_llama,
+                     "--rewards=[{name: test_first_two_fail, fallback: skip}]",
                      "--optim.micro_batch_size=2", f"--grpo.loss_type={loss_type}")
         step.train_step(r)
         norm = seen[0][1]
-        assert norm.num_micro_batches == 3 and norm.num_sequences == 6  # 4 micro-batches, the first all skipped
+        # 4 micro-batches, the first all skipped
+        assert norm.num_micro_batches == 3 and norm.num_sequences == 6
         assert norm.num_tokens == sum(int(m.sum()) for m, _ in seen) and int(seen[0][0].sum()) == 0
         seen.clear()
 
@@ -279,19 +314,22 @@ def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_ll
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     h = torch.tensor([[2.0, 4.0, 99.0], [6.0, 99.0, 99.0]])  # 99: past the completion, left out
     ro = rollout.Rollout(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
-                         torch.zeros(2, 3, dtype=torch.long), mask, torch.zeros(2, dtype=torch.bool), ["", ""], entropy=h)
+                         torch.zeros(2, 3, dtype=torch.long), mask,
+                         torch.zeros(2, dtype=torch.bool), ["", ""], entropy=h)
     drawn = step.Scored(ro, [{}, {}], torch.tensor([0.0, 1.0]), {}, {})
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum", "grad_norm"), 1.0)
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum",
+                          "grad_norm"), 1.0)
     assert step.step_metrics(drawn, 2, sums, 1, 1e-6)["entropy"] == pytest.approx(4.0)
     r = make_run(tmp_path, tiny_llama)
     m, _ = step.train_step(r)
-    assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)  # a random model: near log(vocab) at temperature 1.5
+    # a random model: near log(vocab) at temperature 1.5
+    assert 0 < m["entropy"] < math.log(r.tokenizer.vocab_size * 2)
 
 
 def test_a_skipped_update_is_counted_and_left_out_of_grad_norm(tmp_path, tiny_llama, monkeypatch):
-    """fp16's GradScaler skips updates with an inf or NaN gradient while it finds its scale: the step's
-    grad_norm is the mean of the applied ones, skipped_updates counts the rest, and the metrics line
-    stays JSON (no Infinity, no NaN)."""
+    """fp16's GradScaler skips updates with an inf or NaN gradient while it finds its scale: the
+    step's grad_norm is the mean of the applied ones, skipped_updates counts the rest, and the
+    metrics line stays JSON (no Infinity, no NaN)."""
     given = iter([float("inf"), 2.0, float("nan"), float("nan")])
     monkeypatch.setattr(step, "optimizer_step", lambda r: (next(given), 1e-5))
     r = make_run(tmp_path, tiny_llama, "--grpo.num_mini_batches=2")
@@ -302,11 +340,12 @@ def test_a_skipped_update_is_counted_and_left_out_of_grad_norm(tmp_path, tiny_ll
     json.dumps(m, allow_nan=False)
 
 
-def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update(tmp_path, tiny_llama, monkeypatch):
+def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update(
+        tmp_path, tiny_llama, monkeypatch):
     """grpo.num_mini_batches: k = 2 takes two optimizer steps per pass, each on half the groups with
-    its loss normalised over that half: with lr 0 and loss_type grpo the two gradients average to the
-    one-update gradient; each update's LossNorm counts only its half. With a real lr the second half
-    is off-policy (ratios leave 1); grad_norm is the mean over the updates."""
+    its loss normalised over that half: with lr 0 and loss_type grpo the two gradients average to
+    the one-update gradient; each update's LossNorm counts only its half. With a real lr the second
+    half is off-policy (ratios leave 1); grad_norm is the mean over the updates."""
     grads, norms, calls, real_step, real_loss = [], [], [], step.optimizer_step, grpo.grpo_loss
 
     def capture(r):
@@ -321,7 +360,8 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
         return real_loss(logp, old, ref, adv, mask, norm, *a, **k)
     monkeypatch.setattr(step, "optimizer_step", capture)
     monkeypatch.setattr(grpo, "grpo_loss", loss)
-    common = ["--optim.lr=0.0", "--grpo.loss_type=grpo", "--optim.max_grad_norm=0", "--optim.micro_batch_size=3"]
+    common = ["--optim.lr=0.0", "--grpo.loss_type=grpo", "--optim.max_grad_norm=0",
+              "--optim.micro_batch_size=3"]
     r = make_run(tmp_path / "one", tiny_llama, *common)
     whole, _ = step.train_step(r)
     r = make_run(tmp_path / "two", tiny_llama, *common, "--grpo.num_mini_batches=2")
@@ -329,7 +369,8 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
     assert len(grads) == 3  # one update, then two
     for g, g1, g2 in zip(*grads):
         torch.testing.assert_close(g, (g1 + g2) / 2, rtol=1e-4, atol=1e-7)
-    assert halves["reward"] == whole["reward"] and halves["grad_norm"] == pytest.approx(sum(norms[1:]) / 2)
+    assert halves["reward"] == whole["reward"] \
+        and halves["grad_norm"] == pytest.approx(sum(norms[1:]) / 2)
     updates, current = [], []
     for c in calls:
         if c is None:
@@ -337,32 +378,38 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
             current = []
         else:
             current.append(c)
-    assert [len(u) for u in updates] == [3, 2, 2]  # 8 rows in micro-batches of 3; then 4 + 4 rows: 3 + 1 each
+    # 8 rows in micro-batches of 3; then 4 + 4 rows: 3 + 1 each
+    assert [len(u) for u in updates] == [3, 2, 2]
     for u in updates:  # each update's normaliser counts its own rows and tokens only
         norm = u[0][2]
         assert all(c[2] is norm for c in u) and norm.num_micro_batches == len(u)
-        assert norm.num_tokens == sum(c[0] for c in u) and norm.num_sequences == sum(c[1] for c in u)
+        assert norm.num_tokens == sum(c[0] for c in u) \
+            and norm.num_sequences == sum(c[1] for c in u)
     grads.clear()
     olds, real_old = [], step.batch_log_probs
     monkeypatch.setattr(step, "batch_log_probs", lambda *a: olds.append(1) or real_old(*a))
     r = make_run(tmp_path / "lr", tiny_llama, "--optim.lr=0.5", "--grpo.num_mini_batches=2")
     m, _ = step.train_step(r)
-    assert len(grads) == 2 and len(olds) == 1  # one pass, yet the second half is off-policy: the old log-probs count
+    # one pass, yet the second half is off-policy: the old log-probs count
+    assert len(grads) == 2 and len(olds) == 1
     r.cfg.grpo.num_iterations = 3
     assert runs.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
-    with pytest.raises(train.ConfigError, match="num_mini_batches=3 must divide rollout.prompts_per_step=2"):
+    with pytest.raises(train.ConfigError,
+                       match="num_mini_batches=3 must divide rollout.prompts_per_step=2"):
         make_run(tmp_path / "bad", tiny_llama, "--grpo.num_mini_batches=3")
 
 
 def test_the_lr_schedule_counts_every_mini_batch_update(tmp_path, tiny_llama):
-    """2 steps x 2 mini-batches = 4 updates of a cosine from lr to 0: the last runs at lr x (1 + cos(3 pi / 4)) / 2."""
+    """2 steps x 2 mini-batches = 4 updates of a cosine from lr to 0: the last runs at lr x (1 +
+    cos(3 pi / 4)) / 2."""
     cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")})
     assert train.main(["--config", str(cfg), "--grpo.num_mini_batches=2", "--optim.warmup_steps=0",
                        "--optim.min_lr_ratio=0", "--optim.lr=0.01"]) == 0
     m = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert m[-1]["learning_rate"] == pytest.approx(0.01 * (1 + math.cos(3 * math.pi / 4)) / 2)
 
-def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_micro_batches(tmp_path, tiny_llama, monkeypatch):
+def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_micro_batches(
+        tmp_path, tiny_llama, monkeypatch):
     """The kept tokens are chosen once over the whole step from the sampling entropy (not per
     micro-batch, as in TRL), so the gradient is the same for micro-batches of 2 or 8 rows; and it is
     not the all-token gradient."""
@@ -375,10 +422,12 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
     monkeypatch.setattr(step, "collect", lambda *a, **k: (batches[0],) * 2 + (2,))
     norms = {}
     for q, size in ((0.3, 2), (0.3, 8), (1.0, 8)):
-        r = make_run(tmp_path / f"{q}_{size}", tiny_llama, f"--grpo.top_entropy_quantile={q}", f"--optim.micro_batch_size={size}",
+        r = make_run(tmp_path / f"{q}_{size}", tiny_llama, f"--grpo.top_entropy_quantile={q}",
+                     f"--optim.micro_batch_size={size}",
                      "--optim.lr=0.0", "--optim.max_grad_norm=0", "--rollout.max_new_tokens=12")
         if q == 0.3 and size == 2:  # one rollout for all three runs
-            batches.append(real_collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)[0])
+            batches.append(real_collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler,
+                                        r.judges)[0])
         seen.clear()
         norms[q, size] = step.train_step(r)[0]["grad_norm"]
         if q < 1:
@@ -396,37 +445,46 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
     # tokens left out of the loss (masked truncated completions) are left out of the quantile too
     batch = batches[0].rollout
     batch.truncated = torch.arange(len(batch.truncated)) < 3  # (N,) the first three
-    r = make_run(tmp_path / "masked", tiny_llama, "--grpo.top_entropy_quantile=0.3", "--grpo.mask_truncated_completions=true",
+    r = make_run(tmp_path / "masked", tiny_llama, "--grpo.top_entropy_quantile=0.3",
+                 "--grpo.mask_truncated_completions=true",
                  "--optim.micro_batch_size=8", "--rollout.max_new_tokens=12")
     seen.clear()
     step.train_step(r)
-    keep = torch.cat([k for k in seen])  # one micro-batch of all rows, trimmed to the longest completion
+    # one micro-batch of all rows, trimmed to the longest completion
+    keep = torch.cat([k for k in seen])
     mask = batch.completion_mask.bool().clone()
     mask[:3] = False
-    assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, 0.3)[:, :keep.shape[1]]) and not keep[:3].any()
+    assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, 0.3)[:, :keep.shape[1]]) \
+        and not keep[:3].any()
 
 
-def test_old_and_reference_log_probs_are_taken_in_the_loss_s_micro_batches(tmp_path, tiny_llama, monkeypatch):
-    """With mini-batches whose size micro_batch_size does not divide, the old (and reference) log-probs
-    were computed in other micro-batches than the loss's: other padding, other half-precision
-    rounding, so the first, truly on-policy mini-batch got ratios != 1 (bf16, lr 0: exactly 1 now)."""
+def test_old_and_reference_log_probs_are_taken_in_the_loss_s_micro_batches(tmp_path, tiny_llama,
+                                                                           monkeypatch):
+    """With mini-batches whose size micro_batch_size does not divide, the old (and reference)
+    log-probs were computed in other micro-batches than the loss's: other padding, other
+    half-precision rounding, so the first, truly on-policy mini-batch got ratios != 1 (bf16, lr 0:
+    exactly 1 now)."""
     seen, real = [], grpo.grpo_loss
 
     def spy(logp, old, ref, adv, mask, norm, *a, **k):
         if old is not None:
             m = mask.bool()
             seen.append(float((logp.detach() - old)[m].abs().max()) if m.any() else 0.0)
-            seen.append(float((logp.detach() - ref)[m].abs().max()) if m.any() and ref is not None else 0.0)
+            seen.append(float((logp.detach() - ref)[m].abs().max())
+                        if m.any() and ref is not None else 0.0)
         return real(logp, old, ref, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", spy)
-    r = make_run(tmp_path, tiny_llama, "--model.dtype=bfloat16", "--optim.lr=0.0", "--grpo.num_iterations=2",
-                 "--grpo.num_mini_batches=2", "--optim.micro_batch_size=3", "--rollout.prompts_per_step=2",
-                 "--rollout.max_new_tokens=12", "--grpo.beta=0.1")  # the reference: the adapter off, which lr 0 left at 0
+    # the reference: the adapter off, which lr 0 left at 0
+    r = make_run(tmp_path, tiny_llama, "--model.dtype=bfloat16", "--optim.lr=0.0",
+                 "--grpo.num_iterations=2", "--grpo.num_mini_batches=2",
+                 "--optim.micro_batch_size=3", "--rollout.prompts_per_step=2",
+                 "--rollout.max_new_tokens=12", "--grpo.beta=0.1")
     m, _ = step.train_step(r)
     assert seen and max(seen) == 0.0 and m["ratio_mean"] == 1.0 and m["kl"] == 0.0
 
 
-def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_finite(tmp_path, tiny_llama, monkeypatch):
+def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_finite(
+        tmp_path, tiny_llama, monkeypatch):
     """One micro-batch's forward overflowing (NaN log-probs): its update is skipped and counted, and
     the step's loss, ratio and clip metrics are those of the updates that were applied."""
     real, calls = logprobs.sequence_log_probs, [0]
@@ -438,7 +496,8 @@ def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_fini
     monkeypatch.setattr(logprobs, "sequence_log_probs", overflowing)
     losses, real_loss = [], grpo.grpo_loss
 
-    def shifted(*a, **k):  # on-policy the loss value is ~0; + 1 (no change to the gradient) makes it tell
+    def shifted(*a, **k):
+        # on-policy the loss value is ~0; + 1 (no change to the gradient) makes it tell
         loss, stats = real_loss(*a, **k)
         losses.append(float(loss.detach()) + 1.0)
         return loss + 1.0, stats
@@ -448,42 +507,51 @@ def test_an_update_skipped_for_a_non_finite_gradient_leaves_the_logged_loss_fini
     assert m["skipped_updates"] == 1
     json.dumps(m, allow_nan=False)  # no NaN in the metrics line
     assert math.isfinite(m["loss"]) and m["ratio_mean"] == pytest.approx(1.0)
-    # two updates of one micro-batch each; the first skipped: the logged loss is the second's, not half of it
+    # two updates of one micro-batch each; the first skipped: the logged loss is the second's, not
+    # half of it
     assert len(losses) == 2 and math.isnan(losses[0])
     assert m["loss"] == pytest.approx(losses[1], rel=1e-6)
 
 
 def test_scale_rewards_reaches_the_advantages(tmp_path, tiny_llama, monkeypatch):
-    """grpo.scale_rewards: none gives each completion r - mean of its group (Dr. GRPO), group divides by
-    the group's std too; the advantages shown in the samples are those the loss used."""
-    monkeypatch.setitem(rewards.REGISTRY, "test_length", (lambda completion, sample: float(len(completion) % 7), False))
+    """grpo.scale_rewards: none gives each completion r - mean of its group (Dr. GRPO), group
+    divides by the group's std too; the advantages shown in the samples are those the loss used."""
+    monkeypatch.setitem(rewards.REGISTRY, "test_length",
+                        (lambda completion, sample: float(len(completion) % 7), False))
     for scale in ("none", "group"):
-        r = make_run(tmp_path / scale, tiny_llama, "--rewards=[{name: test_length}]", f"--grpo.scale_rewards={scale}",
-                     "--rollout.max_new_tokens=12")
+        r = make_run(tmp_path / scale, tiny_llama, "--rewards=[{name: test_length}]",
+                     f"--grpo.scale_rewards={scale}", "--rollout.max_new_tokens=12")
         _, shown = step.train_step(r)
         rew = torch.tensor([s["reward"] for s in shown]).view(-1, 4)
         adv = torch.tensor([s["advantage"] for s in shown]).view(-1, 4)
         centered = rew - rew.mean(1, keepdim=True)
         want = centered if scale == "none" else centered / (rew.std(1, keepdim=True) + 1e-4)
         assert (rew.std(1) - 1).abs().max() > 0.1, "a group std of 1 would not tell the modes apart"
-        torch.testing.assert_close(adv, torch.where(rew.std(1, keepdim=True) > 0, want, 0.0), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(adv, torch.where(rew.std(1, keepdim=True) > 0, want, 0.0),
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_reward_std_is_the_mean_of_the_groups_stds():
-    """As in TRL: the spread within groups (what the advantages see), not the spread of the whole batch."""
+    """As in TRL: the spread within groups (what the advantages see), not the spread of the whole
+    batch."""
     n = 8
     ro = rollout.Rollout(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1, dtype=torch.long),
-                         torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2), torch.zeros(n, dtype=torch.bool), [""] * n)
-    drawn = step.Scored(ro, [{}] * n, torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0]), {}, {})
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum"), 1.0)
+                         torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2),
+                         torch.zeros(n, dtype=torch.bool), [""] * n)
+    drawn = step.Scored(ro, [{}] * n,
+                        torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0]), {}, {})
+    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum"),
+                         1.0)
     m = step.step_metrics(drawn, 4, sums, 1, 1e-6)
     assert m["reward_std"] == pytest.approx(float(torch.tensor([0.0, 1.0, 0.0, 1.0]).std()) / 2)
     assert m["reward"] == pytest.approx(2.75) and m["frac_reward_zero_std"] == 0.5
 
 
-def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path, tiny_llama, monkeypatch):
-    """vLLM's importance weight is pi_old / pi_sampler: with num_iterations 2, the second iteration's
-    weight uses the same old log-probs as the first, not the policy the first update moved."""
+def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path, tiny_llama,
+                                                                        monkeypatch):
+    """vLLM's importance weight is pi_old / pi_sampler: with num_iterations 2, the second
+    iteration's weight uses the same old log-probs as the first, not the policy the first update
+    moved."""
     seen, real_w, real_collect = [], step.sampler_weight, step.collect
 
     def weight(old, *a, **k):
@@ -492,12 +560,15 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
 
     def collect(*a, **k):
         kept, drawn, n = real_collect(*a, **k)
-        kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)  # as vLLM would give them
+        # as vLLM would give them
+        kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)
         return kept, drawn, n
     monkeypatch.setattr(step, "sampler_weight", weight)
     monkeypatch.setattr(step, "collect", collect)
-    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", "--optim.micro_batch_size=8")
-    r.cfg.grpo.tis_cap = 2.0  # the config asks for rollout.engine: vllm; the weights need only sampler_logp
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",
+                 "--optim.micro_batch_size=8")
+    # the config asks for rollout.engine: vllm; the weights need only sampler_logp
+    r.cfg.grpo.tis_cap = 2.0
     m, _ = step.train_step(r)
     assert abs(m["ratio_mean"] - 1) > 1e-4  # the policy did move between the iterations
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])

@@ -25,16 +25,18 @@ TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 @pytest.fixture
 def setup(tmp_path, tiny_llama):
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
-                            for a in range(4) for b in range(3)))
+    data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": str(a + b)})
+                            + "\n" for a in range(4) for b in range(3)))
     cfg = {
         "model": {"name": str(tiny_llama)},
         "lora": {"r": 4, "alpha": 8},
-        "data": {"name": str(data), "prompt": "{question} Reply with just the number.", "system_prompt": "Be brief."},
+        "data": {"name": str(data), "prompt": "{question} Reply with just the number.",
+                 "system_prompt": "Be brief."},
         "rollout": {"prompts_per_step": 2, "num_generations": 4, "max_new_tokens": 8},
         "optim": {"lr": 1e-2, "micro_batch_size": 3},
         "run": {"out_dir": str(tmp_path / "run"), "steps": 2, "save_every": 1, "sample_every": 1},
-        "rewards": [{"name": "short_answer", "args": {"max_words": 2}}, {"name": "answer_match", "weight": 2.0}],
+        "rewards": [{"name": "short_answer", "args": {"max_words": 2}},
+                    {"name": "answer_match", "weight": 2.0}],
     }
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -50,16 +52,19 @@ def test_tiny_llama_trains_two_steps_and_its_lora_weights_change(setup, capsys):
     assert train.main(["--config", str(cfg)]) == 0
     m = lines(run / "metrics.jsonl")
     assert [x["step"] for x in m] == [1, 2]
-    for key in ("loss", "reward", "reward_std", "rewards/short_answer/mean", "rewards/answer_match/mean",
-                "frac_reward_zero_std", "clip_ratio/low_mean", "clip_ratio/high_mean", "ratio_mean",
-                "completions/mean_length", "completions/max_length", "completions/clipped_ratio", "learning_rate",
+    for key in ("loss", "reward", "reward_std", "rewards/short_answer/mean",
+                "rewards/answer_match/mean", "frac_reward_zero_std", "clip_ratio/low_mean",
+                "clip_ratio/high_mean", "ratio_mean", "completions/mean_length",
+                "completions/max_length", "completions/clipped_ratio", "learning_rate",
                 "grad_norm", "step_time", "rollout_tokens_per_s", "peak_memory_mb"):
         assert key in m[0], key
-    assert m[0]["grad_norm"] > 0 and "kl" not in m[0]  # beta 0: no reference, no KL to show (as TRL)
+    # beta 0: no reference, no KL to show (as TRL)
+    assert m[0]["grad_norm"] > 0 and "kl" not in m[0]
     first = load_file(run / "checkpoints/step_000001/adapter/adapter_model.safetensors")
     last = load_file(run / "checkpoints/step_000002/adapter/adapter_model.safetensors")
     lora_b = [k for k in last if "lora_B" in k]
-    assert lora_b and all(last[k].abs().sum() > 0 for k in lora_b)  # B starts at zero: any change shows
+    # B starts at zero: any change shows
+    assert lora_b and all(last[k].abs().sum() > 0 for k in lora_b)
     assert any(not torch.equal(first[k], last[k]) for k in last)
     saved = yaml.safe_load((run / "checkpoints/step_000002/config.yaml").read_text())
     assert saved["rollout"]["num_generations"] == 4 and (run / "config.yaml").is_file()
@@ -70,7 +75,8 @@ def test_tiny_llama_trains_two_steps_and_its_lora_weights_change(setup, capsys):
 
 def test_resume_reproduces_the_uninterrupted_run(setup):
     cfg, run = setup
-    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--grpo.num_iterations=2", "--grpo.beta=0.1"]
+    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--grpo.num_iterations=2",
+            "--grpo.beta=0.1"]
     assert train.main(args) == 0
     uninterrupted = lines(run / "metrics.jsonl")
     # simulate a kill during step 4: its checkpoint never landed and the last log line is torn
@@ -81,73 +87,95 @@ def test_resume_reproduces_the_uninterrupted_run(setup):
     resumed = lines(run / "metrics.jsonl")
     assert [x["step"] for x in resumed] == [1, 2, 3, 4]
     for a, b in zip(uninterrupted, resumed):
-        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+        assert {k: v for k, v in a.items() if k not in TIMING} == \
+            {k: v for k, v in b.items() if k not in TIMING}
 
 
 def test_resume_with_a_changed_lr_uses_it_from_the_next_update(setup, capsys):
     """Adam's moments come from the checkpoint; lr, betas and weight decay from the config, as the
-    "resuming with changed settings" line says (the optimizer's state would otherwise keep the old)."""
+    "resuming with changed settings" line says (else the optimizer's state would keep the old)."""
     cfg, run = setup
-    args = ["--config", str(cfg), "--run.steps=1", "--run.save_every=1", "--optim.warmup_steps=0", "--optim.min_lr_ratio=1.0"]
+    args = ["--config", str(cfg), "--run.steps=1", "--run.save_every=1", "--optim.warmup_steps=0",
+            "--optim.min_lr_ratio=1.0"]
     assert train.main(args + ["--optim.lr=0.01"]) == 0
-    assert train.main(args + ["--optim.lr=0.001", "--run.steps=2", "--optim.weight_decay=0.5", "--resume"]) == 0
+    assert train.main(args + ["--optim.lr=0.001", "--run.steps=2", "--optim.weight_decay=0.5",
+                              "--resume"]) == 0
     assert "changed settings: optim.lr, optim.weight_decay, run.steps" in capsys.readouterr().err
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == [0.01, 0.001]
     state = torch.load(run / "checkpoints/step_000002/trainer_state.pt", weights_only=False)
-    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5 and state["scheduler"]["last_epoch"] == 2
-    started = yaml.safe_load((run / "config.yaml").read_text())  # the config the run started with, kept as it was
-    resumed = yaml.safe_load((run / "config_resumed_step_000001.yaml").read_text())  # and the resume's, from its step
-    assert (started["optim"]["lr"], resumed["optim"]["lr"], resumed["run"]["steps"]) == (0.01, 0.001, 2)
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5 \
+        and state["scheduler"]["last_epoch"] == 2
+    # the config the run started with, kept as it was
+    started = yaml.safe_load((run / "config.yaml").read_text())
+    # and the resume's, from its step
+    resumed = yaml.safe_load((run / "config_resumed_step_000001.yaml").read_text())
+    assert (started["optim"]["lr"], resumed["optim"]["lr"],
+            resumed["run"]["steps"]) == (0.01, 0.001, 2)
 
 
 def test_a_copied_run_s_config_does_not_resume_the_original(setup, capsys):
-    """cp -r runs/a runs/b; train.py --config runs/b/config.yaml --resume would have trained runs/a."""
+    """cp -r runs/a runs/b; train.py --config runs/b/config.yaml --resume would have trained
+    runs/a."""
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
     copy = run.parent / "copy"
     shutil.copytree(run, copy)
     assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--run.steps=2"]) == 2
-    assert f"is the config of the run in {copy}, but its run.out_dir is {run}" in capsys.readouterr().err
+    assert f"is the config of the run in {copy}, but its run.out_dir is {run}" \
+        in capsys.readouterr().err
     assert len(lines(run / "metrics.jsonl")) == 1  # the original untouched
-    assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--run.steps=2", f"--run.out_dir={copy}"]) == 0
+    assert train.main(["--config", str(copy / "config.yaml"), "--resume", "--run.steps=2",
+                       f"--run.out_dir={copy}"]) == 0
     assert len(lines(copy / "metrics.jsonl")) == 2 and len(lines(run / "metrics.jsonl")) == 1
-    samples = lines(copy / "samples.jsonl")  # run.samples_per_log 0: the step's first group, all G = 4 of it
-    assert len([x for x in samples if x["step"] == 2]) == 4 and len({x["prompt"] for x in samples if x["step"] == 2}) == 1
+    # run.samples_per_log 0: the step's first group, all G = 4 of it
+    samples = lines(copy / "samples.jsonl")
+    assert len([x for x in samples if x["step"] == 2]) == 4 \
+        and len({x["prompt"] for x in samples if x["step"] == 2}) == 1
 
 
 
 def test_resume_with_another_num_iterations_puts_the_schedule_where_the_steps_are(setup):
     cfg, run = setup
-    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--optim.warmup_steps=3", "--optim.lr=0.01"]
+    args = ["--config", str(cfg), "--run.steps=4", "--run.save_every=2", "--optim.warmup_steps=3",
+            "--optim.lr=0.01"]
     assert train.main(args + ["--grpo.num_iterations=2"]) == 0
     shutil.rmtree(run / "checkpoints/step_000004")
     assert train.main(args + ["--grpo.num_iterations=1", "--resume"]) == 0
     # 4 updates in all now, 2 done by step 2: steps 3 and 4 use the schedule's updates 2 and 3
     f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=3", "--run.steps=4"]), 4)
-    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == pytest.approx([0.01 * f(2), 0.01 * f(3)])
+    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == \
+        pytest.approx([0.01 * f(2), 0.01 * f(3)])
 
 
-def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_change(setup, capsys):
-    """TRL's num_train_epochs and warmup_ratio: 12 rows, 2 prompts a step, half an epoch = 3 steps, the
-    first round(0.5 x 3) = 2 of them warming up."""
+def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_change(
+        setup, capsys):
+    """TRL's num_train_epochs and warmup_ratio: 12 rows, 2 prompts a step, half an epoch = 3 steps,
+    the first round(0.5 x 3) = 2 of them warming up."""
     cfg, run = setup
-    args = ["--config", str(cfg), "--run.epochs=0.5", "--run.save_every=1", "--optim.warmup_ratio=0.5", "--optim.lr=0.01"]
+    args = ["--config", str(cfg), "--run.epochs=0.5", "--run.save_every=1",
+            "--optim.warmup_ratio=0.5", "--optim.lr=0.01"]
     assert train.main(args) == 0
     assert "steps 0->3 (0.5 epochs)" in capsys.readouterr().err
-    assert train.main(args + ["--dry-run", f"--run.out_dir={run}_dry", "--grpo.num_iterations=2"]) == 0
+    assert train.main(args + ["--dry-run", f"--run.out_dir={run}_dry",
+                              "--grpo.num_iterations=2"]) == 0
     assert "steps: 3 (0.5 epochs), 2 optimizer update(s) each" in capsys.readouterr().out
     f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
-    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == pytest.approx([0.01 * f(u) for u in range(3)])
-    assert "steps" not in yaml.safe_load((run / "config.yaml").read_text())["run"]  # the epochs make them
+    assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == \
+        pytest.approx([0.01 * f(u) for u in range(3)])
+    # the epochs make them
+    assert "steps" not in yaml.safe_load((run / "config.yaml").read_text())["run"]
     shutil.rmtree(run / "checkpoints/step_000003")
     assert train.main(args + ["--resume"]) == 0
     assert "changed settings" not in capsys.readouterr().err  # the steps the epochs make, as saved
     assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
-    assert runs.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7  # the command line's wins
+    # the command line's wins
+    assert runs.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7
     assert runs.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
-    with pytest.raises(ConfigError, match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
+    with pytest.raises(ConfigError,
+                       match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
         runs.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
-    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=5 and optim.warmup_ratio=0.1: keep one"):
+    with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=5 and "
+                                          "optim.warmup_ratio=0.1: keep one"):
         load_config(str(cfg), ["--optim.warmup_ratio=0.1", "--optim.warmup_steps=5"])
     with pytest.raises(ConfigError, match="optim.warmup_ratio=1.5 must be in .0, 1."):
         load_config(str(cfg), ["--optim.warmup_ratio=1.5"])
@@ -167,13 +195,15 @@ def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newe
         assert find_adapter(str(run / "checkpoints" / old)) == run / "checkpoints" / old / "adapter"
     assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
     import shutil
-    shutil.copytree(run / "checkpoints/step_000003", run / "checkpoints/step_000009.tmp")  # a write cut by a kill
+    # a write cut by a kill
+    shutil.copytree(run / "checkpoints/step_000003", run / "checkpoints/step_000009.tmp")
     assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
     shutil.rmtree(run / "checkpoints/step_000009.tmp")
     assert train.main(args[:2] + ["--run.steps=4", "--run.save_every=1", "--run.keep_checkpoints=1",
                                   "--run.keep_adapters=false", "--resume"]) == 0
     assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000004"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == \
+        ["step_000001", "step_000002", "step_000004"]
 
 
 def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
@@ -186,20 +216,26 @@ def test_refuses_to_overwrite_a_run_without_resume(setup, capsys):
 
 
 def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(setup, capsys):
-    """A template's raise_exception (Gemma's and Mistral's refuse a system role) was a jinja traceback."""
+    """A template's raise_exception (Gemma's and Mistral's refuse a system role) was a jinja
+    traceback."""
     cfg, run = setup
     template = run.parent / "no_system.jinja"
-    template.write_text("{% for m in messages %}{% if m['role'] == 'system' or 'FORBIDDEN' in m['content'] %}"
-                        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    template.write_text("{% for m in messages %}{% if m['role'] == 'system' or 'FORBIDDEN' in "
+                        "m['content'] %}{{ raise_exception('System role not supported') }}{% endif "
+                        "%}{{ m['content'] }}{% endfor %}")
     assert train.main(["--config", str(cfg), f"--model.chat_template={template}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("error: the chat template refused row 0: System role not supported (check data.system_prompt, "
-                       "the prompt's roles, or give model.chat_template)") and not run.exists()
-    held_out = run.parent / "held_out.jsonl"  # GRPO's held-out rows are only generated from: rendered before step 1 too
+    assert err[-1] == ("error: the chat template refused row 0: System role not supported (check "
+                       "data.system_prompt, the prompt's roles, or give model.chat_template)") \
+        and not run.exists()
+    # GRPO's held-out rows are only generated from: rendered before step 1 too
+    held_out = run.parent / "held_out.jsonl"
     held_out.write_text(json.dumps({"question": "FORBIDDEN", "answer": "1"}) + "\n")
-    assert train.main(["--config", str(cfg), f"--model.chat_template={template}", "--data.system_prompt=null",
+    assert train.main(["--config", str(cfg), f"--model.chat_template={template}",
+                       "--data.system_prompt=null",
                        f"--eval.name={held_out}", "--run.eval_every=1"]) == 2
-    assert "the chat template refused held-out row 0: System role not supported" in capsys.readouterr().err
+    assert "the chat template refused held-out row 0: System role not supported" \
+        in capsys.readouterr().err
     assert not run.exists()
 
 
@@ -216,32 +252,40 @@ def test_a_chat_template_that_refuses_a_row_is_one_line_naming_it(setup, capsys)
     ("--model.chat_template=no/such/template.jinja", "no such file"),
     ("--run.device=gpu", "run.device='gpu' is not a device"),
     ("--run.threads=-3", "run.threads must be >= 0"),
-    ("--lora.target_modules=[q_projj]", "this model's linear layers: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
-                                        "v_proj (or all-linear)"),  # as all-linear reads them: no lm_head
+    # as all-linear reads them: no lm_head
+    ("--lora.target_modules=[q_projj]", "this model's linear layers: down_proj, gate_proj, k_proj, "
+                                        "o_proj, q_proj, up_proj, v_proj (or all-linear)"),
     ("--lora.target_modules=q_proj", "write a list: [q_proj]"),
-    ("--run.out_dir=", "run.out_dir is empty"),  # else the run would be written into the current directory
+    # else the run would be written into the current directory
+    ("--run.out_dir=", "run.out_dir is empty"),
     ("--run.out_dir=/dev/null/run", "/dev/null is a file, not a folder"),
     (("--rollout.compile=true", "--model.quant=4bit"), "does not compile generate over a 4-bit"),
 ])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(setup, capsys, override, message):
     cfg, run = setup
-    assert train.main(["--config", str(cfg), *([override] if isinstance(override, str) else override)]) == 2
+    assert train.main(["--config", str(cfg),
+                       *([override] if isinstance(override, str) else override)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and err[-1].startswith("error: ")
     assert not run.exists()
 
 
-JUDGE = "--judge={base_url: 'http://127.0.0.1:9/v1', model: m}"  # never called: these fail before any request
+# never called: these fail before any request
+JUDGE = "--judge={base_url: 'http://127.0.0.1:9/v1', model: m}"
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["--rewards=[{name: choice_accuracy, args: {gold_key: cop}}]"], "gold_key='cop' but no data row has a column 'cop'"),
-    ([JUDGE, "--rewards=[{name: judge, args: {template: pointwise_critera}}]"], "template 'pointwise_critera' is not one of"),
+    (["--rewards=[{name: choice_accuracy, args: {gold_key: cop}}]"],
+     "gold_key='cop' but no data row has a column 'cop'"),
+    ([JUDGE, "--rewards=[{name: judge, args: {template: pointwise_critera}}]"],
+     "template 'pointwise_critera' is not one of"),
     ([JUDGE, "--rewards=[{name: judge, args: {template: 'Rate {rubric}: {completion}'}}]"],
      "its template reads {rubric}, which data row 0 lacks"),
-    ([JUDGE, "--rewards=[{name: judge, args: {criterion: clarity, criteria: [logic]}}]"], "'clarity' is not one of"),
+    ([JUDGE, "--rewards=[{name: judge, args: {criterion: clarity, criteria: [logic]}}]"],
+     "'clarity' is not one of"),
 ])
-def test_rewards_that_could_never_score_these_rows_stop_before_the_run(setup, capsys, overrides, message):
+def test_rewards_that_could_never_score_these_rows_stop_before_the_run(setup, capsys, overrides,
+                                                                       message):
     """A reward reading a column no row has would score every completion None or its fallback: a run
     that learns nothing, silently. These fail like any other bad input, dry run included."""
     cfg, run = setup
@@ -254,10 +298,11 @@ def test_rewards_that_could_never_score_these_rows_stop_before_the_run(setup, ca
 
 @pytest.mark.parametrize("where,phase,advice", [
     ("collect", "sampling", "rollout.prompts_per_generate (now all prompts a generate call"),
-    ("micro_batch_log_probs", "training", "optim.micro_batch_size (now 3), optim.micro_batch_tokens"),
+    ("micro_batch_log_probs", "training",
+     "optim.micro_batch_size (now 3), optim.micro_batch_tokens"),
 ])
-def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings(setup, capsys, monkeypatch, where, phase,
-                                                                                   advice):
+def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings(
+        setup, capsys, monkeypatch, where, phase, advice):
     """At step 2, after step 1's checkpoint: exit 2, one line saying what ran out, the settings that
     lower that phase's peak with their values, and where to resume; no traceback."""
     cfg, run = setup
@@ -272,17 +317,21 @@ def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings
     assert train.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: out of GPU memory while {phase}; lower it with {advice}")
-    assert "model.gradient_checkpointing: true" in err[-1] if phase == "training" else "rollout.max_new_tokens (now 8)" in err[-1]
-    assert err[-1].endswith(f"; stopped at step 2: fix it, then --resume from the last checkpoint in {run}")
+    assert "model.gradient_checkpointing: true" in err[-1] if phase == "training" \
+        else "rollout.max_new_tokens (now 8)" in err[-1]
+    assert err[-1].endswith(
+        f"; stopped at step 2: fix it, then --resume from the last checkpoint in {run}")
     assert calls and "Traceback" not in "\n".join(err)
 
 
-def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_own_phase(setup, capsys, monkeypatch):
+def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_own_phase(
+        setup, capsys, monkeypatch):
     """run.eval_every: an OOM while generating the held-out rows names eval's settings; one in the
     next step's training, after a held-out pass went well, names training's."""
     import eval as ev
     cfg, run = setup
-    held_out = ["--run.eval_every=1", "--data.select=[0, 8]", "--eval.select=[8, 12]", "--eval.max_new_tokens=4"]
+    held_out = ["--run.eval_every=1", "--data.select=[0, 8]", "--eval.select=[8, 12]",
+                "--eval.max_new_tokens=4"]
     real_gen, real_lp = ev.generate_rows, step.micro_batch_log_probs
 
     def gen_oom(*a, **k):
@@ -290,7 +339,8 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
     monkeypatch.setattr(ev, "generate_rows", gen_oom)
     assert train.main(["--config", str(cfg), *held_out]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: out of GPU memory while scoring the held-out rows; lower it with eval.batch_size (now 16), "
+    assert last.startswith("error: out of GPU memory while scoring the held-out rows; lower it "
+                           "with eval.batch_size (now 16), "
                            "eval.max_new_tokens (now 4)") and "stopped at step 1" in last
     monkeypatch.setattr(ev, "generate_rows", real_gen)
 
@@ -302,34 +352,43 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
     assert not run.exists()  # stopped before its first checkpoint: nothing kept
     assert train.main(["--config", str(cfg), *held_out]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: out of GPU memory while training; lower it with optim.micro_batch_size") and "step 2" in last
+    assert last.startswith("error: out of GPU memory while training; lower it with "
+                           "optim.micro_batch_size") and "step 2" in last
 
 
 @pytest.mark.parametrize("overrides,phase,first", [
-    (["--mode=sft", "--data.target=answer"], "scoring the held-out rows", "optim.micro_batch_size (now 8)"),  # loss, then generation
-    (["--rollout.engine=vllm"], "syncing the weights to vLLM", "rollout.vllm_gpu_memory_utilization (now 0.3"),
+    # loss, then generation
+    (["--mode=sft", "--data.target=answer"], "scoring the held-out rows",
+     "optim.micro_batch_size (now 8)"),
+    (["--rollout.engine=vllm"], "syncing the weights to vLLM",
+     "rollout.vllm_gpu_memory_utilization (now 0.3"),
     (["--rollout.engine=vllm"], "sampling", "rollout.vllm_gpu_memory_utilization (now 0.3"),
-    (["--optim.micro_batch_size=1", "--model.gradient_checkpointing=true"], "training", "optim.micro_batch_tokens"),
+    (["--optim.micro_batch_size=1", "--model.gradient_checkpointing=true"], "training",
+     "optim.micro_batch_tokens"),
 ])
 def test_out_of_memory_advice_fits_the_mode_and_the_engine(overrides, phase, first):
     from config import load_config
     cfg = load_config(None, ["--rewards=[{name: answer_match}]", *overrides])
     line = display.out_of_memory(cfg, phase, torch.device("cpu"), "my.yaml")
-    assert line.startswith(f"out of GPU memory while {phase}; lower it with {first}") and line.endswith("--config my.yaml "
-                                                                                                       "estimates a setting's peak on a CPU")
-    if "--model.gradient_checkpointing=true" in overrides:  # a setting already at its leanest is not offered
+    assert line.startswith(f"out of GPU memory while {phase}; lower it with {first}") \
+        and line.endswith("--config my.yaml estimates a setting's peak on a CPU")
+    if "--model.gradient_checkpointing=true" in overrides:
+        # a setting already at its leanest is not offered
         assert "gradient_checkpointing" not in line and "micro_batch_size" not in line
 
 
 @pytest.mark.parametrize("overrides, offered", [([], True), (["--lora.enabled=false"], False),
-                                                (["--rollout.merged_sampling=true"], False), (["--model.quant=4bit"], False)])
+                                                (["--rollout.merged_sampling=true"], False),
+                                                (["--model.quant=4bit"], False)])
 def test_out_of_memory_offers_4bit_only_where_the_config_would_take_it(overrides, offered):
     from config import load_config
-    line = display.out_of_memory(load_config(None, ["--rewards=[{name: answer_match}]", *overrides]), "training", torch.device("cpu"))
+    line = display.out_of_memory(load_config(None, ["--rewards=[{name: answer_match}]",
+                                                    *overrides]), "training", torch.device("cpu"))
     assert ("model.quant: 4bit" in line) == offered
 
 
-def test_a_run_stopped_before_any_checkpoint_leaves_nothing_and_the_same_command_runs_again(setup, capsys, monkeypatch):
+def test_a_run_stopped_before_any_checkpoint_leaves_nothing_and_the_same_command_runs_again(
+        setup, capsys, monkeypatch):
     cfg, run = setup
     real = step.collect
 
@@ -337,29 +396,34 @@ def test_a_run_stopped_before_any_checkpoint_leaves_nothing_and_the_same_command
         raise torch.OutOfMemoryError("CUDA out of memory")
     monkeypatch.setattr(step, "collect", oom)
     assert train.main(["--config", str(cfg)]) == 2
-    assert "nothing of the run was kept" in capsys.readouterr().err.strip().splitlines()[-1] and not run.exists()
+    assert "nothing of the run was kept" in capsys.readouterr().err.strip().splitlines()[-1] \
+        and not run.exists()
     monkeypatch.setattr(step, "collect", real)
     assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
 
 
-def test_nan_logits_in_sampling_stop_the_run_with_one_line_and_a_checkpoint_to_resume(setup, capsys, monkeypatch):
+def test_nan_logits_in_sampling_stop_the_run_with_one_line_and_a_checkpoint_to_resume(
+        setup, capsys, monkeypatch):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
     real = rollout.generate_rollout
 
-    def overflowing(model, *a, **k):  # float16 overflow from here on: NaN logits (rollout's test makes real ones)
+    def overflowing(model, *a, **k):
+        # float16 overflow from here on: NaN logits (rollout's test makes real ones)
         with torch.no_grad():
             model.get_output_embeddings().weight[0, 0] = float("nan")
         return real(model, *a, **k)
     monkeypatch.setattr(rollout, "generate_rollout", overflowing)
     assert train.main(["--config", str(cfg), "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "error: sampling met NaN or inf logits" in err and "model.dtype: float32" in err and "--resume" in err
+    assert "error: sampling met NaN or inf logits" in err and "model.dtype: float32" in err \
+        and "--resume" in err
 
 
-def test_a_stop_before_any_checkpoint_keeps_what_it_did_not_make(setup, capsys, monkeypatch, tmp_path):
-    """--resume of a run without a checkpoint keeps the run's files (its config may be the --config);
-    a run.out_dir that is a symlink, or held the user's files, is not removed."""
+def test_a_stop_before_any_checkpoint_keeps_what_it_did_not_make(setup, capsys, monkeypatch,
+                                                                 tmp_path):
+    """--resume of a run without a checkpoint keeps the run's files (its config may be the
+    --config); a run.out_dir that is a symlink, or held the user's files, is not removed."""
     cfg, run = setup
 
     def oom(*a, **k):
@@ -376,7 +440,8 @@ def test_a_stop_before_any_checkpoint_keeps_what_it_did_not_make(setup, capsys, 
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     for out in (tmp_path / "link", tmp_path / "mine"):
         assert train.main(["--config", str(cfg), f"--run.out_dir={out}"]) == 2
-        assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: out of GPU memory")
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+            "error: out of GPU memory")
     assert (tmp_path / "link").is_symlink() and target.is_dir() and not any(target.iterdir())
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
 
@@ -386,7 +451,8 @@ def test_resume_in_another_mode_is_refused(setup, capsys):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
     before = (run / "metrics.jsonl").read_text()
-    assert train.main(["--config", str(cfg), "--resume", "--mode=sft", "--data.target=answer", "--run.steps=2"]) == 2
+    assert train.main(["--config", str(cfg), "--resume", "--mode=sft", "--data.target=answer",
+                       "--run.steps=2"]) == 2
     assert "--resume with a different mode, model or LoRA setup" in capsys.readouterr().err
     assert (run / "metrics.jsonl").read_text() == before
 
@@ -398,17 +464,23 @@ def test_model_without_chat_template_exits_2(setup, capsys, tiny_no_template):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["--grpo.loss_type=bnpo", "--grpo.mask_truncated_completions=true", "--grpo.scale_rewards=none"],
-    ["--grpo.loss_type=dr_grpo", "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=4"],
-    ["--grpo.loss_type=grpo", "--lora.enabled=false", "--grpo.beta=0.05", "--rollout.stop_strings=['.']"],
-    ["--grpo.loss_type=dapo", "--rollout.max_new_tokens=64", "--grpo.mask_truncated_completions=true", "--rollout.temperature=3.0"],
+    ["--grpo.loss_type=bnpo", "--grpo.mask_truncated_completions=true",
+     "--grpo.scale_rewards=none"],
+    ["--grpo.loss_type=dr_grpo", "--rollout.resample_zero_std=true",
+     "--rollout.max_prompts_per_step=4"],
+    ["--grpo.loss_type=grpo", "--lora.enabled=false", "--grpo.beta=0.05",
+     "--rollout.stop_strings=['.']"],
+    ["--grpo.loss_type=dapo", "--rollout.max_new_tokens=64",
+     "--grpo.mask_truncated_completions=true", "--rollout.temperature=3.0"],
 ], ids=["bnpo-mask-truncated", "dr_grpo-resample", "grpo-full-finetune-kl", "dapo-some-finish"])
 def test_variants_run_a_step(setup, overrides):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--run.steps=1"] + overrides) == 0
     (m,) = lines(run / "metrics.jsonl")
-    if "--grpo.mask_truncated_completions=true" in overrides and m["completions/clipped_ratio"] == 1.0:
-        assert m["grad_norm"] == 0 and m["loss"] == 0  # every completion was cut: nothing may be learned
+    if "--grpo.mask_truncated_completions=true" in overrides \
+            and m["completions/clipped_ratio"] == 1.0:
+        # every completion was cut: nothing may be learned
+        assert m["grad_norm"] == 0 and m["loss"] == 0
     else:
         assert m["grad_norm"] > 0 or m["frac_reward_zero_std"] == 1.0
     if "--rollout.resample_zero_std=true" in overrides:
@@ -419,14 +491,17 @@ def test_variants_run_a_step(setup, overrides):
 
 def test_a_raising_reward_does_not_stop_training(setup, tmp_path):
     cfg, run = setup
-    (tmp_path / "bad_reward.py").write_text("def broken(completion, sample):\n    raise RuntimeError('boom')\n")
-    spec = f"[{{name: short_answer}}, {{name: '{tmp_path / 'bad_reward.py'}:broken', fallback: -1.0}}]"
+    (tmp_path / "bad_reward.py").write_text("def broken(completion, sample):\n"
+                                            "    raise RuntimeError('boom')\n")
+    spec = (f"[{{name: short_answer}}, "
+            f"{{name: '{tmp_path / 'bad_reward.py'}:broken', fallback: -1.0}}]")
     assert train.main(["--config", str(cfg), "--run.steps=1", f"--rewards={spec}"]) == 0
     (m,) = lines(run / "metrics.jsonl")
     assert any(k.startswith("reward_errors/") and v == 8 for k, v in m.items())
 
 
-def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_disk(setup, capsys, monkeypatch):
+def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_disk(
+        setup, capsys, monkeypatch):
     from fake_openai_server import FakeOpenAIServer, server_error
     secret = "sk-test-NEVER-WRITE-ME-42"
     monkeypatch.setenv("MINIGRPO_TEST_JUDGE_KEY", secret)
@@ -437,9 +512,11 @@ def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_d
         return '{"score": %d}' % (10 if len(words) <= 3 else 2)
     with FakeOpenAIServer(reply=reply) as server:
         server.script(server_error(500))  # the first call fails once and is retried
-        judge = (f"{{base_url: '{server.url}', model: fake-judge, api_key_env: MINIGRPO_TEST_JUDGE_KEY, "
-                 f"backoff_s: 0.01, max_retries: 2, price_prompt_per_m: 1.0, cache_path: '{run}/judge_cache.jsonl'}}")
-        rewards = "[{name: judge, args: {template: 'Rate this reply to {prompt}. COMPLETION: {completion}', criteria: []}}]"
+        judge = (f"{{base_url: '{server.url}', model: fake-judge, "
+                 "api_key_env: MINIGRPO_TEST_JUDGE_KEY, backoff_s: 0.01, max_retries: 2, "
+                 f"price_prompt_per_m: 1.0, cache_path: '{run}/judge_cache.jsonl'}}")
+        rewards = ("[{name: judge, args: {template: 'Rate this reply to {prompt}. COMPLETION: "
+                   "{completion}', criteria: []}}]")
         assert train.main(["--config", str(cfg), f"--judge={judge}", f"--rewards={rewards}"]) == 0
         assert server.requests and server.requests[0].headers["authorization"] == f"Bearer {secret}"
     m = lines(run / "metrics.jsonl")
@@ -458,7 +535,8 @@ def test_the_judges_run_totals_go_on_across_a_resume(setup):
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
-        args = ["--config", str(cfg), f"--judge={{base_url: '{server.url}', model: fake-judge, price_prompt_per_m: 1.0}}",
+        args = ["--config", str(cfg),
+                f"--judge={{base_url: '{server.url}', model: fake-judge, price_prompt_per_m: 1.0}}",
                 "--rewards=[{name: judge, args: {template: 'Rate {completion}', criteria: []}}]"]
         assert train.main([*args, "--run.steps=1"]) == 0
         assert train.main([*args, "--run.steps=3", "--resume"]) == 0
@@ -471,13 +549,14 @@ def test_the_judges_run_totals_go_on_across_a_resume(setup):
 @pytest.mark.parametrize("mode", ["grpo", "sft"])
 def test_the_judge_counters_count_the_held_out_scoring_in_its_step(setup, mode):
     """judge_* are per step, eval_every's held-out scoring included, in every mode; the last step's
-    _total is every request the server saw (helper-46: they landed a step late, and never in SFT)."""
+    _total is every request the server saw (helper-46: they landed a step late and never in SFT)."""
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         assert train.main(["--config", str(cfg), f"--mode={mode}", "--data.target=answer",
                            f"--judge={{base_url: '{server.url}', model: fake-judge}}",
-                           "--rewards=[{name: judge, args: {template: 'Rate {completion}', criteria: []}}]",
+                           "--rewards=[{name: judge, args: {template: 'Rate {completion}', "
+                           "criteria: []}}]",
                            "--data.select=[0,8]", "--eval.select=[8,11]", "--run.eval_every=1",
                            "--eval.max_new_tokens=4"]) == 0
         sent = len(server.requests)
@@ -486,17 +565,22 @@ def test_the_judge_counters_count_the_held_out_scoring_in_its_step(setup, mode):
     assert m[-1]["judge_requests_total"] == sent > 0
 
 
-def test_a_judge_refusing_the_key_stops_the_run_with_one_line_and_keeps_its_checkpoints(setup, capsys):
+def test_a_judge_refusing_the_key_stops_the_run_with_one_line_and_keeps_its_checkpoints(
+        setup, capsys):
     from fake_openai_server import FakeOpenAIServer, ok, server_error
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
-        judge = f"--judge={{base_url: '{server.url}', model: fake-judge, api_key_env: MINIGRPO_NO_SUCH_KEY, max_retries: 0}}"
-        rewards = "--rewards=[{name: judge, fallback: skip, args: {template: 'Rate {completion}', criteria: []}}]"
+        judge = (f"--judge={{base_url: '{server.url}', model: fake-judge, api_key_env: "
+                 f"MINIGRPO_NO_SUCH_KEY, max_retries: 0}}")
+        rewards = ("--rewards=[{name: judge, fallback: skip, args: {template: 'Rate {completion}', "
+                   "criteria: []}}]")
         server.script(*[ok()] * 8)  # step 1 is scored, then every call is refused
         server.default = server_error(401)
-        assert train.main(["--config", str(cfg), judge, rewards, "--run.steps=3", "--run.save_every=1"]) == 2
+        assert train.main(["--config", str(cfg), judge, rewards, "--run.steps=3",
+                           "--run.save_every=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: judge: HTTP 401") and "stopped at step 2" in err and "--resume" in err
+    assert err.startswith("error: judge: HTTP 401") and "stopped at step 2" in err \
+        and "--resume" in err
     assert len(lines(run / "metrics.jsonl")) == 1 and (run / "checkpoints/step_000001").is_dir()
 
 
@@ -523,7 +607,8 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
     norms = []
     for size, tokens in ((8, 0), (3, 0), (8, 40)):
         out = run.parent / f"run_mb{size}_{tokens}"
-        assert train.main(["--config", str(cfg), "--run.steps=1", f"--optim.micro_batch_size={size}",
+        assert train.main(["--config", str(cfg), "--run.steps=1",
+                           f"--optim.micro_batch_size={size}",
                            f"--optim.micro_batch_tokens={tokens}", f"--run.out_dir={out}"]) == 0
         norms.append(lines(out / "metrics.jsonl")[0])
     assert norms[0]["grad_norm"] > 0
@@ -535,14 +620,16 @@ def test_the_step_gradient_does_not_depend_on_the_micro_batch_size(setup):
 
 def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch):
     """rollout.prompts_per_generate: B prompts sampled k at a time (a k x G-row KV cache) keep each
-    row with its own prompt, and give what one call gives where sampling is deterministic (top_k=1)."""
+    row with its own prompt, and give what one call gives where sampling is deterministic
+    (top_k=1)."""
     import rollout
     cfg, run = setup
     calls, generate = [], rollout.generate_rollout
     monkeypatch.setattr(rollout, "generate_rollout", lambda model, tok, prompts, *a, **k: (
         calls.append(len(prompts)), generate(model, tok, prompts, *a, **k))[1])
     r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
-    r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"  # a longer prompt
+    # a longer prompt
+    r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"
     G, idx = r.cfg.rollout.num_generations, [0, 1, 2]
     got = {}
     for k in (0, 2):
@@ -560,7 +647,8 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     assert got[0].rollout.texts == got[2].rollout.texts and torch.equal(got[0].total, got[2].total)
 
 
-def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_order(setup, monkeypatch):
+def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_order(
+        setup, monkeypatch):
     """rollout.overlap_rewards (on by default): with prompts_per_generate, slice i's rewards run in
     the background while slice i+1 samples, and the joined results equal scoring after sampling."""
     import rewards
@@ -570,16 +658,19 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
 
     def marks_start(completion: str, sample: dict) -> float:
         started.set()
-        return float(sample["answer"]) + len(completion) % 3  # differs by prompt: rows out of order would show
+        # differs by prompt: rows out of order would show
+        return float(sample["answer"]) + len(completion) % 3
     monkeypatch.setitem(rewards.REGISTRY, "test_marks_start", (marks_start, False))
-    seen, generate = [], rollout.generate_rollout  # per generate call: had a reward started before it returned?
+    # per generate call: had a reward started before it returned?
+    seen, generate = [], rollout.generate_rollout
 
     def gen(model, tok, prompts, *a, **k):
         out = generate(model, tok, prompts, *a, **k)
         seen.append(started.wait(timeout=30) if seen and overlap else started.is_set())
         return out
     monkeypatch.setattr(rollout, "generate_rollout", gen)
-    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1", "--rollout.prompts_per_generate=1"]))
+    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1",
+                                      "--rollout.prompts_per_generate=1"]))
     r.cfg.rewards = [RewardSpec("test_marks_start"), RewardSpec("answer_match", weight=2.0)]
     got = {}
     for overlap in (False, True):
@@ -593,7 +684,8 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert on.rollout.texts == off.rollout.texts and torch.equal(on.total, off.total)
     assert on.per_reward == off.per_reward and on.errors == off.errors
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
-    r.cfg.rewards = [RewardSpec("human")]  # no args.dir: a configuration error, raised from the background
+    # no args.dir: a configuration error, raised from the background
+    r.cfg.rewards = [RewardSpec("human")]
     with pytest.raises(ValueError, match="needs dir"):
         step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
 
@@ -602,9 +694,9 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     """fallback: skip: completions whose reward failed get advantage 0 and no tokens in the loss;
     the rest of their group trains; metrics and samples stay strict JSON (no NaN)."""
     import rewards
-    monkeypatch.setitem(rewards.REGISTRY, "test_half_fails", (
-        lambda completions, samples: [math.nan if i % 2 else float(len(c) % 5) for i, c in enumerate(completions)],
-        True))
+    monkeypatch.setitem(rewards.REGISTRY, "test_half_fails",
+                        (lambda completions, samples: [math.nan if i % 2 else float(len(c) % 5)
+                                                       for i, c in enumerate(completions)], True))
     import grpo
     seen, loss = [], grpo.grpo_loss  # (advantages, mask) of each micro-batch
 
@@ -617,30 +709,40 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     raw["rewards"] = [{"name": "test_half_fails", "fallback": "skip"}]
     for every, name in ((False, "half"), (True, "all")):
         if every:  # every reward skipped: no completion scored, nothing to learn from
-            monkeypatch.setitem(rewards.REGISTRY, "test_half_fails", (lambda c, s: [math.nan] * len(c), True))
+            monkeypatch.setitem(rewards.REGISTRY, "test_half_fails",
+                                (lambda c, s: [math.nan] * len(c), True))
         path = cfg.with_name(f"skip_{name}.yaml")
-        path.write_text(yaml.safe_dump({**raw, "run": {**raw["run"], "steps": 1, "out_dir": str(run.parent / name)}}))
+        path.write_text(yaml.safe_dump({**raw, "run": {**raw["run"], "steps": 1,
+                                                       "out_dir": str(run.parent / name)}}))
         assert train.main(["--config", str(path)]) == 0
-        text = (run.parent / name / "metrics.jsonl").read_text() + (run.parent / name / "samples.jsonl").read_text()
+        text = (run.parent / name / "metrics.jsonl").read_text() \
+            + (run.parent / name / "samples.jsonl").read_text()
         assert "NaN" not in text
         m = lines(run.parent / name / "metrics.jsonl")[0]
         shown = lines(run.parent / name / "samples.jsonl")
-        assert m["frac_reward_skipped"] == (1.0 if every else 0.5) and m["reward_errors/test_half_fails"] == (8 if every else 4)
+        assert m["frac_reward_skipped"] == (1.0 if every else 0.5) \
+            and m["reward_errors/test_half_fails"] == (8 if every else 4)
         assert all(s["advantage"] == 0.0 for s in shown if s["reward"] is None)
         if every:
             assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         else:
-            assert any(s["reward"] is None for s in shown) and any(s["reward"] is not None for s in shown)
-            adv, mask = torch.cat([a for a, _, _ in seen]), torch.cat([m.sum(1) for _, m, _ in seen])  # (N,) each
-            assert mask[1::2].sum() == 0 and mask[0::2].min() > 0  # skipped (odd) rows: no tokens in the loss
+            assert any(s["reward"] is None for s in shown) \
+                and any(s["reward"] is not None for s in shown)
+            # (N,) each
+            adv, mask = torch.cat([a for a, _, _ in seen]), \
+                torch.cat([m.sum(1) for _, m, _ in seen])
+            # skipped (odd) rows: no tokens in the loss
+            assert mask[1::2].sum() == 0 and mask[0::2].min() > 0
             assert (adv[1::2] == 0).all() and adv[0::2].abs().sum() > 0
-            assert seen[0][2].num_sequences == 4  # the loss is a mean over the 4 scored completions, not all 8
+            # the loss is a mean over the 4 scored completions, not all 8
+            assert seen[0][2].num_sequences == 4
         seen.clear()
 
 
-def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_checkpoint(setup, monkeypatch, capsys):
-    """A reward every completion earns alike: frac_reward_zero_std = 1, nothing learned. After 5 such
-    steps train.py says so; run.stop_without_signal=N checkpoints and exits 3 after N."""
+def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_checkpoint(
+        setup, monkeypatch, capsys):
+    """A reward every completion earns alike: frac_reward_zero_std = 1, nothing learned. After 5
+    such steps train.py says so; run.stop_without_signal=N checkpoints and exits 3 after N."""
     import rewards
     monkeypatch.setitem(rewards.REGISTRY, "test_constant", (lambda completion, sample: 1.0, False))
     cfg, run = setup
@@ -651,27 +753,31 @@ def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_c
     assert train.main(["--config", str(cfg), "--run.steps=5", "--run.save_every=0"]) == 0
     assert "in the last 5 steps no group's rewards differed" in capsys.readouterr().err
     out = run.parent / "stopped"
-    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=2", f"--run.out_dir={out}"]) == 3
+    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=2",
+                       f"--run.out_dir={out}"]) == 3
     err = capsys.readouterr().err
     assert "in the last 2 steps" in err and "stopped at step 2" in err
     assert [m["step"] for m in lines(out / "metrics.jsonl")] == [1, 2]
     assert (out / "checkpoints" / "step_000002" / "trainer_state.pt").exists()
     # resumed, the count goes on: the flat steps before the stop count towards the new limit
-    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=3", f"--run.out_dir={out}",
-                       "--resume"]) == 3
+    assert train.main(["--config", str(cfg), "--run.steps=6", "--run.stop_without_signal=3",
+                       f"--run.out_dir={out}", "--resume"]) == 3
     assert "stopped at step 3" in capsys.readouterr().err
 
 
 def test_a_run_out_of_time_checkpoints_stops_with_0_and_resumes_where_it_stopped(setup, capsys):
-    """run.max_minutes, for a job's time limit (the MedMCQA project's 1-hour jobs): it stops after the
-    step past which the next one would end too late, with a checkpoint, and --resume goes on."""
+    """run.max_minutes, for a job's time limit (the MedMCQA project's 1-hour jobs): it stops after
+    the step past which the next one would end too late, with a checkpoint, and --resume goes on."""
     cfg, run = setup
-    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0", "--run.max_minutes=0.0001"]) == 0
+    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0",
+                       "--run.max_minutes=0.0001"]) == 0
     err = capsys.readouterr().err
-    assert "stopped at step 1 of 3: the next step would end past run.max_minutes=0.0001" in err and "--resume" in err
+    assert "stopped at step 1 of 3: the next step would end past run.max_minutes=0.0001" in err \
+        and "--resume" in err
     assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1]
     assert (run / "checkpoints" / "step_000001" / "trainer_state.pt").exists()
-    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0", "--resume"]) == 0
+    assert train.main(["--config", str(cfg), "--run.steps=3", "--run.save_every=0",
+                       "--resume"]) == 0
     assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
     with pytest.raises(ConfigError, match=r"run.max_minutes must be >= 0, got -1"):
         load_config(str(cfg), ["--run.max_minutes=-1"])
@@ -685,16 +791,20 @@ def test_eval_every_logs_held_out_metrics_and_leaves_training_as_it_was(setup, c
     assert train.main(["--config", str(cfg), *split, f"--run.out_dir={run.parent / 'plain'}"]) == 0
     assert train.main(["--config", str(cfg), *split, "--run.eval_every=1", "--eval.temperature=1.0",
                        "--eval.num_samples=2", f"--run.out_dir={run.parent / 'evaluated'}"]) == 0
-    plain, evaluated = lines(run.parent / "plain/metrics.jsonl"), lines(run.parent / "evaluated/metrics.jsonl")
+    plain, evaluated = lines(run.parent / "plain/metrics.jsonl"), \
+        lines(run.parent / "evaluated/metrics.jsonl")
     for a, b in zip(plain, evaluated):
-        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items()
-                                                                  if k not in TIMING and not k.startswith("eval/")}
-        assert b["eval/n"] == 8 and 0 <= b["eval/accuracy"] <= 1 and "eval/reward" in b and "eval/best_of_n_reward" in b
-    assert train.main(["--config", str(cfg), "--run.eval_every=1", f"--run.out_dir={run.parent / 'no_rows'}"]) == 2
+        assert {k: v for k, v in a.items() if k not in TIMING} == \
+            {k: v for k, v in b.items() if k not in TIMING and not k.startswith("eval/")}
+        assert b["eval/n"] == 8 and 0 <= b["eval/accuracy"] <= 1 and "eval/reward" in b \
+            and "eval/best_of_n_reward" in b
+    assert train.main(["--config", str(cfg), "--run.eval_every=1",
+                       f"--run.out_dir={run.parent / 'no_rows'}"]) == 2
     assert "run.eval_every needs eval.select" in capsys.readouterr().err
 
 
-def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(setup, monkeypatch, capsys):
+def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(setup, monkeypatch,
+                                                                               capsys):
     """run.report_to: wandb (here a stand-in module with wandb's init/log/finish) gets every metrics
     line at its step, the saved config, and on --resume the same run id."""
     import importlib.machinery
@@ -710,29 +820,36 @@ def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(s
     args = ["--config", str(cfg), "--run.report_to=wandb", "--run.project=demo", "--run.steps=2"]
     assert train.main(args) == 0
     (_, init), *logs, finish = calls
-    assert init["project"] == "demo" and init["name"] == run.name and init["config"]["run"]["report_to"] == "wandb"
-    assert init["config"] == yaml.safe_load((run / "config.yaml").read_text())  # the saved config, as the docs say
+    assert init["project"] == "demo" and init["name"] == run.name \
+        and init["config"]["run"]["report_to"] == "wandb"
+    # the saved config, as the docs say
+    assert init["config"] == yaml.safe_load((run / "config.yaml").read_text())
     calls.clear()
     assert train.main(args[:-1] + ["--run.epochs=0.5", f"--run.out_dir={run}_epochs"]) == 0
-    assert calls[0][1]["config"]["run"]["epochs"] == 0.5 and "steps" not in calls[0][1]["config"]["run"]  # as saved
-    assert [(c[1], c[2]["reward"]) for c in logs] == [(m["step"], m["reward"]) for m in lines(run / "metrics.jsonl")]
+    # as saved
+    assert calls[0][1]["config"]["run"]["epochs"] == 0.5 \
+        and "steps" not in calls[0][1]["config"]["run"]
+    assert [(c[1], c[2]["reward"]) for c in logs] == \
+        [(m["step"], m["reward"]) for m in lines(run / "metrics.jsonl")]
     assert finish == ("finish",)
     calls.clear()
     assert train.main(args[:-1] + ["--run.steps=3", "--resume"]) == 0
     assert calls[0][1]["id"] == init["id"] and [c[1] for c in calls if c[0] == "log"] == [3]
     monkeypatch.setattr(runs.importlib.util, "find_spec", lambda name: None)
-    assert train.main(["--config", str(cfg), "--run.report_to=trackio", f"--run.out_dir={run.parent / 'trk'}"]) == 2
+    assert train.main(["--config", str(cfg), "--run.report_to=trackio",
+                       f"--run.out_dir={run.parent / 'trk'}"]) == 2
     assert "pip install trackio" in capsys.readouterr().err
 
 
 def test_gradient_checkpointing_gives_the_same_step(setup):
-    """model.gradient_checkpointing recomputes activations in the backward: same loss and gradient."""
+    """model.gradient_checkpointing recomputes activations in the backward: same loss and
+    gradient."""
     cfg, run = setup
     got = []
     for on in ("false", "true"):
         out = run.parent / f"run_gc_{on}"
-        assert train.main(["--config", str(cfg), "--run.steps=1", f"--model.gradient_checkpointing={on}",
-                           f"--run.out_dir={out}"]) == 0
+        assert train.main(["--config", str(cfg), "--run.steps=1",
+                           f"--model.gradient_checkpointing={on}", f"--run.out_dir={out}"]) == 0
         got.append(lines(out / "metrics.jsonl")[0])
     plain, ckpt = got
     assert plain["grad_norm"] > 0 and plain["reward"] == ckpt["reward"]
@@ -741,19 +858,24 @@ def test_gradient_checkpointing_gives_the_same_step(setup):
 
 
 def test_micro_batches_by_token_budget():
-    """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows stay in order."""
+    """rows x (longest prompt + longest completion) <= budget; a row over budget goes alone; rows
+    stay in order."""
     import rollout
     p_len, c_len = [5, 5, 5, 5, 9, 2], [3, 10, 1, 1, 40, 1]
     P, C = max(p_len), max(c_len)
-    batch = rollout.Rollout(torch.zeros(6, P, dtype=torch.long), torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
-                         torch.zeros(6, C, dtype=torch.long), torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
-                         torch.zeros(6, dtype=torch.bool), [""] * 6)
+    batch = rollout.Rollout(torch.zeros(6, P, dtype=torch.long),
+                            torch.tensor([[0] * (P - n) + [1] * n for n in p_len]),
+                            torch.zeros(6, C, dtype=torch.long),
+                            torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
+                            torch.zeros(6, dtype=torch.bool), [""] * 6)
     assert step.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
     mbs = step.micro_batches(batch, 4, max_tokens=32)
-    assert mbs == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]  # 2 x 15, 2 x 6, 1 x 49 (over, alone), 1 x 3
+    # 2 x 15, 2 x 6, 1 x 49 (over, alone), 1 x 3
+    assert mbs == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
     for mb in mbs:
         rows = range(mb.start, mb.stop)
-        assert len(rows) == 1 or len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows)) <= 32
+        assert len(rows) == 1 \
+            or len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows)) <= 32
 
 
 def test_resume_refuses_a_different_lora_setup(setup, capsys):
@@ -786,20 +908,23 @@ def test_a_non_finite_gradient_skips_the_update_and_keeps_the_weights(capsys):
     r = types.SimpleNamespace(cfg=cfg, scaler=None, params=[w], optimizer=opt, scheduler=sched)
     w.grad = torch.tensor([1.0, float("nan"), 0.0])
     gn, _ = step.optimizer_step(r)
-    assert math.isnan(gn) and w.tolist() == [1.0, 1.0, 1.0] and "update is skipped" in capsys.readouterr().err
+    assert math.isnan(gn) and w.tolist() == [1.0, 1.0, 1.0] \
+        and "update is skipped" in capsys.readouterr().err
     w.grad = torch.tensor([1.0, 0.0, 0.0])
     gn, _ = step.optimizer_step(r)
     assert gn == 1.0 and w[0] < 1.0 and sched.last_epoch == 2
 
 
 def test_skip_long_leaves_over_long_rows_out_counts_them_and_trains_on_the_rest(setup, capsys):
-    """data.skip_long: a real dataset's few very long rows are left out (and said), not fatal; without
-    it the first one stops the run, naming the setting."""
+    """data.skip_long: a real dataset's few very long rows are left out (and said), not fatal;
+    without it the first one stops the run, naming the setting."""
     cfg, run = setup
     data = run.parent / "mixed_lengths.jsonl"
-    data.write_text("".join(json.dumps({"question": f"What is {a} + 1?" + (" Think about it." * 60 if a % 3 == 0 else ""),
+    data.write_text("".join(json.dumps({"question": f"What is {a} + 1?"
+                                        + (" Think about it." * 60 if a % 3 == 0 else ""),
                                         "answer": str(a + 1)}) + "\n" for a in range(9)))
-    args = ["--config", str(cfg), f"--data.name={data}", "--rollout.max_prompt_tokens=120", "--run.epochs=1"]
+    args = ["--config", str(cfg), f"--data.name={data}", "--rollout.max_prompt_tokens=120",
+            "--run.epochs=1"]
     assert train.main(args) == 2
     assert "data.skip_long: true leaves such rows out" in capsys.readouterr().err
     assert train.main(args + ["--data.skip_long=true"]) == 0
@@ -808,25 +933,32 @@ def test_skip_long_leaves_over_long_rows_out_counts_them_and_trains_on_the_rest(
     assert "6 prompts, steps 0->3 (1 epochs)" in err  # the epochs count the rows kept
     samples = lines(run / "samples.jsonl")
     assert samples and all("Think" not in s["prompt"] for s in samples)
-    assert train.main(args + ["--data.skip_long=true", "--rollout.max_prompt_tokens=8", f"--run.out_dir={run}_none"]) == 2
-    assert "every one of the rows of mixed_lengths is over rollout.max_prompt_tokens=8" in capsys.readouterr().err
-    sft = ["--config", str(cfg), "--mode=sft", f"--data.name={data}", "--data.target={answer}", "--sft.max_length=120",
-           "--data.skip_long=true", "--data.select=[0,6]", "--eval.select=[6,9]", "--run.eval_every=1", "--run.steps=1",
-           f"--run.out_dir={run}_sft"]  # SFT's held-out rows go through the training batches: left out too
+    assert train.main(args + ["--data.skip_long=true", "--rollout.max_prompt_tokens=8",
+                              f"--run.out_dir={run}_none"]) == 2
+    assert "every one of the rows of mixed_lengths is over rollout.max_prompt_tokens=8" \
+        in capsys.readouterr().err
+    # SFT's held-out rows go through the training batches: left out too
+    sft = ["--config", str(cfg), "--mode=sft", f"--data.name={data}", "--data.target={answer}",
+           "--sft.max_length=120", "--data.skip_long=true", "--data.select=[0,6]",
+           "--eval.select=[6,9]", "--run.eval_every=1", "--run.steps=1", f"--run.out_dir={run}_sft"]
     assert train.main(sft) == 0
     err = capsys.readouterr().err
-    assert "left out 2 of the 6 rows" in err and "left out 1 of the 3 held-out rows, over sft.max_length=120" in err
+    assert "left out 2 of the 6 rows" in err \
+        and "left out 1 of the 3 held-out rows, over sft.max_length=120" in err
 
 
 def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(setup, capsys):
     cfg, run = setup
     assert train.main(["--config", str(cfg), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "nothing was trained or written" in out and "rows: " in out and out.rstrip().splitlines()[-1] == "<|im_start|>assistant"
+    assert "nothing was trained or written" in out and "rows: " in out \
+        and out.rstrip().splitlines()[-1] == "<|im_start|>assistant"
     assert not run.exists()
-    assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2  # the same checks
+    # the same checks
+    assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2
     assert "no field 'missing_field'" in capsys.readouterr().err
-    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0  # a run's folder does not stop a dry run
+    # a run's folder does not stop a dry run
+    assert train.main(["--config", str(cfg), "--run.steps=1"]) == 0
     assert train.main(["--config", str(cfg), "--dry-run"]) == 0
     assert train.main(["--config", str(cfg), "--dry-run", "--data.prompt={missing_field}"]) == 2
     assert "no field 'missing_field'" in capsys.readouterr().err
@@ -834,17 +966,20 @@ def test_dry_run_checks_everything_shows_the_first_prompt_and_writes_nothing(set
 
 def test_a_step_whose_completions_are_all_masked_as_truncated_warns_once(setup, capsys):
     cfg, run = setup
-    assert train.main(["--config", str(cfg), "--run.steps=2", "--rollout.max_new_tokens=1", "--rollout.ignore_eos=true",
-                       "--grpo.mask_truncated_completions=true"]) == 0
+    assert train.main(["--config", str(cfg), "--run.steps=2", "--rollout.max_new_tokens=1",
+                       "--rollout.ignore_eos=true", "--grpo.mask_truncated_completions=true"]) == 0
     m = lines(run / "metrics.jsonl")
-    assert [x["completions/clipped_ratio"] for x in m] == [1.0, 1.0] and [x["grad_norm"] for x in m] == [0.0, 0.0]
+    assert [x["completions/clipped_ratio"] for x in m] == [1.0, 1.0] \
+        and [x["grad_norm"] for x in m] == [0.0, 0.0]
     assert capsys.readouterr().err.count("masks them all out: this step trains nothing") == 1
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_finishes_the_tracker_and_resume_goes_on(setup, monkeypatch, capsys, sig):
-    """Ctrl-C (KeyboardInterrupt) or a scheduler's SIGTERM while step 2's checkpoint is written: exit 130 / 143 with
-    one line naming the checkpoint to --resume from, no step_*.tmp left, the tracker finished; --resume goes on."""
+def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_and_resume_goes_on(
+        setup, monkeypatch, capsys, sig):
+    """Ctrl-C (KeyboardInterrupt) or a scheduler's SIGTERM while step 2's checkpoint is written:
+    exit 130 / 143 with one line naming the checkpoint to --resume from, no step_*.tmp left, the
+    tracker finished; --resume goes on."""
     import importlib.machinery
     import os
     import signal
@@ -854,7 +989,8 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_finishes_the_track
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
-    fake.init, fake.log, fake.finish = (lambda **kw: calls.append("init")), (lambda m, step: calls.append(step)), (lambda: calls.append("finish"))
+    fake.init, fake.log, fake.finish = (lambda **kw: calls.append("init")), \
+        (lambda m, step: calls.append(step)), (lambda: calls.append("finish"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     cfg, run = setup
     real, saved = checkpoint.save_adapter, []
@@ -862,22 +998,27 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_finishes_the_track
     def interrupted(model, path):
         saved.append(path)
         if len(saved) == 2:
-            os.kill(os.getpid(), getattr(signal, sig))  # a real signal: SIGTERM's handler must turn it into the clean exit
+            # a real signal: SIGTERM's handler must turn it into the clean exit
+            os.kill(os.getpid(), getattr(signal, sig))
         return real(model, path)
     monkeypatch.setattr(checkpoint, "save_adapter", interrupted)
     args = ["--config", str(cfg), "--run.steps=3", "--run.report_to=wandb"]
     assert train.main(args) == (130 if sig == "SIGINT" else 143)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); stopped at step 2: --resume from the last checkpoint in {run}"
+    assert err[-1] == (f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); "
+                       f"stopped at step 2: --resume from the last checkpoint in {run}")
     assert "Traceback" not in "\n".join(err) and calls[-1] == "finish"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
     monkeypatch.setattr(checkpoint, "save_adapter", real)
-    assert train.main(args + ["--resume"]) == 0 and [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3]
+    assert train.main(args + ["--resume"]) == 0 \
+        and [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_checkpoint(setup, monkeypatch, capsys):
-    """ENOSPC inside torch.save (which wraps it in a RuntimeError): one line, exit 2, no .tmp, --resume goes on."""
+def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_checkpoint(
+        setup, monkeypatch, capsys):
+    """ENOSPC inside torch.save (which wraps it in a RuntimeError): one line, exit 2, no .tmp,
+    --resume goes on."""
     import errno
 
     from plumbing import checkpoint
@@ -890,20 +1031,24 @@ def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_check
             try:
                 raise OSError(errno.ENOSPC, "No space left on device")
             except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")  # noqa: B904 (torch's chain)
+                raise RuntimeError(  # noqa: B904 (torch's chain)
+                    "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
         return real(obj, f, *a, **k)
     monkeypatch.setattr(checkpoint.torch, "save", full)
     assert train.main(["--config", str(cfg), "--run.steps=3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith(f"error: cannot write checkpoint {run / 'checkpoints/step_000002'} (No space left on device;")
+    assert err.startswith(f"error: cannot write checkpoint {run / 'checkpoints/step_000002'} "
+                          "(No space left on device;")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     monkeypatch.setattr(checkpoint.torch, "save", real)
     assert train.main(["--config", str(cfg), "--run.steps=3", "--resume"]) == 0
 
 
-def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(setup, monkeypatch, capsys):
-    """Only write errors (a full disk, a read-only folder) become one line; a bug's missing file is raised as it
-    is and the run's files stay. Ctrl-C while the model loads is one line too, with nothing written."""
+def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(setup, monkeypatch,
+                                                                             capsys):
+    """Only write errors (a full disk, a read-only folder) become one line; a bug's missing file is
+    raised as it is and the run's files stay. Ctrl-C while the model loads is one line too, with
+    nothing written."""
     import step
     cfg, run = setup
     real = step.train_step
@@ -921,18 +1066,22 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
         raise KeyboardInterrupt
     monkeypatch.setattr(runs, "load_policy", interrupt)
     assert train.main(["--config", str(cfg), f"--run.out_dir={run.parent / 'new'}"]) == 130
-    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; nothing was written")
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; "
+                                                    "nothing was written")
     assert not (run.parent / "new").exists()
 
 
-@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint", "first checkpoint", "first held-out scoring"])
+@pytest.mark.parametrize("slow", ["held-out scoring", "checkpoint", "first checkpoint",
+                                  "first held-out scoring"])
 def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, monkeypatch, slow):
-    """run.max_minutes on a clock that the steps (10 s), the held-out scoring (100 s every 8th step) and
-    the checkpoints (30 s) advance: the last checkpoint must be on disk before the job's limit, or the
-    scheduler kills the run while it writes (or scores) and the work since the last save is lost."""
+    """run.max_minutes on a clock that the steps (10 s), the held-out scoring (100 s every 8th step)
+    and the checkpoints (30 s) advance: the last checkpoint must be on disk before the job's limit,
+    or the scheduler kills the run while it writes (or scores) and the work since the last save is
+    lost."""
     cfg, run = setup
     clock = types.SimpleNamespace(now=0.0)
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(monotonic=lambda: clock.now, time=lambda: clock.now))
+    monkeypatch.setattr(train, "time",
+                        types.SimpleNamespace(monotonic=lambda: clock.now, time=lambda: clock.now))
     real_step, real_save, saved_at = train.train_step, train.save_checkpoint, []
 
     def step(r):
@@ -950,23 +1099,31 @@ def test_a_run_out_of_time_has_its_checkpoint_written_before_the_limit(setup, mo
     monkeypatch.setattr(train, "train_step", step)
     monkeypatch.setattr(train, "held_out_metrics", held_out)
     monkeypatch.setattr(train, "save_checkpoint", save)
-    if slow == "held-out scoring":  # steps 8 and 16 score the held-out rows; the 5 steps before 16 did not
-        limit, extra = 351, ["--run.eval_every=8", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
+    if slow == "held-out scoring":
+        # steps 8 and 16 score the held-out rows; the 5 steps before 16 did not
+        limit, extra = 351, ["--run.eval_every=8", "--eval.select=[10,12]", "--data.select=[0,10]",
+                             "--run.save_every=0"]
     elif slow == "checkpoint":  # checkpoints every 5 steps, 30 s each
         limit, extra = 210, ["--run.save_every=5"]
-    elif slow == "first checkpoint":  # none until the one at the limit: the first step's is written to time it
+    elif slow == "first checkpoint":
+        # none until the one at the limit: the first step's is written to time it
         limit, extra = 100, ["--run.save_every=0"]  # (it was not counted: the run ended at 120 s)
-    else:  # a scoring as long as a step, every 3rd step: before the first, counted as a step (it was 0: 40 s)
-        limit, extra = 35, ["--run.eval_every=3", "--eval.select=[10,12]", "--data.select=[0,10]", "--run.save_every=0"]
-    args = ["--config", str(cfg), "--run.steps=40", "--rollout.max_new_tokens=2", f"--run.max_minutes={limit / 60}"]
+    else:
+        # a scoring as long as a step, every 3rd step: before the first, counted as a step
+        # (it was 0: 40 s)
+        limit, extra = 35, ["--run.eval_every=3", "--eval.select=[10,12]", "--data.select=[0,10]",
+                            "--run.save_every=0"]
+    args = ["--config", str(cfg), "--run.steps=40", "--rollout.max_new_tokens=2",
+            f"--run.max_minutes={limit / 60}"]
     assert train.main(args + extra) == 0
     assert lines(run / "metrics.jsonl")[-1]["step"] < 40  # stopped early, for its time limit
-    assert saved_at and max(saved_at) <= limit, f"the last checkpoint was written at {max(saved_at)} s, past the {limit} s limit"
+    assert saved_at and max(saved_at) \
+        <= limit, f"the last checkpoint was written at {max(saved_at)} s, past the {limit} s limit"
 
 
 def test_warmup_ratio_makes_as_many_warmup_updates_as_trl():
-    """TRL (transformers' get_warmup_steps) warms up for ceil(warmup_ratio x updates): 0.1 of 5 updates is
-    1 (round(0.5) made it 0: no warmup at all), 0.1 of 25 is 3 (round(2.5): 2)."""
+    """TRL (transformers' get_warmup_steps) warms up for ceil(warmup_ratio x updates): 0.1 of 5
+    updates is 1 (round(0.5) made it 0: no warmup at all), 0.1 of 25 is 3 (round(2.5): 2)."""
     from config import Config
     cfg = Config()
     cfg.optim.warmup_ratio = 0.1
@@ -1007,8 +1164,9 @@ def test_a_judge_killed_mid_run_checkpoints_and_stops_with_one_line_and_the_resu
     assert m[1]["judge_failures"] == m[1]["judge_calls"] == 8 and m[1]["judge_requests"] == 0
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000002"]
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: judge got no reply to its calls for 1 step(s) in a row (the last: 1 try, the last "
-                          "APIConnectionError); checkpoint saved at step 2 in ")
+    assert err.startswith("error: judge got no reply to its calls for 1 step(s) in a row "
+                          "(the last: 1 try, the last APIConnectionError); checkpoint saved at "
+                          "step 2 in ")
     assert shlex.split(err.split("go on with: ")[1]) == ["python", "train.py", *args, "--resume"]
 
 
@@ -1037,11 +1195,14 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
     assert pauses == [10.0, 20.0]
     m = lines(run / "metrics.jsonl")
     assert [x["step"] for x in m] == [1, 2, 3, 4]
-    assert m[1]["judge_failures"] == 8 and m[2]["judge_failures"] == 1  # step 3 counts the failed try
+    # step 3 counts the failed try
+    assert m[1]["judge_failures"] == 8 and m[2]["judge_failures"] == 1
     assert m[3]["judge_failures"] == 0 and m[3]["judge_requests"] + m[3]["judge_cache_hits"] == 8
     err = capsys.readouterr().err
-    assert "judge got no reply to its calls for 1 step(s)" in err and "waiting for it, up to 30.0 min" in err
-    assert "judge still down after 0.2 min" in err and "judge answers again after 0.5 min; going on" in err
+    assert "judge got no reply to its calls for 1 step(s)" in err \
+        and "waiting for it, up to 30.0 min" in err
+    assert "judge still down after 0.2 min" in err \
+        and "judge answers again after 0.5 min; going on" in err
 
 
 def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
@@ -1049,7 +1210,8 @@ def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, mon
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     clock, pauses = [0.0], []
-    monkeypatch.setattr(outage, "sleep", lambda s: (pauses.append(s), clock.__setitem__(0, clock[0] + s)))
+    monkeypatch.setattr(outage, "sleep",
+                        lambda s: (pauses.append(s), clock.__setitem__(0, clock[0] + s)))
     monkeypatch.setattr(outage, "clock", lambda: clock[0])
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=2))
@@ -1060,9 +1222,11 @@ def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, mon
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: judge got no reply")
 
 
-def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(setup, monkeypatch, capsys):
+def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(setup, monkeypatch,
+                                                                             capsys):
     cfg, _ = setup
     monkeypatch.setattr(runs, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(["--config", str(cfg), "--run.out_dir=/proc/x"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything in /proc (No such "
-                                               "file or directory); choose another path")
+    assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything "
+                                               "in /proc (No such file or directory); choose "
+                                               "another path")

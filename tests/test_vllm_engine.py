@@ -60,10 +60,12 @@ class SamplingParams:
     logprobs: int | None = None
 
 
-# vLLM's EngineArgs fields that vllm_engine.py may pass (all exist in vLLM >= 0.10.2), so a typo fails here
-ENGINE_ARGS = {"model", "tokenizer", "revision", "tokenizer_revision", "trust_remote_code", "dtype", "seed",
-               "gpu_memory_utilization", "enable_sleep_mode", "max_model_len", "enable_prefix_caching", "enable_lora",
-               "max_loras", "max_lora_rank", "logprobs_mode"}
+# vLLM's EngineArgs fields that vllm_engine.py may pass (all exist in vLLM >= 0.10.2), so a typo
+# fails here
+ENGINE_ARGS = {"model", "tokenizer", "revision", "tokenizer_revision", "trust_remote_code", "dtype",
+               "seed", "gpu_memory_utilization", "enable_sleep_mode", "max_model_len",
+               "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank",
+               "logprobs_mode"}
 
 
 class FakeLLM:
@@ -71,7 +73,8 @@ class FakeLLM:
     instances: list = []
 
     def __init__(self, **kwargs):
-        assert set(kwargs) <= ENGINE_ARGS, f"not a vLLM engine argument: {set(kwargs) - ENGINE_ARGS}"
+        assert set(kwargs) <= ENGINE_ARGS, \
+            f"not a vLLM engine argument: {set(kwargs) - ENGINE_ARGS}"
         self.kwargs, self.calls, self.awake = kwargs, [], True
         self.rng = torch.Generator().manual_seed(kwargs["seed"])
         FakeLLM.instances.append(self)
@@ -95,7 +98,8 @@ class FakeLLM:
                 finish = "length" if n == params.max_tokens else "stop"
                 if finish == "stop":
                     ids[-1] = params.stop_token_ids[0]  # vLLM keeps the EOS it stopped on
-                completions.append(CompletionOutput(ids, "fake", [{t: Logprob(-2.0)} for t in ids], finish))
+                completions.append(CompletionOutput(ids, "fake", [{t: Logprob(-2.0)} for t in ids],
+                                                    finish))
             out.append(RequestOutput(completions))
         return out
 
@@ -115,33 +119,44 @@ def fake_vllm(monkeypatch):
 @pytest.fixture
 def cfg_path(tmp_path, tiny_llama):
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(8)))
+    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
+                            for a in range(8)))
     cfg = {"model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
            "data": {"name": str(data), "prompt": "{q}"},
-           "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6, "engine": "vllm"},
+           "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6,
+                       "engine": "vllm"},
            "optim": {"lr": 1e-2, "micro_batch_size": 4},
-           "run": {"out_dir": str(tmp_path / "run"), "steps": 3, "save_every": 1, "keep_checkpoints": 5},
-           "rewards": [{"name": "answer_match"}, {"name": "short_answer", "args": {"max_words": 1}}]}
+           "run": {"out_dir": str(tmp_path / "run"), "steps": 3, "save_every": 1,
+                   "keep_checkpoints": 5},
+           "rewards": [{"name": "answer_match"},
+                       {"name": "short_answer", "args": {"max_words": 1}}]}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fake_vllm, cfg_path, tmp_path):
+def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fake_vllm, cfg_path,
+                                                                             tmp_path):
     assert train.main(["--config", str(cfg_path), "--rollout.stop_strings=[STOP]"]) == 0
     (llm,) = fake_vllm.instances
-    assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 8 and llm.kwargs["max_loras"] == 1
+    assert llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] == 8 \
+        and llm.kwargs["max_loras"] == 1
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs" and llm.kwargs["dtype"] == "float32"
-    assert [c[0] for c in llm.calls] == [1, 2, 3] and len({c[1] for c in llm.calls}) == 3  # a new id per version
+    # a new id per version
+    assert [c[0] for c in llm.calls] == [1, 2, 3] and len({c[1] for c in llm.calls}) == 3
     first = llm.calls[0][2]
-    assert all(float(v.abs().sum()) == 0 for k, v in first.items() if "lora_B" in k)  # step 1 samples the start
+    # step 1 samples the start
+    assert all(float(v.abs().sum()) == 0 for k, v in first.items() if "lora_B" in k)
     run = tmp_path / "run"
-    for step, (_, _, used, _) in zip([1, 2], llm.calls[1:]):  # step k+1 samples with what step k trained
+    for step, (_, _, used, _) in zip([1, 2], llm.calls[1:]):
+        # step k+1 samples with what step k trained
         trained = load_file(run / f"checkpoints/step_{step:06d}/adapter/adapter_model.safetensors")
         assert trained.keys() == used.keys() and all(torch.equal(trained[k], used[k]) for k in used)
-    assert [p.name for p in (run / "vllm_adapter").iterdir()] == ["v4"]  # only the newest version is kept
+    # only the newest version is kept
+    assert [p.name for p in (run / "vllm_adapter").iterdir()] == ["v4"]
     prompt = llm.calls[0][3][0]["prompt_token_ids"]
-    assert isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)  # token ids, no second BOS
+    # token ids, no second BOS
+    assert isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
     m = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(m) == 3 and all(x["grad_norm"] >= 0 for x in m)
     # resumed at step 3, vLLM is seeded run.seed + 3: new sampling noise, not a replay of step 1's
@@ -150,13 +165,16 @@ def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fak
 
 
 def test_truncated_importance_sampling_weights_are_logged(fake_vllm, cfg_path, tmp_path):
-    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0", "--rollout.vllm_sleep=true"]) == 0
+    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0",
+                       "--rollout.vllm_sleep=true"]) == 0
     m = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[0])
     # the fake says every token had log-prob -2; the tiny model gives ~-log(400) = -6: weights ~e^-4
-    assert 0 < m["tis/weight_mean"] < 1 and m["tis/capped_frac"] == 0.0 and m["sampler_logp_abs_diff"] > 1
-    # per completion, the product of its tokens' ratios (~e^-4 each) is far below 1: sequence_mask keeps them
-    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0", "--grpo.tis_mode=sequence_mask",
-                       f"--run.out_dir={tmp_path / 'seq'}"]) == 0
+    assert 0 < m["tis/weight_mean"] < 1 and m["tis/capped_frac"] == 0.0 \
+        and m["sampler_logp_abs_diff"] > 1
+    # per completion, the product of its tokens' ratios (~e^-4 each) is far below 1: sequence_mask
+    # keeps them
+    assert train.main(["--config", str(cfg_path), "--grpo.tis_cap=2.0",
+                       "--grpo.tis_mode=sequence_mask", f"--run.out_dir={tmp_path / 'seq'}"]) == 0
     s = json.loads((tmp_path / "seq/metrics.jsonl").read_text().splitlines()[0])
     assert 0 <= s["tis/weight_mean"] < m["tis/weight_mean"] and s["tis/capped_frac"] == 0.0
 
@@ -164,34 +182,43 @@ def test_truncated_importance_sampling_weights_are_logged(fake_vllm, cfg_path, t
 def test_vllm_outputs_become_a_rollout_with_masks_and_sampler_log_probs(tiny_llama):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    outs = [CompletionOutput([5, 6, eos], "a", [{5: Logprob(-0.5)}, {6: Logprob(-1.0)}, {eos: Logprob(-0.25)}], "stop"),
-            CompletionOutput([7, 8, 9, 10], "b", [{t: Logprob(-2.0)} for t in (7, 8, 9, 10)], "length"),
-            CompletionOutput([11, eos], "c", [{11: Logprob(-1.0)}, {eos: Logprob(-1.0)}], "length")]  # EOS as the last allowed
-    r = vllm_engine.to_rollout(tok, [[1, 2, 3], [4], [5]], outs, G=1, device=torch.device("cpu"), eos_ids=[eos])
+    outs = [CompletionOutput([5, 6, eos], "a", [{5: Logprob(-0.5)}, {6: Logprob(-1.0)},
+                                                {eos: Logprob(-0.25)}], "stop"),
+            CompletionOutput([7, 8, 9, 10], "b", [{t: Logprob(-2.0)} for t in (7, 8, 9, 10)],
+                             "length"),
+            # EOS as the last allowed
+            CompletionOutput([11, eos], "c", [{11: Logprob(-1.0)}, {eos: Logprob(-1.0)}], "length")]
+    r = vllm_engine.to_rollout(tok, [[1, 2, 3], [4], [5]], outs, G=1, device=torch.device("cpu"),
+                               eos_ids=[eos])
     assert r.prompt_ids.tolist() == [[1, 2, 3], [pad, pad, 4], [pad, pad, 5]]
     assert r.prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 1]]
     assert r.completion_ids.tolist() == [[5, 6, eos, pad], [7, 8, 9, 10], [11, eos, pad, pad]]
     assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
-    assert r.truncated.tolist() == [False, True, False]  # vLLM <= 0.11 says "length" for the third: it did end
+    # vLLM <= 0.11 says "length" for the third: it did end
+    assert r.truncated.tolist() == [False, True, False]
     assert r.sampler_logp.tolist() == [[-0.5, -1.0, -0.25, 0.0], [-2.0] * 4, [-1.0, -1.0, 0.0, 0.0]]
-    assert r.texts == [tok.decode(ids, skip_special_tokens=True) for ids in ([5, 6, eos], [7, 8, 9, 10], [11, eos])]
+    assert r.texts == [tok.decode(ids, skip_special_tokens=True)
+                       for ids in ([5, 6, eos], [7, 8, 9, 10], [11, eos])]
     both = rollout.concat_rollouts([r, rollout.select_rows(r, [1])], pad)
     assert both.sampler_logp.shape == (4, 4) and both.sampler_logp[3].tolist() == [-2.0] * 4
 
 
 def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, capsys):
     for args, message in ((["--lora.enabled=false"], "full fine-tuning"),
-                          (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"], "export the merged"),
+                          (["--model.init_adapter=somewhere", "--model.merge_init_adapter=true"],
+                           "export the merged"),
                           (["--model.quant=4bit"], "4-bit"),
                           (["--grpo.tis_cap=2", "--rollout.top_p=0.9"], "top_p 1 and top_k 0"),
                           (["--rollout.compile=true"], "vLLM compiles its own sampling"),
                           (["--rollout.prompts_per_generate=1"], "vLLM schedules its own batches"),
-                          (["--grpo.tis_cap=2", "--rollout.ignore_eos=true"], "use ignore_eos: false with it")):
+                          (["--grpo.tis_cap=2", "--rollout.ignore_eos=true"],
+                           "use ignore_eos: false with it")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
         load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0"])
-    with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance weights: set grpo.tis_cap"):
+    with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance "
+                                          "weights: set grpo.tis_cap"):
         load_config(cfg_path, ["--grpo.tis_mode=sequence_mask"])
 
 
@@ -201,10 +228,11 @@ def test_without_the_vllm_package_the_error_says_how_to_install_it(cfg_path, cap
     assert "needs the vllm package (pip install vllm" in capsys.readouterr().err
 
 
-def test_an_old_vllm_or_one_that_cannot_start_is_one_line(fake_vllm, cfg_path, tmp_path, capsys, monkeypatch):
-    """Before 0.10.2 vLLM's log-probs come before temperature (or logprobs_mode does not exist); a model
-    vLLM cannot serve with LoRA makes LLM() raise: each one line, exit 2, nothing left behind. The
-    version and the rank are checked in a dry run too; 0.10.2 itself is enough."""
+def test_an_old_vllm_or_one_that_cannot_start_is_one_line(fake_vllm, cfg_path, tmp_path, capsys,
+                                                          monkeypatch):
+    """Before 0.10.2 vLLM's log-probs come before temperature (or logprobs_mode does not exist); a
+    model vLLM cannot serve with LoRA makes LLM() raise: each one line, exit 2, nothing left behind.
+    The version and the rank are checked in a dry run too; 0.10.2 itself is enough."""
     monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.10.1.1")
     for extra in ([], ["--dry-run"]):
         assert train.main(["--config", str(cfg_path), *extra]) == 2
@@ -220,39 +248,51 @@ def test_an_old_vllm_or_one_that_cannot_start_is_one_line(fake_vllm, cfg_path, t
     monkeypatch.setattr(sys.modules["vllm"], "LLM", refuse)
     assert train.main(["--config", str(cfg_path)]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "vllm could not start" in last and "does not support LoRA yet" in last and not (tmp_path / "run").exists()
+    assert "vllm could not start" in last and "does not support LoRA yet" in last \
+        and not (tmp_path / "run").exists()
 
 
 def test_adapters_vllm_would_serve_otherwise_are_refused():
     from types import SimpleNamespace
-    plain = SimpleNamespace(use_dora=False, modules_to_save=None, rank_pattern={}, alpha_pattern={}, bias="none")
-    vllm_engine.check_policy(SimpleNamespace(peft_config={"default": plain}, minigrpo_base={"merged": []}))
-    odd = [SimpleNamespace(**{**vars(plain), k: v}) for k, v in (("use_dora", True), ("modules_to_save", ["lm_head"]),
-                                                                 ("rank_pattern", {"q_proj": 8}), ("alpha_pattern", {"q_proj": 4}),
-                                                                 ("bias", "lora_only"))]
-    for model, message in ((SimpleNamespace(peft_config={"default": plain}, minigrpo_base={"merged": [{"path": "sft"}]}),
+    plain = SimpleNamespace(use_dora=False, modules_to_save=None, rank_pattern={}, alpha_pattern={},
+                            bias="none")
+    vllm_engine.check_policy(SimpleNamespace(peft_config={"default": plain},
+                                             minigrpo_base={"merged": []}))
+    odd = [SimpleNamespace(**{**vars(plain), k: v})
+           for k, v in (("use_dora", True), ("modules_to_save", ["lm_head"]),
+                        ("rank_pattern", {"q_proj": 8}), ("alpha_pattern", {"q_proj": 4}),
+                        ("bias", "lora_only"))]
+    for model, message in ((SimpleNamespace(peft_config={"default": plain},
+                                            minigrpo_base={"merged": [{"path": "sft"}]}),
                             "export that chain"),
-                           *((SimpleNamespace(peft_config={"default": pc}, minigrpo_base={}), "plain LoRA adapters") for pc in odd)):
+                           *((SimpleNamespace(peft_config={"default": pc}, minigrpo_base={}),
+                              "plain LoRA adapters") for pc in odd)):
         with pytest.raises(ConfigError, match=message):
             vllm_engine.check_policy(model)
 
 
-def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_path, tiny_llama, capsys):
+def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_path, tiny_llama,
+                                                     capsys):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from plumbing.adapters import save_adapter
-    dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, lora_alpha=8, use_dora=True,
-                                                                                     target_modules=["q_proj", "v_proj"]))
+    dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                          LoraConfig(r=4, lora_alpha=8, use_dora=True,
+                                     target_modules=["q_proj", "v_proj"]))
     dora.minigrpo_base = {"base_model": str(tiny_llama), "revision": None, "merged": []}
     save_adapter(dora, tmp_path / "dora")
-    assert train.main(["--config", str(cfg_path), "--dry-run", f"--model.init_adapter={tmp_path / 'dora'}", "--lora.r=4",
-                       "--lora.alpha=8", "--lora.target_modules=[q_proj, v_proj]"]) == 2  # its own shape: only DoRA is wrong
+    # its own shape: only DoRA is wrong
+    assert train.main(["--config", str(cfg_path), "--dry-run",
+                       f"--model.init_adapter={tmp_path / 'dora'}", "--lora.r=4",
+                       "--lora.alpha=8", "--lora.target_modules=[q_proj, v_proj]"]) == 2
     assert "serves plain LoRA adapters" in capsys.readouterr().err
 
 
 def test_a_final_eos_is_not_truncation_whichever_eos_id_it_is(tiny_llama):
     tok = AutoTokenizer.from_pretrained(tiny_llama)
-    outs = [CompletionOutput([5, 0], "", [{5: Logprob(-1.0)}, {0: Logprob(-1.0)}], "length")]  # the second EOS id
-    r = vllm_engine.to_rollout(tok, [[1]], outs, G=1, device=torch.device("cpu"), eos_ids=[tok.eos_token_id, 0])
+    # the second EOS id
+    outs = [CompletionOutput([5, 0], "", [{5: Logprob(-1.0)}, {0: Logprob(-1.0)}], "length")]
+    r = vllm_engine.to_rollout(tok, [[1]], outs, G=1, device=torch.device("cpu"),
+                               eos_ids=[tok.eos_token_id, 0])
     assert r.truncated.tolist() == [False]

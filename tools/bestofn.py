@@ -45,7 +45,8 @@ from plumbing.typed_config import check_writable
 
 def groups(records: list[dict]) -> dict[tuple, list[dict]]:
     """Predictions by prompt: (source, row) -> its completions, in file order; records without a row
-    (ratings.py export's rated replies) by what they were rated on: (None, [prompt, criteria, scale]
+    (tools.ratings export's rated
+    replies) by what they were rated on: (None, [prompt, criteria, scale]
     as JSON), so rewards on other criteria or scales are never compared."""
     out: dict[tuple, list[dict]] = {}
     for r in records:
@@ -125,7 +126,7 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
 
 
 def read_records(path: str) -> list:
-    """eval.py's predictions or ratings.py's export (JSON Lines), or the export as Parquet
+    """eval.py's predictions or graders/ratings.py's export (JSON Lines), or the export as Parquet
     (--out x.parquet)."""
     if Path(path).suffix.lower() in (".parquet", ".pq"):
         import pyarrow.parquet as pq
@@ -149,7 +150,7 @@ def parse_require(items: list[str]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: "
-                    "pooled per (source, row)) or ratings.py export's rated replies (pooled per "
+                    "pooled per (source, row)) or tools.ratings export's rated replies (pooled per "
                     "prompt, criteria and scale; never with predictions)")
     ap.add_argument("--sft",
                     help="write each prompt's best completion here (prompt, completion, reward)")
@@ -187,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec)
                         and ("row" in rec or "scores" in rec)):
                     raise ValueError(f"{path}:{n}: neither eval.py's predictions (row, prompt, "
-                                     "completion, reward) nor ratings.py export's rated replies "
+                                     "completion, reward) nor tools.ratings export's rated replies "
                                      "(prompt, completion, scores, reward)")
                 if "row" not in rec and "reward" not in rec:
                     raise ValueError(f"{path}: rated replies without a reward: export them again "
-                                     "with this version of ratings.py (python -m tools.ratings "
+                                     "with this version of minigrpo (python -m tools.ratings "
                                      "export --dir ...)")
                 reward = rec.get("reward")
                 if not isinstance(rec["completion"], str) or not (
