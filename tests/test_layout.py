@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("api", "graders", "modes", "plumbing", "tools")  # what a first read can skip
 CORE_MAX = 12  # Python files at the root
+TEACHERS_PATH = ("train.py", "step.py", "rollout.py", "rewards.py", "grpo.py", "logprobs.py")
 
 
 def modules() -> dict[str, Path]:
@@ -84,6 +85,15 @@ def test_the_root_holds_the_core_alone():
     core = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(core) <= CORE_MAX, core
     assert {"train.py", "grpo.py", "rewards.py", "judge.py", "data.py", "eval.py"} <= set(core)
+
+
+def test_the_teachers_path_reads_in_one_sitting_and_the_readme_is_a_door():
+    """The six files one GRPO step runs through, in the README's order: at most 1,500 lines."""
+    lines = {f: len((ROOT / f).read_text().splitlines()) for f in TEACHERS_PATH}
+    assert sum(lines.values()) <= 1500, lines
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    assert " -> ".join(f"`{f}`" for f in TEACHERS_PATH[:3]) in readme
 
 
 def test_no_import_cycles_anywhere():
