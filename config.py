@@ -168,6 +168,8 @@ class DataConfig:
     skip_long: bool = False  # leave out (and count) training rows over the length limit
     #   (rollout.max_prompt_tokens; sft.max_length, dpo.max_length) instead of stopping at the
     #   first: real datasets hold a few very long rows
+    skip_incomplete: bool = False  # leave out (and count) rows missing a field the prompt, a
+    #   reply or the gold answer reads (an eval file's rows without a prompt) instead of stopping
 
 
 @dataclass

@@ -45,6 +45,10 @@ class DataError(ConfigError):
     """A dataset problem the user must fix (missing file, row without a needed field)."""
 
 
+class MissingField(DataError):
+    """A row without (or with an empty) field it needs: data.skip_incomplete leaves it out."""
+
+
 def arithmetic_task(num_examples: int = 0, seed: int = 1234, max_operand: int = 20) -> list[dict]:
     """The quickstart task, built in code: distinct additions a + b (1 <= a, b <= max_operand; 400
     of them, all when num_examples is 0) in a seeded order, the sum as the gold answer. Distinct, so
@@ -182,7 +186,7 @@ def build_prompt(row: dict, template: str, index: int) -> str:
     """A column's value, or the template filled from the row's columns."""
     if "{" not in template:
         if row.get(template) in (None, ""):
-            raise DataError(f"row {index} has no (or an empty) field '{template}'; "
+            raise MissingField(f"row {index} has no (or an empty) field '{template}'; "
                             f"its fields: {', '.join(row)}")
         return row[template]
     try:
@@ -194,13 +198,13 @@ def build_prompt(row: dict, template: str, index: int) -> str:
                         "name columns only, as {column} (or {column[0]} for a list's first item)")
     empty = [f for f in row if row[f] in (None, "") and "{" + f + "}" in template]
     if empty:  # a null would be rendered as the text "None"
-        raise DataError(f"row {index} has an empty field '{empty[0]}' used in the template "
+        raise MissingField(f"row {index} has an empty field '{empty[0]}' used in the template "
                         f"{template!r}")
     try:
         return template.format_map({k: _Listed(v) if isinstance(v, list) else v
                                     for k, v in row.items()})
     except KeyError as e:
-        raise DataError(f"row {index} has no field {e} used in the data.prompt template; "
+        raise MissingField(f"row {index} has no field {e} used in the data.prompt template; "
                         f"its fields: {', '.join(row)}") from None
     except (ValueError, IndexError, AttributeError) as e:
         raise DataError(f"data.prompt template {template!r} is malformed ({e}); use {{column}} "
@@ -347,56 +351,73 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
     """The checked rows of one source (named by the config keys `key` and `map_key`), with each
     one's place before the map -> (rows, places)."""
     rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
-    out, places = [], []
+    out, places, missing = [], [], []
     # i: the row's place before a filtering map
     for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map, map_key):
-        prompt = build_prompt(row, cfg.prompt, i)
-        extra = {}
-        # SFT's reply; DPO's two replies, after the same prompt
-        for reply in ("target", "chosen", "rejected"):
-            if column := getattr(cfg, reply):
-                # an empty DPO reply (EOS alone)
-                empty = reply != "target" and "{" not in column and row.get(column) == ""
-                prompt, extra[reply] = split_reply(
-                    prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
-                # the prefix counts as prompt
-                if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):
-                    raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
-                                    f"{cfg.assistant_prefix!r}, which the prompt already ends with "
-                                    "(trained on, it would be doubled); set data.assistant_prefix: "
-                                    "'' for replies that carry it (tools/bestofn.py's pairs do)")
-        no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
-        conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts
-            isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})
-                isinstance(m.get("content"), str) or (isinstance(m.get("content"), list)
-                and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
-        if not (isinstance(prompt, str) or conversation) or not prompt:
-            raise DataError(f"row {i}: the prompt is "
-                            f"{type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
-                            "conversation (a list of {role, content} messages)" + (
-                                "; to write it as text, make data.prompt a template: "
-                                f"\"{{{cfg.prompt}}}\"" if prompt else ""))
-        # the reply, whose answer a prompt must not hold
-        if conversation and not extra and prompt[-1]["role"] == "assistant":
-            fix = (f"set data.target: {cfg.prompt} to split it off "
-                   "(the messages before it are the prompt)"
-                   if active_mixture(cfg)[1] is None else  # data.target would split every source
-                   "give this source map: split_messages and prompt: prompt (the reply goes to a "
-                   "column 'completion')"
-                   if cfg.prompt == "messages" else
-                   "give this source a map (data.map) that drops the reply")
-            # split_messages makes it
-            if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):
-                fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
-            raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, "
-                            f"so the answer would be in the prompt; {fix}")
-        if no_gold:
-            raise DataError(f"row {i} has no (or an empty) field '{cfg.answer_key}' "
-                            "(data.answer_key; null when the rewards need no gold answer); "
-                            f"its fields: {', '.join(row)}")
-        out.append({**row, "prompt": prompt, **extra})
-        places.append(i)
+        try:
+            out.append(_prepared_row(cfg, row, i))
+            places.append(i)
+        except MissingField as e:
+            if not cfg.skip_incomplete:
+                raise DataError(f"{e} (data.skip_incomplete: true leaves such rows out)") from None
+            missing.append(str(e))
+    if missing:
+        if not out:
+            raise DataError(f"data.skip_incomplete: every row of {cfg.name} lacks a field it needs "
+                            f"(the first: {missing[0]})")
+        print(f"[minigrpo] data.skip_incomplete: left out {len(missing)} of the "
+              f"{len(missing) + len(out)} rows of {cfg.name} (the first: {missing[0]})",
+              file=sys.stderr)
     return out, places
+
+
+def _prepared_row(cfg: DataConfig, row: dict, i: int) -> dict:
+    """One row with its "prompt" (and replies) built and checked; MissingField if it lacks one."""
+    prompt = build_prompt(row, cfg.prompt, i)
+    extra = {}
+    # SFT's reply; DPO's two replies, after the same prompt
+    for reply in ("target", "chosen", "rejected"):
+        if column := getattr(cfg, reply):
+            # an empty DPO reply (EOS alone)
+            empty = reply != "target" and "{" not in column and row.get(column) == ""
+            prompt, extra[reply] = split_reply(
+                prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
+            # the prefix counts as prompt
+            if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):
+                raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
+                                f"{cfg.assistant_prefix!r}, which the prompt already ends with "
+                                "(trained on, it would be doubled); set data.assistant_prefix: "
+                                "'' for replies that carry it (tools/bestofn.py's pairs do)")
+    no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
+    conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts
+        isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})
+            isinstance(m.get("content"), str) or (isinstance(m.get("content"), list)
+            and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
+    if not (isinstance(prompt, str) or conversation) or not prompt:
+        raise DataError(f"row {i}: the prompt is "
+                        f"{type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
+                        "conversation (a list of {role, content} messages)" + (
+                            "; to write it as text, make data.prompt a template: "
+                            f"\"{{{cfg.prompt}}}\"" if prompt else ""))
+    # the reply, whose answer a prompt must not hold
+    if conversation and not extra and prompt[-1]["role"] == "assistant":
+        fix = (f"set data.target: {cfg.prompt} to split it off "
+               "(the messages before it are the prompt)"
+               if active_mixture(cfg)[1] is None else  # data.target would split every source
+               "give this source map: split_messages and prompt: prompt (the reply goes to a "
+               "column 'completion')"
+               if cfg.prompt == "messages" else
+               "give this source a map (data.map) that drops the reply")
+        # split_messages makes it
+        if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):
+            fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
+        raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, "
+                        f"so the answer would be in the prompt; {fix}")
+    if no_gold:
+        raise MissingField(f"row {i} has no (or an empty) field '{cfg.answer_key}' "
+                           "(data.answer_key; null when the rewards need no gold answer); "
+                           f"its fields: {', '.join(row)}")
+    return {**row, "prompt": prompt, **extra}
 
 
 def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") -> tuple:

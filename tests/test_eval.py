@@ -935,3 +935,25 @@ def test_an_api_reply_cut_at_max_tokens_is_reported_truncated_even_from_the_cach
     assert ev.main(args + ["--overwrite"]) == 0 and len(server.requests) == n_requests
     again = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
     assert again["truncated_rate"] == 0.5
+
+
+def test_held_out_rows_missing_a_field_stop_the_eval_or_with_skip_incomplete_are_counted_out(
+        project, capsys):
+    """BioReasoner's test file had 14 rows without a prompt; its eval scored the other 69. The
+    default names the first such row and the setting; data.skip_incomplete leaves them out, counts
+    them, and the predictions keep each row's place in the file (issue 29)."""
+    cfg, tmp = project
+    test = tmp / "test.jsonl"
+    test.write_text("".join(json.dumps({"question": f"Test {i}", "answer": "A"} if i % 3 else
+                                       {"answer": "A"}) + "\n" for i in range(7)))
+    args = ["--config", str(cfg), "--models", "api:fake-model", f"--eval.name={test}",
+            "--eval.select=null"]
+    assert ev.main(args) == 2
+    err = capsys.readouterr().err
+    assert "row 0 has no field 'question'" in err and "data.skip_incomplete: true" in err
+    assert ev.main([*args, "--data.skip_incomplete=true"]) == 0
+    assert "data.skip_incomplete: left out 3 of the 7 rows" in capsys.readouterr().err
+    preds = lines(tmp / "eval/predictions_fake-model.jsonl")
+    assert [p["row"] for p in preds] == [1, 2, 4, 5]
+    m = json.loads((tmp / "eval/results.json").read_text())["models"]["fake-model"]["metrics"]
+    assert m["n"] == 4
