@@ -217,7 +217,8 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
 ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_answers",
              "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
              "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
-             "citation_grounding": "graders.citations", "invented_citation": "graders.citations"}
+             "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
+             "citation_pass": "graders.citations"}
 
 
 def lookup(name: str) -> tuple[Callable, bool] | None:

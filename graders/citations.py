@@ -140,6 +140,21 @@ def invented_citation(completion: str, sample: dict, pattern: str = PMID_PATTERN
     return float(any(c not in valid for c in cited))
 
 
+def citation_pass(completion: str, sample: dict, **args) -> float | None:
+    r"""1.0 when the completion cites no invented id, else 0.0: BioReasoner's tribunal "pass", whose
+    rate was one minus its hallucination rate in every report (41 of 69 passed, 28 hallucinated).
+    List it with weight 0 and `label: pass` to report it. Takes invented_citation's args.
+
+    >>> s = {"valid_pmids": ["111"]}
+    >>> citation_pass("PMID: 111", s), citation_pass("PMID: 999", s)
+    (1.0, 0.0)
+    """
+    invented = invented_citation(completion, sample, **args)
+    return None if invented is None else 1.0 - invented
+
+
 citation_grounding.check_args = invented_citation.check_args = check_valid_file
+citation_pass.check_args = check_valid_file
 register("citation_grounding", row_keys=("valid_key",))(citation_grounding)
 register("invented_citation", row_keys=("valid_key",))(invented_citation)
+register("citation_pass", row_keys=("valid_key",))(citation_pass)

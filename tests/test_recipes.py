@@ -159,8 +159,11 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     rules, judged = tmp_path / "rules", tmp_path / "judged"
     assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules),
                        *data]) == 0
+    first = metrics(rules)[0]
     assert {"rewards/think_format/mean", "rewards/citation_grounding/mean",
-            "rewards/hallucinated/mean"} <= set(metrics(rules)[0])
+            "rewards/hallucinated/mean"} <= set(first)
+    # the tribunal's pass rate (issue 29): one minus the hallucination rate, as in its reports
+    assert first["rewards/pass/mean"] == pytest.approx(1 - first["rewards/hallucinated/mean"])
     assert train.main(["--config", "configs/bioreasoner_judge.yaml", *small(tiny_llama, judged),
                        *data, *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
     m = metrics(judged)[0]
