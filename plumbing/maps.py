@@ -25,17 +25,36 @@ def medmcqa_json(row: dict) -> dict:
     >>> r["answer_letter"], json.loads(r["target_json"])["reason"]
     ('B', 'The answer is B) Meat.')
     """
+    letter = _cop_letter(row)
+    reason = " ".join(str(row.get("exp") or "").split())[:250].strip()
+    reason = reason or f"The answer is {letter}) {row['op' + letter.lower()]}."
+    target = {"predicted_category": letter, "confidence": 0.95, "reason": reason}
+    return {**row, "answer_letter": letter, "target_json": json.dumps(target, ensure_ascii=False)}
+
+
+def _cop_letter(row: dict) -> str:
+    """MedMCQA's 0-based `cop` as the gold letter; ValueError for the test split's -1."""
     cop = row.get("cop")
     if cop == -1:  # the hub copy's test split: no answers published
         raise ValueError("MedMCQA's test split has no answers (cop = -1); hold out rows of train "
                          "(eval.select), or use split validation (4,183 answered rows)")
     if isinstance(cop, bool) or not isinstance(cop, int) or not 0 <= cop <= 3:
         raise ValueError(f"cop must be an option index 0-3, got {cop!r}")
-    letter = "ABCD"[cop]
-    reason = " ".join(str(row.get("exp") or "").split())[:250].strip()
-    reason = reason or f"The answer is {letter}) {row['op' + 'abcd'[cop]]}."
-    target = {"predicted_category": letter, "confidence": 0.95, "reason": reason}
-    return {**row, "answer_letter": letter, "target_json": json.dumps(target, ensure_ascii=False)}
+    return "ABCD"[cop]
+
+
+def medmcqa(row: dict) -> dict:
+    """MedMCQA for GRubrics' verifiable questions, as `medqa` writes MedQA: `question` with its
+    options A-D appended, `answer` the gold letter, `answer_text` that option's text.
+
+    >>> r = medmcqa({"question": "q?", "opa": "x", "opb": "Meat", "opc": "y", "opd": "z", "cop": 1})
+    >>> r["question"].splitlines()[1:3], r["answer"], r["answer_text"]
+    (['A) x', 'B) Meat'], 'B', 'Meat')
+    """
+    letter = _cop_letter(row)
+    options = "\n".join(f"{k}) {row['op' + k.lower()]}" for k in "ABCD")
+    return {**row, "question": f"{str(row['question']).strip()}\n{options}", "answer": letter,
+            "answer_text": row["op" + letter.lower()]}
 
 
 def healthbench(row: dict) -> dict:
@@ -161,6 +180,7 @@ def split_messages(row: dict) -> dict:
     return {**row, "prompt": msgs[:-1], "completion": msgs[-1]["content"]}
 
 
-MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "healthbench": healthbench,
+MAPS: dict[str, Callable[[dict], dict]] = {"medmcqa_json": medmcqa_json, "medmcqa": medmcqa,
+                                           "healthbench": healthbench,
                                            "medqa": medqa, "healthbench_sft": healthbench_sft,
                                            "split_messages": split_messages}

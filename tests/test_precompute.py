@@ -3,13 +3,19 @@ from the judge (expert rubric) or from a rule, what is left out, what a rerun pa
 training reads the file it writes."""
 import json
 import re
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
 import train
+from config import load_config
+from data import load_sources
 from fake_openai_server import FakeOpenAIServer, server_error
 from tools import precompute
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # a rubric under which the fake judge gives every answer the same score
 CONSTANT = "Any answer scores 5."
@@ -206,6 +212,28 @@ def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):
         assert r["gold_scores"] == [float(s == r["answer"]) for s in said]
     assert all(b["model"] == "policy" for b in (q.body for q in server.requests))
     assert "judge $" not in capsys.readouterr().out
+
+
+def test_medmcqa_rows_are_verifiable_questions_for_the_grubrics_mixture(tmp_path, server):
+    """The `medmcqa` map (issue 29: the seed's adapters list MedMCQA): its options appended to the
+    question, `cop` as the gold letter; the file it writes is the with_medmcqa preset's source."""
+    out = tmp_path / "grubrics_medmcqa.jsonl"
+    rule = (r"--precompute.gold_reward={name: choice_accuracy, "
+            r"args: {fallback_pattern: 'answer is ([A-D])'}}")
+    assert precompute.main(args(server, tmp_path, FIXTURES / "medmcqa_sample.jsonl", out,
+                                "--precompute.map=medmcqa", "--precompute.limit=3", rule,
+                                "--judge.base_url=http://127.0.0.1:9/v1")) == 0
+    written = read(out)
+    # a question whose K answers all score the same has no ranking: left out (gold C or D here)
+    assert len(written) == 2 and written[0]["question"].splitlines()[-4].startswith("A) ")
+    for r in written:
+        said = [re.search(r"answer is ([A-D])", a).group(1) for a in r["answers"]]
+        assert r["answer"] in "ABCD" and r["gold_scores"] == [float(s == r["answer"]) for s in said]
+    for name in ("grubrics_open.jsonl", "grubrics_verifiable.jsonl"):
+        shutil.copy(out, tmp_path / name)
+    cfg = load_config("configs/grubrics.yaml", ["--data.preset=with_medmcqa",
+                                                f"--data.root={tmp_path}"])
+    assert [s.label for s in load_sources(cfg.data)] == ["open", "medqa", "medmcqa"]
 
 
 def test_frontierscience_research_rows_need_no_map(tmp_path, server, capsys):
