@@ -32,16 +32,24 @@ from plumbing.typed_config import (  # noqa: F401 (ConfigError: imported from he
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value from the environment
 
 
-_USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+_USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/@\s]+)@")
 
 
 def mask_urls(text: str) -> str:
-    """text with the user info of each URL in it (a password: http://user:pw@host) as ***.
+    """text with the user info of each URL in it (a password: http://user:pw@host) as ***, but
+    for a password (or a user without one) that is only ${NAME} references: its secret is in the
+    environment, and the text stays a URL that works.
 
     >>> mask_urls("error: no reply from http://judge:pw-SECRET@127.0.0.1:8013/v1 (5 tries)")
     'error: no reply from http://***@127.0.0.1:8013/v1 (5 tries)'
+    >>> mask_urls("http://judge:${JUDGE_PW}@host/v1"), mask_urls("http://tok3n@host")
+    ('http://judge:${JUDGE_PW}@host/v1', 'http://***@host')
     """
-    return _USER_INFO.sub(r"\1***@", text)
+    def masked(m: re.Match) -> str:
+        user, _, password = m.group(2).partition(":")
+        refs_only = not ENV_REF.sub("", password or user)
+        return m.group(0) if refs_only else f"{m.group(1)}***@"
+    return _USER_INFO.sub(masked, text)
 
 
 @dataclass

@@ -181,10 +181,13 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 print(display.NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the "
                       "completions had no reward (fallback: skip): a judge or rating outage? See "
                       "reward_errors/* and judge_failures." if skipped else ""), file=sys.stderr)
-            if judge_down and not runs.judge_back(r, judge_down, started):
-                print(outage.stop_line(judge_down, step, run_dir, runs.resume_command(args)),
-                      file=sys.stderr)
-                return 4
+            if judge_down and step < cfg.run.steps and not stop and not timed_out:
+                reserve = 1.1 * max(step_seconds[-5:]) + save_seconds  # the next step, its save
+                code = runs.judge_outage(r, args, judge_down, step, started, reserve)
+                if code is not None:
+                    return code
+            for judge in judge_down if (stop or timed_out or step == cfg.run.steps) else []:
+                print(f"[minigrpo] warning: {outage.what(judge)}", file=sys.stderr)
             if stop:
                 print(f"[minigrpo] stopped at step {step} "
                       f"(run.stop_without_signal={cfg.run.stop_without_signal}); "

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 # the bill see).
 STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "sent", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
+OUTAGE_MIN_CALLS = 4  # a step with fewer calls sent says too little of the endpoint to call it down
 OUTAGE_SHARE = 0.9  # a step in which this share of the calls sent got no reply: a step down
 
 
@@ -166,9 +167,10 @@ class Judge:
         for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):
             url = urlsplit(getattr(cfg, name) or "")
             if url.scheme not in ("http", "https") or not url.netloc:
-                raise ValueError(f"{section}: {name}={getattr(cfg, name)!r} is not an http(s) URL; "
-                                 "give one such as http://127.0.0.1:8000/v1 or "
-                                 "https://api.openai.com/v1")
+                shown = getattr(cfg, name)
+                raise ValueError(f"{section}: {name}={mask_urls(shown) if shown else shown!r} is "
+                                 "not an http(s) URL; give one such as http://127.0.0.1:8000/v1 "
+                                 "or https://api.openai.com/v1")
         if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
             raise ValueError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and "
                              "score_max > score_min")
@@ -192,6 +194,7 @@ class Judge:
         self.last_failure = ""  # why the latest request failed, for the outage line
         self._last_failed: list[dict] | None = None  # its messages: what probe() asks again
         self._asked = self._unanswered = 0  # this step's calls sent, and those without a reply
+        self._no_reply: set[str] = set()  # this step's request keys that got no HTTP reply at all
         self.down_steps = 0  # steps in a row with (nearly) no call answered (run.judge_outage)
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
         self.totals = dict.fromkeys(STAT_NAMES, 0.0)  # run totals: checkpointed, back on --resume
@@ -231,10 +234,11 @@ class Judge:
         out = {f"{prefix}{k}": v for k, v in self._step.items()}
         out.update({f"{prefix}{k}_total": v for k, v in self.totals.items()})
         self._step = dict.fromkeys(STAT_NAMES, 0.0)
-        if self._asked:  # a step answered from the cache alone says nothing of the endpoint
+        if self._asked >= OUTAGE_MIN_CALLS:  # a step answered from the cache says nothing of it
             down = self._unanswered >= OUTAGE_SHARE * self._asked
             self.down_steps = self.down_steps + 1 if down else 0
         self._asked = self._unanswered = 0
+        self._no_reply.clear()
         self._logged.clear()
         return out
 
@@ -254,8 +258,8 @@ class Judge:
         secrets = [os.environ.get(self.cfg.api_key_env) or "", self._key()]
         for v in self.headers.values():
             secrets += [v, *(w for w in v.split() if len(w) >= 8)]
-        for secret in sorted(filter(None, secrets), key=len, reverse=True):
-            text = text.replace(secret, "***")
+        for secret in sorted((s for s in secrets if len(s) >= 8), key=len, reverse=True):
+            text = text.replace(secret, "***")  # a shorter one is no real key, and "sk" is in "ask"
         return mask_urls(text)
 
     def _cache_put(self, key: str, reply: str, usage: dict[str, int]) -> None:
@@ -314,7 +318,7 @@ class Judge:
             if not shared:
                 self._inflight.pop(key, None)
         self._asked += 1
-        if reply is None:
+        if key in self._no_reply:  # an HTTP status (a 400, a flagged input) is a reply: not down
             self._unanswered += 1
             self._last_failed = messages
         return self._counted(reply, accept, "cache_hits" if shared else "requests")
@@ -398,6 +402,7 @@ class Judge:
         self._warn_once(f"gaveup:{why}",
                         f"{self.label}: {self._endpoint} failed {tries}, last {why}")
         self._note_failure(f"{tries}, the last {why}")
+        self._no_reply.add(key)
         return None
 
     @property
@@ -483,15 +488,36 @@ class Judge:
             raise JudgeUnusable(self.fatal)  # and sends nothing more (to later models in eval.py)
         return replies
 
-    def probe(self) -> bool:
-        """Whether the endpoint answers: the last request without a reply, sent once more without
-        retries (run.judge_outage waits with it). Counted as any call; JudgeUnusable if refused."""
+    @property
+    def has_answered(self) -> bool:
+        """Whether any request has had a reply (before that, FAILED_LIMIT judges the endpoint)."""
+        return self._failed_before_any < 0
+
+    def probe(self, timeout_s: float | None = None) -> bool:
+        """Whether the endpoint answers now: the last request without a reply, sent once more past
+        the cache, with no retries and at most timeout_s (run.judge_outage waits with it). Any
+        HTTP reply counts; counted in `sent` only; JudgeUnusable if the endpoint refuses."""
         messages = self._last_failed or [{"role": "user", "content": "Reply with one word."}]
-        cfg, self.cfg = self.cfg, dataclasses.replace(self.cfg, max_retries=0)
+        key = self._cache_key(messages)
+        self._no_reply.discard(key)
+        limit = min(self.cfg.timeout_s, timeout_s or self.cfg.timeout_s)
+        cfg, self.cfg = self.cfg, dataclasses.replace(self.cfg, max_retries=0, timeout_s=limit)
         try:
-            return run_sync(self._gather([messages], None))[0] is not None
+            run_sync(self._probe(key, messages))
         finally:
             self.cfg = cfg
+        if self.fatal:
+            raise JudgeUnusable(self.fatal)
+        up = key not in self._no_reply
+        self._no_reply.discard(key)
+        return up
+
+    async def _probe(self, key: str, messages: list[dict]) -> None:
+        self._bind_loop()
+        try:
+            await self._request(key, messages)
+        finally:
+            await self.aclose()
 
     def complete_many(self, message_lists: list[list[dict]], n: int = 1) -> list[str | None]:
         """All completions concurrently in one event loop; same order as the input. n > 1: n sampled

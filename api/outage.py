@@ -24,9 +24,10 @@ MAX_PAUSE_S = 60.0  # so a line is said at least each minute
 sleep, clock = time.sleep, time.monotonic  # tests replace them
 
 
-def down(judges: dict[str, Judge], steps: int) -> Judge | None:
-    """The first judge down for `steps` steps in a row, or None."""
-    return next((j for j in judges.values() if j.down_steps >= steps), None)
+def down(judges: dict[str, Judge], steps: int) -> list[Judge]:
+    """The judges down for `steps` steps in a row. One that has never answered is not down but
+    wrong (client.FAILED_LIMIT stops the run with its first failures)."""
+    return [j for j in judges.values() if j.has_answered and j.down_steps >= steps]
 
 
 def say(text: str) -> None:
@@ -39,15 +40,14 @@ def wait(judge: Judge, seconds: float) -> bool:
     line on stderr when the wait starts, after each try, and when the judge is back."""
     start, pause = clock(), FIRST_PAUSE_S
     limit = f"up to {seconds / 60:.1f} min" if math.isfinite(seconds) else "without limit"
-    say(f"{judge.label} got no reply to its calls for {judge.down_steps} step(s) (the last: "
-        f"{judge.masked(judge.last_failure)}); waiting for it, {limit} (run.judge_wait_minutes; "
-        "run.judge_outage: stop stops instead)")
+    say(f"{what(judge)}; waiting for it, {limit} (run.judge_wait_minutes; run.judge_outage: "
+        "stop stops instead)")
     while True:
         left = seconds - (clock() - start)
         if left <= 0:
             return False
         sleep(min(pause, left))
-        if judge.probe():
+        if judge.probe(timeout_s=max(seconds - (clock() - start), 1.0)):
             judge.down_steps = 0
             say(f"{judge.label} answers again after {(clock() - start) / 60:.1f} min; going on")
             return True
@@ -56,8 +56,13 @@ def wait(judge: Judge, seconds: float) -> bool:
         pause = min(2 * pause, MAX_PAUSE_S)
 
 
+def what(judge: Judge) -> str:
+    """The outage in words: the judge, how long, its last error."""
+    return (f"{judge.label} got no reply to its calls for {judge.down_steps} step(s) in a row "
+            f"(the last: {judge.masked(judge.last_failure)})")
+
+
 def stop_line(judge: Judge, step: int, run_dir, resume: str) -> str:
     """The line a run stopped by an outage ends with: the judge, its last error, how to go on."""
-    return (f"error: {judge.label} got no reply to its calls for {judge.down_steps} step(s) in a "
-            f"row (the last: {judge.masked(judge.last_failure)}); checkpoint saved at step {step} "
-            f"in {run_dir}; once it answers, go on with: {judge.masked(resume)}")
+    return (f"error: {what(judge)}; checkpoint saved at step {step} in {run_dir}; once it "
+            f"answers, go on with: {resume}")

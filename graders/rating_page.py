@@ -171,7 +171,7 @@ def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         def _refused(self) -> bool:
             if not host_allowed(self.headers.get("Host"), allow):
                 self._send(403, "this page answers at an IP address, localhost or a name given "
-                           "with ratings.py serve --allow-host", "text/plain")
+                           "with python -m tools.ratings serve --allow-host", "text/plain")
                 return True
             return False
 

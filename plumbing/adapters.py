@@ -80,7 +80,7 @@ def apply_adapter_chain(model, mcfg: ModelConfig, adapter_path: str, merge: bool
     prov = check_adapter_base(adapter, mcfg)
     if (merge or prov["merged"]) and mcfg.quant == "4bit":
         raise ConfigError("merging an adapter into a 4-bit base is lossy; export the merged model "
-                          "first (tools/export.py), then quantize it")
+                          "first (python -m tools.export), then quantize it")
     merged = []
     for step in prov["merged"]:
         # where it was, else relative to this adapter (a project moved or copied whole)

@@ -2,7 +2,7 @@
 the advice for a step that ran out of GPU memory, and the warning for steps without a learning
 signal. train.py calls these; nothing here changes what is trained.
 
-    python -m pytest --doctest-modules display.py      # its examples; train.py is what runs it
+    python -m pytest plumbing/display.py      # its examples; train.py is what runs it
 """
 from __future__ import annotations
 

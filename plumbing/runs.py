@@ -23,7 +23,7 @@ import torch
 
 import rollout
 from api import outage
-from api.client import Judge
+from api.client import Judge, JudgeUnusable
 from config import Config, ConfigError, config_to_dict, load_config, redacted
 from data import load_sources
 from model import (
@@ -267,6 +267,10 @@ def setup(args, overrides: list[str]) -> Run:
                          weight_decay=cfg.optim.weight_decay)
         sampler.load_state(state["data_position"])
         for name, totals in state.get("judge_totals", {}).items():  # judge_*_total, cost included
+            if "sent" not in totals:  # saved before `requests` meant calls with a new reply
+                totals = totals | {"sent": totals.get("requests", 0.0), "requests": max(
+                    totals.get("calls", 0.0) - totals.get("cache_hits", 0.0)
+                    - totals.get("failures", 0.0), 0.0)}
             if name in judges:
                 judges[name].totals.update({k: v for k, v in totals.items()
                                             if k in judges[name].totals})
@@ -381,19 +385,38 @@ def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: flo
     return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) + extra > limit
 
 
-def judge_back(r: Run, judge: Judge, started: float) -> bool:
-    """run.judge_outage: wait for a judge that is down, within run.max_minutes too (outage.wait);
-    False: the run stops."""
+def judge_outage(r: Run, args, down: list[Judge], step: int, started: float,
+                 reserve: float) -> int | None:
+    """run.judge_outage, after `step` (checkpointed) with the judges `down`: None when each
+    answers again within run.judge_wait_minutes (the run goes on); else the exit code, its line
+    said: 4 (stop, or the wait ran out), 0 (run.max_minutes would pass first, keeping `reserve`
+    seconds for a step and its checkpoint), 2 (the endpoint now refuses the key or the model)."""
     cfg = r.cfg.run
-    if cfg.judge_outage == "stop":
-        return False
-    seconds = cfg.judge_wait_minutes * 60 or math.inf
-    if cfg.max_minutes:
-        seconds = min(seconds, cfg.max_minutes * 60 - (time.monotonic() - started))
-    return seconds > 0 and outage.wait(judge, seconds)
+    wait = cfg.judge_wait_minutes * 60 or math.inf
+    left = (cfg.max_minutes * 60 - (time.monotonic() - started) - reserve if cfg.max_minutes
+            else wait)
+    deadline = time.monotonic() + min(wait, left)
+    try:
+        for judge in down:
+            seconds = deadline - time.monotonic()
+            if cfg.judge_outage == "wait" and seconds > 0 and outage.wait(judge, seconds):
+                continue
+            if cfg.judge_outage == "wait" and left < wait:  # the time limit, not the judge
+                print(f"[minigrpo] stopped at step {step} of {cfg.steps}: run.max_minutes="
+                      f"{cfg.max_minutes:g} would pass while waiting ({outage.what(judge)}); "
+                      f"checkpoint saved in {r.run_dir}, go on with --resume", file=sys.stderr)
+                return 0
+            print(outage.stop_line(judge, step, r.run_dir, resume_command(args, r.judges)),
+                  file=sys.stderr)
+            return 4
+    except JudgeUnusable as e:  # it answered the wait's request with a 401, 403, 404 ...
+        return stop_on_error(r, args, e, step, created=False)
+    return None
 
 
-def resume_command(args) -> str:
-    """This command with --resume: what goes on with its run."""
-    argv = [*args.argv, *([] if args.resume else ["--resume"])]
-    return shlex.join(["python", "train.py", *argv])
+def resume_command(args, judges: dict[str, Judge]) -> str:
+    """This command with --resume: what goes on with its run (every judge's secrets masked)."""
+    line = shlex.join(["python", "train.py", *args.argv, *([] if args.resume else ["--resume"])])
+    for judge in judges.values():
+        line = judge.masked(line)
+    return line

@@ -8,6 +8,7 @@ Every problem is a ConfigError of one line that names the key: the entry points 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -117,10 +118,12 @@ def check_writable(path: str | Path, key: str) -> None:
                           "choose another path")
     inside = p if p.is_dir() else there  # os.access says yes to root: try what the command will do
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".minigrpo-check-", dir=inside))
+        made = tempfile.mkdtemp(prefix=".minigrpo-check-", dir=inside)
     except OSError as e:  # /proc, a read-only mount, a full disk
         raise ConfigError(f"{key}={path}: cannot create anything in {inside} ({e.strerror or e}); "
                           "choose another path") from None
+    with contextlib.suppress(OSError):
+        os.rmdir(made)
 
 
 def _entry(items: list, part: str, dotted: str) -> int:

@@ -1017,3 +1017,25 @@ def test_a_password_in_the_judge_url_is_masked_in_warnings_errors_repr_and_saved
     assert "pw-SECRET123" not in saved and "http://***@host/v1" in saved
     with pytest.raises(ValueError, match=r"judge: base_url holds '\*\*\*', a secret masked"):
         Judge(JudgeConfig(base_url="http://***@host/v1", model="m"))  # a saved config given back
+
+
+def test_a_step_is_down_only_when_its_calls_got_no_http_reply_and_the_probe_skips_the_cache(
+        server):
+    """Issue 30's review: a 400 (a prompt past the judge's context) is a reply, not an outage;
+    the wait's probe sends its request past the cache and counts only in judge_sent."""
+    judge = make_judge(server, max_retries=0)
+    judge.complete_many([chat("first")])
+    judge.pop_step_stats()
+    server.default = server_error(400)
+    judge.complete_many([chat(f"long {i}") for i in range(8)])
+    judge.pop_step_stats()
+    assert judge.down_steps == 0
+    server.default = server_error(503)
+    judge.complete_many([chat(f"q {i}") for i in range(8)])
+    judge.pop_step_stats()
+    assert judge.down_steps == 1 and not judge.probe()
+    server.default = ok()
+    sent = len(server.requests)
+    assert judge.probe() and len(server.requests) == sent + 1
+    stats = judge.pop_step_stats()
+    assert (stats["judge_calls"], stats["judge_sent"]) == (0, 2)

@@ -1195,8 +1195,9 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
     assert pauses == [10.0, 20.0]
     m = lines(run / "metrics.jsonl")
     assert [x["step"] for x in m] == [1, 2, 3, 4]
-    # step 3 counts the failed try
-    assert m[1]["judge_failures"] == 8 and m[2]["judge_failures"] == 1
+    # the wait's tries are no calls, but requests sent: 2 of them before step 3
+    assert m[1]["judge_failures"] == 8 and m[2]["judge_failures"] == 0
+    assert m[2]["judge_sent"] == m[2]["judge_requests"] + 2
     assert m[3]["judge_failures"] == 0 and m[3]["judge_requests"] + m[3]["judge_cache_hits"] == 8
     err = capsys.readouterr().err
     assert "judge got no reply to its calls for 1 step(s)" in err \
@@ -1216,7 +1217,7 @@ def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, mon
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=2))
         assert train.main(_judge_args(cfg, server, "--run.judge_wait_minutes=3")) == 4
-    assert pauses == [10.0, 20.0, 40.0, 60.0, 50.0]  # 3 min in all
+    assert pauses[:4] == [10.0, 20.0, 40.0, 60.0] and pauses[4] == pytest.approx(50.0)  # 3 min
     assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003"]
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: judge got no reply")
@@ -1230,3 +1231,53 @@ def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(set
     assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything "
                                                "in /proc (No such file or directory); choose "
                                                "another path")
+
+
+def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, monkeypatch, capsys):
+    """No reply before the first one is an endpoint to fix (client.FAILED_LIMIT: exit 2), not an
+    outage to wait for (the review of issue 30: the wait's tries crashed the run)."""
+    import api.client
+    from fake_openai_server import FakeOpenAIServer
+    monkeypatch.setattr(api.client, "FAILED_LIMIT", 12)
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        args = _judge_args(cfg, server)
+    assert train.main(args) == 2  # nothing listens there any more
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "none of its first 16 requests" in err and "before any checkpoint" in err
+    assert not (run / "metrics.jsonl").exists()  # at step 2: nothing of the run is kept
+
+
+def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monkeypatch, capsys):
+    import api.outage
+    from fake_openai_server import FakeOpenAIServer
+    monkeypatch.setattr(api.outage, "sleep", lambda s: pytest.fail("waited after the last step"))
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=3))
+        assert train.main(_judge_args(cfg, server)) == 0
+    err = capsys.readouterr().err
+    assert "warning: judge got no reply to its calls for 1 step(s)" in err
+    assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
+        setup, monkeypatch, capsys):
+    import api.outage
+    from fake_openai_server import FakeOpenAIServer, server_error
+    cfg, run = setup
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        def sleep(s):  # the wait's first try gets a 401, as from a rotated key
+            server.default = server_error(401)
+        monkeypatch.setattr(api.outage, "sleep", sleep)
+        step = train.train_step
+
+        def failing(r):  # no reply for step 2's calls: 503s until their retries end
+            out = step(r)
+            if r.step == 1:
+                server.default = server_error(503)
+            return out
+        monkeypatch.setattr(train, "train_step", failing)
+        assert train.main(_judge_args(cfg, server)) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: judge: HTTP 401") and "--resume from the last checkpoint" in err

@@ -148,7 +148,8 @@ def parse_require(items: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.bestofn",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: "
                     "pooled per (source, row)) or tools.ratings export's rated replies (pooled per "
                     "prompt, criteria and scale; never with predictions)")

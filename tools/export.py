@@ -43,7 +43,8 @@ from plumbing.typed_config import check_writable
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tools.export",
+                                 description=__doc__.split("\n\n")[0],
                                  epilog="Any config field: --section.key=value")
     ap.add_argument("--config", required=True,
                     help="the YAML config the adapter was trained with (its model section)")
@@ -91,8 +92,8 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
     return "\n".join(["---", "library_name: transformers", f"tags: [minigrpo, {cfg.mode}]"]
                      + [f"base_model: {m.name}"] * hub_base + [
         "---", f"# {Path(name).name}", "", f"{kind} trained with minigrpo and exported by its "
-        "`export.py`: the LoRA adapters below are merged into the base, so this is a plain "
-        "transformers model.", "",
+        "`python -m tools.export`: the LoRA adapters below are merged into the base, so this is "
+        "a plain transformers model.", "",
         f"- base: {base}", "- adapters merged, in order:",
         *[f"  {i}. `{os.path.relpath(a['adapter'])}` (sha256 `{a['sha256'][:16]}`)"
           for i, a in enumerate(prov["merged"], 1)],
@@ -229,9 +230,10 @@ def check_args(args, cfg: Config) -> str | None:
             and not any((out / n).exists() for n in
                         ("metrics.jsonl", "checkpoints", "adapter_config.json", "config.yaml"))
         if not an_export or any(p == out or out in p.parents for p in keep):
-            raise ConfigError(f"--out {args.out} is not an earlier export of export.py (its model "
-                              "card, config.json and *.safetensors, holding nothing you train "
-                              "with); --overwrite replaces only that, so choose another directory")
+            raise ConfigError(f"--out {args.out} is not an earlier export of tools.export (its "
+                              "model card, config.json and *.safetensors, holding nothing you "
+                              "train with); --overwrite replaces only that, so choose another "
+                              "directory")
     if not args.push_to_hub:
         return None
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                                                if e not in eos]
     gen.eos_token_id = eos[0] if len(eos) == 1 else eos
     out = Path(args.out)
-    # export.py's own names, so clearing what a killed export left never touches a folder of yours
+    # the export's own names: clearing what a killed export left never touches a folder of yours
     tmp, old = out.with_name(out.name + ".export-tmp"), out.with_name(out.name + ".export-old")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
     try:

@@ -160,7 +160,7 @@ def plot_eval(plt, models: dict[str, dict[str, float]], metrics: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m tools.plots", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", help="run directories (or their metrics.jsonl)")
     ap.add_argument("--eval", metavar="RESULTS_JSON", help="eval results: a bar chart per metric")

@@ -66,7 +66,7 @@ def check(cfg: Config) -> PrecomputeConfig:
     p = cfg.precompute
     for key in ("questions", "out", "answers"):
         if getattr(p, key) is None:
-            raise ConfigError(f"precompute.{key} is not set (see precompute.py's docstring)")
+            raise ConfigError(f"precompute.{key} is not set (see tools/precompute.py's docstring)")
     if p.num_answers < 2:
         raise ConfigError(f"precompute.num_answers={p.num_answers}: a rubric needs at least 2 "
                           "answers to rank")
@@ -270,7 +270,7 @@ def validate(cfg: Config, path: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = argparse.ArgumentParser(prog="python -m tools.precompute",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any config field: --section.key=value (the precompute: section's in config.py)")
     ap.add_argument("--config", required=True, help="the training YAML, with a precompute: section")

@@ -25,7 +25,8 @@ from graders.ratings import QUEUE, RATINGS, export, store_for
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.ratings",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["serve", "stats", "export"])
     p.add_argument("--dir", required=True,
                    help="the ratings folder named by the human reward's args.dir")
