@@ -1281,3 +1281,20 @@ def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
         assert train.main(_judge_args(cfg, server)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: judge: HTTP 401") and "--resume from the last checkpoint" in err
+
+
+def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
+        setup, monkeypatch, capsys):
+    import api.outage
+    from fake_openai_server import FakeOpenAIServer
+    cfg, run = setup
+    clock = [0.0]
+    monkeypatch.setattr(api.outage, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(api.outage, "clock", lambda: clock[0])
+    with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
+        monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
+        assert train.main(_judge_args(cfg, server, "--run.max_minutes=2")) == 0
+    assert 60 < clock[0] < 120  # waited what the 2 minutes left, not judge_wait_minutes' 30
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("[minigrpo] stopped at step 2 of 4: run.max_minutes=2 would pass while "
+                          "waiting (judge got no reply") and err.endswith("go on with --resume")
