@@ -47,8 +47,7 @@ def mask_urls(text: str) -> str:
     """
     def masked(m: re.Match) -> str:
         user, _, password = m.group(2).partition(":")
-        refs_only = not ENV_REF.sub("", password or user)
-        return m.group(0) if refs_only else f"{m.group(1)}***@"
+        return m.group(0) if _only_references(password or user) else f"{m.group(1)}***@"
     return _USER_INFO.sub(masked, text)
 
 

@@ -192,7 +192,7 @@ class Judge:
         self._failed_before_any = 0  # failed requests before any reply (then -1): FAILED_LIMIT
         self._first_failure = ""  # why the first of those failed, for the error
         self.last_failure = ""  # why the latest request failed, for the outage line
-        self._last_failed: list[dict] | None = None  # its messages: what probe() asks again
+        self._last_failed: tuple[str, list[dict]] | None = None  # its key, messages: probe()'s
         self._asked = self._unanswered = 0  # this step's calls sent, and those without a reply
         self._no_reply: set[str] = set()  # this step's request keys that got no HTTP reply at all
         self.down_steps = 0  # steps in a row with (nearly) no call answered (run.judge_outage)
@@ -320,7 +320,7 @@ class Judge:
         self._asked += 1
         if key in self._no_reply:  # an HTTP status (a 400, a flagged input) is a reply: not down
             self._unanswered += 1
-            self._last_failed = messages
+            self._last_failed = key, messages
         return self._counted(reply, accept, "cache_hits" if shared else "requests")
 
     def _counted(self, reply: str | None, accept, answered: str) -> str | None:
@@ -497,8 +497,8 @@ class Judge:
         """Whether the endpoint answers now: the last request without a reply, sent once more past
         the cache, with no retries and at most timeout_s (run.judge_outage waits with it). Any
         HTTP reply counts; counted in `sent` only; JudgeUnusable if the endpoint refuses."""
-        messages = self._last_failed or [{"role": "user", "content": "Reply with one word."}]
-        key = self._cache_key(messages)
+        hello = [{"role": "user", "content": "Reply with one word."}]
+        key, messages = self._last_failed or (self._cache_key(hello), hello)
         self._no_reply.discard(key)
         limit = min(self.cfg.timeout_s, timeout_s or self.cfg.timeout_s)
         cfg, self.cfg = self.cfg, dataclasses.replace(self.cfg, max_retries=0, timeout_s=limit)

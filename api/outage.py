@@ -1,14 +1,15 @@
 """A judge that stops answering mid-run (run.judge_outage): wait for it, or checkpoint and stop.
 
-    name = outage.down(judges, cfg.run.judge_outage_steps)   # a judge down that many steps in a row
-    back = outage.wait(judges[name], seconds=30 * 60)        # retry with backoff until it answers
+    for judge in outage.down(judges, cfg.run.judge_outage_steps):  # down that many steps in a row
+        back = outage.wait(judge, seconds=30 * 60)   # asked again with backoff until it answers
 
-A step in which a judge got no reply to (nearly) every call it sent (client.OUTAGE_SHARE) is a step
-down; a step answered from the cache alone says nothing. Without this, a judge killed mid-run leaves
-every later call to its fallback: hours of GPU time training on zeros (`fallback: 0.0`) or on
-nothing (`fallback: skip`). Before its first reply a judge that never answers stops the run at once
-instead (client.FAILED_LIMIT: the endpoint is wrong, not down). The step that finds the outage has
-already trained on its fallbacks: with fallback: skip it trained on nothing.
+A step in which (nearly) every call a judge sent got no HTTP reply at all (client.OUTAGE_SHARE,
+client.OUTAGE_MIN_CALLS) is a step down; a step answered from the cache alone says nothing.
+Without this, a judge killed mid-run leaves every later call to its fallback: hours of GPU time
+training on zeros (`fallback: 0.0`) or on nothing (`fallback: skip`). Before its first reply a
+judge that never answers stops the run at once instead (client.FAILED_LIMIT: the endpoint is
+wrong, not down). The step that finds the outage has already trained on its fallbacks: with
+fallback: skip it trained on nothing.
 """
 
 from __future__ import annotations
