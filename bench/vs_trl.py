@@ -229,9 +229,10 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
     def timed(*args, **kwargs):
         t = time.perf_counter()
         r = real(*args, **kwargs)
-        calls.append({"generate_time": time.perf_counter() - t,
-                      "prompt_tokens": int(r.prompt_mask.sum()),
-                      "completion_tokens": int(r.completion_mask.sum())})
+        c = calls[-1]  # this step's generate calls (several with rollout.prompts_per_generate)
+        c["generate_time"] += time.perf_counter() - t
+        c["prompt_tokens"] += int(r.prompt_mask.sum())
+        c["completion_tokens"] += int(r.completion_mask.sum())
         return r
     rollout.generate_rollout = timed
     drawn = []
@@ -240,6 +241,7 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
     # the prompts drawn, for TRL's run
     def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):
         drawn.append([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in idx])
+        calls.append({"generate_time": 0.0, "prompt_tokens": 0, "completion_tokens": 0})
         return real_score(cfg, model, tokenizer, rows, idx, *args, **kwargs)
     step.score = recording  # step.collect looks it up there
     rc = train.main(["--config", str(cfg_path)])
@@ -249,8 +251,7 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
     out_dir = Path(yaml.safe_load(cfg_path.read_text())["run"]["out_dir"])
     metrics = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()
                if x.strip()]
-    assert len(metrics) == len(calls), ("one generate call per step expected "
-                                        "(resample_zero_std is off)")
+    assert len(metrics) == len(calls), "one scored batch per step expected (no resampling)"
     steps = [{"step_time": m["step_time"], "rollout_time": m["rollout_time"], **c,
               "peak_gpu_mb": m["peak_memory_mb"] if _cuda() else None,
               "reward": m["reward"]} for m, c in zip(metrics, calls)]
