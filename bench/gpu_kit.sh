@@ -6,18 +6,20 @@
 #   sh bench/gpu_kit.sh bench   # vs_trl.py: trl, datasets and the pinned transformers/peft/hub (~17 MB)
 #   sh bench/gpu_kit.sh t4      # memory_cap.py with configs/t4.yaml: bitsandbytes (43 MB) and the pinned
 #                               # transformers/peft/hub (~58 MB; with .gpu and the repo just under 64 MiB)
+#   sh bench/gpu_kit.sh all     # both (60.5 MiB with .gpu: fits with a ~2 MiB repo; used on 2026-11-27)
 # (openai is not needed: judge.py imports it only when a judge is used.)
 # On the machine, first: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #                        && export PYTHONPATH=/tmp/site     (commands in bench/RESULTS.md, "GPU")
 set -e
-kit=${1:?usage: sh bench/gpu_kit.sh bench|t4}
+kit=${1:?usage: sh bench/gpu_kit.sh bench|t4|all}
 cd "$(dirname "$0")/.."
 # huggingface_hub stays the machine's (its 1.33 meets transformers' >=1.31; 2.x would need httpx2 and more)
 pinned="transformers==5.23.0 peft==0.21.2 regex==2026.11.15"
 case $kit in
   bench) pkgs="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 $pinned" ;;
   t4) pkgs="bitsandbytes==0.50.2 $pinned" ;;
-  *) echo "usage: sh bench/gpu_kit.sh bench|t4" >&2; exit 2 ;;
+  all) pkgs="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2 $pinned" ;;
+  *) echo "usage: sh bench/gpu_kit.sh bench|t4|all" >&2; exit 2 ;;
 esac
 rm -rf .whl && mkdir -p .whl .gpu
 for p in $pkgs; do
