@@ -573,6 +573,11 @@ def _check(cfg: Config) -> None:
                 or not re.fullmatch(r"[A-Za-z0-9_-]+", name)):
             raise ConfigError(f"judges.{name}: a judge's name is letters, digits, _ and - "
                               "(and not 'judge', the judge: section's)")
+    endpoints = {**judge_sections(cfg), "eval.api": cfg.eval.api, "precompute.answers":
+                 cfg.precompute.answers, **{f"eval.apis.{n}": j for n, j in cfg.eval.apis.items()}}
+    for key, endpoint in endpoints.items():
+        if endpoint:
+            check_anthropic(key, endpoint)
     caches = [(k, j.cache_path) for k, j in judge_sections(cfg).items() if j.cache_path]
     for i, (k, path) in enumerate(caches):
         if other := next((k2 for k2, p2 in caches[:i]
@@ -598,6 +603,28 @@ def _check(cfg: Config) -> None:
     if cfg.mode == "grpo" and not cfg.rewards:
         raise ConfigError("rewards: list at least one reward, "
                           "e.g. rewards: [{name: answer_match, weight: 1.0}]")
+
+
+# Request fields Anthropic's OpenAI-compatible endpoint (base_url https://api.anthropic.com/v1/)
+# documents as ignored; it also caps temperature at 1 and takes n = 1 only.
+ANTHROPIC_IGNORES = ("logprobs", "top_logprobs", "response_format", "seed", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "reasoning_effort", "metadata",
+                     "prediction", "service_tier", "store", "user", "modalities", "audio")
+
+
+def check_anthropic(key: str, jc: JudgeConfig) -> None:
+    """Claude through Anthropic's OpenAI-compatible endpoint: a setting it would ignore or change
+    silently (the reply cached under the setting asked for) is refused with the fix."""
+    if "api.anthropic.com" not in jc.base_url or jc.azure_endpoint:
+        return
+    where = f"{key}: Anthropic's OpenAI-compatible endpoint"
+    if jc.temperature is not None and jc.temperature > 1:
+        raise ConfigError(f"{where} caps temperature at 1: set {key}.temperature to 0-1")
+    if ignored := [k for k in jc.extra_body if k in ANTHROPIC_IGNORES]:
+        raise ConfigError(f"{where} ignores {', '.join(ignored)}: remove it from {key}.extra_body")
+    if jc.extra_body.get("n", 1) != 1:
+        raise ConfigError(f"{where} answers one sample a request: remove n from {key}.extra_body "
+                          "(samples are separate requests already)")
 
 
 def judge_sections(cfg: Config) -> dict[str, JudgeConfig]:

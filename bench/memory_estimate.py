@@ -33,7 +33,7 @@ counted either: the reference forward (grpo.beta > 0) and the old-policy forward
 --meta builds a `random:` shape on the meta device and traces it with a CPU fake per weight: nothing
 is written or held in RAM (about 0.5 GB for an 8B shape), so the recipes' 7B and 8B models estimate
 here too; it agrees with real weights to 0.02 GiB on the run peak (Qwen3-0.6B, Qwen2.5-1.5B). SFT
-(`mode: sft`) has no sampling term. Sizes are GiB (2^30 bytes), as max_memory_allocated() / 2**30.
+and DPO have no sampling term, and their rows are as long as sft/dpo.max_length allows. Sizes are GiB (2^30 bytes), as max_memory_allocated() / 2**30.
 Checked once: for the H100 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing
 and 4096-row chunks, this gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not
 part of the test suite; the first use of a `random:` shape writes its weights under
@@ -248,7 +248,12 @@ def main() -> int:
         return 2
     weights = weight_bytes(model, cfg.model.quant)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    P, C, G = a.prompt_tokens, cfg.rollout.max_new_tokens, cfg.rollout.num_generations
+    P, G = a.prompt_tokens, cfg.rollout.num_generations
+    # SFT and DPO: a row as long as sft/dpo.max_length allows (prompt + reply)
+    C = {"sft": cfg.sft.max_length - P, "dpo": cfg.dpo.max_length - P}.get(
+        cfg.mode, cfg.rollout.max_new_tokens)
+    if C <= 0:
+        ap.error(f"--prompt-tokens {P} leaves no reply under {cfg.mode}.max_length")
     print(f"[estimate] {spec} in {dtype_name}{', 4-bit base' if cfg.model.quant else ''}, "
           f"{'LoRA r=' + str(cfg.lora.r) if cfg.lora.enabled else 'all weights trained'}: "
           f"weights {weights / GiB:.2f} GiB, AdamW state {2 * trained / GiB:.2f} GiB; "

@@ -392,3 +392,24 @@ def test_a_run_dir_nothing_can_be_created_in_is_refused_before_anything_loads(tm
     # a folder that can be made: fine, and nothing left
     check_writable(tmp_path / "new" / "run", "run.out_dir")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_anthropic_endpoint_settings_it_would_ignore_or_cap_are_refused(tmp_path):
+    base = {"judge": {"base_url": "https://api.anthropic.com/v1/", "model": "claude-sonnet-4-5",
+                      "api_key_env": "ANTHROPIC_API_KEY"},
+            "rewards": [{"name": "judge"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base))
+    assert load_config(str(path)).judge.model == "claude-sonnet-4-5"  # temperature 0: fine
+    for override, message in [
+            ("--judge.temperature=1.5", r"^judge: Anthropic's .* caps temperature at 1: set "
+                                        r"judge.temperature to 0-1$"),
+            ("--judge.extra_body={response_format: {type: json_object}}",
+             r"ignores response_format: remove it from judge.extra_body$"),
+            ("--judge.extra_body={n: 4}", r"one sample a request: remove n from judge.extra_body")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(path), [override])
+    answers = {"precompute": {"answers": {**base["judge"], "temperature": 2.0}}}
+    path.write_text(yaml.safe_dump({**base, **answers}))
+    with pytest.raises(ConfigError, match=r"^precompute.answers: Anthropic"):
+        load_config(str(path))

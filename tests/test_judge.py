@@ -892,6 +892,48 @@ def test_azure_endpoint_uses_deployment_path_and_api_key_header(server):
     assert req.headers["api-key"] == SECRET
 
 
+# What Anthropic's OpenAI-compatible endpoint documents (docs.claude.com, "OpenAI SDK
+# compatibility"): the request fields it supports; config.ANTHROPIC_IGNORES lists those it ignores.
+ANTHROPIC_SUPPORTS = {"model", "messages", "max_tokens", "max_completion_tokens", "stream",
+                      "stream_options", "top_p", "parallel_tool_calls", "stop", "temperature", "n",
+                      "tools", "functions", "tool_choice"}
+
+
+def anthropic_objections(body: dict) -> list[str]:
+    """What Anthropic's compatibility layer would ignore, cap or refuse in this request body."""
+    from config import ANTHROPIC_IGNORES
+    out = [f"{k}: ignored" for k in body if k in ANTHROPIC_IGNORES]
+    out += [f"{k}: not supported" for k in body
+            if k not in ANTHROPIC_SUPPORTS and k not in ANTHROPIC_IGNORES]
+    out += ["n must be 1"] * (body.get("n", 1) != 1)
+    t = body.get("temperature")
+    out += ["temperature above 1 is capped"] * (t is not None and t > 1)
+    roles = [m["role"] for m in body["messages"]]
+    out += ["a system message after the first is hoisted"] * ("system" in roles[1:])
+    return out
+
+
+def test_claude_through_anthropics_openai_endpoint_gets_only_requests_it_documents(server,
+                                                                                  monkeypatch):
+    # docs/rewards-and-judges.md's Claude judge, its base_url pointed at the fake server
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    judge = make_judge(server, model="claude-sonnet-4-5", api_key_env="ANTHROPIC_API_KEY")
+    judge_reward(["Explain MVCC."], [{"prompt": "Backend role"}], judge=judge)
+    sampler = make_judge(server, model="claude-sonnet-4-5", api_key_env="ANTHROPIC_API_KEY",
+                         temperature=1.0, max_tokens=300)  # an answer policy: K samples
+    system = {"role": "system", "content": "You are a clinician."}
+    assert sampler.complete_many([[system, *chat("q")]], n=3) == ['{"score": 7}'] * 3
+    assert len(server.requests) == 4  # three samples are three requests of n = 1
+    for r in server.requests:
+        assert r.path == "/v1/chat/completions"
+        assert r.headers["authorization"] == "Bearer sk-ant-test"
+        assert anthropic_objections(r.body) == [], r.body
+    assert anthropic_objections({"messages": [system, system], "n": 2, "temperature": 1.5,
+                                 "seed": 1}) == [  # the check itself can fail
+        "seed: ignored", "n must be 1", "temperature above 1 is capped",
+        "a system message after the first is hoisted"]
+
+
 def test_judge_reward_returns_one_criterion_on_request_from_the_cache(server):
     server.reply = lambda body: '{"relevance": 6, "clarity": 8, "discriminative_power": 10}'
     judge = make_judge(server)

@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from scipy.stats import spearmanr
 
 import eval as ev
@@ -155,7 +157,7 @@ def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny
 
 def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]",
-            "--eval.select=[24,30]"]
+            "--eval.select=[24,30]", "--eval.name=null"]
     rules, judged = tmp_path / "rules", tmp_path / "judged"
     assert train.main(["--config", "configs/bioreasoner.yaml", *small(tiny_llama, rules),
                        *data]) == 0
@@ -170,27 +172,49 @@ def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
     # mean(logic 4, novelty 3) on a 0-5 scale
     assert m["rewards/judge/mean"] == pytest.approx(3.5 / 5)
     assert m["reward_errors/judge"] == 0
-    # the DPO round, from the GRPO run's adapter (merged in: the reference), on pairs that prefer a
-    # valid citation
+
+
+def weights_of(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(model_dir.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_bioreasoner_chain_sft_merge_dpo_merge_grpo(tmp_path, tiny_llama):
+    """The original project's chain, each stage's config as shipped (it extends the one before):
+    SFT on a teacher's replies, merged; DPO on the merged SFT model, merged; GRPO from that."""
+    from tools import export
     rows = [json.loads(ln)
             for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": r["prompt"],
-                                         "chosen": "<think>Both papers agree.</think> PMID: "
-                                                   f"{r['valid_pmids'][0]}",
+    good = [f"<think>Both papers agree.</think> PMID: {r['valid_pmids'][0]}" for r in rows]
+    teacher, pairs = tmp_path / "train_750.jsonl", tmp_path / "pairs.jsonl"
+    teacher.write_text("".join(json.dumps({"prompt": r["prompt"], "response": g}) + "\n"
+                               for r, g in zip(rows, good)))
+    pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": g,
                                          "rejected": "<think>Unclear.</think> PMID: 12345678"})
-                             + "\n" for r in rows))
-    dpo = tmp_path / "dpo"
-    assert train.main(["--config", "configs/bioreasoner_dpo.yaml", *small(tiny_llama, dpo),
-                       f"--data.name={pairs}",
-                       f"--model.init_adapter={rules}", "--dpo.batch_size=4"]) == 0
-    m = metrics(dpo)
+                             + "\n" for r, g in zip(rows, good)))
+    runs = {k: tmp_path / k for k in ("sft", "dpo", "grpo")}
+    merged = {k: tmp_path / f"models/bioreasoner-{k}" for k in ("sft", "dpo")}
+    assert train.main(["--config", "configs/bioreasoner_sft.yaml", *small(tiny_llama, runs["sft"]),
+                       f"--data.name={teacher}", "--sft.batch_size=4"]) == 0
+    assert metrics(runs["sft"])[-1]["loss"] > 0
+    assert export.main(["--config", "configs/bioreasoner_sft.yaml", "--adapter", str(runs["sft"]),
+                        "--out", str(merged["sft"]), f"--model.name={tiny_llama}"]) == 0
+    assert train.main(["--config", "configs/bioreasoner_dpo.yaml", *small(merged["sft"],
+                       runs["dpo"]), f"--data.name={pairs}", "--dpo.batch_size=4"]) == 0
+    m = metrics(runs["dpo"])
     assert m[0]["loss"] == pytest.approx(0.6931, abs=1e-4) \
         and {"rewards/margins", "logps/chosen"} <= set(m[0])
-    merged = json.loads(
-        (dpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())["merged"]
-    # eval.py replays that merge
-    assert [Path(a["adapter"]).parent.parent.parent for a in merged] == [rules]
+    assert export.main(["--config", "configs/bioreasoner_dpo.yaml", "--adapter", str(runs["dpo"]),
+                        "--out", str(merged["dpo"]), f"--model.name={merged['sft']}"]) == 0
+    # each merge changed the weights it was given
+    base, sft_w, dpo_w = (weights_of(d) for d in (tiny_llama, merged["sft"], merged["dpo"]))
+    name = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight"))
+    assert not torch.equal(base[name], sft_w[name]) and not torch.equal(sft_w[name], dpo_w[name])
+    assert train.main(["--config", "configs/bioreasoner.yaml", *small(merged["dpo"], runs["grpo"]),
+                       f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}"]) == 0
+    assert "rewards/citation_grounding/mean" in metrics(runs["grpo"])[0]
+    saved = yaml.safe_load((runs["grpo"] / "config.yaml").read_text())
+    assert saved["mode"] == "grpo" and saved["model"]["name"] == str(merged["dpo"])
 
 
 def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(
@@ -204,7 +228,7 @@ def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_a
             return json.dumps({"logic": n % 6, "novelty": n // 6 % 6})
         return reply
     data = [f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}", "--data.select=[0,24]",
-            "--eval.select=[24,30]"]
+            "--eval.select=[24,30]", "--eval.name=null"]
     run, out = tmp_path / "run", tmp_path / "eval"
     with FakeOpenAIServer(reply=varying(1)) as second, FakeOpenAIServer(reply=varying(5)) as first:
         judges = [*judge_overrides(server, tmp_path / "judge.jsonl"),
