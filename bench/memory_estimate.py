@@ -33,7 +33,8 @@ counted either: the reference forward (grpo.beta > 0) and the old-policy forward
 --meta builds a `random:` shape on the meta device and traces it with a CPU fake per weight: nothing
 is written or held in RAM (about 0.5 GB for an 8B shape), so the recipes' 7B and 8B models estimate
 here too; it agrees with real weights to 0.02 GiB on the run peak (Qwen3-0.6B, Qwen2.5-1.5B). SFT
-and DPO have no sampling term, and their rows are as long as sft/dpo.max_length allows. Sizes are GiB (2^30 bytes), as max_memory_allocated() / 2**30.
+and DPO have no sampling term, and their rows are as long as sft/dpo.max_length allows. Sizes
+are GiB (2^30 bytes), as max_memory_allocated() / 2**30.
 Checked once: for the H100 run of bench/RESULTS.md ("GPU"), whose training pass used prompt sharing
 and 4096-row chunks, this gives 17.23 GiB (one pass) against the 18.24 GiB measured: 6% under. Not
 part of the test suite; the first use of a `random:` shape writes its weights under
