@@ -153,8 +153,8 @@ def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_
     (other / PROVENANCE).write_text(json.dumps({"base_model": "someone/else", "revision": None,
                                                 "merged": []}))
     # a recipe's config names the recipe's model; the error says which config the run saved
-    wrong = export.main(["--config", "configs/bioreasoner.yaml", "--adapter", str(trained["run"]),
-                         "--out", str(tmp_path / "x")])
+    wrong = export.main(["--config", "configs/bioreasoner_sft.yaml", "--adapter",
+                         str(trained["run"]), "--out", str(tmp_path / "x")])
     err = error_line(capsys.readouterr().err)
     assert wrong == 2 and "but model.name is 'Qwen/Qwen2.5-7B-Instruct'" in err \
         and "--config " in err and "config.yaml" in err
@@ -377,3 +377,28 @@ def test_the_model_card_of_a_run_that_counted_epochs_says_so_not_the_default_ste
     cfg.run.epochs = 3
     card = export.model_card("me/m", cfg, {"merged": []}, "bfloat16")
     assert "3 epochs" in card and "60 steps" not in card
+
+
+def test_an_export_has_what_servers_read_and_says_how_to_serve_it(trained, tmp_path, capsys,
+                                                                  monkeypatch):
+    out = tmp_path / "merged"
+    assert run_export(trained, out) == 0
+    assert export.serving_gaps(out) == []
+    # the training config's longest prompt + reply: rollout.max_prompt_tokens + max_new_tokens
+    serve = f"vllm serve {out} --max-model-len {512 + 64} --served-model-name merged"
+    assert serve in capsys.readouterr().out and serve in (out / "README.md").read_text()
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    (broken / "generation_config.json").unlink()
+    tok = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": None}))
+    assert export.serving_gaps(broken) == [
+        "a chat template (tokenizer_config.json's chat_template)",
+        "generation_config.json with its eos_token_id"]
+    # an export that would lack a file is refused, and nothing is written
+    real = export.readable_by_older_transformers
+    monkeypatch.setattr(export, "readable_by_older_transformers", lambda folder: (
+        real(folder), (folder / "tokenizer.json").unlink()))
+    assert run_export(trained, tmp_path / "cut") == 1
+    assert "lacks tokenizer.json or tokenizer.model" in capsys.readouterr().err
+    assert not (tmp_path / "cut").exists() and not (tmp_path / "cut.export-tmp").exists()

@@ -104,7 +104,8 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
-        f"or serve it: `vllm serve {name}`. The chat template renders prompts as training did"
+        f"or serve it: `{serve_command(name, cfg)}`. The chat template renders prompts as "
+        "training did"
         + (f": chat template arguments {cfg.data.chat_template_kwargs} are fixed in it"
            if cfg.data.chat_template_kwargs else "")
         + (f"{' and' if cfg.data.chat_template_kwargs else ':'} every reply starts with "
@@ -169,14 +170,40 @@ def verify(folder: Path, reference: tuple, prompt: str, system_prompt: str | Non
                                    add_generation_prompt=True)
     want_text, want_tokens, want_logits = reference
     if text != want_text:
-        raise ExportCheckFailed(f"the saved chat template renders {text[-80:]!r} where training "
-                                f"rendered {want_text[-80:]!r}")
+        raise ExportCheckFailed(f"--verify: the saved chat template renders {text[-80:]!r} "
+                                f"where training rendered {want_text[-80:]!r}")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     _, tokens, logits = greedy(model, tok, text, len(want_tokens))
     same = sum(a == b for a, b in zip(tokens, want_tokens))
     return (f"[minigrpo] verify: the saved template renders the prompt as training did; next-token "
             f"logits within {float((logits - want_logits).abs().max()):.3g} of the merged model's; "
             f"{same}/{len(want_tokens)} greedy tokens the same ({tok.decode(tokens)!r})")
+
+
+def serving_gaps(folder: Path) -> list[str]:
+    """What transformers' Auto classes or vLLM's OpenAI-compatible server would miss in an export:
+    the config's architecture, the weights, the tokenizer, a chat template (their chat endpoints
+    apply it) and the generation config's stop tokens. [] when nothing is missing."""
+    def read(name: str) -> dict:
+        return json.loads((folder / name).read_text()) if (folder / name).is_file() else {}
+    gaps = ["config.json with its architectures"] * (not read("config.json").get("architectures"))
+    gaps += ["*.safetensors weights"] * (not any(folder.glob("*.safetensors")))
+    gaps += ["tokenizer.json or tokenizer.model"] * (
+        not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")))
+    gaps += ["a chat template (tokenizer_config.json's chat_template)"] * (
+        not read("tokenizer_config.json").get("chat_template")
+        and not (folder / "chat_template.jinja").is_file())
+    gaps += ["generation_config.json with its eos_token_id"] * (
+        read("generation_config.json").get("eos_token_id") is None)
+    return gaps
+
+
+def serve_command(out: str, cfg: Config) -> str:
+    """vLLM's OpenAI-compatible server for the export, its context the training run's longest
+    prompt plus reply (the seed's --max_model_len; pass a larger one where the model takes it)."""
+    longest = {"sft": cfg.sft.max_length, "dpo": cfg.dpo.max_length}.get(
+        cfg.mode, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    return f"vllm serve {out} --max-model-len {longest} --served-model-name {Path(out).name}"
 
 
 def readable_by_older_transformers(folder: Path) -> None:
@@ -310,11 +337,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(seen, tmp / overlap.FILE)
         (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov,
                                                   args.dtype))
+        if gaps := serving_gaps(tmp):
+            raise ExportCheckFailed(f"the export lacks {', '.join(gaps)}, which servers read")
         if reference is not None:
             print(verify(tmp, reference, args.verify, train_cfg.data.system_prompt))
     except ExportCheckFailed as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"error: --verify: {e}; nothing was written", file=sys.stderr)
+        print(f"error: {e}; nothing was written", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk, a folder made read-only meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
@@ -331,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(old, ignore_errors=True)
     n = sum(p.numel() for p in model.parameters())
     print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + "
-          f"{len(prov['merged'])} merged adapter(s)")
+          f"{len(prov['merged'])} merged adapter(s); serve it: "
+          f"{serve_command(args.out, train_cfg)}")
     if not token:
         return 0
     try:
