@@ -153,6 +153,21 @@ def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny
     assert metrics(grpo)[-1]["reward_errors/rubric_alignment"] == 0
     base = json.loads((grpo / "checkpoints/step_000002/adapter/minigrpo_base.json").read_text())
     assert str(sft) in json.dumps(base)
+    # the seed's baselines: base, SFT, GRPO and an API rubric writer, the same reward over held-out
+    # questions of each source, in one table
+    out = tmp_path / "eval"
+    assert ev.main(["--config", "configs/grubrics.yaml", "--models", "base", f"sft={sft}",
+                    f"grpo={grpo}", "api:rubric-writer", f"--model.name={tiny_llama}",
+                    f"--data.root={cache}", "--data.preset=full_mix", "--data.select=[0,6]",
+                    "--eval.select=[6,9]", "--eval.max_new_tokens=8", f"--eval.out_dir={out}",
+                    f"--eval.api.base_url={server.url}", f"--eval.api.cache_path={out}/api.jsonl",
+                    "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY",
+                    *judge_overrides(server, tmp_path / "judge.jsonl")]) == 0
+    table = json.loads((out / "results.json").read_text())["models"]
+    assert list(table) == ["base", "sft", "grpo", "rubric-writer"]
+    for name, row in table.items():
+        assert {"reward/rubric_alignment", "open/reward", "verifiable/reward"} \
+            <= set(row["metrics"]) and row["metrics"]["n"] == 6, name
 
 
 def test_bioreasoner_rules_and_judge_rewards(tmp_path, tiny_llama, server):
