@@ -307,6 +307,19 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
     # as in training: rescaled to 0-1
     assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)
     assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
+    # the seed's last stage: the merged export, with what a server reads; it answers as the adapter
+    from tools import export
+    merged = tmp_path / "exports/qgen"
+    assert export.main(["--config", "configs/qgen.yaml", "--adapter", str(run), "--out",
+                        str(merged), "--dtype", "float32", f"--model.name={tiny_llama}"]) == 0
+    assert export.serving_gaps(merged) == []
+    assert ev.main(["--config", "configs/qgen.yaml", "--models", f"grpo={run}", f"merged={merged}",
+                    f"--model.name={tiny_llama}", *data, *judge, "--eval.max_new_tokens=8",
+                    "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval_export'}"]) == 0
+    preds = {name: [json.loads(ln)["completion"] for ln in (
+        tmp_path / f"eval_export/predictions_{name}.jsonl").read_text().splitlines()]
+        for name in ("grpo", "merged")}
+    assert len(preds["grpo"]) == 3 and preds["grpo"] == preds["merged"]
 
 
 def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_llama, monkeypatch):
