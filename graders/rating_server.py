@@ -22,18 +22,16 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
-
-import uvicorn
-from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
-from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from typing import TYPE_CHECKING
 
 from graders import rating_page, rating_queue
 from graders.rating_page import TEXT, _printable, host_allowed, json_reply, page_token
 from graders.ratings import say, store_for
+
+if TYPE_CHECKING:  # the extra itself is imported where it is used: this module loads without it
+    import uvicorn
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 TIMEOUT_S, MAX_BODY, CHUNK = 30.0, 1 << 20, 1 << 16
 SECURITY_HEADERS = [
@@ -47,31 +45,36 @@ class Stalled(Exception):
 
 
 def as_response(reply: rating_page.Reply) -> Response:
+    from starlette.responses import Response
     code, body, ctype, headers = reply
     # a lone surrogate in model output: ?, not a crash
     data = body if isinstance(body, bytes) else body.encode("utf-8", "replace")
     return Response(data, code, headers=headers, media_type=ctype)
 
 
-async def read_body(request: Request, timeout_s: float, json_only: bool) -> str | Response:
-    """The request's body as text, or the reply that refuses it."""
+async def read_body(request: Request, timeout_s: float, json_only: bool) -> str | tuple:
+    """The request's body as text, or the Reply that refuses it."""
+    from starlette.requests import ClientDisconnect
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if json_only and ctype != "application/json":
-        return as_response(json_reply(415, {"error": "send it as Content-Type: application/json"}))
+        return json_reply(415, {"error": "send it as Content-Type: application/json"})
     try:
         length = int(request.headers.get("content-length") or "")
         if not 0 <= length <= MAX_BODY:  # a form is a few kilobytes
             raise ValueError
         return (await asyncio.wait_for(request.body(), timeout_s)).decode()
     except (ValueError, ClientDisconnect):  # no or bad Content-Length, a body not UTF-8
-        return Response("a body with a Content-Length under 1 MB, in UTF-8", 400, media_type=TEXT)
-    except asyncio.TimeoutError:
-        return Response(f"the body did not arrive within {timeout_s:g} s", 408, media_type=TEXT)
+        return 400, "a body with a Content-Length under 1 MB, in UTF-8", TEXT, {}
+    except asyncio.TimeoutError:  # the rest of it is not waited for
+        return 408, f"the body did not arrive within {timeout_s:g} s", TEXT, {"Connection": "close"}
 
 
 def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, ...] = (),
              timeout_s: float = TIMEOUT_S):
     """The rating page as an ASGI app over the ratings folder `dir` (writes its page_token)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.routing import Route
     store, token = store_for(dir), page_token(dir)
 
     def locked(route, *args) -> rating_page.Reply:
@@ -85,8 +88,8 @@ def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, .
     def posted(route, json_only: bool, *args):
         async def endpoint(request: Request) -> Response:
             body = await read_body(request, timeout_s, json_only)
-            if isinstance(body, Response):
-                return body
+            if isinstance(body, tuple):
+                return as_response(body)
             return await reply(route, *args, body)
         return endpoint
 
@@ -165,6 +168,8 @@ def guarded(app, allow: tuple[str, ...], timeout_s: float):
 def _protocol(timeout_s: float):
     """uvicorn's HTTP/1.1 protocol, also closing a connection that sends no request in timeout_s
     (uvicorn times out only the wait between requests)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
     class Protocol(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -181,8 +186,11 @@ def listen(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
-def uvicorn_server(app, timeout_s: float = TIMEOUT_S) -> uvicorn.Server:
-    """A uvicorn server for `app`; .run(sockets=[listen(...)]) serves until Ctrl-C."""
+def uvicorn_server(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, ...] = (),
+                   timeout_s: float = TIMEOUT_S) -> uvicorn.Server:
+    """make_app's page under uvicorn, one timeout_s for both; .run(sockets=[listen(...)]) serves it
+    until Ctrl-C."""
+    import uvicorn
     return uvicorn.Server(uvicorn.Config(
-        app, http=_protocol(timeout_s), lifespan="off", access_log=False, log_level="warning",
-        timeout_graceful_shutdown=5))
+        make_app(dir, host, allow_hosts, timeout_s), http=_protocol(timeout_s), lifespan="off",
+        access_log=False, log_level="warning", timeout_graceful_shutdown=5))

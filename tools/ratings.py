@@ -115,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the "
                   "page has no login); 127.0.0.1 with an SSH tunnel keeps it to the raters you let "
                   "in", file=sys.stderr)
-    app = rating_server.make_app(args.dir, args.host, tuple(args.allow_host))  # writes page_token
+    # the page's token is written now that the address is had
+    server = rating_server.uvicorn_server(args.dir, args.host, tuple(args.allow_host))
     print(f"rating page: http://{args.host}:{port}/  "
           f"(folder {store_for(args.dir).dir}; Ctrl-C stops)")
     try:
-        rating_server.uvicorn_server(app).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn stops first, then raises the Ctrl-C again
         pass
     finally:
