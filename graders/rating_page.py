@@ -98,7 +98,7 @@ def page_token(dir: str | Path) -> str:
     return token
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """A request line as the log shows it: control characters (terminal escape codes) as \\x.."""
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 

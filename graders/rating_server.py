@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graders import rating_page, rating_queue
-from graders.rating_page import TEXT, _printable, host_allowed, json_reply, page_token
+from graders.rating_page import TEXT, host_allowed, json_reply, page_token, printable
 from graders.ratings import say, store_for
 
 if TYPE_CHECKING:  # the extra itself is imported where it is used: this module loads without it
@@ -41,10 +41,11 @@ SECURITY_HEADERS = [
 
 
 class Stalled(Exception):
-    """A client that read nothing of its reply for timeout_s: its connection is dropped."""
+    """A piece of a reply that could not be sent in timeout_s: the client stopped reading."""
 
 
 def as_response(reply: rating_page.Reply) -> Response:
+    """A route's Reply (status, body, type, headers) as Starlette's Response."""
     from starlette.responses import Response
     code, body, ctype, headers = reply
     # a lone surrogate in model output: ?, not a crash
@@ -159,9 +160,9 @@ def guarded(app, allow: tuple[str, ...], timeout_s: float):
                                    "given with python -m tools.ratings serve --allow-host", TEXT,
                                    {}))(scope, receive, send_guarded)
         except Stalled:  # uvicorn closes the connection: the reply was not completed
-            say(f"{client}: dropped, read nothing for {timeout_s:g} s")
+            say(f"{client}: dropped, it stopped reading its reply for {timeout_s:g} s")
         if scope["method"] == "POST":  # one line per rating, not one per page view
-            say(f"{client} POST {_printable(scope['path'])} {status}")
+            say(f"{client} POST {printable(scope['path'])} {status}")
     return guard
 
 

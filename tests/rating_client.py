@@ -8,8 +8,8 @@ thread standing in for a person.
     post_form(client, form(ids, [{"clarity": "4"}], token))        # 303: saved, to the next group
     rater(client, lambda answer: {"clarity": "4"}, stop)           # rates until stop is set
 
-It needs the `ratings` extra and httpx; a test that uses it starts with needs_page() (conftest.py's
-`page` fixture does).
+It needs the `ratings` extra and httpx2 (the test client's, which openai brings); a test that uses
+it starts with needs_page() (conftest.py's `page` fixture does).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ BASE = "http://127.0.0.1:8000"
 
 
 def needs_page() -> None:
-    """Skip the test where the `ratings` extra (or httpx, the test client's) is not installed."""
-    for name in ("starlette", "uvicorn", "httpx"):
+    """Skip the test where the `ratings` extra (or httpx2, the test client's) is not installed."""
+    for name in ("starlette", "uvicorn", "httpx2"):
         pytest.importorskip(name)
 
 

@@ -229,3 +229,15 @@ def test_a_full_disk_is_told_to_the_rater_not_a_dropped_connection(page, monkeyp
     r = client.post("/api/rate", json={"ratings": [{"id": "a", "scores": {"relevance": 4,
                                                                           "clarity": 3}}]})
     assert r.status_code == 507 and "nothing saved" in r.json()["error"]
+
+
+def test_a_post_is_logged_in_one_line_with_control_characters_escaped_and_no_token(page, capsys):
+    client, folder = page
+    queue(folder, "a", 1, "p", "x")
+    token = shown(client.get("/").text)[2]
+    client.get("/stats")  # a page view: no line
+    post_form(client, form(["a"], [{"relevance": "4", "clarity": "3"}], token))
+    client.post("/%1b[31mred", content=b"x")  # a terminal escape in the path: shown, not run
+    lines = [ln.split("] ", 1)[1] for ln in capsys.readouterr().err.splitlines()]
+    assert lines == ["testclient POST /rate 303", "testclient POST /\\x1b[31mred 404"]
+    assert token not in capsys.readouterr().err

@@ -112,12 +112,13 @@ def test_a_connection_that_sends_nothing_or_half_a_body_is_closed_after_the_time
 
 
 def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    """Bound to every address it says so (the page has no login), and answers them at an IP."""
     proc = subprocess.Popen([sys.executable, "-m", "tools.ratings", "serve", "--dir",
-                             str(tmp_path / "r"), "--port", "0"], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             str(tmp_path / "r"), "--port", "0", "--host", "0.0.0.0"], cwd=ROOT,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        line = proc.stdout.readline()  # rating page: http://127.0.0.1:PORT/  (folder ...)
-        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        line = proc.stdout.readline()  # rating page: http://0.0.0.0:PORT/  (folder ...)
+        port = int(line.split("0.0.0.0:")[1].split("/")[0])
         assert status(port, "/") == 200 and status(port, "/api/queue/pending") == 200
         token = (tmp_path / "r" / "page_token").read_text().strip()
         proc.send_signal(signal.SIGINT)
@@ -125,6 +126,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     finally:
         proc.kill()
     err = proc.stderr.read()
+    assert "warning: --host 0.0.0.0 lets anyone who can reach this machine rate" in err
     assert token not in err and token not in line  # the token is never logged
 
 
