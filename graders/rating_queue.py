@@ -15,6 +15,7 @@ client posted each question, then polled for people's rating. The same routes si
     GET  /api/queue/pending           {"pending": [{"request_id", "question", "role_context",
                                       "role_id", "status": "pending", "criteria", "scale"}, ...],
                                       "count": n}, oldest first, as the seed listed them
+    GET  /api/health                  {"status": "healthy", ...}: the client's check_health()
 
 A submitted question is an item of the queue (queue.jsonl) like the trainer's: its id is the
 request_id, its prompt the role_context, its completion the question; it is rated on the page (or
@@ -82,6 +83,12 @@ def result(store: Store, request_id: str) -> Reply:
         return json_reply(200, {"status": "pending" if item else "not_found", "reward": None})
     return json_reply(200, {**scores, "scores": scores, "status": "rated",
                             "reward": rescaled(scores, item["criteria"], item["scale"])})
+
+
+def health(store: Store) -> Reply:
+    """GET /api/health: the seed client's check_health() wants a 200; the count is for people."""
+    return json_reply(200, {"status": "healthy", "service": "minigrpo ratings",
+                            "pending": len(store.pending())})
 
 
 def pending(store: Store) -> Reply:

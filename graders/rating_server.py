@@ -3,7 +3,8 @@
     python -m tools.ratings serve --dir runs/qgen_human/ratings  # then open http://127.0.0.1:8000
 
 The routes are rating_page.py's (the page, its form, /api/pending, /api/rate, /stats, /export)
-and rating_queue.py's (the seed's /api/queue/submit, /api/queue/result/{id}, /api/queue/pending).
+and rating_queue.py's (the seed's /api/queue/submit, /api/queue/result/{id}, /api/queue/pending,
+/api/health).
 Each runs in a worker thread under the store's lock; its reply is sent after the lock is let go,
 so a slow reader holds only itself. What every request gets, here:
 
@@ -112,6 +113,9 @@ def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, .
     async def queue_result(request: Request) -> Response:
         return await reply(rating_queue.result, request.path_params["request_id"])
 
+    async def health(request: Request) -> Response:
+        return await reply(rating_queue.health)
+
     app = Starlette(routes=[
         Route("/", page), Route("/stats", stats), Route("/export", export),
         Route("/rate", posted(rating_page.rate_form, False, token), methods=["POST"]),
@@ -119,7 +123,7 @@ def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, .
         Route("/api/rate", posted(rating_page.api_rate, True), methods=["POST"]),
         Route("/api/queue/submit", posted(rating_queue.submit, True), methods=["POST"]),
         Route("/api/queue/result/{request_id}", queue_result),
-        Route("/api/queue/pending", queue_pending)])
+        Route("/api/queue/pending", queue_pending), Route("/api/health", health)])
     return guarded(app, (host, *allow_hosts), timeout_s)
 
 

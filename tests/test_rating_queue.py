@@ -20,6 +20,7 @@ def test_the_seeds_client_submits_polls_and_gets_the_rating_a_person_gave_on_the
     """As the seed's human_feedback.py: submit with a uuid4 request_id, poll result until "rated",
     then read reward, relevance, clarity and discriminative."""
     client, folder = page
+    assert client.get("/api/health").status_code == 200  # the client's check_health()
     rid = str(uuid.uuid4())
     r = submit(client, request_id=rid, question="What does a goroutine cost?",
                role_context="Backend engineer, Go", role_id="role-7")
@@ -41,6 +42,8 @@ def test_the_seeds_client_submits_polls_and_gets_the_rating_a_person_gave_on_the
                    "clarity": 4.0, "discriminative": 3.0,
                    "scores": {"relevance": 5.0, "clarity": 4.0, "discriminative": 3.0}}
     assert client.get("/api/queue/pending").json() == {"count": 0, "pending": []}
+    assert client.get("/api/health").json() == {"status": "healthy", "service": "minigrpo ratings",
+                                                "pending": 0}
     (queued,) = [json.loads(x) for x in (folder / "queue.jsonl").read_text().splitlines()]
     assert (queued["id"], queued["prompt"], queued["role_id"]) == (rid, "Backend engineer, Go",
                                                                    "role-7")
