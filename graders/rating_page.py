@@ -1,12 +1,17 @@
-"""The rating page of ratings.py: a browser page for people, a JSON API for your own rating tools.
+"""The rating page of ratings.py: its HTML and form, and a JSON API for your own rating tools.
 
     python -m tools.ratings serve --dir runs/qgen_human/ratings  # then open http://127.0.0.1:8000
+
+Each route is a function of the ratings Store returning a Reply (status, body, type, headers), in
+the standard library alone; rating_server.py serves them with Starlette under uvicorn (the
+`ratings` extra), calling each under the store's lock, and adds what every request gets: the Host
+check, the size limit, timeouts and security headers. The seed's queue API is rating_queue.py.
 
 The page shows one prompt's pending completions together, newest batch first (ratings.Store's
 order), each with a choice per criterion. Its form posts to /rate: `token` (the hidden field of the
 page, which refuses forms from other sites), `ids` (the comma-separated item ids shown) and
 `<id>.<criterion>=N` for each; a script can rate through it with curl. A rating tool of your own
-(the question-generation project had a web UI with a queue API) talks JSON:
+talks JSON:
 
     GET  /api/pending    {"pending": [{"id", "batch", "prompt", "completion", "criteria", "scale"},
                          ...]}, newest batch first, a prompt's completions together (page order)
@@ -17,11 +22,6 @@ page, which refuses forms from other sites), `ids` (the comma-separated item ids
                          is skipped, not counted twice
     GET  /stats, /export the counts (JSON) and the rated items (JSON Lines; /export?format=parquet:
                          Parquet), as ratings.py's commands
-
-Requests are answered only when addressed to an IP address, localhost, the --host name or a name
-given with --allow-host (no DNS rebinding of another site's name onto the page); a client that stops
-reading holds its own thread for at most 30 s, never the others' (replies are sent outside the
-store's lock).
 """
 from __future__ import annotations
 
@@ -32,10 +32,9 @@ import json
 import os
 import secrets
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from graders.ratings import Store, parquet_bytes, say, store_for
+from graders.ratings import Store, parquet_bytes, say
 from plumbing import jsonl
 
 PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
@@ -99,7 +98,7 @@ def page_token(dir: str | Path) -> str:
     return token
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """A request line as the log shows it: control characters (terminal escape codes) as \\x.."""
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
@@ -122,10 +121,18 @@ def host_allowed(host_header: str | None, allow: tuple[str, ...] = ()) -> bool:
         return name.lower() in ("localhost", *(a.lower() for a in allow))
 
 
+# --- the routes: each (store, ...) -> Reply, called under store.lock after store.refresh() -----
+Reply = tuple  # (status, body: str | bytes, content type, extra headers: dict)
+HTML, TEXT, JSON = "text/html; charset=utf-8", "text/plain; charset=utf-8", "application/json"
 NOT_SAVED = "nothing saved:"
 
 
-def _rate(store, form: dict) -> int | str:
+def json_reply(code: int, obj: dict) -> Reply:
+    """A JSON reply, ASCII-escaped: a lone surrogate in model output cannot break its encoding."""
+    return code, json.dumps(obj), JSON, {}
+
+
+def _rate(store: Store, form: dict) -> int | str:
     """store.rate, with a write that failed (a full disk) as a message for the rater instead of a
     dropped connection."""
     try:
@@ -137,150 +144,76 @@ def _rate(store, form: dict) -> int | str:
         return msg
 
 
-def make_server(dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-                allow_hosts: tuple[str, ...] = ()) -> ThreadingHTTPServer:
-    """The rating page on (host, port); port 0 picks a free one (server.server_port).
+def page(store: Store, token: str, taken: str = "0") -> Reply:
+    """GET /: the next group; ?taken=N (the redirect after a form) says N of the answers rated had
+    been rated by someone else meanwhile."""
+    note = (f"{taken} of the answers you rated had been rated by someone else meanwhile; theirs "
+            "was kept, yours was not saved" if taken.isdigit() and taken != "0" else None)
+    return 200, render_page(store, token, note=note), HTML, {}
 
-    It has no login. Two guards against other web pages the rater has open: it answers only requests
-    addressed to an IP address, localhost, the host it was given or an allow_hosts name (no DNS
-    rebinding onto /export), and a form is saved only with the token of the page that showed it (no
-    rating posted from another site); frames are refused (no clickjacking)."""
-    store = store_for(dir)
-    token = ""  # page_token(dir) once the address is bound: a bad --port or --host leaves no folder
-    allow = (host, *allow_hosts)
 
-    class Handler(BaseHTTPRequestHandler):
-        timeout = 30  # a client that stops reading (or never sends) gives up its thread after this
+def stats(store: Store) -> Reply:
+    """GET /stats: the counts and mean scores, as `tools.ratings stats` prints them."""
+    return 200, json.dumps(store.stats(), indent=1), JSON, {}
 
-        def _send(self, code: int, body: str | bytes, ctype: str = "text/html; charset=utf-8",
-                  **headers) -> None:
-            # a lone surrogate: ?, not a crash
-            data = body if isinstance(body, bytes) else body.encode("utf-8", "replace")
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-Frame-Options", "DENY")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Content-Security-Policy", "default-src 'none'; style-src "
-                             "'unsafe-inline'; form-action 'self'; frame-ancestors 'none'")
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
 
-        def _refused(self) -> bool:
-            if not host_allowed(self.headers.get("Host"), allow):
-                self._send(403, "this page answers at an IP address, localhost or a name given "
-                           "with python -m tools.ratings serve --allow-host", "text/plain")
-                return True
-            return False
+def export(store: Store, fmt: str = "jsonl") -> Reply:
+    """GET /export: the rated items as JSON Lines, or ?format=parquet (the seed UI's) as Parquet;
+    a download with a file name."""
+    fmt = fmt.lower()
+    if fmt not in ("jsonl", "json", "parquet"):
+        return 400, f"format={fmt}: jsonl (the default) or parquet", TEXT, {}
+    if fmt == "parquet":
+        try:
+            return (200, parquet_bytes(store.rated_items()), "application/vnd.apache.parquet",
+                    {"Content-Disposition": 'attachment; filename="rated.parquet"'})
+        except ValueError as e:
+            return 409, str(e), TEXT, {}
+    return (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()),
+            "application/jsonl; charset=utf-8",
+            {"Content-Disposition": 'attachment; filename="rated.jsonl"'})
 
-        def do_GET(self) -> None:
-            if self._refused():
-                return
-            path, _, query = self.path.partition("?")
-            # the reply is built under the lock and sent after it: a slow reader holds only itself
-            with store.lock:
-                store.refresh()
-                if path == "/":
-                    taken = urllib.parse.parse_qs(query).get("taken", ["0"])[0]
-                    note = (f"{taken} of the answers you rated had been rated by someone else "
-                            "meanwhile; theirs was kept, yours was not saved"
-                            if taken.isdigit() and taken != "0" else None)
-                    reply = (200, render_page(store, token, note=note), "text/html; charset=utf-8")
-                elif path == "/stats":
-                    reply = (200, json.dumps(store.stats(), indent=1), "application/json")
-                elif path == "/export" and (fmt := urllib.parse.parse_qs(query).get(
-                        "format", ["jsonl"])[0].lower()) not in ("jsonl", "json", "parquet"):
-                    reply = (400, f"format={fmt}: jsonl (the default) or parquet",
-                             "text/plain; charset=utf-8")
-                elif path == "/export" and fmt == "parquet":
-                    try:
-                        reply = (200, parquet_bytes(store.rated_items()),
-                                 "application/vnd.apache.parquet",
-                                 {"Content-Disposition": 'attachment; filename="rated.parquet"'})
-                    except ValueError as e:
-                        reply = (409, str(e), "text/plain; charset=utf-8")
-                elif path == "/export":
-                    reply = (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()),
-                             "application/jsonl; charset=utf-8",
-                             {"Content-Disposition": 'attachment; filename="rated.jsonl"'})
-                elif path == "/api/pending":
-                    reply = (200, json.dumps({"pending": store.pending()}), "application/json")
-                else:
-                    reply = (404, "not found", "text/plain")
-            self._send(*reply[:3], **(reply[3] if len(reply) > 3 else {}))
 
-        def do_POST(self) -> None:
-            if self._refused():
-                return
-            if self.path not in ("/rate", "/api/rate"):
-                return self._send(404, "not found", "text/plain")
-            try:
-                length = int(self.headers.get("Content-Length") or "")
-                if not 0 <= length <= 1 << 20:  # a form is a few kilobytes
-                    raise ValueError
-                body = self.rfile.read(length).decode()
-            except ValueError:  # no or bad Content-Length, or a body that is not UTF-8
-                return self._send(400, "a body with a Content-Length under 1 MB, in UTF-8",
-                                  "text/plain")
-            if self.path == "/api/rate":
-                return self._api_rate(body)
-            form = {k: v[0] for k, v in urllib.parse.parse_qs(body).items()}
-            with store.lock:
-                store.refresh()
-                location = None
-                if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
-                    code, page = 403, render_page(store, token, "this form came from an older "
-                                                  "page or another site: nothing saved; rate "
-                                                  "the answers below")
-                elif isinstance(saved := _rate(store, form), str):
-                    code, page = (507 if saved.startswith(NOT_SAVED) else 400,
-                                  render_page(store, token, saved))
-                else:  # items someone else rated meanwhile were skipped: the next page says so
-                    asked = len(set(filter(None, form.get("ids", "").split(","))))
-                    code, page, location = (303, "",
-                                            f"/?taken={asked - saved}" if saved < asked else "/")
-            self._send(code, page, **({"Location": location} if location else {}))
+def rate_form(store: Store, token: str, body: str) -> Reply:
+    """POST /rate: the page's form, saved only with the page's token; then a redirect to the next
+    group (303), saying how many answers someone else had rated meanwhile."""
+    form = {k: v[0] for k, v in urllib.parse.parse_qs(body).items()}
+    if not hmac.compare_digest(form.get("token", "").encode(), token.encode()):
+        return 403, render_page(store, token, "this form came from an older page or another "
+                                "site: nothing saved; rate the answers below"), HTML, {}
+    saved = _rate(store, form)
+    if isinstance(saved, str):
+        return (507 if saved.startswith(NOT_SAVED) else 400), render_page(store, token, saved), \
+            HTML, {}
+    asked = len(set(filter(None, form.get("ids", "").split(","))))
+    return 303, "", HTML, {"Location": f"/?taken={asked - saved}" if saved < asked else "/"}
 
-        def _api_rate(self, body: str) -> None:
-            """POST /api/rate: JSON only (a cross-site page cannot send it unasked), checked as the
-            form is."""
-            def reply(code: int, obj: dict) -> None:
-                self._send(code, json.dumps(obj), "application/json")
-            if ((self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-                    != "application/json"):
-                return reply(415, {"error": "send the ratings as Content-Type: application/json"})
-            try:
-                given = json.loads(body)["ratings"]
-                form = {"ids": ",".join(r["id"] for r in given)}
-                for r in given:
-                    form |= {f"{r['id']}.{c}": json.dumps(v) for c, v in r["scores"].items()}
-            except (ValueError, KeyError, TypeError, AttributeError,
-                    RecursionError):  # RecursionError: [[[[...
-                return reply(400, {"error": 'expected {"ratings": [{"id": ..., "scores": '
-                                            '{criterion: N}}, ...]}'})
-            if len({r["id"] for r in given}) < len(given):
-                return reply(400, {"error": "an item is rated twice in this request; "
-                                            "send one rating per item"})
-            with store.lock:
-                store.refresh()
-                extra = next(((r["id"], item["criteria"], bad[0]) for r in given
-                              if (item := store.items.get(r["id"]))
-                              and (bad := sorted(set(r["scores"]) - set(item["criteria"])))), None)
-                # a criterion not rated on: a typo, not dropped
-                saved = _rate(store, form) if extra is None else None
-            if extra is not None:
-                return reply(400, {"error": f"item {extra[0]!r} is rated on {extra[1]}, "
-                                            f"not {extra[2]!r}"})
-            if isinstance(saved, str):
-                return reply(507 if saved.startswith(NOT_SAVED) else 400, {"error": saved})
-            return reply(200, {"saved": saved})
 
-        def log_message(self, fmt, *args) -> None:  # one line per rating, not one per page view
-            if self.command == "POST":
-                say(f"{self.address_string()} {_printable(fmt % args)}")
+def api_pending(store: Store) -> Reply:
+    """GET /api/pending: the items waiting, in the page's order."""
+    return json_reply(200, {"pending": store.pending()})
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    token = page_token(dir)
-    return server
+
+def api_rate(store: Store, body: str) -> Reply:
+    """POST /api/rate: {"ratings": [{"id", "scores"}, ...]}, checked as the form is, all or none."""
+    try:
+        given = json.loads(body)["ratings"]
+        form = {"ids": ",".join(r["id"] for r in given)}
+        for r in given:
+            form |= {f"{r['id']}.{c}": json.dumps(v) for c, v in r["scores"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError,
+            RecursionError):  # RecursionError: [[[[...
+        return json_reply(400, {"error": 'expected {"ratings": [{"id": ..., "scores": '
+                                         '{criterion: N}}, ...]}'})
+    if len({r["id"] for r in given}) < len(given):
+        return json_reply(400, {"error": "an item is rated twice in this request; "
+                                         "send one rating per item"})
+    for r in given:  # a criterion the item is not rated on: a typo, not dropped
+        item = store.items.get(r["id"])
+        if item and (bad := sorted(set(r["scores"]) - set(item["criteria"]))):
+            return json_reply(400, {"error": f"item {r['id']!r} is rated on {item['criteria']}, "
+                                             f"not {bad[0]!r}"})
+    saved = _rate(store, form)
+    if isinstance(saved, str):
+        return json_reply(507 if saved.startswith(NOT_SAVED) else 400, {"error": saved})
+    return json_reply(200, {"saved": saved})

@@ -33,12 +33,15 @@ The trainer waits until every completion of the batch is rated, saying every min
 are left; with `timeout_s` a completion waits at most that long after it was queued, then gets
 the reward's fallback (counted in reward_errors/<name>) and stays on the page. The page has no
 login: it listens on 127.0.0.1 unless --host says otherwise; reach it from elsewhere through an
-SSH tunnel. The page, its form and its JSON API for rating tools of your own are in rating_page.py;
-a script can also append to ratings.jsonl in the format above.
+SSH tunnel. The page, its form and its JSON API for rating tools of your own are in rating_page.py,
+the seed's queue API in rating_queue.py, their server (Starlette under uvicorn: the `ratings`
+extra, PAGE_EXTRA below; without it the reward stops before any model loads, saying what to
+install) in rating_server.py; a script can also append to ratings.jsonl in the format above.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import sys
@@ -52,6 +55,16 @@ from plumbing import jsonl
 from rewards import register
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
+# the rating page's packages (pyproject.toml's `ratings` extra), at the versions the Makefile tests
+PAGE_EXTRA = ("starlette==1.10.0", "uvicorn==0.54.0")
+
+
+def page_missing() -> str | None:
+    """What to install for the rating page, in one line, or None when it is installed."""
+    gone = [p.split("==")[0] for p in PAGE_EXTRA
+            if importlib.util.find_spec(p.split("==")[0]) is None]
+    return (f"the rating page needs {' and '.join(gone)} (the `ratings` extra): "
+            f"pip install {' '.join(PAGE_EXTRA)}") if gone else None
 
 
 class BadRating(ValueError):
@@ -122,6 +135,8 @@ class Store:
             raise ValueError("not a queue record")
         if "messages" in rec:
             item["messages"] = rec["messages"]
+        if isinstance(rec.get("role_id"), str):  # sent to the seed's /api/queue/submit
+            item["role_id"] = rec["role_id"]
         self.items[rec["id"]] = item
 
     def _take_rating(self, rec: dict) -> None:
@@ -146,10 +161,12 @@ class Store:
             return None
         return {c: sum(given[c]) / len(given[c]) for c in criteria}
 
-    def pending(self) -> list[dict]:
-        """Queued items not yet rated on their criteria: newest batch first, then queue order."""
+    def pending(self, newest_first: bool = True) -> list[dict]:
+        """Queued items not yet rated on their criteria: newest batch first, then queue order (or
+        queue order alone: oldest first)."""
         waiting = [it for it in self.items.values() if self.rated(it["id"], it["criteria"]) is None]
-        return sorted(waiting, key=lambda it: -it["batch"])  # stable: queue order within a batch
+        # stable: queue order within a batch
+        return sorted(waiting, key=lambda it: -it["batch"]) if newest_first else waiting
 
     def next_group(self) -> list[dict]:
         """The pending completions of one prompt in the newest batch: rated side by side, since GRPO
@@ -266,21 +283,33 @@ def check_args(dir: str | None = None, criteria: list[str] = ("overall",),
     if not isinstance(dir, str) or not dir:
         raise ValueError("reward 'human' needs args.dir: the ratings folder that "
                          "`python -m tools.ratings serve --dir` serves")
-    if (isinstance(criteria, str) or not criteria
-            or not all(isinstance(c, str) and c for c in criteria)):
-        raise ValueError("reward 'human': criteria must be a list of names, "
-                         f"e.g. [relevance, clarity]; got {criteria!r}")
+    if problem := scale_problem(criteria, scale):
+        raise ValueError(f"reward 'human': {problem}")
     if criterion is not None and criterion not in criteria:
         raise ValueError(f"reward 'human': criterion {criterion!r} must be one of the criteria "
                          f"{list(criteria)}")
-    if (not isinstance(scale, (list, tuple)) or len(scale) != 2
-            or not all(type(v) is int for v in scale) or scale[0] >= scale[1]):
-        raise ValueError("reward 'human': scale must be two whole numbers [lo, hi] with lo < hi; "
-                         f"got {scale!r}")
     if not (isinstance(timeout_s, (int, float)) and timeout_s >= 0
             and isinstance(poll_s, (int, float)) and poll_s > 0):
         raise ValueError("reward 'human': need timeout_s >= 0 (0: no limit) and poll_s > 0; "
                          f"got {timeout_s!r}, {poll_s!r}")
+    if missing := page_missing():  # without the page, nobody could rate: the run would wait forever
+        raise ValueError(f"reward 'human': {missing}")
+
+
+def scale_problem(criteria, scale) -> str | None:
+    """What is wrong with an item's criteria (a list of names) and scale ([lo, hi], whole numbers,
+    lo < hi), or None: the human reward's args and the seed's /api/queue/submit share it.
+
+    >>> scale_problem(["clarity"], [1, 5]), scale_problem(["clarity"], [5, 1])[:5]
+    (None, 'scale')
+    """
+    if (isinstance(criteria, str) or not isinstance(criteria, (list, tuple)) or not criteria
+            or not all(isinstance(c, str) and c for c in criteria)):
+        return f"criteria must be a list of names, e.g. [relevance, clarity]; got {criteria!r}"
+    if (not isinstance(scale, (list, tuple)) or len(scale) != 2
+            or not all(type(v) is int for v in scale) or scale[0] >= scale[1]):
+        return f"scale must be two whole numbers [lo, hi] with lo < hi; got {scale!r}"
+    return None
 
 
 def human(completions: list[str], samples: list[dict], *, dir: str,

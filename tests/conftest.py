@@ -95,3 +95,15 @@ def write_run_config(tmp_path: Path, model_path: Path, **sections) -> Path:
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture
+def page(tmp_path):
+    """The rating page (Starlette's TestClient, tests/rating_client.py) on tmp_path/ratings, and
+    that folder; skipped without the `ratings` extra. Each test starts from the files."""
+    from graders import ratings
+    from rating_client import needs_page, page_client
+    needs_page()
+    ratings._STORES.clear()  # one Store per folder per process
+    yield page_client(tmp_path / "ratings"), tmp_path / "ratings"
+    ratings._STORES.clear()

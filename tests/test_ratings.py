@@ -1,103 +1,41 @@
-"""Tests for ratings.py: the human reward waits for ratings given on the real page (over HTTP, a
-rater thread standing in for a person), the page escapes model output and refuses bad or foreign
-forms, the files survive a torn line, and unrated items time out to the reward's fallback."""
-import http.client
-import io
+"""Tests for graders/ratings.py and tools/ratings.py: the human reward waits for ratings given on
+the page (a rater thread standing in for a person), the files survive a torn line, unrated items
+time out to the reward's fallback, and the commands print, export and refuse what they cannot use.
+The page itself is tested in test_rating_page.py, its server in test_rating_server.py."""
 import json
 import math
-import re
-import socket
+import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
 from config import RewardSpec
 from graders import rating_page, ratings
-from graders.rating_page import make_server
 from graders.ratings import Store, human, item_id
 from plumbing import jsonl
 from plumbing.scoring import check_specs, compute_rewards
+from rating_client import needs_page, queue, rater
 from tools import ratings as ratings_cmd
 
 CRITERIA = ["relevance", "clarity"]
 
 
-@pytest.fixture
-def page(tmp_path):
-    """The rating page on a free port, serving tmp_path/ratings."""
-    ratings._STORES.clear()  # one Store per folder per process: start each test from the files
-    server = make_server(tmp_path / "ratings", port=0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}", tmp_path / "ratings"
-    server.shutdown()
-    server.server_close()
+@pytest.fixture(autouse=True)
+def fresh_stores():
+    """One Store per folder per process: each test starts from the files."""
+    ratings._STORES.clear()
+    yield
     ratings._STORES.clear()
 
 
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def post(url: str, form: dict) -> int:
-    """POST the form; the status code (303 is the redirect to the next item)."""
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):
-            return None
-    req = urllib.request.Request(url + "/rate", data=urllib.parse.urlencode(form).encode(),
-                                 method="POST")
-    try:
-        return urllib.request.build_opener(NoRedirect).open(req, timeout=10).status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
-def shown(text: str) -> tuple[list[str], list[str], str]:
-    """The ids, the (escaped) answers and the form token of the group the page shows."""
-    ids = re.search(r'name="ids" value="([\w,]+)"', text)
-    token = re.search(r'name="token" value="([\w-]+)"', text)
-    return ((ids.group(1).split(",") if ids else []),
-            re.findall(r"<h3>Answer \d+</h3><pre>\n?(.*?)</pre>", text, re.S),
-            token.group(1) if token else "")
-
-
-def form(ids: list[str], scores: list[dict], token: str) -> dict:
-    return {"token": token, "ids": ",".join(ids),
-            **{f"{i}.{c}": v for i, s in zip(ids, scores) for c, v in s.items()}}
-
-
-def rater(url: str, scores_for, stop: threading.Event) -> threading.Thread:
-    """A person at the page: reads the answers shown, rates each by scores_for(answer), repeats."""
-    def run():
-        while not stop.is_set():
-            try:
-                ids, answers, token = shown(get(url + "/"))
-            except OSError:  # the page is shutting down at the end of a test
-                return
-            if not ids:
-                stop.wait(0.01)
-                continue
-            post(url, form(ids, [scores_for(a) for a in answers], token))
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
-def queue(folder, id_, batch, prompt, completion, criteria=CRITERIA):
-    jsonl.append(folder / "queue.jsonl", [{"id": id_, "batch": batch, "prompt": prompt,
-                                           "completion": completion, "criteria": criteria,
-                                           "scale": [1, 5], "time": 0}])
-
-
 def test_the_reward_waits_for_people_and_rescales_their_scores(page):
-    url, folder = page
+    client, folder = page
     stop = threading.Event()
-    rater(url, lambda c: {"relevance": str(len(c)), "clarity": "5"}, stop)  # "a" -> 1, "bbb" -> 3
+    # "a" -> 1, "bbb" -> 3
+    rater(client, lambda c: {"relevance": str(len(c)), "clarity": "5"}, stop)
     samples = [{"prompt": "Ask about Kafka"}] * 3
     try:
         # NaN, not a hang
@@ -113,15 +51,15 @@ def test_the_reward_waits_for_people_and_rescales_their_scores(page):
     # the repeated completion is one item; the criterion call queued nothing new
     assert len(queued) == 2
     assert len((folder / "ratings.jsonl").read_text().splitlines()) == 2
-    stats = json.loads(get(url + "/stats"))
+    stats = client.get("/stats").json()
     assert stats == {"queued": 2, "rated": 2, "pending": 0,
                      "mean_scores": {"clarity": 5.0, "relevance": 2.0}}
 
 
 def test_ratings_answer_later_runs_two_in_the_file_are_averaged_and_a_new_scale_asks_again(
         tmp_path):
+    needs_page()  # the human reward stops where the page cannot run
     folder = tmp_path / "r"
-    ratings._STORES.clear()
     i = item_id("p", "q?", [1, 5])
     queue(folder, i, 1, "p", "q?", ["overall"])
     jsonl.append(folder / "ratings.jsonl",
@@ -139,7 +77,7 @@ def test_ratings_answer_later_runs_two_in_the_file_are_averaged_and_a_new_scale_
 
 
 def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
-    ratings._STORES.clear()
+    needs_page()  # the human reward stops where the page cannot run
     folder = tmp_path / "r"
     prompt = [{"role": "system", "content": "Be a recruiter."},
               {"role": "user", "content": "A Go question?"}]
@@ -156,11 +94,11 @@ def test_a_chat_message_prompt_is_shown_to_raters_as_text(tmp_path):
 
 
 def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_path):
+    needs_page()  # the human reward stops where the page cannot run
     """The queue keeps data.assistant_prefix + the completion: its export becomes DPO pairs that the
     same template renders again, so a block the template opens (R1's <think>) must not be in
     them."""
     from plumbing.scoring import reward_context
-    ratings._STORES.clear()
     spec = RewardSpec("human", args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
     compute_rewards(["x"], [{"prompt": "p"}], [spec],
                     context=reward_context("<think>\nokay", {}, "okay"))
@@ -169,7 +107,7 @@ def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_p
 
 
 def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_path):
-    ratings._STORES.clear()
+    needs_page()  # the human reward stops where the page cannot run
     args = {"dir": str(tmp_path / "r"), "timeout_s": 0.3, "poll_s": 0.01, "criteria": CRITERIA}
     specs = [RewardSpec("human", fallback=-1.0, args=args),
              RewardSpec("human", weight=0.0, label="clarity",
@@ -184,6 +122,7 @@ def test_unrated_completions_time_out_once_to_the_fallback_and_are_counted(tmp_p
 
 
 def test_bad_args_are_refused_before_any_model_loads():
+    needs_page()  # the human reward stops where the page cannot run
     for args, match in [
             ({}, "needs args.dir"), ({"dir": "r", "criteria": "overall"}, "list of names"),
             ({"dir": "r", "criterion": "tone"}, "one of the criteria"),
@@ -193,177 +132,6 @@ def test_bad_args_are_refused_before_any_model_loads():
             check_specs([RewardSpec("human", args=args)])
     check_specs([RewardSpec("human", args={"dir": "r", "criteria": CRITERIA,
                                            "criterion": "clarity"})])
-
-
-def test_the_page_shows_a_prompts_answers_together_escapes_them_and_refuses_bad_forms(page):
-    url, folder = page
-    evil = '<script>alert(1)</script>"'
-    queue(folder, "old", 1, "p", "older")
-    queue(folder, "new", 2, "<b>p</b>", evil)
-    queue(folder, "other", 2, "another prompt", "x")
-    queue(folder, "new2", 2, "<b>p</b>", "plain")
-    text = get(url + "/")
-    ids, answers, token = shown(text)
-    # the newest batch first (the trainer waits for it), one prompt's answers together
-    assert ids == ["new", "new2"]
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;" in text and "<script>" not in text \
-        and "<b>p" not in text
-    good = [{"relevance": "4", "clarity": "3"}, {"relevance": "2", "clarity": "2"}]
-    for scores in ([good[0], {"relevance": "6", "clarity": "3"}],  # out of the scale
-                   [good[0], {"relevance": "4"}],  # a criterion missing
-                   [good[0], {"relevance": "²", "clarity": "3"}],  # a digit that int() refuses
-                   [good[0], {"relevance": "--3", "clarity": "3"}]):
-        assert post(url, form(ids, scores, token)) == 400
-    assert post(url, form(["nope"], [good[0]], token)) == 400
-    assert post(url, {"token": token}) == 400
-    assert post(url, form(ids, good, "forged")) == 403  # a form posted from another site
-    # a refused form writes nothing, not even its good part
-    assert not (folder / "ratings.jsonl").exists()
-    assert post(url, form(ids, good, token)) == 303
-    assert post(url, form(ids + ids, good + good, token)) == 303  # sent again: not counted again
-    assert shown(get(url + "/"))[0] == ["other"]
-    assert [json.loads(ln)["scores"]
-            for ln in (folder / "ratings.jsonl").read_text().splitlines()] == \
-        [{"relevance": 4, "clarity": 3}, {"relevance": 2, "clarity": 2}]
-    assert get(url + "/export").splitlines()[0] == json.dumps({
-        "id": "new", "prompt": "<b>p</b>", "completion": evil, "criteria": CRITERIA,
-        "scale": [1, 5], "scores": {"relevance": 4.0, "clarity": 3.0},
-        "reward": 0.625})  # ((4-1)/4 + (3-1)/4) / 2
-
-
-def test_a_rater_whose_group_was_taken_is_told_so_even_when_nothing_is_left_and_not_again(page):
-    """Seen in Chromium (review 70): with the queue empty the note was dropped, and the 2 s reload
-    kept ?taken= in the address, so the note came back over every later group."""
-    url, folder = page
-    queue(folder, "a", 1, "p", "\nstarts on a new line")
-    queue(folder, "b", 1, "p", "   ")
-    ids, answers, token = shown(get(url + "/"))
-    # <pre> eats one leading newline: sent two
-    assert answers == ["\nstarts on a new line", "<em>(empty answer)</em>"]
-    good = [{"relevance": "4", "clarity": "3"}] * 2
-    assert post(url, form(ids, good, token)) == 303  # the first tab
-    # the second tab, same group: redirected to /?taken=2
-    assert post(url, form(ids, good, token)) == 303
-    text = get(url + "/?taken=2")
-    assert "2 of the answers you rated had been rated by someone else" in text \
-        and "Nothing to rate yet" in text
-    # read it, then the address loses ?taken=
-    assert '<meta http-equiv="refresh" content="15; url=/">' in text
-    assert '<meta http-equiv="refresh" content="2; url=/">' in get(url + "/")
-    # a phone shows it at its own width
-    assert 'name="viewport" content="width=device-width' in text
-    with urllib.request.urlopen(url + "/export", timeout=10) as r:
-        # a download with a name, not "export"
-        assert r.headers["Content-Disposition"] == 'attachment; filename="rated.jsonl"' \
-            and len(r.read().splitlines()) == 2
-    with pytest.raises(urllib.error.HTTPError, match="400"):  # not JSON Lines in disguise
-        urllib.request.urlopen(url + "/export?format=csv", timeout=10)
-    with urllib.request.urlopen(url + "/export?format=Parquet", timeout=10) as r:
-        # the seed UI's ?format=parquet
-        assert r.headers["Content-Disposition"] == 'attachment; filename="rated.parquet"'
-        rows = pq.read_table(io.BytesIO(r.read())).to_pylist()
-    assert sorted(x["scores"]["relevance"] for x in rows) == [4.0, 4.0] \
-        and rows[0]["criteria"] == ["relevance", "clarity"]
-
-
-def test_a_page_open_across_a_server_restart_still_saves_its_form(tmp_path):
-    """The token lives in the folder: a server killed and started again (helper-43's kill tests lost
-    every open form to a 403) takes the forms of the pages it showed before."""
-    ratings._STORES.clear()
-    folder = tmp_path / "ratings"
-    queue(folder, "a", 1, "p", "x")
-    tokens = []
-    for _ in range(2):
-        server = make_server(folder, port=0)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_port}"
-        tokens.append(shown(get(url + "/"))[2])
-        if len(tokens) == 2:  # the form of the page the first server showed
-            assert post(url, form(["a"], [{"relevance": "4", "clarity": "3"}], tokens[0])) == 303
-        server.shutdown()
-        server.server_close()
-    assert tokens[0] == tokens[1] and len(tokens[0]) >= 16
-    assert [json.loads(ln)["id"]
-            for ln in (folder / "ratings.jsonl").read_text().splitlines()] == ["a"]
-
-
-def test_the_page_refuses_requests_for_other_hosts_and_bad_bodies(page):
-    url, _ = page
-    port = int(url.rsplit(":", 1)[1])
-
-    def status(method, host, body=None, headers=(), path=None):
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        c.putrequest(method, path or ("/export" if method == "GET" else "/rate"), skip_host=True)
-        c.putheader("Host", host)
-        for k, v in headers:
-            c.putheader(k, v)
-        c.endheaders(body)
-        code = c.getresponse().status
-        c.close()
-        return code
-    assert status("GET", f"localhost:{port}") == 200
-    # DNS rebinding: another site's name for 127.0.0.1
-    assert status("GET", f"evil.example:{port}") == 403
-    assert status("POST", f"127.0.0.1:{port}", b"x", [("Content-Length", "-1")]) == 400
-    assert status("POST", f"127.0.0.1:{port}", b"\xff\xfe", [("Content-Length", "2")]) == 400
-    # not a crash
-    assert status("POST", f"127.0.0.1:{port}", b"token=%C3%A9&ids=x",
-                  [("Content-Length", "18")]) == 403
-    nested = b'{"ratings": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    assert status("POST", f"127.0.0.1:{port}", nested,
-                  [("Content-Length", str(len(nested))), ("Content-Type", "application/json")],
-                  "/api/rate") == 400
-    with urllib.request.urlopen(url + "/", timeout=10) as r:
-        # no framing by other sites, no sniffing
-        assert r.headers["X-Frame-Options"] == "DENY" \
-            and "frame-ancestors 'none'" in r.headers["Content-Security-Policy"]
-
-
-def test_an_address_or_an_allowed_name_reaches_the_page_and_a_slow_reader_blocks_no_one(tmp_path):
-    """Bound beyond loopback, the page still refuses names it was not given (rebinding works through
-    names, not addresses); a client that stops reading holds only its own thread."""
-    ratings._STORES.clear()
-    server = make_server(tmp_path / "r", host="0.0.0.0", port=0, allow_hosts=("gpu-box",))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_port
-    # big enough that /export fills the socket's buffers (about 12 MB)
-    jsonl.append(tmp_path / "r" / "queue.jsonl", [
-        {"id": f"i{i}", "batch": 1, "prompt": "p" * 2000, "completion": "c" * 2000,
-         "criteria": CRITERIA, "scale": [1, 5], "time": 0} for i in range(3000)])
-    jsonl.append(tmp_path / "r" / "ratings.jsonl",
-                 [{"id": f"i{i}", "scores": {c: 3 for c in CRITERIA}} for i in range(3000)])
-    try:
-        def code(host):
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            c.putrequest("GET", "/stats", skip_host=True)
-            c.putheader("Host", host)
-            c.endheaders()
-            out = c.getresponse().status
-            c.close()
-            return out
-        assert [code(h) for h in (f"10.1.2.3:{port}", f"[::1]:{port}", f"gpu-box:{port}",
-                                  f"evil.example:{port}")] == [200, 200, 200, 403]
-        stalled = socket.create_connection(("127.0.0.1", port))
-        # and never reads
-        stalled.sendall(f"GET /export HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
-        time.sleep(1)
-        t0 = time.monotonic()
-        assert code(f"127.0.0.1:{port}") == 200 and time.monotonic() - t0 < 5
-        stalled.close()
-    finally:
-        server.shutdown()
-        server.server_close()
-        ratings._STORES.clear()
-
-
-def test_a_second_server_on_one_folder_is_refused(tmp_path, capsys):
-    """Two servers would each skip only the items rated through themselves: one item rated twice."""
-    import fcntl
-    (tmp_path / "r").mkdir()
-    with open(tmp_path / "r" / "serve.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "r"), "--port", "0"]) == 2
-    assert "another `python -m tools.ratings serve` is using" in capsys.readouterr().err
 
 
 def test_a_line_torn_by_a_kill_is_skipped_and_the_next_write_starts_a_fresh_line(tmp_path):
@@ -403,7 +171,6 @@ def test_a_ratings_file_replaced_by_a_longer_one_is_read_again_from_the_start(tm
 
 
 def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(tmp_path, capsys):
-    ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
     jsonl.append(tmp_path / "ratings.jsonl", [{"id": "a", "scores": {"overall": 4}}])
     assert ratings_cmd.main(["stats", "--dir", str(tmp_path)]) == 0
@@ -455,19 +222,9 @@ def test_the_command_line_prints_stats_and_exports_and_refuses_a_missing_folder(
     (tmp_path / "run" / "metrics.jsonl").write_text("{}\n")
     assert ratings_cmd.main(["export", "--dir", str(tmp_path / "run")]) == 2
     assert "holds no queue.jsonl or ratings.jsonl" in capsys.readouterr().err
-    # a file, not a folder
-    assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "queue.jsonl"), "--port", "0"]) == 2
-    assert "cannot use" in capsys.readouterr().err
-    for argv, says in ((["--port", "99999"], "is not a port"),
-                       (["--host", "no.such.host.invalid"], "check --host")):
-        assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "new" / "deeper"), *argv]) == 2
-        # nothing left behind
-        assert says in capsys.readouterr().err and not (tmp_path / "new").exists()
-    ratings._STORES.clear()
 
 
 def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
-    ratings._STORES.clear()
     queue(tmp_path, "a", 1, "p", "c", ["overall"])
     jsonl.append(tmp_path / "queue.jsonl", [
         {"id": "b", "batch": "x", "prompt": "p", "completion": "d", "criteria": ["overall"],
@@ -488,12 +245,11 @@ def test_bad_lines_written_by_hand_are_skipped_not_fatal(tmp_path, capsys):
     assert "outside the item's scale [1, 5]" in out.err and "must be whole numbers" in out.err
     assert ratings_cmd.main(["export", "--dir", str(tmp_path)]) == 0 \
         and json.loads(capsys.readouterr().out)["reward"] == 0.75
-    ratings._STORES.clear()
 
 
 def test_a_rating_off_the_scale_never_makes_the_reward_leave_0_1_even_when_read_before_its_item(
         tmp_path):
-    ratings._STORES.clear()
+    needs_page()  # the human reward stops where the page cannot run
     i = item_id("p", "q?", [1, 5])
     # a script on a 1-10 sheet, first
     jsonl.append(tmp_path / "ratings.jsonl", [{"id": i, "scores": {"overall": 9}}])
@@ -521,7 +277,6 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
     them."""
     import train
     from tools import bestofn
-    ratings._STORES.clear()
     folder = tmp_path / "ratings"
     folder.mkdir()
     for i, (prompt, reply, scores) in enumerate([
@@ -573,66 +328,27 @@ def test_exported_ratings_become_preference_pairs_and_train_with_dpo(tmp_path, t
                              "answer_key": None}, "dpo": {"batch_size": 2},
                     "run": {"steps": 1, "out_dir": str(tmp_path / "dpo")}}))
     assert train.main(["--config", str(cfg)]) == 0
-    ratings._STORES.clear()
 
 
-def test_a_rating_tool_of_ones_own_reads_the_pending_items_and_rates_them_in_json(page):
-    """/api/pending in the page's order; /api/rate saves all or nothing, checked as the form is,
-    only as application/json (another site's page cannot send that without asking), not twice."""
-    url, folder = page
-    queue(folder, "old", 1, "p", "older")
-    queue(folder, "a", 2, "q", "first")
-    queue(folder, "b", 2, "q", "second")
-    pending = json.loads(get(url + "/api/pending"))["pending"]
-    assert [it["id"] for it in pending] == ["a", "b", "old"]
-    assert pending[0] == {"id": "a", "batch": 2, "prompt": "q", "completion": "first",
-                          "criteria": CRITERIA, "scale": [1, 5]}
+def test_without_the_ratings_extra_serve_and_the_human_reward_say_what_to_install(
+        tmp_path, monkeypatch, capsys):
+    """Starlette and uvicorn are an optional extra: a run needing the page stops before any model
+    loads, and `serve` before it makes a folder, each with one line naming the pip command."""
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: find_spec gives None
+    assert ratings_cmd.main(["serve", "--dir", str(tmp_path / "r"), "--port", "0"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    # "starlette and uvicorn" where neither is installed
+    assert line.startswith("error: the rating page needs ") and line.endswith(
+        "uvicorn (the `ratings` extra): pip install starlette==1.10.0 uvicorn==0.54.0")
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ValueError, match=r"needs .*uvicorn .*: pip install starlette==1\.10\.0 "):
+        check_specs([RewardSpec("human", args={"dir": str(tmp_path / "r")})])
+    assert ratings_cmd.main(["stats", "--dir", str(tmp_path)]) == 0  # stats and export need none
 
-    def rate(body, ctype="application/json"):
-        req = urllib.request.Request(url + "/api/rate", data=body if isinstance(body, bytes)
-                                     else json.dumps(body).encode(),
-                                     method="POST", headers={"Content-Type": ctype})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-    good = {"ratings": [{"id": "a", "scores": {"relevance": 5, "clarity": 4}},
-                        {"id": "b", "scores": {"relevance": 1, "clarity": 2}}]}
-    assert rate(good, "text/plain")[0] == 415  # what a cross-site form could send
-    for bad in ({"ratings": [good["ratings"][0],  # not a whole number
-                             {"id": "b", "scores": {"relevance": 4.0, "clarity": 2}}]},
-                {"ratings": [good["ratings"][0],
-                             {"id": "b", "scores": {"relevance": "4", "clarity": 2}}]},
-                {"ratings": [good["ratings"][0],
-                             {"id": "b", "scores": {"relevance": 9, "clarity": 2}}]},
-                {"ratings": [good["ratings"][0], {"id": "b", "scores": {"relevance": 4}}]},
-                {"ratings": [{"id": "nope", "scores": {"relevance": 4, "clarity": 4}}]}):
-        code, reply = rate(bad)
-        assert code == 400 and reply["error"], bad
-    assert rate(b"not json")[0] == 400 and rate({"ratings": [{"id": 3}]})[0] == 400
-    assert not (folder / "ratings.jsonl").exists()  # nothing of a refused request is written
-    for bad, why in (({"ratings": [good["ratings"][0], {**good["ratings"][0],
-                                                        "scores": {"relevance": 1, "clarity": 1}}]},
-                      "rated twice in this request"),
-                     ({"ratings": [{"id": "a", "scores": {"relevance": 5, "clarity": 4,
-                                                          "clarty": 3}}]}, "not 'clarty'")):
-        code, reply = rate(bad)
-        assert code == 400 and why in reply["error"], reply
-    assert not (folder / "ratings.jsonl").exists()
-    real_append = jsonl.append
 
-    def trainer_queues_meanwhile(path, records):
-        # the trainer appends to the queue while the rating is written
-        out = real_append(path, records)
-        if path.name == "ratings.jsonl":
-            queue(folder, "c", 3, "r", "third")
-        return out
-    ratings.jsonl.append = trainer_queues_meanwhile
-    try:
-        assert rate(good) == (200, {"saved": 2})
-    finally:
-        ratings.jsonl.append = real_append
-    assert rate(good) == (200, {"saved": 0})  # sent again: not counted again
-    assert [it["id"] for it in json.loads(get(url + "/api/pending"))["pending"]] == ["c", "old"]
-    assert [json.loads(x)["reward"] for x in get(url + "/export").splitlines()] == [0.875, 0.125]
+def test_the_pinned_extra_is_the_one_the_makefile_installs_and_pyproject_declares():
+    """PAGE_EXTRA (what the one line says to install) is what `make setup` installs and tests."""
+    root = Path(__file__).resolve().parents[1]
+    makefile, pyproject = (root / "Makefile").read_text(), (root / "pyproject.toml").read_text()
+    assert all(pin in makefile for pin in ratings.PAGE_EXTRA)
+    assert 'ratings = ["starlette", "uvicorn"]' in pyproject

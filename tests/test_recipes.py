@@ -17,8 +17,8 @@ import train
 from config import load_config
 from data import load_rows
 from fake_openai_server import FakeOpenAIServer
-from graders import rating_page, ratings
-from test_ratings import rater
+from graders import ratings
+from rating_client import needs_page, page_client, rater
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures"
@@ -326,12 +326,11 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     monkeypatch.chdir(tmp_path)  # the config's ratings folder, runs/qgen_human/ratings, lands here
     # a broken page fails the test, not hangs it
     monkeypatch.setitem(ratings.human.__kwdefaults__, "timeout_s", 60.0)
+    needs_page()
     ratings._STORES.clear()
-    page = rating_page.make_server("runs/qgen_human/ratings", port=0)
-    threading.Thread(target=page.serve_forever, daemon=True).start()
     stop = threading.Event()
-    rater(f"http://127.0.0.1:{page.server_port}", lambda c: {"relevance": "5", "clarity": "3",
-                                                            "discriminative_power": "4"}, stop)
+    rater(page_client("runs/qgen_human/ratings"),
+          lambda c: {"relevance": "5", "clarity": "3", "discriminative_power": "4"}, stop)
     run = tmp_path / "run"
     data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
             "--model.init_adapter=null"]
@@ -340,8 +339,6 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
                            *small(tiny_llama, run), *data]) == 0
     finally:
         stop.set()
-        page.shutdown()
-        page.server_close()
         ratings._STORES.clear()
     for m in metrics(run):
         assert m["rewards/human/mean"] == pytest.approx(0.75)  # mean((5-1)/4, (3-1)/4, (4-1)/4)

@@ -7,7 +7,9 @@
     python -m tools.ratings export --dir runs/qgen_human/ratings --out rated.parquet
 
 The folder, its files and the `human` reward that waits on it are described in graders/ratings.py;
-the page and its JSON API in graders/rating_page.py.
+the page and its JSON API in graders/rating_page.py, the seed's queue API in
+graders/rating_queue.py, their server in graders/rating_server.py. `serve` needs the `ratings`
+extra (Starlette and uvicorn; `make setup` installs it); without it, it says what to install.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from graders.rating_page import make_server
-from graders.ratings import QUEUE, RATINGS, export, store_for
+from graders.ratings import QUEUE, RATINGS, export, page_missing, store_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
         return 2
+    if missing := page_missing():
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    from graders import rating_server  # the `ratings` extra: loaded to serve only
     # the folders mkdir will make, deepest first
     created = [d for d in [Path(args.dir), *Path(args.dir).parents] if not d.exists()]
     try:
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        server = make_server(args.dir, args.host, args.port, tuple(args.allow_host))
+        sock = rating_server.listen(args.host, args.port)
     except OSError as e:
         lock.close()
         (Path(args.dir) / "serve.lock").unlink(missing_ok=True)
@@ -104,20 +109,22 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     # the address bound: --host "" or a host name bind beyond loopback too
+    address, port = sock.getsockname()[:2]
     with contextlib.suppress(ValueError):
-        if not ipaddress.ip_address(
-                server.server_address[0].split("%")[0] or "0.0.0.0").is_loopback:
+        if not ipaddress.ip_address(address.split("%")[0] or "0.0.0.0").is_loopback:
             print(f"warning: --host {args.host} lets anyone who can reach this machine rate (the "
                   "page has no login); 127.0.0.1 with an SSH tunnel keeps it to the raters you let "
                   "in", file=sys.stderr)
-    print(f"rating page: http://{args.host}:{server.server_port}/  "
+    # the page's token is written now that the address is had
+    server = rating_server.uvicorn_server(args.dir, args.host, tuple(args.allow_host))
+    print(f"rating page: http://{args.host}:{port}/  "
           f"(folder {store_for(args.dir).dir}; Ctrl-C stops)")
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn stops first, then raises the Ctrl-C again
         pass
     finally:
-        server.server_close()
+        sock.close()
     return 0
 
 
