@@ -8,6 +8,7 @@ updates (step.train_step); this file logs, checkpoints and stops. plumbing/runs.
   python train.py --config configs/quickstart.yaml --dry-run   # check it all, show the first prompt
   python train.py --config configs/quickstart_sft.yaml         # mode: sft, a step is modes/sft.py's
   python train.py --config configs/quickstart_dpo.yaml         # mode: dpo, a step is modes/dpo.py's
+  torchrun --nproc_per_node=4 train.py --config x.yaml  # data-parallel GRPO: docs/multi-gpu.md
 
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,

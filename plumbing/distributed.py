@@ -21,6 +21,7 @@ With one process (plain `python train.py`) every function returns its input: no 
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import os
@@ -29,6 +30,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+import rollout
 from config import Config, ConfigError
 
 TIMEOUT = datetime.timedelta(minutes=60)  # the longest a rank waits for the others (rank 0's eval)
@@ -52,6 +54,13 @@ def quiet_other_ranks() -> None:
         sys.excepthook = lambda *e: sys.__excepthook__(*e) or sys.__stderr__.flush()
 
 
+def speak(error: BaseException) -> None:
+    """A rank > 0 whose step failed on its own (out of memory, a full disk) says why; an interrupt,
+    which torchrun sends every rank, stays rank 0's to say. `torchrun --tee 3` names the rank."""
+    if rank() > 0 and not isinstance(error, KeyboardInterrupt):
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+
 def check_config(cfg: Config) -> None:
     """Under torchrun: what cannot run data-parallel, or does not divide among the ranks, as one
     ConfigError before anything loads."""
@@ -73,7 +82,7 @@ def check_config(cfg: Config) -> None:
                     "processes (each samples whole groups)"),
         (B % n == 0 and (B // n) % cfg.grpo.num_mini_batches > 0,
          f"grpo.num_mini_batches={cfg.grpo.num_mini_batches} must divide each process's "
-         f"{B // max(n, 1)} prompts (rollout.prompts_per_step={B} over {n} processes)"),
+         f"{B // n} prompts (rollout.prompts_per_step={B} over {n} processes)"),
     ]
     for bad, why in refused:
         if bad:
@@ -88,6 +97,7 @@ def start(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    atexit.register(stop)  # also when setup fails after this (a --resume refused)
     return device
 
 
@@ -96,14 +106,14 @@ def stop() -> None:
         dist.destroy_process_group()
 
 
-def same_start(params: list[torch.Tensor], seed: int, seed_everything) -> None:
+def same_start(params: list[torch.Tensor], seed: int) -> None:
     """Every rank starts from rank 0's trainable weights, and samples with its own seed."""
     if world() == 1:
         return
     with torch.no_grad():
         for p in params:
             dist.broadcast(p.data, src=0)
-    seed_everything(seed + 1_000_003 * rank())  # rank 0 keeps run.seed
+    rollout.seed_everything(seed + 1_000_003 * rank())  # rank 0 keeps run.seed
 
 
 def share(n: int) -> int:

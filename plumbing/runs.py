@@ -227,7 +227,7 @@ def setup(args, overrides: list[str]) -> Run:
     device = distributed.start(pick_device(cfg.run.device))  # torchrun: this rank's GPU
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft",
                                    beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
-    distributed.same_start(trainable_parameters(model), cfg.run.seed, rollout.seed_everything)
+    distributed.same_start(trainable_parameters(model), cfg.run.seed)
     kept = next((ckpts[-1] / d / PROVENANCE for d in ("adapter", "model")
                  if ckpts and (ckpts[-1] / d / PROVENANCE).is_file()), None)
     if kept is not None:  # the LoRA adapter's, or full fine-tuning's whole model's
@@ -337,6 +337,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
     this command's files are removed (a folder it created too), so the same command runs again once
     the cause is fixed."""
     code, fix = 2, "fix it, then "
+    distributed.speak(e)  # torchrun: a rank > 0 that failed on its own
     if isinstance(e, KeyboardInterrupt):
         (signame, code), fix = interrupted(e), ""
         what = f"interrupted ({signame})"

@@ -38,7 +38,7 @@ B, G, K, WORLD = 4, 4, 2, 2  # prompts, completions each, mini-batches, processe
 # mini-batch is off-policy and clipped
 SETTINGS = ["--optim.micro_batch_size=2", f"--grpo.num_mini_batches={K}", "--grpo.beta=0.04",
             "--optim.lr=0.05", "--grpo.epsilon=0.05", "--grpo.epsilon_high=0.05"]
-TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
+TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb", "eval/seconds"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -162,9 +162,11 @@ def test_what_cannot_run_on_several_processes_stops_before_loading_with_one_line
 
 def test_torchrun_writes_one_run_and_a_resume_after_a_kill_goes_on_as_it_would_have(
         tmp_path, tiny_llama, capsys):
-    config = write_run_config(tmp_path, tiny_llama, rollout={"prompts_per_step": 4},
+    config = write_run_config(tmp_path, tiny_llama, data={"select": [0, 8]},
+                              eval={"select": [8, 12]},
+                              rollout={"prompts_per_step": 4, "resample_zero_std": True},
                               run={"out_dir": str(tmp_path / "run"), "steps": 4, "save_every": 2,
-                                   "sample_every": 1, "threads": 1},
+                                   "sample_every": 1, "threads": 1, "eval_every": 2},
                               grpo={"num_iterations": 2})
     run = tmp_path / "run"
 
@@ -180,13 +182,17 @@ def test_torchrun_writes_one_run_and_a_resume_after_a_kill_goes_on_as_it_would_h
     assert err.count("[minigrpo] done") == 1  # rank 0 speaks for the run
     whole = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in whole] == [1, 2, 3, 4]
-    assert all(m["prompts_drawn"] == 4 for m in whole)  # the global B, 2 prompts a process
+    # the global B (2 prompts a process), more where resample_zero_std drew more
+    assert all(m["prompts_drawn"] >= 4 for m in whole) and any(
+        0 < m["frac_reward_zero_std"] < 1 for m in whole)
+    assert [m["eval/n"] for m in whole if "eval/n" in m] == [4, 4]  # rank 0's held-out scoring
     samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     state = torch.load(run / "checkpoints/step_000002/trainer_state.pt", weights_only=False)
     assert state["world_size"] == 2 and len(state["ranks"]) == 2
-    assert state["ranks"][0]["data_position"]["position"] == 4 == \
-        state["ranks"][1]["data_position"]["position"]  # 2 prompts a step each
+    positions = [s["data_position"]["position"] for s in state["ranks"]]  # each rank its own
+    assert min(positions) >= 4 and sum(positions) == whole[0]["prompts_drawn"] + \
+        whole[1]["prompts_drawn"]
     assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
     # a kill during step 4: its checkpoint never landed, its log line is torn
     shutil.rmtree(run / "checkpoints/step_000004")
