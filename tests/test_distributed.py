@@ -9,7 +9,6 @@ with torchrun's environment variables set by hand) or torchrun itself.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import socket
@@ -211,27 +210,28 @@ def test_torchrun_writes_one_run_and_a_resume_after_a_kill_goes_on_as_it_would_h
             {k: v for k, v in b.items() if k not in TIMING}
 
 
-def _write_replies(path: str, who: int, start, n: int) -> None:
-    cache = ReplyCache(path, memory_size=0, label="judge")
-    start.wait()
-    for i in range(n):  # long replies: one write each is more than a pipe's atomic size
-        cache.put(f"{who}-{i}", f"{who}-{i} " + "x" * (5000 + 37 * i), {"prompt_tokens": i})
-        cache.put(f"shared-{i}", f"shared-{i}", {"prompt_tokens": i})  # both ranks ask it
+WRITER = """
+import sys, time
+from pathlib import Path
+from api.reply_cache import ReplyCache
+path, who, n, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+cache = ReplyCache(path, memory_size=0, label="judge")
+while not go.exists():  # both start writing at once
+    time.sleep(0.001)
+for i in range(n):  # long replies: a line is more than one write of a buffered file
+    cache.put(f"{who}-{i}", f"{who}-{i} " + "x" * (5000 + 37 * i), {"prompt_tokens": i})
+    cache.put(f"shared-{i}", f"shared-{i}", {"prompt_tokens": i})  # both ranks ask it
+"""
 
 
 def test_the_judge_cache_under_two_writing_processes_loses_nothing_and_tears_no_line(tmp_path):
     """Two ranks append to one judge cache file at once: jsonl.append holds an exclusive lock
     (flock) from the end-of-file check to the fsync, so every line is whole and every reply kept."""
-    path, n = str(tmp_path / "judge_cache.jsonl"), 150
-    ctx = multiprocessing.get_context("spawn")
-    start = ctx.Event()
-    procs = [ctx.Process(target=_write_replies, args=(path, who, start, n)) for who in range(2)]
-    for p in procs:
-        p.start()
-    start.set()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    path, n, go = str(tmp_path / "judge_cache.jsonl"), 150, tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, str(who), str(n), str(go)],
+                              env=ENV, cwd=ROOT) for who in range(2)]
+    go.touch()
+    assert [p.wait(120) for p in procs] == [0, 0]
     records = [rec for _, _, rec in jsonl.read(path)]
     assert None not in records and os.path.getsize(path) == sum(
         len(json.dumps(r)) + 1 for r in records)  # every byte in a whole line
