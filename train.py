@@ -128,7 +128,9 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     distributed.barrier()  # every rank reads the logs as trimmed
     n_train = sum(p.numel() for p in r.params)
     epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
-    print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
+    ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun
+    print(f"[minigrpo] {cfg.model.name} on {r.device}{ranks} "
+          f"({pick_dtype(cfg.model.dtype, r.device)}), "
           f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {runs.ROW_NAMES[cfg.mode]}, "
           f"steps {start}->{cfg.run.steps}{epochs}", file=sys.stderr)
     if r.engine:
