@@ -8,7 +8,9 @@ What a first read can skip is named and kept elsewhere: micro-batching and the o
 (plumbing/updates.py), the metrics (plumbing/metrics.py), running the rewards (plumbing/scoring.py),
 vLLM's importance weights (plumbing/vllm_engine.py). The loss of a step is the sum of its
 micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split (except
-under loss_type: bnpo, whose token mean is per micro-batch by definition).
+under loss_type: bnpo, whose token mean is per micro-batch by definition). Under torchrun each
+process runs this step on its share of the B prompts, and what crosses processes (the normalisers'
+counts, the gradients, the metrics' inputs) is summed or gathered by plumbing/distributed.py.
 """
 from __future__ import annotations
 

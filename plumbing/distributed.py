@@ -91,13 +91,14 @@ def check_config(cfg: Config) -> None:
 
 def start(device: torch.device) -> torch.device:
     """Join the process group (NCCL on GPUs, gloo on CPU) -> the rank's device (cuda:LOCAL_RANK)."""
-    if world() == 1 or dist.is_initialized():
+    if world() == 1:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
-    atexit.register(stop)  # also when setup fails after this (a --resume refused)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+        atexit.register(stop)  # also when setup fails after this (a --resume refused)
     return device
 
 
@@ -198,7 +199,7 @@ def down_anywhere(down: list, judges: dict) -> list:
     """The judges down on any rank (outage.down of each rank's own calls), on every rank."""
     if world() == 1:
         return down
-    names = set().union(*gather({n for n, j in judges.items() if j in down}))
+    names = set().union(*gather({n for n, j in judges.items() if any(j is d for d in down)}))
     return [j for n, j in judges.items() if n in names]
 
 
