@@ -1,6 +1,7 @@
 """plumbing/distributed.py: data-parallel GRPO under torchrun, on CPU with gloo. One update on two
 processes equals one process's on the same global batch (each loss_type, micro-batches, two
-mini-batches, a KL term); a torchrun run writes one run directory and resumes as it would have
+mini-batches, a KL term), and the processes take their decisions together (a time limit, a judge
+down, counters); a torchrun run writes one run directory and resumes as it would have
 gone on; what cannot run data-parallel is refused in one line; the judge cache takes two writers.
 
 The two-process parts start this file as a worker (`python tests/test_distributed.py worker DIR`,
@@ -115,6 +116,8 @@ def test_one_update_on_two_processes_equals_one_process_on_the_same_global_batch
                 assert m2[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (loss_type, k)
         assert metrics["prompts_drawn"] == B and metrics["clip_ratio/region_mean"] > 0
         assert sorted(s["completion"] for s in shown2) == sorted(s["completion"] for s in shown)
+    assert two["helpers"] == [{"agree": True, "sum": {"x": 1.0, "n": 4}, "down": ["b"]}] * WORLD
+    assert isinstance(two["helpers"][0]["sum"]["n"], int)
     lora_b = [n for n in weights if "lora_B" in n]
     assert lora_b and all(float(weights[n].abs().max()) > 0 for n in lora_b)  # the update moved B
 
@@ -125,7 +128,13 @@ def worker(tmp: Path, config: Path) -> None:
     distributed.BUCKET = 300  # many all-reduces of a few LoRA matrices each, not one
     out = {t: one_update(tmp / f"rank{distributed.rank()}", config, t, batch,
                          rank_groups(distributed.rank())) for t in LOSS_TYPES}
-    if distributed.rank() == 0:
+    # the decisions taken together: a time limit one rank sees, counters, a judge down on rank 1
+    judges, me = {"a": object(), "b": object()}, distributed.rank()
+    down = distributed.down_anywhere([judges["b"]] if me == 1 else [], judges)
+    out["helpers"] = distributed.gather({
+        "agree": distributed.agree(me == 1), "sum": distributed.all_sum({"x": 0.5, "n": 2}),
+        "down": [n for n, j in judges.items() if any(j is d for d in down)]})
+    if me == 0:
         torch.save(out, tmp / "two.pt")
     distributed.stop()
 
