@@ -170,7 +170,8 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
 
 @dataclass
 class LossNorm:
-    """What the loss is divided by; counts are for the whole optimizer step, not the micro-batch."""
+    """What the loss is divided by; counts are for the whole optimizer step, not the micro-batch
+    (under torchrun, over every process's share of it)."""
     loss_type: str  # grpo | bnpo | dr_grpo | dapo
     num_sequences: int  # completions in the optimizer step with a reward (skipped ones left out)
     num_tokens: int  # unmasked completion tokens in the optimizer step
@@ -189,11 +190,11 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     """
     masked = torch.where(mask.bool(), loss_tok, torch.zeros_like(loss_tok))  # (n, C)
     if norm.loss_type == "grpo":
-        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / norm.num_sequences
+        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(norm.num_sequences, 1)
     if norm.loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1) / norm.num_micro_batches
+        return masked.sum() / mask.sum().clamp(min=1) / max(norm.num_micro_batches, 1)
     if norm.loss_type == "dr_grpo":
-        return masked.sum() / (norm.num_sequences * norm.max_completion_length)
+        return masked.sum() / (max(norm.num_sequences, 1) * norm.max_completion_length)
     if norm.loss_type == "dapo":
         return masked.sum() / max(norm.num_tokens, 1)
     raise ValueError(f"unknown loss_type {norm.loss_type!r}")

@@ -8,7 +8,9 @@ What a first read can skip is named and kept elsewhere: micro-batching and the o
 (plumbing/updates.py), the metrics (plumbing/metrics.py), running the rewards (plumbing/scoring.py),
 vLLM's importance weights (plumbing/vllm_engine.py). The loss of a step is the sum of its
 micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split (except
-under loss_type: bnpo, whose token mean is per micro-batch by definition).
+under loss_type: bnpo, whose token mean is per micro-batch by definition). Under torchrun each
+process runs this step on its share of the B prompts, and what crosses processes (the normalisers'
+counts, the gradients, the metrics' inputs) is summed or gathered by plumbing/distributed.py.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from api.client import Judge
 from config import Config
 from model import merged_for_sampling, reference_mode
 from plumbing import vllm_engine
+from plumbing.distributed import all_sum, gather, gather_drawn, share, sum_norms
 from plumbing.metrics import source_metrics, step_metrics
 from plumbing.sampler import PromptSampler
 from plumbing.scoring import (
@@ -95,7 +98,8 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     keep = None  # (N, C) the tokens in the policy-gradient term: all, or the high-entropy ones
     if g.top_entropy_quantile < 1:
         keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
-    minis = mini_batches(cfg, batch, mask, kept.total)  # [(micro-batches, LossNorm)]
+    # [(micro-batches, LossNorm)], the norms counting every rank's share (torchrun)
+    minis = sum_norms(mini_batches(cfg, batch, mask, kept.total))
     # 3. old and reference log-probs, once, before any update
     mbs = [mb for part, _ in minis for mb in part]
     off_policy = g.num_iterations > 1 or g.num_mini_batches > 1  # else the ratio is exactly 1
@@ -110,7 +114,9 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     if r.engine:
         r.phase = "syncing the weights to vLLM"
         r.engine.sync(r.model)  # the next rollout samples from the updated policy
-    # 5. metrics over everything drawn, and the completions shown
+    # 5. metrics over everything drawn (by every rank: torchrun), and the completions shown
+    drawn = concat(gather_drawn(r, drawn), r.tokenizer.pad_token_id)
+    sums, tis, n_drawn = all_sum(sums), all_sum(tis), all_sum({"n": n_drawn})["n"]
     metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) \
         | norm_metrics(norms) | source_metrics(r, drawn) | extra_metrics(r, batch, sums, tis) | {
         "learning_rate": lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
@@ -119,7 +125,7 @@ def train_step(r: Run) -> tuple[dict, list[dict]]:
     shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
               "advantage": float(a)}
              for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
-    return metrics, shown
+    return metrics, [s for part in gather(shown) for s in part]
 
 
 def update(r: Run, batch: rollout.Rollout, adv, mask, keep, minis, old_logp, ref_logp):
@@ -188,8 +194,8 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
         part = rollout.select_rows(batch, list(range(N))[rows])
         mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
             part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        scored_mbs = max(sum(bool((~skipped[mb]).any()) for mb in mbs), 1)
-        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, max(int((~skipped[rows]).sum()), 1),
+        scored_mbs = sum(bool((~skipped[mb]).any()) for mb in mbs)
+        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, int((~skipped[rows]).sum()),
             int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
     return minis
 
@@ -295,11 +301,12 @@ def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSamp
     With rollout.resample_zero_std (DAPO dynamic sampling), groups whose rewards are all equal are
     set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
     reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
-    B, G, tol = cfg.rollout.prompts_per_step, cfg.rollout.num_generations, cfg.grpo.zero_std_tol
+    G, tol = cfg.rollout.num_generations, cfg.grpo.zero_std_tol
+    B = share(cfg.rollout.prompts_per_step)  # this process's share of B (all of it, one process)
     parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judges, engine)]
     if not cfg.rollout.resample_zero_std:
         return parts[0], parts[0], B
-    cap, drawn = max(cfg.rollout.max_prompts_per_step or 4 * B, B), B
+    cap, drawn = max(share(cfg.rollout.max_prompts_per_step) or 4 * B, B), B
     zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
     while sum(z.count(False) for z in zero) < B and drawn < cap:
         k = min(B - sum(z.count(False) for z in zero), cap - drawn)

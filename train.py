@@ -8,6 +8,7 @@ updates (step.train_step); this file logs, checkpoints and stops. plumbing/runs.
   python train.py --config configs/quickstart.yaml --dry-run   # check it all, show the first prompt
   python train.py --config configs/quickstart_sft.yaml         # mode: sft, a step is modes/sft.py's
   python train.py --config configs/quickstart_dpo.yaml         # mode: dpo, a step is modes/dpo.py's
+  torchrun --nproc_per_node=4 train.py --config x.yaml  # data-parallel GRPO: docs/multi-gpu.md
 
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,
@@ -31,7 +32,7 @@ from config import ConfigError, save_config
 from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
-from plumbing import display, jsonl, overlap, runs
+from plumbing import display, distributed, jsonl, overlap, runs
 from plumbing.checkpoint import keep_lines_up_to, save_checkpoint
 from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
 from step import Run, train_step
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The CLI; `started`: the job's start (the CLI's: this module's import) for run.max_minutes."""
     started = time.monotonic() if started is None else started  # the limit counts the loading too
     argv = sys.argv[1:] if argv is None else argv
+    distributed.quiet_other_ranks()  # torchrun: rank 0 speaks and writes for the run
     args, overrides = parse_args(argv)
     args.argv = argv  # for the --resume command a stopped run gives
     try:
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     r.step, tracker = r.start, None
     try:
         with sigterm_as_interrupt():
-            tracker = display.open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
+            if distributed.rank() == 0:
+                tracker = display.open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
             return run(r, args, created, tracker, started)
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (the run's files)
         if isinstance(e, OSError) and not is_write_error(e):
@@ -106,22 +109,28 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     finally:
         if tracker:
             tracker.finish()
+        distributed.stop()
 
 
 def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not start:  # config.yaml: the first config; a resume that changes settings adds its own
-        save_config(cfg, run_dir / "config.yaml")
-    elif r.changed:
-        save_config(cfg, run_dir / f"config_resumed_step_{start:06d}.yaml")
+    writes = distributed.rank() == 0  # under torchrun rank 0 alone writes the run's files
     metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
-    for p in (metrics_path, samples_path):
-        keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
+    if writes:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not start:  # config.yaml: the first config; a resume that changes settings adds its own
+            save_config(cfg, run_dir / "config.yaml")
+        elif r.changed:
+            save_config(cfg, run_dir / f"config_resumed_step_{start:06d}.yaml")
+        for p in (metrics_path, samples_path):
+            keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
+    distributed.barrier()  # every rank reads the logs as trimmed
     n_train = sum(p.numel() for p in r.params)
     epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
-    print(f"[minigrpo] {cfg.model.name} on {r.device} ({pick_dtype(cfg.model.dtype, r.device)}), "
+    ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun
+    print(f"[minigrpo] {cfg.model.name} on {r.device}{ranks} "
+          f"({pick_dtype(cfg.model.dtype, r.device)}), "
           f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {runs.ROW_NAMES[cfg.mode]}, "
           f"steps {start}->{cfg.run.steps}{epochs}", file=sys.stderr)
     if r.engine:
@@ -142,20 +151,23 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                     t_eval = time.monotonic()
                     metrics |= held_out_metrics(r)
                     eval_seconds = time.monotonic() - t_eval
-                metrics |= judges_stats(r.judges)  # the step's judge calls, held-out too (any mode)
+                # the step's judge calls (every rank's), held-out too (any mode)
+                metrics |= distributed.all_sum(judges_stats(r.judges))
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
                 return runs.stop_on_error(r, args, e, step, created)
             metrics = {"step": step, **metrics}
-            jsonl.append(metrics_path, [metrics])
+            if writes:
+                jsonl.append(metrics_path, [metrics])
             if tracker:
                 tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-            if cfg.run.sample_every and step % cfg.run.sample_every == 0:
+            if writes and cfg.run.sample_every and step % cfg.run.sample_every == 0:
                 n = cfg.run.samples_per_log or cfg.rollout.num_generations  # 0: all the first group
                 jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
             flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
             stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
-            judge_down = outage.down(r.judges, cfg.run.judge_outage_steps)  # saved before waiting
+            judge_down = distributed.down_anywhere(  # saved before waiting
+                outage.down(r.judges, cfg.run.judge_outage_steps), r.judges)
             # the step's own time, without its held-out scoring
             step_seconds.append(time.monotonic() - t_step - (eval_seconds if evaluated else 0.0))
             saving = stop or judge_down or step == cfg.run.steps or (
@@ -166,10 +178,10 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             scoring = eval_seconds or max(step_seconds[-5:])
             extra = (scoring if r.eval_rows and (step + 1) % cfg.run.eval_every == 0
                      else 0.0) + save_seconds * (1 + bool(saving))
-            timed_out = not stop and step < cfg.run.steps and runs.out_of_time(
-                cfg, started, step_seconds, time.monotonic(), extra)
+            timed_out = not stop and step < cfg.run.steps and distributed.agree(runs.out_of_time(
+                cfg, started, step_seconds, time.monotonic(), extra))  # any rank's clock
             if saving or timed_out:
-                if recorded is None:  # for eval.py's overlap check, with the first checkpoint
+                if recorded is None and writes:  # for eval.py's overlap check, 1st checkpoint
                     recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
                 t_save = time.monotonic()
                 save_checkpoint(r, step)

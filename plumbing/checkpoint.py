@@ -2,7 +2,8 @@
 the checkpoint.
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
-                               RNG states, step, data position, the judges' run totals), config.yaml
+                               RNG states, step, data position, the judges' run totals; under
+                               torchrun each process's own in "ranks"), config.yaml
     (run.keep_checkpoints newest are whole; older keep adapter/ and config.yaml, run.keep_adapters)
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
@@ -25,7 +26,7 @@ import torch
 
 from config import ConfigError, save_config
 from model import is_peft
-from plumbing import jsonl
+from plumbing import distributed, jsonl
 from plumbing.adapters import PROVENANCE, save_adapter
 
 if TYPE_CHECKING:
@@ -54,14 +55,17 @@ def prune(ckpt: Path, keep_adapter: bool) -> None:
 
 def save_checkpoint(r: Run, step: int) -> Path:
     """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via
-    .tmp + rename."""
-    cfg = r.cfg
+    .tmp + rename. Under torchrun every rank calls it (each sends its own state) and rank 0
+    writes."""
+    cfg, ranks = r.cfg, distributed.gather(rank_state(r))
     final = r.run_dir / "checkpoints" / f"step_{step:06d}"
+    if distributed.rank() > 0:
+        return final
     tmp = final.with_name(final.name + ".tmp")
     for stale in final.parent.glob("step_*.tmp"):  # from a kill or failed write: their space first
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        _write(r, tmp, step)
+        _write(r, tmp, step, ranks)
     except BaseException as e:  # Ctrl-C, a full disk: no half checkpoint left, holding the space
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, Exception):  # Ctrl-C, SIGTERM: never a disk error, whatever it stopped
@@ -90,7 +94,16 @@ def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
     return _os_error(e.__cause__ or e.__context__, depth + 1)
 
 
-def _write(r: Run, tmp: Path, step: int) -> None:
+def rank_state(r: Run) -> dict:
+    """What each process has of its own: RNG states, data position, its judges' run totals."""
+    return {"data_position": r.sampler.state(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()}}
+
+
+def _write(r: Run, tmp: Path, step: int, ranks: list[dict]) -> None:
     model, optimizer, scheduler, scaler, cfg = r.model, r.optimizer, r.scheduler, r.scaler, r.cfg
     tmp.mkdir(parents=True)
     if is_peft(model):
@@ -100,16 +113,10 @@ def _write(r: Run, tmp: Path, step: int) -> None:
         r.tokenizer.save_pretrained(tmp / "model")  # a full model directory: eval.py, export
         # --resume checks the base
         (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))
-    state = {
-        "step": step, "data_position": r.sampler.state(),
-        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler else None,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        # judge_*_total goes on from here
-        "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},
-    }
+    state = {  # rank 0's own state at the top (judge_*_total goes on from here), all in "ranks"
+        "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler else None, **ranks[0],
+        **({"world_size": len(ranks), "ranks": ranks} if len(ranks) > 1 else {})}
     with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: a write error raises OSError
         torch.save(state, f)
     save_config(cfg, tmp / "config.yaml")
@@ -136,6 +143,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
             raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    distributed.check_world(state.get("world_size", 1), ckpt)
+    state |= state["ranks"][distributed.rank()] if "ranks" in state else {}  # this rank's own
     optimizer.load_state_dict(state["optimizer"])
     if scaler and state["scaler"]:
         scaler.load_state_dict(state["scaler"])

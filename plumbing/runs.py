@@ -34,7 +34,7 @@ from model import (
     pick_dtype,
     trainable_parameters,
 )
-from plumbing import overlap, vllm_engine
+from plumbing import distributed, overlap, vllm_engine
 from plumbing.adapters import PROVENANCE, same_base
 from plumbing.checkpoint import checkpoints, load_checkpoint
 from plumbing.display import out_of_memory
@@ -160,6 +160,7 @@ def setup(args, overrides: list[str]) -> Run:
                           f"--run.out_dir={home} to use this one, or "
                           f"--run.out_dir={cfg.run.out_dir}")
     vllm_engine.check_config(cfg)
+    distributed.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
     run_dir = Path(cfg.run.out_dir)
     check_writable(cfg.run.out_dir, "run.out_dir")
@@ -223,9 +224,10 @@ def setup(args, overrides: list[str]) -> Run:
     if cfg.mode == "grpo" or eval_rows:
         open_rewards(cfg.rewards)  # a reward model loads here, once everything cheaper is checked
     rollout.seed_everything(cfg.run.seed)
-    device = pick_device(cfg.run.device)
+    device = distributed.start(pick_device(cfg.run.device))  # torchrun: this rank's GPU
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft",
                                    beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
+    distributed.same_start(trainable_parameters(model), cfg.run.seed)
     kept = next((ckpts[-1] / d / PROVENANCE for d in ("adapter", "model")
                  if ckpts and (ckpts[-1] / d / PROVENANCE).is_file()), None)
     if kept is not None:  # the LoRA adapter's, or full fine-tuning's whole model's
@@ -256,7 +258,8 @@ def setup(args, overrides: list[str]) -> Run:
     fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
     scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow unscaled
     sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed,
-                            [(s.weight, s.weight_end) for s in sources])
+                            [(s.weight, s.weight_end) for s in sources], distributed.rank(),
+                            distributed.world())
     start, updates_done = 0, 0
     if ckpts:
         state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
@@ -290,7 +293,8 @@ def setup(args, overrides: list[str]) -> Run:
                                         pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r, start=start)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
-               params, optimizer, scheduler, scaler, sampler, judges, start, engine, eval_rows,
+               params, optimizer, scheduler, scaler, sampler, judges, start, engine,
+               eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0 scores them
                changed=changed)
 
 
@@ -333,6 +337,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
     this command's files are removed (a folder it created too), so the same command runs again once
     the cause is fixed."""
     code, fix = 2, "fix it, then "
+    distributed.speak(e)  # torchrun: a rank > 0 that failed on its own
     if isinstance(e, KeyboardInterrupt):
         (signame, code), fix = interrupted(e), ""
         what = f"interrupted ({signame})"
@@ -349,7 +354,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
         print(f"\nerror: {what}; stopped at step {step}: {fix}--resume from the last checkpoint "
               f"in {run_dir}", file=sys.stderr)
         return code
-    if args.resume:  # its files were there before this command: left as they were
+    if args.resume or distributed.rank() > 0:  # files that were there before, or rank 0's
         print(f"\nerror: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
         return code
     # this run's (the folder held no run): nothing to resume, so no half run is left behind
@@ -399,9 +404,10 @@ def judge_outage(r: Run, args, down: list[Judge], step: int, started: float,
     try:
         for judge in down:
             seconds = deadline - time.monotonic()
-            if cfg.judge_outage == "wait" and seconds > 0 and outage.wait(judge, seconds):
+            waits = cfg.judge_outage == "wait" and distributed.world() == 1  # torchrun: stop
+            if waits and seconds > 0 and outage.wait(judge, seconds):
                 continue
-            if cfg.judge_outage == "wait" and left < wait:  # the time limit, not the judge
+            if waits and left < wait:  # the time limit, not the judge
                 print(f"[minigrpo] stopped at step {step} of {cfg.steps}: run.max_minutes="
                       f"{cfg.max_minutes:g} would pass while waiting ({outage.what(judge)}); "
                       f"checkpoint saved in {r.run_dir}, go on with --resume", file=sys.stderr)

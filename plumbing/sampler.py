@@ -24,11 +24,14 @@ class PromptSampler:
     the caller sets `progress` (0 at the first step, 1 at the last). The whole state is state():
     the global position and each source's position, so a resumed run draws what the
     uninterrupted one drew. The returned indices are into the sources' rows concatenated.
+    Under torchrun each process (rank r of `world`) draws every world-th of those draws, from the
+    r-th on: the ranks of a step draw, together, the prompts one process would (one source), and
+    each rank's state is its own (resample_zero_std draws more on one rank than another).
     """
 
     def __init__(self, sizes: list[int], seed: int,
-                 weights: list[tuple[float, float]] | None = None):
-        self.sizes, self.seed = list(sizes), seed
+                 weights: list[tuple[float, float]] | None = None, rank: int = 0, world: int = 1):
+        self.sizes, self.seed, self.rank, self.world = list(sizes), seed, rank, world
         self.weights = weights or [(1.0, 1.0)] * len(self.sizes)
         self.offsets = [sum(self.sizes[:s]) for s in range(len(self.sizes))]
         self.position, self.positions, self.progress = 0, [0] * len(self.sizes), 0.0
@@ -65,8 +68,8 @@ class PromptSampler:
     def draw(self, k: int) -> list[int]:
         out = []
         for _ in range(k):
-            s = self._source(self.position)
-            out.append(self.offsets[s] + self._index(s, self.positions[s]))
+            s = self._source(self.position * self.world + self.rank)
+            out.append(self.offsets[s] + self._index(s, self.positions[s] * self.world + self.rank))
             self.position += 1
             self.positions[s] += 1
             self.counts[s] += 1

@@ -20,6 +20,7 @@ import logprobs
 import rollout
 from config import Config
 from model import mixed_precision
+from plumbing.distributed import sum_gradients
 
 
 def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0,
@@ -77,7 +78,9 @@ def batch_log_probs(model, batch: rollout.Rollout, cfg: Config,
 def optimizer_step(r) -> tuple[float, float]:
     """Unscale (fp16), clip, step the optimizer and schedule of r (a step.Run) -> (grad norm, lr).
     A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
-    would write NaN into every trained weight for the rest of the run."""
+    would write NaN into every trained weight for the rest of the run. Under torchrun the
+    gradients are first summed over the processes (each loss is its share of the global one)."""
+    sum_gradients(r.params)
     if r.scaler:
         r.scaler.unscale_(r.optimizer)
     max_norm = r.cfg.optim.max_grad_norm if r.cfg.optim.max_grad_norm > 0 else float("inf")
