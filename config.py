@@ -169,6 +169,8 @@ class DataConfig:
     assistant_prefix: str = ""  # text forced at the reply's start, e.g. "<think>"; counts as prompt
     chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template arguments, e.g.
     #   {enable_thinking: false} for Qwen3
+    tools_prompt: str | None = None  # tools: the system text that describes them to a model whose
+    #   chat template declares none ({tools}: their JSON schemas); None: minigrpo's Hermes-style one
     num_examples: int = 0  # built-in task size (0: all 400); files, hub: keep the first n (0: all)
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA: 42)
     select: list[int] | None = None  # [start, end) of (shuffled) rows trained on, e.g. [1000, 1500]

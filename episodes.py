@@ -59,6 +59,7 @@ class Episode:
     env: object | None
     messages: list[dict]  # the whole conversation: the first messages, then each turn
     prompt_ids: list[int]
+    opening: int = 0  # how many of the messages are the first ones (the prompt's)
     ids: list[int] = field(default_factory=list)  # after the prompt: the model's and the env's
     mask: list[int] = field(default_factory=list)  # 1 where the model sampled the token
     entropy: list[float] = field(default_factory=list)  # the sampling entropy; 0 at env tokens
@@ -68,9 +69,15 @@ class Episode:
     error: str | None = None  # the environment raised: its one line
 
     @property
+    def exchanged(self) -> list[dict]:
+        """The messages after the first ones: this episode's turns, the model's and the env's."""
+        return self.messages[self.opening:]
+
+    @property
     def reply(self) -> str:
         """The assistant's last message: what the rewards score as `completion`."""
-        return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
+        return next((m["content"] for m in reversed(self.exchanged) if m["role"] == "assistant"),
+                    "")
 
     @property
     def reward(self) -> float | None:
@@ -113,7 +120,7 @@ def open_episode(make_env: Callable, row: dict, tokenizer, cfg: Config) -> Episo
                                      cfg.data.system_prompt)
     prompt = render(tokenizer, messages, cfg, getattr(env, "tools", None), first=True)
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    return Episode(env, messages, ids, error=error)
+    return Episode(env, messages, ids, opening=len(messages), error=error)
 
 
 def sample_turn(model, tokenizer, cfg: Config, live: list[Episode], first: bool):
@@ -205,7 +212,7 @@ def render(tokenizer, messages: list[dict], cfg: Config, tools: list[dict] | Non
     if tools and tool_calls.declares_tools(tokenizer):
         kwargs["tools"] = tools
     elif tools:
-        text = tool_calls.describe_tools(tools)
+        text = tool_calls.describe_tools(tools, cfg.data.tools_prompt)
         if messages[0]["role"] == "system":
             messages = [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"},
                         *messages[1:]]

@@ -11,8 +11,8 @@ import operator
 
 EXAMPLE = [  # one worked exchange: how a call looks, what comes back, how the answer reads
     {"role": "user", "content": "What is 123 * 45?"},
-    {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": '
-                                     '{"expression": "123 * 45"}}\n</tool_call>'},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": '
+                                     '{"expression": "123 * 45"}}</tool_call>'},
     {"role": "tool", "name": "calculator", "content": "5535"},
     {"role": "assistant", "content": "123 * 45 = 5535"},
 ]
@@ -47,10 +47,10 @@ def with_example(row: dict) -> dict:
 def tool_call(completion: str, sample: dict, episode) -> float:
     """1 when the episode made a calculator call that ran (well-formed JSON, a known tool)."""
     return float(any(m["role"] == "tool" and not m["content"].startswith("error")
-                     for m in episode.messages))
+                     for m in episode.exchanged))
 
 
 def right_operands(completion: str, sample: dict, episode) -> float:
     """1 when a calculator call computed the gold product (the question's operands, multiplied)."""
     return float(any(m["role"] == "tool" and m["content"] == str(sample["answer"])
-                     for m in episode.messages))
+                     for m in episode.exchanged))

@@ -59,9 +59,11 @@ To call one, write <tool_call>{{"name": <tool name>, "arguments": {{<argument>: 
 </tool_call> and its result comes back."""
 
 
-def describe_tools(schemas: list[dict]) -> str:
-    """The system text that tells a model without a tool-aware template about the tools."""
-    return HERMES_SYSTEM.format(tools="\n".join(json.dumps(s) for s in schemas))
+def describe_tools(schemas: list[dict], text: str | None = None) -> str:
+    """The system text that tells a model without a tool-aware template about the tools: `text`
+    (data.tools_prompt) or HERMES_SYSTEM, its {tools} the schemas, one JSON object a line."""
+    tools = "\n".join(json.dumps(s) for s in schemas)
+    return HERMES_SYSTEM.format(tools=tools) if text is None else text.replace("{tools}", tools)
 
 
 def tool_schema(fn: Callable, label: str) -> dict:
