@@ -667,6 +667,9 @@ def _check_episodes(cfg: Config) -> None:
     if cfg.rollout.engine != "hf":
         raise ConfigError(f"{what} episodes sample with HF generate; rollout.engine: vllm "
                           "does not run them yet")
+    if cfg.run.eval_every:
+        raise ConfigError(f"{what} held-out scoring (run.eval_every) runs single replies, not "
+                          "episodes, yet: set run.eval_every: 0")
     for name in [cfg.env.name] if cfg.env else cfg.tools:
         if ":" not in name:
             raise ConfigError(f"{what} {name!r} must be 'path/to/file.py:name' or "

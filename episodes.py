@@ -126,9 +126,12 @@ def open_episode(make_env: Callable, row: dict, tokenizer, cfg: Config) -> Episo
 def sample_turn(model, tokenizer, cfg: Config, live: list[Episode], first: bool):
     """The next assistant turn of each live episode: one HF generate call (rollout.py's sampler)
     on the episodes' tokens as they stand, left-padded; each turn at most max_new_tokens. The
-    first turn is today's single-turn call: G replies to each prompt, the prompt run once."""
+    first turn is today's single-turn call: G replies to each prompt, the prompt run once (unless
+    an environment gave a group different first messages)."""
     ro, pad = cfg.rollout, tokenizer.pad_token_id
-    G = ro.num_generations if first else 1
+    G = ro.num_generations if first and all(
+        e.prompt_ids == live[i - i % ro.num_generations].prompt_ids for i, e in enumerate(live)) \
+        else 1
     seqs = [e.prompt_ids + e.ids for e in live[::G]]
     width = max(map(len, seqs))
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])  # (n, L) left-padded

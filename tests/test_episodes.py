@@ -307,3 +307,16 @@ def test_a_scripted_environment_run_trains_logs_episodes_and_resumes_after_a_kil
     resumed = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [{k: v for k, v in m.items() if k not in TIMING} for m in resumed] == \
         [{k: v for k, v in m.items() if k not in TIMING} for m in whole]
+
+
+@pytest.mark.parametrize("override, says", [
+    ("--rollout.engine=vllm", "episodes sample with HF generate"),
+    ("--rollout.max_episode_tokens=10", "max_episode_tokens=10 bounds a whole episode"),
+    ("--run.eval_every=5", "held-out scoring (run.eval_every) runs single replies"),
+    ("--env={name: x.py:E}", "give env: or tools:, not both"),
+    ("--tools=[calculator]", "must be 'path/to/file.py:name'")])
+def test_episode_settings_that_cannot_run_are_refused_with_one_line(override, says):
+    from config import ConfigError
+    with pytest.raises(ConfigError) as err:
+        load_config(Path(__file__).parents[1] / "configs/tools_calculator.yaml", [override])
+    assert says in str(err.value) and "\n" not in str(err.value)
