@@ -181,7 +181,11 @@ def take_turn(e: Episode, turn: list[int], entropy: list[float], hit_limit: bool
 
 
 def as_messages(said) -> list[dict] | None:
-    """An environment's answer as messages: a str is a user message; None ends the episode."""
+    """An environment's answer as messages: a str is a user message; None ends the episode.
+
+    >>> as_messages("Higher."), as_messages({"role": "tool", "content": "408"}), as_messages(None)
+    ([{'role': 'user', 'content': 'Higher.'}], [{'role': 'tool', 'content': '408'}], None)
+    """
     if said is None or isinstance(said, list):
         return said
     if isinstance(said, str):
