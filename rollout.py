@@ -43,7 +43,7 @@ class Rollout:
     completion_ids: Tensor  # (N, C) right-padded
     completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
-    texts: list[str]  # decoded completions, EOS and padding removed
+    texts: list[str]  # decoded completions, EOS and padding removed (episodes: the conversation)
     sampler_logp: Tensor | None = None  # (N, C) vLLM's own log-probs, for importance weights
     entropy: Tensor | None = None  # (N, C) sampling entropy per token (HF generate, EntropyMeter)
     attended: Tensor | None = None  # (N, C) episodes: every token, the environment's too (the
@@ -231,11 +231,11 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`.
     prompts may be token ids already, (ids, attn) left-padded: episodes.py's conversations."""
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-        pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device) \
-        if isinstance(prompts, list) else None
-    ids, attn = (enc.input_ids, enc.attention_mask) if enc is not None else prompts  # (B, P)
-    G = num_generations
+    if isinstance(prompts, list):  # text; episodes.py passes its tokens as they stand
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
+        prompts = (enc.input_ids, enc.attention_mask)
+    G, (ids, attn) = num_generations, prompts  # ids, attn: (B, P)
     longest = int(attn.sum(1).max())
     if longest > max_prompt_tokens:
         raise ValueError(f"a prompt has {longest} tokens > "
