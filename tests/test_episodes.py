@@ -238,6 +238,9 @@ def test_a_tool_that_hangs_past_its_limit_is_an_error_message_in_time():
 
 
 def test_llama_style_json_calls_parse_and_text_without_a_call_gives_none():
+    llama_like = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}" \
+                 "{{ m['content'] }}{% endfor %}"  # declares tools, no <tool_call> tags
+    assert tool_calls.call_format(make_tokenizer(llama_like)) == "json"
     calls = tool_calls.parse_calls('{"name": "calculator", "parameters": {"expression": "2*3"}}',
                                    "json")
     assert calls == [tool_calls.ToolCall("calculator", {"expression": "2*3"})]
