@@ -63,6 +63,13 @@ class RewardSpec:
 
 
 @dataclass
+class EnvSpec:
+    """The config's `env:` section: multi-turn episodes against your environment (episodes.py)."""
+    name: str  # "path/to/file.py:Class" or "package.module:Class": one object per episode
+    args: dict = field(default_factory=dict)  # keyword arguments its constructor gets
+
+
+@dataclass
 class JudgeConfig:
     base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
     #   Ollama, OpenAI; ${NAME} reads the env
@@ -162,6 +169,8 @@ class DataConfig:
     assistant_prefix: str = ""  # text forced at the reply's start, e.g. "<think>"; counts as prompt
     chat_template_kwargs: dict = field(default_factory=dict)  # extra chat-template arguments, e.g.
     #   {enable_thinking: false} for Qwen3
+    tools_prompt: str | None = None  # tools: the system text that describes them to a model whose
+    #   chat template declares none ({tools}: their JSON schemas); None: minigrpo's Hermes-style one
     num_examples: int = 0  # built-in task size (0: all 400); files, hub: keep the first n (0: all)
     split_seed: int | None = None  # shuffle all rows with this seed before `select` (MedMCQA: 42)
     select: list[int] | None = None  # [start, end) of (shuffled) rows trained on, e.g. [1000, 1500]
@@ -207,6 +216,10 @@ class RolloutConfig:
     vllm_sleep: bool = False  # sleep vLLM (free KV cache, offload weights) while the trainer runs
     resample_zero_std: bool = False  # DAPO dynamic sampling: draw until B groups have signal
     max_prompts_per_step: int = 0  # resampling's cap on prompts per step (0: 4 * prompts_per_step)
+    max_turns: int = 4  # env or tools: assistant turns an episode has at most (episodes.py)
+    max_episode_tokens: int = 512  # env or tools: tokens after the prompt an episode has at most,
+    #   the model's and the environment's; a longer one is cut and flagged truncated
+    tool_timeout: float = 10.0  # tools: seconds a tool call may run before its result is an error
 
 
 @dataclass
@@ -387,6 +400,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
+    env: EnvSpec | None = None  # multi-turn: an environment answers each assistant turn
+    #   (docs/multi-turn.md); None, and no tools: one reply per prompt
+    tools: list[str] = field(default_factory=list)  # multi-turn with tools: "file.py:function"s
+    #   the model calls in the chat template's tool-call format, run by episodes.ToolEnv
     judge: JudgeConfig | None = None  # OpenAI-compatible judge for judge-based rewards (judge.py)
     judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a
     #   reward's args: {judge: NAME} (two judges scoring the same completions: dual-judge
@@ -465,6 +482,7 @@ def _check(cfg: Config) -> None:
                           "the prompts resampling draws: it needs rollout.resample_zero_std: true "
                           f"and a value >= prompts_per_step ({cfg.rollout.prompts_per_step}); "
                           "0: 4 x prompts_per_step")
+    _check_episodes(cfg)
     if cfg.rollout.vllm_sleep and cfg.rollout.engine != "vllm":
         raise ConfigError("rollout.vllm_sleep puts vLLM to sleep between rollouts; "
                           "it needs rollout.engine: vllm")
@@ -661,6 +679,34 @@ def data_label(d: DataConfig) -> str:
         return d.name
     names = " + ".join(s.name for s in sources)
     return f"preset {d.preset} ({names})" if d.preset is not None else f"mixture ({names})"
+
+
+def _check_episodes(cfg: Config) -> None:
+    """env: and tools: (multi-turn episodes): GRPO on HF generate, names as rewards give them."""
+    if not (cfg.env or cfg.tools):
+        return
+    what = "env:" if cfg.env else "tools:"
+    if cfg.env and cfg.tools:
+        raise ConfigError("give env: or tools:, not both (tools run in the built-in tool "
+                          "environment; your own env calls its tools itself)")
+    if cfg.mode != "grpo":
+        raise ConfigError(f"{what} runs GRPO episodes; mode: {cfg.mode} has none")
+    if cfg.rollout.engine != "hf":
+        raise ConfigError(f"{what} episodes sample with HF generate; rollout.engine: vllm "
+                          "does not run them yet")
+    if cfg.run.eval_every:
+        raise ConfigError(f"{what} held-out scoring (run.eval_every) runs single replies, not "
+                          "episodes, yet: set run.eval_every: 0")
+    for name in [cfg.env.name] if cfg.env else cfg.tools:
+        if ":" not in name:
+            raise ConfigError(f"{what} {name!r} must be 'path/to/file.py:name' or "
+                              "'package.module:name'")
+    if cfg.rollout.max_turns < 1 or cfg.rollout.tool_timeout <= 0:
+        raise ConfigError("rollout.max_turns must be >= 1 and rollout.tool_timeout > 0")
+    if cfg.rollout.max_episode_tokens < cfg.rollout.max_new_tokens:
+        raise ConfigError(f"rollout.max_episode_tokens={cfg.rollout.max_episode_tokens} bounds a "
+                          f"whole episode: it must be >= rollout.max_new_tokens "
+                          f"({cfg.rollout.max_new_tokens})")
 
 
 def _check_mixture(d: DataConfig) -> None:

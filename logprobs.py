@@ -142,8 +142,8 @@ def trim(input_ids: Tensor, attention_mask: Tensor,
     """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past
     the longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
     C_all = completion_mask.shape[1]
-    C = max(int(completion_mask.sum(1).max()), 1)
     P = attention_mask.shape[1] - C_all  # prompt columns
+    C = max(int(attention_mask[:, P:].sum(1).max()), 1)  # an episode's env tokens count too
     start = int((attention_mask[:, :P].sum(0) > 0).long().argmax()) if P > 0 else 0
     end = P + C
     return input_ids[:, start:end], attention_mask[:, start:end], C

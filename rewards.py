@@ -218,7 +218,7 @@ ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_
              "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
              "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
              "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
-             "citation_pass": "graders.citations"}
+             "citation_pass": "graders.citations", "env_reward": "episodes"}
 
 
 def lookup(name: str) -> tuple[Callable, bool] | None:

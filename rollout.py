@@ -43,9 +43,12 @@ class Rollout:
     completion_ids: Tensor  # (N, C) right-padded
     completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
-    texts: list[str]  # decoded completions, EOS and padding removed
+    texts: list[str]  # decoded completions, EOS and padding removed (episodes: the conversation)
     sampler_logp: Tensor | None = None  # (N, C) vLLM's own log-probs, for importance weights
     entropy: Tensor | None = None  # (N, C) sampling entropy per token (HF generate, EntropyMeter)
+    attended: Tensor | None = None  # (N, C) episodes: every token, the environment's too (the
+    #   completion_mask has the model's alone); None: the completion_mask
+    episodes: list | None = None  # (N,) episodes.Episode: multi-turn rollouts only
 
     @property
     def input_ids(self) -> Tensor:
@@ -53,7 +56,8 @@ class Rollout:
 
     @property
     def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask.long()], dim=1)  # (N, P + C)
+        seen = self.completion_mask if self.attended is None else self.attended  # (N, C)
+        return torch.cat([self.prompt_mask, seen.long()], dim=1)  # (N, P + C)
 
 
 def chat_messages(prompt: str | list[dict], system_prompt: str | None = None) -> list[dict]:
@@ -210,7 +214,8 @@ class EntropyMeter:
 
 
 @torch.no_grad()
-def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
+def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor],
+        num_generations: int,
         max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000,
         ignore_eos: bool = False, share_prompt: bool = False, static_cache: bool = False,
@@ -223,11 +228,14 @@ def generate_rollout(model, tokenizer, prompts: list[str], num_generations: int,
     static_cache (rollout.compile): HF generate with a preallocated KV cache, which transformers
     compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
     tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
-    entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`."""
+    entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`.
+    prompts may be token ids already, (ids, attn) left-padded: episodes.py's conversations."""
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                    pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
-    G, ids, attn = num_generations, enc.input_ids, enc.attention_mask  # ids, attn: (B, P)
+    if isinstance(prompts, list):  # text; episodes.py passes its tokens as they stand
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
+        prompts = (enc.input_ids, enc.attention_mask)
+    G, (ids, attn) = num_generations, prompts  # ids, attn: (B, P)
     longest = int(attn.sum(1).max())
     if longest > max_prompt_tokens:
         raise ValueError(f"a prompt has {longest} tokens > "
@@ -326,7 +334,10 @@ def concat_rollouts(parts: list[Rollout], pad_id: int) -> Rollout:
         sampler_logp=None if parts[0].sampler_logp is None else torch.cat(
             [_pad_to(r.sampler_logp, C, 0, False) for r in parts]),
         entropy=None if parts[0].entropy is None else torch.cat(
-            [_pad_to(r.entropy, C, 0, False) for r in parts]))
+            [_pad_to(r.entropy, C, 0, False) for r in parts]),
+        attended=None if parts[0].attended is None else torch.cat(
+            [_pad_to(r.attended, C, 0, False) for r in parts]),
+        episodes=None if parts[0].episodes is None else [e for r in parts for e in r.episodes])
 
 
 def select_rows(r: Rollout, rows: list[int]) -> Rollout:
@@ -334,4 +345,6 @@ def select_rows(r: Rollout, rows: list[int]) -> Rollout:
     return Rollout(r.prompt_ids[ix], r.prompt_mask[ix], r.completion_ids[ix], r.completion_mask[ix],
                    r.truncated[ix], [r.texts[i] for i in rows],
                    None if r.sampler_logp is None else r.sampler_logp[ix],
-                   None if r.entropy is None else r.entropy[ix])
+                   None if r.entropy is None else r.entropy[ix],
+                   None if r.attended is None else r.attended[ix],
+                   None if r.episodes is None else [r.episodes[i] for i in rows])

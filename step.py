@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+import episodes
 import grpo
 import rollout
 from api.client import Judge
@@ -202,8 +203,8 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
 
 def extra_metrics(r: Run, batch: rollout.Rollout, sums: dict, tis: dict) -> dict:
     """The optional metrics: vLLM's distance to the trainer's policy and its importance weights,
-    the two-sided clip's share."""
-    out = {}
+    the two-sided clip's share, the episodes'."""
+    out = episodes.episode_metrics(batch.episodes)  # multi-turn: turns, tool calls, ...
     if batch.sampler_logp is not None:
         out["sampler_logp_abs_diff"] = tis["abs_diff"] / max(tis["tokens"], 1.0)
         if r.cfg.grpo.tis_cap:
@@ -243,6 +244,10 @@ def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judge
 
     def lengths(r: rollout.Rollout) -> list[int]:  # read here: no GPU sync on the rewards' thread
         return r.completion_mask.sum(1).long().tolist()
+    if cfg.env or cfg.tools:  # multi-turn: G episodes a prompt, the rewards see each whole
+        r = episodes.run_episodes(cfg, model, tokenizer, [rows[i] for i in idx])
+        return scored(r, samples, compute_rewards([e.reply for e in r.episodes], samples,
+            cfg.rewards, num_tokens=lengths(r), episodes=r.episodes, context=context))
     if engine is not None:
         r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model),
                             next(model.parameters()).device)

@@ -10,7 +10,8 @@ are in rewards.py).
     total_i = sum_k weight_k * r_k(completion_i, sample_i)   (a None r_k adds 0; a skipped one
                                                                makes it NaN, unless its weight is 0)
 
-compute_rewards fills a reward's parameters named `num_tokens` or after a key of its context
+compute_rewards fills a reward's parameters named `num_tokens`, `episode` (multi-turn: the
+completion's episodes.Episode, the whole conversation) or after a key of its context
 (`judge`, `judges`, `assistant_prefix`, `forced_prefix`); a judge-based reward with
 `args: {judge: NAME}` gets that one of context["judges"]. A reward that raises or returns a
 non-number never stops a run: it gets the spec's fallback (NaN for fallback: skip), is counted in
@@ -39,6 +40,7 @@ import torch
 from api.client import Judge, JudgeUnusable
 from config import Config, ConfigError, RewardSpec, judge_names, judge_sections
 from data import check_not_data_file
+from episodes import check_environment
 from judge import open_judges
 from plumbing.plugins import did_you_mean, one_line, resolve, reward_params
 from plumbing.typed_config import check_writable, convert
@@ -62,6 +64,7 @@ def open_scoring(cfg: Config, check_rewards: bool = True) -> dict[str, Judge]:
             check_specs(cfg.rewards, judges=judge_names(cfg))
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
+    check_environment(cfg)  # env: or tools:, whose episodes the rewards score
     for key, j in judge_sections(cfg).items():
         check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
         if j.cache_path:
@@ -115,8 +118,8 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
                 raise ValueError(f"reward {spec.name!r}: args.judge={name!r} is not a configured "
                                  f"judge; configured: {', '.join(map(repr, judges)) or 'none'} "
                                  "(judges: names them)")
-        if "num_tokens" in spec.args:
-            raise ValueError(f"reward {spec.name!r}: num_tokens is filled in by the trainer; "
+        for filled in [k for k in PER_COMPLETION if k in spec.args]:
+            raise ValueError(f"reward {spec.name!r}: {filled} is filled in by the trainer; "
                              "remove it from args")
         names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         for arg in spec.args:
@@ -252,10 +255,13 @@ def reward_keys(specs: list[RewardSpec]) -> list[str]:
     return keys
 
 
+PER_COMPLETION = ("num_tokens", "episode")  # what compute_rewards fills, one value a completion
+
+
 def _prepare(spec: RewardSpec, key: str, context: dict,
-             have_tokens: bool) -> tuple[Callable, bool, dict, bool]:
-    """(function, batched, its keyword arguments, wants num_tokens) for one spec; ValueError on a
-    misconfiguration, which would fail the same way on every sample."""
+             have: dict) -> tuple[Callable, bool, dict, list[str]]:
+    """(function, batched, its keyword arguments, the PER_COMPLETION values it takes) for one spec;
+    ValueError on a misconfiguration, which would fail the same way on every sample."""
     fn, batched = resolve(spec)
     params = {p.name: p for p in reward_params(fn)}
     kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
@@ -264,19 +270,21 @@ def _prepare(spec: RewardSpec, key: str, context: dict,
             raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} "
                              "in context['judges']")
         kwargs["judge"] = context["judges"][kwargs["judge"]]
-    wants_tokens = "num_tokens" in params
+    wants = [k for k in PER_COMPLETION if k in params]
     missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
-               and p.name != "num_tokens" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+               and p.name not in PER_COMPLETION
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
         raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args "
                          "or pass it in context")
-    if wants_tokens and not have_tokens:
-        raise ValueError(f"reward {key!r} needs num_tokens: pass num_tokens= to compute_rewards")
-    return fn, batched, kwargs, wants_tokens
+    for k in [k for k in wants if have[k] is None and params[k].default is params[k].empty]:
+        raise ValueError(f"reward {key!r} needs {k}: pass {k}= to compute_rewards" + (
+            " (an episode: set env: or tools:)" if k == "episode" else ""))
+    return fn, batched, kwargs, [k for k in wants if have[k] is not None]
 
 
 def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
-                    num_tokens: list[int] | None = None,
+                    num_tokens: list[int] | None = None, episodes: list | None = None,
                     context: dict | None = None) -> RewardResult:
     """Score N completions with every reward; per-sample failures become the spec's fallback.
     Rewards calling different judges run at the same time (each judge's in config order, so its
@@ -287,11 +295,12 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
                          f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; "
                          "they must match")
     keys = reward_keys(specs)
-    calls = [_prepare(spec, key, context, num_tokens is not None) for spec, key in zip(specs, keys)]
+    have = {"num_tokens": num_tokens, "episode": episodes}
+    calls = [_prepare(spec, key, context, have) for spec, key in zip(specs, keys)]
     errors = dict.fromkeys(keys, 0)
 
     def values_of(k: int) -> list[float | None]:
-        (fn, batched, kwargs, wants_tokens), spec, key = calls[k], specs[k], keys[k]
+        (fn, batched, kwargs, wants), spec, key = calls[k], specs[k], keys[k]
 
         def fail(err: Exception, completion: str, sample: dict) -> float:
             # a refused key, an unknown model, a reward model too big for the GPU: every later call
@@ -311,8 +320,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
         values: list[float | None] = []
         if batched:
             try:
-                out = fn(completions, samples, **kwargs,
-                         **({"num_tokens": num_tokens} if wants_tokens else {}))
+                out = fn(completions, samples, **kwargs, **{w: have[w] for w in wants})
                 if not isinstance(out, (list, tuple)) or len(out) != n:
                     raise TypeError(f"batched reward returned {_short(out, 80)}; "
                                     f"expected a list of {n} values")
@@ -328,7 +336,7 @@ def compute_rewards(completions: list[str], samples: list[dict], specs: list[Rew
             return values
         for i, (completion, sample) in enumerate(zip(completions, samples)):
             try:
-                extra = {"num_tokens": num_tokens[i]} if wants_tokens else {}
+                extra = {w: have[w][i] for w in wants}
                 values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
             except Exception as err:
                 values.append(fail(err, completion, sample))
