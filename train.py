@@ -28,12 +28,12 @@ import torch
 import rollout
 from api import outage
 from api.client import JudgeUnusable
-from config import ConfigError, save_config
+from config import ConfigError
 from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from plumbing import display, distributed, jsonl, overlap, runs
-from plumbing.checkpoint import keep_lines_up_to, save_checkpoint
+from plumbing.checkpoint import save_checkpoint
 from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
 from step import Run, train_step
 
@@ -116,16 +116,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     writes = distributed.rank() == 0  # under torchrun rank 0 alone writes the run's files
-    metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
-    if writes:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not start:  # config.yaml: the first config; a resume that changes settings adds its own
-            save_config(cfg, run_dir / "config.yaml")
-        elif r.changed:
-            save_config(cfg, run_dir / f"config_resumed_step_{start:06d}.yaml")
-        for p in (metrics_path, samples_path):
-            keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
-    distributed.barrier()  # every rank reads the logs as trimmed
+    metrics_path, samples_path = runs.open_run_files(r)  # config.yaml, logs as of step start
     n_train = sum(p.numel() for p in r.params)
     epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
     ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun

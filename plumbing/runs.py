@@ -24,7 +24,7 @@ import torch
 import rollout
 from api import outage
 from api.client import Judge, JudgeUnusable
-from config import Config, ConfigError, config_to_dict, load_config, redacted
+from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
 from data import load_sources
 from model import (
     is_peft,
@@ -36,7 +36,7 @@ from model import (
 )
 from plumbing import distributed, overlap, vllm_engine
 from plumbing.adapters import PROVENANCE, same_base
-from plumbing.checkpoint import checkpoints, load_checkpoint
+from plumbing.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
 from plumbing.display import out_of_memory
 from plumbing.hub import resolve_model_path
 from plumbing.jsonl import interrupted
@@ -296,6 +296,24 @@ def setup(args, overrides: list[str]) -> Run:
                params, optimizer, scheduler, scaler, sampler, judges, start, engine,
                eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0 scores them
                changed=changed)
+
+
+def open_run_files(r: Run) -> tuple[Path, Path]:
+    """The run directory as a (re)start leaves it -> (metrics.jsonl, samples.jsonl): config.yaml at
+    the first start (a resume that changes settings adds its own), the logs kept up to the resumed
+    step. Under torchrun rank 0 writes them and every rank waits until it has."""
+    cfg, run_dir, start = r.cfg, r.run_dir, r.start
+    metrics_path, samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+    if distributed.rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not start:
+            save_config(cfg, run_dir / "config.yaml")
+        elif r.changed:
+            save_config(cfg, run_dir / f"config_resumed_step_{start:06d}.yaml")
+        for p in (metrics_path, samples_path):
+            keep_lines_up_to(p, start) if start else p.unlink(missing_ok=True)
+    distributed.barrier()  # every rank reads the logs as trimmed
+    return metrics_path, samples_path
 
 
 def dry_run_report(r: Run) -> str:
