@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import episodes
 import rollout
 from api import outage
 from api.client import Judge, JudgeUnusable
@@ -321,6 +322,9 @@ def dry_run_report(r: Run) -> str:
     cfg, row = r.cfg, r.rows[0]
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
     prompt = rollout.render_rows(r.tokenizer, [row], cfg.data)[0]
+    if cfg.env or cfg.tools:  # multi-turn: the first turn as episodes.py renders it (its tools)
+        first = episodes.open_episode(episodes.environment(cfg, r.tokenizer), row, r.tokenizer, cfg)
+        prompt = r.tokenizer.decode(first.prompt_ids)
     shown = prompt + (rollout.with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); "
              "nothing was trained or written",

@@ -323,3 +323,18 @@ def test_episode_settings_that_cannot_run_are_refused_with_one_line(override, sa
     with pytest.raises(ConfigError) as err:
         load_config(Path(__file__).parents[1] / "configs/tools_calculator.yaml", [override])
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_dry_run_shows_the_first_turn_with_its_tools_described(tmp_path, tiny_llama, capsys):
+    (tmp_path / "calc.py").write_text(
+        'def calculator(expression: str) -> str:\n'
+        '    """Evaluates arithmetic.\n\n    Args:\n        expression: e.g. 2 + 3\n    """\n'
+        '    return str(eval(expression))\n')
+    path = write_run_config(tmp_path, tiny_llama)
+    raw = yaml.safe_load(path.read_text())
+    raw["tools"] = [f"{tmp_path / 'calc.py'}:calculator"]
+    raw["data"] = {**raw.get("data", {}), "tools_prompt": "You may call the calculator tool."}
+    path.write_text(yaml.safe_dump(raw))
+    assert train.main(["--config", str(path), "--dry-run"]) == 0
+    shown = capsys.readouterr().out.split("as the model sees it")[1]
+    assert "You may call the calculator tool." in shown
