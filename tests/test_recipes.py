@@ -365,3 +365,32 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
     assert "logic+novelty+think_format" in found
     for by in found:
         assert set(by.split("+")) <= logged, by
+
+
+def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
+        tmp_path, tiny_llama, monkeypatch):
+    """bioreasoner_search.yaml: the multi-turn version, a search tool over a local corpus."""
+    from plumbing.plugins import import_function
+    corpus = FIXTURES / "bioreasoner_corpus.jsonl"
+    monkeypatch.setenv("BIOREASONER_CORPUS", str(corpus))
+    search = import_function("configs/bioreasoner_search.py:search", what="tool")
+    assert search("butyrate CD8 exhaustion").splitlines()[0].startswith("[PMID: 99908795] Butyrate")
+    assert search("zebra quasar") == "no paper matches those words"
+    pmids = tmp_path / "corpus_pmids.txt"
+    pmids.write_text("".join(json.loads(ln)["pmid"] + "\n"
+                             for ln in corpus.read_text().splitlines()))
+    run, config = tmp_path / "run", tmp_path / "search.yaml"
+    rewards = yaml.safe_load((ROOT / "configs/bioreasoner_search.yaml").read_text())["rewards"]
+    for r in rewards:
+        if "valid_file" in r.get("args", {}):
+            r["args"]["valid_file"] = str(pmids)  # the corpus's ids
+    config.write_text(yaml.safe_dump({"extends": str(ROOT / "configs/bioreasoner_search.yaml"),
+                                      "rewards": rewards}))
+    assert train.main(["--config", str(config), *small(tiny_llama, run),
+                       f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}",
+                       "--data.select=[0,24]", "--eval.name=null", "--eval.select=[24,30]",
+                       "--rollout.max_episode_tokens=64",
+                       "--grpo.mask_truncated_completions=false"]) == 0
+    m = metrics(run)[0]
+    assert {"episodes/turns", "episodes/tool_calls", "rewards/citation_grounding/mean",
+            "rewards/pass/mean"} <= set(m)
