@@ -2,7 +2,7 @@
 calls, a data map that puts one worked example in front of each question, and two rewards that
 give partial credit for using the tool. docs/multi-turn.md shows the run.
 
-    python train.py --config configs/tools_calculator.yaml --run.threads=1
+    python train.py --config configs/tools_calculator.yaml
 """
 from __future__ import annotations
 

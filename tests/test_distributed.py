@@ -62,10 +62,13 @@ def one_update(tmp: Path, config: Path, loss_type: str, batch: dict, groups: lis
     real_collect, real_shuffle = step.collect, step.shuffle_groups
     step.collect = lambda *a, **k: (part, part, len(groups))
     step.shuffle_groups = lambda p, G: p  # the order the mini-batches are cut from, kept
-    try:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the processes run (ENV): a thread count changes float sums, and
+    try:  # Adam's first step turns a near-zero gradient's rounding into lr-sized differences
         metrics, shown = step.train_step(r)
     finally:
         step.collect, step.shuffle_groups = real_collect, real_shuffle
+        torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in r.model.named_parameters() if p.requires_grad}, \
         metrics, shown
 
