@@ -181,6 +181,9 @@ def gather_drawn(r, drawn) -> list:
         return [drawn]
     r.sampler.counts = [int(c) for c in all_sum(dict(enumerate(r.sampler.counts))).values()]
     index = {id(row): i for i, row in enumerate(r.rows)}
+    if drawn.rollout.episodes:  # a user's environment object need not pickle: it stays here
+        drawn = dataclasses.replace(drawn, rollout=dataclasses.replace(drawn.rollout, episodes=[
+            dataclasses.replace(e, env=None) for e in drawn.rollout.episodes]))
     parts = gather(dataclasses.replace(drawn, samples=[index.get(id(s), s) for s in drawn.samples]))
     return [dataclasses.replace(p, samples=[r.rows[s] if isinstance(s, int) else s
                                             for s in p.samples]) for p in parts]

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,25 @@ def test_the_judge_cache_under_two_writing_processes_loses_nothing_and_tears_no_
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     worker(Path(sys.argv[2]), Path(sys.argv[3]))
+
+
+def test_an_environment_object_that_does_not_pickle_stays_on_its_rank(monkeypatch):
+    """gather_drawn sends a rank's episodes to the others without their environment objects (a
+    user's may hold a lock, a file, a client)."""
+    import pickle
+    from types import SimpleNamespace
+
+    import episodes
+    import rollout
+    monkeypatch.setattr(distributed, "world", lambda: 2)
+    monkeypatch.setattr(distributed, "all_sum", lambda d: d)
+    monkeypatch.setattr(distributed, "gather", lambda x: [pickle.loads(pickle.dumps(x))])
+    env = SimpleNamespace(lock=threading.Lock(), tool_calls=1)
+    ep = episodes.Episode(env=env, messages=[{"role": "user", "content": "q"}], prompt_ids=[1])
+    z = torch.zeros(1, 1, dtype=torch.long)
+    ro = rollout.Rollout(z, z, z, z, torch.zeros(1, dtype=torch.bool), ["a"], episodes=[ep])
+    drawn = step.Scored(ro, [{"prompt": "q"}], torch.zeros(1), {}, {})
+    r = SimpleNamespace(rows=drawn.samples, sampler=SimpleNamespace(counts=[1]))
+    [back] = distributed.gather_drawn(r, drawn)
+    assert back.rollout.episodes[0].env is None and back.rollout.episodes[0].messages == \
+        ep.messages and back.samples[0] is r.rows[0] and ep.env is env  # the rank's own is kept
