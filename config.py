@@ -645,6 +645,14 @@ def check_anthropic(key: str, jc: JudgeConfig) -> None:
                           "(samples are separate requests already)")
 
 
+def length_limit(cfg: Config) -> tuple[str, int]:
+    """The token limit a row must fit -> (its key, the limit): prompt + reply for SFT and DPO (each
+    reply), the prompt for GRPO."""
+    return {"sft": ("sft.max_length", cfg.sft.max_length),
+            "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
+        cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
+
+
 def judge_sections(cfg: Config) -> dict[str, JudgeConfig]:
     """The configured judges by config key: "judge" (the judge: section) and "judges.NAME"."""
     return {**({"judge": cfg.judge} if cfg.judge else {}),

@@ -222,7 +222,7 @@ def main() -> int:
     a, overrides = ap.parse_known_args()
     global META
     META = a.meta
-    from config import Config, ConfigError, load_config
+    from config import Config, ConfigError, length_limit, load_config
     if not a.config and overrides:
         ap.error(f"--section.key overrides need --config: {' '.join(overrides)}")
     try:
@@ -251,8 +251,7 @@ def main() -> int:
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     P, G = a.prompt_tokens, cfg.rollout.num_generations
     # SFT and DPO: a row as long as sft/dpo.max_length allows (prompt + reply)
-    C = {"sft": cfg.sft.max_length - P, "dpo": cfg.dpo.max_length - P}.get(
-        cfg.mode, cfg.rollout.max_new_tokens)
+    C = cfg.rollout.max_new_tokens if cfg.mode == "grpo" else length_limit(cfg)[1] - P
     if C <= 0:
         ap.error(f"--prompt-tokens {P} leaves no reply under {cfg.mode}.max_length")
     print(f"[estimate] {spec} in {dtype_name}{', 4-bit base' if cfg.model.quant else ''}, "

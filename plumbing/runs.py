@@ -25,7 +25,15 @@ import episodes
 import rollout
 from api import outage
 from api.client import Judge, JudgeUnusable
-from config import Config, ConfigError, config_to_dict, load_config, redacted, save_config
+from config import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    length_limit,
+    load_config,
+    redacted,
+    save_config,
+)
 from data import load_sources
 from model import (
     is_peft,
@@ -108,10 +116,7 @@ def row_lengths(cfg: Config, rows: list[dict], tokenizer,
     lengths = [p + max((c[i] for c in replies), default=0)  # the prompt and its longest reply
                for i, p in enumerate(
                    count(rollout.render_rows(tokenizer, rows, cfg.data, what=what)))]
-    key, limit = {"sft": ("sft.max_length", cfg.sft.max_length),
-                  "dpo": ("dpo.max_length", cfg.dpo.max_length)}.get(
-        cfg.mode, ("rollout.max_prompt_tokens", cfg.rollout.max_prompt_tokens))
-    return lengths, key, limit
+    return (lengths, *length_limit(cfg))
 
 
 def without_long_rows(cfg: Config, sources: list, tokenizer, what: str = "rows") -> list:

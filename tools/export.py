@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 import rollout
-from config import Config, ConfigError, data_label, load_config
+from config import Config, ConfigError, data_label, length_limit, load_config
 from model import load_base
 from plumbing import overlap
 from plumbing.adapters import apply_adapter_chain, check_adapter_base, find_adapter
@@ -201,8 +201,7 @@ def serving_gaps(folder: Path) -> list[str]:
 def serve_command(out: str, cfg: Config) -> str:
     """vLLM's OpenAI-compatible server for the export, its context the training run's longest
     prompt plus reply (the seed's --max_model_len; pass a larger one where the model takes it)."""
-    longest = {"sft": cfg.sft.max_length, "dpo": cfg.dpo.max_length}.get(
-        cfg.mode, cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    longest = length_limit(cfg)[1] + (cfg.rollout.max_new_tokens if cfg.mode == "grpo" else 0)
     return f"vllm serve {out} --max-model-len {longest} --served-model-name {Path(out).name}"
 
 
