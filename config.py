@@ -7,7 +7,7 @@ Every field below carries a one-line comment; that comment is the documentation 
 Overrides are `--section.key=value`, the value parsed as YAML (`0.04`, `true`, `[a, b]`, `null`).
 An unknown key names the closest valid keys, a wrong type names the expected type, and both
 raise ConfigError, which the entry points turn into one line on stderr and exit code 2. How YAML
-becomes these dataclasses (extends, overrides, type checks) is plumbing/typed_config.py; what is
+becomes these dataclasses (extends, overrides, type checks) is settings/typed_config.py; what is
 here is the fields and the checks across them (`_check`).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from plumbing import jsonl
-from plumbing.typed_config import (  # noqa: F401 (ConfigError: imported from here)
+from files import jsonl
+from settings.typed_config import (  # noqa: F401 (ConfigError: imported from here)
     ConfigError,
     apply_overrides,
     exclusive_layers,
@@ -64,7 +64,8 @@ class RewardSpec:
 
 @dataclass
 class EnvSpec:
-    """The config's `env:` section: multi-turn episodes against your environment (episodes.py)."""
+    """The config's `env:` section: multi-turn episodes against your environment
+    (engines/episodes.py)."""
     name: str  # "path/to/file.py:Class" or "package.module:Class": one object per episode
     args: dict = field(default_factory=dict)  # keyword arguments its constructor gets
 
@@ -210,13 +211,13 @@ class RolloutConfig:
     merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights
     #   (restored after): faster sampling; see model.py
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU
-    #   (LoRA only; see plumbing/vllm_engine.py)
+    #   (LoRA only; see engines/vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights +
     #   KV cache); the trainer gets the rest
     vllm_sleep: bool = False  # sleep vLLM (free KV cache, offload weights) while the trainer runs
     resample_zero_std: bool = False  # DAPO dynamic sampling: draw until B groups have signal
     max_prompts_per_step: int = 0  # resampling's cap on prompts per step (0: 4 * prompts_per_step)
-    max_turns: int = 4  # env or tools: assistant turns an episode has at most (episodes.py)
+    max_turns: int = 4  # env or tools: assistant turns an episode has at most (engines/episodes.py)
     max_episode_tokens: int = 512  # env or tools: tokens after the prompt an episode has at most,
     #   the model's and the environment's; a longer one is cut and flagged truncated
     tool_timeout: float = 10.0  # tools: seconds a tool call may run before its result is an error

@@ -6,7 +6,7 @@ into rows (dicts) holding a "prompt" plus every column the rewards read, drawn r
     # plumbing/sampler.py draws: PromptSampler([len(s.rows) for s in sources], seed, weights)
 
 `data.prompt` is a column name or a template over the columns ("Q: {question}\\nA) {opa}"; write
-literal braces as {{ }}). `data.map` rewrites each row first (a built-in map of plumbing/maps.py,
+literal braces as {{ }}). `data.map` rewrites each row first (a built-in map of sources/maps.py,
 e.g. medmcqa_json adds the JSON reply to learn, or your own file.py:function). A row missing a
 needed field is an error naming the row and the field.
 
@@ -36,9 +36,9 @@ from typing import Callable
 import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
-from plumbing.hub import hub_unreachable, offline_if_unreachable
-from plumbing.maps import MAPS
-from plumbing.plugins import import_function
+from sources.hub import hub_unreachable, offline_if_unreachable
+from sources.maps import MAPS
+from sources.plugins import import_function
 
 
 class DataError(ConfigError):
@@ -231,7 +231,7 @@ def split(rows, seed: int | None, select: list[int] | None) -> list:
     return [rows[i] for i in order]
 
 
-# ------------------------------------------------------------------ row maps (plumbing/maps.py)
+# ------------------------------------------------------------------ row maps (sources/maps.py)
 
 
 def resolve_map(name: str) -> Callable[[dict], dict]:

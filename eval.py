@@ -32,7 +32,7 @@ prefix (rewards then see assistant_prefix=""), eval.num_samples completions per 
 endpoint's own temperature and max_tokens (each sample cached under its own index); their length is
 counted in the base model's tokens. A prompt with a failed request is left out whole.
 
-Metrics: see plumbing/metrics.py, which computes them (formulas in its docstring).
+Metrics: see scoring/metrics.py, which computes them (formulas in its docstring).
 """
 from __future__ import annotations
 
@@ -67,14 +67,13 @@ from config import (
     saved_dict,
 )
 from data import Source, check_not_data_file, load_sources
+from files import jsonl
+from files.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
-from plumbing import jsonl, overlap
-from plumbing.entries import ModelEntry, parse_model_entries, trained_on_held_out
-from plumbing.hub import resolve_model_path
-from plumbing.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
-from plumbing.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
-from plumbing.scoring import (
+from rewards import answer_key
+from run import overlap
+from scoring.batch import (
     RewardResult,
     check_rows,
     compute_rewards,
@@ -84,8 +83,10 @@ from plumbing.scoring import (
     reward_context,
     reward_keys,
 )
-from plumbing.typed_config import check_writable
-from rewards import answer_key
+from scoring.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
+from settings.typed_config import check_writable
+from sources.entries import ModelEntry, parse_model_entries, trained_on_held_out
+from sources.hub import resolve_model_path
 
 
 @dataclass
@@ -312,7 +313,7 @@ class Plan:
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base's tokenizer, counts API completion tokens (None if no api entries)
-    # entry name -> held-out rows its runs trained on (plumbing/overlap.py)
+    # entry name -> held-out rows its runs trained on (run/overlap.py)
     trained_on: dict[str, int] = field(default_factory=dict)
 
 

@@ -22,8 +22,8 @@ import torch.nn as nn
 from safetensors import SafetensorError
 
 from config import ConfigError, LoraConfig, ModelConfig
-from plumbing.adapters import apply_adapter_chain
-from plumbing.hub import (  # noqa: F401
+from sources.adapters import apply_adapter_chain
+from sources.hub import (  # noqa: F401
     BUILTIN,
     hub_unreachable,
     local_or_hub,

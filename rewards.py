@@ -1,4 +1,4 @@
-r"""Rewards: plain functions in a registry, run over completions (plumbing/scoring.py) with weights.
+r"""Rewards: plain functions in a registry, run over completions (scoring/batch.py) with weights.
 
 A reward scores one completion of one sample; None means "does not apply to this sample":
 
@@ -24,8 +24,8 @@ built-ins' gold_key and valid_key do: a column no row has stops the run before i
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-ins put
 back in front), `judge` or `judges` are filled in by scoring.compute_rewards; a function named by
-file or module is loaded by plumbing/plugins.py, which also runs reward functions written for
-TRL's GRPOTrainer. Model output is only ever parsed (here, plumbing/answers.py,
+file or module is loaded by sources/plugins.py, which also runs reward functions written for
+TRL's GRPOTrainer. Model output is only ever parsed (here, scoring/answers.py,
 graders/citations.py), never evaluated.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import importlib
 from fractions import Fraction
 from typing import Callable
 
-from plumbing import answers
+from scoring import answers
 
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
 def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):

@@ -6,7 +6,7 @@
 
 Completions are masked by position up to and including the first EOS (pad may equal EOS), cut at
 stop strings, and decoded; with grpo.share_prompt each prompt's KV cache is computed once for its G
-rows. vLLM rollouts (plumbing/vllm_engine.py) return the same Rollout.
+rows. vLLM rollouts (engines/vllm_engine.py) return the same Rollout.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from grpo import completion_mask
 from logprobs import position_ids, prompt_cache
-from plumbing.typed_config import ConfigError
+from settings.typed_config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -229,9 +229,10 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
     tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
     entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`.
-    prompts may be token ids already, (ids, attn) left-padded: episodes.py's conversations."""
+    prompts may be token ids already, (ids, attn) left-padded: engines/episodes.py's
+    conversations."""
     device = next(model.parameters()).device
-    if isinstance(prompts, list):  # text; episodes.py passes its tokens as they stand
+    if isinstance(prompts, list):  # text; engines/episodes.py passes its tokens as they stand
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
         prompts = (enc.input_ids, enc.attention_mask)

@@ -5,12 +5,12 @@ math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
     metrics, shown = train_step(run)      # run: a Run (below), built by train.setup
 
 What a first read can skip is named and kept elsewhere: micro-batching and the optimizer update
-(plumbing/updates.py), the metrics (plumbing/metrics.py), running the rewards (plumbing/scoring.py),
-vLLM's importance weights (plumbing/vllm_engine.py). The loss of a step is the sum of its
+(plumbing/updates.py), the metrics (scoring/metrics.py), running the rewards (scoring/batch.py),
+vLLM's importance weights (engines/vllm_engine.py). The loss of a step is the sum of its
 micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split (except
 under loss_type: bnpo, whose token mean is per micro-batch by definition). Under torchrun each
 process runs this step on its share of the B prompts, and what crosses processes (the normalisers'
-counts, the gradients, the metrics' inputs) is summed or gathered by plumbing/distributed.py.
+counts, the gradients, the metrics' inputs) is summed or gathered by parallel/distributed.py.
 """
 from __future__ import annotations
 
@@ -25,23 +25,15 @@ from pathlib import Path
 
 import torch
 
-import episodes
 import grpo
 import rollout
 from api.client import Judge
 from config import Config
+from engines import episodes, vllm_engine
+from engines.vllm_engine import sampler_weight
 from model import merged_for_sampling, reference_mode
-from plumbing import vllm_engine
-from plumbing.distributed import all_sum, gather, gather_drawn, share, sum_norms
-from plumbing.metrics import source_metrics, step_metrics
+from parallel.distributed import all_sum, gather, gather_drawn, share, sum_norms
 from plumbing.sampler import PromptSampler
-from plumbing.scoring import (
-    RewardResult,
-    compute_rewards,
-    in_background,
-    join_results,
-    reward_context,
-)
 from plumbing.updates import (
     batch_log_probs,
     micro_batch_log_probs,
@@ -50,7 +42,14 @@ from plumbing.updates import (
     optimizer_step,
     peak_memory_mb,
 )
-from plumbing.vllm_engine import sampler_weight
+from scoring.batch import (
+    RewardResult,
+    compute_rewards,
+    in_background,
+    join_results,
+    reward_context,
+)
+from scoring.metrics import source_metrics, step_metrics
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Train a policy with GRPO: the command line and the loop. Each step samples B prompts x G
 completions, scores them, turns the rewards into group advantages and takes clipped-surrogate
-updates (step.train_step); this file logs, checkpoints and stops. plumbing/runs.py builds the run.
+updates (step.train_step); this file logs, checkpoints and stops. run/lifecycle.py builds the run.
 
   python train.py --config configs/quickstart.yaml
   python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --run.out_dir=runs/quickstart_kl
@@ -29,12 +29,14 @@ import rollout
 from api import outage
 from api.client import JudgeUnusable
 from config import ConfigError
+from files import jsonl
+from files.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
 from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
-from plumbing import display, distributed, jsonl, overlap, runs
-from plumbing.checkpoint import save_checkpoint
-from plumbing.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
+from parallel import distributed
+from run import display, lifecycle, overlap
+from run.checkpoint import save_checkpoint
 from step import Run, train_step
 
 # ----------------------------------------------------------------------------- CLI and loop
@@ -83,15 +85,15 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     args.argv = argv  # for the --resume command a stopped run gives
     try:
         with sigterm_as_interrupt():  # loading a model can take minutes: if stopped, one line too
-            r = runs.setup(args, overrides)
+            r = lifecycle.setup(args, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         return said_interrupted(e)
     if args.dry_run:
-        print(runs.dry_run_report(r))
-        if not args.resume and any((r.run_dir / n).exists() for n in runs.RUN_FILES):
+        print(lifecycle.dry_run_report(r))
+        if not args.resume and any((r.run_dir / n).exists() for n in lifecycle.RUN_FILES):
             print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it "
                   "without --resume (or set another run.out_dir)")
         return 0
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (the run's files)
         if isinstance(e, OSError) and not is_write_error(e):
             raise  # a bug's missing file, a reset connection: its traceback; the run's files kept
-        return runs.stop_on_error(r, args, e, r.step, created)
+        return lifecycle.stop_on_error(r, args, e, r.step, created)
     finally:
         if tracker:
             tracker.finish()
@@ -116,13 +118,13 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
     cfg, run_dir, start = r.cfg, r.run_dir, r.start
     writes = distributed.rank() == 0  # under torchrun rank 0 alone writes the run's files
-    metrics_path, samples_path = runs.open_run_files(r)  # config.yaml, logs as of step start
+    metrics_path, samples_path = lifecycle.open_run_files(r)  # config.yaml, logs as of step start
     n_train = sum(p.numel() for p in r.params)
     epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
     ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun
     print(f"[minigrpo] {cfg.model.name} on {r.device}{ranks} "
           f"({pick_dtype(cfg.model.dtype, r.device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {runs.ROW_NAMES[cfg.mode]}, "
+          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {lifecycle.ROW_NAMES[cfg.mode]}, "
           f"steps {start}->{cfg.run.steps}{epochs}", file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
@@ -146,7 +148,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 metrics |= distributed.all_sum(judges_stats(r.judges))
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
-                return runs.stop_on_error(r, args, e, step, created)
+                return lifecycle.stop_on_error(r, args, e, step, created)
             metrics = {"step": step, **metrics}
             if writes:
                 jsonl.append(metrics_path, [metrics])
@@ -169,8 +171,8 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             scoring = eval_seconds or max(step_seconds[-5:])
             extra = (scoring if r.eval_rows and (step + 1) % cfg.run.eval_every == 0
                      else 0.0) + save_seconds * (1 + bool(saving))
-            timed_out = not stop and step < cfg.run.steps and distributed.agree(runs.out_of_time(
-                cfg, started, step_seconds, time.monotonic(), extra))  # any rank's clock
+            timed_out = not stop and step < cfg.run.steps and distributed.agree(  # any rank's clock
+                lifecycle.out_of_time(cfg, started, step_seconds, time.monotonic(), extra))
             if saving or timed_out:
                 if recorded is None and writes:  # for eval.py's overlap check, 1st checkpoint
                     recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
@@ -186,7 +188,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                       "reward_errors/* and judge_failures." if skipped else ""), file=sys.stderr)
             if judge_down and step < cfg.run.steps and not stop and not timed_out:
                 reserve = 1.1 * max(step_seconds[-5:]) + save_seconds  # the next step, its save
-                code = runs.judge_outage(r, args, judge_down, step, started, reserve)
+                code = lifecycle.judge_outage(r, args, judge_down, step, started, reserve)
                 if code is not None:
                     return code
             for judge in judge_down if (stop or timed_out or step == cfg.run.steps) else []:

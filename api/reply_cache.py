@@ -21,7 +21,7 @@ import logging
 import os
 from collections import OrderedDict
 
-from plumbing import jsonl
+from files import jsonl
 
 log = logging.getLogger(__name__)
 

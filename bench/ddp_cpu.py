@@ -13,7 +13,7 @@ threads, on the quickstart; and the gradient all-reduce against DistributedDataP
    seed), so the reward curves agree in trend, not value.
 2. `sync`: under torchrun 2x1, the quickstart's policy (LoRA r=16, 4.88M trainable parameters) runs
    forward and backward over 2 micro-batches of 8 fixed 40-token rows a update, 4 updates a side:
-     all-reduce     plumbing.distributed.sum_gradients after accumulation (what train.py does)
+     all-reduce     parallel.distributed.sum_gradients after accumulation (what train.py does)
      DDP            DistributedDataParallel, no_sync on all but the last micro-batch
    Per update: median seconds, and how long the all-reduce alone takes.
 Writes nothing but the log and a temp folder.
@@ -71,10 +71,11 @@ def sync() -> None:
     import torch
 
     import train as tr
-    from plumbing import distributed, runs
+    from parallel import distributed
+    from run import lifecycle
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        r = runs.setup(*tr.parse_args(["--config", "configs/quickstart.yaml",
+        r = lifecycle.setup(*tr.parse_args(["--config", "configs/quickstart.yaml",
                                        f"--run.out_dir={tmp}/run"]))
     g = torch.Generator().manual_seed(distributed.rank())
     batches = [torch.randint(0, 40000, (8, 40), generator=g) for _ in range(2)]

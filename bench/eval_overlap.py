@@ -27,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import eval as ev  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
-from plumbing.hub import resolve_model_path
-from plumbing.scoring import in_background  # noqa: E402
+from scoring.batch import in_background  # noqa: E402
+from sources.hub import resolve_model_path
 
 
 def synchronous(fn, after=None) -> concurrent.futures.Future:

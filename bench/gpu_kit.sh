@@ -31,7 +31,7 @@ ${PYTHON:-.venv/bin/python} - <<'PY'
 import shutil, sys
 from pathlib import Path
 sys.path.insert(0, ".")
-from plumbing.hub import builtin_model_dir
+from sources.hub import builtin_model_dir
 src, dst = builtin_model_dir("smollm2-135m", "~/.cache/minigrpo"), Path(".gpu/tokenizer")
 dst.mkdir(parents=True, exist_ok=True)
 for f in src.iterdir():

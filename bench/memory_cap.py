@@ -51,13 +51,13 @@ def main() -> int:
         args.append(f"--model.name={model_dir(a.model, 'cuda', a.tokenizer, a.seed)}")
     import train
     from config import load_config
+    from run import lifecycle
     i = args.index("--config")
     out = Path(load_config(args[i + 1], args[:i] + args[i + 2:]).run.out_dir)
     print(f"[memory_cap] {torch.cuda.get_device_name(0)}, {total / 2**30:.1f} GiB; "
           f"cap {a.budget_gb} GiB (fraction {fraction:.3f}); train.py {' '.join(args)}", flush=True)
-    from plumbing import runs
-    ran_out, explain = [], runs.out_of_memory  # train.main reports a step's OOM (one line, exit 2)
-    runs.out_of_memory = lambda *x, **k: ran_out.append(True) or explain(*x, **k)
+    ran_out, explain = [], lifecycle.out_of_memory  # train.main reports an OOM (one line, exit 2)
+    lifecycle.out_of_memory = lambda *x, **k: ran_out.append(True) or explain(*x, **k)
     try:
         rc = train.main(args)
     except torch.OutOfMemoryError as e:  # while loading, before the steps

@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from plumbing import jsonl  # noqa: E402
+from files import jsonl  # noqa: E402
 
 
 def free_port() -> int:

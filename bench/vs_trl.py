@@ -137,7 +137,7 @@ def random_config(name: str, tokenizer: str | None):
     takes)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from plumbing.hub import builtin_model_dir
+    from sources.hub import builtin_model_dir
     tok = AutoTokenizer.from_pretrained(tokenizer or builtin_model_dir("smollm2-135m", str(CACHE)))
     d = dict(RANDOM_MODELS[name])
     cfg = AutoConfig.for_model(d.pop("model_type"), **d, bos_token_id=tok.bos_token_id,
@@ -149,7 +149,7 @@ def random_config(name: str, tokenizer: str | None):
 
 def model_dir(spec: str, device: str, tokenizer: str | None, seed: int) -> Path:
     """A transformers directory both trainers load: the built-in model, or a seeded random model."""
-    from plumbing.hub import builtin_model_dir
+    from sources.hub import builtin_model_dir
     if not spec.startswith("random:"):
         return (builtin_model_dir(spec, str(CACHE)) if spec == "smollm2-135m"
                 else Path(spec).expanduser())
@@ -275,9 +275,9 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
 
     from config import load_config
     from model import pick_device, pick_dtype
-    from plumbing.hub import resolve_model_path
-    from plumbing.scoring import compute_rewards
     from rollout import chat_messages
+    from scoring.batch import compute_rewards
+    from sources.hub import resolve_model_path
 
     cfg = load_config(cfg_path)
     ro, g, o, run = cfg.rollout, cfg.grpo, cfg.optim, cfg.run

@@ -34,8 +34,8 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
+from files import jsonl
 from graders.ratings import Store, parquet_bytes, say
-from plumbing import jsonl
 
 PAGE = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width,initial-scale=1">\

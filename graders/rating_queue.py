@@ -30,9 +30,9 @@ import json
 import re
 import time
 
+from files import jsonl
 from graders.rating_page import NOT_SAVED, Reply, json_reply
 from graders.ratings import QUEUE, Store, rescaled, scale_problem
-from plumbing import jsonl
 
 SEED_CRITERIA, SEED_SCALE = ["relevance", "clarity", "discriminative"], [1, 5]
 REQUEST_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # a uuid4 fits; no comma (the form's ids list)

@@ -50,8 +50,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from files import jsonl
 from judge import as_text
-from plumbing import jsonl
 from rewards import register
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"

@@ -46,7 +46,7 @@ def check_args(model: str | None = None, batch_size: int = 8, max_length: int = 
     if not isinstance(model, str) or not model:
         raise ValueError("reward_model needs args: {model: a hub id or a local directory of a "
                          "sequence classifier}")
-    from plumbing.hub import local_or_hub
+    from sources.hub import local_or_hub
     local_or_hub(model, "reward_model: model")  # ConfigError, a ValueError
     for key, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -66,7 +66,7 @@ def load(model: str, revision: str | None = None, device: str = "auto", dtype: s
 
     from config import ConfigError
     from model import pick_device, pick_dtype
-    from plumbing.hub import local_or_hub, offline_if_unreachable
+    from sources.hub import local_or_hub, offline_if_unreachable
     try:
         dev = pick_device(device)
     except ConfigError as e:  # its message names run.device

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 import rollout
 from model import reference_mode
-from plumbing.metrics import source_shares
 from plumbing.updates import (
     micro_batch_log_probs,
     micro_batches,
@@ -35,6 +34,7 @@ from plumbing.updates import (
     optimizer_step,
     peak_memory_mb,
 )
+from scoring.metrics import source_shares
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 

@@ -16,7 +16,6 @@ import time
 import torch
 
 import rollout
-from plumbing.metrics import source_shares
 from plumbing.updates import (
     micro_batch_log_probs,
     micro_batches,
@@ -24,6 +23,7 @@ from plumbing.updates import (
     optimizer_step,
     peak_memory_mb,
 )
+from scoring.metrics import source_shares
 
 
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None,

@@ -20,7 +20,7 @@ import logprobs
 import rollout
 from config import Config
 from model import mixed_precision
-from plumbing.distributed import sum_gradients
+from parallel.distributed import sum_gradients
 
 
 def micro_batches(batch: rollout.Rollout, size: int, max_tokens: int = 0,

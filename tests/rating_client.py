@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from plumbing import jsonl
+from files import jsonl
 
 BASE = "http://127.0.0.1:8000"
 

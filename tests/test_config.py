@@ -385,7 +385,7 @@ def test_a_clip_range_that_never_clips_is_refused_with_the_key_named(tmp_path, o
 def test_a_run_dir_nothing_can_be_created_in_is_refused_before_anything_loads(tmp_path):
     """Issue 30: as root os.access says /proc is writable; the run died at mkdir after the model
     loaded."""
-    from plumbing.typed_config import check_writable
+    from settings.typed_config import check_writable
     with pytest.raises(ConfigError,
                        match=r"run.out_dir=/proc/x: cannot create anything in /proc \("):
         check_writable("/proc/x", "run.out_dir")

@@ -298,7 +298,7 @@ def test_an_unreachable_hub_is_used_offline_at_once(monkeypatch):
     import datasets.config
     import huggingface_hub.constants as hub_constants
 
-    from plumbing import hub
+    from sources import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: False)
     with hub.offline_if_unreachable():
         assert hub_constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
@@ -316,7 +316,7 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
     says how to bring it over."""
     import datasets
 
-    from plumbing import hub
+    from sources import hub
     monkeypatch.setattr(hub, "reachable", lambda endpoint: True)
     raised = [ValueError("Config name is missing.\nPlease pick one among the available configs: "
                          "['main', 'socratic']\nExample: ..."), ValueError()]
@@ -344,7 +344,7 @@ def test_hub_errors_keep_the_configs_to_pick_from_and_say_what_to_do_offline(mon
 
 
 def test_a_proxy_makes_the_hub_count_as_reachable(monkeypatch):
-    from plumbing import hub
+    from sources import hub
     monkeypatch.setattr(hub.socket, "getaddrinfo",
                         lambda *a: (_ for _ in ()).throw(OSError("no DNS")))
     hub.reachable.cache_clear()
@@ -420,7 +420,7 @@ def test_precompute_and_eval_name_pick_a_hub_config_of_their_own(monkeypatch):
 
 
 def test_medmcqa_s_unanswered_test_split_says_so():
-    from plumbing.maps import medmcqa_json
+    from sources.maps import medmcqa_json
     with pytest.raises(ValueError, match="test split has no answers"):
         medmcqa_json({"question": "q", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": -1,
                       "exp": ""})

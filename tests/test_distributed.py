@@ -1,4 +1,4 @@
-"""plumbing/distributed.py: data-parallel GRPO under torchrun, on CPU with gloo. One update on two
+"""parallel/distributed.py: data-parallel GRPO under torchrun, on CPU with gloo. One update on two
 processes equals one process's on the same global batch (each loss_type, micro-batches, two
 mini-batches, a KL term), and the processes take their decisions together (a time limit, a judge
 down, counters); a torchrun run writes one run directory and resumes as it would have
@@ -29,8 +29,10 @@ import step  # noqa: E402
 import train  # noqa: E402
 from api.reply_cache import ReplyCache  # noqa: E402
 from conftest import write_run_config  # noqa: E402
-from plumbing import distributed, jsonl, runs  # noqa: E402
+from files import jsonl  # noqa: E402
+from parallel import distributed  # noqa: E402
 from plumbing.sampler import PromptSampler  # noqa: E402
+from run import lifecycle  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 B, G, K, WORLD = 4, 4, 2, 2  # prompts, completions each, mini-batches, processes
@@ -53,7 +55,7 @@ def rank_groups(rank: int) -> list[int]:
 def one_update(tmp: Path, config: Path, loss_type: str, batch: dict, groups: list[int]):
     """A fresh run (the same LoRA init on every process) takes one step on `groups` of the fixed
     rollouts -> (the trained LoRA weights, the step's metrics)."""
-    r = runs.setup(*train.parse_args(["--config", str(config), *SETTINGS,
+    r = lifecycle.setup(*train.parse_args(["--config", str(config), *SETTINGS,
                                       f"--grpo.loss_type={loss_type}",
                                       f"--run.out_dir={tmp / loss_type}"]))
     kept = batch["kept"]
@@ -81,7 +83,8 @@ def fixed_batch(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("ddp")
     config = write_run_config(tmp, tiny_llama, rollout={"prompts_per_step": B,
                                                         "num_generations": G})
-    r = runs.setup(*train.parse_args(["--config", str(config), f"--run.out_dir={tmp / 'draw'}"]))
+    r = lifecycle.setup(*train.parse_args(["--config", str(config),
+                                           f"--run.out_dir={tmp / 'draw'}"]))
     kept, _, _ = step.collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)
     index = {id(row): i for i, row in enumerate(r.rows)}
     torch.save({"kept": kept, "rows": [index[id(s)] for s in kept.samples]}, tmp / "batch.pt")
@@ -266,8 +269,8 @@ def test_an_environment_object_that_does_not_pickle_stays_on_its_rank(monkeypatc
     import pickle
     from types import SimpleNamespace
 
-    import episodes
     import rollout
+    from engines import episodes
     monkeypatch.setattr(distributed, "world", lambda: 2)
     monkeypatch.setattr(distributed, "all_sum", lambda d: d)
     monkeypatch.setattr(distributed, "gather", lambda x: [pickle.loads(pickle.dumps(x))])

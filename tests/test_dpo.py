@@ -14,7 +14,8 @@ import train
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
 from modes.dpo import dpo_loss
-from plumbing import runs, updates
+from plumbing import updates
+from run import lifecycle
 
 # "" is a reply too
 NO = ["I do not know, sorry.", "No.", "",
@@ -178,7 +179,7 @@ def test_the_reference_is_computed_once_a_run_and_read_back_after(dpo_config, mo
 def grads_of_one_step(path, *overrides):
     """The gradient dpo_step computes (its optimizer step swapped for a capture)."""
     args, rest = train.parse_args(["--config", str(path), *overrides])
-    r = runs.setup(args, rest)
+    r = lifecycle.setup(args, rest)
     got = {}
 
     def capture(run):
@@ -235,7 +236,7 @@ def test_held_out_metrics_match_a_plain_forward_of_the_policy_and_reference(dpo_
     import rollout as ro
     from modes import dpo
     path, _ = dpo_config
-    r = runs.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false",
+    r = lifecycle.setup(*train.parse_args(["--config", str(path), "--lora.enabled=false",
                                       "--optim.lr=1e-3",
                                        "--run.eval_every=1", "--optim.micro_batch_size=4"]))
     dpo.dpo_step(r)
@@ -281,7 +282,7 @@ def test_the_reference_is_the_sft_model_merged_in(dpo_config, tmp_path):
     m = metrics(out)
     assert m[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     with pytest.raises(ConfigError, match="dpo.beta > 0 with a continued model.init_adapter"):
-        runs.setup(*train.parse_args(["--config", str(path), f"--model.init_adapter={sft_dir}",
+        lifecycle.setup(*train.parse_args(["--config", str(path), f"--model.init_adapter={sft_dir}",
                                        f"--run.out_dir={tmp_path / 'x'}"]))
 
 

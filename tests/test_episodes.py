@@ -1,4 +1,5 @@
-"""Multi-turn episodes (episodes.py, plumbing/tool_calls.py): only the model's tokens train, the
+"""Multi-turn episodes (engines/episodes.py, engines/tool_calls.py): only the model's tokens train,
+the
 episode's log-probs are a turn-by-turn forward's, tool calls parse on the chat templates the project
 loads, a broken tool or environment is a message or a fallback, never a crash, and a run with a
 scripted environment trains and resumes."""
@@ -12,15 +13,14 @@ import pytest
 import torch
 import yaml
 
-import episodes
 import grpo
 import train
 from config import Config, RewardSpec, load_config
 from conftest import make_tokenizer, write_run_config
+from engines import episodes, tool_calls
 from logprobs import sequence_log_probs
 from model import load_policy
-from plumbing import tool_calls
-from plumbing.scoring import compute_rewards
+from scoring.batch import compute_rewards
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}

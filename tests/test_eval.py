@@ -12,10 +12,10 @@ import yaml
 import eval as ev
 from config import ConfigError, ModelConfig, RewardSpec
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
-from plumbing import metrics
-from plumbing.adapters import save_adapter
-from plumbing.entries import parse_model_entries
-from plumbing.scoring import compute_rewards
+from scoring import metrics
+from scoring.batch import compute_rewards
+from sources.adapters import save_adapter
+from sources.entries import parse_model_entries
 
 MEDMCQA = [RewardSpec("json_valid"), RewardSpec("json_schema"), RewardSpec("choice_accuracy")]
 
@@ -567,7 +567,7 @@ def test_hub_entries_are_downloaded_then_read_as_local_directories(tiny_llama, t
     assert [(e.name, e.kind, e.target) for e in entries] == [("sft", "adapter", str(adapter)),
                                                              ("m", "full", str(tiny_llama))]
     assert calls == [("me/sft", "refs/pr/3"), ("me/merged", None)]
-    from plumbing import hub
+    from sources import hub
     # the hub's own error, when it answers
     monkeypatch.setattr(hub, "reachable", lambda endpoint: True)
     with pytest.raises(ConfigError,
@@ -789,7 +789,7 @@ def test_the_resume_key_holds_the_device_and_the_dtype_used_there(monkeypatch):
     not mixed into a CPU rerun; auto and float32 on a CPU compute the same, so they share the
     key."""
     from config import load_config
-    from plumbing.entries import ModelEntry
+    from sources.entries import ModelEntry
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     entry = ModelEntry("base", "base", None, "base")
 

@@ -9,7 +9,7 @@ import yaml
 
 from config import ModelConfig
 from model import load_base
-from plumbing.adapters import PROVENANCE, save_adapter
+from sources.adapters import PROVENANCE, save_adapter
 from tools import export
 
 PROMPT = "What is 2 + 3? Reply with just the number."

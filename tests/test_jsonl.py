@@ -4,7 +4,7 @@ import multiprocessing
 
 import pytest
 
-from plumbing import jsonl
+from files import jsonl
 
 
 def test_append_returns_where_each_write_starts_and_read_gives_offsets_ends_and_records(tmp_path):

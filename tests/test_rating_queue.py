@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from plumbing import jsonl
+from files import jsonl
 from rating_client import form, post_form, shown
 
 SEED = ["relevance", "clarity", "discriminative"]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from files import jsonl
 from graders import ratings
-from plumbing import jsonl
 from rating_client import needs_page
 from tools import ratings as ratings_cmd
 

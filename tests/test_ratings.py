@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from config import RewardSpec
+from files import jsonl
 from graders import rating_page, ratings
 from graders.ratings import Store, human, item_id
-from plumbing import jsonl
-from plumbing.scoring import check_specs, compute_rewards
 from rating_client import needs_page, queue, rater
+from scoring.batch import check_specs, compute_rewards
 from tools import ratings as ratings_cmd
 
 CRITERIA = ["relevance", "clarity"]
@@ -98,7 +98,7 @@ def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_p
     """The queue keeps data.assistant_prefix + the completion: its export becomes DPO pairs that the
     same template renders again, so a block the template opens (R1's <think>) must not be in
     them."""
-    from plumbing.scoring import reward_context
+    from scoring.batch import reward_context
     spec = RewardSpec("human", args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
     compute_rewards(["x"], [{"prompt": "p"}], [spec],
                     context=reward_context("<think>\nokay", {}, "okay"))

@@ -357,7 +357,7 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
     import re
 
     from config import load_config
-    from plumbing.scoring import reward_keys
+    from scoring.batch import reward_keys
     logged = set(reward_keys(load_config("configs/bioreasoner_judge.yaml").rewards))
     pages = [Path("docs/recipes/bioreasoner.md"), Path("docs/evaluation.md")]
     found = [by for page in pages for by in re.findall(r"`--by ([\w+]+)`", page.read_text())]
@@ -370,7 +370,7 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
 def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
         tmp_path, tiny_llama, monkeypatch):
     """bioreasoner_search.yaml: the multi-turn version, a search tool over a local corpus."""
-    from plumbing.plugins import import_function
+    from sources.plugins import import_function
     corpus = FIXTURES / "bioreasoner_corpus.jsonl"
     monkeypatch.setenv("BIOREASONER_CORPUS", str(corpus))
     search = import_function("configs/bioreasoner_search.py:search", what="tool")

@@ -10,7 +10,7 @@ import train
 from config import ConfigError, RewardSpec
 from conftest import make_tokenizer
 from graders import reward_model as rm
-from plumbing import scoring
+from scoring import batch
 
 PROMPTS = ["What is 2 + 3?", [{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": "Hello world"}], "Which vitamin?"]
@@ -113,7 +113,7 @@ def test_a_classifier_without_a_chat_template_scores_the_pair(tmp_path):
 ])
 def test_bad_args_are_refused_before_anything_loads(args, message):
     with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("(", r"\(")):
-        scoring.check_specs([RewardSpec("reward_model", args=args)])
+        batch.check_specs([RewardSpec("reward_model", args=args)])
 
 
 def test_a_causal_lm_or_a_label_past_the_outputs_fails_when_the_rewards_open(tiny_llama, classifier,
@@ -129,11 +129,11 @@ def test_a_causal_lm_or_a_label_past_the_outputs_fails_when_the_rewards_open(tin
     monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained",
                         classmethod(only_classifiers))
     with pytest.raises(ConfigError, match="is a LlamaForCausalLM, not a sequence classifier"):
-        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(tiny_llama)})])
+        batch.open_rewards([RewardSpec("reward_model", args={"model": str(tiny_llama)})])
     with pytest.raises(ConfigError, match="label=1 but .* has 1 output"):
-        scoring.open_rewards([RewardSpec("reward_model",
+        batch.open_rewards([RewardSpec("reward_model",
                                          args={"model": str(classifier), "label": 1})])
-    scoring.open_rewards([RewardSpec("reward_model", args={"model": str(classifier)})])
+    batch.open_rewards([RewardSpec("reward_model", args={"model": str(classifier)})])
     assert len(rm._LOADED) == 1  # loaded once; the reward reuses it
 
 
@@ -217,11 +217,11 @@ def test_a_truncated_checkpoint_or_a_missing_gpu_is_one_line(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ConfigError, match=r"reward_model: could not load model=.* as a sequence "
                                           r"classifier \(\w+Error"):
-        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
+        batch.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="reward_model: device=cuda but no CUDA GPU is "
                                               "visible; use device=cpu"):
-            scoring.open_rewards([RewardSpec("reward_model",
+            batch.open_rewards([RewardSpec("reward_model",
                                              args={"model": str(path), "device": "cuda"})])
 
 
@@ -340,14 +340,14 @@ def test_non_finite_scores_stop_the_run_and_several_outputs_need_a_label(tmp_pat
         return out
     monkeypatch.setattr(LlamaForSequenceClassification, "forward", overflow)
     with pytest.raises(JudgeUnusable, match="non-finite score.*dtype: bfloat16"):
-        scoring.compute_rewards(["5"], [{"prompt": "2 + 3?"}],
+        batch.compute_rewards(["5"], [{"prompt": "2 + 3?"}],
                                 [RewardSpec("reward_model", args={"model": str(classifier)})])
     monkeypatch.setattr(LlamaForSequenceClassification, "forward", real)
     two = write_classifier(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match=r"has 2 outputs \(0: LABEL_0, 1: LABEL_1\); choose one "
                                           r"with args: \{label"):
-        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(two)})])
-    scoring.open_rewards([RewardSpec("reward_model", args={"model": str(two), "label": 1})])
+        batch.open_rewards([RewardSpec("reward_model", args={"model": str(two)})])
+    batch.open_rewards([RewardSpec("reward_model", args={"model": str(two), "label": 1})])
 
 
 def test_a_causal_lm_saved_without_architectures_is_refused(tmp_path, tiny_llama):
@@ -358,4 +358,4 @@ def test_a_causal_lm_saved_without_architectures_is_refused(tmp_path, tiny_llama
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError,
                        match="without the weights score.weight, not a sequence classifier"):
-        scoring.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
+        batch.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])

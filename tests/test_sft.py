@@ -12,8 +12,8 @@ import train
 from config import ConfigError, DataConfig, LoraConfig, ModelConfig, load_config
 from data import DataError, load_rows, split
 from model import load_inference, load_policy
-from plumbing import runs
-from plumbing.adapters import find_adapter
+from run import lifecycle
+from sources.adapters import find_adapter
 
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)}
         for a in range(5) for b in range(4)]
@@ -262,7 +262,7 @@ def test_an_adapter_without_a_recorded_base_is_neither_saved_nor_loaded(tmp_path
     from peft import get_peft_model
 
     from model import load_base
-    from plumbing.adapters import save_adapter
+    from sources.adapters import save_adapter
     base, _ = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     peft_model = get_peft_model(base, PeftLoraConfig(r=2, target_modules="all-linear"))
     with pytest.raises(ValueError, match="provenance"):
@@ -334,7 +334,7 @@ def test_lora_dropout_acts_in_sft_only(sft_config, tmp_path):
     for mode, extra, active in (("sft", [], True),
                                 ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"],
                                  False)):
-        r = runs.setup(*train.parse_args(["--config", str(path), f"--mode={mode}",
+        r = lifecycle.setup(*train.parse_args(["--config", str(path), f"--mode={mode}",
                                           "--lora.dropout=0.25",
                                            f"--run.out_dir={tmp_path / mode}", *extra]))
         drops = [m for n, m in r.model.named_modules() if n.endswith("lora_dropout.default")]
@@ -361,7 +361,7 @@ def test_a_continued_adapter_takes_this_runs_lora_dropout(sft_config, tmp_path):
     for mode, extra, want in (("sft", [], 0.3),
                               ("grpo", ["--data.target=null", "--rewards=[{name: short_answer}]"],
                                0.0)):
-        r = runs.setup(*train.parse_args(["--config", str(path), f"--mode={mode}",
+        r = lifecycle.setup(*train.parse_args(["--config", str(path), f"--mode={mode}",
                                           "--lora.dropout=0.3", *extra,
                                            f"--model.init_adapter={cfg['run']['out_dir']}",
                                           f"--run.out_dir={tmp_path / (mode + '2')}"]))
@@ -379,7 +379,7 @@ def test_full_fine_tuning_from_a_merged_adapter_trains_and_resumes_only_on_that_
     args = ["--config", str(path), "--lora.enabled=false", f"--model.init_adapter={sft}",
             "--model.merge_init_adapter=true",
             "--run.steps=2", "--run.save_every=1", f"--run.out_dir={out}"]
-    r = runs.setup(*train.parse_args(args))
+    r = lifecycle.setup(*train.parse_args(args))
     # every weight trains
     assert sum(p.numel() for p in r.params) == sum(p.numel() for p in r.model.parameters())
     assert train.main(args) == 0

@@ -17,14 +17,15 @@ import rollout
 import step
 import train
 from conftest import write_run_config
-from plumbing import runs, vllm_engine
+from engines import vllm_engine
+from run import lifecycle
 
 
 def make_run(tmp_path, tiny_llama, *overrides, **sections):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")}, **sections)
     args, extra = train.parse_args(["--config", str(cfg), *overrides])
-    return runs.setup(args, extra)
+    return lifecycle.setup(args, extra)
 
 
 def test_the_logged_loss_and_grad_norm_are_means_over_every_micro_batch_and_iteration(
@@ -393,7 +394,7 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
     # one pass, yet the second half is off-policy: the old log-probs count
     assert len(grads) == 2 and len(olds) == 1
     r.cfg.grpo.num_iterations = 3
-    assert runs.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
+    assert lifecycle.updates_per_step(r.cfg) == 6  # what the lr schedule and --resume count
     with pytest.raises(train.ConfigError,
                        match="num_mini_batches=3 must divide rollout.prompts_per_step=2"):
         make_run(tmp_path / "bad", tiny_llama, "--grpo.num_mini_batches=3")

@@ -17,7 +17,7 @@ import rollout
 import step
 import train
 from config import Config, ConfigError, RewardSpec, load_config
-from plumbing import display, runs
+from run import display, lifecycle
 
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
 
@@ -142,7 +142,8 @@ def test_resume_with_another_num_iterations_puts_the_schedule_where_the_steps_ar
     shutil.rmtree(run / "checkpoints/step_000004")
     assert train.main(args + ["--grpo.num_iterations=1", "--resume"]) == 0
     # 4 updates in all now, 2 done by step 2: steps 3 and 4 use the schedule's updates 2 and 3
-    f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=3", "--run.steps=4"]), 4)
+    f = lifecycle.lr_lambda(lifecycle.load_config(str(cfg), ["--optim.warmup_steps=3",
+                                                         "--run.steps=4"]), 4)
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")][2:] == \
         pytest.approx([0.01 * f(2), 0.01 * f(3)])
 
@@ -159,7 +160,7 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
     assert train.main(args + ["--dry-run", f"--run.out_dir={run}_dry",
                               "--grpo.num_iterations=2"]) == 0
     assert "steps: 3 (0.5 epochs), 2 optimizer update(s) each" in capsys.readouterr().out
-    f = runs.lr_lambda(runs.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
+    f = lifecycle.lr_lambda(lifecycle.load_config(str(cfg), ["--optim.warmup_steps=2"]), 3)
     assert [m["learning_rate"] for m in lines(run / "metrics.jsonl")] == \
         pytest.approx([0.01 * f(u) for u in range(3)])
     # the epochs make them
@@ -169,11 +170,11 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
     assert "changed settings" not in capsys.readouterr().err  # the steps the epochs make, as saved
     assert [m["step"] for m in lines(run / "metrics.jsonl")] == [1, 2, 3]
     # the command line's wins
-    assert runs.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7
-    assert runs.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
+    assert lifecycle.load_config(str(run / "config.yaml"), ["--run.steps=7"]).run.steps == 7
+    assert lifecycle.load_config(str(run / "config.yaml"), ["--run.epochs=2"]).run.epochs == 2
     with pytest.raises(ConfigError,
                        match="the command line sets both run.steps=7 and run.epochs=0.5: keep one"):
-        runs.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
+        lifecycle.load_config(str(run / "config.yaml"), ["--run.steps=7", "--run.epochs=0.5"])
     with pytest.raises(ConfigError, match="the command line sets both optim.warmup_steps=5 and "
                                           "optim.warmup_ratio=0.1: keep one"):
         load_config(str(cfg), ["--optim.warmup_ratio=0.1", "--optim.warmup_steps=5"])
@@ -184,7 +185,7 @@ def test_epochs_set_the_steps_and_warmup_ratio_the_warmup_and_a_resume_sees_no_c
 def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newest_whole_one(setup):
     """RL runs often peak before their last step: checkpoints past run.keep_checkpoints lose their
     optimizer state but keep adapter/ (run.keep_adapters), which eval.py and export.py load."""
-    from plumbing.adapters import find_adapter
+    from sources.adapters import find_adapter
     cfg, run = setup
     args = ["--config", str(cfg), "--run.steps=3", "--run.save_every=1", "--run.keep_checkpoints=1"]
     assert train.main(args) == 0
@@ -193,11 +194,11 @@ def test_older_checkpoints_keep_their_adapter_for_eval_and_resume_takes_the_newe
     for old in ("step_000001", "step_000002"):
         assert not (run / "checkpoints" / old / "trainer_state.pt").exists()
         assert find_adapter(str(run / "checkpoints" / old)) == run / "checkpoints" / old / "adapter"
-    assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
+    assert [p.name for p in lifecycle.checkpoints(run)] == ["step_000003"]
     import shutil
     # a write cut by a kill
     shutil.copytree(run / "checkpoints/step_000003", run / "checkpoints/step_000009.tmp")
-    assert [p.name for p in runs.checkpoints(run)] == ["step_000003"]
+    assert [p.name for p in lifecycle.checkpoints(run)] == ["step_000003"]
     shutil.rmtree(run / "checkpoints/step_000009.tmp")
     assert train.main(args[:2] + ["--run.steps=4", "--run.save_every=1", "--run.keep_checkpoints=1",
                                   "--run.keep_adapters=false", "--resume"]) == 0
@@ -627,7 +628,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     calls, generate = [], rollout.generate_rollout
     monkeypatch.setattr(rollout, "generate_rollout", lambda model, tok, prompts, *a, **k: (
         calls.append(len(prompts)), generate(model, tok, prompts, *a, **k))[1])
-    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
+    r = lifecycle.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1"]))
     # a longer prompt
     r.rows[1]["question"] = "What is the sum of four and two, written as a word and then as digits?"
     G, idx = r.cfg.rollout.num_generations, [0, 1, 2]
@@ -669,7 +670,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.append(started.wait(timeout=30) if seen and overlap else started.is_set())
         return out
     monkeypatch.setattr(rollout, "generate_rollout", gen)
-    r = runs.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1",
+    r = lifecycle.setup(*train.parse_args(["--config", str(cfg), "--rollout.top_k=1",
                                       "--rollout.prompts_per_generate=1"]))
     r.cfg.rewards = [RewardSpec("test_marks_start"), RewardSpec("answer_match", weight=2.0)]
     got = {}
@@ -835,7 +836,7 @@ def test_report_to_sends_each_steps_metrics_to_the_tracker_and_resumes_its_run(s
     calls.clear()
     assert train.main(args[:-1] + ["--run.steps=3", "--resume"]) == 0
     assert calls[0][1]["id"] == init["id"] and [c[1] for c in calls if c[0] == "log"] == [3]
-    monkeypatch.setattr(runs.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(lifecycle.importlib.util, "find_spec", lambda name: None)
     assert train.main(["--config", str(cfg), "--run.report_to=trackio",
                        f"--run.out_dir={run.parent / 'trk'}"]) == 2
     assert "pip install trackio" in capsys.readouterr().err
@@ -985,7 +986,7 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_a
     import signal
     import types
 
-    from plumbing import checkpoint
+    from run import checkpoint
     calls = []
     fake = types.ModuleType("wandb")
     fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
@@ -1021,7 +1022,7 @@ def test_a_full_disk_mid_checkpoint_stops_with_one_line_and_leaves_no_half_check
     --resume goes on."""
     import errno
 
-    from plumbing import checkpoint
+    from run import checkpoint
     cfg, run = setup
     real, n = torch.save, []
 
@@ -1064,7 +1065,7 @@ def test_an_os_error_that_is_not_a_full_disk_keeps_its_traceback_and_the_run(set
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(runs, "load_policy", interrupt)
+    monkeypatch.setattr(lifecycle, "load_policy", interrupt)
     assert train.main(["--config", str(cfg), f"--run.out_dir={run.parent / 'new'}"]) == 130
     assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C) before it started; "
                                                     "nothing was written")
@@ -1127,8 +1128,8 @@ def test_warmup_ratio_makes_as_many_warmup_updates_as_trl():
     from config import Config
     cfg = Config()
     cfg.optim.warmup_ratio = 0.1
-    assert runs.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
-    assert runs.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
+    assert lifecycle.lr_lambda(cfg, 5)(0) == pytest.approx(1 / 2)  # update 0 of a 1-update warmup
+    assert lifecycle.lr_lambda(cfg, 25)(2) == pytest.approx(3 / 4)  # update 2 of a 3-update warmup
 
 
 class _KillServerAfterStep:
@@ -1226,7 +1227,7 @@ def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, mon
 def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(setup, monkeypatch,
                                                                              capsys):
     cfg, _ = setup
-    monkeypatch.setattr(runs, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(lifecycle, "load_policy", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(["--config", str(cfg), "--run.out_dir=/proc/x"]) == 2
     assert capsys.readouterr().err.strip() == ("error: run.out_dir=/proc/x: cannot create anything "
                                                "in /proc (No such file or directory); choose "

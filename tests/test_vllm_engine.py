@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 import rollout
 import train
 from config import ConfigError, load_config
-from plumbing import vllm_engine
+from engines import vllm_engine
 
 
 @dataclass
@@ -276,7 +276,7 @@ def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_pa
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from plumbing.adapters import save_adapter
+    from sources.adapters import save_adapter
     dora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
                           LoraConfig(r=4, lora_alpha=8, use_dora=True,
                                      target_modules=["q_proj", "v_proj"]))

@@ -39,8 +39,8 @@ import json
 import sys
 from pathlib import Path
 
-from plumbing import jsonl
-from plumbing.typed_config import check_writable
+from files import jsonl
+from settings.typed_config import check_writable
 
 
 def groups(records: list[dict]) -> dict[tuple, list[dict]]:

@@ -36,10 +36,10 @@ import torch
 import rollout
 from config import Config, ConfigError, data_label, length_limit, load_config
 from model import load_base
-from plumbing import overlap
-from plumbing.adapters import apply_adapter_chain, check_adapter_base, find_adapter
-from plumbing.hub import BUILTIN
-from plumbing.typed_config import check_writable
+from run import overlap
+from settings.typed_config import check_writable
+from sources.adapters import apply_adapter_chain, check_adapter_base, find_adapter
+from sources.hub import BUILTIN
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from plumbing.typed_config import ConfigError, check_writable
+from settings.typed_config import ConfigError, check_writable
 
 INSTALL_HINT = "plots need matplotlib: pip install matplotlib"
 # drawn together, one line style each

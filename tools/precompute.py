@@ -53,12 +53,12 @@ from pathlib import Path
 from api.client import Judge, JudgeUnusable
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
+from files import jsonl
+from files.jsonl import interrupted, sigterm_as_interrupt
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
-from plumbing import jsonl
-from plumbing.jsonl import interrupted, sigterm_as_interrupt
-from plumbing.scoring import check_rows, check_specs, compute_rewards
-from plumbing.typed_config import check_writable
 from rollout import chat_messages
+from scoring.batch import check_rows, check_specs, compute_rewards
+from settings.typed_config import check_writable
 
 
 def check(cfg: Config) -> PrecomputeConfig:

@@ -21,7 +21,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from config import ConfigError, ModelConfig
-from plumbing.hub import resolve_model_path
+from sources.hub import resolve_model_path
 
 PROVENANCE = "minigrpo_base.json"
 

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from plumbing.plugins import one_line
+from sources.plugins import one_line
 
 
 @dataclass

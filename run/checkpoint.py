@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from config import ConfigError, save_config
+from files import jsonl
 from model import is_peft
-from plumbing import distributed, jsonl
-from plumbing.adapters import PROVENANCE, save_adapter
+from parallel import distributed
+from sources.adapters import PROVENANCE, save_adapter
 
 if TYPE_CHECKING:
     from step import Run

@@ -2,7 +2,7 @@
 the advice for a step that ran out of GPU memory, and the warning for steps without a learning
 signal. train.py calls these; nothing here changes what is trained.
 
-    python -m pytest plumbing/display.py      # its examples; train.py is what runs it
+    python -m pytest run/display.py      # its examples; train.py is what runs it
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from config import Config, saved_dict
-from plumbing import jsonl
+from files import jsonl
 
 SHOWN = [("reward", "reward {:.3f}"), ("reward_std", "± {:.3f}"), ("eval/reward", "eval {:.3f}"),
          ("loss", "loss {:+.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:+.3f}"),

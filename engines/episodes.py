@@ -45,9 +45,9 @@ import torch
 
 import rollout
 from config import Config, ConfigError
-from plumbing import tool_calls
-from plumbing.plugins import import_function, one_line
+from engines import tool_calls
 from rewards import register
+from sources.plugins import import_function, one_line
 
 log = logging.getLogger("minigrpo.episodes")
 
@@ -281,7 +281,7 @@ def as_rollout(eps: list[Episode], tokenizer, device) -> rollout.Rollout:
 
 class ToolEnv:
     """The built-in environment for `tools:`: each assistant reply's tool calls (in the format the
-    chat template declares, plumbing/tool_calls.py) are run, each with a time limit, and their
+    chat template declares, engines/tool_calls.py) are run, each with a time limit, and their
     results come back as tool messages; a reply without a call ends the episode. A malformed call,
     an unknown tool, a tool that raises or hangs: its tool message says so, and the episode goes
     on. Leaves scoring to the configured rewards."""

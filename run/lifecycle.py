@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-import episodes
 import rollout
 from api import outage
 from api.client import Judge, JudgeUnusable
@@ -35,6 +34,8 @@ from config import (
     save_config,
 )
 from data import load_sources
+from engines import episodes, vllm_engine
+from files.jsonl import interrupted
 from model import (
     is_peft,
     load_policy,
@@ -43,15 +44,15 @@ from model import (
     pick_dtype,
     trainable_parameters,
 )
-from plumbing import distributed, overlap, vllm_engine
-from plumbing.adapters import PROVENANCE, same_base
-from plumbing.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
-from plumbing.display import out_of_memory
-from plumbing.hub import resolve_model_path
-from plumbing.jsonl import interrupted
+from parallel import distributed
 from plumbing.sampler import PromptSampler
-from plumbing.scoring import check_rows, open_rewards, open_scoring
-from plumbing.typed_config import check_writable
+from run import overlap
+from run.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
+from run.display import out_of_memory
+from scoring.batch import check_rows, open_rewards, open_scoring
+from settings.typed_config import check_writable
+from sources.adapters import PROVENANCE, same_base
+from sources.hub import resolve_model_path
 from step import Run
 
 

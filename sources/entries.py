@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config import Config, ConfigError, ModelConfig, active_mixture, load_config
-from plumbing.adapters import PROVENANCE, adapter_provenance, check_adapter_base, find_adapter
-from plumbing.hub import hub_unreachable, offline_if_unreachable
+from sources.adapters import PROVENANCE, adapter_provenance, check_adapter_base, find_adapter
+from sources.hub import hub_unreachable, offline_if_unreachable
 
 
 @dataclass

@@ -40,10 +40,10 @@ import torch
 from api.client import Judge, JudgeUnusable
 from config import Config, ConfigError, RewardSpec, judge_names, judge_sections
 from data import check_not_data_file
-from episodes import check_environment
+from engines.episodes import check_environment
 from judge import open_judges
-from plumbing.plugins import did_you_mean, one_line, resolve, reward_params
-from plumbing.typed_config import check_writable, convert
+from settings.typed_config import check_writable, convert
+from sources.plugins import did_you_mean, one_line, resolve, reward_params
 
 log = logging.getLogger("minigrpo.scoring")
 

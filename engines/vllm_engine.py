@@ -38,7 +38,7 @@ import torch
 
 import rollout
 from config import Config, ConfigError
-from plumbing.adapters import save_adapter
+from sources.adapters import save_adapter
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 

@@ -1,7 +1,7 @@
 """Files that survive a kill: append-only JSON Lines (the judge cache, people's ratings, a run's
 logs) and atomic rewrites (results, configs).
 
-    from plumbing import jsonl
+    from files import jsonl
     # one write, fsynced; returns where the first record starts
     offset = jsonl.append(path, [{"key": "...", "reply": "..."}])
     for offset, end, record in jsonl.read(path):  # whole lines only; record None: not a JSON object

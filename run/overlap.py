@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from plumbing import jsonl
+from files import jsonl
 
 FILE = "trained_prompts.txt"
 
@@ -70,7 +70,7 @@ def seen_before(mcfg) -> set[str]:
             try:  # its record, cached or fetched (a few KB); offline or a repo without one: none
                 from huggingface_hub import hf_hub_download
 
-                from plumbing.hub import offline_if_unreachable
+                from sources.hub import offline_if_unreachable
                 with offline_if_unreachable():
                     f = hf_hub_download(name, FILE, revision=mcfg.revision)
             except Exception:

@@ -3,7 +3,7 @@
 take `completions` by name and return a list), run unchanged as batched minigrpo rewards.
 
     rewards: [{name: my_rewards.py:no_hedging}, {name: medmcqa_rewards.py:accuracy_reward}]  # both
-    python -m pytest --doctest-modules plumbing/plugins.py tests/test_scoring.py
+    python -m pytest --doctest-modules sources/plugins.py tests/test_scoring.py
 
 resolve(spec) is what scoring.py calls: a registered name (rewards.REGISTRY) or one of these.
 """

@@ -1,0 +1,112 @@
+"""The same steps, bit for bit: a change that only moves code must not change what is trained.
+Runs four reference runs and writes every step's metrics (times and memory left out) to one JSON
+file; run it before and after the change, then compare.
+
+    python bench/same_steps.py --out /tmp/before.json              # on the old commit
+    python bench/same_steps.py --out /tmp/after.json               # on the new one
+    python bench/same_steps.py --compare /tmp/before.json /tmp/after.json
+
+The runs (about 6 minutes on 2 CPU cores): the quickstart's 30 steps; 3 steps of it under torchrun
+with 2 processes; the multi-turn calculator demo's first 3 steps; 3 steps of vLLM rollouts against
+the tests' fake vLLM on a tiny model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMED = ("time", "seconds", "per_s", "memory")  # keys that measure the machine, not the run
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in m.items() if not any(t in k for t in TIMED)} for m in rows]
+
+
+def train(out: Path, *args: str, torchrun: bool = False) -> list[dict]:
+    exe = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    subprocess.run([*exe, "train.py", *args, f"--run.out_dir={out}"], cwd=ROOT, check=True,
+                   env=os.environ | {"PYTHONHASHSEED": "0"})
+    return metrics(out)
+
+
+def fake_vllm_run(tmp: Path) -> list[dict]:
+    """In this process: the tests' fake vllm package in sys.modules, a tiny model, 3 steps."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT))
+    import types
+
+    import yaml
+
+    import test_vllm_engine as fake
+    from conftest import write_tiny_model
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams, vllm.__version__ = fake.FakeLLM, fake.SamplingParams, "0.11.0"
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = fake.LoRARequest
+    sys.modules |= {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
+    model = write_tiny_model(tmp / "tiny")
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
+                            for a in range(8)))
+    cfg = {"model": {"name": str(model)}, "lora": {"r": 4, "alpha": 8},
+           "data": {"name": str(data), "prompt": "{q}"},
+           "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6,
+                       "engine": "vllm"},
+           "grpo": {"num_iterations": 2, "tis_cap": 2.0},
+           "optim": {"lr": 1e-2, "micro_batch_size": 4},
+           "run": {"out_dir": str(tmp / "vllm_run"), "steps": 3, "save_every": 0},
+           "rewards": [{"name": "answer_match"},
+                       {"name": "short_answer", "args": {"max_words": 1}}]}
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    import train as train_module
+    assert train_module.main(["--config", str(tmp / "cfg.yaml")]) == 0
+    return metrics(tmp / "vllm_run")
+
+
+def capture(out: Path) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runs = {"quickstart": train(tmp / "q", "--config", "configs/quickstart.yaml"),
+                "torchrun": train(tmp / "t", "--config", "configs/quickstart.yaml",
+                                  "--run.steps=3", "--run.threads=1", torchrun=True),
+                "multi_turn": train(tmp / "m", "--config", "configs/tools_calculator.yaml",
+                                    "--run.steps=3"),
+                "vllm_fake": fake_vllm_run(tmp)}
+    out.write_text(json.dumps(runs, indent=1))
+    print(f"wrote {out}: " + ", ".join(f"{k} {len(v)} steps" for k, v in runs.items()))
+
+
+def compare(a: Path, b: Path) -> int:
+    before, after = json.loads(a.read_text()), json.loads(b.read_text())
+    differ = 0
+    for name in before:
+        for old, new in zip(before[name], after.get(name, []), strict=False):
+            diff = {k: (old.get(k), new.get(k)) for k in old.keys() | new.keys()
+                    if old.get(k) != new.get(k) and not (isinstance(old.get(k), float)
+                                                         and math.isnan(old[k]) and new.get(k)
+                                                         is not None and math.isnan(new[k]))}
+            if diff:
+                differ += 1
+                print(f"{name} step {old.get('step')}: {diff}")
+        same = len(before[name]) == len(after.get(name, []))
+        print(f"{name}: {len(before[name])} steps, {'same count' if same else 'COUNT DIFFERS'}")
+        differ += not same
+    print("identical" if not differ else f"{differ} differences")
+    return int(bool(differ))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--compare", nargs=2, type=Path)
+    args = ap.parse_args()
+    sys.exit(compare(*args.compare) if args.compare else capture(args.out))

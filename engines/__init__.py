@@ -1,0 +1,2 @@
+"""Sampling beyond HF generate: vLLM (vllm_engine.py), and multi-turn episodes against your tools
+or environment (episodes.py, tool_calls.py). Each returns the same rollout.Rollout."""

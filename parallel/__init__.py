@@ -1,0 +1,1 @@
+"""Data-parallel GRPO under torchrun (distributed.py): what crosses processes, and where."""

@@ -1,0 +1,2 @@
+"""The typed-config machinery config.py stands on: YAML to typed dataclasses, overrides, the
+one-line ConfigError (typed_config.py)."""

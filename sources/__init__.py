@@ -1,0 +1,3 @@
+"""Where a run's parts come from: models from a folder, the hub or the built-in (hub.py), LoRA
+adapters and their bases (adapters.py), eval.py's model entries (entries.py), row maps for
+datasets (maps.py), and your own functions named "file.py:function" (plugins.py)."""
