@@ -71,18 +71,16 @@ from files import jsonl
 from files.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
-from rewards import answer_key
-from run import overlap
-from scoring.batch import (
+from rewards import (
     RewardResult,
-    check_rows,
+    answer_key,
     compute_rewards,
     in_background,
-    open_rewards,
-    open_scoring,
     reward_context,
     reward_keys,
 )
+from run import overlap
+from scoring.checks import check_rows, open_rewards, open_scoring
 from scoring.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
 from settings.typed_config import check_writable
 from sources.entries import ModelEntry, parse_model_entries, trained_on_held_out

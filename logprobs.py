@@ -4,16 +4,21 @@
 
 Only the chosen tokens' log-probs are ever computed: log softmax(logits / T)[id] = logits[id] / T -
 logsumexp(logits / T), in row chunks with the backward written out, or straight from the last hidden
-states without the (N, T, V) logits (grpo.fused_lm_head), both in plumbing/logsoftmax.py. Positions
+states without the (N, T, V) logits (grpo.fused_lm_head), both below (the kernels). Positions
 skip left padding; grpo.share_prompt runs a group's prompt through the model once.
 Shapes: N = B prompts x G completions, P = prompt length, C = completion length, V = vocab.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
-from plumbing.logsoftmax import fused_head_log_probs, plain_output_head, selective_log_probs
+if TYPE_CHECKING:
+    from config import Config
+    from rollout import Rollout
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -147,3 +152,230 @@ def trim(input_ids: Tensor, attention_mask: Tensor,
     start = int((attention_mask[:, :P].sum(0) > 0).long().argmax()) if P > 0 else 0
     end = P + C
     return input_ids[:, start:end], attention_mask[:, start:end], C
+
+
+# ---------------------------------------------------------------- per micro-batch, in the step
+
+
+def micro_batches(batch: Rollout, size: int, max_tokens: int = 0,
+                  group: int = 1) -> list[slice]:
+    """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0
+    (optim.micro_batch_tokens), at most that many padded tokens: rows x (longest prompt + longest
+    completion) of the micro-batch, what its forward pays for after trimming. A row over the budget
+    on its own gets its own micro-batch. Consecutive rows keep a group's rows together
+    (grpo.share_prompt) when `size` is a multiple of G; other sizes split groups (the same gradient,
+    less prompt sharing). group: cut only between whole groups of that many rows (a DPO pair's two
+    replies, which one loss term joins)."""
+    n = batch.completion_ids.shape[0]
+    size = max(size // group, 1) * group
+    if not max_tokens:
+        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+    p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
+    out, start = [], 0
+    # do rows i .. i + group - 1 still fit in the micro-batch that starts at `start`?
+    for i in range(group, n, group):
+        end = min(i + group, n)
+        padded = (end - start) * (max(p_len[start:end]) + max(c_len[start:end]))
+        if i - start >= size or padded > max_tokens:
+            out.append(slice(start, i))
+            start = i
+    return out + [slice(start, n)]
+
+
+def micro_batch_log_probs(model, batch: Rollout, ids, attn, mb: slice, cfg: Config,
+                          temperature: float | None = None) -> tuple[torch.Tensor, int]:
+    """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
+    The temperature is the sampler's (rollout.temperature) unless given."""
+    i, a, C = trim(ids[mb], attn[mb], batch.completion_mask[mb])
+    T = cfg.rollout.temperature if temperature is None else temperature
+    share = share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
+    with mixed_precision(model):  # bf16/fp16 matmuls over a 16-bit base; nothing on an fp32 model
+        return sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk,
+                                           cfg.grpo.fused_lm_head, share), C
+
+
+@torch.no_grad()
+def batch_log_probs(model, batch: Rollout, cfg: Config,
+                    mbs: list[slice] | None = None) -> torch.Tensor:
+    """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each
+    micro-batch's longest completion; between a row's end and that, the log-probs of padding, which
+    the loss masks out."""
+    out = torch.zeros(batch.completion_mask.shape, dtype=torch.float32,
+                      device=batch.completion_ids.device)
+    ids, attn = batch.input_ids, batch.attention_mask
+    for mb in mbs or micro_batches(batch, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens):
+        logp, C = micro_batch_log_probs(model, batch, ids, attn, mb, cfg)
+        out[mb, :C] = logp
+    return out
+
+
+HALF = (torch.bfloat16, torch.float16)  # the weight dtypes mixed_precision runs matmuls in
+
+
+def mixed_precision(model: nn.Module, device_type: str | None = None):
+    """Autocast for the training forward where frozen bf16/fp16 weights carry fp32 trained ones
+    (LoRA on a half-precision or 4-bit base): matmuls then run in the base's dtype, as HF Trainer's
+    bf16/fp16 modes do, while the trained weights stay fp32 (autocast casts them). peft's own cast
+    of each adapted layer's input to its weights' fp32 is switched off meanwhile: autograd kept
+    those copies. For one 8 x 557-token Qwen3-0.6B micro-batch this takes the forward's peak from
+    12.8 to 9.2 GiB (estimated on CPU: bench/memory_estimate.py). Else a nullcontext (fp32 models:
+    the CPU default). device_type: autocast's if not the weights' (meta weights traced on a CPU)."""
+    frozen = next((p.dtype for p in model.parameters()
+                   if not p.requires_grad and p.dtype in HALF), None)
+    trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    if frozen is None or not trained:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type,
+                                       dtype=frozen))
+    if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):  # peft's
+        from peft.helpers import disable_input_dtype_casting
+        stack.enter_context(disable_input_dtype_casting(model))
+    return stack
+
+
+# ------------------------------------------------ the kernels: log softmax(z / T)[id], lean
+
+
+def _pick_and_lse(z: Tensor, ids: Tensor, temperature: float,
+                  acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Chunk logits z (c, V) -> (log softmax(z / T)[ids], logsumexp(z / T)), each (c,), in `acc`."""
+    lg = z.to(acc, copy=True).div_(temperature)  # (c, V): one fp32 buffer, not a cast and quotient
+    lse = torch.logsumexp(lg, dim=-1)  # (c,)
+    return lg.gather(-1, ids[:, None]).squeeze(-1) - lse, lse
+
+
+def _logits_grad(z: Tensor, ids: Tensor, lse: Tensor, grad_out: Tensor, temperature: float,
+                 owned: bool) -> Tensor:
+    """d(sum_i g_i logp_i) / dz = (onehot(ids) - softmax(z / T)) * g / T for a chunk z (c, V), in
+    lse's dtype, built in place in one (c, V) buffer. owned: z is a temporary that may be
+    overwritten (else it is copied: fp32 logits would otherwise be the saved input itself)."""
+    g = grad_out[:, None].to(lse.dtype) / temperature  # (c, 1)
+    # -softmax * g
+    dz = z.to(lse.dtype, copy=not owned).div_(temperature).sub_(lse[:, None]).exp_().mul_(-g)
+    return dz.scatter_add_(-1, ids[:, None], g)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(x / T)[id] per row, with the backward written out:
+
+        d logp / d x_j = (1[j = id] - softmax(x / T)_j) / T
+
+    Forward keeps only the (rows,) logsumexp; backward rebuilds the softmax from it chunk by
+    chunk (one exp, no second logsumexp), so no fp32 (rows, V) tensor outlives its chunk and
+    nothing is computed twice, unlike checkpointing the plain expression."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, ids: Tensor, temperature: float, chunk: int) -> Tensor:
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 for fp64 logits
+        lse = logits.new_empty(logits.shape[0], dtype=acc)  # (rows,)
+        out = torch.empty_like(lse)  # (rows,)
+        for s in range(0, logits.shape[0], chunk):
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(
+                logits[s:s + chunk], ids[s:s + chunk], temperature, acc)
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, ids, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        grad = torch.empty_like(logits)  # (rows, V)
+        for s in range(0, logits.shape[0], chunk):
+            e = slice(s, s + chunk)
+            grad[e] = _logits_grad(logits[e], ids[e], lse[e], grad_out[e], T, owned=False)
+        return grad, None, None, None
+
+
+LOGITS_PER_CHUNK = 2**26  # grpo.logprob_chunk 0: rows per chunk = this // V (256 MiB fp32 logits)
+
+
+def chunk_rows(chunk: int, vocab: int) -> int:
+    """Rows of logits per chunk: `chunk`, or for 0 as many as make LOGITS_PER_CHUNK logits. A fixed
+    row count does not scale: 4096 rows are 0.8 GB of fp32 at V = 49k but 2.5 GB at Qwen's 151k,
+    part of the H100 run's excess memory (bench/RESULTS.md, GPU)."""
+    return chunk or max(1, LOGITS_PER_CHUNK // vocab)
+
+
+def selective_log_probs(logits: Tensor, ids: Tensor, temperature: float = 1.0,
+                        chunk: int = 0) -> Tensor:
+    """log softmax(logits / T)[ids] = logits[ids] / T - logsumexp(logits / T), in fp32, `chunk` rows
+    at a time (0: chunk_rows's automatic size).
+
+    Never materialises a full (N, T, V) fp32 log-softmax (20 GB for Qwen's V = 151k at 64 x 512):
+    forward and backward (_SelectiveLogSoftmax) each hold one fp32 chunk at a time.
+    logits (N, T, V), ids (N, T) -> (N, T) fp32.
+    """
+    N, T, V = logits.shape
+    flat, flat_ids = logits.reshape(N * T, V), ids.reshape(N * T)  # (N*T, V), (N*T,)
+    return _SelectiveLogSoftmax.apply(flat, flat_ids, temperature, chunk_rows(chunk, V)).view(N, T)
+
+
+class _FusedHeadLogSoftmax(torch.autograd.Function):
+    """log softmax(h W^T / T)[id] per row without ever holding the (rows, V) logits: each chunk of
+    rows is projected through the output head, reduced to its log-prob and logsumexp, and
+    dropped; backward projects the chunk again. With z = h W^T and p = softmax(z / T):
+
+        d logp / d h = (onehot - p) W / T,    d logp / d W = (onehot - p)^T h / T
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, temperature: float,
+                chunk: int) -> Tensor:
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # (rows,)
+        out = torch.empty_like(lse)  # (rows,)
+        for s in range(0, hidden.shape[0], chunk):  # a chunk's logits as the head would give them
+            out[s:s + chunk], lse[s:s + chunk] = _pick_and_lse(
+                hidden[s:s + chunk] @ weight.T, ids[s:s + chunk], temperature, acc)
+        ctx.save_for_backward(hidden, weight, ids, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hidden, weight, ids, lse = ctx.saved_tensors
+        T, chunk = ctx.temperature, ctx.chunk
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if want_h else None  # (rows, H)
+        grad_w = (torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)  # (V, H)
+                  if want_w else None)
+        for s in range(0, hidden.shape[0], chunk):
+            e = slice(s, s + chunk)
+            dz = _logits_grad(hidden[e] @ weight.T, ids[e], lse[e], grad_out[e], T,
+                              owned=True)  # (c, V)
+            if want_h:
+                grad_h[e] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if want_w:
+                grad_w += dz.T @ hidden[e].to(lse.dtype)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def fused_head_log_probs(hidden: Tensor, head: nn.Linear, ids: Tensor, temperature: float,
+                         chunk: int) -> Tensor:
+    """log softmax(head(hidden) / T)[ids] through _FusedHeadLogSoftmax. hidden (N, C, H), ids (N, C)
+    -> (N, C)."""
+    N, C, H = hidden.shape
+    return _FusedHeadLogSoftmax.apply(
+        hidden.reshape(N * C, H), head.weight, ids.reshape(N * C), temperature,
+        chunk_rows(chunk, head.weight.shape[0])).view(N, C)
+
+
+_HEAD_SCALES = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                "output_multiplier_scale")
+
+
+def plain_output_head(model) -> nn.Linear | None:
+    """The output head when logits are exactly hidden @ W^T (a bias-free nn.Linear, no logit
+    scaling or soft-capping, a decoder we can call on its own), else None."""
+    head = model.get_output_embeddings()
+    config = getattr(model, "config", None)
+    if (type(head) is not nn.Linear or head.bias is not None
+            or any(getattr(config, k, None) not in (None, 1, 1.0) for k in _HEAD_SCALES)):
+        return None
+    try:
+        model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return None
+    return head

@@ -314,28 +314,3 @@ def merged_for_sampling(model: nn.Module):
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-HALF = (torch.bfloat16, torch.float16)
-
-
-def mixed_precision(model: nn.Module, device_type: str | None = None):
-    """Autocast for the training forward where frozen bf16/fp16 weights carry fp32 trained ones
-    (LoRA on a half-precision or 4-bit base): matmuls then run in the base's dtype, as HF Trainer's
-    bf16/fp16 modes do, while the trained weights stay fp32 (autocast casts them). peft's own cast
-    of each adapted layer's input to its weights' fp32 is switched off meanwhile: autograd kept
-    those copies. For one 8 x 557-token Qwen3-0.6B micro-batch this takes the forward's peak from
-    12.8 to 9.2 GiB (estimated on CPU: bench/memory_estimate.py). Else a nullcontext (fp32 models:
-    the CPU default). device_type: autocast's if not the weights' (meta weights traced on a CPU)."""
-    frozen = next((p.dtype for p in model.parameters()
-                   if not p.requires_grad and p.dtype in HALF), None)
-    trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
-    if frozen is None or not trained:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type,
-                                       dtype=frozen))
-    if is_peft(model):
-        from peft.helpers import disable_input_dtype_casting
-        stack.enter_context(disable_input_dtype_casting(model))
-    return stack

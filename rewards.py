@@ -1,4 +1,4 @@
-r"""Rewards: plain functions in a registry, run over completions (scoring/batch.py) with weights.
+r"""Rewards: plain functions in a registry, run over completions (scoring/checks.py) with weights.
 
 A reward scores one completion of one sample; None means "does not apply to this sample":
 
@@ -25,16 +25,35 @@ Parameters after (completion, sample) named `num_tokens` (the completion's token
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-ins put
 back in front), `judge` or `judges` are filled in by scoring.compute_rewards; a function named by
 file or module is loaded by sources/plugins.py, which also runs reward functions written for
-TRL's GRPOTrainer. Model output is only ever parsed (here, scoring/answers.py,
+TRL's GRPOTrainer. Model output is only ever parsed (here, answers.py,
 graders/citations.py), never evaluated.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import importlib
+import inspect
+import logging
+import math
+import numbers
+import threading
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
+from typing import Any, Callable
 
-from scoring import answers
+import torch
+
+import answers
+from api.client import JudgeUnusable
+from config import RewardSpec
+from sources.plugins import (
+    did_you_mean,
+    import_function,
+    is_trl_reward,
+    one_line,
+    trl_reward,
+)
 
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
 def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
@@ -210,6 +229,248 @@ def short_answer(completion: str, sample: dict, max_words: int = 8, strip_think:
     return 1.0 if n <= max_words else (4 * max_words - n) / (3 * max_words)
 
 
+# ---------------------------------------------------------------- every reward over a batch
+
+log = logging.getLogger("minigrpo.scoring")
+_LOGGED: set[str] = set()  # rewards whose first failure was logged: one traceback, not thousands
+PER_COMPLETION = ("num_tokens", "episode")  # what compute_rewards fills, one value a completion
+
+
+@dataclass
+class RewardResult:
+    total: list[float]  # (N,) weighted sum; a None component adds 0; NaN: skipped (fallback: skip)
+    per_reward: dict[str, list[float | None]]  # (N,) raw values per reward; keys: reward_keys
+    errors: dict[str, int]  # per reward: completions it failed to score (a batched call that
+    #   raises: each of its completions)
+
+
+def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
+                    num_tokens: list[int] | None = None, episodes: list | None = None,
+                    context: dict | None = None) -> RewardResult:
+    """Score N completions with every reward; per-sample failures become the spec's fallback.
+    Rewards calling different judges run at the same time (each judge's in config order, so its
+    cache answers its later entries): a second judge does not wait for the first."""
+    n, context = len(completions), context or {}
+    if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
+        raise ValueError(f"got {n} completions, {len(samples)} samples and "
+                         f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; "
+                         "they must match")
+    keys = reward_keys(specs)
+    have = {"num_tokens": num_tokens, "episode": episodes}
+    calls = [_prepare(spec, key, context, have) for spec, key in zip(specs, keys)]
+    errors = dict.fromkeys(keys, 0)
+
+    def values_of(k: int) -> list[float | None]:
+        (fn, batched, kwargs, wants), spec, key = calls[k], specs[k], keys[k]
+
+        def fail(err: Exception, completion: str, sample: dict) -> float:
+            # a refused key, an unknown model, a reward model too big for the GPU: every later call
+            # fails too
+            if isinstance(err, (JudgeUnusable, torch.OutOfMemoryError)):
+                raise err
+            errors[key] += 1
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                log.warning("reward %r failed (%s), using fallback %s; later failures are only "
+                            "counted. sample=%s completion=%s", key,
+                            str(err) if isinstance(err, _NoValue) else one_line(err), spec.fallback,
+                            _short(sample), _short(completion),
+                            exc_info=None if isinstance(err, _NoValue) else err)
+            return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, see below
+
+        values: list[float | None] = []
+        if batched:
+            try:
+                out = fn(completions, samples, **kwargs, **{w: have[w] for w in wants})
+                if not isinstance(out, (list, tuple)) or len(out) != n:
+                    raise TypeError(f"batched reward returned {_short(out, 80)}; "
+                                    f"expected a list of {n} values")
+            except Exception as err:
+                value = fail(err, completions[0] if n else "", samples[0] if n else {})
+                errors[key] += n - 1 if n else 0  # the whole batch got the fallback: each counts
+                return [value] * n
+            for value, completion, sample in zip(out, completions, samples):
+                try:
+                    values.append(_as_reward(value))
+                except TypeError as err:
+                    values.append(fail(err, completion, sample))
+            return values
+        for i, (completion, sample) in enumerate(zip(completions, samples)):
+            try:
+                extra = {w: have[w][i] for w in wants}
+                values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
+            except Exception as err:
+                values.append(fail(err, completion, sample))
+        return values
+
+    # One lane per judge (by identity) and one (None) for the rest; a reward that takes `judges` may
+    # call any of them, so then nothing runs at once (a Judge serves one event loop at a time).
+    lanes: dict[int | None, list[int]] = {}
+    for k, (_, _, kwargs, _) in enumerate(calls):
+        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else None, []).append(k)
+    values: list = [None] * len(specs)
+
+    def run(lane: list[int]) -> None:
+        for k in lane:
+            values[k] = values_of(k)
+    if (sum(key is not None for key in lanes) > 1
+            and not any("judges" in kwargs for _, _, kwargs, _ in calls)):
+        futures = [in_background(functools.partial(run, lane)) for lane in lanes.values()]
+        concurrent.futures.wait(futures)  # every lane done before anything is raised or returned
+        for future in futures:
+            future.result()  # raises what its lane raised
+    else:
+        run(list(range(len(specs))))
+    result = RewardResult(total=[0.0] * n, per_reward={}, errors=errors)
+    for spec, key, vals in zip(specs, keys, values):
+        # a skipped value (NaN, only from fallback: skip) is logged as missing and makes the total
+        # NaN, unless its weight is 0 (an entry that is only logged)
+        result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in vals]
+        result.total = [t if v is None or (spec.weight == 0 and math.isnan(v))
+                        else t + spec.weight * v for t, v in zip(result.total, vals)]
+    return result
+
+
+def _prepare(spec: RewardSpec, key: str, context: dict,
+             have: dict) -> tuple[Callable, bool, dict, list[str]]:
+    """(function, batched, its keyword arguments, the PER_COMPLETION values it takes) for one spec;
+    ValueError on a misconfiguration, which would fail the same way on every sample."""
+    fn, batched = resolve(spec)
+    params = {p.name: p for p in reward_params(fn)}
+    kwargs = {**{k: v for k, v in context.items() if k in params}, **spec.args}  # args win
+    if isinstance(kwargs.get("judge"), str):  # args: {judge: NAME}: that one of context["judges"]
+        if kwargs["judge"] not in context.get("judges", {}):
+            raise ValueError(f"reward {key!r}: no judge named {kwargs['judge']!r} "
+                             "in context['judges']")
+        kwargs["judge"] = context["judges"][kwargs["judge"]]
+    wants = [k for k in PER_COMPLETION if k in params]
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in kwargs
+               and p.name not in PER_COMPLETION
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if missing:
+        raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args "
+                         "or pass it in context")
+    for k in [k for k in wants if have[k] is None and params[k].default is params[k].empty]:
+        raise ValueError(f"reward {key!r} needs {k}: pass {k}= to compute_rewards" + (
+            " (an episode: set env: or tools:)" if k == "episode" else ""))
+    return fn, batched, kwargs, [k for k in wants if have[k] is not None]
+
+
+def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
+    """The (function, batched) a spec names; ValueError with a one-line hint when there is none."""
+    name = spec.name
+    if ":" not in name:
+        found = lookup(name)
+        if found:
+            return found
+        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, names())}; registered: "
+                         f"{', '.join(names())}; or write 'package.module:function' or "
+                         "'path/to/file.py:function'")
+    fn = import_function(name)
+    # a user function marks itself batched by registering: @register("name", batched=True)
+    registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)
+    if registered is None and is_trl_reward(fn):
+        return trl_reward(fn), True
+    return fn, bool(registered)
+
+
+def reward_params(fn: Callable) -> tuple[inspect.Parameter, ...]:
+    """The parameters after (completion, sample): those that args, num_tokens or context fill."""
+    return tuple(inspect.signature(fn).parameters.values())[2:]
+
+
+def reward_keys(specs: list[RewardSpec]) -> list[str]:
+    """Result keys: the spec's label or name, or "name#2", "name#3" when one repeats (other args).
+
+    >>> reward_keys([RewardSpec("judge"), RewardSpec("judge", label="clarity"),
+    ...              RewardSpec("judge")])
+    ['judge', 'clarity', 'judge#2']
+    """
+    seen: dict[str, int] = {}
+    keys = []
+    for spec in specs:
+        key = spec.label or spec.name
+        seen[key] = seen.get(key, 0) + 1
+        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
+    return keys
+
+
+class _NoValue(TypeError):
+    """A reward returned NaN, its way of saying it has no value here (a judge call that failed and
+    was reported by the judge itself): counted and given the fallback, logged with no traceback."""
+
+
+def _as_reward(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and math.isfinite(value):  # bool is a Real: True -> 1.0
+        return float(value)
+    if isinstance(value, numbers.Real) and math.isnan(value):
+        raise _NoValue("returned NaN (no value: a failed judge call, say)")
+    raise TypeError(f"reward returned {value!r}; expected a finite number or None")
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...(truncated)"
+
+
+def reward_context(assistant_prefix: str, judges: dict, forced_prefix: str | None = None) -> dict:
+    """The context training and eval score with: the start of each reply the policy did not write
+    (rollout.reply_prefix: the forced data.assistant_prefix, from a think block the chat template
+    opens), the forced prefix alone (`forced_prefix`: what graders/ratings.py's queue keeps, since
+    its exported replies meet the template again), the judge: section's judge (`judge`) and every
+    judge by name (`judges`, for args: {judge: NAME})."""
+    return {"assistant_prefix": assistant_prefix,
+            "forced_prefix": assistant_prefix if forced_prefix is None else forced_prefix,
+            "judge": judges.get("judge"), "judges": judges}
+
+
+def join_results(parts: list[RewardResult]) -> RewardResult:
+    """Results of consecutive slices of one batch as one: values in order, errors summed.
+
+    >>> join_results([RewardResult([1.0], {"a": [1.0]}, {"a": 2}),
+    ...               RewardResult([0.0], {"a": [None]}, {"a": 3})])
+    RewardResult(total=[1.0, 0.0], per_reward={'a': [1.0, None]}, errors={'a': 5})
+    """
+    out = RewardResult(total=[], per_reward={}, errors={})
+    for p in parts:
+        out.total += p.total
+        for k, v in p.per_reward.items():
+            out.per_reward.setdefault(k, []).extend(v)
+        for k, n in p.errors.items():
+            out.errors[k] = out.errors.get(k, 0) + n
+    return out
+
+
+def in_background(fn: Callable[[], Any],
+                  after: concurrent.futures.Future | None = None) -> concurrent.futures.Future:
+    """fn() in a daemon thread, started once `after` is done (train.py scores its slices, eval.py
+    its models, one at a time and in order: a Judge serves one event loop at a time). A daemon, so a
+    Ctrl-C while it waits for a judge or people's ratings exits at once, not waiting for them."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if after is not None:
+            concurrent.futures.wait([after])  # its error, if any, is raised where it is read
+        try:
+            future.set_result(fn())
+        except BaseException as err:  # handed to whoever reads the result
+            future.set_exception(err)
+    threading.Thread(target=run, name="rewards", daemon=True).start()
+    return future
+
+
+def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
+    """Mean of the non-None values of each reward, for logging `rewards/<name>/mean`.
+
+    >>> reward_means({"a": [1.0, None, 0.0], "b": [None, None]})
+    {'a': 0.5}
+    """
+    return {k: sum(vs) / len(vs) for k, v in per_reward.items()
+            if (vs := [x for x in v if x is not None])}
+
+
 # ---------------------------------------------------- rewards in other files, registered when named
 # The judge's rewards (judge.py) and the graders (graders/) register themselves when their module is
 # imported; lookup imports it the first time a config names one, so the core never imports graders/
@@ -218,7 +479,7 @@ ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_
              "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
              "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
              "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
-             "citation_pass": "graders.citations", "env_reward": "episodes"}
+             "citation_pass": "graders.citations", "env_reward": "engines.episodes"}
 
 
 def lookup(name: str) -> tuple[Callable, bool] | None:

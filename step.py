@@ -1,55 +1,63 @@
-"""One GRPO step, as the algorithm box reads: sample, score, advantages, old and reference
-log-probs, clipped-surrogate updates, metrics (train_step). train.py runs the loop around it; the
-math is grpo.py, the sampling rollout.py, the log-probs logprobs.py.
+"""One GRPO step, in the order of the paper's algorithm box (train.py runs the loop around it):
 
-    metrics, shown = train_step(run)      # run: a Run (below), built by train.setup
+    metrics, shown = train_step(run)      # run: a Run (below), built by run/lifecycle.py
 
-What a first read can skip is named and kept elsewhere: micro-batching and the optimizer update
-(plumbing/updates.py), the metrics (scoring/metrics.py), running the rewards (scoring/batch.py),
-vLLM's importance weights (engines/vllm_engine.py). The loss of a step is the sum of its
-micro-batches' shares (grpo.aggregate), so the gradient does not depend on how it is split (except
-under loss_type: bnpo, whose token mean is per micro-batch by definition). Under torchrun each
-process runs this step on its share of the B prompts, and what crosses processes (the normalisers'
-counts, the gradients, the metrics' inputs) is summed or gathered by parallel/distributed.py.
+  1. sample G completions for each of B prompts        collect -> score -> rollout.py
+  2. score each: the weighted sum of the rewards       rewards.compute_rewards
+  3. group advantages A_i = (r_i - mean) / std         grpo.group_advantages
+  4. per mini-batch, per micro-batch: the log-probs    logprobs.micro_batch_log_probs
+     of the sampled tokens, the clipped loss, backward grpo.grpo_loss, loss.backward()
+  5. the optimizer step: clip, AdamW, schedule         optimizer_step
+  6. the step's metrics                                step_metrics
+
+What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's own departures):
+- the reward is a weighted sum of rules, LLM judges or people's ratings, not a trained reward
+  model (graders/reward_model.py offers one);
+- one optimizer update per batch by default (grpo.num_iterations 1, num_mini_batches 1), so the
+  policy that sampled is the one trained: the ratio is exactly 1 and the clip never acts (the
+  paper's inner iterations are grpo.num_iterations > 1);
+- the loss of a step is the sum of its micro-batches' shares (grpo.aggregate), so the gradient does
+  not depend on how it is cut (except under loss_type bnpo, a per-micro-batch mean by definition);
+- the optimizer is AdamW with warmup and a cosine schedule, gradients clipped at max_grad_norm;
+  LoRA by default (the reference is the base with the adapter off: no copy);
+- a completion cut at max_new_tokens stays in the loss unless grpo.mask_truncated_completions.
+
+Every feature enters the step through one named seam, a line here, owned by its module:
+  vLLM          run.engine samples, weights its importance, gets the new weights
+                (engines/vllm_engine.py)
+  torchrun      run.world > 1: counts, gradients and metrics summed over the processes
+                (parallel/distributed.py)
+  episodes      cfg.env / cfg.tools: G multi-turn episodes a prompt (engines/episodes.py)
+  resampling    rollout.resample_zero_std: draw until B groups carry signal (engines/resample.py)
+  reward overlap  rollout.overlap_rewards: score a slice while the next samples
+                (scoring/pipelined.py)
+  entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
 import math
+import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import grpo
+import logprobs
 import rollout
 from api.client import Judge
 from config import Config
-from engines import episodes, vllm_engine
-from engines.vllm_engine import sampler_weight
+from data import PromptSampler
+from engines import episodes, resample, vllm_engine
 from model import merged_for_sampling, reference_mode
-from parallel.distributed import all_sum, gather, gather_drawn, share, sum_norms
-from plumbing.sampler import PromptSampler
-from plumbing.updates import (
-    batch_log_probs,
-    micro_batch_log_probs,
-    micro_batches,
-    norm_metrics,
-    optimizer_step,
-    peak_memory_mb,
-)
-from scoring.batch import (
-    RewardResult,
-    compute_rewards,
-    in_background,
-    join_results,
-    reward_context,
-)
-from scoring.metrics import source_metrics, step_metrics
+from parallel import distributed
+from rewards import RewardResult, compute_rewards, join_results, reward_context, reward_means
+from scoring import pipelined
+from scoring.metrics import source_metrics
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Run:
     judges: dict[str, Judge]  # by name: "judge" (the judge: section) and the judges: section's
     start: int  # last completed step (0 for a new run)
     engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
+    world: int = 1  # processes under torchrun (parallel/distributed.py); 1: this one alone
     eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
     warned_all_truncated: bool = False  # the all-truncated warning is given once a run
     phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out
@@ -80,197 +89,121 @@ class Run:
     step: int = 0  # the step under way (what an interrupted run reports)
 
 
-def train_step(r: Run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
-    cfg, g, G = r.cfg, r.cfg.grpo, r.cfg.rollout.num_generations
-    t0, device = time.time(), next(r.model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    r.phase = "sampling"  # 1. B prompts x G completions, scored
-    kept, drawn, n_drawn = collect(cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges, r.engine)
-    r.phase, t_rollout = "training", time.time() - t0
-    if g.num_mini_batches > 1:  # no mini-batch all flat groups (resample_zero_std puts those last)
-        kept = shuffle_groups(kept, G)
-    batch = kept.rollout
-    # 2. group advantages, A_i = (r_i - mean) / std over each group of G
-    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
-    mask = loss_mask(r, batch, kept.total)  # (N, C) the tokens in the loss
-    keep = None  # (N, C) the tokens in the policy-gradient term: all, or the high-entropy ones
-    if g.top_entropy_quantile < 1:
-        keep = grpo.high_entropy_mask(batch.entropy, mask, g.top_entropy_quantile)
-    # [(micro-batches, LossNorm)], the norms counting every rank's share (torchrun)
-    minis = sum_norms(mini_batches(cfg, batch, mask, kept.total))
-    # 3. old and reference log-probs, once, before any update
-    mbs = [mb for part, _ in minis for mb in part]
-    off_policy = g.num_iterations > 1 or g.num_mini_batches > 1  # else the ratio is exactly 1
-    old_logp = batch_log_probs(r.model, batch, cfg, mbs) if off_policy else None  # (N, C)
-    ref_logp = None
-    if g.beta > 0:
-        with reference_mode(r.model, r.ref_copy) as ref:
-            ref_logp = batch_log_probs(ref, batch, cfg, mbs)  # (N, C)
-    # 4. num_iterations passes, an optimizer update per mini-batch
-    sums, tis, norms, logged, lr = update(r, batch, adv.to(device), mask, keep, minis, old_logp,
-                                          ref_logp)
-    if r.engine:
-        r.phase = "syncing the weights to vLLM"
-        r.engine.sync(r.model)  # the next rollout samples from the updated policy
-    # 5. metrics over everything drawn (by every rank: torchrun), and the completions shown
-    drawn = concat(gather_drawn(r, drawn), r.tokenizer.pad_token_id)
-    sums, tis, n_drawn = all_sum(sums), all_sum(tis), all_sum({"n": n_drawn})["n"]
-    metrics = step_metrics(drawn, G, sums, logged, g.zero_std_tol, g.beta > 0) \
-        | norm_metrics(norms) | source_metrics(r, drawn) | extra_metrics(r, batch, sums, tis) | {
-        "learning_rate": lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
-        "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
-        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
-              "advantage": float(a)}
-             for s, t, rw, a in zip(kept.samples, batch.texts, kept.total, adv)]
-    return metrics, [s for part in gather(shown) for s in part]
-
-
-def update(r: Run, batch: rollout.Rollout, adv, mask, keep, minis, old_logp, ref_logp):
-    """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
-    the sum of its micro-batches' shares -> (the loss terms' sums over the updates whose loss was
-    finite, vLLM's importance-weight sums, each update's gradient norm, those updates, the lr)."""
-    g, settings = r.cfg.grpo, grpo.LossSettings.of(r.cfg.grpo)
-    sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum",
-                          "clip_delta_sum"), 0.0)
-    tis = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)  # 1st iteration
-    norms, logged, lr = [], 0, 0.0
-    r.model.train()
-    for it in range(g.num_iterations):
-        for mbs, norm in minis:
-            r.optimizer.zero_grad(set_to_none=True)
-            upd = dict.fromkeys(sums, 0.0)  # this update's sums: into the step's only when finite
-            for mb in mbs:
-                logp, C = micro_batch_log_probs(r.model, batch, batch.input_ids,
-                                                batch.attention_mask, mb, r.cfg)  # (n, C)
-                old = None if old_logp is None else old_logp[mb, :C]  # None: on-policy
-                weight = None  # vLLM sampled: pi_old / pi_sampler, corrects for its sampler
-                if batch.sampler_logp is not None:
-                    weight = sampler_weight(logp.detach() if old is None else old,
-                                            batch.sampler_logp[mb, :C], mask[mb, :C], g.tis_cap,
-                                            tis if it == 0 else None, g.tis_mode)
-                loss, stats = grpo.grpo_loss(
-                    logp, old, None if ref_logp is None else ref_logp[mb, :C], adv[mb],
-                    mask[mb, :C], norm, settings, weight, None if keep is None else keep[mb, :C])
-                (r.scaler.scale(loss) if r.scaler else loss).backward()
-                upd["loss"] += float(loss.detach())
-                for key, v in stats.items():
-                    upd[key] += v
-            gn, lr = optimizer_step(r)
-            norms.append(gn)
-            if all(math.isfinite(v) for v in upd.values()):
-                logged += 1
-                for key, v in upd.items():
-                    sums[key] += v
-    return sums, tis, norms, logged, lr
-
-
-def loss_mask(r: Run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
-    """(N, C): each completion's tokens up to its EOS, without the completions whose reward was
-    skipped (fallback: skip; NaN) or, with grpo.mask_truncated_completions, that never ended."""
-    mask = batch.completion_mask.clone()  # (N, C)
-    if r.cfg.grpo.mask_truncated_completions:
-        mask[batch.truncated] = 0
-        if bool(batch.truncated.all()) and not r.warned_all_truncated:
-            r.warned_all_truncated = True
-            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
-                  f"{r.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks them "
-                  "all out: this step trains nothing. Raise max_new_tokens (or set "
-                  "mask_truncated_completions: false).", file=sys.stderr)
-    mask[torch.isnan(total)] = 0
-    return mask
-
-
-def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
-                 total) -> list[tuple[list[slice], grpo.LossNorm]]:
-    """grpo.num_mini_batches mini-batches of whole groups, each its micro-batches and the counts its
-    loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
-    N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
-    minis = []
-    for lo in range(0, N, N // k):
-        rows = slice(lo, lo + N // k)
-        part = rollout.select_rows(batch, list(range(N))[rows])
-        mbs = [slice(lo + m.start, lo + m.stop) for m in micro_batches(
-            part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        scored_mbs = sum(bool((~skipped[mb]).any()) for mb in mbs)
-        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, int((~skipped[rows]).sum()),
-            int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
-    return minis
-
-
-def extra_metrics(r: Run, batch: rollout.Rollout, sums: dict, tis: dict) -> dict:
-    """The optional metrics: vLLM's distance to the trainer's policy and its importance weights,
-    the two-sided clip's share, the episodes'."""
-    out = episodes.episode_metrics(batch.episodes)  # multi-turn: turns, tool calls, ...
-    if batch.sampler_logp is not None:
-        out["sampler_logp_abs_diff"] = tis["abs_diff"] / max(tis["tokens"], 1.0)
-        if r.cfg.grpo.tis_cap:
-            units = max(tis["units"], 1.0)
-            out |= {"tis/weight_mean": tis["weight"] / units,
-                    "tis/capped_frac": tis["capped"] / units}
-    if r.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
-        out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / max(sums["tokens"], 1.0)
-    return out
-
-
-# ---------------------------------------------------------------- sampling and scoring
-
-
 @dataclass
 class Scored:
     """Completions with their rewards; rows i*G .. i*G+G-1 form group i."""
     rollout: rollout.Rollout
     samples: list[dict]  # (n,) the data row behind each completion
-    total: torch.Tensor  # (n,) weighted reward
+    total: torch.Tensor  # (n,) weighted reward; NaN: skipped (fallback: skip)
     per_reward: dict[str, list]  # name -> (n,) values (None: does not apply)
     errors: dict[str, int]  # name -> failures counted
 
 
-def score(cfg: Config, model, tokenizer, rows: list[dict], idx: list[int], judges: dict[str, Judge],
-          engine: vllm_engine.VllmEngine | None = None) -> Scored:
-    """Sample G completions for each of the rows `idx` (HF generate, or vLLM) and score them."""
-    ro, G = cfg.rollout, cfg.rollout.num_generations
-    prompts = rollout.render_rows(tokenizer, [rows[i] for i in idx], cfg.data)
-    samples = [rows[i] for i in idx for _ in range(G)]
-    context = reward_context(rollout.reply_prefix(tokenizer, cfg.data), judges,
+@dataclass
+class Batch:
+    """What the updates train on: the completions, their advantages and the tokens in the loss."""
+    rollout: rollout.Rollout
+    advantages: torch.Tensor  # (N,)
+    mask: torch.Tensor  # (N, C) the tokens in the loss
+    keep: torch.Tensor | None  # (N, C) the tokens in the policy-gradient term (entropy mask)
+    minis: list[tuple[list[slice], grpo.LossNorm]]  # mini-batches: micro-batches, normaliser
+    old_logp: torch.Tensor | None = None  # (N, C) off-policy only; None: the ratio is exactly 1
+    ref_logp: torch.Tensor | None = None  # (N, C) with a KL term (beta > 0) only
+
+
+@dataclass
+class Updates:
+    """What a step's optimizer updates add up to, for its metrics."""
+    sums: dict  # the loss terms' sums over the updates whose loss was finite
+    tis: dict  # vLLM: the importance weights' sums (first iteration)
+    grad_norms: list[float] = field(default_factory=list)  # one per update
+    applied: int = 0  # updates whose loss was finite
+    lr: float = 0.0
+
+
+def train_step(run: Run) -> tuple[dict, list[dict]]:
+    """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    t0, device = time.time(), next(run.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    run.phase = "sampling"
+    kept, drawn, n_drawn = collect(run)  # 1-2. B prompts x G completions, scored
+    run.phase, t_rollout = "training", time.time() - t0
+    if cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
+        kept = shuffle_groups(kept, G)
+    batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
+    updates = update(run, batch)  # 4-5. num_iterations passes, an optimizer update per mini-batch
+    if run.engine:
+        run.phase = "syncing the weights to vLLM"
+        run.engine.sync(run.model)  # the next rollout samples from the updated policy
+    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
+              "advantage": float(a)} for s, t, rw, a in
+             zip(kept.samples, batch.rollout.texts, kept.total, batch.advantages)]
+    if run.world > 1:  # 6. metrics over every process's completions
+        drawn, n_drawn, shown = distributed.whole_step(run, drawn, updates, n_drawn, shown, concat)
+    metrics = step_metrics(run, drawn, batch.rollout, updates) | {
+        "learning_rate": updates.lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
+        "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
+        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
+    return metrics, shown
+
+
+# ---------------------------------------------------------------- 1-2. sample and score
+
+
+def collect(run: Run) -> tuple[Scored, Scored, int]:
+    """-> (the B groups to train on, everything drawn, prompts drawn). Under torchrun B is this
+    process's share of rollout.prompts_per_step."""
+    B = run.cfg.rollout.prompts_per_step // run.world
+    first = score(run, run.sampler.draw(B))
+    if run.cfg.rollout.resample_zero_std:  # DAPO dynamic sampling: engines/resample.py
+        return resample.until_signal(run, first, B, score, concat, take_group)
+    return first, first, B
+
+
+def score(run: Run, idx: list[int]) -> Scored:
+    """G completions for each of the rows `idx` (HF generate; or vLLM, or episodes) and their
+    rewards: total_i = sum_k weight_k * r_k(completion_i, row_i)."""
+    cfg, G = run.cfg, run.cfg.rollout.num_generations
+    rows = [run.rows[i] for i in idx]
+    samples = [row for row in rows for _ in range(G)]
+    context = reward_context(rollout.reply_prefix(run.tokenizer, cfg.data), run.judges,
                              cfg.data.assistant_prefix)
+    prompts = rollout.render_rows(run.tokenizer, rows, cfg.data)
+    if cfg.env or cfg.tools:  # multi-turn: G episodes a prompt, each scored whole
+        return scored(*episodes.sample_and_score(cfg, run.model, run.tokenizer, rows, samples,
+                                                 context))
+    if cfg.rollout.overlap_rewards and 0 < cfg.rollout.prompts_per_generate < len(prompts):
+        return scored(*pipelined.sample_and_score(run, prompts, samples, context, sample))
+    batch = run.engine.generate(run.tokenizer, prompts, rollout.eos_token_ids(
+        run.tokenizer, run.model), device_of(run)) if run.engine else sample(run, prompts)
+    return scored(batch, samples, compute_rewards(batch.texts, samples, cfg.rewards,
+                                                  num_tokens=lengths(batch), context=context))
 
-    def rewards_of(texts: list[str], num_tokens: list[int], first: int) -> RewardResult:
-        return compute_rewards(texts, samples[first:first + len(texts)], cfg.rewards,
-                               num_tokens=num_tokens, context=context)  # rows first, first + 1, ...
 
-    def lengths(r: rollout.Rollout) -> list[int]:  # read here: no GPU sync on the rewards' thread
-        return r.completion_mask.sum(1).long().tolist()
-    if cfg.env or cfg.tools:  # multi-turn: G episodes a prompt, the rewards see each whole
-        r = episodes.run_episodes(cfg, model, tokenizer, [rows[i] for i in idx])
-        return scored(r, samples, compute_rewards([e.reply for e in r.episodes], samples,
-            cfg.rewards, num_tokens=lengths(r), episodes=r.episodes, context=context))
-    if engine is not None:
-        r = engine.generate(tokenizer, prompts, rollout.eos_token_ids(tokenizer, model),
-                            next(model.parameters()).device)
-        return scored(r, samples, rewards_of(r.texts, lengths(r), 0))
-    # With slices, each slice's rewards (judge requests, people's ratings: mostly waiting) are
-    # computed in the background while the next slice samples; the results are joined in order.
-    overlap = ro.overlap_rewards and 0 < ro.prompts_per_generate < len(prompts)
-    pending: list[concurrent.futures.Future] = []
-
-    def start_rewards(i: int, part: rollout.Rollout) -> None:
-        pending.append(in_background(functools.partial(
-            rewards_of, part.texts, lengths(part), i * G), after=pending[-1] if pending else None))
-    with merged_for_sampling(model) if ro.merged_sampling else contextlib.nullcontext():
-        r = rollout.generate_in_slices(model, tokenizer, prompts, ro.prompts_per_generate, G,
+def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
+    """G completions a prompt with HF generate, rollout.prompts_per_generate prompts a call."""
+    ro = run.cfg.rollout
+    with merged_for_sampling(run.model) if ro.merged_sampling else contextlib.nullcontext():
+        return rollout.generate_in_slices(
+            run.model, run.tokenizer, prompts, ro.prompts_per_generate, ro.num_generations,
             ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k, ro.stop_strings,
-            ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt is not False, ro.compile,
-            entropy=True, on_slice=start_rewards if overlap else None)
-    res = join_results([f.result() for f in pending]) if overlap \
-        else rewards_of(r.texts, lengths(r), 0)
-    return scored(r, samples, res)
+            ro.max_prompt_tokens, ro.ignore_eos, run.cfg.grpo.share_prompt is not False,
+            ro.compile, entropy=True, on_slice=on_slice)
 
 
-def scored(r: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
-    return Scored(r, samples, torch.tensor(res.total).float(), res.per_reward, res.errors)
+def lengths(batch: rollout.Rollout) -> list[int]:
+    """Each completion's token count (read here: no GPU sync on a rewards thread)."""
+    return batch.completion_mask.sum(1).long().tolist()
+
+
+def device_of(run: Run) -> torch.device:
+    return next(run.model.parameters()).device
+
+
+def scored(batch: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
+    return Scored(batch, samples, torch.tensor(res.total).float(), res.per_reward, res.errors)
 
 
 def concat(parts: list[Scored], pad_id: int) -> Scored:
@@ -297,28 +230,221 @@ def shuffle_groups(p: Scored, G: int) -> Scored:
     return take_rows(p, [grp * G + j for grp in order for j in range(G)])
 
 
-def collect(cfg: Config, model, tokenizer, rows: list[dict], sampler: PromptSampler,
-            judges: dict[str, Judge],
-            engine: vllm_engine.VllmEngine | None = None) -> tuple[Scored, Scored, int]:
-    """-> (the B groups to train on, everything drawn, prompts drawn).
+# ---------------------------------------------------------------- 3. advantages and the loss mask
 
-    With rollout.resample_zero_std (DAPO dynamic sampling), groups whose rewards are all equal are
-    set aside and more prompts drawn until B groups carry signal or max_prompts_per_step is
-    reached; set-aside groups then fill the batch. Metrics are taken over everything drawn."""
-    G, tol = cfg.rollout.num_generations, cfg.grpo.zero_std_tol
-    B = share(cfg.rollout.prompts_per_step)  # this process's share of B (all of it, one process)
-    parts = [score(cfg, model, tokenizer, rows, sampler.draw(B), judges, engine)]
-    if not cfg.rollout.resample_zero_std:
-        return parts[0], parts[0], B
-    cap, drawn = max(share(cfg.rollout.max_prompts_per_step) or 4 * B, B), B
-    zero = [grpo.zero_std_groups(parts[0].total, G, tol).tolist()]
-    while sum(z.count(False) for z in zero) < B and drawn < cap:
-        k = min(B - sum(z.count(False) for z in zero), cap - drawn)
-        parts.append(score(cfg, model, tokenizer, rows, sampler.draw(k), judges, engine))
-        zero.append(grpo.zero_std_groups(parts[-1].total, G, tol).tolist())
-        drawn += k
-    signal = [(p, g) for p, z in zip(parts, zero) for g, flat in enumerate(z) if not flat]
-    flat = [(p, g) for p, z in zip(parts, zero) for g, f in enumerate(z) if f]
-    kept = [take_group(p, g, G) for p, g in (signal + flat)[:B]]
-    pad = tokenizer.pad_token_id
-    return concat(kept, pad), concat(parts, pad), drawn
+
+def make_batch(run: Run, kept: Scored) -> Batch:
+    """The advantages, the tokens in the loss, the mini-batches, and the log-probs of the policy
+    before any update (off-policy) and of the reference (beta > 0), each taken once."""
+    g, G, ro = run.cfg.grpo, run.cfg.rollout.num_generations, kept.rollout
+    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
+    mask = loss_mask(run, ro, kept.total)  # (N, C)
+    keep = grpo.high_entropy_mask(ro.entropy, mask, g.top_entropy_quantile) \
+        if g.top_entropy_quantile < 1 else None  # (N, C)
+    minis = mini_batches(run.cfg, ro, mask, kept.total)
+    if run.world > 1:  # the normalisers count every process's tokens
+        minis = distributed.sum_norms(minis)
+    batch = Batch(ro, adv.to(device_of(run)), mask, keep, minis)
+    mbs = [mb for part, _ in minis for mb in part]
+    if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
+        batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, mbs)  # (N, C)
+    if g.beta > 0:
+        with reference_mode(run.model, run.ref_copy) as ref:
+            batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, mbs)  # (N, C)
+    return batch
+
+
+def loss_mask(run: Run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
+    """(N, C): each completion's tokens up to its EOS, without the completions whose reward was
+    skipped (fallback: skip; NaN) or, with grpo.mask_truncated_completions, that never ended."""
+    mask = batch.completion_mask.clone()  # (N, C)
+    if run.cfg.grpo.mask_truncated_completions:
+        mask[batch.truncated] = 0
+        if bool(batch.truncated.all()) and not run.warned_all_truncated:
+            run.warned_all_truncated = True
+            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
+                  f"{run.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks "
+                  "them all out: this step trains nothing. Raise max_new_tokens (or set "
+                  "mask_truncated_completions: false).", file=sys.stderr)
+    mask[torch.isnan(total)] = 0
+    return mask
+
+
+def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
+                 total) -> list[tuple[list[slice], grpo.LossNorm]]:
+    """grpo.num_mini_batches mini-batches of whole groups, each its micro-batches and the counts its
+    loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
+    N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
+    minis = []
+    for lo in range(0, N, N // k):
+        rows = slice(lo, lo + N // k)
+        part = rollout.select_rows(batch, list(range(N))[rows])
+        mbs = [slice(lo + m.start, lo + m.stop) for m in logprobs.micro_batches(
+            part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
+        scored_mbs = sum(bool((~skipped[mb]).any()) for mb in mbs)
+        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, int((~skipped[rows]).sum()),
+            int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
+    return minis
+
+
+# ---------------------------------------------------------------- 4-5. the updates
+
+
+LOSS_TERMS = ("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum",
+              "clip_delta_sum")
+
+
+def update(run: Run, batch: Batch) -> Updates:
+    """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
+    the sum of its micro-batches' shares."""
+    g, settings = run.cfg.grpo, grpo.LossSettings.of(run.cfg.grpo)
+    out = Updates(dict.fromkeys(LOSS_TERMS, 0.0), dict.fromkeys(vllm_engine.TIS_SUMS, 0.0))
+    ro = batch.rollout
+    run.model.train()
+    for it in range(g.num_iterations):
+        for mbs, norm in batch.minis:
+            run.optimizer.zero_grad(set_to_none=True)
+            sums = dict.fromkeys(LOSS_TERMS, 0.0)  # this update's: into the step's when finite
+            for mb in mbs:
+                logp, C = logprobs.micro_batch_log_probs(run.model, ro, ro.input_ids,
+                                                         ro.attention_mask, mb, run.cfg)  # (n, C)
+                old = None if batch.old_logp is None else batch.old_logp[mb, :C]  # None: on-policy
+                weight = None if ro.sampler_logp is None else vllm_engine.weight_of(
+                    logp, old, ro.sampler_logp[mb, :C], batch.mask[mb, :C], g,
+                    out.tis if it == 0 else None)  # (n, C) vLLM sampled: pi_old / pi_sampler
+                loss, stats = grpo.grpo_loss(
+                    logp, old_logp=old, adv=batch.advantages[mb], mask=batch.mask[mb, :C],
+                    norm=norm, s=settings, is_weight=weight,
+                    ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
+                    keep=None if batch.keep is None else batch.keep[mb, :C])
+                (run.scaler.scale(loss) if run.scaler else loss).backward()
+                sums["loss"] += float(loss.detach())
+                for key, v in stats.items():
+                    sums[key] += v
+            grad_norm, out.lr = optimizer_step(run)
+            out.grad_norms.append(grad_norm)
+            if all(math.isfinite(v) for v in sums.values()):
+                out.applied += 1
+                for key, v in sums.items():
+                    out.sums[key] += v
+    return out
+
+
+def optimizer_step(run) -> tuple[float, float]:
+    """Unscale (fp16), clip, step the optimizer and schedule of `run` -> (grad norm, lr).
+    A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
+    would write NaN into every trained weight for the rest of the run. Under torchrun the
+    gradients are first summed over the processes (each loss is its share of the global one).
+    Every mode's update ends here (modes/sft.py, modes/dpo.py)."""
+    if getattr(run, "world", 1) > 1:
+        distributed.sum_gradients(run.params)
+    if run.scaler:
+        run.scaler.unscale_(run.optimizer)
+    max_norm = run.cfg.optim.max_grad_norm if run.cfg.optim.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, max_norm))
+    lr = run.scheduler.get_last_lr()[0]
+    if run.scaler:
+        scaled_step(run)
+    elif math.isfinite(grad_norm):
+        run.optimizer.step()
+    else:
+        print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped",
+              file=sys.stderr)
+    if math.isfinite(grad_norm):
+        run.scheduler.step()
+    else:  # skipped: torch warns that no optimizer.step came first (LambdaLR reads only the count)
+        # only here, as catch_warnings resets which warnings were shown: others would repeat
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            run.scheduler.step()
+    return grad_norm, lr
+
+
+def scaled_step(run) -> None:
+    """fp16: GradScaler steps (it skips non-finite gradients itself, and lowers the loss scale)."""
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    # halved 17 times from 65536: not a scale still to find, a pass that overflows
+    if run.scaler.get_scale() < 1.0:
+        raise rollout.NonFiniteLogits("float16 loss scaling has halved its scale below 1, "
+                                      "skipping update after update: the training pass gives "
+                                      "inf or NaN; " + rollout.NON_FINITE)
+
+
+def lr_lambda(cfg: Config, total_updates: int):
+    """Linear warmup for warmup_steps updates (or warmup_ratio x total_updates), then cosine from lr
+    down to lr * min_lr_ratio."""
+    w = cfg.optim.warmup_steps or math.ceil(cfg.optim.warmup_ratio * total_updates)  # TRL's
+    floor = cfg.optim.min_lr_ratio
+
+    def f(u: int) -> float:
+        if u < w:
+            return (u + 1) / (w + 1)
+        progress = min(1.0, (u - w) / max(1, total_updates - w))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+# ---------------------------------------------------------------- 6. metrics
+
+
+def step_metrics(run: Run, drawn: Scored, trained: rollout.Rollout, updates: Updates) -> dict:
+    """Rewards over every completion drawn (what the policy produced); loss terms over the trained
+    tokens of the updates whose loss was finite, loss their mean. reward_std is the mean of the
+    groups' stds, as in TRL; entropy the mean over the drawn completions' tokens of their sampling
+    distributions' entropy (HF generate only); kl only with a reference (beta > 0, as TRL)."""
+    G, sums = run.cfg.rollout.num_generations, updates.sums
+    tok, r, ro = max(sums["tokens"], 1.0), drawn.total, drawn.rollout
+    lengths, h = ro.completion_mask.sum(1), ro.entropy
+    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
+    _, std, n = grpo.group_stats(r, G)  # (B,) each
+    zero_std = grpo.zero_std_groups(r, G, run.cfg.grpo.zero_std_tol)
+    out = {**({"loss": sums["loss"] / updates.applied} if updates.applied else {}),
+           **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
+           "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0,
+           "frac_reward_skipped": 1 - len(scored) / len(r),
+           **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
+           **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
+           "frac_reward_zero_std": float(zero_std.float().mean())}
+    if run.cfg.grpo.beta > 0 and sums["tokens"]:
+        out["kl"] = sums["kl_sum"] / tok
+    if sums["tokens"]:  # none without a trained token
+        out |= {"ratio_mean": sums["ratio_sum"] / tok,
+                "clip_ratio/low_mean": sums["clip_low_sum"] / tok,
+                "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
+                "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
+    out |= {"completions/mean_length": float(lengths.float().mean()),
+            "completions/max_length": int(lengths.max()),
+            "completions/clipped_ratio": float(ro.truncated.float().mean())}
+    if h is not None:
+        out["entropy"] = float((h * ro.completion_mask).sum() / lengths.sum().clamp(min=1))
+    out |= grad_norm_metrics(updates.grad_norms)
+    if len(run.source_labels) > 1:  # a mixture: each source's share and reward
+        out |= source_metrics(run, drawn)
+    if trained.episodes:  # the trained batch's (resampling: not all drawn)
+        out |= episodes.episode_metrics(trained.episodes)
+    if trained.sampler_logp is not None:
+        out |= vllm_engine.tis_metrics(updates.tis, run.cfg.grpo.tis_cap)
+    if run.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
+        out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / tok
+    return out
+
+
+def grad_norm_metrics(norms: list[float]) -> dict:
+    """grad_norm: the mean over the step's applied updates; skipped_updates: how many had a
+    non-finite gradient (fp16's GradScaler skips those as it finds its scale; see optimizer_step),
+    only when some did. A step with no update applied logs no grad_norm (JSON has no inf or NaN).
+
+    >>> grad_norm_metrics([1.0, 3.0]), grad_norm_metrics([2.0, float("inf")])
+    ({'grad_norm': 2.0}, {'grad_norm': 2.0, 'skipped_updates': 1})
+    """
+    applied = [n for n in norms if math.isfinite(n)]
+    skipped = len(norms) - len(applied)
+    return (({"grad_norm": sum(applied) / len(applied)} if applied else {})
+            | ({"skipped_updates": skipped} if skipped else {}))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -275,8 +275,8 @@ def child_trl(cfg_path: Path, result: Path, prompts_path: Path) -> None:
 
     from config import load_config
     from model import pick_device, pick_dtype
+    from rewards import compute_rewards
     from rollout import chat_messages
-    from scoring.batch import compute_rewards
     from sources.hub import resolve_model_path
 
     cfg = load_config(cfg_path)

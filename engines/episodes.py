@@ -46,7 +46,7 @@ import torch
 import rollout
 from config import Config, ConfigError
 from engines import tool_calls
-from rewards import register
+from rewards import compute_rewards, register
 from sources.plugins import import_function, one_line
 
 log = logging.getLogger("minigrpo.episodes")
@@ -85,6 +85,17 @@ class Episode:
 
 
 # ---------------------------------------------------------------- the episodes, turn by turn
+
+
+def sample_and_score(cfg: Config, model, tokenizer, rows: list[dict], samples: list[dict],
+                     context: dict) -> tuple:
+    """step.score's seam: G episodes for each row, the rewards seeing each whole (its final reply,
+    the episode by name) -> (the rollout, samples, the RewardResult)."""
+    batch = run_episodes(cfg, model, tokenizer, rows)
+    return batch, samples, compute_rewards(
+        [e.reply for e in batch.episodes], samples, cfg.rewards,
+        num_tokens=batch.completion_mask.sum(1).long().tolist(), episodes=batch.episodes,
+        context=context)
 
 
 def run_episodes(cfg: Config, model, tokenizer, rows: list[dict]) -> rollout.Rollout:

@@ -266,3 +266,25 @@ def sampler_weight(old: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Te
             sums["weight"] += float(weight[rows, 0].sum()) if per_row else float(weight[m].sum())
             sums["capped"] += float(past[rows, 0].sum()) if per_row else float(past[m].sum())
     return weight
+
+
+TIS_SUMS = ("tokens", "abs_diff", "units", "weight", "capped")  # what sampler_weight adds up
+
+
+def weight_of(logp: torch.Tensor, old: torch.Tensor | None, sampler_logp: torch.Tensor,
+              mask: torch.Tensor, grpo_cfg, sums: dict | None) -> torch.Tensor | None:
+    """step.update's seam: the micro-batch's importance weight pi_old / pi_sampler (sampler_weight),
+    pi_old the policy before the update (on-policy: the log-probs just computed, detached)."""
+    return sampler_weight(logp.detach() if old is None else old, sampler_logp, mask,
+                          grpo_cfg.tis_cap, sums, grpo_cfg.tis_mode)
+
+
+def tis_metrics(sums: dict, cap: float) -> dict:
+    """sampler_logp_abs_diff: vLLM's mean distance to the trainer's log-probs; with a cap, tis/*:
+    the mean importance weight and the share capped (or masked)."""
+    out = {"sampler_logp_abs_diff": sums["abs_diff"] / max(sums["tokens"], 1.0)}
+    if cap:
+        units = max(sums["units"], 1.0)
+        out |= {"tis/weight_mean": sums["weight"] / units,
+                "tis/capped_frac": sums["capped"] / units}
+    return out

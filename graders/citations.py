@@ -18,8 +18,8 @@ import functools
 import os
 import re
 
+from answers import find_all
 from rewards import register
-from scoring.answers import find_all
 
 PMID_PATTERN = (r"(?:PMIDs?|PubMed[ \t]*IDs?)[ \t]*(?:[:#=\-][ \t]*)?(?:\n\s*(?=\d{5}))?"
                 r"(\d+(?:[ \t]*(?:\n[ \t]*)?(?:[,;&]|\band\b)[ \t]*(?:\n[ \t]*)?"

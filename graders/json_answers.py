@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import answers
 from rewards import register
-from scoring import answers
 
 MEDMCQA_SCHEMA = {
     "predicted_category": {"enum": ["A", "B", "C", "D"]},

@@ -26,15 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import rollout
+from logprobs import micro_batch_log_probs, micro_batches
 from model import reference_mode
-from plumbing.updates import (
-    micro_batch_log_probs,
-    micro_batches,
-    norm_metrics,
-    optimizer_step,
-    peak_memory_mb,
-)
 from scoring.metrics import source_shares
+from step import grad_norm_metrics, optimizer_step, peak_memory_mb
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -153,7 +148,7 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     grad_norm, lr = optimizer_step(r)
     return pair_metrics(loss, r_w, r_l, pi) | {
         "tokens": float(batch.completion_mask.sum()), "learning_rate": lr,
-        **norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows),
+        **grad_norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows),
         "step_time": time.time() - t0,
         "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 

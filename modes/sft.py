@@ -16,14 +16,9 @@ import time
 import torch
 
 import rollout
-from plumbing.updates import (
-    micro_batch_log_probs,
-    micro_batches,
-    norm_metrics,
-    optimizer_step,
-    peak_memory_mb,
-)
+from logprobs import micro_batch_log_probs, micro_batches
 from scoring.metrics import source_shares
+from step import grad_norm_metrics, optimizer_step, peak_memory_mb
 
 
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None,
@@ -71,7 +66,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
         (r.scaler.scale(loss) if r.scaler else loss).backward()
         total += float(loss.detach())
     grad_norm, lr = optimizer_step(r)
-    return {"loss": total, "tokens": tokens, "learning_rate": lr, **norm_metrics([grad_norm]),
+    return {"loss": total, "tokens": tokens, "learning_rate": lr, **grad_norm_metrics([grad_norm]),
             "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
             "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
 

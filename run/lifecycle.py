@@ -33,7 +33,7 @@ from config import (
     redacted,
     save_config,
 )
-from data import load_sources
+from data import PromptSampler, load_sources
 from engines import episodes, vllm_engine
 from files.jsonl import interrupted
 from model import (
@@ -45,29 +45,14 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
-from plumbing.sampler import PromptSampler
 from run import overlap
 from run.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
-from scoring.batch import check_rows, open_rewards, open_scoring
+from scoring.checks import check_rows, open_rewards, open_scoring
 from settings.typed_config import check_writable
 from sources.adapters import PROVENANCE, same_base
 from sources.hub import resolve_model_path
-from step import Run
-
-
-def lr_lambda(cfg: Config, total_updates: int):
-    """Linear warmup for warmup_steps updates (or warmup_ratio x total_updates), then cosine from lr
-    down to lr * min_lr_ratio."""
-    w = cfg.optim.warmup_steps or math.ceil(cfg.optim.warmup_ratio * total_updates)  # TRL's
-    floor = cfg.optim.min_lr_ratio
-
-    def f(u: int) -> float:
-        if u < w:
-            return (u + 1) / (w + 1)
-        progress = min(1.0, (u - w) / max(1, total_updates - w))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return f
+from step import Run, lr_lambda
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -301,7 +286,8 @@ def setup(args, overrides: list[str]) -> Run:
                                         lora_rank=model.peft_config["default"].r, start=start)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
                params, optimizer, scheduler, scaler, sampler, judges, start, engine,
-               eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0 scores them
+               world=distributed.world(),
+               eval_rows=eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0's
                changed=changed)
 
 

@@ -38,7 +38,7 @@ import torch
 from scipy.stats import spearmanr
 
 import grpo
-from scoring.batch import RewardResult, reward_means
+from rewards import RewardResult, reward_means
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -21,9 +21,6 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from config import RewardSpec
-from rewards import REGISTRY, lookup, names
-
 
 def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=3)
@@ -72,22 +69,6 @@ def import_function(name: str, what: str = "reward") -> Callable:
     return fn
 
 
-def resolve(spec: RewardSpec) -> tuple[Callable, bool]:
-    """The (function, batched) a spec names; ValueError with a one-line hint when there is none."""
-    name = spec.name
-    if ":" not in name:
-        found = lookup(name)
-        if found:
-            return found
-        raise ValueError(f"unknown reward {name!r}{did_you_mean(name, names())}; registered: "
-                         f"{', '.join(names())}; or write 'package.module:function' or "
-                         "'path/to/file.py:function'")
-    fn = import_function(name)
-    # a user function marks itself batched by registering: @register("name", batched=True)
-    registered = next((batched for f, batched in REGISTRY.values() if f is fn), None)
-    if registered is None and is_trl_reward(fn):
-        return trl_reward(fn), True
-    return fn, bool(registered)
 
 
 TRL_FILLED = ("prompts", "completions")  # what a TRL reward gets besides the data's columns
@@ -107,7 +88,7 @@ def is_trl_reward(fn: Callable) -> bool:
     return "completions" in names and names[:2] != ["completions", "samples"]
 
 
-def _per_function(make: Callable) -> Callable:
+def per_function(make: Callable) -> Callable:
     """make(fn), computed once per function object, by identity (lru_cache hashes: a callable
     instance of a dataclass is unhashable). The functions are kept, as a run keeps its rewards."""
     memo: dict[int, tuple] = {}
@@ -153,7 +134,7 @@ def on_reward_loop(awaitable):
         raise
 
 
-@_per_function
+@per_function
 def trl_reward(fn: Callable) -> Callable:
     """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as
     a batched minigrpo reward (an async one awaited): `prompts` are the rows' prompts (text or chat
@@ -208,7 +189,3 @@ def trl_reward(fn: Callable) -> Callable:
     return batched
 
 
-@_per_function
-def reward_params(fn: Callable) -> tuple[inspect.Parameter, ...]:
-    """The parameters after (completion, sample): those that args, num_tokens or context fill."""
-    return tuple(inspect.signature(fn).parameters.values())[2:]

@@ -9,8 +9,7 @@ import yaml
 
 import train
 from config import ConfigError, DataConfig, DataSource, load_config
-from data import DataError, check_not_data_file, load_rows, load_sources, split
-from plumbing.sampler import PromptSampler
+from data import DataError, PromptSampler, check_not_data_file, load_rows, load_sources, split
 
 
 def write_jsonl(path, rows):

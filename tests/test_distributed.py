@@ -29,9 +29,9 @@ import step  # noqa: E402
 import train  # noqa: E402
 from api.reply_cache import ReplyCache  # noqa: E402
 from conftest import write_run_config  # noqa: E402
+from data import PromptSampler  # noqa: E402
 from files import jsonl  # noqa: E402
 from parallel import distributed  # noqa: E402
-from plumbing.sampler import PromptSampler  # noqa: E402
 from run import lifecycle  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -85,7 +85,7 @@ def fixed_batch(tmp_path_factory, tiny_llama):
                                                         "num_generations": G})
     r = lifecycle.setup(*train.parse_args(["--config", str(config),
                                            f"--run.out_dir={tmp / 'draw'}"]))
-    kept, _, _ = step.collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)
+    kept, _, _ = step.collect(r)
     index = {id(row): i for i, row in enumerate(r.rows)}
     torch.save({"kept": kept, "rows": [index[id(s)] for s in kept.samples]}, tmp / "batch.pt")
     return tmp, config

@@ -9,12 +9,12 @@ import pytest
 import torch
 import yaml
 
+import logprobs as updates  # micro_batches lives in logprobs.py
 import rollout
 import train
 from config import ConfigError, DataConfig, load_config
 from data import DataError, load_rows
 from modes.dpo import dpo_loss
-from plumbing import updates
 from run import lifecycle
 
 # "" is a reply too

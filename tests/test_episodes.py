@@ -20,7 +20,7 @@ from conftest import make_tokenizer, write_run_config
 from engines import episodes, tool_calls
 from logprobs import sequence_log_probs
 from model import load_policy
-from scoring.batch import compute_rewards
+from rewards import compute_rewards
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}

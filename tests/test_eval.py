@@ -12,8 +12,8 @@ import yaml
 import eval as ev
 from config import ConfigError, ModelConfig, RewardSpec
 from fake_openai_server import Behaviour, FakeOpenAIServer, ok, server_error
+from rewards import compute_rewards
 from scoring import metrics
-from scoring.batch import compute_rewards
 from sources.adapters import save_adapter
 from sources.entries import parse_model_entries
 

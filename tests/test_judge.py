@@ -31,7 +31,7 @@ from judge import (
     render,
     rubric_alignment,
 )
-from scoring.batch import _LOGGED, compute_rewards
+from rewards import _LOGGED, compute_rewards
 
 SECRET = "sk-test-SECRET123"
 # not OPENAI_API_KEY, so a developer's real key is never picked up
@@ -765,7 +765,7 @@ def test_rubric_alignment_constant_gold_gives_zero(server):
 def test_a_row_rubric_alignment_cannot_score_stops_the_run_before_any_judge_call(row, says):
     """helper-49: one such row failed its whole batch, after the batch's judge calls were paid."""
     from config import ConfigError
-    from scoring.batch import check_rows
+    from scoring.checks import check_rows
     good = {"question": "q", "answers": ["a", "b"], "gold_scores": [1, 2]}
     check_rows([RewardSpec("rubric_alignment")], [good])
     with pytest.raises(ConfigError, match="reward 'rubric_alignment': data row 1 \\(id 'hb-7'\\): "
@@ -780,7 +780,7 @@ def test_gold_scores_rubric_alignment_reads_as_numbers_pass_the_row_check():
 
     import numpy as np
 
-    from scoring.batch import check_rows
+    from scoring.checks import check_rows
     for gold in ([np.int64(1), np.int64(3)], [Decimal("0.5"), Decimal("1")], (1, 2), [True, False],
                  np.array([1.0, 2.0])):
         check_rows([RewardSpec("rubric_alignment")],

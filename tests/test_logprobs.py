@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import logprobs
+import logprobs as logsoftmax  # the kernels live in logprobs.py
 from config import LoraConfig, ModelConfig
 from model import load_policy
-from plumbing import logsoftmax
 from test_rollout import biased_to_eos, load, padded_batch
 
 

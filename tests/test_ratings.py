@@ -17,7 +17,8 @@ from files import jsonl
 from graders import rating_page, ratings
 from graders.ratings import Store, human, item_id
 from rating_client import needs_page, queue, rater
-from scoring.batch import check_specs, compute_rewards
+from rewards import compute_rewards
+from scoring.checks import check_specs
 from tools import ratings as ratings_cmd
 
 CRITERIA = ["relevance", "clarity"]
@@ -98,7 +99,7 @@ def test_raters_see_the_forced_prefix_not_a_think_block_the_template_opens(tmp_p
     """The queue keeps data.assistant_prefix + the completion: its export becomes DPO pairs that the
     same template renders again, so a block the template opens (R1's <think>) must not be in
     them."""
-    from scoring.batch import reward_context
+    from rewards import reward_context
     spec = RewardSpec("human", args={"dir": str(tmp_path / "r"), "timeout_s": 0.05, "poll_s": 0.01})
     compute_rewards(["x"], [{"prompt": "p"}], [spec],
                     context=reward_context("<think>\nokay", {}, "okay"))

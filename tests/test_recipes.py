@@ -357,7 +357,7 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
     import re
 
     from config import load_config
-    from scoring.batch import reward_keys
+    from rewards import reward_keys
     logged = set(reward_keys(load_config("configs/bioreasoner_judge.yaml").rewards))
     pages = [Path("docs/recipes/bioreasoner.md"), Path("docs/evaluation.md")]
     found = [by for page in pages for by in re.findall(r"`--by ([\w+]+)`", page.read_text())]

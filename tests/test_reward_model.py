@@ -6,11 +6,12 @@ import pytest
 import torch
 import yaml
 
+import rewards
 import train
 from config import ConfigError, RewardSpec
 from conftest import make_tokenizer
 from graders import reward_model as rm
-from scoring import batch
+from scoring import checks
 
 PROMPTS = ["What is 2 + 3?", [{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": "Hello world"}], "Which vitamin?"]
@@ -113,7 +114,7 @@ def test_a_classifier_without_a_chat_template_scores_the_pair(tmp_path):
 ])
 def test_bad_args_are_refused_before_anything_loads(args, message):
     with pytest.raises(ValueError, match=message.replace("{", r"\{").replace("(", r"\(")):
-        batch.check_specs([RewardSpec("reward_model", args=args)])
+        checks.check_specs([RewardSpec("reward_model", args=args)])
 
 
 def test_a_causal_lm_or_a_label_past_the_outputs_fails_when_the_rewards_open(tiny_llama, classifier,
@@ -129,11 +130,11 @@ def test_a_causal_lm_or_a_label_past_the_outputs_fails_when_the_rewards_open(tin
     monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained",
                         classmethod(only_classifiers))
     with pytest.raises(ConfigError, match="is a LlamaForCausalLM, not a sequence classifier"):
-        batch.open_rewards([RewardSpec("reward_model", args={"model": str(tiny_llama)})])
+        checks.open_rewards([RewardSpec("reward_model", args={"model": str(tiny_llama)})])
     with pytest.raises(ConfigError, match="label=1 but .* has 1 output"):
-        batch.open_rewards([RewardSpec("reward_model",
+        checks.open_rewards([RewardSpec("reward_model",
                                          args={"model": str(classifier), "label": 1})])
-    batch.open_rewards([RewardSpec("reward_model", args={"model": str(classifier)})])
+    checks.open_rewards([RewardSpec("reward_model", args={"model": str(classifier)})])
     assert len(rm._LOADED) == 1  # loaded once; the reward reuses it
 
 
@@ -217,11 +218,11 @@ def test_a_truncated_checkpoint_or_a_missing_gpu_is_one_line(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ConfigError, match=r"reward_model: could not load model=.* as a sequence "
                                           r"classifier \(\w+Error"):
-        batch.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
+        checks.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="reward_model: device=cuda but no CUDA GPU is "
                                               "visible; use device=cpu"):
-            batch.open_rewards([RewardSpec("reward_model",
+            checks.open_rewards([RewardSpec("reward_model",
                                              args={"model": str(path), "device": "cuda"})])
 
 
@@ -340,14 +341,14 @@ def test_non_finite_scores_stop_the_run_and_several_outputs_need_a_label(tmp_pat
         return out
     monkeypatch.setattr(LlamaForSequenceClassification, "forward", overflow)
     with pytest.raises(JudgeUnusable, match="non-finite score.*dtype: bfloat16"):
-        batch.compute_rewards(["5"], [{"prompt": "2 + 3?"}],
+        rewards.compute_rewards(["5"], [{"prompt": "2 + 3?"}],
                                 [RewardSpec("reward_model", args={"model": str(classifier)})])
     monkeypatch.setattr(LlamaForSequenceClassification, "forward", real)
     two = write_classifier(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match=r"has 2 outputs \(0: LABEL_0, 1: LABEL_1\); choose one "
                                           r"with args: \{label"):
-        batch.open_rewards([RewardSpec("reward_model", args={"model": str(two)})])
-    batch.open_rewards([RewardSpec("reward_model", args={"model": str(two), "label": 1})])
+        checks.open_rewards([RewardSpec("reward_model", args={"model": str(two)})])
+    checks.open_rewards([RewardSpec("reward_model", args={"model": str(two), "label": 1})])
 
 
 def test_a_causal_lm_saved_without_architectures_is_refused(tmp_path, tiny_llama):
@@ -358,4 +359,4 @@ def test_a_causal_lm_saved_without_architectures_is_refused(tmp_path, tiny_llama
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError,
                        match="without the weights score.weight, not a sequence classifier"):
-        batch.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])
+        checks.open_rewards([RewardSpec("reward_model", args={"model": str(path)})])

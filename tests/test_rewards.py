@@ -541,7 +541,7 @@ def test_number_golds_keep_their_reading():
 
 def test_a_valid_file_adds_the_corpus_ids_to_every_rows_or_stands_alone(tmp_path):
     """BioReasoner's "if PMID in valid_papers" over its 15k-paper pool: ids valid for every row."""
-    from scoring.batch import check_specs
+    from scoring.checks import check_specs
     corpus = tmp_path / "pmids.txt"
     corpus.write_text("11111\n22222 33333\n")
     row = {"valid_pmids": ["44444"]}
@@ -583,7 +583,7 @@ def test_a_large_valid_file_is_looked_up_not_copied_for_every_completion(tmp_pat
 
 
 def test_a_valid_file_that_is_not_text_is_one_line_naming_the_key(tmp_path):
-    from scoring.batch import check_specs
+    from scoring.checks import check_specs
     gz = tmp_path / "pmids.txt.gz"
     gz.write_bytes(b"\x1f\x8b\x08\x00 compressed")
     with pytest.raises(ValueError, match=r"args.valid_file=.*pmids.txt.gz: not UTF-8 text"):

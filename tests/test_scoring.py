@@ -9,8 +9,8 @@ import types
 import pytest
 
 from config import RewardSpec
-from rewards import REGISTRY
-from scoring.batch import check_specs, compute_rewards, reward_means
+from rewards import REGISTRY, compute_rewards, reward_means
+from scoring.checks import check_specs
 from test_rewards import _pred
 
 # ---------------------------------------------------------------- check_specs
@@ -285,7 +285,7 @@ def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
 def test_check_rows_knows_the_built_in_rewards_columns_and_only_the_ones_a_user_reward_declares(
         tmp_path):
     from config import ConfigError
-    from scoring.batch import check_rows
+    from scoring.checks import check_rows
     rows = [{"prompt": "p", "answer": "1"}, {"prompt": "q"}]  # a mixture: one source without gold
     check_rows([RewardSpec("answer_match")], rows)  # some row has the gold column: fine
     with pytest.raises(ConfigError, match="rewards: reward 'choice_accuracy': gold_key='cop' but "
@@ -388,7 +388,7 @@ def test_a_reward_function_written_for_trl_runs_unchanged_once_per_batch(tmp_pat
     with the completions' text, so they score as their author meant (under TRL, with chat prompts,
     they got message lists and returned 0.0 throughout)."""
     from config import ConfigError
-    from scoring.batch import check_rows
+    from scoring.checks import check_rows
     path = tmp_path / "medmcqa_rewards.py"
     path.write_text(SEED_REWARDS)
     specs = [RewardSpec(f"{path}:json_validity_reward", label="valid"),
@@ -510,7 +510,7 @@ def test_a_trl_reward_reading_a_column_that_only_some_rows_have_runs_on_a_mixtur
     the function gets None for the rows without it, as README says ("a column the function needs and
     no row has stops the run"); it was refused at the first row lacking it."""
     from config import ConfigError
-    from scoring.batch import check_rows
+    from scoring.checks import check_rows
     path = tmp_path / "gold.py"
     path.write_text("def acc(completions, ground_truth, **kwargs):\n    return [None if g is None "
                     "else float(g in c) for c, g in zip(completions, ground_truth)]\n")

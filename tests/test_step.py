@@ -21,6 +21,13 @@ from engines import vllm_engine
 from run import lifecycle
 
 
+def metrics_run(G: int) -> SimpleNamespace:
+    """What step_metrics reads of a Run: G, the grpo settings it names, one data source."""
+    grpo_cfg = SimpleNamespace(zero_std_tol=1e-6, beta=0.04, tis_cap=0.0, delta=0.0)
+    return SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(num_generations=G),
+                                               grpo=grpo_cfg), source_labels=["data"])
+
+
 def make_run(tmp_path, tiny_llama, *overrides, **sections):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")}, **sections)
@@ -146,7 +153,7 @@ def test_each_completion_is_scored_against_its_own_row(tmp_path, tiny_llama, mon
     r = make_run(tmp_path, tiny_llama, "--rewards=[{name: test_row_answer}]",
                  "--rollout.prompts_per_step=3")
     idx = [5, 0, 7]
-    s = step.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
+    s = step.score(r, idx)
     G = r.cfg.rollout.num_generations
     assert s.samples == [r.rows[i] for i in idx for _ in range(G)]
     assert s.total.tolist() == [float(r.rows[i]["answer"]) for i in idx for _ in range(G)]
@@ -168,7 +175,7 @@ def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(
     if opens:  # DeepSeek-R1's template ends its generation prompt inside a think block
         r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'",
                                                                       "assistant\n<think>\n'")
-    step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1], r.judges)
+    step.score(r, [0, 1])
     assert seen == {(expected, forced)}
 
 
@@ -182,13 +189,13 @@ def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_
                              torch.ones(G, 3), torch.zeros(G, dtype=torch.bool), ["varied"] * G)
     draws = iter([(flat, [1.0] * G), (varied, [0.0, 1.0, 0.0, 1.0])])
 
-    def fake_score(cfg, model, tok, rows, idx, judges, engine=None):
+    def fake_score(run, idx):
         ro, total = next(draws)
         return step.Scored(ro, [{}] * G, torch.tensor(total), {}, {})
     monkeypatch.setattr(step, "score", fake_score)
     r = make_run(tmp_path, tiny_llama, "--rollout.prompts_per_step=1",
                  "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2")
-    kept, drawn, n = step.collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler, r.judges)
+    kept, drawn, n = step.collect(r)
     assert kept.rollout.texts == ["varied"] * G and n == 2 and len(drawn.rollout.texts) == 2 * G
 
 
@@ -198,9 +205,9 @@ def test_micro_batches_hold_at_most_size_rows_with_or_without_a_token_budget():
                             torch.ones(n, 3, dtype=torch.long),
                             torch.ones(n, 3), torch.zeros(n, dtype=torch.bool), [""] * n)
     for budget in (0, 10_000):
-        assert step.micro_batches(batch, 2, budget) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+        assert logprobs.micro_batches(batch, 2, budget) == [slice(0, 2), slice(2, 4), slice(4, 6)]
     # 2 rows x 5 tokens
-    assert step.micro_batches(batch, 6, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert logprobs.micro_batches(batch, 6, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
 
 
 def test_optimizer_step_clips_the_gradient_to_max_grad_norm():
@@ -243,10 +250,10 @@ def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_trai
 def test_importance_weights_are_capped_and_counted():
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
-    w = step.sampler_weight(old, sampler, mask, 2.0, sums)
+    w = vllm_engine.sampler_weight(old, sampler, mask, 2.0, sums)
     assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 \
         and sums["tokens"] == 2
-    assert step.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
+    assert vllm_engine.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
 
 
 @pytest.mark.parametrize("mode", vllm_engine.TIS_MODES)
@@ -258,7 +265,7 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     old, sampler = (torch.randn(5, 6, generator=g) * 0.6 for _ in range(2))
     mask = (torch.arange(6)[None] < torch.tensor([6, 3, 1, 5, 4])[:, None]).float()
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
-    w = step.sampler_weight(old, sampler, mask, 1.5, sums, mode)
+    w = vllm_engine.sampler_weight(old, sampler, mask, 1.5, sums, mode)
     want, past, weights = torch.zeros(5, 6), 0, 0.0
     seq_mode = mode.startswith("sequence")
     for i in range(5):
@@ -282,9 +289,9 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     nan = sampler.clone()
     # a log-prob vLLM did not give: ratio 1 there, as TRL, not a NaN weight
     nan[0, 1] = float("nan")
-    assert torch.isfinite(step.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
+    assert torch.isfinite(vllm_engine.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
     with pytest.raises(ValueError, match="tis_mode"):
-        step.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
+        vllm_engine.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
 
 
 def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_llama, monkeypatch):
@@ -294,9 +301,9 @@ def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_
                                       for i in range(len(completions))], True))
     seen, real = [], grpo.grpo_loss
 
-    def recording(logp, old, ref, adv, mask, norm, *a, **k):
+    def recording(logp, old_logp, ref_logp, adv, mask, norm, *a, **k):
         seen.append((mask.clone(), norm))
-        return real(logp, old, ref, adv, mask, norm, *a, **k)
+        return real(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
     for loss_type in ("bnpo", "dapo"):
         r = make_run(tmp_path / loss_type, tiny_llama,
@@ -320,7 +327,9 @@ def test_entropy_is_the_mean_over_the_drawn_completions_tokens(tmp_path, tiny_ll
     drawn = step.Scored(ro, [{}, {}], torch.tensor([0.0, 1.0]), {}, {})
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum",
                           "grad_norm"), 1.0)
-    assert step.step_metrics(drawn, 2, sums, 1, 1e-6)["entropy"] == pytest.approx(4.0)
+    m = step.step_metrics(metrics_run(2), drawn, drawn.rollout,
+                          step.Updates(sums, {}, applied=1))
+    assert m["entropy"] == pytest.approx(4.0)
     r = make_run(tmp_path, tiny_llama)
     m, _ = step.train_step(r)
     # a random model: near log(vocab) at temperature 1.5
@@ -356,9 +365,9 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
         calls.append(None)  # an update ends here
         return out
 
-    def loss(logp, old, ref, adv, mask, norm, *a, **k):
+    def loss(logp, old_logp, ref_logp, adv, mask, norm, *a, **k):
         calls.append((float(mask.sum()), mask.shape[0], norm))
-        return real_loss(logp, old, ref, adv, mask, norm, *a, **k)
+        return real_loss(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(step, "optimizer_step", capture)
     monkeypatch.setattr(grpo, "grpo_loss", loss)
     common = ["--optim.lr=0.0", "--grpo.loss_type=grpo", "--optim.max_grad_norm=0",
@@ -387,8 +396,8 @@ def test_num_mini_batches_splits_the_batch_into_mini_batches_each_its_own_update
         assert norm.num_tokens == sum(c[0] for c in u) \
             and norm.num_sequences == sum(c[1] for c in u)
     grads.clear()
-    olds, real_old = [], step.batch_log_probs
-    monkeypatch.setattr(step, "batch_log_probs", lambda *a: olds.append(1) or real_old(*a))
+    olds, real_old = [], logprobs.batch_log_probs
+    monkeypatch.setattr(logprobs, "batch_log_probs", lambda *a: olds.append(1) or real_old(*a))
     r = make_run(tmp_path / "lr", tiny_llama, "--optim.lr=0.5", "--grpo.num_mini_batches=2")
     m, _ = step.train_step(r)
     # one pass, yet the second half is off-policy: the old log-probs count
@@ -427,14 +436,13 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
                      f"--optim.micro_batch_size={size}",
                      "--optim.lr=0.0", "--optim.max_grad_norm=0", "--rollout.max_new_tokens=12")
         if q == 0.3 and size == 2:  # one rollout for all three runs
-            batches.append(real_collect(r.cfg, r.model, r.tokenizer, r.rows, r.sampler,
-                                        r.judges)[0])
+            batches.append(real_collect(r)[0])
         seen.clear()
         norms[q, size] = step.train_step(r)[0]["grad_norm"]
         if q < 1:
             batch = batches[0].rollout
             keep = torch.zeros_like(batch.completion_mask, dtype=torch.bool)
-            for mb, k in zip(step.micro_batches(batch, size), seen):
+            for mb, k in zip(logprobs.micro_batches(batch, size), seen):
                 keep[mb, :k.shape[1]] = k
             mask = batch.completion_mask.bool()
             assert torch.equal(keep, grpo.high_entropy_mask(batch.entropy, mask, q))
@@ -467,13 +475,13 @@ def test_old_and_reference_log_probs_are_taken_in_the_loss_s_micro_batches(tmp_p
     exactly 1 now)."""
     seen, real = [], grpo.grpo_loss
 
-    def spy(logp, old, ref, adv, mask, norm, *a, **k):
-        if old is not None:
+    def spy(logp, old_logp, ref_logp, adv, mask, norm, *a, **k):
+        if old_logp is not None:
             m = mask.bool()
-            seen.append(float((logp.detach() - old)[m].abs().max()) if m.any() else 0.0)
-            seen.append(float((logp.detach() - ref)[m].abs().max())
-                        if m.any() and ref is not None else 0.0)
-        return real(logp, old, ref, adv, mask, norm, *a, **k)
+            seen.append(float((logp.detach() - old_logp)[m].abs().max()) if m.any() else 0.0)
+            seen.append(float((logp.detach() - ref_logp)[m].abs().max())
+                        if m.any() and ref_logp is not None else 0.0)
+        return real(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", spy)
     # the reference: the adapter off, which lr 0 left at 0
     r = make_run(tmp_path, tiny_llama, "--model.dtype=bfloat16", "--optim.lr=0.0",
@@ -543,7 +551,8 @@ def test_reward_std_is_the_mean_of_the_groups_stds():
                         torch.tensor([0.0, 1.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0]), {}, {})
     sums = dict.fromkeys(("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_high_sum"),
                          1.0)
-    m = step.step_metrics(drawn, 4, sums, 1, 1e-6)
+    m = step.step_metrics(metrics_run(4), drawn, drawn.rollout,
+                          step.Updates(sums, {}, applied=1))
     assert m["reward_std"] == pytest.approx(float(torch.tensor([0.0, 1.0, 0.0, 1.0]).std()) / 2)
     assert m["reward"] == pytest.approx(2.75) and m["frac_reward_zero_std"] == 0.5
 
@@ -553,7 +562,7 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
     """vLLM's importance weight is pi_old / pi_sampler: with num_iterations 2, the second
     iteration's weight uses the same old log-probs as the first, not the policy the first update
     moved."""
-    seen, real_w, real_collect = [], step.sampler_weight, step.collect
+    seen, real_w, real_collect = [], vllm_engine.sampler_weight, step.collect
 
     def weight(old, *a, **k):
         seen.append(old.clone())
@@ -564,7 +573,7 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
         # as vLLM would give them
         kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)
         return kept, drawn, n
-    monkeypatch.setattr(step, "sampler_weight", weight)
+    monkeypatch.setattr(vllm_engine, "sampler_weight", weight)
     monkeypatch.setattr(step, "collect", collect)
     r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",
                  "--optim.micro_batch_size=8")

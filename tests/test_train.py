@@ -13,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+import logprobs
 import rollout
 import step
 import train
@@ -333,7 +334,7 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
     cfg, run = setup
     held_out = ["--run.eval_every=1", "--data.select=[0, 8]", "--eval.select=[8, 12]",
                 "--eval.max_new_tokens=4"]
-    real_gen, real_lp = ev.generate_rows, step.micro_batch_log_probs
+    real_gen, real_lp = ev.generate_rows, logprobs.micro_batch_log_probs
 
     def gen_oom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -636,7 +637,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for k in (0, 2):
         calls.clear()
         r.cfg.rollout.prompts_per_generate = k
-        got[k] = step.score(r.cfg, r.model, r.tokenizer, r.rows, idx, r.judges)
+        got[k] = step.score(r, idx)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
         rendered = rollout.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
@@ -678,7 +679,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.clear()
         started.clear()
         r.cfg.rollout.overlap_rewards = overlap
-        got[overlap] = step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
+        got[overlap] = step.score(r, [0, 1, 2])
         # overlapped: slice 0's rewards started while slice 1 sampled
         assert seen == ([False, True, True] if overlap else [False, False, False])
     off, on = got[False], got[True]
@@ -688,7 +689,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     # no args.dir: a configuration error, raised from the background
     r.cfg.rewards = [RewardSpec("human")]
     with pytest.raises(ValueError, match="needs dir"):
-        step.score(r.cfg, r.model, r.tokenizer, r.rows, [0, 1, 2], r.judges)
+        step.score(r, [0, 1, 2])
 
 
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
@@ -701,9 +702,9 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     import grpo
     seen, loss = [], grpo.grpo_loss  # (advantages, mask) of each micro-batch
 
-    def recording(logp, old, ref, adv, mask, norm, *a, **k):
+    def recording(logp, old_logp, ref_logp, adv, mask, norm, *a, **k):
         seen.append((adv.clone(), mask.clone(), norm))
-        return loss(logp, old, ref, adv, mask, norm, *a, **k)
+        return loss(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
     cfg, run = setup
     raw = yaml.safe_load(cfg.read_text())
@@ -869,8 +870,8 @@ def test_micro_batches_by_token_budget():
                             torch.zeros(6, C, dtype=torch.long),
                             torch.tensor([[1.0] * n + [0.0] * (C - n) for n in c_len]),
                             torch.zeros(6, dtype=torch.bool), [""] * 6)
-    assert step.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
-    mbs = step.micro_batches(batch, 4, max_tokens=32)
+    assert logprobs.micro_batches(batch, 4) == [slice(0, 4), slice(4, 6)]
+    mbs = logprobs.micro_batches(batch, 4, max_tokens=32)
     # 2 x 15, 2 x 6, 1 x 49 (over, alone), 1 x 3
     assert mbs == [slice(0, 2), slice(2, 4), slice(4, 5), slice(5, 6)]
     for mb in mbs:

@@ -56,8 +56,9 @@ from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_
 from files import jsonl
 from files.jsonl import interrupted, sigterm_as_interrupt
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
+from rewards import compute_rewards
 from rollout import chat_messages
-from scoring.batch import check_rows, check_specs, compute_rewards
+from scoring.checks import check_rows, check_specs
 from settings.typed_config import check_writable
 
 
