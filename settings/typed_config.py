@@ -1,4 +1,4 @@
-"""YAML to typed dataclasses: the generic half of config.py (which holds the fields and checks).
+"""YAML to typed dataclasses: the generic half of config.py (which holds the fields).
 
     raw = read_yaml(Path("configs/x.yaml"))            # the file, with those it `extends` under it
     apply_overrides(raw, ["--grpo.beta=0.04"], Config)  # --section.key=value, values parsed as YAML
