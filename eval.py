@@ -79,10 +79,10 @@ from rewards import (
     reward_context,
     reward_keys,
 )
-from run import overlap
 from scoring.checks import check_rows, open_rewards, open_scoring
 from scoring.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
 from settings.typed_config import check_writable
+from sources import overlap
 from sources.entries import ModelEntry, parse_model_entries, trained_on_held_out
 from sources.hub import resolve_model_path
 
@@ -311,7 +311,7 @@ class Plan:
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base's tokenizer, counts API completion tokens (None if no api entries)
-    # entry name -> held-out rows its runs trained on (run/overlap.py)
+    # entry name -> held-out rows its runs trained on (sources/overlap.py)
     trained_on: dict[str, int] = field(default_factory=dict)
 
 

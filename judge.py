@@ -25,6 +25,7 @@ from scipy.stats import spearmanr
 
 from api.client import Judge, JudgeConfig, mask_urls
 from rewards import register
+from sources.maps import as_text
 
 
 @dataclass
@@ -207,17 +208,6 @@ def load_template(spec: str) -> str:
         return spec
     raise ValueError(f"template {spec!r} is not one of {sorted(TEMPLATES)}, a file, "
                      f"or text with a {{placeholder}}")
-
-
-def as_text(value) -> str:
-    """A row's value as a judge or a rater reads it: chat messages as "role: content" blocks."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return "\n\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)  # chat prompt
-    return json.dumps(value, ensure_ascii=False)
 
 
 def render(template: str, fields: dict) -> str:

@@ -11,14 +11,9 @@ Shapes: N = B prompts x G completions, P = prompt length, C = completion length,
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from config import Config
-    from rollout import Rollout
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -155,9 +150,10 @@ def trim(input_ids: Tensor, attention_mask: Tensor,
 
 
 # ---------------------------------------------------------------- per micro-batch, in the step
+# batch: a rollout.Rollout, cfg: the config.Config (not imported: rollout.py imports this file)
 
 
-def micro_batches(batch: Rollout, size: int, max_tokens: int = 0,
+def micro_batches(batch, size: int, max_tokens: int = 0,
                   group: int = 1) -> list[slice]:
     """Consecutive rows, at most `size` a micro-batch and, with max_tokens > 0
     (optim.micro_batch_tokens), at most that many padded tokens: rows x (longest prompt + longest
@@ -182,7 +178,7 @@ def micro_batches(batch: Rollout, size: int, max_tokens: int = 0,
     return out + [slice(start, n)]
 
 
-def micro_batch_log_probs(model, batch: Rollout, ids, attn, mb: slice, cfg: Config,
+def micro_batch_log_probs(model, batch, ids, attn, mb: slice, cfg,
                           temperature: float | None = None) -> tuple[torch.Tensor, int]:
     """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
     The temperature is the sampler's (rollout.temperature) unless given."""
@@ -195,7 +191,7 @@ def micro_batch_log_probs(model, batch: Rollout, ids, attn, mb: slice, cfg: Conf
 
 
 @torch.no_grad()
-def batch_log_probs(model, batch: Rollout, cfg: Config,
+def batch_log_probs(model, batch, cfg,
                     mbs: list[slice] | None = None) -> torch.Tensor:
     """(N, C) log-probs of the sampled tokens (old or reference policy): zero past each
     micro-batch's longest completion; between a row's end and that, the log-probs of padding, which

@@ -35,8 +35,9 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, lifecycle, overlap
+from run import display, lifecycle
 from run.checkpoint import save_checkpoint
+from sources import overlap
 from step import Run, train_step
 
 # ----------------------------------------------------------------------------- CLI and loop

@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from files import jsonl
-from judge import as_text
 from rewards import register
+from sources.maps import as_text
 
 QUEUE, RATINGS = "queue.jsonl", "ratings.jsonl"
 # the rating page's packages (pyproject.toml's `ratings` extra), at the versions the Makefile tests

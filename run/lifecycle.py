@@ -45,11 +45,11 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
-from run import overlap
 from run.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
 from scoring.checks import check_rows, open_rewards, open_scoring
 from settings.typed_config import check_writable
+from sources import overlap
 from sources.adapters import PROVENANCE, same_base
 from sources.hub import resolve_model_path
 from step import Run, lr_lambda

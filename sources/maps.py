@@ -11,7 +11,16 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from judge import as_text
+
+def as_text(value) -> str:
+    """A row's value as a judge or a rater reads it: chat messages as "role: content" blocks."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
+        return "\n\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in value)  # chat prompt
+    return json.dumps(value, ensure_ascii=False)
 
 
 def medmcqa_json(row: dict) -> dict:

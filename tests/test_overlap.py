@@ -7,7 +7,7 @@ import json
 import eval as ev
 import train
 from conftest import write_run_config
-from run import overlap
+from sources import overlap
 from tools import export
 
 

@@ -36,8 +36,8 @@ import torch
 import rollout
 from config import Config, ConfigError, data_label, length_limit, load_config
 from model import load_base
-from run import overlap
 from settings.typed_config import check_writable
+from sources import overlap
 from sources.adapters import apply_adapter_chain, check_adapter_base, find_adapter
 from sources.hub import BUILTIN
 
