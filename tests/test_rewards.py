@@ -12,8 +12,15 @@ import rewards
 from config import RewardSpec
 from graders.citations import citation_grounding, invented_citation
 from graders.json_answers import choice_accuracy, json_schema, json_valid
-from rewards import REGISTRY, answer_match, length_penalty, register, short_answer, think_format
-from sources.plugins import resolve
+from rewards import (
+    REGISTRY,
+    answer_match,
+    length_penalty,
+    register,
+    resolve,
+    short_answer,
+    think_format,
+)
 
 GOOD = '{"predicted_category": "B", "confidence": 0.9, "reason": "B12 is only in animal foods"}'
 BUILTINS = {"json_valid", "json_schema", "choice_accuracy", "answer_match", "think_format",

@@ -33,10 +33,10 @@ import rollout
 import step
 import train
 from config import ConfigError
+from logprobs import batch_log_probs, micro_batch_log_probs
 from model import reference_mode
-from plumbing.updates import batch_log_probs, micro_batch_log_probs
+from rewards import compute_rewards, reward_context
 from run import lifecycle
-from scoring.batch import compute_rewards, reward_context  # rewards.py's, once they move there
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 100  # the terminal the output fits
@@ -157,7 +157,8 @@ def where(fn, snippet: str = "") -> str:
         at = next(i for i, s in enumerate(lines) if s.lstrip().startswith(("def ", "async def ")))
     path = Path(inspect.getsourcefile(fn)).resolve()
     top = Path(sys.modules[fn.__module__.split(".")[0]].__file__).resolve().parent
-    home = ROOT if path.is_relative_to(ROOT) else top.parent  # torch's: from site-packages
+    ours = path.is_relative_to(ROOT) and "site-packages" not in path.parts  # not a .venv's
+    home = ROOT if ours else top.parent  # a library's (torch's): from its site-packages
     return f"{path.relative_to(home)}:{start + at} {fn.__qualname__}"
 
 
