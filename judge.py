@@ -8,7 +8,7 @@ A judge is a client.Judge (cache, retries, rate limit, cost). A reply is parsed 
 [score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning
 model's thinking, up to its last </think>, is ignored); one without a usable score is a failure,
 which the reward's fallback covers. Configuration errors (unknown template, missing sample field)
-raise, and are checked before a run (check_args, row_fields: scoring.check_specs and check_rows).
+raise, and are checked before a run (check_args, row_fields: checks.check_specs and check_rows).
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def rubric_alignment(completions: list[str], samples: list[dict], *, judge: Judg
     return rewards
 
 
-# --- checks before a run (scoring.check_specs / check_rows) ---------------------------------------
+# --- checks before a run (checks.check_specs / check_rows) ---------------------------------------
 def _judge_criteria(template: str, criteria: list[str] | None,
                     criterion: str | None) -> list[str] | None:
     """judge_reward's criteria (the template's by default); criterion must be one of them."""

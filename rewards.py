@@ -6,12 +6,12 @@ A reward scores one completion of one sample; None means "does not apply to this
 
 A batched reward (LLM judges, see judge.py; people's ratings, graders/ratings.py) takes and returns
 lists and is registered with `@register("name", batched=True)`. A reward may carry a
-`check_args(**args)` attribute that raises ValueError on bad values: scoring.check_specs calls it
+`check_args(**args)` attribute that raises ValueError on bad values: checks.check_specs calls it
 before any model loads; an `open(**args)` attribute that acquires what it needs (reward_model loads
 its model) when train.py or eval.py open their rewards, ValueError when it cannot; and a `row_keys`
 attribute (or `register(..., row_keys=...)`) naming its arguments that hold a data column, as the
 built-ins' gold_key and valid_key do: a column no row has stops the run before it starts
-(scoring.check_rows). The config names rewards, weights and arguments:
+(check_rows). The config names rewards, weights and arguments:
 
     rewards:
       - {name: json_valid}
@@ -23,7 +23,7 @@ built-ins' gold_key and valid_key do: a column no row has stops the run before i
 
 Parameters after (completion, sample) named `num_tokens` (the completion's token count),
 `assistant_prefix` (the text the trainer forced at the start of the reply, which the built-ins put
-back in front), `judge` or `judges` are filled in by scoring.compute_rewards; a function named by
+back in front), `judge` or `judges` are filled in by rewards.compute_rewards; a function named by
 file or module is loaded by sources/plugins.py, which also runs reward functions written for
 TRL's GRPOTrainer. Model output is only ever parsed (here, answers.py,
 graders/citations.py), never evaluated.
@@ -58,7 +58,7 @@ from sources.plugins import (
 REGISTRY: dict[str, tuple[Callable, bool]] = {}  # name -> (function, batched)
 def register(name: str, batched: bool = False, row_keys: tuple[str, ...] = ()):
     """Decorator that makes a reward available to configs under `name`; row_keys: its arguments that
-    name a data column (scoring.check_rows checks the rows have it)."""
+    name a data column (check_rows checks the rows have it)."""
     def decorate(fn):
         if row_keys:
             fn.row_keys = row_keys

@@ -288,7 +288,8 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
     """generate_rollout on `per_call` prompts at a time (0: all in one call), the slices joined in
     order: each call's KV cache holds per_call x num_generations rows (rollout.prompts_per_generate,
     eval.batch_size). on_slice(first prompt's index, slice) runs after each call, before the next
-    one samples (step.score scores the slice there). Further arguments are generate_rollout's."""
+    one samples (scoring/pipelined.py scores the slice there). Further arguments are
+    generate_rollout's."""
     k, parts = per_call or len(prompts), []
     for s in range(0, len(prompts), k):
         parts.append(generate_rollout(model, tokenizer, prompts[s:s + k], *args, **kwargs))

@@ -78,7 +78,8 @@ def main() -> int:
     import logprobs
     import rollout
     from config import LoraConfig, ModelConfig
-    from model import load_policy, mixed_precision
+    from logprobs import mixed_precision
+    from model import load_policy
     path = model_dir(a.model, a.device, a.tokenizer, 0)
     dev = torch.device(a.device)
     model, tok = load_policy(ModelConfig(name=str(path)),

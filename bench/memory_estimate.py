@@ -143,7 +143,7 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import logprobs
-    from model import mixed_precision
+    from logprobs import mixed_precision
     # train mode, as train.py's loss forward: checkpointing needs it
     model.train().zero_grad(set_to_none=True)
     if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing

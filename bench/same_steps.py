@@ -5,6 +5,7 @@ file; run it before and after the change, then compare.
     python bench/same_steps.py --out /tmp/before.json              # on the old commit
     python bench/same_steps.py --out /tmp/after.json               # on the new one
     python bench/same_steps.py --compare /tmp/before.json /tmp/after.json
+    python bench/same_steps.py --out /tmp/q.json --only quickstart     # one of them
 
 The runs (about 6 minutes on 2 CPU cores): the quickstart's 30 steps; 3 steps of it under torchrun
 with 2 processes; the multi-turn calculator demo's first 3 steps; 3 steps of vLLM rollouts against
@@ -72,15 +73,17 @@ def fake_vllm_run(tmp: Path) -> list[dict]:
     return metrics(tmp / "vllm_run")
 
 
-def capture(out: Path) -> None:
+RUNS = {"quickstart": lambda tmp: train(tmp / "q", "--config", "configs/quickstart.yaml"),
+        "torchrun": lambda tmp: train(tmp / "t", "--config", "configs/quickstart.yaml",
+                                      "--run.steps=3", "--run.threads=1", torchrun=True),
+        "multi_turn": lambda tmp: train(tmp / "m", "--config", "configs/tools_calculator.yaml",
+                                        "--run.steps=3"),
+        "vllm_fake": fake_vllm_run}
+
+
+def capture(out: Path, only: list[str]) -> None:
     with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        runs = {"quickstart": train(tmp / "q", "--config", "configs/quickstart.yaml"),
-                "torchrun": train(tmp / "t", "--config", "configs/quickstart.yaml",
-                                  "--run.steps=3", "--run.threads=1", torchrun=True),
-                "multi_turn": train(tmp / "m", "--config", "configs/tools_calculator.yaml",
-                                    "--run.steps=3"),
-                "vllm_fake": fake_vllm_run(tmp)}
+        runs = {name: run(Path(d)) for name, run in RUNS.items() if name in (only or RUNS)}
     out.write_text(json.dumps(runs, indent=1))
     print(f"wrote {out}: " + ", ".join(f"{k} {len(v)} steps" for k, v in runs.items()))
 
@@ -108,5 +111,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", nargs=2, type=Path)
+    ap.add_argument("--only", nargs="*", choices=list(RUNS), help="some of the runs (default all)")
     args = ap.parse_args()
-    sys.exit(compare(*args.compare) if args.compare else capture(args.out))
+    sys.exit(compare(*args.compare) if args.compare else capture(args.out, args.only))

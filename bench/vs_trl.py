@@ -239,10 +239,11 @@ def child_minigrpo(cfg_path: Path, result: Path) -> None:
     real_score = step.score
 
     # the prompts drawn, for TRL's run
-    def recording(cfg, model, tokenizer, rows, idx, *args, **kwargs):
-        drawn.append([{"prompt": rows[i]["prompt"], "answer": rows[i]["answer"]} for i in idx])
+    def recording(run, idx):
+        drawn.append([{"prompt": run.rows[i]["prompt"], "answer": run.rows[i]["answer"]}
+                      for i in idx])
         calls.append({"generate_time": 0.0, "prompt_tokens": 0, "completion_tokens": 0})
-        return real_score(cfg, model, tokenizer, rows, idx, *args, **kwargs)
+        return real_score(run, idx)
     step.score = recording  # step.collect looks it up there
     rc = train.main(["--config", str(cfg_path)])
     if rc:

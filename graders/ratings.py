@@ -278,7 +278,7 @@ def store_for(dir: str | Path) -> Store:
 def check_args(dir: str | None = None, criteria: list[str] = ("overall",),
                scale: list[int] = (1, 5), criterion: str | None = None, timeout_s: float = 0.0,
                poll_s: float = 1.0, **_) -> None:
-    """The human reward's args, checked before any model loads (scoring.check_specs); ValueError
+    """The human reward's args, checked before any model loads (checks.check_specs); ValueError
     says what to fix."""
     if not isinstance(dir, str) or not dir:
         raise ValueError("reward 'human' needs args.dir: the ratings folder that "
@@ -371,5 +371,5 @@ def human(completions: list[str], samples: list[dict], *, dir: str,
     return [value(g) for g in got]
 
 
-human.check_args = check_args  # scoring.check_specs calls a reward's check_args(**args), if any
+human.check_args = check_args  # checks.check_specs calls a reward's check_args(**args), if any
 register("human", batched=True, row_keys=("prompt_key",))(human)

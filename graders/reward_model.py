@@ -41,7 +41,7 @@ class _NotAClassifier(Exception):
 def check_args(model: str | None = None, batch_size: int = 8, max_length: int = 2048,
                device: str = "auto", dtype: str = "auto", label: int | None = None,
                revision: str | None = None, system: str | None = None) -> None:
-    """The args' values, checked before any model loads (scoring.check_specs); ValueError says what
+    """The args' values, checked before any model loads (checks.check_specs); ValueError says what
     to fix."""
     if not isinstance(model, str) or not model:
         raise ValueError("reward_model needs args: {model: a hub id or a local directory of a "

@@ -182,7 +182,7 @@ def trl_reward(fn: Callable) -> Callable:
             raise ValueError(f"{label} takes 'prompt', which neither TRL nor minigrpo passes; "
                              "take 'prompts' (the list)")
 
-    def columns(**args) -> list[str]:  # scoring.check_rows: each must be in a row (others get None)
+    def columns(**args) -> list[str]:  # check_rows: each must be in a row (others get None)
         return [n for n in required if n not in (*TRL_FILLED, *args)]
     batched.check_args, batched.columns, batched.trl = check_args, columns, fn
     batched.__name__ = getattr(fn, "__name__", "trl_reward")

@@ -47,7 +47,7 @@ def test_mixed_precision_runs_lora_matmuls_in_the_base_dtype(tmp_path, tiny_llam
     adapted layer's input; an fp32 model, the CPU default, gets no autocast. On CPU's autocast."""
     import train
     from conftest import write_run_config
-    from model import mixed_precision
+    from logprobs import mixed_precision
     for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype=dtype),
                                LoraConfig(r=4, alpha=8), torch.device("cpu"))

@@ -308,14 +308,15 @@ def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings
     """At step 2, after step 1's checkpoint: exit 2, one line saying what ran out, the settings that
     lower that phase's peak with their values, and where to resume; no traceback."""
     cfg, run = setup
-    real, calls = getattr(step, where), []
+    module = step if hasattr(step, where) else logprobs  # step.collect, logprobs.micro_batch_...
+    real, calls = getattr(module, where), []
 
     def oom_at_step_2(*a, **k):
         calls.append(1)
         if (run / "metrics.jsonl").exists() and len(lines(run / "metrics.jsonl")) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(*a, **k)
-    monkeypatch.setattr(step, where, oom_at_step_2)
+    monkeypatch.setattr(module, where, oom_at_step_2)
     assert train.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"error: out of GPU memory while {phase}; lower it with {advice}")
@@ -350,7 +351,7 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
         if (run / "metrics.jsonl").exists():
             raise torch.OutOfMemoryError("CUDA out of memory")
         return real_lp(*a, **k)
-    monkeypatch.setattr(step, "micro_batch_log_probs", lp_oom_at_step_2)
+    monkeypatch.setattr(logprobs, "micro_batch_log_probs", lp_oom_at_step_2)
     assert not run.exists()  # stopped before its first checkpoint: nothing kept
     assert train.main(["--config", str(cfg), *held_out]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
