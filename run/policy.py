@@ -1,7 +1,8 @@
 """The run's stop-and-save rules (the run's policy, not the model's): after each step, whether to
 checkpoint it, whether the run stops and why (no learning signal, run.max_minutes), and which
 judges are down; and when the held-out rows are scored. train.py's loop trains and logs a step,
-then asks; these functions decide and say nothing, save judge_outage, which waits for a judge.
+then asks. These functions decide and print nothing; judge_outage alone acts (it waits for a
+judge, or says why the run stops).
 
     rules = Policy(cfg.run, start, held_out=bool(r.eval_rows), clock=Clock(started),
                    flat_steps=display.flat_steps_at_end(metrics_path))
@@ -13,7 +14,8 @@ then asks; these functions decide and say nothing, save judge_outage, which wait
         if decision.wait_for: judge_outage(r, args, decision.wait_for, step, rules.clock)
         if decision.stop: print(stop_line(cfg.run, step, run_dir, decision.stop)) -> exit_code
 
-Every time is a number of seconds the caller measured (time.monotonic): tests give their own.
+The times are seconds on the caller's clock (time.monotonic), passed in, so tests give their own;
+judge_outage alone reads the clock, as it waits.
 """
 from __future__ import annotations
 
