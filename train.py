@@ -1,6 +1,7 @@
 """Train a policy with GRPO: the command line and the loop. Each step samples B prompts x G
 completions, scores them, turns the rewards into group advantages and takes clipped-surrogate
-updates (step.train_step); this file logs, checkpoints and stops. run/lifecycle.py builds the run.
+updates (step.train_step); this file logs and checkpoints them. run/lifecycle.py builds the run;
+run/policy.py decides after each step whether to checkpoint it and whether the run stops.
 
   python train.py --config configs/quickstart.yaml
   python train.py --config configs/quickstart.yaml --grpo.beta=0.04 --run.out_dir=runs/quickstart_kl
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 STARTED = time.monotonic()  # run.max_minutes counts from the process's start, importing torch too
 
@@ -35,7 +37,7 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, lifecycle
+from run import display, lifecycle, policy
 from run.checkpoint import save_checkpoint
 from sources import overlap
 from step import Run, train_step
@@ -117,95 +119,95 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
 
 def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
-    cfg, run_dir, start = r.cfg, r.run_dir, r.start
-    writes = distributed.rank() == 0  # under torchrun rank 0 alone writes the run's files
+    cfg = r.cfg
     metrics_path, samples_path = lifecycle.open_run_files(r)  # config.yaml, logs as of step start
-    n_train = sum(p.numel() for p in r.params)
-    epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
-    ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun
-    print(f"[minigrpo] {cfg.model.name} on {r.device}{ranks} "
-          f"({pick_dtype(cfg.model.dtype, r.device)}), "
-          f"{n_train / 1e6:.2f}M trainable params, {len(r.rows)} {lifecycle.ROW_NAMES[cfg.mode]}, "
-          f"steps {start}->{cfg.run.steps}{epochs}", file=sys.stderr)
+    print(start_line(r), file=sys.stderr)
     if r.engine:
         r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
     step_fn = {"sft": sft.sft_step, "dpo": dpo.dpo_step}.get(cfg.mode, train_step)
-    flat_steps = display.flat_steps_at_end(metrics_path)  # steps in a row without signal
-    recorded, started, step_seconds = None, time.monotonic() if started is None else started, []
-    eval_seconds = save_seconds = 0.0  # the last held-out scoring's and save's, for run.max_minutes
-    with display.progress_display(cfg.run.steps, start) as show:
-        for step in range(start + 1, cfg.run.steps + 1):
-            r.step, t_step = step, time.monotonic()
+    rules = policy.Policy(cfg.run, r.start, held_out=bool(r.eval_rows), clock=policy.Clock(
+        time.monotonic() if started is None else started),  # run.max_minutes counts from it
+        flat_steps=display.flat_steps_at_end(metrics_path))  # steps in a row without signal
+    with display.progress_display(cfg.run.steps, r.start) as show:
+        for step in range(r.start + 1, cfg.run.steps + 1):
+            r.step, began = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # mixture curriculum clock
             try:
-                r.phase = "training"  # train_step says when it samples
-                metrics, shown = step_fn(r)
-                evaluated = bool(r.eval_rows) and step % cfg.run.eval_every == 0
-                if evaluated:
-                    t_eval = time.monotonic()
-                    metrics |= held_out_metrics(r)
-                    eval_seconds = time.monotonic() - t_eval
-                # the step's judge calls (every rank's), held-out too (any mode)
-                metrics |= distributed.all_sum(judges_stats(r.judges))
+                metrics, shown = step_metrics(r, step_fn, rules)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
                 return lifecycle.stop_on_error(r, args, e, step, created)
-            metrics = {"step": step, **metrics}
-            if writes:
-                jsonl.append(metrics_path, [metrics])
-            if tracker:
-                tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-            if writes and cfg.run.sample_every and step % cfg.run.sample_every == 0:
-                n = cfg.run.samples_per_log or cfg.rollout.num_generations  # 0: all the first group
-                jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
-            flat_steps = flat_steps + 1 if metrics.get("frac_reward_zero_std") == 1.0 else 0
-            stop = cfg.run.stop_without_signal and flat_steps >= cfg.run.stop_without_signal
-            judge_down = distributed.down_anywhere(  # saved before waiting
+            log_step(r, metrics, shown, metrics_path, samples_path, tracker)
+            down = distributed.down_anywhere(  # any rank's, on every rank
                 outage.down(r.judges, cfg.run.judge_outage_steps), r.judges)
-            # the step's own time, without its held-out scoring
-            step_seconds.append(time.monotonic() - t_step - (eval_seconds if evaluated else 0.0))
-            saving = stop or judge_down or step == cfg.run.steps or (
-                cfg.run.save_every and step % cfg.run.save_every == 0) or (cfg.run.max_minutes
-                and step == start + 1)  # a time limit: the first checkpoint times the last
-            # after the next step: its held-out scoring (if any; the first counts as long as a step)
-            # and the checkpoint written when stopping, besides this step's own (if it writes one)
-            scoring = eval_seconds or max(step_seconds[-5:])
-            extra = (scoring if r.eval_rows and (step + 1) % cfg.run.eval_every == 0
-                     else 0.0) + save_seconds * (1 + bool(saving))
-            timed_out = not stop and step < cfg.run.steps and distributed.agree(  # any rank's clock
-                lifecycle.out_of_time(cfg, started, step_seconds, time.monotonic(), extra))
-            if saving or timed_out:
-                if recorded is None and writes:  # for eval.py's overlap check, 1st checkpoint
-                    recorded = overlap.record(run_dir, r.rows, cfg.model, resumed=start > 0)
-                t_save = time.monotonic()
-                save_checkpoint(r, step)
-                save_seconds = max(save_seconds, time.monotonic() - t_save)
+            decision = rules.after_step(step, metrics, down, began, time.monotonic())
+            if decision.save:
+                save(r, step, rules)
             show(step, metrics)
-            warn_at = display.NO_SIGNAL_WARN_AFTER
-            if flat_steps == warn_at or (stop and flat_steps < warn_at):
-                skipped = metrics.get("frac_reward_skipped", 0.0)
-                print(display.NO_SIGNAL.format(n=flat_steps) + (f" This step {skipped:.0%} of the "
-                      "completions had no reward (fallback: skip): a judge or rating outage? See "
-                      "reward_errors/* and judge_failures." if skipped else ""), file=sys.stderr)
-            if judge_down and step < cfg.run.steps and not stop and not timed_out:
-                reserve = 1.1 * max(step_seconds[-5:]) + save_seconds  # the next step, its save
-                code = lifecycle.judge_outage(r, args, judge_down, step, started, reserve)
+            if decision.warn_no_signal:
+                print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
+            if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop
+                code = policy.judge_outage(r, args, decision.wait_for, step, rules.clock)
                 if code is not None:
                     return code
-            for judge in judge_down if (stop or timed_out or step == cfg.run.steps) else []:
+            for judge in decision.said_down:
                 print(f"[minigrpo] warning: {outage.what(judge)}", file=sys.stderr)
-            if stop:
-                print(f"[minigrpo] stopped at step {step} "
-                      f"(run.stop_without_signal={cfg.run.stop_without_signal}); "
-                      f"checkpoint saved in {run_dir}", file=sys.stderr)
-                return 3
-            if timed_out:
-                print(f"[minigrpo] stopped at step {step} of {cfg.run.steps}: the next step would "
-                      f"end past run.max_minutes={cfg.run.max_minutes:g}; checkpoint saved in "
-                      f"{run_dir}, go on with --resume", file=sys.stderr)
-                return 0
-    print(f"[minigrpo] done: {run_dir}", file=sys.stderr)
+            if decision.stop:
+                print(policy.stop_line(cfg.run, step, r.run_dir, decision.stop), file=sys.stderr)
+                return decision.exit_code
+    print(f"[minigrpo] done: {r.run_dir}", file=sys.stderr)
     return 0
+
+
+def start_line(r: Run) -> str:
+    """The line a run starts with: the model, where it runs, what it trains, which steps."""
+    cfg = r.cfg
+    n_train = sum(p.numel() for p in r.params)
+    epochs = f" ({cfg.run.epochs:g} epochs)" if cfg.run.epochs else ""
+    ranks = f" x {distributed.world()} processes" if distributed.world() > 1 else ""  # torchrun
+    return (f"[minigrpo] {cfg.model.name} on {r.device}{ranks} "
+            f"({pick_dtype(cfg.model.dtype, r.device)}), {n_train / 1e6:.2f}M trainable params, "
+            f"{len(r.rows)} {lifecycle.ROW_NAMES[cfg.mode]}, "
+            f"steps {r.start}->{cfg.run.steps}{epochs}")
+
+
+def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict]]:
+    """Step r.step trained -> its metrics {"step": n, ...}, the held-out rows' when rules say so,
+    and the completions it shows; the held-out scoring timed for run.max_minutes."""
+    r.phase = "training"  # train_step says when it samples
+    metrics, shown = step_fn(r)
+    if rules.evaluates(r.step):
+        t_eval = time.monotonic()
+        metrics |= held_out_metrics(r)
+        rules.clock.eval_seconds = time.monotonic() - t_eval
+    # the step's judge calls (every rank's), held-out too (any mode)
+    metrics |= distributed.all_sum(judges_stats(r.judges))
+    return {"step": r.step, **metrics}, shown
+
+
+def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, samples_path: Path,
+             tracker) -> None:
+    """The step's metrics line in metrics.jsonl and the tracker, its completions in samples.jsonl
+    every run.sample_every steps; under torchrun rank 0 alone writes the run's files."""
+    cfg, step, writes = r.cfg, metrics["step"], distributed.rank() == 0
+    if writes:
+        jsonl.append(metrics_path, [metrics])
+    if tracker:
+        tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+    if writes and cfg.run.sample_every and step % cfg.run.sample_every == 0:
+        n = cfg.run.samples_per_log or cfg.rollout.num_generations  # 0: all the first group
+        jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
+
+
+def save(r: Run, step: int, rules: policy.Policy) -> None:
+    """Checkpoint `step`, timed for run.max_minutes. The process's first checkpoint also records
+    the prompts trained on (sources/overlap.py, for eval.py's overlap check; rank 0 writes it)."""
+    if not rules.recorded and distributed.rank() == 0:
+        overlap.record(r.run_dir, r.rows, r.cfg.model, resumed=r.start > 0)
+        rules.recorded = True
+    t_save = time.monotonic()
+    save_checkpoint(r, step)
+    rules.clock.saved(time.monotonic() - t_save)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,15 @@ NO_SIGNAL = ("[minigrpo] warning: in the last {n} steps no group's rewards diffe
              "run.stop_without_signal: N stops such a run.")
 
 
+def no_signal_warning(flat_steps: int, metrics: dict) -> str:
+    """NO_SIGNAL for the last `flat_steps` steps; when the step's completions went unrewarded
+    (frac_reward_skipped), a word on the outage that may be behind it."""
+    skipped = metrics.get("frac_reward_skipped", 0.0)
+    return NO_SIGNAL.format(n=flat_steps) + (
+        f" This step {skipped:.0%} of the completions had no reward (fallback: skip): a judge or "
+        "rating outage? See reward_errors/* and judge_failures." if skipped else "")
+
+
 def flat_steps_at_end(metrics_path: Path) -> int:
     """How many of the logged steps, counted back from the last, had no learning signal
     (frac_reward_zero_std = 1)."""

@@ -16,14 +16,12 @@ import json
 import math
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import rollout
-from api import outage
-from api.client import Judge, JudgeUnusable
+from api.client import Judge
 from config import (
     Config,
     ConfigError,
@@ -384,54 +382,6 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
           "was kept): " + (f"{fix}run the same command again" if fix
                            else "run the same command to start again"), file=sys.stderr)
     return code
-
-
-def out_of_time(cfg: Config, started: float, step_seconds: list[float], now: float,
-                extra: float = 0.0) -> bool:
-    """run.max_minutes: would the next step (as long as the longest of the last 5, plus 10%) and
-    what must follow it (`extra`: its held-out scoring, the checkpoint written when stopping) end
-    past it?
-
-    >>> cfg = Config(); cfg.run.max_minutes = 10  # 600 s
-    >>> out_of_time(cfg, 0.0, [50.0, 30.0], 550.0)  # at 550 s, a 50 s step (55 with margin) passes
-    True
-    >>> out_of_time(cfg, 0.0, [30.0], 550.0), out_of_time(Config(), 0.0, [30.0], 1e9)
-    (False, False)
-    >>> out_of_time(cfg, 0.0, [30.0], 550.0, extra=20.0)  # a 20 s checkpoint after it
-    True
-    """
-    limit = cfg.run.max_minutes * 60
-    return bool(limit) and now - started + 1.1 * max(step_seconds[-5:], default=0.0) + extra > limit
-
-
-def judge_outage(r: Run, args, down: list[Judge], step: int, started: float,
-                 reserve: float) -> int | None:
-    """run.judge_outage, after `step` (checkpointed) with the judges `down`: None when each
-    answers again within run.judge_wait_minutes (the run goes on); else the exit code, its line
-    said: 4 (stop, or the wait ran out), 0 (run.max_minutes would pass first, keeping `reserve`
-    seconds for a step and its checkpoint), 2 (the endpoint now refuses the key or the model)."""
-    cfg = r.cfg.run
-    wait = cfg.judge_wait_minutes * 60 or math.inf
-    left = (cfg.max_minutes * 60 - (time.monotonic() - started) - reserve if cfg.max_minutes
-            else wait)
-    deadline = time.monotonic() + min(wait, left)
-    try:
-        for judge in down:
-            seconds = deadline - time.monotonic()
-            waits = cfg.judge_outage == "wait" and distributed.world() == 1  # torchrun: stop
-            if waits and seconds > 0 and outage.wait(judge, seconds):
-                continue
-            if waits and left < wait:  # the time limit, not the judge
-                print(f"[minigrpo] stopped at step {step} of {cfg.steps}: run.max_minutes="
-                      f"{cfg.max_minutes:g} would pass while waiting ({outage.what(judge)}); "
-                      f"checkpoint saved in {r.run_dir}, go on with --resume", file=sys.stderr)
-                return 0
-            print(outage.stop_line(judge, step, r.run_dir, resume_command(args, r.judges)),
-                  file=sys.stderr)
-            return 4
-    except JudgeUnusable as e:  # it answered the wait's request with a 401, 403, 404 ...
-        return stop_on_error(r, args, e, step, created=False)
-    return None
 
 
 def resume_command(args, judges: dict[str, Judge]) -> str:
