@@ -14,9 +14,10 @@ $(VENV)/.installed: requirements.txt Makefile
 
 setup: $(VENV)/.installed
 
-demo: setup   # train, then compare base and trained model on the 100 held-out problems
+demo: setup   # train, draw its curves, then compare base and trained model on the 100 held-out problems
 	run=runs/quickstart-$$(date +%Y%m%d-%H%M%S) && \
 	$(BIN)/python train.py --config configs/quickstart.yaml --run.out_dir=$$run && \
+	$(BIN)/python -m tools.plots $$run --metrics reward rewards/answer_match/mean --smooth 0.7 --out $$run/plots && \
 	$(BIN)/python eval.py --config configs/quickstart.yaml --models base trained=$$run --eval.out_dir=$$run/eval
 
 test: setup
