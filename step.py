@@ -187,10 +187,12 @@ def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
     ro = run.cfg.rollout
     with merged_for_sampling(run.model) if ro.merged_sampling else contextlib.nullcontext():
         return rollout.generate_in_slices(
-            run.model, run.tokenizer, prompts, ro.prompts_per_generate, ro.num_generations,
-            ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k, ro.stop_strings,
-            ro.max_prompt_tokens, ro.ignore_eos, run.cfg.grpo.share_prompt is not False,
-            ro.compile, entropy=True, on_slice=on_slice)
+            run.model, run.tokenizer, prompts, ro.prompts_per_generate, on_slice=on_slice,
+            num_generations=ro.num_generations, max_new_tokens=ro.max_new_tokens,
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+            stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
+            ignore_eos=ro.ignore_eos, share_prompt=run.cfg.grpo.share_prompt is not False,
+            static_cache=ro.compile, entropy=True)
 
 
 def lengths(batch: rollout.Rollout) -> list[int]:
@@ -220,8 +222,8 @@ def take_rows(p: Scored, rows: list[int]) -> Scored:
                   {k: [v[i] for i in rows] for k, v in p.per_reward.items()}, {})
 
 
-def take_group(p: Scored, g: int, G: int) -> Scored:
-    return take_rows(p, list(range(g * G, (g + 1) * G)))
+def take_group(p: Scored, group: int, G: int) -> Scored:
+    return take_rows(p, list(range(group * G, (group + 1) * G)))
 
 
 def shuffle_groups(p: Scored, G: int) -> Scored:
@@ -394,15 +396,15 @@ def step_metrics(run: Run, drawn: Scored, trained: rollout.Rollout, updates: Upd
     groups' stds, as in TRL; entropy the mean over the drawn completions' tokens of their sampling
     distributions' entropy (HF generate only); kl only with a reference (beta > 0, as TRL)."""
     G, sums = run.cfg.rollout.num_generations, updates.sums
-    tok, r, ro = max(sums["tokens"], 1.0), drawn.total, drawn.rollout
-    lengths, h = ro.completion_mask.sum(1), ro.entropy
-    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
-    _, std, n = grpo.group_stats(r, G)  # (B,) each
-    zero_std = grpo.zero_std_groups(r, G, run.cfg.grpo.zero_std_tol)
+    tok, total, ro = max(sums["tokens"], 1.0), drawn.total, drawn.rollout
+    n_tokens, h = ro.completion_mask.sum(1), ro.entropy
+    scored = total[~torch.isnan(total)]  # NaN: skipped (fallback: skip)
+    _, std, n = grpo.group_stats(total, G)  # (B,) each
+    zero_std = grpo.zero_std_groups(total, G, run.cfg.grpo.zero_std_tol)
     out = {**({"loss": sums["loss"] / updates.applied} if updates.applied else {}),
            **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
            "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0,
-           "frac_reward_skipped": 1 - len(scored) / len(r),
+           "frac_reward_skipped": 1 - len(scored) / len(total),
            **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
            **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
            "frac_reward_zero_std": float(zero_std.float().mean())}
@@ -413,11 +415,11 @@ def step_metrics(run: Run, drawn: Scored, trained: rollout.Rollout, updates: Upd
                 "clip_ratio/low_mean": sums["clip_low_sum"] / tok,
                 "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
                 "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
-    out |= {"completions/mean_length": float(lengths.float().mean()),
-            "completions/max_length": int(lengths.max()),
+    out |= {"completions/mean_length": float(n_tokens.float().mean()),
+            "completions/max_length": int(n_tokens.max()),
             "completions/clipped_ratio": float(ro.truncated.float().mean())}
     if h is not None:
-        out["entropy"] = float((h * ro.completion_mask).sum() / lengths.sum().clamp(min=1))
+        out["entropy"] = float((h * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))
     out |= grad_norm_metrics(updates.grad_norms)
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
