@@ -43,33 +43,14 @@ def fake_vllm_run(tmp: Path) -> list[dict]:
     """In this process: the tests' fake vllm package in sys.modules, a tiny model, 3 steps."""
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    import types
-
-    import yaml
-
     import test_vllm_engine as fake
     from conftest import write_tiny_model
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams, vllm.__version__ = fake.FakeLLM, fake.SamplingParams, "0.11.0"
-    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
-    request.LoRARequest = fake.LoRARequest
-    sys.modules |= {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
-    model = write_tiny_model(tmp / "tiny")
-    data = tmp / "data.jsonl"
-    data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
-                            for a in range(8)))
-    cfg = {"model": {"name": str(model)}, "lora": {"r": 4, "alpha": 8},
-           "data": {"name": str(data), "prompt": "{q}"},
-           "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6,
-                       "engine": "vllm"},
-           "grpo": {"num_iterations": 2, "tis_cap": 2.0},
-           "optim": {"lr": 1e-2, "micro_batch_size": 4},
-           "run": {"out_dir": str(tmp / "vllm_run"), "steps": 3, "save_every": 0},
-           "rewards": [{"name": "answer_match"},
-                       {"name": "short_answer", "args": {"max_words": 1}}]}
-    (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    sys.modules |= fake.fake_vllm_modules()
+    run = {"out_dir": str(tmp / "vllm_run"), "steps": 3, "save_every": 0}
+    cfg = fake.write_vllm_config(tmp, write_tiny_model(tmp / "tiny"),
+                                 grpo={"num_iterations": 2, "tis_cap": 2.0}, run=run)
     import train as train_module
-    assert train_module.main(["--config", str(tmp / "cfg.yaml")]) == 0
+    assert train_module.main(["--config", str(cfg)]) == 0
     return metrics(tmp / "vllm_run")
 
 

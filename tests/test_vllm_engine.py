@@ -104,35 +104,45 @@ class FakeLLM:
         return out
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
+def fake_vllm_modules() -> dict[str, types.ModuleType]:
+    """The fake `vllm` package, by module name, to put in sys.modules (bench/same_steps.py too)."""
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.11.0"
     lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
     request.LoRARequest = LoRARequest
-    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+    return {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    for name, module in fake_vllm_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
     FakeLLM.instances = []
     return FakeLLM
 
 
-@pytest.fixture
-def cfg_path(tmp_path, tiny_llama):
-    data = tmp_path / "data.jsonl"
+def write_vllm_config(tmp: Path, model: Path, **sections) -> Path:
+    """A GRPO config sampling with vLLM (the fake) on 8 "What is a + 1?" rows, 2 prompts x G=3;
+    `sections` add to or replace the config's sections (bench/same_steps.py uses it too)."""
+    data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps({"q": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
                             for a in range(8)))
-    cfg = {"model": {"name": str(tiny_llama)}, "lora": {"r": 4, "alpha": 8},
+    cfg = {"model": {"name": str(model)}, "lora": {"r": 4, "alpha": 8},
            "data": {"name": str(data), "prompt": "{q}"},
            "rollout": {"prompts_per_step": 2, "num_generations": 3, "max_new_tokens": 6,
                        "engine": "vllm"},
            "optim": {"lr": 1e-2, "micro_batch_size": 4},
-           "run": {"out_dir": str(tmp_path / "run"), "steps": 3, "save_every": 1,
-                   "keep_checkpoints": 5},
            "rewards": [{"name": "answer_match"},
-                       {"name": "short_answer", "args": {"max_words": 1}}]}
-    path = tmp_path / "cfg.yaml"
+                       {"name": "short_answer", "args": {"max_words": 1}}]} | sections
+    path = tmp / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture
+def cfg_path(tmp_path, tiny_llama):
+    return write_vllm_config(tmp_path, tiny_llama, run={
+        "out_dir": str(tmp_path / "run"), "steps": 3, "save_every": 1, "keep_checkpoints": 5})
 
 
 def test_every_rollout_samples_with_the_adapter_of_the_latest_optimizer_step(fake_vllm, cfg_path,
