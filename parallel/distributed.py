@@ -8,7 +8,7 @@ docs/multi-gpu.md says how to run it on N GPUs and N nodes, and what scales. Wha
 each call made by every rank in the same order (a collective):
 
   the loss normaliser  sum_norms: each mini-batch's sequences, tokens, micro-batches (step.py)
-  the gradients        sum_gradients: one all-reduce (sum) before clipping (updates.optimizer_step)
+  the gradients        sum_gradients: one all-reduce (sum) before clipping (step.optimizer_step)
   the metrics          gather_drawn, gather, all_sum: every rank's completions and counters
   the decisions        agree, down_anywhere: stops, time limits and judge outages, taken together
   the checkpoint       gather of each rank's RNG, data position and judge totals; rank 0 writes

@@ -1,5 +1,6 @@
-"""Tests for scoring.py: check_specs before anything loads, then compute_rewards: weights, repeated
-names, num_tokens and context, named judges (at once, each in order), fallbacks, batched rewards."""
+"""Tests for scoring/checks.py (check_specs before anything loads) and rewards.compute_rewards:
+weights, repeated names, num_tokens and context, named judges (at once, each in order), fallbacks,
+batched rewards."""
 import logging
 import math
 import re
