@@ -162,8 +162,8 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
 
 
 def judges_answered(state: dict) -> dict[str, bool]:
-    """Whether each judge had answered by the checkpoint; a checkpoint written before this was
-    saved tells it by a usable reply among its run totals."""
+    """Whether each judge had answered by the checkpoint (`judge_answered`); an older checkpoint,
+    without it, tells by a usable reply among the judge's run totals."""
     if "judge_answered" in state:
         return state["judge_answered"]
     return {name: t.get("requests", 0.0) > 0 for name, t in state.get("judge_totals", {}).items()}
