@@ -68,8 +68,9 @@ class RewardSpec:
     name: str  # a registered name, "package.module:function", or "path/to/file.py:function"
     weight: float = 1.0  # weight of this reward in the total
     args: dict = field(default_factory=dict)  # keyword arguments passed to the function
-    fallback: float | Literal["skip"] = 0.0  # value if the function raises or gives no number;
-    #   "skip": the completion is left out of its group's advantage and the loss (judge, human)
+    fallback: float | Literal["skip"] = "skip"  # value if the function raises or gives no number
+    #   (a failed judge call is no judgement): "skip" leaves the completion out of its group's
+    #   advantage and the loss; a number scores it so
     label: str | None = None  # rewards/<label>/mean in metrics (None: name; "name#2" if repeated)
 
 
@@ -320,6 +321,11 @@ class RunConfig:
     #   up to judge_wait_minutes, then checkpoint and stop (exit code 4); stop: do so at once
     judge_outage_steps: int = 1  # steps in a row a judge must be down before judge_outage acts
     judge_wait_minutes: float = 30.0  # judge_outage: wait gives up after this long (0: never)
+    judge_max_failed_share: float = 0.5  # a step in which more than this share of a judge's calls
+    #   got no reply is not trained on (no update; judge_steps_skipped); 1: always trained on
+    judge_max_unusable_share: float = 0.5  # a judge whose replies held no usable score more often
+    #   than this for judge_unusable_steps steps in a row stops the run (exit code 2); 1: never
+    judge_unusable_steps: int = 3  # steps in a row judge_max_unusable_share must be passed
 
 
 @dataclass

@@ -49,6 +49,7 @@ import torch
 import grpo
 import logprobs
 import rollout
+from api import outage
 from api.client import Judge
 from config import Config
 from data import PromptSampler
@@ -133,6 +134,8 @@ def train_step(run: Run) -> tuple[dict, list[dict]]:
     if cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
+    if run.judges:  # a step its judges mostly failed is not trained on: no mini-batch
+        batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum)
     updates = update(run, batch)  # 4-5. num_iterations passes, an optimizer update per mini-batch
     if run.engine:
         run.phase = "syncing the weights to vLLM"

@@ -155,6 +155,8 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             if decision.stop:
                 print(policy.stop_line(cfg.run, step, r.run_dir, decision.stop), file=sys.stderr)
                 return decision.exit_code
+    for line in outage.unusable_summary(r.judges):  # judges whose replies were often no score
+        print(line, file=sys.stderr)
     print(f"[minigrpo] done: {r.run_dir}", file=sys.stderr)
     return 0
 

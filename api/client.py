@@ -42,6 +42,7 @@ import math
 import os
 import random
 import re
+import socket
 import time
 from typing import Callable
 from urllib.parse import urlsplit
@@ -55,10 +56,11 @@ log = logging.getLogger(__name__)
 # Counters behind pop_step_stats; reported as judge_<name> (since last pop) and judge_<name>_total.
 # Each call lands in exactly one of requests (a new usable reply), cache_hits (a reply from the
 # cache or from another call's request in flight) and failures (no usable reply: the caller's
-# fallback); sent counts the HTTP requests (retries included: what the server, its rate limit and
-# the bill see).
-STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "sent", "retries",
-              "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores")
+# fallback); unusable counts the failures that had a reply, one without a usable score; sent counts
+# the HTTP requests (retries included: what the server, its rate limit and the bill see);
+# steps_skipped the training steps not trained on for this judge's failures (api/outage.py).
+STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "unusable", "sent", "retries",
+              "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores", "steps_skipped")
 OUTAGE_MIN_CALLS = 4  # a step with fewer calls sent says too little of the endpoint to call it down
 OUTAGE_SHARE = 0.9  # a step in which this share of the calls sent got no reply: a step down
 
@@ -192,6 +194,8 @@ class Judge:
         self._failed_before_any = 0  # failed requests before any reply (then -1): FAILED_LIMIT
         self._first_failure = ""  # why the first of those failed, for the error
         self.last_failure = ""  # why the latest request failed, for the outage line
+        self.unusable_reply = ""  # the latest reply without a usable score, for the garbage line
+        self.unusable_steps = 0  # steps in a row whose replies were mostly unusable (api/outage.py)
         self._last_failed: tuple[str, list[dict]] | None = None  # its key, messages: probe()'s
         self._asked = self._unanswered = 0  # this step's calls sent, and those without a reply
         self._no_reply: set[str] = set()  # this step's request keys that got no HTTP reply at all
@@ -242,10 +246,17 @@ class Judge:
         self._logged.clear()
         return out
 
+    def step_calls(self) -> dict[str, float]:
+        """This step's calls so far, those without a reply (failed after their retries, refused)
+        and those whose reply held no usable score: what api/outage.py judges a step by."""
+        step = self._step
+        return {"calls": step["calls"], "no_reply": step["failures"] - step["unusable"],
+                "unusable": step["unusable"]}
+
     def _warn_once(self, kind: str, msg: str) -> None:
         if kind not in self._logged:
             self._logged.add(kind)
-            log.warning(self.masked(msg))
+            log.warning(f"[minigrpo] warning: {self.masked(msg)}")
 
     def _key(self) -> str:
         """The key in $api_key_env, without the newline a secret file or `echo` often leaves
@@ -329,6 +340,8 @@ class Judge:
         fallback."""
         usable = reply is not None and (accept is None or accept(reply))
         self.add_stat(answered if usable else "failures")
+        if reply is not None and not usable:
+            self.add_stat("unusable")
         return reply
 
     async def _request(self, key: str, messages: list[dict]) -> str | None:
@@ -355,7 +368,7 @@ class Judge:
                     resp = await asyncio.wait_for(self._client.chat.completions.create(
                         model=cfg.model, messages=_sendable(messages), **options), cfg.timeout_s)
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError too
-                why, wait = type(e).__name__, None
+                why, wait = self._no_reply_why(e), None
             except openai.APIStatusError as e:
                 code, text = getattr(e, "code", None), str(e.message)
                 no_credit = ((e.status_code == 429 and code == "insufficient_quota")  # OpenAI's
@@ -404,6 +417,23 @@ class Judge:
         self._note_failure(f"{tries}, the last {why}")
         self._no_reply.add(key)
         return None
+
+    def _no_reply_why(self, e: BaseException) -> str:
+        """A timeout or connection error in words, with the host it was for: "connection refused
+        by 127.0.0.1:8012", "no reply within 60 s from ...", else the error and its cause's."""
+        url = urlsplit(self._endpoint)
+        where = f"{url.hostname}{f':{url.port}' if url.port else ''}"  # no user info
+        chain = [e]  # what it was raised from (httpx's error, the socket's)
+        while len(chain) < 8 and (cause := chain[-1].__cause__ or chain[-1].__context__):
+            chain.append(cause)
+        if isinstance(e, asyncio.TimeoutError) or "Timeout" in type(e).__name__:
+            return f"no reply within {self.cfg.timeout_s:g} s from {where}"
+        if any(isinstance(c, ConnectionRefusedError) for c in chain):
+            return f"connection refused by {where}"
+        if any(isinstance(c, socket.gaierror) for c in chain):
+            return f"host {url.hostname} not found"
+        cause = chain[1] if len(chain) > 1 else e
+        return f"{type(e).__name__} for {where} ({type(cause).__name__}: {str(cause)[:120]})"
 
     @property
     def first_failure(self) -> str:
@@ -490,8 +520,14 @@ class Judge:
 
     @property
     def has_answered(self) -> bool:
-        """Whether any request has had a reply (before that, FAILED_LIMIT judges the endpoint)."""
+        """Whether any request has had a reply (before that, FAILED_LIMIT judges the endpoint), in
+        this process or, on --resume, in the run's earlier ones (answered_before)."""
         return self._failed_before_any < 0
+
+    def answered_before(self) -> None:
+        """The endpoint answered earlier in this run (its checkpoint says so): no reply now is an
+        outage to wait for (run.judge_outage), not an endpoint to fix (FAILED_LIMIT)."""
+        self._failed_before_any = -1
 
     def probe(self, timeout_s: float | None = None) -> bool:
         """Whether the endpoint answers now: the last request without a reply, sent once more past
@@ -561,7 +597,8 @@ class Judge:
             f"a number in [{lo:g}, {hi:g}]"
             + (f" for each of {', '.join(criteria)} (JSON)" if criteria else ""))
         for r, s in zip(replies, scores):
-            if r is not None and s is None:  # counted in failures by _counted
+            if r is not None and s is None:  # counted in failures and unusable by _counted
+                self.unusable_reply = r
                 self._warn_once("unparsable",
                                 f"{self.label}: no usable score in reply {r[:160]!r}: want {want}")
                 if self._unparsed_before_any >= 0:

@@ -74,8 +74,8 @@ class ReplyCache:
         if os.path.exists(self.path) and os.path.getsize(self.path) > end:
             bad += 1  # a last line torn by a kill
         if bad:
-            log.warning("%s cache %s: skipped %d unreadable line(s); the rest loaded",
-                        self.label, self.path, bad)
+            log.warning("[minigrpo] warning: %s cache %s: skipped %d unreadable line(s); the rest "
+                        "loaded", self.label, self.path, bad)
 
     def __contains__(self, key: str) -> bool:
         return key in self.index or key in self.mem

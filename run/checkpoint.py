@@ -2,8 +2,9 @@
 the checkpoint.
 
     checkpoints/step_NNNNNN/   adapter/ (or model/), trainer_state.pt (optimizer, scheduler, scaler,
-                               RNG states, step, data position, the judges' run totals; under
-                               torchrun each process's own in "ranks"), config.yaml
+                               RNG states, step, data position, the judges' run totals and
+                               whether each has answered; under torchrun each process's own in
+                               "ranks"), config.yaml
     (run.keep_checkpoints newest are whole; older keep adapter/ and config.yaml, run.keep_adapters)
 
 A checkpoint is written into step_NNNNNN.tmp/, every file fsynced, then renamed: a kill leaves the
@@ -96,12 +97,14 @@ def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
 
 
 def rank_state(r: Run) -> dict:
-    """What each process has of its own: RNG states, data position, its judges' run totals."""
+    """What each process has of its own: RNG states, data position, its judges' run totals and
+    whether each has answered (a resumed run then waits for one that is down: api/outage.py)."""
     return {"data_position": r.sampler.state(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-            "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()}}
+            "judge_totals": {name: dict(j.totals) for name, j in r.judges.items()},
+            "judge_answered": {name: j.has_answered for name, j in r.judges.items()}}
 
 
 def _write(r: Run, tmp: Path, step: int, ranks: list[dict]) -> None:
@@ -156,6 +159,14 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return state
+
+
+def judges_answered(state: dict) -> dict[str, bool]:
+    """Whether each judge had answered by the checkpoint (`judge_answered`); an older checkpoint,
+    without it, tells by a usable reply among the judge's run totals."""
+    if "judge_answered" in state:
+        return state["judge_answered"]
+    return {name: t.get("requests", 0.0) > 0 for name, t in state.get("judge_totals", {}).items()}
 
 
 def keep_lines_up_to(path: Path, step: int) -> None:

@@ -43,7 +43,7 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
-from run.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
+from run.checkpoint import checkpoints, judges_answered, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
 from scoring.checks import check_rows, open_rewards, open_scoring
 from settings.typed_config import check_writable
@@ -267,6 +267,9 @@ def setup(args, overrides: list[str]) -> Run:
             if name in judges:
                 judges[name].totals.update({k: v for k, v in totals.items()
                                             if k in judges[name].totals})
+        for name, answered in judges_answered(state).items():  # no reply now: down, not wrong
+            if answered and name in judges:
+                judges[name].answered_before()
         print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
     elif args.resume:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
@@ -385,8 +388,10 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
 
 
 def resume_command(args, judges: dict[str, Judge]) -> str:
-    """This command with --resume: what goes on with its run (every judge's secrets masked)."""
-    line = shlex.join(["python", "train.py", *args.argv, *([] if args.resume else ["--resume"])])
+    """This command with --resume, run by this interpreter (sys.executable: the run's venv, not
+    whichever `python` comes first): what goes on with its run (every judge's secrets masked)."""
+    line = shlex.join([sys.executable, "train.py", *args.argv,
+                       *([] if args.resume else ["--resume"])])
     for judge in judges.values():
         line = judge.masked(line)
     return line

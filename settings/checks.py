@@ -51,6 +51,7 @@ def check_counts(cfg: Config) -> None:
                 "optim.micro_batch_size": cfg.optim.micro_batch_size,
                 "grpo.num_mini_batches": cfg.grpo.num_mini_batches, "run.steps": cfg.run.steps,
                 "run.judge_outage_steps": cfg.run.judge_outage_steps, "lora.r": cfg.lora.r,
+                "run.judge_unusable_steps": cfg.run.judge_unusable_steps,
                 "lora.alpha": cfg.lora.alpha, "sft.batch_size": cfg.sft.batch_size,
                 "sft.max_length": cfg.sft.max_length, "dpo.beta": cfg.dpo.beta,
                 "dpo.batch_size": cfg.dpo.batch_size, "dpo.max_length": cfg.dpo.max_length}
@@ -79,13 +80,16 @@ def check_counts(cfg: Config) -> None:
 
 def check_ranges(cfg: Config) -> None:
     """Settings with a range of their own, or another setting they need: optim.warmup_ratio,
-    run.keep_checkpoints, lora.dropout, rollout.max_prompts_per_step."""
+    run.keep_checkpoints, the judges' shares, lora.dropout, rollout.max_prompts_per_step."""
     if not 0 <= cfg.optim.warmup_ratio < 1 or (cfg.optim.warmup_ratio and cfg.optim.warmup_steps):
         raise ConfigError(f"optim.warmup_ratio={cfg.optim.warmup_ratio} must be in [0, 1), and set "
                           f"only when optim.warmup_steps is 0 (it is {cfg.optim.warmup_steps})")
     if cfg.run.keep_checkpoints < 1:
         raise ConfigError("run.keep_checkpoints must be >= 1 (the newest checkpoint is what "
                           f"--resume needs), got {cfg.run.keep_checkpoints}")
+    for key in ("judge_max_failed_share", "judge_max_unusable_share"):
+        if not 0 <= getattr(cfg.run, key) <= 1:
+            raise ConfigError(f"run.{key} must be in [0, 1], got {getattr(cfg.run, key)}")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     if cfg.rollout.max_prompts_per_step and (

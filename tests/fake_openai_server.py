@@ -12,7 +12,7 @@ and misbehaves on demand so retry, timeout, cache and parsing code can be tested
     from fake_openai_server import FakeOpenAIServer, ok, rate_limited, server_error, stall
 
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
-        # the next two requests fail, then `server.default` answers
+        # the next two requests fail, then `server.default` answers (dropped(): none is answered)
         server.script(rate_limited(retry_after="0.2"), server_error(500))
         ...
         JudgeConfig(base_url=server.url, ...)          # "http://127.0.0.1:PORT/v1"
@@ -56,6 +56,7 @@ class Behaviour:
     finish_reason: str = "stop"  # "length": cut at max_tokens
     null_content: bool = False  # content null (vLLM reasoning parser when thinking used max_tokens)
     usage: dict | None = None  # the usage sent (None: counted in words; {}: none sent)
+    drop: bool = False  # no answer at all: the connection closed unanswered (a killed server)
 
 
 def length_score(body: dict, top: int = 10) -> str:
@@ -123,6 +124,12 @@ def server_error(status: int = 500) -> Behaviour:
 def stall(seconds: float = 30.0) -> Behaviour:
     """Answer only after `seconds` (cut short if the server closes), to trigger client timeouts."""
     return Behaviour(delay_s=seconds)
+
+
+def dropped() -> Behaviour:
+    """No answer: the connection is closed unanswered, as by a server killed mid-request (the
+    client sees an APIConnectionError). As server.default: killed for every later request."""
+    return Behaviour(drop=True)
 
 
 def malformed() -> Behaviour:
@@ -272,6 +279,9 @@ def _make_handler(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
         def _answer(self, rec: Recorded, b: Behaviour) -> None:
             if b.delay_s > 0 and server._closing.wait(b.delay_s):
                 return  # server closing: drop the request
+            if b.drop:
+                self.close_connection = True
+                return
             rec.status = b.status
             if b.status != 200:
                 message = b.message or f"fake error {b.status}"

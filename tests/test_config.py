@@ -302,6 +302,10 @@ def test_a_config_that_is_not_text_and_a_section_left_empty(tmp_path):
     # ignored without it
     ("--rollout.max_prompts_per_step=8", r"needs rollout.resample_zero_std: true"),
     ("--rollout.vllm_sleep=true", r"rollout.vllm_sleep .* needs rollout.engine: vllm"),
+    # a judge's failures: a share, and steps in a row
+    ("--run.judge_max_failed_share=1.5", r"^run.judge_max_failed_share must be in \[0, 1\], got 1"),
+    ("--run.judge_max_unusable_share=-0.1", r"^run.judge_max_unusable_share must be in \[0, 1\]"),
+    ("--run.judge_unusable_steps=0", r"^run.judge_unusable_steps must be > 0, got 0$"),
 ])
 def test_settings_that_would_train_nothing_or_be_ignored_are_refused(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -587,7 +587,8 @@ def test_model_metrics_count_lengths_truncation_and_reward_failures():
     m = metrics.model_metrics(res, gen.num_tokens, gen.truncated, num_samples=1, pass_k=[])
     assert m["reward_errors/choice_accuracy"] == 1 and "reward_errors/json_valid" not in m
     assert m["n"] == 2 and m["mean_length"] == 9.0 and m["truncated_rate"] == 0.5
-    assert m["reward"] == pytest.approx((3.0 + 0.0) / 2) and m["reward/json_schema"] == 0.5
+    # the failed completion is left out (the default fallback: skip), not scored 0
+    assert m["reward"] == pytest.approx(3.0) and m["reward/json_schema"] == 0.5
 
 
 

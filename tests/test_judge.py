@@ -7,11 +7,13 @@ import logging
 import math
 import re
 import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
-from config import RewardSpec
+from config import Config, RewardSpec, from_dict
 from fake_openai_server import (
     Behaviour,
     FakeOpenAIServer,
@@ -1081,3 +1083,58 @@ def test_a_step_is_down_only_when_its_calls_got_no_http_reply_and_the_probe_skip
     assert judge.probe() and len(server.requests) == sent + 1
     stats = judge.pop_step_stats()
     assert (stats["judge_calls"], stats["judge_sent"]) == (0, 2)
+
+
+def test_a_refused_connection_is_said_with_its_host_and_each_warning_has_the_prefix(caplog):
+    """Issue 39: the outage line said only APIConnectionError; and the client's warnings lacked
+    the [minigrpo] prefix every other line has."""
+    with FakeOpenAIServer() as gone:
+        url, port = gone.url, gone.url.split(":")[2].split("/")[0]
+    judge = Judge(JudgeConfig(base_url=url, model="m", max_retries=0))
+    with caplog.at_level(logging.WARNING):
+        assert judge.complete_many([chat("q")]) == [None]
+    assert judge.last_failure == f"1 try, the last connection refused by 127.0.0.1:{port}"
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert warned == (f"[minigrpo] warning: judge: {url} failed 1 try, last connection refused "
+                      f"by 127.0.0.1:{port}")
+
+
+def test_a_failed_judge_call_is_no_reward_by_default_and_a_numeric_fallback_still_scores(server):
+    """Issue 39: the default fallback was 0.0, the worst score, for a call that never judged."""
+    server.default = server_error(503)
+    judge = make_judge(server, max_retries=0)
+    args = {"template": "Rate {completion}", "criteria": []}
+    context = {"judge": judge}
+    res = compute_rewards(["a"], [{}], [RewardSpec("judge", args=args)], context=context)
+    assert math.isnan(res.total[0]) and res.per_reward["judge"] == [None]
+    res = compute_rewards(["b"], [{}], [RewardSpec("judge", args=args, fallback=0.0)],
+                          context=context)
+    assert res.total == [0.0] and res.errors["judge"] == 1
+
+
+def small_judge_snippets() -> dict[str, dict]:
+    """docs/rewards-and-judges.md's "Small local judges" YAML blocks, by the server they are for."""
+    doc = (Path(__file__).parents[1] / "docs/rewards-and-judges.md").read_text()
+    section = doc.split("### Small local judges")[1].split("\n## ")[0]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    return {"llama.cpp": blocks[0], "vllm": blocks[1]}
+
+
+@pytest.mark.parametrize("server_kind, sent", [
+    ("llama.cpp", {"grammar": 'root ::= "Score: " [0-9]'}),
+    ("vllm", {"structured_outputs": {"regex": "Score: [0-9]"}})])
+def test_the_documented_small_judge_configs_send_their_grammar_and_a_score_reply_scores(
+        server, server_kind, sent):
+    """Issue 39: a grammar through extra_body made SmolLM2-135M a judge; the docs' configs send it
+    in the request body, and the reply it forces ("Score: 7") scores 7 of score_max."""
+    snippet = small_judge_snippets()[server_kind]
+    cfg = from_dict(Config, {**snippet, "judge": {**snippet["judge"], "base_url": server.url,
+                                                  "cache_path": None}})
+    server.reply = lambda body: "Score: 7"
+    judge = Judge(cfg.judge)
+    spec = cfg.rewards[0]
+    res = compute_rewards(["The sum is 4."], [{}], [spec], context={"judge": judge})
+    assert res.total == [pytest.approx(7 / 9)] and res.errors["judge"] == 0
+    body = server.requests[-1].body
+    assert {k: body[k] for k in sent} == sent and body["max_tokens"] == 8
+    assert "The sum is 4." in body["messages"][-1]["content"]

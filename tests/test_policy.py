@@ -1,6 +1,7 @@
 """run/policy.py's decisions, each on its own and without a model: when a step is checkpointed,
 when a run stops without a learning signal or for its time limit, what a judge outage does, and
 when the held-out rows are scored. tests/test_train.py runs them end to end."""
+import sys
 import types
 
 import pytest
@@ -215,7 +216,7 @@ def test_judge_outage_stop_stops_with_4_and_the_resume_command_at_once(tmp_path,
     assert capsys.readouterr().err.strip() == (
         "error: judge got no reply to its calls for 1 step(s) in a row (the last: 1 try, the "
         f"last APIConnectionError); checkpoint saved at step 2 in {tmp_path}; once it answers, "
-        "go on with: python train.py --config c.yaml --resume")
+        f"go on with: {sys.executable} train.py --config c.yaml --resume")
 
 
 def test_judge_outage_wait_goes_on_when_the_judge_answers_again(tmp_path, fake_clock):

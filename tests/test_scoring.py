@@ -252,7 +252,8 @@ def test_a_misconfigured_spec_fails_loudly_instead_of_silently_scoring(monkeypat
     # an arg the function accepts but rejects by value is only known per call: counted and logged
     result = compute_rewards(["{}"], [{}],
                              [RewardSpec("json_schema", args={"schema": {"a": {"bad": 1}}})])
-    assert result.per_reward == {"json_schema": [0.0]} and result.errors == {"json_schema": 1}
+    # skipped: the default fallback
+    assert result.per_reward == {"json_schema": [None]} and result.errors == {"json_schema": 1}
 
 
 def test_fallback_skip_leaves_a_failed_completion_unscored(monkeypatch):
@@ -496,7 +497,7 @@ def test_a_trl_reward_may_return_what_trl_takes_an_array_a_generator_numpy_scala
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:{name}", label=name)])
         assert (res.per_reward[name], res.errors[name]) == (want, 0), name
     res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:nested", label="n")])
-    assert res.errors["n"] == 2 and res.per_reward["n"] == [0.0, 0.0]  # the fallback, at once
+    assert res.errors["n"] == 2 and res.per_reward["n"] == [None, None]  # skipped, at once
     for step in range(3):
         # one event loop for the run, as TRL's: state kept between steps still works
         res = compute_rewards(["abc", "de"], rows, [RewardSpec(f"{path}:keeps_state", label="k")])
