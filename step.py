@@ -32,6 +32,8 @@ Every feature enters the step through one named seam, a line here, owned by its 
   reward overlap  rollout.overlap_rewards: score a slice while the next samples
                 (scoring/pipelined.py)
   entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
+  judge outage  run.judges: a step whose judge mostly failed to reply is not trained on
+                (api/outage.py)
 """
 from __future__ import annotations
 
