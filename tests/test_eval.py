@@ -465,7 +465,8 @@ def test_sampling_writes_num_samples_lines_per_prompt_and_is_seeded(project):
     (["base"], ["--eval.agreement=[[answer_match, judge]]"],
      "eval.agreement ['answer_match', 'judge']: each entry is two"),
     (["base"], ["--eval.agreement=[[answer_match]]"], "two different reward labels"),
-    (["base"], ["--eval.agreement=[[json_valid, json_schema]]"],
+    (["base"], ["--eval.agreement=[[json_valid, json_schema]]",  # a failed call scored 0.0
+                "--rewards=[{name: json_valid, fallback: 0.0}, {name: json_schema}]"],
      "set fallback: skip on reward 'json_valid'"),
     (["api:fake-model"], ["--eval.api.base_url=not-a-url"],
      "error: eval.api: base_url='not-a-url' is not an http(s) URL"),
