@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-import logprobs as updates  # micro_batches lives in logprobs.py
+import logprobs
 import rollout
 import train
 from config import ConfigError, DataConfig, load_config
@@ -97,7 +97,7 @@ def test_micro_batches_cut_only_between_whole_pairs():
                             mask(c_len, 6).float(), torch.zeros(n, dtype=torch.bool), [""] * n)
     for size in (1, 2, 3, 4, 7, 10):
         for budget in (0, 1, 12, 20, 40, 1000):
-            mbs = updates.micro_batches(batch, size, budget, group=2)
+            mbs = logprobs.micro_batches(batch, size, budget, group=2)
             # every row once, in order
             assert [i for mb in mbs for i in range(n)[mb]] == list(range(n))
             assert all(mb.start % 2 == 0 and (mb.stop - mb.start) % 2 == 0
@@ -108,7 +108,7 @@ def test_micro_batches_cut_only_between_whole_pairs():
                 padded = len(rows) * (max(p_len[i] for i in rows) + max(c_len[i] for i in rows))
                 assert not budget or padded <= budget or len(rows) == 2
     # group 1: as before
-    assert updates.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9),
+    assert logprobs.micro_batches(batch, 3, 0) == [slice(0, 3), slice(3, 6), slice(6, 9),
                                                   slice(9, 10)]
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import logprobs
-import logprobs as logsoftmax  # the kernels live in logprobs.py
 from config import LoraConfig, ModelConfig
 from model import load_policy
 from test_rollout import biased_to_eos, load, padded_batch
@@ -28,14 +27,14 @@ def test_chunked_selective_log_probs_equal_the_full_log_softmax(chunk, temperatu
 def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
     """logprob_chunk 0 sizes chunks by logits, not rows: a large vocabulary gets fewer rows per
     chunk."""
-    assert logsoftmax.chunk_rows(0, 151_936) == 441 and logsoftmax.chunk_rows(0, 49_152) == 1365 \
-        and logsoftmax.chunk_rows(7, 151_936) == 7
-    assert logsoftmax.chunk_rows(0, 2**27) == 1
+    assert logprobs.chunk_rows(0, 151_936) == 441 and logprobs.chunk_rows(0, 49_152) == 1365 \
+        and logprobs.chunk_rows(7, 151_936) == 7
+    assert logprobs.chunk_rows(0, 2**27) == 1
     # 2 rows of 50 a chunk: the automatic size really chunks
-    monkeypatch.setattr(logsoftmax, "LOGITS_PER_CHUNK", 100)
+    monkeypatch.setattr(logprobs, "LOGITS_PER_CHUNK", 100)
     seen = []
-    real = logsoftmax._pick_and_lse
-    monkeypatch.setattr(logsoftmax, "_pick_and_lse",
+    real = logprobs._pick_and_lse
+    monkeypatch.setattr(logprobs, "_pick_and_lse",
                         lambda z, *a: seen.append(z.shape[0]) or real(z, *a))
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 50, generator=g)
@@ -148,7 +147,7 @@ def test_fused_lm_head_gradient_reaches_a_trained_head():
     w = torch.randn(7, 3, generator=g, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 7, (5,), generator=g)
     assert torch.autograd.gradcheck(
-        lambda h, w: logsoftmax._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
+        lambda h, w: logprobs._FusedHeadLogSoftmax.apply(h, w, ids, 0.8, 2), (h, w))
 
 
 def test_a_head_with_logit_scaling_or_softcapping_is_not_fused(tiny_llama):
