@@ -32,6 +32,7 @@ from settings.checks import (  # noqa: F401 (the checks' readings of a config an
     is_local_data,
     judge_sections,
 )
+from settings.trl_names import check_trl_names
 from settings.typed_config import (  # noqa: F401 (ConfigError: imported from here)
     ConfigError,
     apply_overrides,
@@ -448,6 +449,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                                    for pair in EXCLUSIVE for k in pair[:2])], Config)
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
+    check_trl_names(raw, Config)  # --grpo.num_generations: TRL's name, here rollout.num_generations
     cfg = from_dict(Config, raw)
     for check in CHECKS:  # the checks across fields, in settings/checks.py
         check(cfg)

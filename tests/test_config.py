@@ -9,6 +9,7 @@ import yaml
 
 import config
 from config import ConfigError, load_config
+from settings.trl_names import TRL_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,43 @@ def test_unknown_key_names_the_key_and_the_closest_valid_ones(tmp_path):
         load_config(write(tmp_path, MINIMAL), ["--rollout.num_generation=4"])
     with pytest.raises(ConfigError, match="unknown config key 'optimizer'"):
         load_config(write(tmp_path, MINIMAL + "optimizer: {lr: 1}\n"))
+
+
+def _resolves(dotted: str) -> bool:
+    """`dotted` names a field of Config (a section's, or a top-level one)."""
+    import typing
+    tp = config.Config
+    for part in dotted.split("."):
+        tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+            return False
+        tp = typing.get_type_hints(tp)[part]
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(TRL_NAMES))
+def test_a_trl_name_in_any_section_names_minigrpos_key_in_one_line(tmp_path, name):
+    target, differs = TRL_NAMES[name]
+    assert _resolves(target), target  # the line points at a real key
+    section = next(s for s in ("grpo", "rollout", "optim") if not _resolves(f"{s}.{name}"))
+    for where, args in ((f"{section}.{name}", [f"--{section}.{name}=1"]), (name, [f"--{name}=1"])):
+        with pytest.raises(ConfigError) as e:
+            load_config(write(tmp_path, MINIMAL), args)
+        assert str(e.value).startswith(f"{where}: TRL's name; here it is {target}")
+        assert "\n" not in str(e.value) and (differs in str(e.value))
+    with pytest.raises(ConfigError, match=f"^{section}.{name}: TRL's name"):  # in the file too
+        load_config(write(tmp_path, MINIMAL + f"{section}: {{{name}: 1}}\n"))
+
+
+def test_trl_batch_names_say_that_trl_counts_completions(tmp_path):
+    with pytest.raises(ConfigError, match=r"^grpo.per_device_train_batch_size: TRL's name; here "
+                       r"it is rollout.prompts_per_step \(it counts prompts; TRL's counts "
+                       r"completions"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.per_device_train_batch_size=2"])
+    # a TRL name where minigrpo has it is fine, and a typo still gets its did-you-mean
+    assert load_config(write(tmp_path, MINIMAL), ["--grpo.beta=0.04"]).grpo.beta == 0.04
+    with pytest.raises(ConfigError, match=r"did you mean grpo.beta"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.betta=0.04"])
 
 
 def test_wrong_type_names_the_key_and_the_expected_type(tmp_path):
