@@ -367,6 +367,30 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
         assert set(by.split("+")) <= logged, by
 
 
+def test_bioreasoner_page_runs_the_chain_as_the_project_did_v20_then_v21_then_grpo():
+    """The project's GRPO started from its merged v2.1 (SFT, DPO v2.0, DPO v2.1 on best-of-4 pairs
+    "with 2+ score delta"), its tribunal decoded at temperature 0.7 up to 1,024 tokens, and a long
+    prompt must not stop a 15k-prompt run."""
+    import re
+    page = (ROOT / "docs/recipes/bioreasoner.md").read_text()
+    chain = page.split("```bash")[1].split("```")[0]
+    outs = re.findall(r"--out (\S+)", chain)
+    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0", "models/bioreasoner-2.1"]
+    v21 = next(ln for ln in chain.splitlines() if "dpo_pairs_v21.jsonl --optim" in ln)
+    assert "--model.name=models/bioreasoner-2.0" in v21
+    cfg = load_config(ROOT / "configs/bioreasoner.yaml")
+    assert cfg.model.name == outs[-1] and cfg.data.skip_long
+    assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.num_samples) == (0.7, 1024, 1)
+    # logic and novelty are logged raw, 0-5 each: the project's scale, so its delta is 2
+    margins = re.findall(r"--by logic\+novelty\+think_format --min-margin (\S+)",
+                         page + (ROOT / "configs/bioreasoner_dpo.yaml").read_text())
+    assert margins and set(margins) == {"2"}
+    judge = load_config(ROOT / "configs/bioreasoner_judge.yaml")
+    raw = [r for r in judge.rewards if r.label in ("logic", "novelty")]
+    assert len(raw) == 2 and all(r.args["normalize"] is False for r in raw)
+    assert (judge.judge.score_min, judge.judge.score_max) == (0, 5)
+
+
 def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
         tmp_path, tiny_llama, monkeypatch):
     """bioreasoner_search.yaml: the multi-turn version, a search tool over a local corpus."""
