@@ -286,7 +286,7 @@ def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_a
 def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama,
                                                                          server):
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+    data = [f"--data.name={FIXTURES / 'backend_roles.json'}", "--data.select=[0,32]",
             "--eval.select=[32,40]"]
     judge = judge_overrides(server, tmp_path / "judge.jsonl")
     assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data,
@@ -332,7 +332,7 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     rater(page_client("runs/qgen_human/ratings"),
           lambda c: {"relevance": "5", "clarity": "3", "discriminative_power": "4"}, stop)
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+    data = [f"--data.name={FIXTURES / 'backend_roles.json'}", "--data.select=[0,32]",
             "--model.init_adapter=null"]
     try:
         assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"),
