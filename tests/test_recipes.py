@@ -293,10 +293,11 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
                        *judge]) == 0
     m = metrics(run)[0]
     assert m["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
-    assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"],
-            m["rewards/discriminative_power/mean"]) == pytest.approx((0.8, 0.6, 0.7))
+    # the seed's eval metrics, on its 0-10 scale
+    assert (m["rewards/composite/mean"], m["rewards/relevance/mean"], m["rewards/clarity/mean"],
+            m["rewards/discriminative_power/mean"]) == pytest.approx((7.0, 8.0, 6.0, 7.0))
     # the per-criterion entries cost no requests
-    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 18
+    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 24
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
                     "api:fake-model", f"--model.name={tiny_llama}", *data, *judge,
                     f"--eval.api.base_url={server.url}",
@@ -304,9 +305,10 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
                     "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
     assert set(results) == {"base", "grpo", "fake-model"}
-    # as in training: rescaled to 0-1
-    assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)
-    assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
+    # as in training: the reward rescaled to 0-1, the seed's metrics on its 0-10
+    got = results["fake-model"]["metrics"]
+    assert got["reward/judge"] == pytest.approx(0.7) and got["reward/composite"] == pytest.approx(7)
+    assert got["reward/clarity"] == pytest.approx(6.0)
     # the seed's last stage: the merged export, with what a server reads; it answers as the adapter
     from tools import export
     merged = tmp_path / "exports/qgen"
