@@ -200,6 +200,11 @@ class DataConfig:
     #   first: real datasets hold a few very long rows
     skip_incomplete: bool = False  # leave out (and count) rows missing a field the prompt, a
     #   reply or the gold answer reads (an eval file's rows without a prompt) instead of stopping
+    group_by: str | None = None  # a column: rows sharing its value become one row (before splits
+    #   and data.map), e.g. a cache of one answer a row -> one question a row; None: row by row
+    group_lists: dict[str, str] = field(default_factory=dict)  # group_by: list column -> the row
+    #   column it collects, in file order, e.g. {answers: answer, gold_scores: gold_score}; other
+    #   columns are the group's first row's
 
 
 @dataclass
