@@ -455,3 +455,29 @@ def test_anthropic_endpoint_settings_it_would_ignore_or_cap_are_refused(tmp_path
     path.write_text(yaml.safe_dump({**base, **answers}))
     with pytest.raises(ConfigError, match=r"^precompute.answers: Anthropic"):
         load_config(str(path))
+
+
+def test_a_weight_reads_the_environment_as_the_grubrics_reward_lambdas(tmp_path, monkeypatch):
+    """GRubrics' REWARD_LAMBDA_* weights: ${NAME} (or ${NAME:-default}) in a field that is not text
+    is the environment's value; unset without a default, a one-line error naming the key; a text
+    field keeps its ${NAME} for the client (a secret is never saved)."""
+    for name in ("REWARD_LAMBDA_ALIGNMENT", "REWARD_LAMBDA_FORMAT", "REWARD_LAMBDA_LENGTH"):
+        monkeypatch.delenv(name, raising=False)
+    weights = [r.weight for r in load_config("configs/grubrics.yaml").rewards]
+    assert weights == [1.0, 0.0, 0.0]
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "0.3")
+    monkeypatch.setenv("REWARD_LAMBDA_LENGTH", "1e-1")
+    cfg = load_config("configs/grubrics.yaml")
+    assert [(r.name, r.weight) for r in cfg.rewards] == \
+        [("rubric_alignment", 1.0), ("rubric_format", 0.3), ("length_penalty", 0.1)]
+    path = write(tmp_path, MINIMAL + "rewards:\n  - {name: think_format, weight: "
+                 "'${MINIGRPO_NO_X}'}\njudge: {model: '${MINIGRPO_NO_X}'}\n")
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}, which "
+                       r"is not set in the environment; export it"):
+        load_config(path)
+    monkeypatch.setenv("MINIGRPO_NO_X", "two")
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight: expected float, got 'two'"):
+        load_config(path)
+    monkeypatch.setenv("MINIGRPO_NO_X", "2")
+    cfg = load_config(path)
+    assert cfg.rewards[0].weight == 2.0 and cfg.judge.model == "${MINIGRPO_NO_X}"
