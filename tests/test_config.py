@@ -481,3 +481,11 @@ def test_a_weight_reads_the_environment_as_the_grubrics_reward_lambdas(tmp_path,
     monkeypatch.setenv("MINIGRPO_NO_X", "2")
     cfg = load_config(path)
     assert cfg.rewards[0].weight == 2.0 and cfg.judge.model == "${MINIGRPO_NO_X}"
+
+
+@pytest.mark.parametrize("name", ["medmcqa_sft", "medmcqa_grpo", "bioreasoner_sft",
+                                  "bioreasoner_dpo", "bioreasoner", "grubrics_sft"])
+def test_the_recipes_of_projects_that_ran_trl_use_trls_optimizer_defaults(name):
+    """An author who "ran TRL with lr 5e-6" gets TRL's AdamW betas and a cosine that ends at 0."""
+    cfg = load_config(f"configs/{name}.yaml")
+    assert (cfg.optim.betas, cfg.optim.min_lr_ratio) == ([0.9, 0.999], 0.0)
