@@ -32,6 +32,7 @@ from settings.checks import (  # noqa: F401 (the checks' readings of a config an
     is_local_data,
     judge_sections,
 )
+from settings.trl_names import check_trl_names
 from settings.typed_config import (  # noqa: F401 (ConfigError: imported from here)
     ConfigError,
     apply_overrides,
@@ -199,6 +200,11 @@ class DataConfig:
     #   first: real datasets hold a few very long rows
     skip_incomplete: bool = False  # leave out (and count) rows missing a field the prompt, a
     #   reply or the gold answer reads (an eval file's rows without a prompt) instead of stopping
+    group_by: str | None = None  # a column: rows sharing its value become one row (before splits
+    #   and data.map), e.g. a cache of one answer a row -> one question a row; None: row by row
+    group_lists: dict[str, str] = field(default_factory=dict)  # group_by: list column -> the row
+    #   column it collects, in file order, e.g. {answers: answer, gold_scores: gold_score}; other
+    #   columns are the group's first row's
 
 
 @dataclass
@@ -448,6 +454,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                                    for pair in EXCLUSIVE for k in pair[:2])], Config)
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
+    check_trl_names(raw, Config)  # --grpo.num_generations: TRL's name, here rollout.num_generations
     cfg = from_dict(Config, raw)
     for check in CHECKS:  # the checks across fields, in settings/checks.py
         check(cfg)

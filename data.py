@@ -211,6 +211,33 @@ def build_prompt(row: dict, template: str, index: int) -> str:
                         "and write literal braces as {{ }}") from None
 
 
+def group_rows(rows, by: str, lists: dict[str, str], name: str) -> list[dict]:
+    """Rows sharing the value of the column `by` as one row, in the order the values first appear:
+    each list column of `lists` collects its row column over the group (file order), the other
+    columns are the group's first row's (data.group_by, data.group_lists).
+
+    >>> rows = [{"q": "a", "answer": "x", "gold": 1}, {"q": "b", "answer": "z", "gold": 0},
+    ...         {"q": "a", "answer": "y", "gold": 0}]
+    >>> group_rows(rows, "q", {"answers": "answer", "gold_scores": "gold"}, "f")[0]
+    {'q': 'a', 'answer': 'x', 'gold': 1, 'answers': ['x', 'y'], 'gold_scores': [1, 0]}
+    """
+    if not lists:
+        raise DataError(f"data.group_by={by}: give data.group_lists, the list columns a group "
+                        "collects (e.g. {answers: answer, gold_scores: gold_score})")
+    groups: dict[str, dict] = {}
+    for i in range(len(rows)):  # a hub Dataset too
+        row = rows[i]
+        missing = [c for c in (by, *lists.values()) if c not in row]
+        if missing:
+            raise DataError(f"data.group_by: row {i} of {name} has no field '{missing[0]}'; its "
+                            f"fields: {', '.join(row)}")
+        key = json.dumps(row[by], sort_keys=True, default=str)
+        group = groups.setdefault(key, {**row, **{new: [] for new in lists}})
+        for new, column in lists.items():
+            group[new].append(row[column])
+    return list(groups.values())
+
+
 def split(rows, seed: int | None, select: list[int] | None) -> list:
     """Shuffle with `seed` as `datasets.Dataset.shuffle(seed=seed)` does (None: keep the order),
     then keep rows [start, end). Disjoint ranges of the same seed give disjoint splits, reproducibly
@@ -350,7 +377,10 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
              map_key: str = "data.map") -> tuple[list[dict], list[int]]:
     """The checked rows of one source (named by the config keys `key` and `map_key`), with each
     one's place before the map -> (rows, places)."""
-    rows = split(load_raw(cfg, key), cfg.split_seed, select if select is not None else cfg.select)
+    rows = load_raw(cfg, key)
+    if cfg.group_by:  # one answer a row -> one question a row, before the splits pick questions
+        rows = group_rows(rows, cfg.group_by, cfg.group_lists, f"{key}={cfg.name}")
+    rows = split(rows, cfg.split_seed, select if select is not None else cfg.select)
     out, places, missing = [], [], []
     # i: the row's place before a filtering map
     for i, row in mapped_rows(rows, f"{key}={cfg.name}", cfg.map, map_key):

@@ -479,7 +479,8 @@ ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_
              "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
              "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
              "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
-             "citation_pass": "graders.citations", "env_reward": "engines.episodes"}
+             "citation_pass": "graders.citations", "env_reward": "engines.episodes",
+             "rubric_format": "graders.rubrics"}
 
 
 def lookup(name: str) -> tuple[Callable, bool] | None:

@@ -21,7 +21,9 @@ talks JSON:
                          folder cannot be written); as the form, a rating of an item rated meanwhile
                          is skipped, not counted twice
     GET  /stats, /export the counts (JSON) and the rated items (JSON Lines; /export?format=parquet:
-                         Parquet), as ratings.py's commands
+                         Parquet; ?format=json: one JSON list), as ratings.py's commands
+    GET  /api/export     the seed UI's route: ?format=json (the default: one JSON list) or
+                         ?format=parquet, or jsonl
 """
 from __future__ import annotations
 
@@ -157,21 +159,25 @@ def stats(store: Store) -> Reply:
     return 200, json.dumps(store.stats(), indent=1), JSON, {}
 
 
+EXPORTS = {"jsonl": "application/jsonl; charset=utf-8", "json": JSON,
+           "parquet": "application/vnd.apache.parquet"}  # ?format= -> its Content-Type
+
+
 def export(store: Store, fmt: str = "jsonl") -> Reply:
-    """GET /export: the rated items as JSON Lines, or ?format=parquet (the seed UI's) as Parquet;
-    a download with a file name."""
+    """GET /export (format jsonl by default) and /api/export (json by default, the seed UI's route):
+    the rated items as JSON Lines, one JSON list (?format=json) or Parquet (?format=parquet); a
+    download named rated.<format>."""
     fmt = fmt.lower()
-    if fmt not in ("jsonl", "json", "parquet"):
-        return 400, f"format={fmt}: jsonl (the default) or parquet", TEXT, {}
-    if fmt == "parquet":
-        try:
-            return (200, parquet_bytes(store.rated_items()), "application/vnd.apache.parquet",
-                    {"Content-Disposition": 'attachment; filename="rated.parquet"'})
-        except ValueError as e:
-            return 409, str(e), TEXT, {}
-    return (200, "".join(json.dumps(r) + "\n" for r in store.rated_items()),
-            "application/jsonl; charset=utf-8",
-            {"Content-Disposition": 'attachment; filename="rated.jsonl"'})
+    if fmt not in EXPORTS:
+        return 400, f"format={fmt}: one of {', '.join(EXPORTS)}", TEXT, {}
+    rows = store.rated_items()
+    try:
+        body = (parquet_bytes(rows) if fmt == "parquet" else json.dumps(rows) if fmt == "json"
+                else "".join(json.dumps(r) + "\n" for r in rows))
+    except ValueError as e:  # parquet_bytes: rows it cannot put in one table
+        return 409, str(e), TEXT, {}
+    return 200, body, EXPORTS[fmt], {"Content-Disposition":
+                                     f'attachment; filename="rated.{fmt}"'}
 
 
 def rate_form(store: Store, token: str, body: str) -> Reply:

@@ -2,9 +2,9 @@
 
     python -m tools.ratings serve --dir runs/qgen_human/ratings  # then open http://127.0.0.1:8000
 
-The routes are rating_page.py's (the page, its form, /api/pending, /api/rate, /stats, /export)
-and rating_queue.py's (the seed's /api/queue/submit, /api/queue/result/{id}, /api/queue/pending,
-/api/health).
+The routes are rating_page.py's (the page, its form, /api/pending, /api/rate, /stats, /export,
+the seed's /api/export) and rating_queue.py's (the seed's /api/queue/submit,
+/api/queue/result/{id}, /api/queue/pending, /api/health).
 Each runs in a worker thread under the store's lock; its reply is sent after the lock is let go,
 so a slow reader holds only itself. What every request gets, here:
 
@@ -101,8 +101,10 @@ def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, .
     async def stats(request: Request) -> Response:
         return await reply(rating_page.stats)
 
-    async def export(request: Request) -> Response:
-        return await reply(rating_page.export, request.query_params.get("format", "jsonl"))
+    def export(default: str):  # /export: JSON Lines unless asked; /api/export (the seed's): JSON
+        async def endpoint(request: Request) -> Response:
+            return await reply(rating_page.export, request.query_params.get("format", default))
+        return endpoint
 
     async def api_pending(request: Request) -> Response:
         return await reply(rating_page.api_pending)
@@ -117,9 +119,9 @@ def make_app(dir: str | Path, host: str = "127.0.0.1", allow_hosts: tuple[str, .
         return await reply(rating_queue.health)
 
     app = Starlette(routes=[
-        Route("/", page), Route("/stats", stats), Route("/export", export),
+        Route("/", page), Route("/stats", stats), Route("/export", export("jsonl")),
         Route("/rate", posted(rating_page.rate_form, False, token), methods=["POST"]),
-        Route("/api/pending", api_pending),
+        Route("/api/pending", api_pending), Route("/api/export", export("json")),
         Route("/api/rate", posted(rating_page.api_rate, True), methods=["POST"]),
         Route("/api/queue/submit", posted(rating_queue.submit, True), methods=["POST"]),
         Route("/api/queue/result/{request_id}", queue_result),

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import tempfile
 import types
 import typing
@@ -32,8 +33,44 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+# a whole value "${NAME}" or "${NAME:-default}": read from the environment (REWARD_LAMBDA_* weights)
+WHOLE_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _takes_text(tp: Any) -> bool:
+    """A field whose value may be text: its ${NAME} is kept as written, for the client to fill in
+    (a secret in a header or URL is never saved)."""
+    return tp is str or tp is Any or str in typing.get_args(tp) or typing.get_origin(tp) in (
+        dict, list) or tp in (dict, list)
+
+
+def from_env(value: str, key: str) -> Any:
+    """The value of a field that is not text, written as ${NAME} (or ${NAME:-default}): the
+    environment variable's value, read as YAML; ConfigError naming `key` when it is not set.
+
+    >>> os.environ["MINIGRPO_DOC_LAMBDA"] = "0.25"
+    >>> from_env("${MINIGRPO_DOC_LAMBDA}", "rewards[1].weight"), from_env("${NOPE_X:-1}", "k")
+    (0.25, 1)
+    """
+    m = WHOLE_ENV_REF.fullmatch(value.strip())
+    if m.group(1) in os.environ:
+        text = os.environ[m.group(1)]
+    elif m.group(2) is not None:
+        text = m.group(2)
+    else:
+        raise ConfigError(f"{key} reads ${{{m.group(1)}}}, which is not set in the environment; "
+                          f"export it, write ${{{m.group(1)}:-default}}, or give the value")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
 def convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; returns it (ints widened to float)."""
+    """Check `value` against the annotation `tp`; returns it (ints widened to float). A field that
+    is not text may be written as ${NAME}: the environment's value (from_env)."""
+    if isinstance(value, str) and WHOLE_ENV_REF.fullmatch(value.strip()) and not _takes_text(tp):
+        value = from_env(value, key)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

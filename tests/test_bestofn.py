@@ -196,3 +196,41 @@ def test_odd_predictions_and_outputs_are_one_line_and_nothing_is_half_written(tm
         assert bestofn.main([str(preds), "--sft", str(out), *extra]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
+
+
+def test_merge_keeps_one_pair_per_prompt_id_the_one_with_the_highest_delta(tmp_path, capsys):
+    """BioReasoner's v2.2: two judges' pair sets, "35 unique pairs (deduplicated by prompt_id,
+    highest delta)"."""
+    def pair(pid, chosen, high, low, **more):
+        return {"prompt_id": pid, "prompt": f"p{pid}", "chosen": chosen, "rejected": "r",
+                "chosen_reward": high, "rejected_reward": low, **more}
+    opus = [pair("a", "opus a", 9, 5), pair("b", "opus b", 6, 5),
+            {"prompt_id": "x", "prompt": "px", "chosen": "exemplar", "rejected": "r"}]
+    # ranked --by logic+novelty: its by-sums decide, not the totals
+    codex = [pair("a", "codex a", 9, 8, chosen_by_reward=9, rejected_by_reward=2),
+             pair("b", "codex b", 7, 5), pair("c", "codex c", 3, 1)]
+    files = []
+    for name, rows in (("opus", opus), ("codex", codex)):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "merged.jsonl"
+    assert bestofn.main(["merge", *map(str, files), "--key", "prompt_id", "--out", str(out)]) == 0
+    merged = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [(p["prompt_id"], p["chosen"]) for p in merged] == \
+        [("a", "codex a"), ("b", "codex b"), ("x", "exemplar"), ("c", "codex c")]
+    assert "4 unique pairs (deduplicated by prompt_id, highest delta) from 6 pairs in 2 files" \
+        in capsys.readouterr().out
+    # by the prompt's text when no key is given; equal deltas: the first file's
+    again = tmp_path / "again.jsonl"
+    assert bestofn.main(["merge", str(files[0]), str(files[0]), "--out", str(again)]) == 0
+    assert [p["chosen"] for p in map(json.loads, again.read_text().splitlines())] == \
+        ["opus a", "opus b", "exemplar"]
+    for argv, message in [([str(files[0]), "--key", "pair_id", "--out", str(tmp_path / "n.jsonl")],
+                           "opus.jsonl:1: no 'pair_id' to merge by"),
+                          ([str(files[0]), "--out", str(out)], "never overwritten"),
+                          ([str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "n.jsonl")],
+                           "no such file")]:
+        assert bestofn.main(["merge", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "n.jsonl").exists()

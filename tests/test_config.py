@@ -9,6 +9,7 @@ import yaml
 
 import config
 from config import ConfigError, load_config
+from settings.trl_names import TRL_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,43 @@ def test_unknown_key_names_the_key_and_the_closest_valid_ones(tmp_path):
         load_config(write(tmp_path, MINIMAL), ["--rollout.num_generation=4"])
     with pytest.raises(ConfigError, match="unknown config key 'optimizer'"):
         load_config(write(tmp_path, MINIMAL + "optimizer: {lr: 1}\n"))
+
+
+def _resolves(dotted: str) -> bool:
+    """`dotted` names a field of Config (a section's, or a top-level one)."""
+    import typing
+    tp = config.Config
+    for part in dotted.split("."):
+        tp = next((a for a in typing.get_args(tp) if a is not type(None)), tp)
+        if not dataclasses.is_dataclass(tp) or part not in typing.get_type_hints(tp):
+            return False
+        tp = typing.get_type_hints(tp)[part]
+    return True
+
+
+@pytest.mark.parametrize("name", sorted(TRL_NAMES))
+def test_a_trl_name_in_any_section_names_minigrpos_key_in_one_line(tmp_path, name):
+    target, differs = TRL_NAMES[name]
+    assert _resolves(target), target  # the line points at a real key
+    section = next(s for s in ("grpo", "rollout", "optim") if not _resolves(f"{s}.{name}"))
+    for where, args in ((f"{section}.{name}", [f"--{section}.{name}=1"]), (name, [f"--{name}=1"])):
+        with pytest.raises(ConfigError) as e:
+            load_config(write(tmp_path, MINIMAL), args)
+        assert str(e.value).startswith(f"{where}: TRL's name; here it is {target}")
+        assert "\n" not in str(e.value) and (differs in str(e.value))
+    with pytest.raises(ConfigError, match=f"^{section}.{name}: TRL's name"):  # in the file too
+        load_config(write(tmp_path, MINIMAL + f"{section}: {{{name}: 1}}\n"))
+
+
+def test_trl_batch_names_say_that_trl_counts_completions(tmp_path):
+    with pytest.raises(ConfigError, match=r"^grpo.per_device_train_batch_size: TRL's name; here "
+                       r"it is rollout.prompts_per_step \(it counts prompts; TRL's counts "
+                       r"completions"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.per_device_train_batch_size=2"])
+    # a TRL name where minigrpo has it is fine, and a typo still gets its did-you-mean
+    assert load_config(write(tmp_path, MINIMAL), ["--grpo.beta=0.04"]).grpo.beta == 0.04
+    with pytest.raises(ConfigError, match=r"did you mean grpo.beta"):
+        load_config(write(tmp_path, MINIMAL), ["--grpo.betta=0.04"])
 
 
 def test_wrong_type_names_the_key_and_the_expected_type(tmp_path):
@@ -417,3 +455,37 @@ def test_anthropic_endpoint_settings_it_would_ignore_or_cap_are_refused(tmp_path
     path.write_text(yaml.safe_dump({**base, **answers}))
     with pytest.raises(ConfigError, match=r"^precompute.answers: Anthropic"):
         load_config(str(path))
+
+
+def test_a_weight_reads_the_environment_as_the_grubrics_reward_lambdas(tmp_path, monkeypatch):
+    """GRubrics' REWARD_LAMBDA_* weights: ${NAME} (or ${NAME:-default}) in a field that is not text
+    is the environment's value; unset without a default, a one-line error naming the key; a text
+    field keeps its ${NAME} for the client (a secret is never saved)."""
+    for name in ("REWARD_LAMBDA_ALIGNMENT", "REWARD_LAMBDA_FORMAT", "REWARD_LAMBDA_LENGTH"):
+        monkeypatch.delenv(name, raising=False)
+    weights = [r.weight for r in load_config("configs/grubrics.yaml").rewards]
+    assert weights == [1.0, 0.0, 0.0]
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "0.3")
+    monkeypatch.setenv("REWARD_LAMBDA_LENGTH", "1e-1")
+    cfg = load_config("configs/grubrics.yaml")
+    assert [(r.name, r.weight) for r in cfg.rewards] == \
+        [("rubric_alignment", 1.0), ("rubric_format", 0.3), ("length_penalty", 0.1)]
+    path = write(tmp_path, MINIMAL + "rewards:\n  - {name: think_format, weight: "
+                 "'${MINIGRPO_NO_X}'}\njudge: {model: '${MINIGRPO_NO_X}'}\n")
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}, which "
+                       r"is not set in the environment; export it"):
+        load_config(path)
+    monkeypatch.setenv("MINIGRPO_NO_X", "two")
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight: expected float, got 'two'"):
+        load_config(path)
+    monkeypatch.setenv("MINIGRPO_NO_X", "2")
+    cfg = load_config(path)
+    assert cfg.rewards[0].weight == 2.0 and cfg.judge.model == "${MINIGRPO_NO_X}"
+
+
+@pytest.mark.parametrize("name", ["medmcqa_sft", "medmcqa_grpo", "bioreasoner_sft",
+                                  "bioreasoner_dpo", "bioreasoner", "grubrics_sft"])
+def test_the_recipes_of_projects_that_ran_trl_use_trls_optimizer_defaults(name):
+    """An author who "ran TRL with lr 5e-6" gets TRL's AdamW betas and a cosine that ends at 0."""
+    cfg = load_config(f"configs/{name}.yaml")
+    assert (cfg.optim.betas, cfg.optim.min_lr_ratio) == ([0.9, 0.999], 0.0)

@@ -1,8 +1,10 @@
 """Data: splits identical to `datasets` shuffles, row maps, weighted mixtures and curricula, and
 the sampler's resumable state."""
+import dataclasses
 import json
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import yaml
@@ -520,3 +522,24 @@ def test_chat_rows_whose_prompt_ends_with_the_gold_reply_are_refused_for_grpo_an
     data.write_text(json.dumps({"messages": turns[:2], "cop": "B"}) + "\n")
     assert load_rows(DataConfig(name=str(data), prompt="messages",
                                 answer_key="cop"))[0]["prompt"] == turns[:2]
+
+
+def test_group_by_turns_a_cache_of_one_answer_a_row_into_one_question_a_row():
+    """GRubrics' cache may hold one answer a row (appended answer by answer, questions
+    interleaved): data.group_by regroups them into rubric_alignment's answers and gold_scores, the
+    same rows as the one-question-a-row fixture, before the splits pick questions."""
+    fixtures = Path(__file__).parent / "fixtures"
+    whole = [json.loads(ln) for ln in (fixtures / "grubrics_open.jsonl").read_text().splitlines()]
+    cfg = DataConfig(name=str(fixtures / "grubrics_open_one_answer_a_row.jsonl"),
+                     prompt="{question}", answer_key=None, group_by="id",
+                     group_lists={"answers": "answer", "gold_scores": "gold_score"})
+    rows = load_rows(cfg)
+    assert len(rows) == len(whole) == 20
+    assert [(r["question"], r["answers"], r["gold_scores"]) for r in rows] == \
+        [(w["question"], w["answers"], w["gold_scores"]) for w in whole]
+    # select picks questions, not answers
+    assert len(load_rows(dataclasses.replace(cfg, split_seed=0, select=[0, 5]))) == 5
+    with pytest.raises(DataError, match="data.group_by: row 0 of .* has no field 'score'"):
+        load_rows(dataclasses.replace(cfg, group_lists={"gold_scores": "score"}))
+    with pytest.raises(DataError, match="give data.group_lists"):
+        load_rows(dataclasses.replace(cfg, group_lists={}))

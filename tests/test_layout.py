@@ -183,9 +183,10 @@ def test_no_import_cycles_anywhere():
 
 
 def test_config_imports_nothing_that_does_work():
-    """No client, rewards, ratings or models behind `import config`: the typed-config machinery, its
-    checks across fields and the crash-safe file writer only."""
-    assert reach(graph(), "config") <= {"settings.typed_config", "settings.checks", "files.jsonl"}
+    """No client, rewards, ratings or models behind `import config`: the typed-config machinery
+    (with its table of TRL's names), its checks across fields and the crash-safe file writer only."""
+    assert reach(graph(), "config") <= {"settings.typed_config", "settings.checks",
+                                        "settings.trl_names", "files.jsonl"}
 
 
 def test_imports_point_from_the_core_outwards_never_back():

@@ -88,6 +88,29 @@ def test_a_rater_whose_group_was_taken_is_told_so_even_when_nothing_is_left_and_
         and rows[0]["criteria"] == ["relevance", "clarity"]
 
 
+def test_the_seed_uis_api_export_gives_json_or_parquet(page):
+    """The seed exported "via /api/export?format=json or ?format=parquet": a JSON list by default,
+    Parquet through pyarrow, JSON Lines on request; /export?format=json is a JSON list too."""
+    client, folder = page
+    for id_, answer in (("a", "first"), ("b", "second")):
+        queue(folder, id_, 1, "p", answer)
+    ids, _, token = shown(client.get("/").text)
+    assert post_form(client, form(ids, [{"relevance": "4", "clarity": "2"}] * 2, token)) == 303
+    for url in ("/api/export", "/api/export?format=json", "/export?format=json"):
+        r = client.get(url)
+        assert r.headers["content-type"] == "application/json" \
+            and r.headers["content-disposition"] == 'attachment; filename="rated.json"'
+        rows = r.json()
+        assert isinstance(rows, list) and sorted(x["completion"] for x in rows) == \
+            ["first", "second"] and rows[0]["scores"] == {"relevance": 4.0, "clarity": 2.0}
+    r = client.get("/api/export?format=parquet")
+    assert pq.read_table(io.BytesIO(r.content)).to_pylist() == client.get("/api/export").json()
+    lines = client.get("/api/export?format=jsonl").text.splitlines()
+    assert [json.loads(x) for x in lines] == client.get("/api/export").json()
+    r = client.get("/api/export?format=csv")
+    assert r.status_code == 400 and r.text == "format=csv: one of jsonl, json, parquet"
+
+
 def test_a_page_open_across_a_server_restart_still_saves_its_form(tmp_path):
     """The token lives in the folder: a server killed and started again (helper-43's kill tests lost
     every open form to a 403) takes the forms of the pages it showed before."""

@@ -286,17 +286,18 @@ def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_a
 def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_path, tiny_llama,
                                                                          server):
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+    data = [f"--data.name={FIXTURES / 'backend_roles.json'}", "--data.select=[0,32]",
             "--eval.select=[32,40]"]
     judge = judge_overrides(server, tmp_path / "judge.jsonl")
     assert train.main(["--config", "configs/qgen.yaml", *small(tiny_llama, run), *data,
                        *judge]) == 0
     m = metrics(run)[0]
     assert m["rewards/judge/mean"] == pytest.approx(0.7)  # mean(8, 6, 7) / 10
-    assert (m["rewards/relevance/mean"], m["rewards/clarity/mean"],
-            m["rewards/discriminative_power/mean"]) == pytest.approx((0.8, 0.6, 0.7))
+    # the seed's eval metrics, on its 0-10 scale
+    assert (m["rewards/composite/mean"], m["rewards/relevance/mean"], m["rewards/clarity/mean"],
+            m["rewards/discriminative_power/mean"]) == pytest.approx((7.0, 8.0, 6.0, 7.0))
     # the per-criterion entries cost no requests
-    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 18
+    assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 24
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
                     "api:fake-model", f"--model.name={tiny_llama}", *data, *judge,
                     f"--eval.api.base_url={server.url}",
@@ -304,9 +305,10 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
                     "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
     assert set(results) == {"base", "grpo", "fake-model"}
-    # as in training: rescaled to 0-1
-    assert results["fake-model"]["metrics"]["reward/judge"] == pytest.approx(0.7)
-    assert results["fake-model"]["metrics"]["reward/clarity"] == pytest.approx(0.6)
+    # as in training: the reward rescaled to 0-1, the seed's metrics on its 0-10
+    got = results["fake-model"]["metrics"]
+    assert got["reward/judge"] == pytest.approx(0.7) and got["reward/composite"] == pytest.approx(7)
+    assert got["reward/clarity"] == pytest.approx(6.0)
     # the seed's last stage: the merged export, with what a server reads; it answers as the adapter
     from tools import export
     merged = tmp_path / "exports/qgen"
@@ -332,7 +334,7 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     rater(page_client("runs/qgen_human/ratings"),
           lambda c: {"relevance": "5", "clarity": "3", "discriminative_power": "4"}, stop)
     run = tmp_path / "run"
-    data = [f"--data.name={FIXTURES / 'qgen_roles.jsonl'}", "--data.select=[0,32]",
+    data = [f"--data.name={FIXTURES / 'backend_roles.json'}", "--data.select=[0,32]",
             "--model.init_adapter=null"]
     try:
         assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"),
@@ -365,6 +367,30 @@ def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():
     assert "logic+novelty+think_format" in found
     for by in found:
         assert set(by.split("+")) <= logged, by
+
+
+def test_bioreasoner_page_runs_the_chain_as_the_project_did_v20_then_v21_then_grpo():
+    """The project's GRPO started from its merged v2.1 (SFT, DPO v2.0, DPO v2.1 on best-of-4 pairs
+    "with 2+ score delta"), its tribunal decoded at temperature 0.7 up to 1,024 tokens, and a long
+    prompt must not stop a 15k-prompt run."""
+    import re
+    page = (ROOT / "docs/recipes/bioreasoner.md").read_text()
+    chain = page.split("```bash")[1].split("```")[0]
+    outs = re.findall(r"--out (\S+)", chain)
+    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0", "models/bioreasoner-2.1"]
+    v21 = next(ln for ln in chain.splitlines() if "dpo_pairs_v21.jsonl --optim" in ln)
+    assert "--model.name=models/bioreasoner-2.0" in v21
+    cfg = load_config(ROOT / "configs/bioreasoner.yaml")
+    assert cfg.model.name == outs[-1] and cfg.data.skip_long
+    assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.num_samples) == (0.7, 1024, 1)
+    # logic and novelty are logged raw, 0-5 each: the project's scale, so its delta is 2
+    margins = re.findall(r"--by logic\+novelty\+think_format --min-margin (\S+)",
+                         page + (ROOT / "configs/bioreasoner_dpo.yaml").read_text())
+    assert margins and set(margins) == {"2"}
+    judge = load_config(ROOT / "configs/bioreasoner_judge.yaml")
+    raw = [r for r in judge.rewards if r.label in ("logic", "novelty")]
+    assert len(raw) == 2 and all(r.args["normalize"] is False for r in raw)
+    assert (judge.judge.score_min, judge.judge.score_max) == (0, 5)
 
 
 def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(

@@ -595,3 +595,15 @@ def test_a_valid_file_that_is_not_text_is_one_line_naming_the_key(tmp_path):
     gz.write_bytes(b"\x1f\x8b\x08\x00 compressed")
     with pytest.raises(ValueError, match=r"args.valid_file=.*pmids.txt.gz: not UTF-8 text"):
         check_specs([RewardSpec("citation_grounding", args={"valid_file": str(gz)})])
+
+
+def test_rubric_format_scores_the_rubric_grubrics_asks_for():
+    """graders/rubrics.py: 4-8 numbered weighted criteria whose positive weights sum to 10."""
+    from rewards import lookup
+    fn, batched = lookup("rubric_format")
+    asked = "\n".join([f"{i}. ({w} points) criterion {i}" for i, w in enumerate([4, 3, 3], 1)]
+                      + ["4. (costs 5 points) unsafe advice"])
+    assert not batched and fn(asked, {}) == 1.0
+    assert fn(asked + "\nA closing remark.", {}) == pytest.approx(2 / 3)  # a line that is not one
+    assert fn(asked.replace("(4 points)", "(5 points)"), {}) == pytest.approx(2 / 3)  # sums to 11
+    assert fn("", {}) == 0.0 and fn("Be accurate and kind.", {}) == 0.0

@@ -31,6 +31,17 @@ SFT puts back. Pairs are in TRL's form, for its DPOTrainer or minigrpo's `mode: 
 data.assistant_prefix: ''), so their chosen and rejected include that prefix (a forced <think>);
 their prompt is the user prompt as built by data.prompt, without data.system_prompt. Outputs are
 written atomically and never overwritten; nothing is written when a requested output would be empty.
+
+Pair sets from several judges merge into one, a pair per prompt (BioReasoner's v2.2: "35 unique
+pairs, deduplicated by prompt_id, highest delta"):
+
+    python -m tools.bestofn merge opus_pairs.jsonl codex_pairs.jsonl --key prompt_id \\
+        --out data/dpo_v22_merged.jsonl
+
+A pair's delta is chosen_by_reward - rejected_by_reward when it has them (--by), else
+chosen_reward - rejected_reward, else `delta` (a column of your own pairs); a pair without one
+(a hand-written exemplar) ranks below every pair with one. Equal deltas: the first given wins.
+The deltas of two judges are compared as they are, so put them on one scale first.
 """
 from __future__ import annotations
 
@@ -147,8 +158,86 @@ def parse_require(items: list[str]) -> dict[str, float]:
     return out
 
 
+def pair_delta(pair: dict) -> float | None:
+    """How strongly a pair prefers its chosen reply: the --by sums' difference, else the rewards',
+    else its own `delta` column; None when it has none of them.
+
+    >>> pair_delta({"chosen_reward": 3.0, "rejected_reward": 1.0, "chosen_by_reward": 8.0,
+    ...             "rejected_by_reward": 5.0}), pair_delta({"delta": 2}), pair_delta({})
+    (3.0, 2.0, None)
+    """
+    for high, low in (("chosen_by_reward", "rejected_by_reward"),
+                      ("chosen_reward", "rejected_reward")):
+        if isinstance(pair.get(high), (int, float)) and isinstance(pair.get(low), (int, float)):
+            return float(pair[high] - pair[low])
+    delta = pair.get("delta")
+    return float(delta) if isinstance(delta, (int, float)) and not isinstance(delta, bool) else None
+
+
+def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
+    """One pair per value of `key`: the one with the highest pair_delta (None below any number;
+    on a tie, the first in the order given), in the order the values first appear.
+
+    >>> a = [{"prompt_id": 1, "delta": 1}, {"prompt_id": 2, "delta": 3}]
+    >>> b = [{"prompt_id": 1, "delta": 2}, {"prompt_id": 3}]
+    >>> [(p["prompt_id"], p.get("delta")) for p in merge_pairs([a, b], "prompt_id")]
+    [(1, 2), (2, 3), (3, None)]
+    """
+    best: dict[str, dict] = {}
+    for pairs in pair_sets:
+        for pair in pairs:
+            k = json.dumps(pair[key], sort_keys=True)
+            new, old = pair_delta(pair), pair_delta(best[k]) if k in best else None
+            if k not in best or (new is not None and (old is None or new > old)):
+                best[k] = pair
+    return list(best.values())
+
+
+def merge_main(argv: list[str]) -> int:
+    """`python -m tools.bestofn merge A.jsonl B.jsonl --out C.jsonl [--key prompt_id]`."""
+    ap = argparse.ArgumentParser(prog="python -m tools.bestofn merge",
+                                 description="merge pair sets: one pair per --key, the highest "
+                                 "delta (chosen - rejected reward)")
+    ap.add_argument("pairs", nargs="+", help="pair files (JSON Lines: prompt, chosen, rejected)")
+    ap.add_argument("--out", required=True, help="the merged pairs (never overwritten)")
+    ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt "
+                    "(default: prompt, its text; the original project's: prompt_id)")
+    args = ap.parse_args(argv)
+    try:
+        if Path(args.out).exists():
+            raise ValueError(f"{args.out} exists; give a new file (outputs are never overwritten)")
+        check_writable(args.out, "--out")
+        sets = []
+        for path in args.pairs:
+            if not Path(path).is_file():
+                raise ValueError(f"{path}: no such file")
+            pairs = read_records(path)
+            for n, pair in enumerate(pairs, 1):
+                if not (isinstance(pair, dict) and {"chosen", "rejected"} <= set(pair)):
+                    raise ValueError(f"{path}:{n}: not a pair (chosen, rejected)")
+                if pair.get(args.key) is None:
+                    raise ValueError(f"{path}:{n}: no '{args.key}' to merge by (--key); it has: "
+                                     f"{', '.join(pair)}")
+            sets.append(pairs)
+        merged = merge_pairs(sets, args.key)
+        if not merged:
+            raise ValueError(f"{', '.join(args.pairs)}: no pairs")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    jsonl.write_atomic(args.out, "".join(json.dumps(p) + "\n" for p in merged))
+    print(f"[bestofn] {args.out}: {len(merged)} unique pairs (deduplicated by {args.key}, highest "
+          f"delta) from {sum(map(len, sets))} pairs in {len(sets)} files")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m tools.bestofn",
+                                 epilog="python -m tools.bestofn merge A B --out C: merge pair "
+                                 "sets (see merge --help)",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("predictions", nargs="+", help="eval.py's predictions_<name>.jsonl (several: "
                     "pooled per (source, row)) or tools.ratings export's rated replies (pooled per "
