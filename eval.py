@@ -191,13 +191,29 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
               "(an interrupted run)", file=sys.stderr)
         rollout.seed_everything(cfg.run.seed + p)
     if p < len(prompts):
-        save = lambda s, g: jsonl.append(path, [{"key": key, "start": p + s,  # noqa: E731
-                                                 "texts": g.texts, "num_tokens": g.num_tokens,
-                                                 "truncated": g.truncated}])
+        t0 = time.monotonic()
+
+        def save(s: int, g: Generated) -> None:  # each batch kept, and where the model stands
+            jsonl.append(path, [{"key": key, "start": p + s, "texts": g.texts,
+                                 "num_tokens": g.num_tokens, "truncated": g.truncated}])
+            print(batch_line(entry.name, p, p + s + len(g.texts) // n, len(prompts),
+                             time.monotonic() - t0), file=sys.stderr, flush=True)
         rest = generate_prompts(model, tok, prompts[p:], cfg, on_batch=save)
         done = Generated(done.texts + rest.texts, done.num_tokens + rest.num_tokens,
                          done.truncated + rest.truncated)
     return done
+
+
+def batch_line(name: str, start: int, done: int, total: int, seconds: float) -> str:
+    """The line after each batch of a model's prompts: how many are done, and the time left at the
+    pace of this run's batches (those from an interrupted run, before `start`, took none).
+
+    >>> batch_line("base", 0, 32, 100, 20.0)
+    '[eval] base: 32/100 prompts generated (20 s, about 42 s left)'
+    """
+    left = seconds / max(done - start, 1) * (total - done)
+    return (f"[eval] {name}: {done}/{total} prompts generated ({seconds:.0f} s"
+            + (f", about {left:.0f} s left)" if done < total else ")"))
 
 
 def generate_api(client: Judge, messages: list[list[dict]], tokenizer, n: int = 1) -> Generated:

@@ -128,7 +128,10 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     rules = policy.Policy(cfg.run, r.start, held_out=bool(r.eval_rows), clock=policy.Clock(
         time.monotonic() if started is None else started),  # run.max_minutes counts from it
         flat_steps=display.flat_steps_at_end(metrics_path))  # steps in a row without signal
-    with display.progress_display(cfg.run.steps, r.start) as show:
+    if r.start < cfg.run.steps:
+        print(first_step_line(r), file=sys.stderr, flush=True)
+    with display.progress_display(cfg.run.steps, r.start, rules.clock.started,
+                                  cfg.run.max_minutes) as show:
         for step in range(r.start + 1, cfg.run.steps + 1):
             r.step, began = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # mixture curriculum clock
@@ -171,6 +174,17 @@ def start_line(r: Run) -> str:
             f"({pick_dtype(cfg.model.dtype, r.device)}), {n_train / 1e6:.2f}M trainable params, "
             f"{len(r.rows)} {lifecycle.ROW_NAMES[cfg.mode]}, "
             f"steps {r.start}->{cfg.run.steps}{epochs}")
+
+
+def first_step_line(r: Run) -> str:
+    """What the silent minutes before the first step line are: the first step, its warm-up."""
+    cfg, ro = r.cfg, r.cfg.rollout
+    work = (f"sampling {ro.prompts_per_step} prompts x {ro.num_generations} completions of up to "
+            f"{ro.max_new_tokens} tokens, scoring them, updating" if cfg.mode == "grpo"
+            else f"{cfg.mode.upper()} updates")
+    warm = " and compiles the sampler" if ro.compile and r.device.type == "cuda" else ""
+    return (f"[minigrpo] step {r.start + 1}/{cfg.run.steps}: {work}; the first step warms "
+            f"up{warm}, so it is the slowest")
 
 
 def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -124,12 +125,76 @@ def flat_steps_at_end(metrics_path: Path) -> int:
     return next((i for i, flat in enumerate(reversed(flags)) if not flat), len(flags))
 
 
-class progress_display:
-    """A rich progress bar with ETA and a live metrics line on a terminal; plain lines otherwise."""
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them.
 
-    def __init__(self, total: int, start: int):
+    >>> duration(42.4), duration(754), duration(3 * 3600 + 125)
+    ('42s', '12m34s', '3h02m')
+    """
+    s = int(round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else \
+        f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+PACE_EVERY_S = 30.0  # outside a terminal, a pace line after the first step, then every 30 s
+
+
+class Pace:
+    """Where a run stands in time, for logs and notebooks (no progress bar there): steps done, time
+    since the job started, seconds a step and the time left, after the first step (the slowest:
+    warm-up, compilation) and then at most every `every_s` seconds. The seconds a step leave the
+    first step out once a later one is done. max_minutes: run.max_minutes, whose stop the line
+    announces when it comes before the last step.
+
+    >>> t = iter([0.0, 40.0, 50.0, 60.0, 90.0])
+    >>> pace = Pace(10, 0, started=0.0, clock=lambda: next(t))   # the loop starts at 0 s
+    >>> pace.line(1)
+    '[minigrpo] step 1/10 | 40s elapsed | 40.0 s/step (the first: warm-up) | eta 6m00s'
+    >>> pace.line(2) is None, pace.line(3)                        # 50 s, 60 s: not 30 s yet
+    (True, None)
+    >>> pace.line(4)
+    '[minigrpo] step 4/10 | 1m30s elapsed | 16.7 s/step | eta 1m40s'
+    """
+
+    def __init__(self, total: int, start: int, started: float, max_minutes: float = 0.0,
+                 every_s: float | None = None, clock=time.monotonic):
+        self.total, self.start, self.started = total, start, started
+        self.max_minutes, self.clock = max_minutes, clock
+        self.every_s = PACE_EVERY_S if every_s is None else every_s
+        self.began = clock()  # the loop's start: the first step is timed from here
+        self.first_done = self.said = None
+
+    def line(self, step: int) -> str | None:
+        """The line for `step` just done, or None when one was printed under every_s ago (or this
+        was the last step: the run's own end line follows)."""
+        now = self.clock()
+        if self.first_done is None:
+            self.first_done = now
+        if step >= self.total or (self.said is not None and now - self.said < self.every_s):
+            return None
+        self.said, done = now, step - self.start
+        per_step = (now - self.first_done) / (done - 1) if done > 1 else now - self.began
+        eta = per_step * (self.total - step)
+        text = (f"[minigrpo] step {step}/{self.total} | {duration(now - self.started)} elapsed | "
+                f"{per_step:.1f} s/step{' (the first: warm-up)' if done == 1 else ''} | "
+                f"eta {duration(eta)}")
+        left = self.max_minutes * 60 - (now - self.started)
+        if self.max_minutes and left < eta:
+            text += (f"; run.max_minutes={self.max_minutes:g} stops it in about "
+                     f"{duration(max(left, 0))}, near step {step + int(max(left, 0) // per_step)} "
+                     "(--resume continues)")
+        return text
+
+
+class progress_display:
+    """A rich progress bar with ETA and a live metrics line on a terminal; plain lines otherwise:
+    one per step on stdout, and Pace's on stderr."""
+
+    def __init__(self, total: int, start: int, started: float | None = None,
+                 max_minutes: float = 0.0):
         self.total, self.start = total, start
-        self.progress = None
+        self.started, self.max_minutes = started, max_minutes
+        self.progress = self.pace = None
         if sys.stdout.isatty():
             from rich.progress import (
                 BarColumn,
@@ -147,6 +212,10 @@ class progress_display:
         if self.progress:
             self.progress.start()
             self.task = self.progress.add_task("", total=self.total, completed=self.start)
+        else:
+            now = time.monotonic()
+            self.pace = Pace(self.total, self.start, now if self.started is None else self.started,
+                             self.max_minutes)
         return self.show
 
     def show(self, step: int, m: dict) -> None:
@@ -158,6 +227,8 @@ class progress_display:
             self.progress.update(self.task, completed=step, description=short)
         else:
             print(format_line(step, self.total, m), flush=True)
+            if line := self.pace.line(step):
+                print(line, file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         if self.progress:

@@ -215,6 +215,10 @@ def setup(args, overrides: list[str]) -> Run:
         open_rewards(cfg.rewards)  # a reward model loads here, once everything cheaper is checked
     rollout.seed_everything(cfg.run.seed)
     device = distributed.start(pick_device(cfg.run.device))  # torchrun: this rank's GPU
+    quant = ", 4-bit base" if cfg.model.quant == "4bit" else ""
+    print(f"[minigrpo] loading {cfg.model.name} on {device} ({pick_dtype(cfg.model.dtype, device)}"
+          f"{quant}): a hub model is downloaded once, then loaded from its cache", file=sys.stderr,
+          flush=True)
     model, tokenizer = load_policy(cfg.model, cfg.lora, device, dropout=cfg.mode == "sft",
                                    beta=reference_beta(cfg), beta_key=f"{cfg.mode}.beta")
     distributed.same_start(trainable_parameters(model), cfg.run.seed)

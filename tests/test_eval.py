@@ -175,8 +175,11 @@ def test_base_adapter_and_api_model_are_evaluated_side_by_side(project, tiny_lla
     server.script(server_error(400))
     argv = ["--config", str(cfg), "--models", "base", f"grpo={run}", "api:fake-model"]
     assert ev.main(argv) == 0
-    table = capsys.readouterr().out
+    table, err = capsys.readouterr()
     assert "accuracy_on_schema" in table and "fake-model" in table and "grpo" in table
+    # a line after each batch of 2 prompts, also outside a terminal
+    done = [ln.split(" prompts")[0] for ln in err.splitlines() if "prompts generated" in ln]
+    assert done == [f"[eval] {m}: {k}/5" for m in ("base", "grpo") for k in (2, 4, 5)]
 
     results = json.loads((out / "results.json").read_text())
     assert list(results["models"]) == ["base", "grpo", "fake-model"]

@@ -214,6 +214,20 @@ def test_gold_by_a_rule_on_medqa_rows(tmp_path, server, capsys):
     assert "judge $" not in capsys.readouterr().out
 
 
+def test_a_line_after_each_batch_of_questions_says_how_many_are_done(tmp_path, server, capsys,
+                                                                     monkeypatch):
+    monkeypatch.setattr(precompute, "ROWS_PER_BATCH", 2)
+    questions = tmp_path / "medqa.jsonl"
+    questions.write_text("".join(json.dumps({"question": f"Which {i}?", "options": {"A": "y"},
+                                             "answer_idx": "A", "answer": "y"}) + "\n"
+                                 for i in range(5)))
+    rule = r"--precompute.gold_reward={name: choice_accuracy, args: {letters: A}}"
+    precompute.main(args(server, tmp_path, questions, tmp_path / "o.jsonl",
+                         "--precompute.map=medqa", rule, "--precompute.keep_constant=true"))
+    done = [ln.split(" (")[0] for ln in capsys.readouterr().err.splitlines() if "/5 " in ln]
+    assert done == [f"[precompute] {k}/5 questions answered" for k in (2, 4, 5)]
+
+
 def test_medmcqa_rows_are_verifiable_questions_for_the_grubrics_mixture(tmp_path, server):
     """The `medmcqa` map (issue 29: the seed's adapters list MedMCQA): its options appended to the
     question, `cop` as the gold letter; the file it writes is the with_medmcqa preset's source."""

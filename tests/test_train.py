@@ -2,6 +2,7 @@
 uninterrupted run, and bad input exits with code 2 and writes nothing."""
 import json
 import math
+import re
 import shlex
 import shutil
 import sys
@@ -72,6 +73,38 @@ def test_tiny_llama_trains_two_steps_and_its_lora_weights_change(setup, capsys):
     samples = lines(run / "samples.jsonl")
     assert samples and {"step", "prompt", "completion", "reward", "advantage"} <= set(samples[0])
     assert "step 2/2" in capsys.readouterr().out  # one plain line per step when not on a terminal
+
+
+def test_outside_a_terminal_the_loading_the_first_step_and_the_pace_with_eta_are_said(
+        setup, capsys, monkeypatch):
+    cfg, run = setup
+    monkeypatch.setattr(display, "PACE_EVERY_S", 0.0)  # a pace line after every step
+    assert train.main(["--config", str(cfg), "--run.steps=3"]) == 0
+    out, err = capsys.readouterr()
+    assert [ln.split(" | ")[0] for ln in out.splitlines()] == ["step 1/3", "step 2/3", "step 3/3"]
+    said = [ln for ln in err.splitlines() if ln.startswith("[minigrpo]")]
+    assert said[0].startswith(f"[minigrpo] loading {train_model(cfg)} on cpu (torch.float32)")
+    assert said[2] == ("[minigrpo] step 1/3: sampling 2 prompts x 4 completions of up to 8 tokens, "
+                       "scoring them, updating; the first step warms up, so it is the slowest")
+    pace = [ln for ln in said if " elapsed | " in ln]
+    assert [ln.split(" | ")[0] for ln in pace] == ["[minigrpo] step 1/3", "[minigrpo] step 2/3"]
+    assert pace[0].endswith("s/step (the first: warm-up) | eta " + pace[0].rsplit(" ", 1)[1])
+    assert re.fullmatch(r"\[minigrpo\] step 2/3 \| \d+s elapsed \| \d+\.\d s/step \| eta \d+s",
+                        pace[1])
+
+
+def train_model(cfg_path) -> str:
+    return yaml.safe_load(cfg_path.read_text())["model"]["name"]
+
+
+def test_the_pace_line_says_when_run_max_minutes_stops_the_run_before_its_last_step():
+    t = iter([0.0, 60.0, 120.0])  # started 30 s before the loop; steps of 60 s
+    pace = display.Pace(100, 0, started=-30.0, max_minutes=3, every_s=0, clock=lambda: next(t))
+    assert pace.line(1).endswith("eta 1h39m; run.max_minutes=3 stops it in about 1m30s, near "
+                                 "step 2 (--resume continues)")
+    assert pace.line(2) == ("[minigrpo] step 2/100 | 2m30s elapsed | 60.0 s/step | eta 1h38m; "
+                            "run.max_minutes=3 stops it in about 30s, near step 2 (--resume "
+                            "continues)")
 
 
 def test_resume_reproduces_the_uninterrupted_run(setup):

@@ -48,6 +48,7 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from api.client import Judge, JudgeUnusable
@@ -199,6 +200,20 @@ def open_client(section, key: str, label: str) -> Judge:
         raise ConfigError(str(e)) from None  # it names the section
 
 
+ROWS_PER_BATCH = 16  # questions answered, then graded, before the next ones: a line after each
+
+
+def batch_line(done: int, total: int, seconds: float, graded: bool) -> str:
+    """Where the run stands after a batch of questions.
+
+    >>> batch_line(16, 64, 30.0, graded=True)
+    '[precompute] 16/64 questions answered and graded (30 s, about 90 s left)'
+    """
+    left = f", about {seconds / done * (total - done):.0f} s left" if done < total else ""
+    return (f"[precompute] {done}/{total} questions answered{' and graded' if graded else ''} "
+            f"({seconds:.0f} s{left})")
+
+
 def run(cfg: Config) -> dict:
     """Answer, grade, write -> a summary (counts and costs)."""
     p = check(cfg)
@@ -213,13 +228,20 @@ def run(cfg: Config) -> dict:
     print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: "
           f"{len(rows) * k} answer requests ({policy.cached(asks, k)} of them cached, free)"
           + ("" if judge is None else f", then up to {grades} judge requests (cached ones free)"))
-    replies = policy.complete_many(asks, n=k)
-    answers = [replies[i:i + k] for i in range(0, len(replies), k)]
-    answered = [i for i, a in enumerate(answers) if None not in a]
-    gold: list[list[float | None]] = [[None] * k for _ in rows]
-    for i, g in zip(answered, gold_scores(cfg, judge, [rows[i] for i in answered],
-                                          [answers[i] for i in answered]) if answered else []):
-        gold[i] = g
+    answers: list[list[str | None]] = []
+    gold: list[list[float | None]] = []
+    t0 = time.monotonic()
+    for b in range(0, len(rows), ROWS_PER_BATCH):  # a line after each batch: a long run says so
+        replies = policy.complete_many(asks[b:b + ROWS_PER_BATCH], n=k)
+        part = [replies[i:i + k] for i in range(0, len(replies), k)]
+        answered = [i for i, a in enumerate(part) if None not in a]
+        graded = gold_scores(cfg, judge, [rows[b + i] for i in answered],
+                             [part[i] for i in answered]) if answered else []
+        scores = dict(zip(answered, graded))
+        answers += part
+        gold += [scores.get(i, [None] * k) for i in range(len(part))]
+        print(batch_line(len(answers), len(rows), time.monotonic() - t0, judge is not None),
+              file=sys.stderr, flush=True)
     left_out: dict[str, int] = {}
     records = []
     for r, a, g in zip(rows, answers, gold):
