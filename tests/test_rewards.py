@@ -595,3 +595,22 @@ def test_a_valid_file_that_is_not_text_is_one_line_naming_the_key(tmp_path):
     gz.write_bytes(b"\x1f\x8b\x08\x00 compressed")
     with pytest.raises(ValueError, match=r"args.valid_file=.*pmids.txt.gz: not UTF-8 text"):
         check_specs([RewardSpec("citation_grounding", args={"valid_file": str(gz)})])
+
+
+def test_advantage_rewards_is_the_total_itself_by_default_and_gdpo_on_request():
+    import math
+
+    import torch
+
+    import grpo
+    from config import GrpoConfig
+    from rewards import advantage_rewards
+    specs = [RewardSpec("answer_match", weight=1.0), RewardSpec("short_answer", weight=0.5)]
+    per = {"answer_match": [1.0, 0.0, 1.0, None], "short_answer": [1.0, 1.0, 0.0, None]}
+    total = torch.tensor([1.5, 0.5, 1.0, math.nan])  # the last completion skipped
+    assert advantage_rewards(total, per, specs, GrpoConfig(), 4) is total  # sum: untouched
+    got = advantage_rewards(total, per, specs, GrpoConfig(reward_aggregation="normalize_then_sum"),
+                            4)
+    values = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [math.nan, math.nan]])
+    expected = grpo.normalize_then_sum(values, torch.tensor([1.0, 0.5]), 4)
+    assert torch.allclose(got[:3], expected[:3]) and math.isnan(got[3])
