@@ -37,7 +37,7 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, lifecycle, policy
+from run import display, health, lifecycle, policy
 from run.checkpoint import save_checkpoint
 from sources import overlap
 from step import Run, train_step
@@ -128,6 +128,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     rules = policy.Policy(cfg.run, r.start, held_out=bool(r.eval_rows), clock=policy.Clock(
         time.monotonic() if started is None else started),  # run.max_minutes counts from it
         flat_steps=display.flat_steps_at_end(metrics_path))  # steps in a row without signal
+    monitor = health.Monitor(cfg.health, cfg.run.steps, metrics_path)  # run/health.py's checks
     with display.progress_display(cfg.run.steps, r.start) as show:
         for step in range(r.start + 1, cfg.run.steps + 1):
             r.step, began = step, time.monotonic()
@@ -144,6 +145,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             if decision.save:
                 save(r, step, rules)
             show(step, metrics)
+            health.say(monitor.after_step(metrics))
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop
@@ -157,6 +159,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 return decision.exit_code
     for line in outage.unusable_summary(r.judges):  # judges whose replies were often no score
         print(line, file=sys.stderr)
+    health.say(monitor.summary())
     print(f"[minigrpo] done: {r.run_dir}", file=sys.stderr)
     return 0
 
