@@ -129,11 +129,16 @@ def say(lines: list[str]) -> None:
         print(f"[minigrpo] {line}", file=sys.stderr)
 
 
+def run_config(run_dir: Path) -> Path:
+    """The config a run last ran with: its newest config_resumed_step_*.yaml, else config.yaml."""
+    return max(run_dir.glob("config_resumed_step_*.yaml"), default=run_dir / "config.yaml")
+
+
 def summary_of(run_dir: Path) -> list[str]:
-    """A run's health lines from its folder (metrics.jsonl, config.yaml): the ablation report's."""
+    """A run's health lines from its folder (metrics.jsonl, its config): the ablation report's."""
     from config import load_config
     try:
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(run_config(run_dir))
         h, steps = cfg.health, cfg.run.steps
     except (OSError, ValueError):
         h, steps = HealthConfig(), 0

@@ -67,3 +67,11 @@ def test_summary_repeats_what_fired_and_a_resumed_run_does_not_say_it_again(tmp_
     assert [resumed.after_step(m) for m in history[4:]] == [[], []]  # said before the resume
     assert resumed.summary() == ["health: " + said(history)[0]]
     assert health.Monitor(HealthConfig(enabled=False), 20, path).summary() == []
+
+
+def test_a_runs_config_is_its_newest_resumed_one(tmp_path):
+    assert health.run_config(tmp_path) == tmp_path / "config.yaml"
+    for name in ("config.yaml", "config_resumed_step_000002.yaml",
+                 "config_resumed_step_000010.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    assert health.run_config(tmp_path).name == "config_resumed_step_000010.yaml"

@@ -20,7 +20,8 @@ one after another. --max-minutes bounds the whole ablation: a run gets run.max_m
 left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
 --eval: eval.py once per finished run, greedy, on the config's eval.select (OUT/NAME/seed_K/eval/).
 The report (OUT/report.md, report.json, plots/) is tools/ablate_report.py's.
-Exit code: 0 every run finished, 1 a run failed or was left for the next invocation, 2 bad input.
+Exit code: 0 every run finished (and was scored), 1 a run or its eval failed or was left for the
+next invocation, 2 bad input.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from config import ConfigError, load_config
+from run import health
 from settings.typed_config import check_writable
 from tools import ablate_report
 
@@ -164,8 +166,8 @@ def is_done(run: RunSpec) -> bool:
         return True
     if code != 0:
         return False
-    try:  # config.yaml: the run's resolved config (run.epochs turned into run.steps)
-        steps = yaml.safe_load((run.dir / "config.yaml").read_text())["run"]["steps"]
+    try:  # the run's resolved config (run.epochs turned into run.steps), as last resumed
+        steps = yaml.safe_load(health.run_config(run.dir).read_text())["run"]["steps"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return False
     return ablate_report.last_step(run.dir) >= steps
@@ -187,7 +189,7 @@ def eval_command(args, run: RunSpec, threads: int) -> list[str]:
             "--models", f"{run.arm.name}={run.dir}", f"--eval.out_dir={run.dir / 'eval'}",
             "--eval.temperature=0", "--eval.num_samples=1", "--eval.pass_k=[1]",
             f"--run.seed={run.seed}", *([f"--run.threads={threads}"] if threads else []),
-            *run.arm.overrides, "--overwrite"]
+            *run.arm.overrides]  # results.json is not there: eval.py refuses to replace one
 
 
 def execute(cmd: list[str], log: Path, deadline: float | None) -> int:
@@ -270,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}"
                   + (f", see {run.dir / 'train.log'}" if run.status == "failed" else
                      "; run the same command again to go on"), file=sys.stderr)
-    return int(any(run.status in ("failed", "left", "not started") for run in runs))
+        elif run.eval_exit:
+            print(f"[ablate] {run.arm.name} seed {run.seed}: eval.py failed, see "
+                  f"{run.dir / 'eval.log'}", file=sys.stderr)
+    return int(any(run.status in ("failed", "left", "not started") or run.eval_exit
+                   for run in runs))
 
 
 if __name__ == "__main__":
