@@ -251,6 +251,8 @@ class GrpoConfig:
     #   per completion (with loss_type: grpo and epsilons near 3e-4 / 4e-4); differs only off-policy
     #   or with tis_cap (grpo.py)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std used in advantages
+    reward_aggregation: Literal["sum", "normalize_then_sum"] = "sum"  # advantages of the weighted
+    #   sum, or of the sum of each reward normalised in its group (GDPO; grpo.normalize_then_sum)
     num_iterations: int = 1  # mu: passes over each rollout batch
     num_mini_batches: int = 1  # optimizer steps per pass: the B groups, shuffled, split into this
     #   many mini-batches (B divisible by it), each its own loss and update (PPO's minibatches); the
@@ -355,6 +357,21 @@ class DpoConfig:
 
 
 @dataclass
+class HealthConfig:
+    """run/health.py's thresholds: a one-line diagnosis when a run's metrics pass one."""
+    enabled: bool = True  # false: no health lines
+    truncated_share: float = 0.5  # completions/clipped_ratio at least this, `patience` steps
+    patience: int = 3  # steps in a row a share must hold before it is said
+    entropy_floor: float = 0.05  # sampling entropy under this in the first early_share of steps
+    early_share: float = 0.3  # of run.steps: "early" for entropy_floor
+    window: int = 5  # steps compared with the window before them for length_growth
+    length_growth: float = 1.5  # mean length grown this many times over a window ...
+    reward_gain: float = 0.0  # ... while the mean reward rose by at most this
+    clip_max: float = 0.2  # clip_ratio/region_mean above this (the clip acts only off-policy)
+    kl_max: float = 1.0  # kl (grpo.beta > 0) above this
+
+
+@dataclass
 class EvalConfig:
     select: list[int] | None = None  # held-out [start, end) of the shuffled rows, e.g. [1500, 1700]
     split: str | None = None  # hub split eval.py reads (e.g. "test" for GSM8K); None: data.split
@@ -435,6 +452,7 @@ class Config:
     sft: SftConfig = field(default_factory=SftConfig)  # supervised fine-tuning (mode: sft)
     dpo: DpoConfig = field(default_factory=DpoConfig)  # direct preference optimization (mode: dpo)
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation with eval.py
+    health: HealthConfig = field(default_factory=HealthConfig)  # run/health.py's thresholds
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)  # answers for
     #   rubric_alignment (tools/precompute.py)
 

@@ -1,5 +1,6 @@
 """GRPO: the math, as pure tensor functions of rewards and log-probs (no model in sight).
 
+    rewards = normalize_then_sum(per_reward, weights, G)  # (N,) GDPO; else the weighted sum
     adv  = group_advantages(rewards, G)                                  # (N,)
     mask, truncated = completion_mask(completion_ids, eos_ids)           # (N, C), (N,)
     s = LossSettings.of(cfg.grpo)                                        # epsilons, beta, variants
@@ -72,6 +73,29 @@ def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tens
     high = torch.where(valid, r, -torch.inf).max(dim=1).values  # (B,)
     low = torch.where(valid, r, torch.inf).min(dim=1).values  # (B,)
     return (high - low) <= tol
+
+
+def normalize_then_sum(rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4,
+                       zero_std_tol: float = 1e-6) -> Tensor:
+    """GDPO's aggregation (arXiv 2601.05242; TRL's multi_objective_aggregation): each reward is
+    normalised within its group before the weighted sum, so a reward with a wide spread does not
+    drown one with a narrow spread, and distinct combinations keep distinct values:
+
+        s_i = sum_k w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)
+
+    mean_g, std_g (unbiased) over the group's non-NaN values of reward k; a NaN r_ik (no value:
+    the reward does not apply, or was skipped) adds 0, and a reward whose values in a group are
+    equal within zero_std_tol (or fewer than 2) adds 0 to that group. group_advantages then
+    takes the advantages of s as of any reward (GDPO normalises the sum over the batch).
+    rewards: (N, K) with NaN for no value; weights: (K,). Returns (N,).
+    """
+    N, K = rewards.shape
+    r = rewards.T.reshape(K * N // group_size, group_size)  # (K*B, G): reward k's groups in turn
+    mean, std, _ = group_stats(r.reshape(-1), group_size)  # (K*B,) each
+    flat = zero_std_groups(r.reshape(-1), group_size, zero_std_tol)  # (K*B,)
+    z = (r - mean[:, None]) / (std[:, None] + eps)  # (K*B, G)
+    z = torch.where(torch.isnan(r) | flat[:, None], 0.0, z)  # (K*B, G)
+    return (z.reshape(K, N) * weights[:, None].to(z)).sum(0)  # (N,)
 
 
 def completion_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor]:

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 import answers
+import grpo
 from api.client import JudgeUnusable
 from config import RewardSpec
 from sources.plugins import (
@@ -469,6 +470,21 @@ def reward_means(per_reward: dict[str, list[float | None]]) -> dict[str, float]:
     """
     return {k: sum(vs) / len(vs) for k, v in per_reward.items()
             if (vs := [x for x in v if x is not None])}
+
+
+def advantage_rewards(total: torch.Tensor, per_reward: dict[str, list[float | None]],
+                      specs: list[RewardSpec], grpo_cfg, group_size: int) -> torch.Tensor:
+    """What the group advantages are taken of (grpo.reward_aggregation): `total`, the weighted sum
+    (sum), or grpo.normalize_then_sum of the rewards; a skipped completion (NaN total) stays NaN.
+    total: (N,); per_reward: the rewards' (N,) values by reward_keys(specs). Returns (N,)."""
+    if grpo_cfg.reward_aggregation == "sum":
+        return total
+    values = torch.tensor([[math.nan if v is None else v for v in per_reward[key]]
+                           for key in reward_keys(specs)], dtype=torch.float32).T  # (N, K)
+    weights = torch.tensor([spec.weight for spec in specs], dtype=torch.float32)  # (K,)
+    summed = grpo.normalize_then_sum(values, weights, group_size,
+                                     zero_std_tol=grpo_cfg.zero_std_tol)  # (N,)
+    return torch.where(torch.isnan(total), math.nan, summed.to(total))  # (N,)
 
 
 # ---------------------------------------------------- rewards in other files, registered when named

@@ -58,7 +58,14 @@ from data import PromptSampler
 from engines import episodes, resample, vllm_engine
 from model import merged_for_sampling, reference_mode
 from parallel import distributed
-from rewards import RewardResult, compute_rewards, join_results, reward_context, reward_means
+from rewards import (
+    RewardResult,
+    advantage_rewards,
+    compute_rewards,
+    join_results,
+    reward_context,
+    reward_means,
+)
 from scoring import pipelined
 from scoring.metrics import source_metrics
 
@@ -244,7 +251,8 @@ def make_batch(run: Run, kept: Scored) -> Batch:
     """The advantages, the tokens in the loss, the mini-batches, and the log-probs of the policy
     before any update (off-policy) and of the reference (beta > 0), each taken once."""
     g, G, ro = run.cfg.grpo, run.cfg.rollout.num_generations, kept.rollout
-    adv = grpo.group_advantages(kept.total, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
+    signal = advantage_rewards(kept.total, kept.per_reward, run.cfg.rewards, g, G)  # (N,) GDPO?
+    adv = grpo.group_advantages(signal, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
     mask = loss_mask(run, ro, kept.total)  # (N, C)
     keep = grpo.high_entropy_mask(ro.entropy, mask, g.top_entropy_quantile) \
         if g.top_entropy_quantile < 1 else None  # (N, C)

@@ -37,7 +37,7 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, lifecycle, policy
+from run import display, health, lifecycle, policy
 from run.checkpoint import save_checkpoint
 from sources import overlap
 from step import Run, train_step
@@ -121,15 +121,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
     cfg = r.cfg
     metrics_path, samples_path = lifecycle.open_run_files(r)  # config.yaml, logs as of step start
-    print(start_line(r), file=sys.stderr)
-    if r.engine:
-        r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
-    step_fn = {"sft": sft.sft_step, "dpo": dpo.dpo_step}.get(cfg.mode, train_step)
-    rules = policy.Policy(cfg.run, r.start, held_out=bool(r.eval_rows), clock=policy.Clock(
-        time.monotonic() if started is None else started),  # run.max_minutes counts from it
-        flat_steps=display.flat_steps_at_end(metrics_path))  # steps in a row without signal
-    if r.start < cfg.run.steps:
-        print(first_step_line(r), file=sys.stderr, flush=True)
+    step_fn, rules, monitor = begin(r, metrics_path, started)
     with display.progress_display(cfg.run.steps, r.start, rules.clock.started,
                                   cfg.run.max_minutes) as show:
         for step in range(r.start + 1, cfg.run.steps + 1):
@@ -147,6 +139,7 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             if decision.save:
                 save(r, step, rules)
             show(step, metrics)
+            health.say(monitor.after_step(metrics))
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop
@@ -160,8 +153,25 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
                 return decision.exit_code
     for line in outage.unusable_summary(r.judges):  # judges whose replies were often no score
         print(line, file=sys.stderr)
+    health.say(monitor.summary())
     print(f"[minigrpo] done: {r.run_dir}", file=sys.stderr)
     return 0
+
+
+def begin(r: Run, metrics_path, started: float | None):
+    """The run's first lines and vLLM's first weights -> (the mode's step function, the run's
+    rules: run/policy.py, its health checks: run/health.py)."""
+    cfg = r.cfg
+    print(start_line(r), file=sys.stderr)
+    if r.engine:
+        r.engine.sync(r.model)  # vLLM starts from the policy as loaded (or resumed)
+    step_fn = {"sft": sft.sft_step, "dpo": dpo.dpo_step}.get(cfg.mode, train_step)
+    rules = policy.Policy(cfg.run, r.start, held_out=bool(r.eval_rows), clock=policy.Clock(
+        time.monotonic() if started is None else started),  # run.max_minutes counts from it
+        flat_steps=display.flat_steps_at_end(metrics_path))  # steps in a row without signal
+    if r.start < cfg.run.steps:
+        print(first_step_line(r), file=sys.stderr, flush=True)
+    return step_fn, rules, health.Monitor(cfg.health, cfg.run.steps, metrics_path)
 
 
 def start_line(r: Run) -> str:

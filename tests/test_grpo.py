@@ -290,6 +290,50 @@ def test_zero_std_groups_use_a_tolerance_for_noisy_judge_scores():
     assert grpo.zero_std_groups(torch.ones(4), 4, tol=0.0).tolist() == [True]
 
 
+def slow_normalize_then_sum(rewards, weights, G, eps=1e-4, tol=1e-6):
+    """GDPO's sum, a group, a reward and a completion at a time, in plain Python."""
+    N, K = len(rewards), len(weights)
+    out = [0.0] * N
+    for lo in range(0, N, G):
+        for k in range(K):
+            vals = [rewards[i][k] for i in range(lo, lo + G) if not math.isnan(rewards[i][k])]
+            if len(vals) < 2 or max(vals) - min(vals) <= tol:
+                continue  # no spread: this reward adds nothing to the group
+            mean = sum(vals) / len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+            for i in range(lo, lo + G):
+                if not math.isnan(rewards[i][k]):
+                    out[i] += weights[k] * (rewards[i][k] - mean) / (std + eps)
+    return out
+
+
+def test_normalize_then_sum_matches_the_per_group_loop_with_missing_and_flat_rewards():
+    torch.manual_seed(0)
+    r = torch.randn(12, 3) * torch.tensor([1.0, 10.0, 0.1])  # (N=12, K=3): B=3 groups of G=4
+    r[1, 0] = r[6, 2] = math.nan  # no value (does not apply, or skipped)
+    r[4:8, 1] = 2.5  # reward 1 flat in group 1
+    r[8:12, 2] = math.nan  # reward 2 absent from group 2
+    r[9, 2] = 0.3  # ... but for one completion: fewer than 2 values, no spread
+    w = torch.tensor([1.0, 0.5, 2.0])
+    got = grpo.normalize_then_sum(r, w, 4)
+    assert torch.allclose(got, torch.tensor(slow_normalize_then_sum(r.tolist(), w.tolist(), 4)),
+                          atol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_normalize_then_sum_keeps_apart_what_the_weighted_sum_merges():
+    """Completions 0 and 2 each meet one reward (sum 1 both); normalised, meeting the reward that
+    one completion in four meets counts for more than meeting the one two in four meet (GDPO's
+    point: the sum collapses distinct combinations). Each reward's scale divides out."""
+    r = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # (4, 2)
+    w = torch.tensor([1.0, 1.0])
+    assert (r * w).sum(1)[0] == (r * w).sum(1)[2]
+    got = grpo.normalize_then_sum(r, w, 4)
+    assert got[2] > got[0] > got[3]
+    assert torch.allclose(got, grpo.normalize_then_sum(r * torch.tensor([1.0, 100.0]), w, 4),
+                          atol=1e-3)
+
+
 def test_completion_mask_keeps_the_real_eos_when_pad_equals_eos():
     eos = 2  # pad is also 2
     ids = torch.tensor([[5, 6, 2, 2, 2],    # EOS at 2, then padding that looks like EOS

@@ -184,7 +184,8 @@ def test_no_import_cycles_anywhere():
 
 def test_config_imports_nothing_that_does_work():
     """No client, rewards, ratings or models behind `import config`: the typed-config machinery
-    (with its table of TRL's names), its checks across fields and the crash-safe file writer only."""
+    (with its table of TRL's names), its checks across fields and the crash-safe file writer
+    only."""
     assert reach(graph(), "config") <= {"settings.typed_config", "settings.checks",
                                         "settings.trl_names", "files.jsonl"}
 

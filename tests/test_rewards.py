@@ -607,3 +607,22 @@ def test_rubric_format_scores_the_rubric_grubrics_asks_for():
     assert fn(asked + "\nA closing remark.", {}) == pytest.approx(2 / 3)  # a line that is not one
     assert fn(asked.replace("(4 points)", "(5 points)"), {}) == pytest.approx(2 / 3)  # sums to 11
     assert fn("", {}) == 0.0 and fn("Be accurate and kind.", {}) == 0.0
+
+
+def test_advantage_rewards_is_the_total_itself_by_default_and_gdpo_on_request():
+    import math
+
+    import torch
+
+    import grpo
+    from config import GrpoConfig
+    from rewards import advantage_rewards
+    specs = [RewardSpec("answer_match", weight=1.0), RewardSpec("short_answer", weight=0.5)]
+    per = {"answer_match": [1.0, 0.0, 1.0, None], "short_answer": [1.0, 1.0, 0.0, None]}
+    total = torch.tensor([1.5, 0.5, 1.0, math.nan])  # the last completion skipped
+    assert advantage_rewards(total, per, specs, GrpoConfig(), 4) is total  # sum: untouched
+    got = advantage_rewards(total, per, specs, GrpoConfig(reward_aggregation="normalize_then_sum"),
+                            4)
+    values = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [math.nan, math.nan]])
+    expected = grpo.normalize_then_sum(values, torch.tensor([1.0, 0.5]), 4)
+    assert torch.allclose(got[:3], expected[:3]) and math.isnan(got[3])

@@ -1,0 +1,77 @@
+"""run/health.py: each check fires on metrics made to trip it, once, with the step it began at; and
+stays quiet on a healthy run."""
+import json
+import math
+
+from config import HealthConfig
+from run import health
+
+
+def steps(n: int, **metrics) -> list[dict]:
+    """n steps of a healthy run, each metric a value or a function of the step."""
+    base = {"reward": 0.5, "entropy": 0.8, "completions/mean_length": 10.0,
+            "completions/clipped_ratio": 0.0, "clip_ratio/region_mean": 0.0}
+    return [{"step": s, **base, **{k: v(s) if callable(v) else v for k, v in metrics.items()}}
+            for s in range(1, n + 1)]
+
+
+def said(history: list[dict], h: HealthConfig | None = None, total: int = 20) -> list[str]:
+    monitor = health.Monitor(h or HealthConfig(), total)
+    return [line for m in history for line in monitor.after_step(m)]
+
+
+def test_a_healthy_run_says_nothing():
+    assert said(steps(20, reward=lambda s: 0.5 + s / 40)) == []
+
+
+def test_most_completions_truncated_fires_after_patience_steps_with_the_step_it_began():
+    lines = said(steps(8, **{"completions/clipped_ratio": lambda s: 0.9 if s >= 4 else 0.1}))
+    assert len(lines) == 1 and lines[0].startswith("most completions truncated since step 4 ")
+    assert "health.truncated_share 0.5" in lines[0] and "max_new_tokens" in lines[0]
+    assert said(steps(8, **{"completions/clipped_ratio": lambda s: 0.9 if s % 2 else 0.1})) == []
+
+
+def test_entropy_collapsed_early_fires_early_only():
+    lines = said(steps(10, entropy=lambda s: 0.01 if s >= 3 else 0.8))
+    assert lines == [lines[0]] and lines[0].startswith("entropy collapsed early: 0.010 at step 3 ")
+    assert said(steps(20, entropy=lambda s: 0.01 if s >= 15 else 0.8)) == []  # late: converged
+
+
+def test_length_growing_without_reward_fires_and_not_when_reward_rises_with_it():
+    longer = {"completions/mean_length": lambda s: 10.0 if s <= 5 else 20.0}
+    lines = said(steps(10, **longer))
+    assert len(lines) == 1 and lines[0].startswith("length growing without reward since step 1")
+    assert said(steps(10, **longer, reward=lambda s: 0.2 if s <= 5 else 0.6)) == []
+
+
+def test_clip_fraction_and_kl_out_of_range_fire_at_their_step():
+    clip = said(steps(5, **{"clip_ratio/region_mean": lambda s: 0.4 if s == 3 else 0.01}))
+    assert clip and clip[0].startswith("clip fraction 0.400 at step 3 ")
+    kl = said(steps(5, kl=lambda s: 2.0 if s == 4 else 0.1))
+    assert kl and kl[0].startswith("KL to the reference 2.000 at step 4 ")
+    assert said(steps(5, kl=lambda s: 2.0), HealthConfig(kl_max=5.0)) == []  # the config's bound
+
+
+def test_skipped_updates_and_nan_metrics_fire():
+    assert said(steps(3, skipped_updates=lambda s: 1 if s == 2 else 0))[0].startswith(
+        "1 update(s) skipped on a non-finite gradient at step 2")
+    assert said(steps(3, loss=lambda s: math.nan if s == 3 else 0.1))[0].startswith(
+        "non-finite loss at step 3")
+
+
+def test_summary_repeats_what_fired_and_a_resumed_run_does_not_say_it_again(tmp_path):
+    history = steps(6, entropy=0.01)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in history[:4]))
+    resumed = health.Monitor(HealthConfig(), 20, path)
+    assert [resumed.after_step(m) for m in history[4:]] == [[], []]  # said before the resume
+    assert resumed.summary() == ["health: " + said(history)[0]]
+    assert health.Monitor(HealthConfig(enabled=False), 20, path).summary() == []
+
+
+def test_a_runs_config_is_its_newest_resumed_one(tmp_path):
+    assert health.run_config(tmp_path) == tmp_path / "config.yaml"
+    for name in ("config.yaml", "config_resumed_step_000002.yaml",
+                 "config_resumed_step_000010.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    assert health.run_config(tmp_path).name == "config_resumed_step_000010.yaml"
