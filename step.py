@@ -34,6 +34,8 @@ Every feature enters the step through one named seam, a line here, owned by its 
   entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
   judge outage  run.judges: a step whose judge mostly failed to reply is not trained on
                 (api/outage.py)
+  reward mix    grpo.reward_aggregation: normalize_then_sum normalises each reward within its
+                group before the weighted sum (GDPO; rewards.advantage_rewards, grpo.py)
 """
 from __future__ import annotations
 
@@ -251,7 +253,8 @@ def make_batch(run: Run, kept: Scored) -> Batch:
     """The advantages, the tokens in the loss, the mini-batches, and the log-probs of the policy
     before any update (off-policy) and of the reference (beta > 0), each taken once."""
     g, G, ro = run.cfg.grpo, run.cfg.rollout.num_generations, kept.rollout
-    signal = advantage_rewards(kept.total, kept.per_reward, run.cfg.rewards, g, G)  # (N,) GDPO?
+    # (N,) what the advantages see: the weighted sum, or GDPO's sum of normalised rewards
+    signal = advantage_rewards(kept.total, kept.per_reward, run.cfg.rewards, g, G)
     adv = grpo.group_advantages(signal, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
     mask = loss_mask(run, ro, kept.total)  # (N, C)
     keep = grpo.high_entropy_mask(ro.entropy, mask, g.top_entropy_quantile) \
