@@ -24,10 +24,13 @@ def error_line(err: str) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_llama):
+    return trained_run(tmp_path_factory.mktemp("export"), tiny_llama)
+
+
+def trained_run(root, tiny_llama) -> dict:
     """A run directory holding one checkpoint whose LoRA adapter has random, nonzero weights,
     plus the logits of that adapter model and of the bare base on PROMPT."""
     from peft import LoraConfig, get_peft_model
-    root = tmp_path_factory.mktemp("export")
     base, tok = load_base(ModelConfig(name=str(tiny_llama)), torch.device("cpu"))
     ids = tok(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():

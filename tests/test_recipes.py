@@ -328,6 +328,7 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     monkeypatch.chdir(tmp_path)  # the config's ratings folder, runs/qgen_human/ratings, lands here
     # a broken page fails the test, not hangs it
     monkeypatch.setitem(ratings.human.__kwdefaults__, "timeout_s", 60.0)
+    monkeypatch.setitem(ratings.human.__kwdefaults__, "poll_s", 0.05)  # 32 groups to wait for
     needs_page()
     ratings._STORES.clear()
     stop = threading.Event()
@@ -336,9 +337,12 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
     run = tmp_path / "run"
     data = [f"--data.name={FIXTURES / 'backend_roles.json'}", "--data.select=[0,32]",
             "--model.init_adapter=null"]
+    # the shipped batch (16 roles x 4 questions), not small()'s: people rate 64 questions a step
+    shipped = [a for a in small(tiny_llama, run) if not a.startswith(("--rollout.prompts_per_step",
+                                                                      "--rollout.num_generations"))]
     try:
-        assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"),
-                           *small(tiny_llama, run), *data]) == 0
+        assert train.main(["--config", str(ROOT / "configs/qgen_human.yaml"), *shipped,
+                           *data]) == 0
     finally:
         stop.set()
         ratings._STORES.clear()
@@ -348,7 +352,15 @@ def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_l
         assert m["reward_errors/human"] == 0
     rated = tmp_path / "runs/qgen_human/ratings/ratings.jsonl"
     # at most every completion of 2 steps, once
-    assert 1 <= len(rated.read_text().splitlines()) <= 2 * 2 * 3
+    assert 1 <= len(rated.read_text().splitlines()) <= 2 * 16 * 4
+    # the seed's online batch read as qgen.yaml reads its offline one: 16 roles a step (SkyRL's
+    # train_batch_size counts prompts), each role's 4 questions shown together
+    queued = [json.loads(ln) for ln in (rated.parent / "queue.jsonl").read_text().splitlines()]
+    groups: dict[int, list[dict]] = {}
+    for q in queued:
+        groups.setdefault(q["batch"], []).append(q)
+    assert len(groups) == 2 * 16 and all(len(g) == 4 for g in groups.values())
+    assert len({q["prompt"] for q in queued}) == 32  # data.select [0, 32]: each role once
 
 
 def test_the_docs_bestofn_by_names_rewards_that_bioreasoner_judge_logs():

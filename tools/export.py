@@ -18,8 +18,11 @@ and README.md, a model card naming the base and each adapter's sha256.
 before it is kept (the saved template must render the prompt as training did: else exit 1, nothing
 written); it holds a second copy of the model in fp32 meanwhile.
 Written to OUT.export-tmp and renamed; an existing OUT is refused unless --overwrite. --push-to-hub
-uploads OUT with the token in $HF_TOKEN, never printed or written. Bad input: one line, exit 2,
-nothing written; a failed upload exits 1 and keeps OUT.
+uploads OUT with the token in $HF_TOKEN, never printed or written; --create-endpoint NAME then
+serves the upload on a Hugging Face Inference Endpoint (vLLM on a T4, scaled to zero when idle), and
+`python -m tools.export check --url URL ...` compares a served model's greedy replies with the
+adapter's (both in tools/deploy.py). Bad input: one line, exit 2, nothing written; a failed upload
+or endpoint exits 1 and keeps OUT.
 """
 from __future__ import annotations
 
@@ -40,12 +43,14 @@ from settings.typed_config import check_writable
 from sources import overlap
 from sources.adapters import apply_adapter_chain, check_adapter_base, find_adapter
 from sources.hub import BUILTIN
+from tools import deploy
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m tools.export",
                                  description=__doc__.split("\n\n")[0],
-                                 epilog="Any config field: --section.key=value")
+                                 epilog="Any config field: --section.key=value. A served model "
+                                        "against its adapter: python -m tools.export check --help")
     ap.add_argument("--config", required=True,
                     help="the YAML config the adapter was trained with (its model section)")
     ap.add_argument("--adapter", required=True,
@@ -61,6 +66,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     help="reload the export as a server would and check it against the merged "
                          "model (default prompt: 'What is 2 + 2?'); a template that renders the "
                          "prompt otherwise than training fails the export")
+    deploy.add_endpoint_args(ap)
     return ap.parse_known_args(argv)
 
 
@@ -198,11 +204,16 @@ def serving_gaps(folder: Path) -> list[str]:
     return gaps
 
 
+def max_model_len(cfg: Config) -> int:
+    """The training run's longest prompt plus reply (the seed's --max_model_len; a larger one is
+    fine where the model takes it)."""
+    return length_limit(cfg)[1] + (cfg.rollout.max_new_tokens if cfg.mode == "grpo" else 0)
+
+
 def serve_command(out: str, cfg: Config) -> str:
-    """vLLM's OpenAI-compatible server for the export, its context the training run's longest
-    prompt plus reply (the seed's --max_model_len; pass a larger one where the model takes it)."""
-    longest = length_limit(cfg)[1] + (cfg.rollout.max_new_tokens if cfg.mode == "grpo" else 0)
-    return f"vllm serve {out} --max-model-len {longest} --served-model-name {Path(out).name}"
+    """vLLM's OpenAI-compatible server for the export."""
+    return (f"vllm serve {out} --max-model-len {max_model_len(cfg)} "
+            f"--served-model-name {Path(out).name}")
 
 
 def readable_by_older_transformers(folder: Path) -> None:
@@ -224,12 +235,14 @@ def readable_by_older_transformers(folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(tok, indent=2) + "\n")
 
 
-def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> None:
+def push_to_hub(folder: Path, repo_id: str, private: bool, token: str) -> str | None:
+    """-> the upload's commit, which an endpoint is pinned to."""
     from huggingface_hub import HfApi
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder),
-                      commit_message="Upload model exported by minigrpo")
+    commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
+                               commit_message="Upload model exported by minigrpo")
+    return getattr(commit, "oid", None)
 
 
 def check_args(args, cfg: Config) -> str | None:
@@ -242,6 +255,7 @@ def check_args(args, cfg: Config) -> str | None:
     if args.verify is not None and not args.verify.strip():
         raise ConfigError("--verify '' has no prompt to check; give one, or --verify alone for "
                           "the default")
+    deploy.check_endpoint_args(args)
     if out.exists() and not args.overwrite:
         raise ConfigError(f"--out {args.out} already exists; pass --overwrite to replace it or "
                           "choose another directory")
@@ -275,7 +289,10 @@ def check_args(args, cfg: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        return deploy.check_served(argv[1:])
+    args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
         token = check_args(args, cfg)
@@ -363,14 +380,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{serve_command(args.out, train_cfg)}")
     if not token:
         return 0
+    def why(e: Exception) -> str:
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}".replace(token, "***")
     try:
-        push_to_hub(out, args.push_to_hub, args.private, token)
+        commit = push_to_hub(out, args.push_to_hub, args.private, token)
     except Exception as e:  # network, permissions: the export itself is done and kept
-        msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}".replace(token, "***")
-        print(f"error: upload to {args.push_to_hub} failed ({msg}); the export is kept in {out}",
+        print(f"error: upload to {args.push_to_hub} failed ({why(e)}); the export is kept in {out}",
               file=sys.stderr)
         return 1
     print(f"[minigrpo] uploaded to https://huggingface.co/{args.push_to_hub}")
+    if not args.create_endpoint:
+        return 0
+    try:
+        print(deploy.create_endpoint(args, commit, max_model_len(train_cfg), token).replace(
+            token, "***"))
+    except Exception as e:  # a name taken, no payment method, no quota for the instance
+        print(f"error: creating endpoint {args.create_endpoint} failed ({why(e)}); the model is "
+              f"uploaded to {args.push_to_hub} and kept in {out}", file=sys.stderr)
+        return 1
     return 0
 
 
