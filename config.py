@@ -369,6 +369,10 @@ class HealthConfig:
     reward_gain: float = 0.0  # ... while the mean reward rose by at most this
     clip_max: float = 0.2  # clip_ratio/region_mean above this (the clip acts only off-policy)
     kl_max: float = 1.0  # kl (grpo.beta > 0) above this
+    judge_failure_share: float = 0.2  # a judge's failures / calls over the last `window` steps
+    eval_drop: float = 0.02  # eval/reward (else eval/accuracy) fell by more over eval_points
+    #   held-out evaluations (run.eval_every), never rising between them, while the reward rose
+    eval_points: int = 3  # the last held-out evaluations eval_drop compares (at least 2)
 
 
 @dataclass

@@ -91,8 +91,49 @@ def not_finite(history: list[dict], h: HealthConfig, steps: int):
             "the rewards for NaN")
 
 
+def judge_failing(history: list[dict], h: HealthConfig, steps: int):
+    recent = history[-h.window:]
+    if len(recent) < h.window:
+        return None
+    for key in sorted(k for k in history[-1] if k == "judge_failures"
+                      or k.startswith("judges/") and k.endswith("/failures")):
+        prefix = key[:-len("failures")]  # judge_ (the judge: section) or judges/<name>/
+        failed = sum(m.get(key, 0.0) for m in recent)
+        calls = sum(m.get(f"{prefix}calls", 0.0) for m in recent)
+        if calls and failed / calls > h.judge_failure_share:
+            began = next(m["step"] for m in recent if m.get(key, 0.0) > h.judge_failure_share
+                         * m.get(f"{prefix}calls", 0.0))
+            name = "the judge" if prefix == "judge_" else f"judge {prefix[7:-1]}"
+            what = (f"{failed:g} of {calls:g} calls over the last {h.window} steps ({key}, > "
+                    f"health.judge_failure_share {h.judge_failure_share:g})")
+            return began, (f"{name} failing since step {began}: {what}; rewards fall back: check "
+                           "its endpoint, key and rate limits (reward_errors/*), or lower "
+                           "judge.max_concurrent")
+
+
+def held_out_falling(history: list[dict], h: HealthConfig, steps: int):
+    m = history[-1]
+    key = next((k for k in ("eval/reward", "eval/accuracy") if k in m), None)
+    n = max(2, h.eval_points)
+    points = [e for e in history if key in e][-n:] if key else []
+    if len(points) < n:
+        return None
+    held = [e[key] for e in points]
+    fell = held[0] - held[-1]
+    mean = lambda ms: sum(x.get("reward", 0.0) for x in ms) / len(ms)  # noqa: E731
+    upto = lambda e: [x for x in history if x["step"] <= e["step"]][-h.window:]  # noqa: E731
+    rose = mean(upto(points[-1])) - mean(upto(points[0]))
+    if fell > h.eval_drop and all(b <= a for a, b in zip(held, held[1:])) and rose > 0:
+        return points[0]["step"], (
+            f"train reward rising while held-out falls since step {points[0]['step']}: {key} "
+            f"{held[0]:.3f} -> {held[-1]:.3f} over {len(points)} evaluations (fell > "
+            f"health.eval_drop {h.eval_drop:g}), reward {rose:+.3f}: overfitting or reward "
+            "hacking; read samples.jsonl, keep an earlier checkpoint, lower optim.lr or run.steps")
+
+
 CHECKS = {"truncated": truncated, "entropy": entropy_collapsed, "length": length_without_reward,
-          "clip_kl": clip_or_kl, "not_finite": not_finite}
+          "clip_kl": clip_or_kl, "not_finite": not_finite, "judge": judge_failing,
+          "held_out": held_out_falling}
 
 
 class Monitor:

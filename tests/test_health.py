@@ -75,3 +75,44 @@ def test_a_runs_config_is_its_newest_resumed_one(tmp_path):
                  "config_resumed_step_000010.yaml"):
         (tmp_path / name).write_text("{}\n")
     assert health.run_config(tmp_path).name == "config_resumed_step_000010.yaml"
+
+
+def test_a_judge_failing_more_than_its_share_of_calls_fires_with_the_step_it_began():
+    failing = {"judge_calls": 8.0, "judge_failures": lambda s: 6.0 if s >= 4 else 0.0}
+    lines = said(steps(10, **failing))
+    assert len(lines) == 1 and lines[0].startswith("the judge failing since step 4: ")
+    assert "health.judge_failure_share 0.2" in lines[0] and "judge_failures" in lines[0]
+    named = said(steps(10, **{"judges/rubric/calls": 4.0, "judges/rubric/failures": 4.0}))
+    assert named and named[0].startswith("judge rubric failing since step 1: 20 of 20 calls")
+    # a healthy judge: a failure now and then, steps answered from the cache (no calls)
+    assert said(steps(20, judge_calls=lambda s: 8.0 if s % 3 else 0.0,
+                      judge_failures=lambda s: 1.0 if s % 5 == 0 else 0.0)) == []
+    assert said(steps(10, **failing), HealthConfig(judge_failure_share=0.8)) == []
+
+
+def held_out(values: dict[int, float], reward) -> list[dict]:
+    """20 steps, held-out eval/reward logged at the steps in values (run.eval_every)."""
+    return [{**m, **({"eval/reward": values[m["step"]]} if m["step"] in values else {})}
+            for m in steps(20, reward=reward)]
+
+
+def test_train_reward_rising_while_held_out_falls_fires_at_the_first_evaluation_compared():
+    rising = lambda s: 0.2 + s / 40  # noqa: E731
+    lines = said(held_out({5: 0.6, 10: 0.5, 15: 0.4, 20: 0.3}, rising))
+    assert len(lines) == 1 and lines[0].startswith(
+        "train reward rising while held-out falls since step 5: eval/reward 0.600 -> 0.400 over "
+        "3 evaluations")
+    assert "health.eval_drop 0.02" in lines[0]
+    accuracy = [{k.replace("eval/reward", "eval/accuracy"): v for k, v in m.items()}
+                for m in held_out({5: 0.6, 10: 0.5}, rising)]
+    assert said(accuracy, HealthConfig(eval_points=2))[0].startswith(
+        "train reward rising while held-out falls since step 5: eval/accuracy 0.600 -> 0.500")
+
+
+def test_held_out_check_is_quiet_when_both_rise_when_train_falls_too_or_on_a_blip():
+    rising = lambda s: 0.2 + s / 40  # noqa: E731
+    assert said(held_out({5: 0.3, 10: 0.4, 15: 0.5, 20: 0.6}, rising)) == []  # learning
+    assert said(held_out({5: 0.6, 10: 0.5, 15: 0.4}, lambda s: 0.8 - s / 40)) == []  # all falls
+    assert said(held_out({5: 0.6, 10: 0.4, 15: 0.55}, rising)) == []  # noise, not a trend
+    assert said(held_out({5: 0.6, 10: 0.59, 15: 0.59}, rising)) == []  # under eval_drop
+    assert said(steps(20, reward=rising)) == []  # no run.eval_every: nothing to compare
