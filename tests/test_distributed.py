@@ -100,17 +100,23 @@ def free_port() -> int:
 def test_one_update_on_two_processes_equals_one_process_on_the_same_global_batch(fixed_batch):
     tmp, config = fixed_batch
     port = free_port()
+    # each rank's output to a file: a pipe nobody reads while the reference runs fills, and a rank
+    # blocked on its write leaves the other in a collective until gloo gives up
+    logs = [tmp / f"rank{k}.log" for k in range(WORLD)]
+    files = [log.open("w") for log in logs]
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(tmp), str(config)],
                               env=ENV | {"RANK": str(k), "LOCAL_RANK": str(k),
                                          "WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1",
                                          "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=files[k], stderr=subprocess.STDOUT, text=True)
              for k in range(WORLD)]
     batch = torch.load(tmp / "batch.pt", weights_only=False)
     assert batch["kept"].total.unique().numel() > 1  # rewards vary: the advantages are not all 0
     one = {t: one_update(tmp / "one", config, t, batch, list(range(B))) for t in LOSS_TYPES}
-    outs = [p.communicate(timeout=300)[0] for p in procs]  # meanwhile, the two processes ran
-    assert [p.returncode for p in procs] == [0, 0], outs
+    for p, f in zip(procs, files):  # meanwhile, the two processes ran
+        p.wait(timeout=300)
+        f.close()
+    assert [p.returncode for p in procs] == [0, 0], [log.read_text()[-3000:] for log in logs]
     two = torch.load(tmp / "two.pt", weights_only=False)
     for loss_type in LOSS_TYPES:
         (weights, metrics, shown), (w2, m2, shown2) = one[loss_type], two[loss_type]
