@@ -136,7 +136,7 @@ def generate_local(model, tokenizer, prompts: list[str], max_new_tokens: int, nu
     string (rollout.stop_strings: they end training's completions, so they end these too).
     share_prompt: each prompt is prefilled once for its num_samples rows (rollout.prefill_shared).
     on_batch(first prompt's index, that batch's completions) runs after each call."""
-    as_gen = lambda r: Generated(r.texts, r.completion_mask.sum(1).long().tolist(),  # noqa: E731
+    as_gen = lambda r: Generated(r.texts, r.num_tokens(),  # noqa: E731
                                  r.truncated.tolist())
     r = rollout.generate_in_slices(model, tokenizer, prompts, batch_size, num_samples,
                                 max_new_tokens, temperature, top_p, share_prompt=share_prompt,

@@ -54,6 +54,10 @@ class Rollout:
     def input_ids(self) -> Tensor:
         return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # (N, P + C)
 
+    def num_tokens(self) -> list[int]:
+        """Each completion's token count (read before work goes to a thread: no GPU sync there)."""
+        return self.completion_mask.sum(1).long().tolist()
+
     @property
     def attention_mask(self) -> Tensor:
         seen = self.completion_mask if self.attended is None else self.attended  # (N, C)

@@ -136,7 +136,7 @@ class Updates:
 def train_step(run: Run) -> tuple[dict, list[dict]]:
     """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
     cfg, G = run.cfg, run.cfg.rollout.num_generations
-    t0, device = time.time(), next(run.model.parameters()).device
+    t0, device = time.time(), device_of(run)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     run.phase = "sampling"
@@ -193,7 +193,7 @@ def score(run: Run, idx: list[int]) -> Scored:
     batch = run.engine.generate(run.tokenizer, prompts, rollout.eos_token_ids(
         run.tokenizer, run.model), device_of(run)) if run.engine else sample(run, prompts)
     return scored(batch, samples, compute_rewards(batch.texts, samples, cfg.rewards,
-                                                  num_tokens=lengths(batch), context=context))
+                                                  num_tokens=batch.num_tokens(), context=context))
 
 
 def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
@@ -207,11 +207,6 @@ def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
             stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
             ignore_eos=ro.ignore_eos, share_prompt=run.cfg.grpo.share_prompt is not False,
             static_cache=ro.compile, entropy=True)
-
-
-def lengths(batch: rollout.Rollout) -> list[int]:
-    """Each completion's token count (read here: no GPU sync on a rewards thread)."""
-    return batch.completion_mask.sum(1).long().tolist()
 
 
 def device_of(run: Run) -> torch.device:

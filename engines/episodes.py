@@ -94,7 +94,7 @@ def sample_and_score(cfg: Config, model, tokenizer, rows: list[dict], samples: l
     batch = run_episodes(cfg, model, tokenizer, rows)
     return batch, samples, compute_rewards(
         [e.reply for e in batch.episodes], samples, cfg.rewards,
-        num_tokens=batch.completion_mask.sum(1).long().tolist(), episodes=batch.episodes,
+        num_tokens=batch.num_tokens(), episodes=batch.episodes,
         context=context)
 
 

@@ -117,11 +117,6 @@ def same_start(params: list[torch.Tensor], seed: int) -> None:
     rollout.seed_everything(seed + 1_000_003 * rank())  # rank 0 keeps run.seed
 
 
-def share(n: int) -> int:
-    """This rank's share of a global count (prompts a step): n / world()."""
-    return n // world()
-
-
 def sum_norms(minis: list) -> list:
     """Each mini-batch's (micro-batches, grpo.LossNorm) with the norm's counts (sequences, tokens,
     micro-batches) summed over the ranks: the normaliser of the whole step's mini-batch."""

@@ -1,5 +1,6 @@
 """The metrics eval.py reports for one model (and train.py's eval/* with run.eval_every), and those
-of a GRPO step (step_metrics, source_metrics), as plain functions of the rewards: no model, no I/O.
+of a mixture's sources in a GRPO step (source_metrics), as plain functions of the rewards: no
+model, no I/O (the step's own metrics are step.step_metrics).
 
 Metrics, over the N completions (prompt-major, n = num_samples per prompt). ok_r(i): reward r of
 completion i is not None and >= 1; correct(i) = ok_r(i) for r = choice_accuracy, else answer_match:
@@ -34,10 +35,8 @@ from __future__ import annotations
 
 import math
 
-import torch
 from scipy.stats import spearmanr
 
-import grpo
 from rewards import RewardResult, reward_means
 
 
@@ -186,41 +185,6 @@ def per_source_metrics(where: list[dict], n: int, res: RewardResult,
         if "accuracy" in task:
             out[f"{label}/accuracy"] = task["accuracy"]
     return out
-
-
-def step_metrics(drawn, G: int, sums: dict, updates: int, zero_std_tol: float,
-                 kl: bool = True) -> dict:
-    """Rewards over every completion drawn (what the policy produced); loss terms over the trained
-    tokens of the `updates` optimizer updates whose loss was finite, loss their mean (grad_norm:
-    norm_metrics). reward_std is the mean of the groups' stds, as in TRL; entropy the mean over the
-    drawn completions' tokens of their sampling distributions' entropy (HF generate only); kl only
-    with a reference (kl)."""
-    tok, r = max(sums["tokens"], 1.0), drawn.total
-    lengths, truncated, h = (drawn.rollout.completion_mask.sum(1), drawn.rollout.truncated,
-                             drawn.rollout.entropy)
-    scored = r[~torch.isnan(r)]  # NaN: skipped (fallback: skip)
-    _, std, n = grpo.group_stats(r, G)  # (B,) each
-    return {
-        **({"loss": sums["loss"] / updates} if updates else {}),  # over the updates of finite loss
-        **({"reward": float(scored.mean())} if len(scored) else {}),  # none scored: no value
-        "reward_std": float(std[n >= 2].mean()) if (n >= 2).any() else 0.0,
-        "frac_reward_skipped": 1 - len(scored) / len(r),
-        **{f"rewards/{k}/mean": v for k, v in reward_means(drawn.per_reward).items()},
-        **{f"reward_errors/{k}": v for k, v in drawn.errors.items()},
-        "frac_reward_zero_std": float(grpo.zero_std_groups(r, G, zero_std_tol).float().mean()),
-        # as TRL: only with a reference (beta > 0)
-        **({"kl": sums["kl_sum"] / tok} if kl and sums["tokens"] else {}),
-        **({"ratio_mean": sums["ratio_sum"] / tok,  # none without a trained token
-            "clip_ratio/low_mean": sums["clip_low_sum"] / tok,
-            "clip_ratio/high_mean": sums["clip_high_sum"] / tok,
-            "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
-           if sums["tokens"] else {}),
-        "completions/mean_length": float(lengths.float().mean()),
-        "completions/max_length": int(lengths.max()),
-        "completions/clipped_ratio": float(truncated.float().mean()),
-        **({"entropy": float((h * drawn.rollout.completion_mask).sum()
-                             / lengths.sum().clamp(min=1))} if h is not None else {}),
-    }
 
 
 def source_shares(r) -> dict:

@@ -26,7 +26,7 @@ def sample_and_score(run, prompts: list[str], samples: list[dict], context: dict
     def start_rewards(i: int, part) -> None:  # lengths read here: no GPU sync on the thread
         after: concurrent.futures.Future | None = pending[-1] if pending else None
         pending.append(in_background(functools.partial(
-            rewards_of, part.texts, part.completion_mask.sum(1).long().tolist(), i * G),
+            rewards_of, part.texts, part.num_tokens(), i * G),
             after=after))
     batch = sample(run, prompts, on_slice=start_rewards)
     return batch, samples, join_results([f.result() for f in pending])

@@ -80,7 +80,7 @@ def one_step(r: step.Run, group: int | None) -> Explained:
     context = reward_context(rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
                              cfg.data.assistant_prefix)
     res = compute_rewards(batch.texts, [row for row in rows for _ in range(G)], cfg.rewards,
-                          num_tokens=batch.completion_mask.sum(1).long().tolist(), context=context)
+                          num_tokens=batch.num_tokens(), context=context)
     total = torch.tensor(res.total).float()  # (N,)
     adv = grpo.group_advantages(total, G, cfg.grpo.scale_rewards,  # 3. A_i
                                 zero_std_tol=cfg.grpo.zero_std_tol)
