@@ -20,8 +20,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("api", "engines", "files", "graders", "modes", "parallel", "run", "scoring", "settings",
-           "sources", "tools")  # what a first read can skip
+FOLDERS = ("api", "engines", "files", "gpu", "graders", "modes", "parallel", "run", "scoring",
+           "settings", "sources", "tools")  # what a first read can skip
 CORE_MAX = 12  # Python files at the root
 # the files a default step (the quickstart's settings) runs through, in the README's order
 PATH = ("train.py", "step.py", "rollout.py", "rewards.py", "answers.py", "grpo.py", "logprobs.py",
@@ -29,8 +29,9 @@ PATH = ("train.py", "step.py", "rollout.py", "rewards.py", "answers.py", "grpo.p
 STEP_BUDGET = 460  # statements a default step executes (453 measured; 471 before the move)
 # bottom to top: each imports only from its own layer and those below it
 LAYERS = (("settings", "files"), ("config",), ("api", "sources"), ("answers", "grpo"),
-          ("logprobs", "rollout", "model", "data"), ("rewards", "judge"), ("engines", "parallel"),
-          ("scoring",), ("step",), ("modes", "eval"), ("run",), ("train",), ("graders", "tools"))
+          ("logprobs", "rollout", "model", "data"), ("rewards", "judge"),
+          ("engines", "parallel", "gpu"), ("scoring",), ("step",), ("modes", "eval"), ("run",),
+          ("train",), ("graders", "tools"))
 
 
 def modules() -> dict[str, Path]:
