@@ -131,7 +131,8 @@ class ModelConfig:
     #   GPUs that have it, else fp16
     quant: Literal["4bit"] | None = None  # NF4 base weights via bitsandbytes (QLoRA, CUDA only)
     chat_template: str | None = None  # Jinja chat template (text or file) for models that ship none
-    gradient_checkpointing: bool = False  # recompute activations: less memory, ~30% slower
+    gradient_checkpointing: bool | Literal["auto"] = "auto"  # recompute activations: less memory,
+    #   ~30% slower; auto: off on a CPU, on a GPU chosen with the micro-batch (gpu/memory.py)
     attn_implementation: str | None = None  # "sdpa", "flash_attention_2"; None: transformers picks
     trust_remote_code: bool = False  # allow custom modelling code from the hub
     cache_dir: str = "~/.cache/minigrpo"  # where the built-in model is converted once and reused
@@ -219,15 +220,17 @@ class RolloutConfig:
     top_k: int = 0  # top-k sampling (0: off); off the policy as top_p < 1 is
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # EOS suppressed, always max_new_tokens: fixed-length speed benchmarks
-    compile: bool = False  # HF generate with a static KV cache, compiled by transformers on CUDA
-    #   (prompts padded to 64-token buckets); no prompt sharing
+    compile: bool | Literal["auto"] = "auto"  # HF generate with a static KV cache, compiled by
+    #   transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing; auto: on
+    #   on GPUs of compute capability >= 8 (A10, A100, H100), off elsewhere (gpu/auto.py)
     prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer
     #   caps the sampling KV cache at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache)
     #   for more, smaller calls; see bench/memory_estimate.py
     overlap_rewards: bool = True  # with prompts_per_generate: score each slice (judge calls,
     #   ratings) while the next one samples
-    merged_sampling: bool = False  # HF generate with the LoRA update folded into the base weights
-    #   (restored after): faster sampling; see model.py
+    merged_sampling: bool | Literal["auto"] = "auto"  # HF generate with the LoRA update folded
+    #   into the base weights (restored after): faster sampling; see model.py; auto: on with
+    #   rollout.compile's auto on a GPU, off on a CPU (gpu/auto.py)
     engine: Literal["hf", "vllm"] = "hf"  # who samples: HF generate, or vLLM on the same GPU
     #   (LoRA only; see engines/vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3  # share of GPU memory vLLM reserves (weights +
@@ -293,7 +296,9 @@ class OptimConfig:
     warmup_ratio: float = 0.0  # or this share of the run's updates (TRL's warmup_ratio); not both
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 1.0  # gradient clipping (0: off)
-    micro_batch_size: int = 8  # completions per forward/backward; accumulation covers the rest
+    micro_batch_size: int | Literal["auto"] = "auto"  # completions per forward/backward;
+    #   accumulation covers the rest; auto: 8 on a CPU, on a GPU the largest that fits
+    #   (gpu/memory.py)
     micro_batch_tokens: int = 0  # also cap a micro-batch at this many padded tokens
     #   (rows x longest row): flat memory with long, uneven completions (0: off)
 

@@ -207,7 +207,7 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
                     m.lora_dropout[k] = nn.Dropout(p) if p else nn.Identity()
         own.lora_dropout = p  # saved with this run's adapter
     # also makes the embeddings' output require grad, so LoRA's gradients flow
-    if mcfg.gradient_checkpointing:
+    if mcfg.gradient_checkpointing is True:  # auto: gpu/auto.py, once the model is loaded
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
     if lcfg.enabled and not continuing:

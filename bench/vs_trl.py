@@ -3,9 +3,11 @@
 Not part of the test suite. It runs minigrpo (train.py's real loop) and TRL's GRPOTrainer on the
 same model and weights, the same prompts in the same order, the same G, fixed-length completions
 (EOS suppressed on both sides), LoRA (r, alpha, q/k/v/o/gate/up/down), DAPO loss, beta 0, AdamW
-with the same lr/betas/weight decay and no warmup, the same micro-batch size, one generation and one
-optimizer update per step, the same steps and seed. Each run is a fresh subprocess, alternating
-(minigrpo, TRL, minigrpo, TRL, ...), so peak memory is per run. It reports per-step wall time,
+with the same lr/betas/weight decay and no warmup, one generation and one optimizer update per
+step, the same steps and seed. minigrpo gets no speed or memory setting (its micro-batch, sampler
+and checkpointing are its "auto" defaults) unless --minigrpo-set or --variant gives one; TRL gets
+--micro-batch-size. Each run is a fresh subprocess, alternating (minigrpo, TRL, minigrpo, TRL,
+...), so peak memory is per run. It reports per-step wall time,
 rollout tokens/s, training tokens/s and peak memory as medians and as minigrpo/TRL ratios. The
 first step of every run is warm-up and is left out of the medians.
 
@@ -28,7 +30,7 @@ Setup (a separate venv, so the project's .venv stays free of TRL; both trainers 
     .venv-bench/bin/pip install trl -c requirements.txt        # trl 1.16.0 keeps every pin
 
 CPU (the issue's setting: built-in SmolLM2-135M, fp32, B=4, G=8, 64 fixed new tokens, LoRA r=16,
-micro-batch 8, 4 steps per run, 2 alternations, 2 threads on both sides):
+TRL's micro-batch 8, 4 steps per run, 2 alternations, 2 threads on both sides):
 
     .venv-bench/bin/python bench/vs_trl.py --preset cpu 2>&1 | tee bench/vs_trl_cpu.log
     .venv-bench/bin/python bench/vs_trl.py --preset cpu --steps 2 --prompts-per-step 2 \\
@@ -38,7 +40,8 @@ GPU (a CUDA machine with torch, TRL and its dependencies, and a tokenizer direct
 template via --tokenizer, else the built-in model's; on the lent GPU machine, `sh bench/gpu_kit.sh
 bench` packs what it lacks and bench/RESULTS.md "GPU" gives the device command): randomly
 initialised models of real shapes (Qwen3-0.6B and Qwen2.5-1.5B, from hand-written configs below; no
-hub access), bf16, B=16, G=8, 512 fixed new tokens, micro-batch 8, 4 steps per run, 2 alternations:
+hub access), bf16, B=16, G=8, 512 fixed new tokens, TRL's micro-batch 8, 4 steps per run (3
+measured), 2 alternations:
 
     .venv-bench/bin/python bench/vs_trl.py --preset gpu 2>&1 | tee bench/vs_trl_gpu.log
     .venv-bench/bin/python bench/vs_trl.py --preset gpu --model random:qwen3-0.6b --steps 3
@@ -186,9 +189,9 @@ def minigrpo_config(a: argparse.Namespace, path: Path, device: str, out_dir: Pat
         "grpo": {"loss_type": "dapo", "beta": 0.0, "epsilon": 0.2, "epsilon_high": 0.28,
                  "scale_rewards": "group", "num_iterations": 1,
                  "mask_truncated_completions": False},
+        # no micro_batch_size: minigrpo's "auto" (8 on a CPU); TRL's side adds --micro-batch-size
         "optim": {"lr": a.lr, "weight_decay": 0.0, "betas": [0.9, 0.99], "warmup_steps": 0,
-                  "min_lr_ratio": 0.1, "max_grad_norm": 1.0,
-                  "micro_batch_size": a.micro_batch_size},
+                  "min_lr_ratio": 0.1, "max_grad_norm": 1.0},
         # save_every 0: only the final checkpoint, after the last step
         "run": {"out_dir": str(out_dir), "steps": a.steps, "seed": a.seed, "device": device,
                 "threads": a.threads, "save_every": 0, "sample_every": 0},
@@ -447,6 +450,10 @@ def summarise(model: str, runs: dict[str, list[dict]], device: str, label: str =
     lines.append(f"steps measured: minigrpo {med['minigrpo']['n']}, TRL {med['trl']['n']}; "
                  f"tokens per step (prompt, completion): minigrpo {med['minigrpo']['tokens']}, "
                  f"TRL {med['trl']['tokens']}")
+    first = {who: statistics.median(r["steps"][0]["step_time"] for r in rs)
+             for who, rs in runs.items()}
+    lines.append("first step (warm-up and compilation; left out above), median over runs: "
+                 + ", ".join(f"{who} {t:.1f} s" for who, t in first.items()))
     lines.append("per run (median step time s / peak MB): " + "; ".join(
         f"{who} #{i + 1} {statistics.median(s['step_time'] for s in r['steps'][1:]):.2f}/"
         + (f"{max(s['peak_gpu_mb'] for s in r['steps'][1:]):.0f}" if device == "cuda"
@@ -521,8 +528,10 @@ def main() -> int:
                 child = "trl" if who == "trl" else "minigrpo"
                 wd = work / f"{spec.replace(':', '_').replace('/', '_')}-{tag}-{i + 1}"
                 cfg = minigrpo_config(a, path, a.device, wd / "run")
-                if child == "minigrpo":
-                    apply_settings(cfg, a.minigrpo_set + extra)
+                # minigrpo: no speed or memory setting unless asked for; TRL: its micro-batch
+                apply_settings(cfg, a.minigrpo_set + extra if child == "minigrpo" else [
+                    f"optim.micro_batch_size={a.micro_batch_size}",
+                    "model.gradient_checkpointing=false"])
                 if child == "trl" and prompts is None:
                     raise SystemExit("[bench] no prompts recorded from minigrpo's run")
                 r = run_child(child, cfg, a, wd, prompts if child == "trl" else None)

@@ -67,15 +67,15 @@ def out_of_memory(cfg: Config, phase: str, device: torch.device, config_path: st
     if err is not None and str(err).startswith("reward_model:"):
         return f"{err}{where}"
     o, ro, g, m = cfg.optim, cfg.rollout, cfg.grpo, cfg.model
-    training = [f"optim.micro_batch_size (now {o.micro_batch_size})" if o.micro_batch_size > 1
+    training = [f"optim.micro_batch_size (now {o.micro_batch_size})" if o.micro_batch_size != 1
                 else "",
                 "optim.micro_batch_tokens (a cap on a micro-batch's padded tokens)"
                 if not o.micro_batch_tokens else
                 f"optim.micro_batch_tokens (now {o.micro_batch_tokens})",
-                "" if m.gradient_checkpointing else "model.gradient_checkpointing: true",
+                "" if m.gradient_checkpointing is True else "model.gradient_checkpointing: true",
                 "" if g.fused_lm_head or cfg.mode != "grpo" else "grpo.fused_lm_head: true",
                 "" if (m.quant == "4bit" or not cfg.lora.enabled or ro.engine != "hf"
-                       or ro.merged_sampling or ro.compile)
+                       or ro.merged_sampling is True or ro.compile is True)
                 else "model.quant: 4bit (QLoRA)"]  # refused with those (config.py, vllm_engine.py)
     if ro.engine == "vllm" and phase in ("sampling", "syncing the weights to vLLM"):
         tips = [f"rollout.vllm_gpu_memory_utilization (now {ro.vllm_gpu_memory_utilization}: "
@@ -153,7 +153,10 @@ class Pace:
     >>> pace.line(2) is None, pace.line(3)                        # 50 s, 60 s: not 30 s yet
     (True, None)
     >>> pace.line(4)
-    '[minigrpo] step 4/10 | 1m30s elapsed | 16.7 s/step | eta 1m40s'
+    '[minigrpo] step 4/10 | 1m30s elapsed | 16.7 s/step | eta 1m40s | first step +23s (warm-up)'
+
+    The last part is the one-time cost: the first step's time beyond a later step's (with the
+    compiled sampler, mostly its compilation), once a later step has shown what a step costs.
     """
 
     def __init__(self, total: int, start: int, started: float, max_minutes: float = 0.0,
@@ -178,6 +181,8 @@ class Pace:
         text = (f"[minigrpo] step {step}/{self.total} | {duration(now - self.started)} elapsed | "
                 f"{per_step:.1f} s/step{' (the first: warm-up)' if done == 1 else ''} | "
                 f"eta {duration(eta)}")
+        if done > 1 and (once := self.first_done - self.began - per_step) >= 1:
+            text += f" | first step +{duration(once)} (warm-up)"
         left = self.max_minutes * 60 - (now - self.started)
         if self.max_minutes and left < eta:
             text += (f"; run.max_minutes={self.max_minutes:g} stops it in about "

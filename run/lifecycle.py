@@ -34,6 +34,7 @@ from config import (
 from data import PromptSampler, load_sources
 from engines import episodes, vllm_engine
 from files.jsonl import interrupted
+from gpu import auto
 from model import (
     is_peft,
     load_policy,
@@ -177,7 +178,7 @@ def setup(args, overrides: list[str]) -> Run:
         before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"),
                                                  len(rows))))
         changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items()  # as saved
-                         if before.get(k) != v)
+                         if before.get(k) != v and v != "auto")  # auto: chosen again
         if any(k.startswith(("model.", "lora.")) or k == "mode" for k in changed):
             raise ConfigError("--resume with a different mode, model or LoRA setup than "
                               f"{ckpts[-1]} ({', '.join(changed)}); resume with the run's own "
@@ -289,6 +290,11 @@ def setup(args, overrides: list[str]) -> Run:
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
                                         pick_dtype(cfg.model.dtype, device),
                                         lora_rank=model.peft_config["default"].r, start=start)
+    # "auto" settings: as before on a CPU; on a GPU the fast sampler and the memory levers that fit
+    cfg, chosen = auto.resolve(cfg, model, device,
+                               lambda: max(row_lengths(cfg, rows, tokenizer)[0]))
+    if chosen:
+        print(chosen, file=sys.stderr)
     return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
                params, optimizer, scheduler, scaler, sampler, judges, start, engine,
                world=distributed.world(),

@@ -48,7 +48,8 @@ def check_counts(cfg: Config) -> None:
     positive = {"rollout.prompts_per_step": cfg.rollout.prompts_per_step,
                 "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
                 "grpo.num_iterations": cfg.grpo.num_iterations,
-                "optim.micro_batch_size": cfg.optim.micro_batch_size,
+                "optim.micro_batch_size": 8 if cfg.optim.micro_batch_size == "auto"
+                else cfg.optim.micro_batch_size,
                 "grpo.num_mini_batches": cfg.grpo.num_mini_batches, "run.steps": cfg.run.steps,
                 "run.judge_outage_steps": cfg.run.judge_outage_steps, "lora.r": cfg.lora.r,
                 "run.judge_unusable_steps": cfg.run.judge_unusable_steps,
@@ -160,7 +161,7 @@ def check_engine(cfg: Config) -> None:
     if cfg.grpo.tis_mode != "token_truncate" and not cfg.grpo.tis_cap:
         raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: "
                           "set grpo.tis_cap (e.g. 2) too")
-    if cfg.rollout.merged_sampling and (cfg.model.quant or not cfg.lora.enabled
+    if cfg.rollout.merged_sampling is True and (cfg.model.quant or not cfg.lora.enabled
                                         or cfg.rollout.engine != "hf"):
         raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision "
                           "weights for HF generate: it needs lora.enabled, no model.quant "
@@ -169,10 +170,11 @@ def check_engine(cfg: Config) -> None:
         raise ConfigError("rollout.prompts_per_generate applies to HF generate; "
                           "vLLM schedules its own batches (set rollout.prompts_per_generate: 0, "
                           "or size vLLM's cache with rollout.vllm_gpu_memory_utilization)")
-    if cfg.rollout.compile and cfg.rollout.engine != "hf":
+    if cfg.rollout.compile is True and cfg.rollout.engine != "hf":
         raise ConfigError("rollout.compile applies to HF generate; vLLM compiles its own sampling "
                           "(set rollout.compile: false)")
-    if cfg.rollout.compile and cfg.model.quant:  # transformers' bnb quantizer is not is_compileable
+    # transformers' bnb quantizer is not is_compileable
+    if cfg.rollout.compile is True and cfg.model.quant:
         raise ConfigError("rollout.compile: transformers does not compile generate over a 4-bit "
                           "(bitsandbytes) model, so only the static cache's padding would "
                           "remain; set rollout.compile: false")

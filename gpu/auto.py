@@ -1,0 +1,108 @@
+"""The settings left at "auto", chosen for the device the run is on. An explicit setting always
+wins. Called once by run/lifecycle.setup, after the model has loaded:
+
+    cfg, line = auto.resolve(cfg, model, device, longest_prompt)   # line: what was chosen, or ""
+
+On a CPU every "auto" takes the value it had before it was a choice, so a CPU run is what it
+always was. On a CUDA GPU:
+
+    rollout.compile          on (HF generate with a static KV cache, compiled by transformers) on
+                             compute capability >= 8 (A10, A100, L4, H100); off on older GPUs (a T4:
+                             untested there, and the compilation eats into a short session), for a
+                             4-bit base (not compiled by transformers) and for multi-turn episodes
+                             (their token prompts are not padded to buckets: a recompile a shape)
+    rollout.merged_sampling  on where rollout.compile's auto is, with LoRA: one matmul a layer
+    optim.micro_batch_size,  from the estimated peak against the GPU's free memory
+    model.gradient_checkpointing   (gpu/memory.choose_levers); SFT and DPO keep 8 and off
+
+With the compiled sampler, a GQA model decodes through gpu/attention.py's attention, which reads
+the grouped K/V without repeating it (unless model.attn_implementation names one). The chosen
+values are what config.yaml saves; a resume whose config still says "auto" chooses again.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from config import Config
+
+AUTO_KEYS = ("rollout.compile", "rollout.merged_sampling", "optim.micro_batch_size",
+             "model.gradient_checkpointing")
+CPU = {"rollout.compile": False, "rollout.merged_sampling": False, "optim.micro_batch_size": 8,
+       "model.gradient_checkpointing": False}  # what each was before "auto"
+COMPILE_CAPABILITY = (8, 0)  # Ampere and newer
+
+
+def get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def put(cfg: Config, key: str, value) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+
+
+def fast_sampler(cfg: Config, capability: tuple[int, int]) -> tuple[bool, str]:
+    """(rollout.compile's auto on this GPU, why not when off)."""
+    if cfg.rollout.engine != "hf":
+        return False, "vLLM samples"
+    if cfg.model.quant:
+        return False, "a 4-bit base is not compiled by transformers"
+    if cfg.env or cfg.tools:
+        return False, "multi-turn episodes' prompts are not bucketed"
+    if tuple(capability) < COMPILE_CAPABILITY:
+        return False, f"compute capability {capability[0]}.{capability[1]} < 8.0"
+    return True, ""
+
+
+def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
+            longest_prompt: Callable[[], int], free_bytes: int | None = None,
+            capability: tuple[int, int] | None = None) -> tuple[Config, str]:
+    """-> (a copy of cfg with no "auto" left, one line saying what was chosen on a GPU, or "").
+    longest_prompt() gives the longest rendered prompt in tokens (called on a GPU only);
+    free_bytes and capability default to the device's own (tests give them)."""
+    auto = [k for k in AUTO_KEYS if get(cfg, k) == "auto"]
+    cfg = copy.deepcopy(cfg)
+    if device.type != "cuda":
+        for k in auto:
+            put(cfg, k, CPU[k])
+        return cfg, ""
+    chosen, notes = {}, []
+    fast, why_not = fast_sampler(cfg, capability or torch.cuda.get_device_capability(device))
+    if "rollout.compile" in auto:
+        chosen["rollout.compile"] = fast
+    if "rollout.merged_sampling" in auto:
+        chosen["rollout.merged_sampling"] = fast and cfg.lora.enabled
+    if why_not and {"rollout.compile", "rollout.merged_sampling"} & set(auto):
+        notes.append(f"fast sampler off: {why_not}")
+    levers = {"optim.micro_batch_size", "model.gradient_checkpointing"} & set(auto)
+    if levers and cfg.mode != "grpo":
+        chosen |= {k: CPU[k] for k in levers}
+    elif levers:
+        from gpu import memory
+        given = {k: None if k in levers else get(cfg, k) for k in sorted(levers | {
+            "optim.micro_batch_size", "model.gradient_checkpointing"})}
+        free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+        lv = memory.choose_levers(model, cfg, longest_prompt(), free,
+                                  micro_batch_size=given["optim.micro_batch_size"],
+                                  checkpointing=given["model.gradient_checkpointing"])
+        chosen |= {k: v for k, v in (("optim.micro_batch_size", lv.micro_batch_size),
+                                     ("model.gradient_checkpointing", lv.checkpointing))
+                   if k in levers}
+        if chosen.get("model.gradient_checkpointing"):
+            memory.enable_checkpointing(model)
+        notes.append(lv.why)
+    for k, v in chosen.items():
+        put(cfg, k, v)
+    if cfg.rollout.compile is True and cfg.model.attn_implementation is None:
+        from gpu import attention
+        if attention.use_gqa_decode(model):
+            notes.append("GQA decode without repeated K/V (gpu/attention.py)")
+    if not chosen and not notes:
+        return cfg, ""
+    said = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
+    return cfg, (f"[minigrpo] chosen for this GPU: {said}" + "".join(f"; {n}" for n in notes)
+                 + " (write a value in the config to choose it yourself)")
