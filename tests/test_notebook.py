@@ -96,3 +96,14 @@ def test_the_gpu_requirements_are_the_cpu_ones_without_the_torch_pin():
     cpu, gpu = pins("requirements.txt"), pins("requirements-gpu.txt")
     assert cpu.pop("torch") == "2.13.0" and gpu.pop("torch") == "2.6,<2.14"
     assert gpu == cpu
+
+
+def test_the_readme_opens_the_notebook_from_the_repository_the_notebook_clones():
+    """One place to change when the repository moves: the README's Colab link and REPO_URL."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    link = re.search(r"colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/main/"
+                     r"notebooks/grpo_colab_t4\.ipynb", readme)
+    url = re.search(r'REPO_URL = "https://github\.com/([^"]+)"',
+                    "".join(source for _, source in code_cells()))
+    assert link and url and link.group(1) == url.group(1)
