@@ -82,6 +82,24 @@ def test_folded_decode_equals_sdpa_and_the_slow_reference(monkeypatch, H, Hkv, m
                                **TOL)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_cuda_kernel_runs_the_folded_decode_of_qwen3_shapes(dtype):
+    """128 rows, 16 query heads on 8 KV heads of 128 dims, a padded static-cache mask: with the
+    math kernel barred, some fused SDPA kernel takes the folded call, and matches the reference."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = qkv(B=128, H=16, Hkv=8, L=1, S=192, D=128)
+    mask = padded_mask([i % 8 for i in range(128)], L=1, S=192, filled=100)
+    args = [x.to("cuda", dtype) for x in (q, k, v)] + [mask.cuda()]
+    fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.FLASH_ATTENTION]
+    with sdpa_kernel(fused):
+        out, _ = gqa_fold_attention(Layer(2), *args, scaling=128 ** -0.5)
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float().cpu(), slow_attention(q, k, v, mask, 128 ** -0.5),
+                               **tol)
+
+
 def test_prefill_with_left_padding_equals_sdpa_and_the_slow_reference():
     q, k, v = qkv(B=3, H=4, Hkv=2, L=6, S=8)
     mask = padded_mask([0, 1, 3], L=6, S=8, filled=6)
