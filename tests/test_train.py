@@ -394,8 +394,8 @@ def test_out_of_memory_in_held_out_scoring_and_in_the_step_after_it_name_their_o
 
 @pytest.mark.parametrize("overrides,phase,first", [
     # loss, then generation
-    (["--mode=sft", "--data.target=answer"], "scoring the held-out rows",
-     "optim.micro_batch_size (now 8)"),
+    (["--mode=sft", "--data.target=answer", "--optim.micro_batch_size=8"],
+     "scoring the held-out rows", "optim.micro_batch_size (now 8)"),
     (["--rollout.engine=vllm"], "syncing the weights to vLLM",
      "rollout.vllm_gpu_memory_utilization (now 0.3"),
     (["--rollout.engine=vllm"], "sampling", "rollout.vllm_gpu_memory_utilization (now 0.3"),
