@@ -44,7 +44,8 @@ class Rollout:
     completion_mask: Tensor  # (N, C) 1 up to and including the first EOS (or stop string)
     truncated: Tensor  # (N,) bool: hit max_new_tokens without EOS
     texts: list[str]  # decoded completions, EOS and padding removed (episodes: the conversation)
-    sampler_logp: Tensor | None = None  # (N, C) vLLM's own log-probs, for importance weights
+    sampler_logp: Tensor | None = None  # (N, C) the sampler's own log-probs (vLLM's; HF
+    #   generate's with generate_rollout(sampler_logp=True)), for importance weights
     entropy: Tensor | None = None  # (N, C) sampling entropy per token (HF generate, EntropyMeter)
     attended: Tensor | None = None  # (N, C) episodes: every token, the environment's too (the
     #   completion_mask has the model's alone); None: the completion_mask
@@ -199,22 +200,46 @@ class EntropyMeter:
     loss's distribution, and TRL's `entropy` (generate runs custom processors before temperature,
     top-k and top-p, so a top-k / top-p cut is not in it; a token banned before it, as EOS under
     rollout.ignore_eos (benchmarks), is left out). Falling entropy is a policy collapsing onto few
-    replies (what DAPO's clip-higher fights); it costs one softmax over (N, V) a step."""
+    replies (what DAPO's clip-higher fights); it costs one softmax over (N, V) a step.
 
-    def __init__(self, temperature: float):
+    sampler_logp: also each sampled token's log p_v, the sampler's own log-prob of it (sampler_logp
+    below). Step t's scores come before its token is drawn; that token is input_ids[:, -1] at step
+    t + 1 (and generate's last output token after the last step), so only the previous step's
+    (N, V) log-softmax is kept, never all steps'."""
+
+    last: Tensor | None = None  # (N, V) the previous step's log softmax (sampler_logp only)
+
+    def __init__(self, temperature: float, sampler_logp: bool = False):
         self.temperature = temperature
         self.steps: list[Tensor] = []  # (N,) a step
+        self.picked: list[Tensor] | None = [] if sampler_logp else None  # (N,) a step: log p(token)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logp = scores.float() / self.temperature  # (N, V), a new tensor: scores stay as they are
         logp.sub_(torch.logsumexp(logp, dim=-1, keepdim=True))  # log softmax; -inf where banned
         self.steps.append(-(logp.exp() * logp).nansum(-1))  # (N,); nansum drops banned 0 * -inf
+        if self.picked is not None:
+            self._pick(input_ids[:, -1], logp)
         return scores
+
+    def _pick(self, drawn: Tensor, logp: Tensor | None) -> None:
+        """drawn (N,): the token sampled from self.last; logp (N, V): this step's, for the next."""
+        if self.last is not None:
+            self.picked.append(self.last.gather(-1, drawn[:, None])[:, 0])  # (N,)
+        self.last = logp
 
     def entropy(self, width: int) -> Tensor:
         """(N, width): the recorded steps, zero past the last."""
         h = torch.stack(self.steps, dim=1) if self.steps else torch.zeros(0, 0)  # (N, steps)
         return torch.nn.functional.pad(h, (0, width - h.shape[1]))[:, :width]
+
+    def sampler_logp(self, completion_ids: Tensor, mask: Tensor) -> Tensor:
+        """(N, C): log softmax(logits / T)[token] of each sampled token, the distribution the loss
+        uses (untruncated by top-k / top-p), 0 where mask is 0 (past the end). completion_ids,
+        mask: (N, C), C the number of steps recorded."""
+        self._pick(completion_ids[:, -1], None)  # the last step's token is in generate's output
+        logp = torch.stack(self.picked, dim=1)  # (N, C)
+        return torch.where(mask.bool(), logp, 0.0)  # where: a banned pad's -inf past the end
 
 
 @torch.no_grad()
@@ -223,7 +248,7 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
         max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000,
         ignore_eos: bool = False, share_prompt: bool = False, static_cache: bool = False,
-        entropy: bool = False) -> Rollout:
+        entropy: bool = False, sampler_logp: bool = False) -> Rollout:
     """Sample `num_generations` completions per rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
@@ -233,6 +258,11 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
     tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
     entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`.
+    sampler_logp: record each sampled token's log-prob under the distribution it was drawn from,
+    log softmax(logits / T)[token] (the trainer's, with no top-k / top-p cut), as the Rollout's
+    `sampler_logp` (N, C), 0 past the end, as vLLM's: the sampler's distance from the trainer
+    (rollout.merged_sampling, a 16-bit cache) for step.py's importance weights. Under ignore_eos
+    it is that of the distribution without EOS, which the trainer's keeps. None when greedy.
     prompts may be token ids already, (ids, attn) left-padded: engines/episodes.py's
     conversations."""
     device = next(model.parameters()).device
@@ -257,7 +287,8 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
                     attention_mask=attn.repeat_interleave(G, 0), past_key_values=cache)
     else:
         rows = dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)
-    meter = EntropyMeter(temperature) if entropy and temperature > 0 else None
+    meter = EntropyMeter(temperature, sampler_logp) \
+        if (entropy or sampler_logp) and temperature > 0 else None
     try:
         out = model.generate(
             **rows, **decoding, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
@@ -284,7 +315,10 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=attn.repeat_interleave(G, 0),
                    completion_ids=completion_ids, completion_mask=mask,
                    truncated=truncated, texts=texts,
-                   entropy=meter.entropy(completion_ids.shape[1]).to(device) if meter else None)
+                   sampler_logp=meter.sampler_logp(completion_ids, mask)
+                   if meter and sampler_logp else None,
+                   entropy=meter.entropy(completion_ids.shape[1]).to(device)
+                   if meter and entropy else None)
 
 
 def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,
