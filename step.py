@@ -24,7 +24,8 @@ What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's ow
 
 Every feature enters the step through one named seam, a line here, owned by its module:
   vLLM          run.engine samples, weights its importance, gets the new weights
-                (engines/vllm_engine.py)
+                (engines/vllm_engine.py); the merged or compiled HF sampler records its own
+                log-probs too, for the same weights and gap (gpu/auto.py)
   torchrun      run.world > 1: counts, gradients and metrics summed over the processes
                 (parallel/distributed.py)
   episodes      cfg.env / cfg.tools: G multi-turn episodes a prompt (engines/episodes.py)
@@ -206,7 +207,8 @@ def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
             ignore_eos=ro.ignore_eos, share_prompt=run.cfg.grpo.share_prompt is not False,
-            static_cache=ro.compile, entropy=True)
+            static_cache=ro.compile, entropy=True,
+            sampler_logp=ro.merged_sampling or ro.compile)  # its gap: sampler_logp_abs_diff
 
 
 def device_of(run: Run) -> torch.device:

@@ -129,3 +129,19 @@ def test_a_run_saves_the_values_chosen_and_a_resume_written_auto_is_no_change(
     assert "changed settings: run.steps" in err and "micro_batch_size" not in err
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").open()]
     assert steps == [1, 2, 3]
+
+
+def test_the_merged_sampler_logs_its_gap_to_the_trainer_and_the_default_cpu_run_does_not(
+        tmp_path, tiny_llama):
+    from conftest import write_run_config
+    gaps = {}
+    for merged in (False, True):
+        out = tmp_path / f"run{merged}"
+        config = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(out), "threads": 1},
+                                  rollout={"merged_sampling": merged})
+        assert train.main(["--config", str(config)]) == 0
+        gaps[merged] = [json.loads(x).get("sampler_logp_abs_diff") for x in
+                        (out / "metrics.jsonl").open()]
+    assert gaps[False] == [None, None]
+    # fp32: folding the adapter in is exact to rounding, after an update moved it too
+    assert all(0 < g < 1e-4 for g in gaps[True]), gaps  # measured, and small
