@@ -221,8 +221,9 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)  # extra strings that end a completion
     ignore_eos: bool = False  # EOS suppressed, always max_new_tokens: fixed-length speed benchmarks
     compile: bool | Literal["auto"] = "auto"  # HF generate with a static KV cache, compiled by
-    #   transformers on CUDA (prompts padded to 64-token buckets); no prompt sharing; auto: on
-    #   on GPUs of compute capability >= 8 (A10, A100, H100), off elsewhere (gpu/auto.py)
+    #   transformers on CUDA (prompts padded to 64, 96, 128, 192, ... tokens: a compilation each);
+    #   no prompt sharing; auto: on on GPUs of compute capability >= 8 (A10, A100, H100), off
+    #   elsewhere (gpu/auto.py)
     prompts_per_generate: int = 0  # prompts (groups) per HF generate call, 0: all at once; fewer
     #   caps the sampling KV cache at this many x G rows (e.g. 2 of B=16 prompts: 1/8 of the cache)
     #   for more, smaller calls; see bench/memory_estimate.py

@@ -191,7 +191,22 @@ def _cut_at_stop_strings(tokenizer, ids: Tensor, mask: Tensor, truncated: Tensor
         truncated[i] = False
 
 
-STATIC_BUCKET = 64  # rollout.compile: prompts are left-padded to a multiple of this many tokens
+STATIC_BUCKET = 64  # rollout.compile: the shortest padded prompt length (prompt_bucket)
+
+
+def prompt_bucket(n: int) -> int:
+    """rollout.compile's padded prompt length for a longest prompt of n tokens: the next of 64, 96,
+    128, 192, 256, 384, 512, ..., two lengths a doubling. Each length is one KV-cache shape, so one
+    compilation of the sampler: a run's prompts make at most two a doubling of their length (a
+    prompt up to 512 tokens, at most 7), and padding costs at most half of the prompt's own length.
+
+    >>> [prompt_bucket(n) for n in (1, 64, 65, 97, 130, 300, 600)]
+    [64, 64, 96, 128, 192, 384, 768]
+    """
+    size = STATIC_BUCKET
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3  # 64 -> 96 -> 128
+    return size
 
 
 class EntropyMeter:
@@ -255,8 +270,8 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     share_prompt (grpo.share_prompt): each prompt but its last token is run through the model once
     and its KV cache copied to the G rows, instead of G identical prefills (prefill_shared).
     static_cache (rollout.compile): HF generate with a preallocated KV cache, which transformers
-    compiles with torch.compile on CUDA; prompts are left-padded to a multiple of STATIC_BUCKET
-    tokens so that few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
+    compiles with torch.compile on CUDA; prompts are left-padded to prompt_bucket's length so that
+    few distinct cache shapes (each one a compilation) occur. No prompt sharing then.
     entropy: record each token's sampling entropy (EntropyMeter) as the Rollout's `entropy`.
     sampler_logp: record each sampled token's log-prob under the distribution it was drawn from,
     log softmax(logits / T)[token] (the trainer's, with no top-k / top-p cut), as the Rollout's
@@ -267,9 +282,12 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     conversations."""
     device = next(model.parameters()).device
     if isinstance(prompts, list):  # text; engines/episodes.py passes its tokens as they stand
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        pad_to_multiple_of=STATIC_BUCKET if static_cache else None).to(device)
-        prompts = (enc.input_ids, enc.attention_mask)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        prompts = (enc.input_ids.to(device), enc.attention_mask.to(device))
+        if static_cache:  # left padding up to the bucket: few shapes, few compilations
+            width = prompt_bucket(prompts[0].shape[1])
+            prompts = (_pad_to(prompts[0], width, tokenizer.pad_token_id, True),
+                       _pad_to(prompts[1], width, 0, True))
     G, (ids, attn) = num_generations, prompts  # ids, attn: (B, P)
     longest = int(attn.sum(1).max())
     if longest > max_prompt_tokens:
