@@ -16,7 +16,8 @@ it, the H100 benchmark's work (bench/vs_trl.py --preset gpu: random Qwen3-0.6B, 
 
 The model (a `random:` shape of bench/vs_trl.py, or a model directory) is loaded on the CPU in the
 GPU dtype by model.load_policy, as train.py loads it, then logprobs.sequence_log_probs and its
-backward run under torch's FakeTensorMode: every operator computes only its output's shape, and a
+backward run under torch's FakeTensorMode (gpu/memory.py, with which the trainer chooses its
+micro-batch and gradient checkpointing): every operator computes only its output's shape, and a
 dispatch mode adds up the bytes of the tensor storage each operator creates, minus what autograd
 and Python have freed. Its peak is what torch.cuda.max_memory_allocated would show above the
 weights, before the CUDA allocator's rounding, cuBLAS workspaces and kernels' scratch memory. It
@@ -43,54 +44,25 @@ part of the test suite; the first use of a `random:` shape writes its weights un
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GiB = 2**30
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storage that operators create inside the mode and that are still referenced;
-    `peak` is their maximum. Outputs that share an input's storage (views, in-place) are not new."""
-
-    def __init__(self, preexisting=()):
-        super().__init__()
-        self.cur = self.peak = 0
-        # alive, so a fake tensor's storage keeps its identity (the converter's memo is weak)
-        self.keep = list(preexisting)
-        self.live: dict[int, object] = {t.untyped_storage()._cdata: None for t in self.keep}
-
-    def _freed(self, key: int, n: int) -> None:
-        self.cur -= n
-        self.live.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key in self.live or key in inputs:
-                continue
-            n = storage.nbytes()
-            self.cur += n
-            self.peak = max(self.peak, self.cur)
-            self.live[key] = weakref.ref(storage, lambda _, key=key, n=n: self._freed(key, n))
-        return out
-
+# the trainer's own estimate (it chooses the memory levers with it); imported by the tests from here
+from gpu.memory import (  # noqa: F401
+    NF4_BYTES,
+    GiB,
+    LiveBytes,
+    kv_cache_bytes,
+    micro_batch_peak,
+    sampling_bytes,
+    weight_bytes,
+)
 
 if TYPE_CHECKING:
     from config import LoraConfig, ModelConfig
@@ -133,72 +105,6 @@ def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
 
 
 META = False
-
-
-def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int = 0,
-                     fused_head: bool = False, autocast: bool = True,
-                     checkpointing: bool = False) -> tuple[int, int]:
-    """(forward peak, forward + backward peak) bytes above the weights for one micro-batch; the
-    backward's include the trained weights' gradients."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import logprobs
-    from logprobs import mixed_precision
-    # train mode, as train.py's loss forward: checkpointing needs it
-    model.train().zero_grad(set_to_none=True)
-    if checkpointing:  # as model.load_policy sets it up for model.gradient_checkpointing
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with fake:
-            conv = fake.fake_tensor_converter  # its memo is weak: the mode keeps the fakes alive
-            # a CPU fake for each meta weight: traced as on the CPU
-            fake.meta_fakes = [conv.from_meta_and_device(fake, t, torch.device("cpu"))
-                               for t in [*model.parameters(), *model.buffers()] if t.is_meta]
-            weights = [fake.from_tensor(p) for p in model.parameters()]
-            ids = torch.zeros(rows, prompt + completion, dtype=torch.long)
-            with LiveBytes(weights) as mem:
-                # traced on the CPU
-                with mixed_precision(model, "cpu") if autocast else contextlib.nullcontext():
-                    logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion,
-                                                       1.0, chunk, fused_head)
-                forward = mem.peak
-                logp.sum().backward()
-    finally:
-        model.zero_grad(set_to_none=True)
-        if checkpointing:
-            model.activation_checkpointing_disable()
-            # which enabling turned on, and disabling leaves (transformers 5.23)
-            model.disable_input_require_grads()
-    return forward, mem.peak
-
-
-def kv_cache_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers * rows * positions * heads * head_dim * 2 * dtype.itemsize
-
-
-# a 4-bit weight, its 8-bit block absmax (64 weights) and the fp32 absmax of those (256 blocks)
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
-
-
-def weight_bytes(model, quant: str | None) -> int:
-    """Bytes of all weights; with quant="4bit" the frozen Linear weights other than the output head
-    count as NF4 with double quantization, as bitsandbytes stores them (model.load_base's QLoRA)."""
-    if quant != "4bit":
-        return sum(p.numel() * p.element_size() for p in model.parameters())
-    quantized = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-                 and not m.weight.requires_grad and not n.endswith("lm_head")}
-    return int(sum(p.numel() * (NF4_BYTES if id(p) in quantized else p.element_size())
-                   for p in model.parameters()))
-
-
-def sampling_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
-    """Sampling's peak above the weights: the KV cache plus a few fp32 (rows, vocab) buffers of the
-    sampler (logits, processed scores, probabilities)."""
-    return kv_cache_bytes(cfg, rows, positions, dtype) + 3 * rows * cfg.vocab_size * 4
 
 
 def main() -> int:
