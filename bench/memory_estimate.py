@@ -123,6 +123,10 @@ def main() -> int:
     ap.add_argument("--meta", action="store_true", help="random shapes only: build the model on "
                     "the meta device (no weights written or held in RAM), so 7B/8B shapes estimate "
                     "in little memory")
+    ap.add_argument("--free-gb", type=float, default=70.0,
+                    help="GiB free on the GPU after loading, for the settings left at auto "
+                    "(optim.micro_batch_size, model.gradient_checkpointing: gpu/memory.py); "
+                    "default 70, an 80 GB card's")
     ap.add_argument("--compare", action="store_true",
                     help="the H100 run's old defaults, the defaults now, and the memory levers")
     a, overrides = ap.parse_known_args()
@@ -166,6 +170,15 @@ def main() -> int:
           + (f"{cfg.rollout.prompts_per_step} prompts x G={G}, " if cfg.mode == "grpo"
              else f"{cfg.mode}, no sampling: ") + f"{P} + {C} tokens", flush=True)
     o, g, ro = cfg.optim, cfg.grpo, cfg.rollout
+    if "auto" in (o.micro_batch_size, cfg.model.gradient_checkpointing):  # what a GPU would choose
+        from gpu.memory import choose_levers
+        auto = choose_levers(model, cfg, P, int(a.free_gb * GiB), *(
+            None if v == "auto" else v for v in (o.micro_batch_size,
+                                                 cfg.model.gradient_checkpointing)))
+        o.micro_batch_size, cfg.model.gradient_checkpointing = auto.micro_batch_size, \
+            auto.checkpointing
+        print(f"[estimate] auto, with {a.free_gb:g} GiB free after loading (--free-gb): "
+              f"{auto.why}", flush=True)
     now = dict(rows=o.micro_batch_size, chunk=g.logprob_chunk, fused_head=g.fused_lm_head,
                checkpointing=cfg.model.gradient_checkpointing,
                prompts=ro.prompts_per_generate or ro.prompts_per_step)

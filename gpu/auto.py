@@ -86,9 +86,15 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
         given = {k: None if k in levers else get(cfg, k) for k in sorted(levers | {
             "optim.micro_batch_size", "model.gradient_checkpointing"})}
         free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
-        lv = memory.choose_levers(model, cfg, longest_prompt(), free,
-                                  micro_batch_size=given["optim.micro_batch_size"],
-                                  checkpointing=given["model.gradient_checkpointing"])
+        try:
+            lv = memory.choose_levers(model, cfg, longest_prompt(), free,
+                                      micro_batch_size=given["optim.micro_batch_size"],
+                                      checkpointing=given["model.gradient_checkpointing"])
+        except Exception as e:  # a model the estimate cannot trace (a 4-bit base, say)
+            lv = memory.Levers(given["optim.micro_batch_size"] or CPU["optim.micro_batch_size"],
+                               given["model.gradient_checkpointing"] is True, 0, 0,
+                               f"no memory estimate ({type(e).__name__}: {str(e)[:80]}), so "
+                               "the CPU's levers")
         chosen |= {k: v for k, v in (("optim.micro_batch_size", lv.micro_batch_size),
                                      ("model.gradient_checkpointing", lv.checkpointing))
                    if k in levers}

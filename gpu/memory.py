@@ -41,22 +41,28 @@ sampling's fits too. When sampling alone does not, no micro-batch helps: the can
 first whose training fits, and `why` says sampling will likely run out of memory, and what to do.
 
 Rows never exceed the completions a step trains (prompts_per_step x G / num_mini_batches), nor
-optim.micro_batch_tokens' cap. Each candidate is traced when reached, once: a trace takes ~0.5 s
-for a 2-layer model and 3-7 s for Qwen3-0.6B's shape on 2 shared CPU cores, whatever the rows (its
-time goes to operators, not to arithmetic). Fitting a line through 1 and 2 rows would save traces,
-but the peak is not affine in rows everywhere: 34% under at 16 rows (0.6B, 24 new tokens,
-checkpointing). A candidate is skipped when one that did not fit implies it cannot (more rows, or
-as many rows without checkpointing).
+optim.micro_batch_tokens' cap, nor, when that is unset, BUSY_TOKENS (8,192) padded tokens rounded
+down to a power of two rows: 8 rows of 64 + 512 tokens, 16 of a short task's. Past that a GPU's
+matmuls are large already and more rows cost memory for little speed (a rule, not yet timed).
+Each candidate is traced when reached, once: a trace takes ~0.5 s for a 2-layer model and 3-7 s
+for Qwen3-0.6B's shape on 2 shared CPU cores, whatever the rows (its time goes to operators, not
+to arithmetic). Fitting a line through 1 and 2 rows would save traces, but the peak is not affine
+in rows everywhere: 34% under at 16 rows (0.6B, 24 new tokens, checkpointing). A candidate is
+skipped when one that did not fit implies it cannot (more rows, or as many rows without
+checkpointing).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+BUSY_TOKENS = 8192  # padded tokens a chosen micro-batch holds at most (optim.micro_batch_tokens: 0)
 
 GiB = 2**30
 ROWS = (16, 8, 4, 2, 1)  # micro-batch sizes tried, largest first
@@ -256,6 +262,8 @@ def choose_levers(model, cfg, prompt_tokens: int, free_bytes: int,
     step_rows = max(1, ro.prompts_per_step * ro.num_generations // g.num_mini_batches)
     tokens = cfg.optim.micro_batch_tokens  # a cap on a micro-batch's padded tokens, 0: none
     cap = max(1, min(step_rows, tokens // length)) if tokens else step_rows
+    if not tokens:  # past BUSY_TOKENS a micro-batch keeps a GPU busy: more rows only cost memory
+        cap = min(cap, 2 ** int(math.log2(max(1, BUSY_TOKENS // length))))
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     budget = free_bytes - margin_bytes(free_bytes) - 2 * trained
     # the KV cache's: the frozen weights' (not a 4-bit base's packed uint8), else fp32

@@ -145,3 +145,28 @@ def test_the_merged_sampler_logs_its_gap_to_the_trainer_and_the_default_cpu_run_
     assert gaps[False] == [None, None]
     # fp32: folding the adapter in is exact to rounding, after an update moved it too
     assert all(0 < g < 1e-4 for g in gaps[True]), gaps  # measured, and small
+
+
+def test_an_estimate_that_fails_leaves_the_cpu_levers_and_says_why(monkeypatch):
+    from gpu import memory
+
+    def fails(*a, **k):
+        raise RuntimeError("Params4bit under FakeTensorMode")
+    monkeypatch.setattr(memory, "choose_levers", fails)
+    cfg, line = auto.resolve(Config(), torch.nn.Linear(1, 1), CUDA, lambda: 5, free_bytes=1,
+                             capability=(7, 5))
+    assert (cfg.optim.micro_batch_size, cfg.model.gradient_checkpointing) == (8, False)
+    assert "no memory estimate (RuntimeError: Params4bit under FakeTensorMode)" in line
+
+
+def test_on_a_gpu_the_real_estimate_chooses_for_a_tiny_model(tiny_llama):
+    """The real gpu/memory.choose_levers on a CPU-held model, as if its GPU had 4 GiB free."""
+    from config import LoraConfig, ModelConfig
+    from model import load_policy
+    model, _ = load_policy(ModelConfig(name=str(tiny_llama)), LoraConfig(r=4, alpha=8),
+                           torch.device("cpu"))
+    cfg = Config()
+    cfg.rollout.compile = False  # keeps the attention swap out of it
+    cfg, line = auto.resolve(cfg, model, CUDA, lambda: 20, free_bytes=4 * 2**30, capability=(9, 0))
+    assert (cfg.optim.micro_batch_size, cfg.model.gradient_checkpointing) == (16, False)
+    assert "micro-batch 16, no checkpointing: ~0.0 of 4.0 GiB free" in line

@@ -6,6 +6,7 @@ import torch
 
 from config import Config, LoraConfig, ModelConfig
 from gpu.memory import (
+    BUSY_TOKENS,
     GiB,
     choose_levers,
     enable_checkpointing,
@@ -165,6 +166,10 @@ def test_never_more_rows_than_a_step_trains(deep):
     cfg.optim.micro_batch_tokens = 6 * (PROMPT + 56)  # also a cap: 6 rows of this length
     levers = choose_levers(deep, cfg, PROMPT, 80 * GiB)
     assert levers.micro_batch_size == 6 and levers.peak_bytes <= levers.budget_bytes
+    # unset, a micro-batch holds at most BUSY_TOKENS, in a power of two of rows: 8 of 64 + 512
+    cfg = run_config(max_new_tokens=576 - PROMPT)
+    assert choose_levers(deep, cfg, PROMPT, 80 * GiB).micro_batch_size == 8
+    assert BUSY_TOKENS // 576 == 14
 
 
 def test_checkpointing_switched_on_after_loading_still_trains_the_lora_weights(
