@@ -282,8 +282,8 @@ class GrpoConfig:
     #   (MiniMax-M1, ScaleRL; grpo.py). Both the same on-policy
     cispo_cap: float = 5.0  # policy_loss: cispo: the cap on its importance weight
     #   (TRL: epsilon_high = 5 with loss_type cispo)
-    tis_cap: float = 0.0  # vLLM rollouts: weight tokens by min(pi_trainer / pi_vllm, tis_cap)
-    #   (0: off; 2-3 is usual)
+    tis_cap: float = 0.0  # weight tokens by min(pi_trainer / pi_sampler, tis_cap): vLLM's
+    #   rollouts, or HF generate's merged or compiled sampler (0: off; 2-3 is usual)
     tis_mode: Literal[  # ratio per token or completion; cap it or mask past it (step.py)
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
 

@@ -61,11 +61,6 @@ def check_config(cfg: Config) -> None:
     if cfg.grpo.tis_cap and (cfg.rollout.top_p < 1 or cfg.rollout.top_k):
         raise ConfigError("grpo.tis_cap compares vLLM's log-probs after top-p/top-k truncation "
                           "with the trainer's untruncated ones: use top_p 1 and top_k 0 with it")
-    # vLLM's min_tokens renormalises its log-probs without EOS
-    if cfg.grpo.tis_cap and cfg.rollout.ignore_eos:
-        raise ConfigError("grpo.tis_cap compares vLLM's log-probs with EOS masked out "
-                          "(rollout.ignore_eos) with the trainer's, which keep it: "
-                          "use ignore_eos: false with it")
 
 
 MIN_VLLM = "0.10.2"  # logprobs_mode from 0.10.0; processed log-probs follow temperature from 0.10.2

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from config import Config
+from config import Config, ConfigError
 
 AUTO_KEYS = ("rollout.compile", "rollout.merged_sampling", "optim.micro_batch_size",
              "model.gradient_checkpointing")
@@ -58,6 +58,17 @@ def fast_sampler(cfg: Config, capability: tuple[int, int]) -> tuple[bool, str]:
     return True, ""
 
 
+def check_importance_weights(cfg: Config) -> None:
+    """grpo.tis_cap with HF generate weighs by the log-probs a merged or compiled sampler records:
+    with both chosen off (a CPU's auto) there are none, and the cap would do nothing."""
+    ro = cfg.rollout
+    if cfg.grpo.tis_cap and ro.engine == "hf" and not (ro.merged_sampling or ro.compile):
+        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap}: rollout.merged_sampling and "
+                          "rollout.compile are off here (their auto, on this device), so the "
+                          "sampler records no log-probs to weigh by; set rollout.merged_sampling: "
+                          "true, or grpo.tis_cap: 0")
+
+
 def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
             longest_prompt: Callable[[], int], free_bytes: int | None = None,
             capability: tuple[int, int] | None = None) -> tuple[Config, str]:
@@ -69,6 +80,7 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
     if device.type != "cuda":
         for k in auto:
             put(cfg, k, CPU[k])
+        check_importance_weights(cfg)
         return cfg, ""
     chosen, notes = {}, []
     fast, why_not = fast_sampler(cfg, capability or torch.cuda.get_device_capability(device))
@@ -103,6 +115,7 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
         notes.append(lv.why)
     for k, v in chosen.items():
         put(cfg, k, v)
+    check_importance_weights(cfg)
     if cfg.rollout.compile is True and cfg.model.attn_implementation is None:
         from gpu import attention
         if attention.use_gqa_decode(model):

@@ -154,10 +154,20 @@ def check_sampling(cfg: Config) -> None:
 
 def check_engine(cfg: Config) -> None:
     """What each sampling engine allows: truncated importance sampling (grpo.tis_cap, tis_mode)
-    needs vLLM; merged_sampling, prompts_per_generate and compile are HF generate's."""
-    if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or cfg.rollout.engine != "vllm"):
-        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} needs rollout.engine: vllm "
-                          "and a cap >= 1 (0 turns it off)")
+    needs a sampler that records its own log-probs (vLLM, or HF generate merged or compiled);
+    merged_sampling, prompts_per_generate and compile are HF generate's."""
+    ro = cfg.rollout
+    records = ro.engine == "vllm" or ro.merged_sampling is not False or ro.compile is not False
+    if cfg.grpo.tis_cap and (cfg.grpo.tis_cap < 1 or not records):
+        raise ConfigError(f"grpo.tis_cap={cfg.grpo.tis_cap} weights tokens by the sampler's own "
+                          "log-probs: it needs rollout.engine: vllm, or HF generate with "
+                          "rollout.merged_sampling or rollout.compile on, and a cap >= 1 (0 turns "
+                          "it off)")
+    # the sampler's log-probs are then those of a distribution without EOS
+    if cfg.grpo.tis_cap and ro.ignore_eos:
+        raise ConfigError("grpo.tis_cap compares the sampler's log-probs with EOS masked out "
+                          "(rollout.ignore_eos) with the trainer's, which keep it: "
+                          "use ignore_eos: false with it")
     if cfg.grpo.tis_mode != "token_truncate" and not cfg.grpo.tis_cap:
         raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: "
                           "set grpo.tis_cap (e.g. 2) too")

@@ -170,3 +170,17 @@ def test_on_a_gpu_the_real_estimate_chooses_for_a_tiny_model(tiny_llama):
     cfg, line = auto.resolve(cfg, model, CUDA, lambda: 20, free_bytes=4 * 2**30, capability=(9, 0))
     assert (cfg.optim.micro_batch_size, cfg.model.gradient_checkpointing) == (16, False)
     assert "micro-batch 16, no checkpointing: ~0.0 of 4.0 GiB free" in line
+
+
+def test_tis_cap_with_hf_generate_needs_a_sampler_that_records_its_log_probs(fake_gpu_modules):
+    from config import ConfigError
+    cfg = Config()
+    cfg.grpo.tis_cap = 2.0
+    with pytest.raises(ConfigError, match="grpo.tis_cap=2.0: rollout.merged_sampling and "
+                                          "rollout.compile are off here"):
+        auto.resolve(cfg, torch.nn.Linear(1, 1), torch.device("cpu"), lambda: 1 / 0)
+    on_gpu, _ = auto.resolve(cfg, torch.nn.Linear(1, 1), CUDA, lambda: 5, free_bytes=1,
+                             capability=(9, 0))
+    cfg.rollout.merged_sampling = True
+    on_cpu, _ = auto.resolve(cfg, torch.nn.Linear(1, 1), torch.device("cpu"), lambda: 1 / 0)
+    assert on_gpu.rollout.merged_sampling is True and on_cpu.rollout.merged_sampling is True

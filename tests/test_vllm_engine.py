@@ -225,8 +225,10 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
                            "use ignore_eos: false with it")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="tis_cap=2.0 needs rollout.engine: vllm"):
-        load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0"])
+    with pytest.raises(ConfigError, match="tis_cap=2.0 weights tokens by the sampler's own "
+                                          "log-probs: it needs rollout.engine: vllm, or HF"):
+        load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0",
+                               "--rollout.merged_sampling=false", "--rollout.compile=false"])
     with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance "
                                           "weights: set grpo.tis_cap"):
         load_config(cfg_path, ["--grpo.tis_mode=sequence_mask"])
