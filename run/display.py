@@ -165,24 +165,26 @@ class Pace:
         self.max_minutes, self.clock = max_minutes, clock
         self.every_s = PACE_EVERY_S if every_s is None else every_s
         self.began = clock()  # the loop's start: the first step is timed from here
-        self.first_done = self.said = None
+        self.first_done = self.said = self.once = None  # once: the first step's extra seconds
 
     def line(self, step: int) -> str | None:
         """The line for `step` just done, or None when one was printed under every_s ago (or this
         was the last step: the run's own end line follows)."""
-        now = self.clock()
+        now, done = self.clock(), step - self.start
         if self.first_done is None:
             self.first_done = now
+        per_step = (now - self.first_done) / (done - 1) if done > 1 else now - self.began
+        if done > 1:  # what a step costs is known: the first step's extra, so far
+            self.once = self.first_done - self.began - per_step
         if step >= self.total or (self.said is not None and now - self.said < self.every_s):
             return None
-        self.said, done = now, step - self.start
-        per_step = (now - self.first_done) / (done - 1) if done > 1 else now - self.began
+        self.said = now
         eta = per_step * (self.total - step)
         text = (f"[minigrpo] step {step}/{self.total} | {duration(now - self.started)} elapsed | "
                 f"{per_step:.1f} s/step{' (the first: warm-up)' if done == 1 else ''} | "
                 f"eta {duration(eta)}")
-        if done > 1 and (once := self.first_done - self.began - per_step) >= 1:
-            text += f" | first step +{duration(once)} (warm-up)"
+        if done > 1 and self.once >= 1:
+            text += f" | first step +{duration(self.once)} (warm-up)"
         left = self.max_minutes * 60 - (now - self.started)
         if self.max_minutes and left < eta:
             text += (f"; run.max_minutes={self.max_minutes:g} stops it in about "
@@ -214,13 +216,12 @@ class progress_display:
                 TextColumn("{task.description}"))
 
     def __enter__(self):
+        now = time.monotonic()
+        self.pace = Pace(self.total, self.start, now if self.started is None else self.started,
+                         self.max_minutes)
         if self.progress:
             self.progress.start()
             self.task = self.progress.add_task("", total=self.total, completed=self.start)
-        else:
-            now = time.monotonic()
-            self.pace = Pace(self.total, self.start, now if self.started is None else self.started,
-                             self.max_minutes)
         return self.show
 
     def show(self, step: int, m: dict) -> None:
@@ -230,6 +231,11 @@ class progress_display:
                                                "eval/rewards/accuracies", "epoch"))
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
+            told, _ = self.pace.once is not None, self.pace.line(step)
+            if not told and self.pace.once is not None and self.pace.once >= 1:  # said once
+                self.progress.console.print(f"[minigrpo] the first step took "
+                                            f"{duration(self.pace.once)} more than a step since "
+                                            "(warm-up, compilation)", markup=False)
         else:
             print(format_line(step, self.total, m), flush=True)
             if line := self.pace.line(step):

@@ -130,3 +130,24 @@ def test_reward_model_scores_in_bf16_on_cuda_as_in_fp32_on_cpu(tmp_path):
     cpu = rm.reward_model(REPLIES, samples, model=path, device="cpu", dtype="float32")
     assert gpu == pytest.approx(cpu, abs=0.05)
     rm._LOADED.clear()
+
+
+def test_the_gpu_defaults_choose_the_fast_sampler_and_the_levers_and_log_the_gap(
+        tmp_path, tiny_llama, capsys):
+    """Nothing written: gpu/auto.py chooses (and says, and saves) the compiled, merged sampler on
+    an Ampere+ GPU and the micro-batch from the estimate; every step logs the sampler's gap."""
+    import yaml
+    out = tmp_path / "run"
+    assert train.main(["--config", str(run_config(tmp_path, tiny_llama)), f"--run.out_dir={out}",
+                       "--optim.micro_batch_size=auto"]) == 0
+    err = capsys.readouterr().err
+    fast = torch.cuda.get_device_capability() >= (8, 0)
+    assert f"[minigrpo] chosen for this GPU: rollout.compile={str(fast).lower()}, " \
+           f"rollout.merged_sampling={str(fast).lower()}, optim.micro_batch_size=" in err
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert isinstance(saved["optim"]["micro_batch_size"], int) \
+        and saved["rollout"]["compile"] is fast
+    ms = metrics(out)
+    assert len(ms) == 2 and trained(ms)
+    if fast:  # bf16 merged and compiled: small, not zero
+        assert all(0 < m["sampler_logp_abs_diff"] < 0.2 for m in ms), ms

@@ -89,8 +89,8 @@ def test_outside_a_terminal_the_loading_the_first_step_and_the_pace_with_eta_are
     pace = [ln for ln in said if " elapsed | " in ln]
     assert [ln.split(" | ")[0] for ln in pace] == ["[minigrpo] step 1/3", "[minigrpo] step 2/3"]
     assert pace[0].endswith("s/step (the first: warm-up) | eta " + pace[0].rsplit(" ", 1)[1])
-    assert re.fullmatch(r"\[minigrpo\] step 2/3 \| \d+s elapsed \| \d+\.\d s/step \| eta \d+s",
-                        pace[1])
+    assert re.fullmatch(r"\[minigrpo\] step 2/3 \| \d+s elapsed \| \d+\.\d s/step \| eta \d+s"
+                        r"( \| first step \+\d+s \(warm-up\))?", pace[1])  # its extra, if >= 1 s
 
 
 def train_model(cfg_path) -> str:
@@ -105,6 +105,22 @@ def test_the_pace_line_says_when_run_max_minutes_stops_the_run_before_its_last_s
     assert pace.line(2) == ("[minigrpo] step 2/100 | 2m30s elapsed | 60.0 s/step | eta 1h38m; "
                             "run.max_minutes=3 stops it in about 30s, near step 2 (--resume "
                             "continues)")
+
+
+def test_on_a_terminal_the_first_steps_one_time_cost_is_said_once(capsys):
+    from rich.console import Console
+    from rich.progress import Progress
+    bar = display.progress_display(5, 0)
+    bar.progress = Progress(console=Console(file=sys.stderr, width=200))  # as on a terminal
+    show = bar.__enter__()
+    t = iter([40.0, 45.0, 50.0, 55.0, 60.0])  # a 40 s first step, then 5 s ones
+    bar.pace.clock, bar.pace.began = (lambda: next(t)), 0.0
+    for n in range(1, 6):
+        show(n, {"reward": 0.5, "reward_std": 0.1})
+    bar.__exit__(None, None, None)
+    said = [x for x in capsys.readouterr().err.splitlines() if "first step" in x]
+    assert said == ["[minigrpo] the first step took 35s more than a step since (warm-up, "
+                    "compilation)"]
 
 
 def test_resume_reproduces_the_uninterrupted_run(setup):
