@@ -450,6 +450,11 @@ def summarise(model: str, runs: dict[str, list[dict]], device: str, label: str =
     lines.append(f"steps measured: minigrpo {med['minigrpo']['n']}, TRL {med['trl']['n']}; "
                  f"tokens per step (prompt, completion): minigrpo {med['minigrpo']['tokens']}, "
                  f"TRL {med['trl']['tokens']}")
+    if device == "cuda":  # issue 35's targets, with nothing written on minigrpo's side
+        t, p = (med["minigrpo"][k] / med["trl"][k] for k in ("step_time", "peak_mb"))
+        met = {True: "met", False: "not met"}
+        lines.append(f"targets: step time {t:.3f}x TRL's (<= 0.35: {met[t <= 0.35]}), "
+                     f"peak {p:.3f}x (<= 0.7: {met[p <= 0.7]})")
     first = {who: statistics.median(r["steps"][0]["step_time"] for r in rs)
              for who, rs in runs.items()}
     lines.append("first step (warm-up and compilation; left out above), median over runs: "
