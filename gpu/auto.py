@@ -69,6 +69,25 @@ def check_importance_weights(cfg: Config) -> None:
                           "true, or grpo.tis_cap: 0")
 
 
+def memory_levers(cfg: Config, model: torch.nn.Module, levers: set[str], prompt_tokens: int,
+                  free_bytes: int):
+    """gpu/memory.choose_levers for the `levers` left at auto (the other one as written), with
+    checkpointing switched on when chosen; a model the estimate cannot trace (a 4-bit base, say)
+    keeps the CPU's levers, and the line says why."""
+    from gpu import memory
+    mb = None if "optim.micro_batch_size" in levers else cfg.optim.micro_batch_size
+    ck = None if "model.gradient_checkpointing" in levers else cfg.model.gradient_checkpointing
+    try:
+        lv = memory.choose_levers(model, cfg, prompt_tokens, free_bytes, mb, ck)
+    except Exception as e:
+        return memory.Levers(mb or CPU["optim.micro_batch_size"], ck is True, 0, 0,
+                             f"no memory estimate ({type(e).__name__}: {str(e)[:80]}), so the "
+                             "CPU's levers")
+    if ck is None and lv.checkpointing:
+        memory.enable_checkpointing(model)
+    return lv
+
+
 def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
             longest_prompt: Callable[[], int], free_bytes: int | None = None,
             capability: tuple[int, int] | None = None) -> tuple[Config, str]:
@@ -94,24 +113,11 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
     if levers and cfg.mode != "grpo":
         chosen |= {k: CPU[k] for k in levers}
     elif levers:
-        from gpu import memory
-        given = {k: None if k in levers else get(cfg, k) for k in sorted(levers | {
-            "optim.micro_batch_size", "model.gradient_checkpointing"})}
         free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
-        try:
-            lv = memory.choose_levers(model, cfg, longest_prompt(), free,
-                                      micro_batch_size=given["optim.micro_batch_size"],
-                                      checkpointing=given["model.gradient_checkpointing"])
-        except Exception as e:  # a model the estimate cannot trace (a 4-bit base, say)
-            lv = memory.Levers(given["optim.micro_batch_size"] or CPU["optim.micro_batch_size"],
-                               given["model.gradient_checkpointing"] is True, 0, 0,
-                               f"no memory estimate ({type(e).__name__}: {str(e)[:80]}), so "
-                               "the CPU's levers")
+        lv = memory_levers(cfg, model, levers, longest_prompt(), free)
         chosen |= {k: v for k, v in (("optim.micro_batch_size", lv.micro_batch_size),
                                      ("model.gradient_checkpointing", lv.checkpointing))
                    if k in levers}
-        if chosen.get("model.gradient_checkpointing"):
-            memory.enable_checkpointing(model)
         notes.append(lv.why)
     for k, v in chosen.items():
         put(cfg, k, v)
