@@ -59,6 +59,16 @@ def write_tiny_model(path: Path, arch: str = "llama", chat_template: str | None 
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread, restored after: on 2 shared cores two threads wait on each other (4x)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_llama"))

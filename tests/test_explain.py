@@ -19,13 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REF = re.compile(r"([\w/.]+\.py):(\d+) ([\w.]+)")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread, restored after: on 2 shared cores two threads wait on each other (4x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def files_under(path: Path) -> dict:

@@ -21,13 +21,7 @@ PAD = 0
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32: same math, different summation order
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two workers share two cores here: one thread each, restored for the tests after these."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class Layer(torch.nn.Module):
