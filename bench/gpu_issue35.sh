@@ -1,13 +1,17 @@
 #!/bin/sh
 # Issue 35's GPU checks ("fast by default"), prepared as one script for the lent GPU machine. Each
 # stage writes its log under $OUT and says how long it took; stages run in the order given. With
-# the kit installed first (bench/RESULTS.md, "For the next session with a GPU"):
-#   sh bench/gpu_issue35.sh tests decode defaults   # ~6 min on an H100 (a first device call)
-#   sh bench/gpu_issue35.sh trl-0.6b                # ~8 min: 3 measured steps x 2 alternations
-#   sh bench/gpu_issue35.sh trl-1.5b                # ~9 min (a third call)
+# the kit installed first (bench/RESULTS.md, "For the next session with a GPU"), one call each:
+#   sh bench/gpu_issue35.sh trl                     # ~9 min: both shapes against TRL
+#   sh bench/gpu_issue35.sh tests decode defaults   # ~6 min
 #   sh bench/gpu_issue35.sh vllm                    # says whether vLLM can run here at all
-# The minutes are estimates from the 2026-11-27 H100 logs (TRL ~50 s a step at this work), not
-# measurements of this script. Stages:
+# The minutes are estimates from the 2026-11-27 H100 logs (TRL: ~50 s a step at 512 new tokens,
+# ~0.1 s a decoded token; minigrpo's first step compiles for ~40-70 s), not measurements of this
+# script. Stages:
+#   trl       bench/vs_trl.py --preset gpu on Qwen3-0.6B's and Qwen2.5-1.5B's shapes: minigrpo with
+#             no setting written against TRL, 4 steps a run (the first left out), 2 alternations,
+#             at $TOKENS new tokens (default 128: at the preset's 512, TRL's runs alone take over
+#             10 minutes); trl-0.6b, trl-1.5b: one shape
 #   tests     the GPU tests: tests/test_gpu*.py, and tests/test_rollout.py's cuda/gpu ones
 #   decode    bench/decode_speed.py at 128 rows, 64 + 512 positions: sdpa against the folded GQA
 #             attention, compiled, as a share of the KV-inclusive bound; TORCH_LOGS shows the CUDA
@@ -15,14 +19,13 @@
 #   defaults  train.py with no speed or memory setting (bench/gpu_defaults.yaml) on a random
 #             Qwen3-0.6B: what "auto" chose, the first step's one-time cost, the step times, the
 #             peak, and the sampler-vs-trainer log-prob gap (sampler_logp_abs_diff) step by step
-#   trl-0.6b, trl-1.5b   bench/vs_trl.py --preset gpu on one shape: minigrpo with no setting
-#             written against TRL, 4 steps a run (the first left out), 2 alternations
 #   vllm      the vLLM rollout against HF generate on bench/gpu_defaults.yaml, when vllm imports
 set -e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 TOK=.gpu/tokenizer
+TOKENS=${TOKENS:-128}
 HBM=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
 print('4.8e12' if 'H200' in n else '3.35e12')")
 python3 -c "import torch, transformers, peft; print('[gpu35]', torch.cuda.get_device_name(0), \
@@ -59,18 +62,18 @@ for line in open("/tmp/defaults/metrics.jsonl"):
           f"grad_norm {m.get('grad_norm', float('nan')):.3f}")
 PY
       ;;
-    trl-0.6b|trl-1.5b)
-      shape=${stage#trl-}
-      model=random:qwen3-0.6b
-      [ "$shape" = 1.5b ] && model=random:qwen2.5-1.5b
-      rm -rf "/tmp/vs-$shape"
-      python3 bench/vs_trl.py --preset gpu --model $model --tokenizer $TOK \
-        --workdir "/tmp/vs-$shape" --json "$OUT/vs_trl_$shape.json" \
-        > "$OUT/vs_trl_$shape.log" 2>&1 || true
-      grep -E "^\[bench\]|^==|x$|^[a-z].*[0-9]$|^steps|^first|^per run" "$OUT/vs_trl_$shape.log" \
-        | cut -c1-300 | tail -30
-      for log in /tmp/vs-"$shape"/*-minigrpo-1/child.log; do
-        grep -m1 "chosen for this GPU" "$log" || true
+    trl|trl-0.6b|trl-1.5b)
+      models="--model random:qwen3-0.6b --model random:qwen2.5-1.5b"
+      [ "$stage" = trl-0.6b ] && models="--model random:qwen3-0.6b"
+      [ "$stage" = trl-1.5b ] && models="--model random:qwen2.5-1.5b"
+      rm -rf "/tmp/vs-$stage"
+      python3 bench/vs_trl.py --preset gpu $models --max-new-tokens "$TOKENS" --tokenizer $TOK \
+        --workdir "/tmp/vs-$stage" --json "$OUT/vs_trl_$stage.json" \
+        > "$OUT/vs_trl_$stage.log" 2>&1 || true
+      grep -E "^\[bench\]|^==|x$|^[a-z].*[0-9]$|^steps|^first|^targets|^per run" \
+        "$OUT/vs_trl_$stage.log" | cut -c1-300 | tail -40
+      for log in /tmp/vs-"$stage"/*-minigrpo-1/child.log; do
+        grep -m1 "chosen for this GPU" "$log" | cut -c1-400 || true
       done ;;
     vllm)
       if python3 -c "import vllm" 2>/dev/null; then
@@ -85,7 +88,7 @@ PY
         echo "[gpu35] vllm: not installed here, and its wheel (hundreds of MB) cannot travel in" \
           "a device call (64 MiB): the vLLM rollout could not be run" | tee "$OUT/vllm.log"
       fi ;;
-    *) echo "usage: sh bench/gpu_issue35.sh [tests] [decode] [defaults] [trl-0.6b] [trl-1.5b]" \
+    *) echo "usage: sh bench/gpu_issue35.sh [trl|trl-0.6b|trl-1.5b] [tests] [decode] [defaults]" \
          "[vllm]" >&2; exit 2 ;;
   esac
   echo "[gpu35] $stage took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/machine.txt"
