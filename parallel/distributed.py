@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import gc
 import os
 import sys
 
@@ -103,8 +104,13 @@ def start(device: torch.device) -> torch.device:
 
 
 def stop() -> None:
+    """Leave the process group, then collect garbage while the interpreter is whole: a reference
+    cycle still holding the group let gloo's threads die in the interpreter's teardown, which
+    aborts the process ("terminate called without an active exception": 6 of 51 two-process
+    test runs on 2 CPU cores; 0 of 36 with the collect)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def same_start(params: list[torch.Tensor], seed: int) -> None:
