@@ -171,14 +171,17 @@ def main() -> int:
              else f"{cfg.mode}, no sampling: ") + f"{P} + {C} tokens", flush=True)
     o, g, ro = cfg.optim, cfg.grpo, cfg.rollout
     if "auto" in (o.micro_batch_size, cfg.model.gradient_checkpointing):  # what a GPU would choose
+        import time
+
         from gpu.memory import choose_levers
+        began = time.perf_counter()
         auto = choose_levers(model, cfg, P, int(a.free_gb * GiB), *(
             None if v == "auto" else v for v in (o.micro_batch_size,
                                                  cfg.model.gradient_checkpointing)))
         o.micro_batch_size, cfg.model.gradient_checkpointing = auto.micro_batch_size, \
             auto.checkpointing
         print(f"[estimate] auto, with {a.free_gb:g} GiB free after loading (--free-gb): "
-              f"{auto.why}", flush=True)
+              f"{auto.why} (chosen in {time.perf_counter() - began:.1f} s)", flush=True)
     now = dict(rows=o.micro_batch_size, chunk=g.logprob_chunk, fused_head=g.fused_lm_head,
                checkpointing=cfg.model.gradient_checkpointing,
                prompts=ro.prompts_per_generate or ro.prompts_per_step)
