@@ -26,6 +26,10 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 TOK=.gpu/tokenizer
 TOKENS=${TOKENS:-128}
+if ! python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "bench/gpu_issue35.sh measures a CUDA GPU: none here" >&2
+  exit 2
+fi
 HBM=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
 print('4.8e12' if 'H200' in n else '3.35e12')")
 python3 -c "import torch, transformers, peft; print('[gpu35]', torch.cuda.get_device_name(0), \
