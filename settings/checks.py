@@ -172,7 +172,7 @@ def check_engine(cfg: Config) -> None:
         raise ConfigError(f"grpo.tis_mode={cfg.grpo.tis_mode} acts on the importance weights: "
                           "set grpo.tis_cap (e.g. 2) too")
     if cfg.rollout.merged_sampling is True and (cfg.model.quant or not cfg.lora.enabled
-                                        or cfg.rollout.engine != "hf"):
+                                                or cfg.rollout.engine != "hf"):
         raise ConfigError("rollout.merged_sampling folds a LoRA adapter into full-precision "
                           "weights for HF generate: it needs lora.enabled, no model.quant "
                           "and rollout.engine: hf")
