@@ -231,8 +231,8 @@ class progress_display:
                                                "eval/rewards/accuracies", "epoch"))
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
             self.progress.update(self.task, completed=step, description=short)
-            told, _ = self.pace.once is not None, self.pace.line(step)
-            if not told and self.pace.once is not None and self.pace.once >= 1:  # said once
+            self.pace.line(step)  # keeps the time a step takes; its text is for logs, not here
+            if step == self.start + 2 and self.pace.once >= 1:  # known once a second step is done
                 self.progress.console.print(f"[minigrpo] the first step took "
                                             f"{duration(self.pace.once)} more than a step since "
                                             "(warm-up, compilation)", markup=False)
