@@ -2,14 +2,16 @@
 # Packs what the lent GPU machine lacks for the GPU benchmarks (it has torch, accelerate, rich,
 # scipy, pyyaml and older transformers/peft, and no network): wheels into .whl/ and the built-in
 # model's tokenizer into .gpu/tokenizer (both git-ignored: name them in the device run's `carry`).
-# At most 64 MiB travel per call, hence two kits:
-#   sh bench/gpu_kit.sh bench   # vs_trl.py: trl, datasets and the pinned transformers/peft/hub (~17 MB)
-#   sh bench/gpu_kit.sh t4      # memory_cap.py with configs/t4.yaml: bitsandbytes (43 MB) and the pinned
-#                               # transformers/peft/hub (~58 MB; with .gpu and the repo just under 64 MiB)
-#   sh bench/gpu_kit.sh all     # both (60.5 MiB with .gpu: fits with a ~2 MiB repo; used on 2026-11-27)
-# (openai is not needed: judge.py imports it only when a judge is used.)
-# On the machine, first: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-#                        && export PYTHONPATH=/tmp/site     (commands in bench/RESULTS.md, "GPU")
+# It also writes the commit (and whether the tree differs from it) to .gpu/commit.txt, since the
+# device gets no .git. At most 64 MiB travel per call (the repo is ~3 MiB of it), hence the kits:
+#   sh bench/gpu_kit.sh bench   # every stage of bench/gpu_checks.sh: trl, datasets and the pinned
+#                               # transformers/peft (~21 MiB with .gpu)
+#   sh bench/gpu_kit.sh t4      # memory_cap.py with configs/t4.yaml (4-bit): bitsandbytes (43 MB) and
+#                               # the pinned transformers/peft (~58 MB: just under the limit)
+#   sh bench/gpu_kit.sh all     # both (~63 MiB: too close to the limit; use one of the two)
+# (openai is not needed: judge.py imports it only when a judge is used.) bench/gpu_checks.sh
+# installs .whl itself; by hand: python3 -m pip install -q --no-index --no-deps --no-compile
+# --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -e
 kit=${1:?usage: sh bench/gpu_kit.sh bench|t4|all}
 cd "$(dirname "$0")/.."
@@ -39,4 +41,7 @@ for f in src.iterdir():
         shutil.copy(f, dst / f.name)
 print("tokenizer files:", sorted(p.name for p in dst.iterdir()))
 PY
+echo "commit $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!.whl' ':!.gpu' 2>/dev/null \
+  || echo ' (with uncommitted changes)')" > .gpu/commit.txt
+cat .gpu/commit.txt
 du -sh .whl .gpu

@@ -56,7 +56,9 @@ which is harmless here (fixed-length sampling, rewards are meaningless on random
 top of --minigrpo-set), reported against the same TRL runs, so several minigrpo settings share one
 TRL baseline (what a 10-minute GPU call affords: bench/RESULTS.md, "GPU").
 
-Options not given take the preset's value; --json FILE writes every per-step record.
+Options not given take the preset's value; --json FILE writes every per-step record, after each
+run, so a run cut short by a time limit keeps what it finished; `--report FILE` prints the
+summaries from such a file.
 """
 from __future__ import annotations
 
@@ -502,7 +504,11 @@ def main() -> int:
                     help="one more minigrpo run per alternation with these settings "
                          "(comma-separated) on top of --minigrpo-set, reported against the same "
                          "TRL runs (repeatable)")
+    ap.add_argument("--report", metavar="JSON", help="only print the summaries of a --json file "
+                    "written before (complete, or cut short by a time limit)")
     a = ap.parse_args()
+    if a.report:
+        return report(a.report)
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k, None) is None:
             setattr(a, k, v)
@@ -520,7 +526,7 @@ def main() -> int:
           + (f"; minigrpo only: {', '.join(a.minigrpo_set)}" if a.minigrpo_set else "")
           + (f"; minigrpo variants: {' | '.join(a.variant)}" if a.variant else ""), flush=True)
     work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="minigrpo-vs-trl-"))
-    everything, report = {}, []
+    everything: dict[str, dict] = {}
     for spec in a.models:
         path = model_dir(spec, a.device, a.tokenizer, a.seed)
         # "minigrpo", "trl", then one minigrpo run per --variant, in that order in every alternation
@@ -541,6 +547,8 @@ def main() -> int:
                     raise SystemExit("[bench] no prompts recorded from minigrpo's run")
                 r = run_child(child, cfg, a, wd, prompts if child == "trl" else None)
                 runs[who].append(r)
+                everything[spec] = runs
+                save_json(a.json, a, vers, everything)
                 # same seed, so every minigrpo run draws the same prompts; TRL gets them
                 if who == "minigrpo":
                     prompts = wd / "prompts.json"
@@ -553,15 +561,36 @@ def main() -> int:
                       f"peak RSS {r['peak_rss_mb']:.0f} MB"
                       + (f"; peak GPU alloc {gpu} MB" if gpu else "")
                       + f"; wall {r['wall_s']:.0f} s", flush=True)
-        lines = [x for who, _, extra in sides if who != "trl" for x in summarise(
-            spec, {"minigrpo": runs[who], "trl": runs["trl"]}, a.device,
-            f" ({who})" if extra else "")]
-        print("\n".join(lines), flush=True)
-        report += lines
-        everything[spec] = runs
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything},
-                                           indent=1))
+        print("\n".join(report_lines(spec, runs, a.device)), flush=True)
+    return 0
+
+
+def save_json(path: str | None, a: argparse.Namespace, vers: dict, everything: dict) -> None:
+    """Every run so far, written after each one (atomically): a run killed by a time limit keeps
+    the figures of the runs it finished (`--report FILE` summarises them)."""
+    if path:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything},
+                                  indent=1))
+        tmp.replace(path)
+
+
+def report_lines(spec: str, runs: dict[str, list[dict]], device: str) -> list[str]:
+    """The summary of one model's runs: each minigrpo side against TRL, where both have a run."""
+    if not runs.get("trl") or not runs.get("minigrpo"):
+        return [f"\n== {spec}: no pair to compare (runs finished: "
+                + ", ".join(f"{who} {len(rs)}" for who, rs in runs.items()) + ")"]
+    return [x for who in runs if who != "trl" and runs[who] for x in summarise(
+        spec, {"minigrpo": runs[who], "trl": runs["trl"]}, device,
+        f" ({who})" if who != "minigrpo" else "")]
+
+
+def report(path: str) -> int:
+    """Print the summaries of a --json file, complete or cut short."""
+    saved = json.loads(Path(path).read_text())
+    print(f"[bench] {path}: " + " ".join(f"{k} {v}" for k, v in saved["versions"].items()))
+    for spec, runs in saved["runs"].items():
+        print("\n".join(report_lines(spec, runs, saved["args"]["device"])), flush=True)
     return 0
 
 

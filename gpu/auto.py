@@ -70,11 +70,14 @@ def check_importance_weights(cfg: Config) -> None:
 
 
 def memory_levers(cfg: Config, model: torch.nn.Module, levers: set[str], prompt_tokens: int,
-                  free_bytes: int):
+                  free_bytes: int | None, device: torch.device):
     """gpu/memory.choose_levers for the `levers` left at auto (the other one as written), with
     checkpointing switched on when chosen; a model the estimate cannot trace (a 4-bit base, say)
-    keeps the CPU's levers, and the line says why."""
+    keeps the CPU's levers, and the line says why. free_bytes None: what the process may still
+    allocate on `device`."""
     from gpu import memory
+    if free_bytes is None:
+        free_bytes = memory.allocatable_bytes(device)
     mb = None if "optim.micro_batch_size" in levers else cfg.optim.micro_batch_size
     ck = None if "model.gradient_checkpointing" in levers else cfg.model.gradient_checkpointing
     try:
@@ -113,8 +116,7 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
     if levers and cfg.mode != "grpo":
         chosen |= {k: CPU[k] for k in levers}
     elif levers:
-        free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
-        lv = memory_levers(cfg, model, levers, longest_prompt(), free)
+        lv = memory_levers(cfg, model, levers, longest_prompt(), free_bytes, device)
         chosen |= {k: v for k, v in (("optim.micro_batch_size", lv.micro_batch_size),
                                      ("model.gradient_checkpointing", lv.checkpointing))
                    if k in levers}

@@ -2,7 +2,7 @@
 estimate of the run's peak (traced on the CPU, without arithmetic) against the GPU's free memory.
 An explicit setting always wins; the choice comes with a phrase for the run's first line.
 
-    free = torch.cuda.mem_get_info()[0]  # after the model loaded
+    free = allocatable_bytes(device)  # after loading; less under a per-process cap
     levers = choose_levers(model, cfg, prompt_tokens, free, micro_batch_size=None,
                            checkpointing=None)  # None: choose; a value: the user's, kept
     if levers.checkpointing and not is_checkpointing(model):
@@ -226,6 +226,17 @@ class Levers:
     peak_bytes: int  # estimated need above weights and AdamW state: max(training, sampling)
     budget_bytes: int  # what free memory leaves for it (module docstring)
     why: str  # for the run's first line: "micro-batch 16, no checkpointing: ~21.3 of 70.2 GiB free"
+
+
+def allocatable_bytes(device) -> int:
+    """What this process may still allocate on the GPU: the card's free memory, or less where
+    torch.cuda.set_per_process_memory_fraction caps the process (bench/memory_cap.py's budget):
+    then the cap minus what the caching allocator already reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - torch.cuda.memory_reserved(device))
+    return max(free, 0)
 
 
 def margin_bytes(free_bytes: int) -> int:

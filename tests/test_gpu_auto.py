@@ -117,7 +117,8 @@ def test_a_run_saves_the_values_chosen_and_a_resume_written_auto_is_no_change(
         tmp_path, tiny_llama, capsys):
     from conftest import write_run_config
     config = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run"),
-                                                         "save_every": 1, "threads": 1},
+                                                         "save_every": 1, "threads": 1,
+                                                         "device": "cpu"},  # what a CPU chooses
                               optim={"micro_batch_size": "auto"})
     assert train.main(["--config", str(config)]) == 0
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
@@ -137,7 +138,8 @@ def test_the_merged_sampler_logs_its_gap_to_the_trainer_and_the_default_cpu_run_
     gaps = {}
     for merged in (False, True):
         out = tmp_path / f"run{merged}"
-        config = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(out), "threads": 1},
+        config = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(out), "threads": 1,
+                                                             "device": "cpu"},  # fp32 on a GPU box
                                   rollout={"merged_sampling": merged})
         assert train.main(["--config", str(config)]) == 0
         gaps[merged] = [json.loads(x).get("sampler_logp_abs_diff") for x in

@@ -8,6 +8,7 @@ from config import Config, LoraConfig, ModelConfig
 from gpu.memory import (
     BUSY_TOKENS,
     GiB,
+    allocatable_bytes,
     choose_levers,
     enable_checkpointing,
     is_checkpointing,
@@ -217,3 +218,17 @@ def test_the_moved_functions_give_the_numbers_bench_memory_estimate_gave(tiny_ll
     assert micro_batch_peak(model, 4, 5, 16, fused_head=True, chunk=8) == (248256, 264648)
     assert (weight_bytes(model, None), weight_bytes(model, "4bit")) == (102720, 75364)
     assert sampling_bytes(model.config, 8, 21, torch.bfloat16) == 58368
+
+
+def test_a_per_process_cap_bounds_the_free_memory_auto_reads(monkeypatch):
+    """bench/memory_cap.py's --budget-gb caps the process: auto must size its levers for the cap,
+    not for the whole card's free memory (torch.cuda faked: no GPU needed)."""
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: (100 * GiB, 140 * GiB))
+    monkeypatch.setattr(cuda, "memory_reserved", lambda d: 3 * GiB)
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 1.0, raising=False)
+    assert allocatable_bytes(0) == 100 * GiB  # no cap: the card's free memory
+    monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda d: 0.1, raising=False)
+    assert allocatable_bytes(0) == 14 * GiB - 3 * GiB  # the cap, less what is reserved already
+    monkeypatch.setattr(cuda, "mem_get_info", lambda d: (5 * GiB, 140 * GiB))
+    assert allocatable_bytes(0) == 5 * GiB  # another process holds the rest of the card
