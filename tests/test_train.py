@@ -372,7 +372,8 @@ def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings
     assert "model.gradient_checkpointing: true" in err[-1] if phase == "training" \
         else "rollout.max_new_tokens (now 8)" in err[-1]
     assert err[-1].endswith(
-        f"; stopped at step 2: fix it, then --resume from the last checkpoint in {run}")
+        f"; stopped at step 2, the last checkpoint in {run}: fix it, then go on with: "
+        + shlex.join([sys.executable, "train.py", "--config", str(cfg), "--resume"]))
     assert calls and "Traceback" not in "\n".join(err)
 
 
@@ -1058,7 +1059,8 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_a
     assert train.main(args) == (130 if sig == "SIGINT" else 143)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); "
-                       f"stopped at step 2: --resume from the last checkpoint in {run}")
+                       f"stopped at step 2, the last checkpoint in {run}: go on with: "
+                       + shlex.join([sys.executable, "train.py", *args, "--resume"]))
     assert "Traceback" not in "\n".join(err) and calls[-1] == "finish"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
@@ -1294,13 +1296,17 @@ def test_a_mostly_garbage_judge_stops_the_run_with_one_of_its_replies(setup, cap
         calls[0] += 1
         return "Score: 7" if calls[0] % 4 == 1 else "A fine answer, clear and correct in every way."
     with FakeOpenAIServer(reply=mostly_prose) as server:
-        assert train.main(_judge_args(cfg, server, "--run.save_every=1")) == 2
+        args = _judge_args(cfg, server, "--run.save_every=1")
+        assert train.main(args) == 2
     assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2]  # step 3 not trained on
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: judge: 6 of 8 replies held no usable score this step, more than "
                           "run.judge_max_unusable_share=0.5 for 3 steps in a row; one was 'A fine "
                           "answer, clear and correct in every way.'; fix its template")
-    assert "extra_body" in err and "stopped at step 3" in err and "--resume" in err
+    assert "extra_body" in err and "stopped at step 3" in err
+    # issue 47: the exact command, as the outage stop's line gives it
+    assert shlex.split(err.split("fix it, then go on with: ")[1]) == [
+        sys.executable, "train.py", *args, "--resume"]
 
 
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
@@ -1413,7 +1419,7 @@ def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
         monkeypatch.setattr(train, "train_step", failing)
         assert train.main(_judge_args(cfg, server)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: judge: HTTP 401") and "--resume from the last checkpoint" in err
+    assert err.startswith("error: judge: HTTP 401") and err.endswith(" --resume")
 
 
 def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
