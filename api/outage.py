@@ -148,7 +148,8 @@ def check_rewards(run, per: dict[str, dict], errors: dict[str, int], scored: int
     if not every or total["silent"]:
         return
     said = [judge.masked(f"{judge.label}: " + (
-        f"one reply was {judge.unusable_reply[:160]!r}" if c["unusable"] else judge.last_failure))
+        f"one reply was {judge.unusable_reply[:160]!r}" if c["unusable"]
+        else judge.last_failure.removeprefix(f"{judge.label}: ")))
         for name, judge in run.judges.items() if (c := per[name])["calls"]
         and c["no_reply"] + c["unusable"] >= c["calls"]]
     raise RewardFailed(

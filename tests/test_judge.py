@@ -1140,3 +1140,23 @@ def test_the_documented_small_judge_configs_send_their_grammar_and_a_score_reply
     body = server.requests[-1].body
     assert {k: body[k] for k in sent} == sent and body["max_tokens"] == 8
     assert "The sum is 4." in body["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://127.0.0.1:notaport/v1", "cannot build a request to http://127.0.0.1:notaport/v1/chat/"
+     "completions (InvalidURL: Invalid port: 'notaport'); fix judge.base_url"),
+    ("http://[::1/v1", "judge: base_url='http://[::1/v1' is not an http(s) URL")])
+def test_a_judge_url_no_request_can_be_built_for_fails_the_dry_run(tmp_path, capsys, url, says):
+    """Issue 47: --dry-run said the judges checked out, then every call raised before a request
+    was sent (judge_calls 0, reward_errors/judge 32), and the run trained on nothing to `done`."""
+    import train
+    root = Path(__file__).parents[1]
+    args = ["--config", str(root / "configs/quickstart.yaml"), "--dry-run", "--run.threads=1",
+            f"--run.out_dir={tmp_path / 'run'}", f"--judge.base_url={url}", "--judge.model=m",
+            "--rewards=[{name: answer_match}, {name: judge, args: {template: 'Rate {completion}', "
+            "criteria: []}}]"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Judge(JudgeConfig(base_url=url, model="m"))

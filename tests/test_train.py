@@ -1225,6 +1225,24 @@ def test_a_judge_killed_mid_run_checkpoints_and_stops_with_one_line_and_the_resu
                                                          "--resume"]
 
 
+def test_a_reward_that_fails_on_every_completion_stops_the_run_before_training_on_it(
+        setup, tmp_path, capsys):
+    """Issue 47: a judge that never sent a request ran to `done`, exit 0, every step scored by
+    nothing. Whatever fails so (here a reward of one's own, in a run without a judge) stops the
+    run at the step it happens, with one line, and the step is not trained on."""
+    cfg, run = setup
+    (tmp_path / "broken.py").write_text("def broken(completion, sample):\n"
+                                        "    return sample['no_such_column']\n")
+    args = ["--config", str(cfg), f"--rewards=[{{name: '{tmp_path / 'broken.py'}:broken'}}]"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: reward '{tmp_path / 'broken.py'}:broken' failed on all 8 "
+                              "completions of step 1 (reward_errors/")
+    assert err[-1].endswith("stopped at step 1, before any checkpoint (nothing of the run was "
+                            "kept): fix it, then run the same command again")
+    assert not run.exists()
+
+
 def adapter(run, step: int) -> dict:
     return load_file(run / f"checkpoints/step_{step:06d}/adapter/adapter_model.safetensors")
 
