@@ -1,8 +1,9 @@
 """LLM judges as GRPO rewards: templates, reply parsing, the judge rewards, several judges in a run.
 
-    from judge import judge_reward, rubric_alignment, open_judges
+    from judge import group_judge, judge_reward, rubric_alignment, open_judges
     judges = open_judges(cfg.judge, cfg.judges)  # by name: {"judge": ..., "second": ...}
     rewards = judge_reward(completions, samples, judge=judges["judge"])  # list[float]; NaN: failed
+    rewards = group_judge(completions, samples, judge=judges["judge"])  # one request a group
 
 A judge is a client.Judge (cache, retries, rate limit, cost). A reply is parsed for a score in
 [score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning
@@ -77,6 +78,12 @@ def _verdict_text(text: str) -> str:
     return _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
 
 
+def _verdict_json(text: str) -> tuple[str, dict | None]:
+    """A judge reply's verdict text and the first JSON object in it (None: none)."""
+    text = _verdict_text(text)
+    return text, _first_json_object(text)
+
+
 def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
                 criteria: list[str] | None = None) -> JudgeScore | None:
     """A JudgeScore from a judge reply, or None if there is no valid in-range score.
@@ -99,8 +106,7 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     """
     if not isinstance(text, str):
         return None
-    text = _verdict_text(text)
-    obj = _first_json_object(text)
+    text, obj = _verdict_json(text)
     alone = text.startswith("{") or text.endswith("}") or _FENCE.search(text) is not None
     if (obj is not None and not criteria and "score" not in {str(k).lower() for k in obj}
             and not alone):
@@ -356,8 +362,7 @@ def parse_group(text: str, score_min: float = 0.0, score_max: float = 10.0, *,
     """
     if not isinstance(text, str):
         return None
-    text = _verdict_text(text)
-    obj = _first_json_object(text)
+    text, obj = _verdict_json(text)
     alone = text.startswith("{") and text.endswith("}") or _FENCE.fullmatch(text) is not None
     scores = {str(k).lower(): v for k, v in obj.items()}.get("scores") if obj and alone else None
     if not isinstance(scores, list) or len(scores) != n:
@@ -411,7 +416,7 @@ def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> Judg
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
     if verdict is None and isinstance(text, str):
         obj = {str(k).lower(): v
-               for k, v in (_first_json_object(_verdict_text(text)) or {}).items()}
+               for k, v in (_verdict_json(text)[1] or {}).items()}
         met = obj.get("met", obj.get("criteria_met"))
         if isinstance(met, bool) or (type(met) in (int, float) and met in (0, 1)):
             return JudgeScore(float(met), {"met": float(met)})
