@@ -22,6 +22,11 @@ the endpoint is wrong, not down).
 A judge whose replies held no usable score more often than run.judge_max_unusable_share in
 run.judge_unusable_steps steps in a row stops the run (JudgeUnusable, exit code 2) with one of its
 replies and what to fix: the template, a grammar through extra_body, a larger judge.
+
+A reward that failed on every completion of a step, for whatever reason (a request that could not
+be built, a judge refusing each call, a bug), stops the run before the step is trained on
+(check_rewards: RewardFailed, exit code 2), unless a judge that had answered got no reply at all:
+the outage above.
 """
 
 from __future__ import annotations
