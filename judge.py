@@ -1,8 +1,9 @@
 """LLM judges as GRPO rewards: templates, reply parsing, the judge rewards, several judges in a run.
 
-    from judge import judge_reward, rubric_alignment, open_judges
+    from judge import group_judge, judge_reward, rubric_alignment, open_judges
     judges = open_judges(cfg.judge, cfg.judges)  # by name: {"judge": ..., "second": ...}
     rewards = judge_reward(completions, samples, judge=judges["judge"])  # list[float]; NaN: failed
+    rewards = group_judge(completions, samples, judge=judges["judge"])  # one request a group
 
 A judge is a client.Judge (cache, retries, rate limit, cost). A reply is parsed for a score in
 [score_min, score_max] (JSON, the last "Score: 7", "7/10", "7 out of 10", a lone number; a reasoning
@@ -77,6 +78,12 @@ def _verdict_text(text: str) -> str:
     return _THINK.sub("", text.rsplit("</think>", 1)[-1]).strip()
 
 
+def _verdict_json(text: str) -> tuple[str, dict | None]:
+    """A judge reply's verdict text and the first JSON object in it (None: none)."""
+    text = _verdict_text(text)
+    return text, _first_json_object(text)
+
+
 def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
                 criteria: list[str] | None = None) -> JudgeScore | None:
     """A JudgeScore from a judge reply, or None if there is no valid in-range score.
@@ -99,8 +106,7 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
     """
     if not isinstance(text, str):
         return None
-    text = _verdict_text(text)
-    obj = _first_json_object(text)
+    text, obj = _verdict_json(text)
     alone = text.startswith("{") or text.endswith("}") or _FENCE.search(text) is not None
     if (obj is not None and not criteria and "score" not in {str(k).lower() for k in obj}
             and not alone):
@@ -190,8 +196,21 @@ Does the answer meet the criterion? A criterion with negative points names somet
 not do: it is met when the answer does it.
 Reply with only a JSON object: {"met": <number>}, the number 1 if the criterion is met, 0 if not."""  # noqa: E501
 
+GROUP_SCORING = """You are comparing several answers to the same request.
+
+Request:
+{prompt}
+
+The answers, labelled [Answer 1] to [Answer {n}]:
+
+{completions}
+
+Score each answer from {score_min} to {score_max}, comparing them with each other: a better answer gets a higher score, equally good answers get the same score.
+Reply with only a JSON object holding the {n} scores in the answers' order: {"scores": [<number>, ...]}"""  # noqa: E501
+
 TEMPLATES = {"pointwise_criteria": POINTWISE_CRITERIA, "rubric_scoring": RUBRIC_SCORING,
-             "logic_novelty": LOGIC_NOVELTY, "criterion_met": CRITERION_MET}
+             "logic_novelty": LOGIC_NOVELTY, "criterion_met": CRITERION_MET,
+             "group_scoring": GROUP_SCORING}
 TEMPLATE_CRITERIA = {"pointwise_criteria": ["relevance", "clarity", "discriminative_power"],
                      "logic_novelty": ["logic", "novelty"]}  # the JSON keys each template requires
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_]\w*)\}")
@@ -281,6 +300,87 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge,
             for v in values]
 
 
+def group_judge(completions: list[str], samples: list[dict], *, judge: Judge,
+                template: str = "group_scoring", system: str | None = None,
+                normalize: bool = True) -> list[float]:
+    """The judge's score of each completion, seen beside the rest of its group: one request a
+    prompt shows its completions labelled [Answer 1] .. [Answer G] and asks for G scores as
+    {"scores": [...]} (parse_group), (score - score_min) / (score_max - score_min) when normalize.
+
+    A group is a run of consecutive completions of the same sample (the same row object, as the
+    step and eval.py lay them out). A reply without exactly G in-range scores is a failure of the
+    whole group (NaN each: its fallback; judge_unusable counts the request), never a made-up score.
+    Identical completions get the mean of their scores, as a rule reward would give them one. The
+    request holds the group's text, so the judge's cache answers a rerun; its counters and the
+    failed-share, outage and unusable rules (api/outage.py) count requests, one a group.
+    """
+    text, cfg = load_template(template), judge.cfg
+    scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
+    groups = _groups(samples)
+    chats = [_chat(render(text, {**samples[a], **scale, "n": b - a,
+                                 "completions": _labelled(completions[a:b])}), system)
+             for a, b in groups]
+    replies = judge.score_many(chats, [group_parser(b - a, cfg) for a, b in groups])
+    span, out = cfg.score_max - cfg.score_min, [math.nan] * len(completions)
+    for (a, b), scores in zip(groups, replies):
+        if scores is None:
+            continue
+        by_text: dict[str, list[float]] = {}
+        for c, v in zip(completions[a:b], scores):
+            by_text.setdefault(c, []).append(v)
+        for i in range(a, b):
+            v = sum(by_text[completions[i]]) / len(by_text[completions[i]])
+            out[i] = (v - cfg.score_min) / span if normalize else v
+    return out
+
+
+def _groups(samples: list[dict]) -> list[tuple[int, int]]:
+    """(start, end) of each run of consecutive samples that are one object: a prompt's group.
+
+    >>> a, b = {"prompt": "x"}, {"prompt": "x"}
+    >>> _groups([a, a, b, b, b])
+    [(0, 2), (2, 5)]
+    """
+    starts = [i for i, s in enumerate(samples) if i == 0 or s is not samples[i - 1]]
+    return list(zip(starts, starts[1:] + [len(samples)]))
+
+
+def _labelled(completions: list[str]) -> str:
+    return "\n\n".join(f"[Answer {k}]\n{c}" for k, c in enumerate(completions, 1))
+
+
+def parse_group(text: str, score_min: float = 0.0, score_max: float = 10.0, *,
+                n: int) -> list[float] | None:
+    """The n scores of a group judge's reply, or None: a JSON object (the whole reply after any
+    thinking, or a ```json block) whose "scores" is a list of exactly n numbers in
+    [score_min, score_max]. Nothing else is read: no partial list, no number out of prose.
+
+    >>> parse_group('{"scores": [7, 3, 9]}', n=3), parse_group('{"scores": [7, 3]}', n=3)
+    ([7.0, 3.0, 9.0], None)
+    >>> parse_group('Scores: 7, 3, 9', n=3), parse_group('{"scores": [7, 3, 11]}', n=3)
+    (None, None)
+    """
+    if not isinstance(text, str):
+        return None
+    text, obj = _verdict_json(text)
+    alone = text.startswith("{") and text.endswith("}") or _FENCE.fullmatch(text) is not None
+    scores = {str(k).lower(): v for k, v in obj.items()}.get("scores") if obj and alone else None
+    if not isinstance(scores, list) or len(scores) != n:
+        return None
+    values = [_number(v) for v in scores]
+    if any(v is None or not score_min <= v <= score_max for v in values):
+        return None
+    return values
+
+
+def group_parser(n: int, cfg: JudgeConfig) -> partial:
+    """parse_group for a group of n, saying what it wants (score_many's line on a bad reply)."""
+    parse = partial(parse_group, n=n)
+    parse.want = (f'{{"scores": [...]}} holding {n} numbers in '
+                  f'[{cfg.score_min:g}, {cfg.score_max:g}], one per answer')
+    return parse
+
+
 def grade_answers(judge: Judge, rubrics: list, samples: list[dict], *,
                   template: str = "rubric_scoring", answers_key: str = "answers",
                   question_key: str = "question") -> list[list[float | None]]:
@@ -316,7 +416,7 @@ def parse_met(text: str, score_min: float = 0.0, score_max: float = 1.0) -> Judg
     verdict = parse_score(text, 0.0, 1.0, criteria=["met"])
     if verdict is None and isinstance(text, str):
         obj = {str(k).lower(): v
-               for k, v in (_first_json_object(_verdict_text(text)) or {}).items()}
+               for k, v in (_verdict_json(text)[1] or {}).items()}
         met = obj.get("met", obj.get("criteria_met"))
         if isinstance(met, bool) or (type(met) in (int, float) and met in (0, 1)):
             return JudgeScore(float(met), {"met": float(met)})
@@ -417,6 +517,11 @@ def _judge_row_fields(template: str = "pointwise_criteria", **_) -> set[str]:
     return _placeholders(load_template(template)) - {"completion", "score_min", "score_max"}
 
 
+def _group_row_fields(template: str = "group_scoring", **_) -> set[str]:
+    """The row columns group_judge's template reads (the rest it fills itself)."""
+    return _placeholders(load_template(template)) - {"completions", "n", "score_min", "score_max"}
+
+
 def _rubric_row_fields(template: str = "rubric_scoring", **_) -> set[str]:
     return _placeholders(load_template(template)) - {
         "question", "rubric", "answer", "score_min", "score_max"}
@@ -430,6 +535,10 @@ def criteria_row_fields(template: str = "criterion_met") -> set[str]:
 
 
 def _check_rubric_args(template: str = "rubric_scoring", **_) -> None:
+    load_template(template)
+
+
+def _check_group_args(template: str = "group_scoring", **_) -> None:
     load_template(template)
 
 
@@ -466,6 +575,8 @@ def _finite(value) -> bool:  # a number to rubric_alignment's float() (numpy int
 judge_reward.check_args, judge_reward.row_fields = _check_judge_args, _judge_row_fields
 rubric_alignment.check_args, rubric_alignment.row_fields = _check_rubric_args, _rubric_row_fields
 rubric_alignment.check_row = _check_rubric_row
+group_judge.check_args, group_judge.row_fields = _check_group_args, _group_row_fields
 register("judge", batched=True)(judge_reward)
+register("group_judge", batched=True)(group_judge)
 register("rubric_alignment", batched=True,
          row_keys=("answers_key", "gold_key", "question_key"))(rubric_alignment)

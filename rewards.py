@@ -493,7 +493,8 @@ def advantage_rewards(total: torch.Tensor, per_reward: dict[str, list[float | No
 # (`import train` loads no rating page).
 ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_answers",
              "choice_accuracy": "graders.json_answers", "human": "graders.ratings",
-             "judge": "judge", "rubric_alignment": "judge", "reward_model": "graders.reward_model",
+             "judge": "judge", "rubric_alignment": "judge", "group_judge": "judge",
+             "reward_model": "graders.reward_model",
              "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
              "citation_pass": "graders.citations", "env_reward": "engines.episodes",
              "rubric_format": "graders.rubrics"}

@@ -33,8 +33,8 @@ Every feature enters the step through one named seam, a line here, owned by its 
   reward overlap  rollout.overlap_rewards: score a slice while the next samples
                 (scoring/pipelined.py)
   entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
-  judge outage  run.judges: a step whose judge mostly failed to reply is not trained on
-                (api/outage.py)
+  judge outage  run.judges: a step whose judge mostly failed to reply is not trained on, a
+                reward that failed on every completion stops the run (api/outage.py)
   reward mix    grpo.reward_aggregation: normalize_then_sum normalises each reward within its
                 group before the weighted sum (GDPO; rewards.advantage_rewards, grpo.py)
 """
@@ -146,8 +146,10 @@ def train_step(run: Run) -> tuple[dict, list[dict]]:
     if cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
-    if run.judges:  # a step its judges mostly failed is not trained on: no mini-batch
-        batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum)
+    # a step its judges mostly failed is not trained on; a reward that failed on all stops the run
+    if run.judges or run.world == 1 and any(drawn.errors.values()):
+        batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, drawn.errors,
+                                            len(drawn.samples))
     updates = update(run, batch)  # 4-5. num_iterations passes, an optimizer update per mini-batch
     if run.engine:
         run.phase = "syncing the weights to vLLM"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import importlib
 import json
 import logging
 import math
@@ -167,7 +168,10 @@ class Judge:
             raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
         # else every call fails, each counted
         for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):
-            url = urlsplit(getattr(cfg, name) or "")
+            try:
+                url = urlsplit(getattr(cfg, name) or "")
+            except ValueError:  # "http://[::1/v1": an unclosed IPv6 address
+                url = urlsplit("")
             if url.scheme not in ("http", "https") or not url.netloc:
                 shown = getattr(cfg, name)
                 raise ValueError(f"{section}: {name}={mask_urls(shown) if shown else shown!r} is "
@@ -188,6 +192,7 @@ class Judge:
         self.headers = {h: _expand(v, f"extra_headers.{h}", section)
                         for h, v in cfg.extra_headers.items()}
         self.cfg, self.label, self.key = cfg, label, key or label
+        self._check_sendable(section)
         self.fatal: str | None = None  # a reply no retry fixes (401, 403, 404...): the caller stops
         self._unparsed_before_any = 0  # score_many: unusable replies before a usable one (then -1)
         self._first_unparsed = ""  # the first of those replies, for the error
@@ -213,6 +218,29 @@ class Judge:
         self._requests: set[asyncio.Future] = set()
         self.cache = ReplyCache(cfg.cache_path, cfg.memory_cache_size if cfg.memory_cache else 0,
                                 label, self.key)
+
+    def _check_sendable(self, section: str) -> None:
+        """Build the request this client will send, with the HTTP client the openai package sends
+        it with: a URL it cannot parse (http://host:notaport/v1) or a header or key it cannot
+        encode raises ValueError here, before a run, not as every call of every step."""
+        import openai
+        # the package openai sends with (httpx2; httpx before it): its Request, without a client
+        http = importlib.import_module(openai.DefaultHttpxClient.__base__.__module__.split(".")[0])
+        cfg = self.cfg
+        path = (f"/openai/deployments/{cfg.model}/chat/completions" if cfg.azure_endpoint
+                else "/chat/completions")
+        url = self._endpoint.rstrip("/") + path
+        headers = {**self.headers, "Authorization": f"Bearer {self._key() or 'EMPTY'}"}
+        try:
+            http.Request("POST", url, headers=headers)
+        except Exception as e:  # its InvalidURL, a UnicodeEncodeError, ...
+            name = "azure_endpoint" if cfg.azure_endpoint else "base_url"
+            why = ("a header or the key holds a character HTTP cannot carry"  # the error quotes it
+                   if isinstance(e, UnicodeError) else f"{type(e).__name__}: {e}")
+            raise ValueError(self.masked(
+                f"{section}: cannot build a request to {url} ({why}); fix {section}.{name} (e.g. "
+                f"http://127.0.0.1:8000/v1), the model, extra_headers or the key in "
+                f"${cfg.api_key_env}")) from None
 
     def __repr__(self) -> str:
         return (f"Judge(model={self.cfg.model!r}, endpoint={mask_urls(self._endpoint)!r}, "
@@ -245,6 +273,12 @@ class Judge:
         self._no_reply.clear()
         self._logged.clear()
         return out
+
+    @property
+    def unheard(self) -> bool:
+        """Whether (nearly, OUTAGE_SHARE) every call sent this step so far got no HTTP reply at all:
+        what makes a step down (pop_step_stats), whatever the count."""
+        return self._asked > 0 and self._unanswered >= OUTAGE_SHARE * self._asked
 
     def step_calls(self) -> dict[str, float]:
         """This step's calls so far, those without a reply (failed after their retries, refused)
@@ -498,9 +532,10 @@ class Judge:
     async def _gather(self, message_lists: list[list[dict]], accept,
                       samples: list[int] | None = None) -> list[str | None]:
         samples = samples or [0] * len(message_lists)
+        accepts = accept if isinstance(accept, list) else [accept] * len(message_lists)
         try:
-            replies = await asyncio.gather(*(self._acomplete(m, accept, i)
-                                             for m, i in zip(message_lists, samples, strict=True)))
+            replies = await asyncio.gather(*(self._acomplete(m, a, i) for m, a, i in zip(
+                message_lists, accepts, samples, strict=True)))
         finally:
             loop = asyncio.get_running_loop()  # on Ctrl-C: this loop's requests still out
             pending = [f for f in self._requests if not f.done() and f.get_loop() is loop]
@@ -581,16 +616,20 @@ class Judge:
         when cached)."""
         return [k in self.cache.cut for k in self._keys(message_lists, n)]
 
-    def score_many(self, message_lists: list[list[dict]], parse: Callable) -> list:
+    def score_many(self, message_lists: list[list[dict]], parse: Callable | list[Callable]) -> list:
         """Complete then parse(reply, score_min, score_max) (judge.parse_score: a JudgeScore or
-        None); a reply it rejects -> None, counted as a failure (cached, as every reply). When the
-        judge's first UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable: the
-        template or the score range is wrong for this model, and paying for more calls would train
-        on fallbacks. Once one reply has scored, an unusable reply is only counted (the caller's
-        fallback)."""
+        None; or a list, a parser per request: judge.judge_group's, each reading its group's count
+        of scores); a reply it rejects -> None, counted as a failure (cached, as every reply). When
+        the judge's first UNPARSED_LIMIT replies all lack a usable score, it raises JudgeUnusable:
+        the template or the score range is wrong for this model, and paying for more calls would
+        train on fallbacks. Once one reply has scored, an unusable reply is only counted (the
+        caller's fallback)."""
         lo, hi = self.cfg.score_min, self.cfg.score_max
-        replies = run_sync(self._gather(message_lists, lambda r: parse(r, lo, hi) is not None))
-        scores = [None if r is None else parse(r, lo, hi) for r in replies]
+        parses = parse if isinstance(parse, list) else [parse] * len(message_lists)
+        replies = run_sync(self._gather(message_lists, [
+            lambda r, p=p: p(r, lo, hi) is not None for p in parses]))
+        scores = [None if r is None else p(r, lo, hi) for r, p in zip(replies, parses)]
+        parse = parses[0] if parses else parse  # what the parsers read, for the lines below
         # judge_reward's partial(parse_score, criteria=...)
         criteria = getattr(parse, "keywords", {}).get("criteria")
         want = getattr(parse, "want", None) or (  # a parser may say what it reads (judge.parse_met)

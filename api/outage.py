@@ -22,6 +22,11 @@ the endpoint is wrong, not down).
 A judge whose replies held no usable score more often than run.judge_max_unusable_share in
 run.judge_unusable_steps steps in a row stops the run (JudgeUnusable, exit code 2) with one of its
 replies and what to fix: the template, a grammar through extra_body, a larger judge.
+
+A reward that failed on every completion of a step, for whatever reason (a request that could not
+be built, a judge refusing each call, a bug), stops the run before the step is trained on
+(check_rewards: RewardFailed, exit code 2), unless a judge that had answered got no reply at all:
+the outage above.
 """
 
 from __future__ import annotations
@@ -85,15 +90,19 @@ def stop_line(judge: Judge, step: int, run_dir, resume: str) -> str:
 
 
 # --- a step a judge failed: not trained on, or the run stopped -----------------------------------
-def minis_to_train(run, minis: list, sums: Callable[[dict], dict] = lambda d: d) -> list:
+def minis_to_train(run, minis: list, sums: Callable[[dict], dict] = lambda d: d,
+                   errors: dict[str, int] | None = None, scored: int = 0) -> list:
     """The step's mini-batches (step.Batch.minis), or none when a judge failed more than
     run.judge_max_failed_share of the step's calls: then no optimizer update is made (the schedule
     advances as if), judge_steps_skipped counts it and a line says so. JudgeUnusable when a judge's
-    replies were unusable past run.judge_max_unusable_share for run.judge_unusable_steps steps.
-    `sums`: torchrun's sum over the ranks (distributed.all_sum), so every rank decides the same."""
+    replies were unusable past run.judge_max_unusable_share for run.judge_unusable_steps steps, and
+    RewardFailed when a reward failed on each of the `scored` completions (its `errors`: the step's
+    reward_errors; check_rewards). `sums`: torchrun's sum over the ranks (distributed.all_sum), so
+    every rank decides the same."""
     per = step_calls(run.judges, sums)
     for name, judge in run.judges.items():
         check_unusable(judge, per[name], run.cfg.run)
+    check_rewards(run, per, errors or {}, scored, sums)
     cap = run.cfg.run.judge_max_failed_share
     failed = [(j, per[n]) for n, j in run.judges.items()
               if per[n]["calls"] and per[n]["no_reply"] > cap * per[n]["calls"]]
@@ -124,6 +133,34 @@ def skip_schedule(scheduler, updates: int) -> None:
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
         for _ in range(updates):
             scheduler.step()
+
+
+class RewardFailed(JudgeUnusable):
+    """A reward failed on every completion of a step (train.py stops as for JudgeUnusable)."""
+
+
+def check_rewards(run, per: dict[str, dict], errors: dict[str, int], scored: int,
+                  sums: Callable[[dict], dict]) -> None:
+    """RewardFailed when a reward failed on every one of the step's `scored` completions (`errors`:
+    reward name -> failures), for whatever reason (a URL no request can be built for, a reply
+    refused, a bug): the step would train on nothing, and so would the next. Not while a judge
+    that has answered before got no HTTP reply to (nearly) all it sent this step (Judge.unheard):
+    that is an outage, which run.judge_outage waits for. `per`: each judge's step_calls."""
+    silent = any(j.has_answered and j.unheard for j in run.judges.values())
+    total = sums({"scored": scored, "silent": float(silent),
+                  **{f"errors/{k}": v for k, v in errors.items()}})
+    every = [k for k in errors if 0 < total["scored"] <= total[f"errors/{k}"]]
+    if not every or total["silent"]:
+        return
+    said = [judge.masked(f"{judge.label}: " + (
+        f"one reply was {judge.unusable_reply[:160]!r}" if c["unusable"]
+        else judge.last_failure.removeprefix(f"{judge.label}: ")))
+        for name, judge in run.judges.items() if (c := per[name])["calls"]
+        and c["no_reply"] + c["unusable"] >= c["calls"]]
+    raise RewardFailed(
+        f"reward {every[0]!r} failed on all {total['scored']:.0f} completions of step {run.step} "
+        f"(reward_errors/{every[0]}; its first failure is logged above"
+        + "".join(f"; {s}" for s in said) + "): a step scored by nothing learns nothing")
 
 
 def check_unusable(judge: Judge, counts: dict, cfg) -> None:

@@ -358,9 +358,9 @@ def dry_run_report(r: Run) -> str:
 
 def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> int:
     """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how
-    to go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume; without one,
-    this command's files are removed (a folder it created too), so the same command runs again once
-    the cause is fixed."""
+    to go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume (the line ends
+    with the command: resume_command); without one, this command's files are removed (a folder it
+    created too), so the same command runs again once the cause is fixed."""
     code, fix = 2, "fix it, then "
     distributed.speak(e)  # torchrun: a rank > 0 that failed on its own
     if isinstance(e, KeyboardInterrupt):
@@ -376,8 +376,8 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
         what = str(e)
     run_dir = r.run_dir
     if any(checkpoints(run_dir)):
-        print(f"\nerror: {what}; stopped at step {step}: {fix}--resume from the last checkpoint "
-              f"in {run_dir}", file=sys.stderr)
+        print(f"\nerror: {what}; stopped at step {step}, the last checkpoint in {run_dir}: "
+              f"{fix}go on with: {resume_command(args, r.judges)}", file=sys.stderr)
         return code
     if args.resume or distributed.rank() > 0:  # files that were there before, or rank 0's
         print(f"\nerror: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)

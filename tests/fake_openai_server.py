@@ -65,10 +65,21 @@ def length_score(body: dict, top: int = 10) -> str:
     return '{"score": %d}' % (len(body["messages"][-1]["content"]) % (top + 1))
 
 
+def group_scores(body: dict, top: int = 10) -> str:
+    """A reply for `reply=` to a group judge's prompt (judge.group_judge): {"scores": [...]}, a
+    0-top score for each of its [Answer k]-labelled answers that varies with the answer's length
+    (the last one's runs to the end of the prompt)."""
+    parts = re.split(r"^\[Answer \d+\]$", body["messages"][-1]["content"], flags=re.M)[1:]
+    return json.dumps({"scores": [len(p.strip()) % (top + 1) for p in parts]})
+
+
 def shaped_score(body: dict, top: int = 10) -> str:
     """A reply in the shape the prompt asks for: each key of its `{"key": <number>, ...}` (a
-    template's criteria) gets a 0-top score that varies with the message's length, else "score"."""
+    template's criteria) gets a 0-top score that varies with the message's length, else "score";
+    a group judge's `{"scores": [<number>, ...]}`, one per labelled answer (group_scores)."""
     text = body["messages"][-1]["content"]
+    if '{"scores": [<number>' in text:
+        return group_scores(body, top)
     keys = re.findall(r'"(\w+)": <number>', text) or ["score"]
     # met: 0 or 1
     return json.dumps({k: (len(text) + i) % (2 if k == "met" else top + 1)

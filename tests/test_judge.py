@@ -435,11 +435,13 @@ def test_a_proxy_s_html_page_is_retried_and_a_request_that_cannot_be_built_is_no
                             headers={"Content-Type": "text/html"}))
     judge = make_judge(server, max_retries=1)
     assert judge.complete_many([chat("a")]) == ['{"score": 7}'] and len(server.requests) == 2
-    # a key the HTTP header cannot carry: our error, not the server's
+    # a key the HTTP header cannot carry: our error, not the server's, said when the client is
+    # built (issue 47), without the key
     monkeypatch.setenv(KEY_ENV, "sk-caf\u00e9")
-    with pytest.raises(UnicodeEncodeError):
-        make_judge(server).complete_many([chat("b")])
-    assert len(server.requests) == 2
+    with pytest.raises(ValueError, match="cannot build a request to .* a character HTTP cannot "
+                       f"carry.* the key in \\${KEY_ENV}$") as err:
+        make_judge(server)
+    assert "caf" not in str(err.value) and len(server.requests) == 2
 
 
 def test_provider_cached_prompt_tokens_are_priced_at_their_own_rate(server):
@@ -1138,3 +1140,202 @@ def test_the_documented_small_judge_configs_send_their_grammar_and_a_score_reply
     body = server.requests[-1].body
     assert {k: body[k] for k in sent} == sent and body["max_tokens"] == 8
     assert "The sum is 4." in body["messages"][-1]["content"]
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://127.0.0.1:notaport/v1", "cannot build a request to http://127.0.0.1:notaport/v1/chat/"
+     "completions (InvalidURL: Invalid port: 'notaport'); fix judge.base_url"),
+    ("http://[::1/v1", "judge: base_url='http://[::1/v1' is not an http(s) URL")])
+def test_a_judge_url_no_request_can_be_built_for_fails_the_dry_run(tmp_path, capsys, url, says):
+    """Issue 47: --dry-run said the judges checked out, then every call raised before a request
+    was sent (judge_calls 0, reward_errors/judge 32), and the run trained on nothing to `done`."""
+    import train
+    root = Path(__file__).parents[1]
+    args = ["--config", str(root / "configs/quickstart.yaml"), "--dry-run", "--run.threads=1",
+            f"--run.out_dir={tmp_path / 'run'}", f"--judge.base_url={url}", "--judge.model=m",
+            "--rewards=[{name: answer_match}, {name: judge, args: {template: 'Rate {completion}', "
+            "criteria: []}}]"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Judge(JudgeConfig(base_url=url, model="m"))
+
+
+# --- the group judge (issue 47) -------------------------------------------------------------------
+def group_batch(prompts=("What is 2 + 2?", "What is 3 + 5?"), g: int = 4):
+    """A step's layout: g consecutive completions per prompt, each group one row object."""
+    rows = [{"prompt": p, "answer": "x"} for p in prompts]
+    samples = [row for row in rows for _ in range(g)]
+    completions = [f"{p[8:13]} is {k}" for p in prompts for k in range(g)]
+    return completions, samples
+
+
+def test_the_group_judge_sends_one_request_a_prompt_with_its_completions_labelled(server):
+    """One call a prompt instead of G: the prompt and its G completions, [Answer 1] .. [Answer G],
+    and the G scores read back in that order, normalised by the judge's score range."""
+    server.reply = lambda body: '{"scores": [0, 10, 5, 2.5]}'
+    judge = make_judge(server)
+    completions, samples = group_batch()
+    res = compute_rewards(completions, samples, [RewardSpec("group_judge")],
+                          context={"judge": judge})
+    assert res.per_reward["group_judge"] == [0.0, 1.0, 0.5, 0.25] * 2
+    assert len(server.requests) == 2
+    (shown,) = [r.messages[-1]["content"] for r in server.requests if "2 + 2?" in r.prompt_text]
+    assert "3 + 5" not in shown
+    assert "[Answer 1]\n2 + 2 is 0\n\n[Answer 2]\n2 + 2 is 1" in shown and "[Answer 4]" in shown
+    assert 'holding the 4 scores in the answers\' order: {"scores": [<number>, ...]}' in shown
+    stats = judge.pop_step_stats()
+    assert (stats["judge_calls"], stats["judge_requests"]) == (2, 2)
+
+
+@pytest.mark.parametrize("reply", [
+    '{"scores": [7, 3, 9]}',  # 3 scores for 4 answers
+    '{"scores": [7, 3, 9, 4, 1]}',
+    '{"scores": [7, 3, 9, 11]}',  # one out of range
+    '{"scores": [7, 3, true, 4]}',
+    "Answer 1: 7, Answer 2: 3, Answer 3: 9, Answer 4: 4",  # not the format asked for
+    'They are all fine. {"scores": [7, 3, 9, 4]} is what I would give.'])
+def test_a_group_reply_without_exactly_g_scores_skips_its_completions_never_scores_them_0(
+        server, reply):
+    server.reply = lambda body: reply if "2 + 2" in body["messages"][-1]["content"] \
+        else '{"scores": [1, 2, 3, 4]}'
+    judge = make_judge(server)
+    completions, samples = group_batch()
+    res = compute_rewards(completions, samples, [RewardSpec("group_judge")],
+                          context={"judge": judge})
+    assert res.per_reward["group_judge"] == [None] * 4 + [0.1, 0.2, 0.3, 0.4]
+    assert res.errors["group_judge"] == 4 and all(math.isnan(t) for t in res.total[:4])
+    stats = judge.pop_step_stats()
+    assert (stats["judge_calls"], stats["judge_failures"], stats["judge_unusable"]) == (2, 1, 1)
+
+
+def test_a_group_reply_may_think_first_or_fence_its_json():
+    from judge import parse_group
+    assert parse_group('<think>4 answers: 7 3 9</think>{"scores": [7, 3, 9, 4]}', n=4) \
+        == [7.0, 3.0, 9.0, 4.0]
+    assert parse_group('```json\n{"scores": ["8", 2]}\n```', n=2) == [8.0, 2.0]
+    assert parse_group('{"scores": [8, 2]} and more', n=2) is None
+    assert parse_group('{"score": [8, 2]}', n=2) is None
+
+
+def test_identical_completions_in_a_group_get_one_score(server):
+    """As a rule reward would: the mean of the scores the judge gave the same text."""
+    server.reply = lambda body: '{"scores": [2, 5, 10]}'
+    judge = make_judge(server)
+    row = {"prompt": "What is 1 + 1?"}
+    assert judge_group_values(judge, ["2", "two", "2"], [row] * 3) == pytest.approx([0.6, 0.5, 0.6])
+
+
+def judge_group_values(judge, completions, samples, **args):
+    from judge import group_judge
+    return group_judge(completions, samples, judge=judge, **args)
+
+
+def test_a_rerun_of_a_group_pays_nothing_and_another_group_pays_again(server, tmp_path):
+    """The request holds the group's content: a new process over the same cache gets the reply
+    free; a group with one completion changed is another request."""
+    path = tmp_path / "judge.jsonl"
+    server.reply = lambda body: '{"scores": [1, 2, 3, 4]}'
+    completions, samples = group_batch()
+    first = judge_group_values(make_judge(server, cache_path=str(path)), completions, samples)
+    assert len(server.requests) == 2
+    rerun = make_judge(server, cache_path=str(path), memory_cache=False)
+    assert judge_group_values(rerun, completions, samples) == first
+    assert len(server.requests) == 2 and rerun.pop_step_stats()["judge_cache_hits"] == 2
+    judge_group_values(rerun, ["changed", *completions[1:]], samples)
+    assert len(server.requests) == 3  # the first group only
+
+
+def test_group_judge_steps_follow_the_failed_share_and_unusable_rules_per_request(server):
+    """api/outage.py counts a group judge's requests: 3 of 4 groups without a reply skip the step;
+    3 of 4 unusable for 3 steps stop the run."""
+    import types
+
+    from api import outage
+    from fake_openai_server import dropped
+    cfg = Config()
+    judge = make_judge(server, max_retries=0)
+    opt = torch_optimizer()
+    run = types.SimpleNamespace(judges={"judge": judge}, cfg=cfg, scheduler=opt, step=1, world=1)
+    prompts = [f"What is {i} + 1?" for i in range(4)]
+    server.script(ok('{"scores": [1, 2, 3, 4]}'))
+    server.default = dropped()
+    completions, samples = group_batch(prompts)
+    values = judge_group_values(judge, completions, samples)
+    assert sum(not math.isnan(v) for v in values) == 4  # one group of 4 scored
+    assert outage.minis_to_train(run, ["mb"], errors={"group_judge": 12}, scored=16) == []
+    judge.pop_step_stats()
+    server.default = ok("These all look right to me.")
+    server.script(ok('{"scores": [1, 2, 3, 4]}'))
+    for step in range(3):
+        completions, samples = group_batch([f"{p} ({step})" for p in prompts])
+        judge_group_values(judge, completions, samples)
+        if step < 2:
+            assert outage.minis_to_train(run, ["mb"], errors={"group_judge": 12}, scored=16)
+            judge.pop_step_stats()
+            server.script(ok('{"scores": [1, 2, 3, 4]}'))
+    with pytest.raises(JudgeUnusable, match="judge: 3 of 4 replies held no usable score this step"):
+        outage.minis_to_train(run, ["mb"], errors={"group_judge": 12}, scored=16)
+
+
+def torch_optimizer():
+    import torch
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+
+
+def test_the_group_judge_is_checked_before_a_run_like_the_judge():
+    from scoring.checks import check_rows, check_specs
+    with pytest.raises(ValueError, match="reward 'group_judge' needs a judge"):
+        check_specs([RewardSpec("group_judge")], judges=())
+    with pytest.raises(ValueError, match="is not one of"):
+        check_specs([RewardSpec("group_judge", args={"template": "no_such_template"})])
+    with pytest.raises(ValueError, match="prompt"):
+        check_rows([RewardSpec("group_judge")], [{"question": "q"}])
+
+
+def group_judge_snippets() -> dict[str, dict]:
+    """docs/rewards-and-judges.md's "A group judge" YAML blocks for small local judges."""
+    doc = (Path(__file__).parents[1] / "docs/rewards-and-judges.md").read_text()
+    section = doc.split("### A group judge")[1].split("\n### ")[0]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S)]
+    return {"llama.cpp": blocks[1], "vllm": blocks[2]}
+
+
+def gbnf_regex(grammar: str) -> str:
+    """A one-rule GBNF grammar of literals, character classes, groups and {m} as a regex."""
+    body = grammar.split("::=", 1)[1]
+    tokens = re.findall(r'"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{\d+\}|[()]|\s+', body)
+    assert "".join(tokens) == body, "a GBNF construct this test does not read"
+    return "".join(re.escape(json.loads(t)) if t.startswith('"') else "" if t.isspace() else t
+                   for t in tokens)
+
+
+@pytest.mark.parametrize("server_kind", ["llama.cpp", "vllm"])
+def test_the_documented_group_judge_configs_send_their_constraint_and_its_replies_score(
+        server, server_kind):
+    """The docs' grammar and JSON schema allow exactly G scores in the judge's range, reach the
+    request, and a reply they allow scores each of the G completions."""
+    from judge import parse_group
+    snippet = group_judge_snippets()[server_kind]
+    cfg = from_dict(Config, {**snippet, "judge": {**snippet["judge"], "base_url": server.url,
+                                                  "cache_path": None}})
+    g, top = cfg.rollout.num_generations, cfg.judge.score_max
+    reply = json.dumps({"scores": [k % 10 for k in range(g)]})
+    sent = cfg.judge.extra_body
+    if server_kind == "llama.cpp":
+        allowed = gbnf_regex(sent["grammar"])
+        assert re.fullmatch(allowed, reply) and not re.fullmatch(allowed, '{"scores": [1, 2]}')
+    else:
+        scores = sent["structured_outputs"]["json"]["properties"]["scores"]
+        assert scores["minItems"] == scores["maxItems"] == g
+        assert (scores["items"]["minimum"], scores["items"]["maximum"]) == (0, top)
+    assert parse_group(reply, 0, top, n=g) is not None
+    server.reply = lambda body: reply
+    row = {"prompt": "What is 2 + 2?"}
+    res = compute_rewards([f"answer {k}" for k in range(g)], [row] * g, cfg.rewards,
+                          context={"judge": Judge(cfg.judge)})
+    assert res.total == pytest.approx([(k % 10) / top for k in range(g)])
+    body = server.requests[-1].body
+    assert {k: body[k] for k in sent} == sent and body["max_tokens"] == cfg.judge.max_tokens

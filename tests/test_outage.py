@@ -10,7 +10,7 @@ import torch
 from api import outage
 from api.client import Judge, JudgeConfig, JudgeUnusable
 from config import Config
-from fake_openai_server import FakeOpenAIServer, dropped, ok
+from fake_openai_server import Behaviour, FakeOpenAIServer, dropped, ok
 from judge import judge_reward
 
 TEMPLATE = "Rate {completion}"
@@ -128,3 +128,57 @@ def test_the_run_s_end_names_a_judge_unusable_more_than_a_tenth_of_the_time(serv
     judge.totals["unusable"] = 0.0  # every reply usable: nothing to say
     judge.totals["failures"] -= 7
     assert outage.unusable_summary(run.judges) == []
+
+
+# --- issue 47: a reward that failed on every completion stops the run ----------------------------
+def test_a_reward_that_failed_on_every_completion_stops_the_run_with_one_line(server):
+    """Issue 47: a judge whose requests could not even be built trained to the end on nothing:
+    judge_calls 0, reward_errors/judge 32, exit 0. Whatever the reason, a reward that failed on
+    all of a step's completions stops it (train.py: exit 2, as JudgeUnusable)."""
+    run = fake_run(server)
+    with pytest.raises(outage.RewardFailed) as err:
+        outage.minis_to_train(run, ["mb"], errors={"answer_match": 0, "judge": 32}, scored=32)
+    assert str(err.value) == (
+        "reward 'judge' failed on all 32 completions of step 2 (reward_errors/judge; its first "
+        "failure is logged above): a step scored by nothing learns nothing")
+    assert isinstance(err.value, JudgeUnusable) and "\n" not in str(err.value)
+    # some completions scored: the step trains on them
+    assert outage.minis_to_train(run, ["mb"], errors={"judge": 31}, scored=32) == ["mb"]
+    assert outage.minis_to_train(run, ["mb"], errors={}, scored=0) == ["mb"]
+
+
+def test_a_judge_that_refused_every_call_stops_the_run_naming_its_last_failure(server):
+    """A reply is not an outage: a 400 to every call (a prompt past the judge's context, say)
+    would skip every step for ever (more than judge_max_failed_share failed) and end `done`."""
+    run = fake_run(server)
+    server.default = Behaviour(status=400, message="prompt too long")
+    assert all(v != v for v in judged(run))
+    with pytest.raises(outage.RewardFailed) as err:
+        outage.minis_to_train(run, ["mb"], errors={"judge": 8}, scored=8)
+    assert str(err.value).startswith("reward 'judge' failed on all 8 completions of step 2 "
+                                     "(reward_errors/judge; its first failure is logged above; "
+                                     f"judge: HTTP 400 from {server.url}, not retried: Error code: "
+                                     "400 - prompt too long): a step")
+
+
+def test_a_judge_that_answered_before_and_now_gets_no_reply_is_an_outage_not_a_stop(server):
+    """Every call failing because the judge went down is run.judge_outage's to wait for: the step
+    is not trained on, and the run does not stop."""
+    run = fake_run(server)
+    judged(run, 4, tag="up")
+    run.judges["judge"].pop_step_stats()
+    server.default = dropped()
+    assert all(v != v for v in judged(run, 8, tag="down"))
+    assert outage.minis_to_train(run, ["mb"], errors={"judge": 8}, scored=8) == []
+    # never answered: not down but wrong (client.FAILED_LIMIT's case, at once here)
+    fresh = fake_run(server)
+    judged(fresh, 8, tag="never")
+    with pytest.raises(outage.RewardFailed, match="judge: 1 try, the last APIConnectionError"):
+        outage.minis_to_train(fresh, ["mb"], errors={"judge": 8}, scored=8)
+
+
+def test_a_rule_reward_that_failed_on_every_completion_stops_a_run_without_a_judge():
+    run = types.SimpleNamespace(judges={}, cfg=Config(), scheduler=None, step=5, world=1)
+    with pytest.raises(outage.RewardFailed, match="reward 'my_rule' failed on all 8 completions "
+                       r"of step 5 \(reward_errors/my_rule; its first failure is logged above\)"):
+        outage.minis_to_train(run, ["mb"], errors={"my_rule": 8}, scored=8)

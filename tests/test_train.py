@@ -372,7 +372,8 @@ def test_out_of_gpu_memory_stops_with_one_line_naming_the_phase_and_its_settings
     assert "model.gradient_checkpointing: true" in err[-1] if phase == "training" \
         else "rollout.max_new_tokens (now 8)" in err[-1]
     assert err[-1].endswith(
-        f"; stopped at step 2: fix it, then --resume from the last checkpoint in {run}")
+        f"; stopped at step 2, the last checkpoint in {run}: fix it, then go on with: "
+        + shlex.join([sys.executable, "train.py", "--config", str(cfg), "--resume"]))
     assert calls and "Traceback" not in "\n".join(err)
 
 
@@ -542,14 +543,18 @@ def test_variants_run_a_step(setup, overrides):
 
 
 def test_a_raising_reward_does_not_stop_training(setup, tmp_path):
+    """...on some completions (on all of a step's, it does: issue 47, below)."""
     cfg, run = setup
-    (tmp_path / "bad_reward.py").write_text("def broken(completion, sample):\n"
-                                            "    raise RuntimeError('boom')\n")
+    (tmp_path / "bad_reward.py").write_text("calls = []\n\n\ndef broken(completion, sample):\n"
+                                            "    calls.append(1)\n"
+                                            "    if len(calls) % 2:\n"
+                                            "        raise RuntimeError('boom')\n"
+                                            "    return 0.0\n")
     spec = (f"[{{name: short_answer}}, "
             f"{{name: '{tmp_path / 'bad_reward.py'}:broken', fallback: -1.0}}]")
     assert train.main(["--config", str(cfg), "--run.steps=1", f"--rewards={spec}"]) == 0
     (m,) = lines(run / "metrics.jsonl")
-    assert any(k.startswith("reward_errors/") and v == 8 for k, v in m.items())
+    assert any(k.startswith("reward_errors/") and v == 4 for k, v in m.items())
 
 
 def test_judge_reward_trains_through_a_local_server_and_the_key_never_lands_on_disk(
@@ -760,9 +765,13 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     raw = yaml.safe_load(cfg.read_text())
     raw["rewards"] = [{"name": "test_half_fails", "fallback": "skip"}]
     for every, name in ((False, "half"), (True, "all")):
-        if every:  # every reward skipped: no completion scored, nothing to learn from
-            monkeypatch.setitem(rewards.REGISTRY, "test_half_fails",
-                                (lambda c, s: [math.nan] * len(c), True))
+        if every:  # every completion skipped, no completion scored, nothing to learn from (by
+            # two rewards failing on a half each: one failing on all stops the run, issue 47)
+            monkeypatch.setitem(rewards.REGISTRY, "test_other_half_fails",
+                                (lambda c, s: [0.0 if i % 2 else math.nan
+                                               for i in range(len(c))], True))
+            raw["rewards"] = [*raw["rewards"], {"name": "test_other_half_fails",
+                                                "fallback": "skip"}]
         path = cfg.with_name(f"skip_{name}.yaml")
         path.write_text(yaml.safe_dump({**raw, "run": {**raw["run"], "steps": 1,
                                                        "out_dir": str(run.parent / name)}}))
@@ -773,7 +782,7 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         m = lines(run.parent / name / "metrics.jsonl")[0]
         shown = lines(run.parent / name / "samples.jsonl")
         assert m["frac_reward_skipped"] == (1.0 if every else 0.5) \
-            and m["reward_errors/test_half_fails"] == (8 if every else 4)
+            and m["reward_errors/test_half_fails"] == 4
         assert all(s["advantage"] == 0.0 for s in shown if s["reward"] is None)
         if every:
             assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
@@ -1058,7 +1067,8 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_a
     assert train.main(args) == (130 if sig == "SIGINT" else 143)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); "
-                       f"stopped at step 2: --resume from the last checkpoint in {run}")
+                       f"stopped at step 2, the last checkpoint in {run}: go on with: "
+                       + shlex.join([sys.executable, "train.py", *args, "--resume"]))
     assert "Traceback" not in "\n".join(err) and calls[-1] == "finish"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
@@ -1223,6 +1233,24 @@ def test_a_judge_killed_mid_run_checkpoints_and_stops_with_one_line_and_the_resu
                                                          "--resume"]
 
 
+def test_a_reward_that_fails_on_every_completion_stops_the_run_before_training_on_it(
+        setup, tmp_path, capsys):
+    """Issue 47: a judge that never sent a request ran to `done`, exit 0, every step scored by
+    nothing. Whatever fails so (here a reward of one's own, in a run without a judge) stops the
+    run at the step it happens, with one line, and the step is not trained on."""
+    cfg, run = setup
+    (tmp_path / "broken.py").write_text("def broken(completion, sample):\n"
+                                        "    return sample['no_such_column']\n")
+    args = ["--config", str(cfg), f"--rewards=[{{name: '{tmp_path / 'broken.py'}:broken'}}]"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: reward '{tmp_path / 'broken.py'}:broken' failed on all 8 "
+                              "completions of step 1 (reward_errors/")
+    assert err[-1].endswith("stopped at step 1, before any checkpoint (nothing of the run was "
+                            "kept): fix it, then run the same command again")
+    assert not run.exists()
+
+
 def adapter(run, step: int) -> dict:
     return load_file(run / f"checkpoints/step_{step:06d}/adapter/adapter_model.safetensors")
 
@@ -1294,13 +1322,17 @@ def test_a_mostly_garbage_judge_stops_the_run_with_one_of_its_replies(setup, cap
         calls[0] += 1
         return "Score: 7" if calls[0] % 4 == 1 else "A fine answer, clear and correct in every way."
     with FakeOpenAIServer(reply=mostly_prose) as server:
-        assert train.main(_judge_args(cfg, server, "--run.save_every=1")) == 2
+        args = _judge_args(cfg, server, "--run.save_every=1")
+        assert train.main(args) == 2
     assert [x["step"] for x in lines(run / "metrics.jsonl")] == [1, 2]  # step 3 not trained on
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: judge: 6 of 8 replies held no usable score this step, more than "
                           "run.judge_max_unusable_share=0.5 for 3 steps in a row; one was 'A fine "
                           "answer, clear and correct in every way.'; fix its template")
-    assert "extra_body" in err and "stopped at step 3" in err and "--resume" in err
+    assert "extra_body" in err and "stopped at step 3" in err
+    # issue 47: the exact command, as the outage stop's line gives it
+    assert shlex.split(err.split("fix it, then go on with: ")[1]) == [
+        sys.executable, "train.py", *args, "--resume"]
 
 
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
@@ -1367,18 +1399,21 @@ def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(set
 
 
 def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, monkeypatch, capsys):
-    """No reply before the first one is an endpoint to fix (client.FAILED_LIMIT: exit 2), not an
-    outage to wait for (the review of issue 30: the wait's tries crashed the run)."""
-    import api.client
+    """No reply before the first one is an endpoint to fix (exit 2), not an outage to wait for
+    (the review of issue 30: the wait's tries crashed the run). Since issue 47 at its first step,
+    every call of which failed (api/outage.check_rewards; before it, client.FAILED_LIMIT's 16
+    requests took two steps)."""
     from fake_openai_server import FakeOpenAIServer
-    monkeypatch.setattr(api.client, "FAILED_LIMIT", 12)
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
-        args = _judge_args(cfg, server)
+        args, port = _judge_args(cfg, server), server.url[17:-3]
     assert train.main(args) == 2  # nothing listens there any more
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "none of its first 16 requests" in err and "before any checkpoint" in err
-    assert not (run / "metrics.jsonl").exists()  # at step 2: nothing of the run is kept
+    assert err.startswith("error: reward 'judge' failed on all 8 completions of step 1 (reward_"
+                          "errors/judge; its first failure is logged above; judge: 1 try, the "
+                          f"last connection refused by 127.0.0.1:{port})")
+    assert "before any checkpoint" in err
+    assert not (run / "metrics.jsonl").exists()  # at step 1: nothing of the run is kept
 
 
 def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monkeypatch, capsys):
@@ -1413,7 +1448,7 @@ def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
         monkeypatch.setattr(train, "train_step", failing)
         assert train.main(_judge_args(cfg, server)) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: judge: HTTP 401") and "--resume from the last checkpoint" in err
+    assert err.startswith("error: judge: HTTP 401") and err.endswith(" --resume")
 
 
 def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
