@@ -234,3 +234,34 @@ def test_merge_keeps_one_pair_per_prompt_id_the_one_with_the_highest_delta(tmp_p
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "n.jsonl").exists()
+
+
+def test_merge_by_prompt_id_takes_bestofns_own_pairs_which_keep_it_under_columns(tmp_path, capsys):
+    """Two judges' samples of BioReasoner's prompts, eval.py's predictions with
+    --eval.keep_columns=[prompt_id] (written under "columns"), paired by bestofn, then merged by
+    prompt_id: the merge refused bestofn's own pairs ("no 'prompt_id' to merge by")."""
+    def preds(name, scores):
+        path = tmp_path / f"predictions_{name}.jsonl"
+        path.write_text("".join(json.dumps(rec(row, f"{name} {row} {i}", s,
+                                               columns={"prompt_id": f"bio-{row:03d}"})) + "\n"
+                                for row, rewards in enumerate(scores)
+                                for i, s in enumerate(rewards)))
+        return path
+    opus = preds("opus", [[4.0, 1.0], [3.0, 2.5]])
+    codex = preds("codex", [[3.0, 2.0], [5.0, 1.0]])
+    pairs = []
+    for path in (opus, codex):
+        pairs.append(tmp_path / f"pairs_{path.stem}.jsonl")
+        assert bestofn.main([str(path), "--pairs", str(pairs[-1])]) == 0
+    first = json.loads(pairs[0].read_text().splitlines()[0])
+    assert "prompt_id" not in first and first["columns"] == {"prompt_id": "bio-000"}
+    out = tmp_path / "dpo_v22_merged.jsonl"
+    assert bestofn.main(["merge", *map(str, pairs), "--key", "prompt_id", "--out", str(out)]) == 0
+    merged = [json.loads(ln) for ln in out.read_text().splitlines()]
+    # bio-000: opus's delta 3 beats codex's 1; bio-001: codex's 4 beats opus's 0.5
+    assert [(p["columns"]["prompt_id"], p["chosen"]) for p in merged] == \
+        [("bio-000", "opus 0 0"), ("bio-001", "codex 1 0")]
+    assert "2 unique pairs (deduplicated by prompt_id" in capsys.readouterr().out
+    assert bestofn.main(["merge", str(pairs[0]), "--key", "pair_id",
+                         "--out", str(tmp_path / "n.jsonl")]) == 2
+    assert "under columns: prompt_id" in capsys.readouterr().err

@@ -38,6 +38,8 @@ pairs, deduplicated by prompt_id, highest delta"):
     python -m tools.bestofn merge opus_pairs.jsonl codex_pairs.jsonl --key prompt_id \\
         --out data/dpo_v22_merged.jsonl
 
+--key names a column of the pair, or of its `columns` (eval.keep_columns, which bestofn's own pairs
+carry there: eval.py with --eval.keep_columns=[prompt_id] makes pairs that merge by prompt_id).
 A pair's delta is chosen_by_reward - rejected_by_reward when it has them (--by), else
 chosen_reward - rejected_reward, else `delta` (a column of your own pairs); a pair without one
 (a hand-written exemplar) ranks below every pair with one. Equal deltas: the first given wins.
@@ -174,6 +176,19 @@ def pair_delta(pair: dict) -> float | None:
     return float(delta) if isinstance(delta, (int, float)) and not isinstance(delta, bool) else None
 
 
+def key_of(pair: dict, key: str):
+    """The pair's value of the --key column: its own, else the one under `columns` (eval.py's
+    keep_columns, where bestofn writes them); None when it has neither.
+
+    >>> key_of({"prompt_id": 3}, "prompt_id"), key_of({"columns": {"prompt_id": 4}}, "prompt_id")
+    (3, 4)
+    """
+    if pair.get(key) is not None:
+        return pair[key]
+    columns = pair.get("columns")
+    return columns.get(key) if isinstance(columns, dict) else None
+
+
 def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
     """One pair per value of `key`: the one with the highest pair_delta (None below any number;
     on a tie, the first in the order given), in the order the values first appear.
@@ -186,7 +201,7 @@ def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
     best: dict[str, dict] = {}
     for pairs in pair_sets:
         for pair in pairs:
-            k = json.dumps(pair[key], sort_keys=True)
+            k = json.dumps(key_of(pair, key), sort_keys=True)
             new, old = pair_delta(pair), pair_delta(best[k]) if k in best else None
             if k not in best or (new is not None and (old is None or new > old)):
                 best[k] = pair
@@ -200,8 +215,9 @@ def merge_main(argv: list[str]) -> int:
                                  "delta (chosen - rejected reward)")
     ap.add_argument("pairs", nargs="+", help="pair files (JSON Lines: prompt, chosen, rejected)")
     ap.add_argument("--out", required=True, help="the merged pairs (never overwritten)")
-    ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt "
-                    "(default: prompt, its text; the original project's: prompt_id)")
+    ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt, "
+                    "the pair's own or under its columns (eval.keep_columns) (default: prompt, "
+                    "its text; the original project's: prompt_id)")
     args = ap.parse_args(argv)
     try:
         if Path(args.out).exists():
@@ -215,9 +231,11 @@ def merge_main(argv: list[str]) -> int:
             for n, pair in enumerate(pairs, 1):
                 if not (isinstance(pair, dict) and {"chosen", "rejected"} <= set(pair)):
                     raise ValueError(f"{path}:{n}: not a pair (chosen, rejected)")
-                if pair.get(args.key) is None:
+                if key_of(pair, args.key) is None:
+                    kept = pair.get("columns") if isinstance(pair.get("columns"), dict) else {}
                     raise ValueError(f"{path}:{n}: no '{args.key}' to merge by (--key); it has: "
-                                     f"{', '.join(pair)}")
+                                     f"{', '.join(k for k in pair if k != 'columns')}"
+                                     + (f"; under columns: {', '.join(kept)}" if kept else ""))
             sets.append(pairs)
         merged = merge_pairs(sets, args.key)
         if not merged:
