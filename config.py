@@ -33,16 +33,14 @@ from settings.checks import (  # noqa: F401 (the checks' readings of a config an
     judge_sections,
 )
 from settings.trl_names import check_trl_names
-from settings.typed_config import (  # noqa: F401 (ConfigError: imported from here)
+from settings.typed_config import (  # noqa: F401 (ConfigError, ENV_REF: imported from here)
+    ENV_REF,
     ConfigError,
     apply_overrides,
     exclusive_layers,
     from_dict,
     read_yaml,
 )
-
-ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value from the environment
-
 
 _USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/@\s]+)@")
 
@@ -516,14 +514,15 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def _only_references(value: Any) -> bool:
-    """A header value whose secret is in the environment: ${NAME} references and short words only.
+    """A header value whose secret is in the environment: ${NAME} references and short words only
+    (a reference's default counts as written: it is in the config).
 
     >>> (_only_references("Bearer ${TOKEN}"), _only_references("Bearer sk-live-1234 ${X}"),
-    ...  _only_references("ml"))
-    (True, False, False)
+    ...  _only_references("ml"), _only_references("Bearer ${T:-sk-live-1234}"))
+    (True, False, False, False)
     """
     text = str(value)
-    rest = ENV_REF.sub("", text)
+    rest = ENV_REF.sub(lambda m: f" {m.group(2) or ''} ", text)
     return rest != text and all(len(word) < 8 for word in rest.split())
 
 

@@ -475,9 +475,21 @@ def test_a_weight_reads_the_environment_as_the_grubrics_reward_lambdas(tmp_path,
     with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}, which "
                        r"is not set in the environment; export it"):
         load_config(path)
-    monkeypatch.setenv("MINIGRPO_NO_X", "two")
-    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight: expected float, got 'two'"):
+    monkeypatch.setenv("MINIGRPO_NO_X", "two")  # a bad value names the variable it came from
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}='two' "
+                       r"from the environment: expected float, got 'two'; fix the variable"):
         load_config(path)
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "abc")
+    with pytest.raises(ConfigError, match=r"^rewards\[1\].weight reads "
+                       r"\$\{REWARD_LAMBDA_FORMAT\}='abc' from the environment"):
+        load_config("configs/grubrics.yaml")
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "")  # empty: the default, as in the shell
+    assert load_config("configs/grubrics.yaml").rewards[1].weight == 0.0
+    bad_default = tmp_path / "bad_default.yaml"
+    bad_default.write_text("rewards: [{name: think_format, weight: '${MINIGRPO_NO_Y:-heavy}'}]\n")
+    with pytest.raises(ConfigError,
+                       match=r"weight reads the default of \$\{MINIGRPO_NO_Y:-heavy\}"):
+        load_config(bad_default)
     monkeypatch.setenv("MINIGRPO_NO_X", "2")
     cfg = load_config(path)
     assert cfg.rewards[0].weight == 2.0 and cfg.judge.model == "${MINIGRPO_NO_X}"
