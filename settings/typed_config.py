@@ -133,6 +133,8 @@ def convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
     if origin is dict or tp is dict:
+        if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
+            return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
@@ -259,10 +261,18 @@ def _text_field(root: type, dotted: str) -> str | None:
 
 
 def _merge(base: dict, over: dict) -> dict:
-    """`over` on top of `base`: mappings merge key by key, anything else (lists too) is replaced."""
+    """`over` on top of `base`: mappings merge key by key, but an empty one (or null) replaces the
+    parent's, so a child can clear one (`judge: {extra_body: {}}` drops a parent's grammar);
+    anything else (lists too) is replaced.
+
+    >>> _merge({"judge": {"model": "m", "extra_body": {"grammar": "g"}}},
+    ...        {"judge": {"extra_body": {}}})
+    {'judge': {'model': 'm', 'extra_body': {}}}
+    """
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        merge = isinstance(v, dict) and v and isinstance(out.get(k), dict)
+        out[k] = _merge(out[k], v) if merge else v
     return out
 
 
