@@ -19,10 +19,12 @@ text (the raters saw it), so both outputs train with data.assistant_prefix: ''.
 A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a
 reward (a failed API request, a reward with fallback: skip that failed) are never picked, nor is one
 cut at max_new_tokens (`truncated`; SFT on it would teach stopping mid-thought) unless
---keep-truncated. For SFT the best completion is kept when its reward >= --min-reward; a pair is
-kept when best - worst >= --min-margin (> 0: a tie is no preference). --require NAME=V keeps only
-completions whose reward NAME is >= V (e.g. think_format=1: never pick a reply without its think
-block); the rejected one may miss it. --by NAME+NAME ranks by those rewards' sum instead of the
+--keep-truncated. The best completion is kept, as SFT row or as a pair's chosen, when its reward
+>= --min-reward (BioReasoner's "auto_score < 2.5: reject" with auto_score as the reward); a pair
+is kept when best - worst >= --min-margin too (> 0: a tie is no preference). --require NAME=V
+keeps only completions whose reward NAME is >= V (e.g. think_format=1: never pick a reply without
+its think block; auto_score=2.5 bars the chosen when --by ranks on other rewards); the rejected one
+may miss it. --by NAME+NAME ranks by those rewards' sum instead of the
 total (BioReasoner's pairs: the judge's logic+novelty decide, and with think_format among them a
 reply without its think block ranks low); the rows' reward stays the total, and the sum is written
 as by_reward (chosen_/rejected_by_reward). SFT rows hold `completion`, the text after the forced
@@ -100,7 +102,8 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
            by: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     """-> (SFT rows: each prompt's best, pairs: each prompt's best vs worst). The best is the first
     of the highest reward (file order), the worst the first of the lowest; `by`: ranked by the sum
-    of those rewards instead (ranked_by), which min_reward and min_margin then apply to.
+    of those rewards instead (ranked_by), which min_reward and min_margin then apply to. Both
+    outputs keep a best below min_reward out: an SFT row, or a pair's chosen.
 
     >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r}
     ...         for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
@@ -125,10 +128,11 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
         high, low = ranked_by(best, by), ranked_by(worst, by)
         # reward stays the total; the --by sums go under their own keys
         named = {"by": "+".join(by)} if by else {}
-        if min_reward is None or high >= min_reward:
-            sft.append({**where, "prompt": best["prompt"], **prefix,
-                        "completion": best["completion"], "reward": best.get("reward"),
-                        **({**named, "by_reward": high} if by else {})})
+        if min_reward is not None and high < min_reward:  # neither an SFT row nor a chosen reply
+            continue
+        sft.append({**where, "prompt": best["prompt"], **prefix,
+                    "completion": best["completion"], "reward": best.get("reward"),
+                    **({**named, "by_reward": high} if by else {})})
         if high - low >= min_margin and best["completion"] != worst["completion"]:
             pairs.append({
                 **where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
@@ -264,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write each prompt's best completion here (prompt, completion, reward)")
     ap.add_argument("--pairs", help="write best-vs-worst pairs here (prompt, chosen, rejected)")
     ap.add_argument("--min-reward", type=float, default=None,
-                    help="SFT: keep a best completion only from this reward up")
+                    help="keep a best completion (SFT row, or a pair's chosen) only from this "
+                         "reward up")
     ap.add_argument("--min-margin", type=float, default=1e-9,
                     help="pairs: keep only when best - worst >= this")
     ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V",
