@@ -86,9 +86,10 @@ class JudgeConfig:
     base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
     #   Ollama, OpenAI; ${NAME} reads the env
     model: str = ""  # model sent in requests (on Azure: the deployment name); ${NAME} reads the env
-    api_key_env: str = "OPENAI_API_KEY"  # env var with the key; unset -> "EMPTY" (local servers)
+    api_key_env: str | None = "OPENAI_API_KEY"  # env var with the key; unset -> "EMPTY" (local
+    #   servers); null: the openai SDK's own, AZURE_OPENAI_API_KEY on Azure, else OPENAI_API_KEY
     azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or
-    #   ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
+    #   ${AZURE_OPENAI_ENDPOINT:-} (empty: not Azure); when set, Azure is used
     api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (azure_endpoint needs it)
     extra_headers: dict[str, str] = field(default_factory=dict)  # sent in every request; a secret
     #   as "Bearer ${MY_TOKEN}": ${NAME} is read from the env when the client is built, never saved

@@ -116,6 +116,8 @@ FAILED_LIMIT = 16  # this many requests failed (after retries), and none answere
 
 # filled from ${NAME} (or ${NAME:-default}) when a client is built
 ENV_FIELDS = ("base_url", "azure_endpoint", "api_version", "model")
+# api_key_env: null reads the key where the openai SDK looks for it: Azure's, or OpenAI's
+SDK_KEY_ENV = {True: "AZURE_OPENAI_API_KEY", False: "OPENAI_API_KEY"}
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
     URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its
@@ -164,6 +166,8 @@ class Judge:
         section = key or label  # errors start with it: the caller's message as it stands
         cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k, section)
                                           for k in ENV_FIELDS if getattr(cfg, k)})
+        if cfg.api_key_env is None:  # one config for OpenAI or Azure (GRubrics' judge)
+            cfg = dataclasses.replace(cfg, api_key_env=SDK_KEY_ENV[bool(cfg.azure_endpoint)])
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
         # else every call fails, each counted

@@ -25,8 +25,8 @@ FIXTURES = ROOT / "tests/fixtures"
 
 
 def small(tiny, out, steps=2):
-    """Overrides that shrink a recipe to a CPU smoke run."""
-    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false",
+    """Overrides that shrink a recipe to a CPU smoke run (no tracker: recipes name the seeds')."""
+    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false", "--run.report_to=none",
             "--rollout.prompts_per_step=2", "--rollout.num_generations=3",
             "--rollout.max_new_tokens=8", "--optim.micro_batch_size=4", f"--run.steps={steps}",
             f"--run.out_dir={out}", "--run.save_every=0",
@@ -63,12 +63,37 @@ def server():
         yield s
 
 
-def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, tiny_llama):
+def fake_tracker(monkeypatch, name: str) -> list:
+    """A stand-in for wandb or trackio (init/log/finish), recording its calls."""
+    import importlib.machinery
+    import sys
+    import types
+    calls = []
+    fake = types.ModuleType(name)
+    fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda metrics, step: calls.append(("log", step))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, name, fake)
+    return calls
+
+
+def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, tiny_llama,
+                                                                       monkeypatch):
     data = [f"--data.name={FIXTURES / 'medmcqa_sample.jsonl'}"]
-    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    shipped = [Path(load_config(f"configs/medmcqa_{k}.yaml").run.out_dir).name
+               for k in ("sft", "grpo")]
+    # the seed's Trackio project and run names (the runs' folders)
+    assert shipped == ["sft-qwen3-0.6b-800steps", "grpo-qwen3-0.6b-400steps"]
+    sft, grpo = (tmp_path / name for name in shipped)
+    calls = fake_tracker(monkeypatch, "trackio")
     assert train.main(["--config", "configs/medmcqa_sft.yaml", *small(tiny_llama, sft), *data,
-                       "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4"]) == 0
+                       "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4",
+                       "--run.report_to=trackio"]) == 0  # the recipe's own, small() turned off
     assert metrics(sft)[-1]["loss"] > 0
+    init = calls[0][1]
+    assert (init["project"], init["name"]) == ("medmcqa-classifier", "sft-qwen3-0.6b-800steps")
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
     assert train.main(["--config", "configs/medmcqa_grpo.yaml", *small(tiny_llama, grpo), *data,
                        "--data.select=[16,32]", "--eval.select=[32,40]",
                        f"--model.init_adapter={sft}"]) == 0
@@ -126,6 +151,37 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
     assert train.main([*args[:-len(judge_overrides(server, ''))],
                        *judge_overrides(server, data_file),
                        f"--run.out_dir={tmp_path / 'other'}"]) == 2
+
+
+def test_grubrics_judge_and_answer_policy_follow_the_environment_openai_or_azure(server,
+                                                                                 monkeypatch):
+    """The seed's judge is read from its environment (AZURE_OPENAI_ENDPOINT, AZURE_OPENAI_API_KEY,
+    JUDGE_MODEL): one config serves OpenAI or Azure with no flag (it took four, issue 46)."""
+    import dataclasses
+
+    from api.client import Judge
+    cfg = load_config("configs/grubrics.yaml")
+    assert (cfg.run.report_to, cfg.run.project) == ("wandb", "grubrics")  # the seed's tracker
+    sections = {"judge": cfg.judge, "precompute.answers": cfg.precompute.answers}
+    for key, section in sections.items():  # nothing set: OpenAI's endpoint, key and model
+        client = Judge(dataclasses.replace(section, cache_path=None), label=key)
+        assert (client.cfg.azure_endpoint, client.cfg.base_url, client.cfg.api_key_env,
+                client.cfg.model) == ("", "https://api.openai.com/v1", "OPENAI_API_KEY",
+                                      "gpt-4o-mini"), key
+    monkeypatch.setenv("AZURE_OPENAI_ENDPOINT", server.root)
+    monkeypatch.setenv("AZURE_OPENAI_API_KEY", "azure-SECRET-key")
+    monkeypatch.setenv("JUDGE_MODEL", "grubrics-judge")
+    monkeypatch.setenv("ANSWER_MODEL", "grubrics-answers")
+    for key, deployment in (("judge", "grubrics-judge"),
+                            ("precompute.answers", "grubrics-answers")):
+        client = Judge(dataclasses.replace(sections[key], cache_path=None, max_retries=0),
+                       label=key)
+        before = len(server.requests)
+        assert client.complete_many([[{"role": "user", "content": f"Grade for {key}"}]])[0]
+        req = server.requests[before]
+        assert req.path == f"/openai/deployments/{deployment}/chat/completions"
+        assert "api-version=2024-06-01" in req.query
+        assert req.headers["api-key"] == "azure-SECRET-key"
 
 
 def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny_llama, server):
