@@ -257,14 +257,14 @@ def test_bioreasoner_chain_sft_merge_dpo_merge_grpo(tmp_path, tiny_llama):
     rows = [json.loads(ln)
             for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
     good = [f"<think>Both papers agree.</think> PMID: {r['valid_pmids'][0]}" for r in rows]
-    teacher, pairs = tmp_path / "train_750.jsonl", tmp_path / "pairs.jsonl"
+    teacher, pairs = tmp_path / "train_750.jsonl", tmp_path / "dpo_distillation_pairs.jsonl"
     teacher.write_text("".join(json.dumps({"prompt": r["prompt"], "response": g}) + "\n"
                                for r, g in zip(rows, good)))
     pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": g,
                                          "rejected": "<think>Unclear.</think> PMID: 12345678"})
                              + "\n" for r, g in zip(rows, good)))
-    runs = {k: tmp_path / k for k in ("sft", "dpo", "grpo")}
-    merged = {k: tmp_path / f"models/bioreasoner-{k}" for k in ("sft", "dpo")}
+    runs = {k: tmp_path / k for k in ("sft", "dpo", "v21", "grpo")}
+    merged = {k: tmp_path / f"models/bioreasoner-{k}" for k in ("sft", "dpo", "v21")}
     assert train.main(["--config", "configs/bioreasoner_sft.yaml", *small(tiny_llama, runs["sft"]),
                        f"--data.name={teacher}", "--sft.batch_size=4"]) == 0
     assert metrics(runs["sft"])[-1]["loss"] > 0
@@ -281,11 +281,20 @@ def test_bioreasoner_chain_sft_merge_dpo_merge_grpo(tmp_path, tiny_llama):
     base, sft_w, dpo_w = (weights_of(d) for d in (tiny_llama, merged["sft"], merged["dpo"]))
     name = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight"))
     assert not torch.equal(base[name], sft_w[name]) and not torch.equal(sft_w[name], dpo_w[name])
-    assert train.main(["--config", "configs/bioreasoner.yaml", *small(merged["dpo"], runs["grpo"]),
+    # stage 5, the v2.1 round, is a config of its own (it was seven flags on stage 3's)
+    assert train.main(["--config", "configs/bioreasoner_dpo_v21.yaml",
+                       *small(merged["dpo"], runs["v21"]), f"--data.name={pairs}",
+                       "--dpo.batch_size=4"]) == 0
+    saved = yaml.safe_load((runs["v21"] / "config.yaml").read_text())
+    assert (saved["lora"]["r"], saved["optim"]["lr"], saved["mode"]) == (32, 2e-6, "dpo")
+    assert export.main(["--config", "configs/bioreasoner_dpo_v21.yaml", "--adapter",
+                        str(runs["v21"]), "--out", str(merged["v21"]),
+                        f"--model.name={merged['dpo']}"]) == 0
+    assert train.main(["--config", "configs/bioreasoner.yaml", *small(merged["v21"], runs["grpo"]),
                        f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}"]) == 0
     assert "rewards/citation_grounding/mean" in metrics(runs["grpo"])[0]
     saved = yaml.safe_load((runs["grpo"] / "config.yaml").read_text())
-    assert saved["mode"] == "grpo" and saved["model"]["name"] == str(merged["dpo"])
+    assert saved["mode"] == "grpo" and saved["model"]["name"] == str(merged["v21"])
 
 
 def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(
@@ -445,20 +454,53 @@ def test_bioreasoner_page_runs_the_chain_as_the_project_did_v20_then_v21_then_gr
     page = (ROOT / "docs/recipes/bioreasoner.md").read_text()
     chain = page.split("```bash")[1].split("```")[0]
     outs = re.findall(r"--out (\S+)", chain)
-    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0", "models/bioreasoner-2.1"]
-    v21 = next(ln for ln in chain.splitlines() if "dpo_pairs_v21.jsonl --optim" in ln)
-    assert "--model.name=models/bioreasoner-2.0" in v21
+    # the seed's model folders and pair files
+    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0-merged",
+                    "models/bioreasoner-2.1-merged"]
+    assert "--config configs/bioreasoner_dpo_v21.yaml" in chain
+    assert "--pairs data/dpo_v21_pairs.jsonl" in chain
+    v21 = load_config(ROOT / "configs/bioreasoner_dpo_v21.yaml")
+    assert (v21.model.name, v21.data.name, v21.lora.r, v21.lora.alpha, v21.optim.lr,
+            v21.run.epochs, v21.dpo.beta) == (outs[1], "data/dpo_v21_pairs.jsonl", 32, 64, 2e-6,
+                                              2, 0.1)
+    assert load_config(ROOT / "configs/bioreasoner_dpo.yaml").data.name == \
+        "data/dpo_distillation_pairs.jsonl"
     cfg = load_config(ROOT / "configs/bioreasoner.yaml")
-    assert cfg.model.name == outs[-1] and cfg.data.skip_long
+    assert cfg.model.name == outs[-1] == "models/bioreasoner-2.1-merged" and cfg.data.skip_long
     assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.num_samples) == (0.7, 1024, 1)
     # logic and novelty are logged raw, 0-5 each: the project's scale, so its delta is 2
     margins = re.findall(r"--by logic\+novelty\+think_format --min-margin (\S+)",
-                         page + (ROOT / "configs/bioreasoner_dpo.yaml").read_text())
+                         page + (ROOT / "configs/bioreasoner_dpo_v21.yaml").read_text())
     assert margins and set(margins) == {"2"}
     judge = load_config(ROOT / "configs/bioreasoner_judge.yaml")
     raw = [r for r in judge.rewards if r.label in ("logic", "novelty")]
     assert len(raw) == 2 and all(r.args["normalize"] is False for r in raw)
     assert (judge.judge.score_min, judge.judge.score_max) == (0, 5)
+
+
+def test_bioreasoner_claude_judge_sends_what_anthropics_openai_compatible_endpoint_takes(
+        tmp_path, server):
+    """The seed's lead judge, Claude Opus, as a config beside the local ones: its requests (the
+    fake server standing in for Anthropic) use none of the fields Anthropic's layer ignores."""
+    import dataclasses
+
+    from api.client import Judge
+    from judge import judge_reward
+    from test_judge import anthropic_objections
+    cfg = load_config(ROOT / "configs/bioreasoner_claude_judge.yaml")
+    section = cfg.judge
+    assert (section.base_url, section.model, section.api_key_env) == (
+        "https://api.anthropic.com/v1/", "claude-opus-4-5", "ANTHROPIC_API_KEY")
+    assert (section.score_min, section.score_max) == (0, 5)  # the local judge's scale, extended
+    client = Judge(dataclasses.replace(section, base_url=server.url, max_retries=0,
+                                       cache_path=str(tmp_path / "claude.jsonl")))
+    before = len(server.requests)
+    scores = judge_reward(["<think>Both papers agree.</think> PMID: 99908795"],
+                          [{"prompt": "Bridge these papers."}], judge=client,
+                          template="logic_novelty")
+    assert scores == [pytest.approx(3.5 / 5)]
+    body = server.requests[before].body
+    assert body["model"] == "claude-opus-4-5" and anthropic_objections(body) == []
 
 
 def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
