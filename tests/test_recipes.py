@@ -363,13 +363,25 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
             m["rewards/discriminative_power/mean"]) == pytest.approx((7.0, 8.0, 6.0, 7.0))
     # the per-criterion entries cost no requests
     assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 24
+    # the seed's comparison: its API models by its aliases (eval.apis), each with its own settings
+    apis = [f"--eval.apis.{name}.{key}={value}" for name in ("claude-4-5-haiku", "gpt-5-mini")
+            for key, value in (("base_url", server.url), ("api_key_env", "MINIGRPO_NO_SUCH_KEY"),
+                               ("cache_path", tmp_path / f"{name}.jsonl"))]
+    before = len(server.requests)
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
-                    "api:fake-model", f"--model.name={tiny_llama}", *data, *judge,
+                    "api:fake-model", "api:claude-4-5-haiku", "api:gpt-5-mini",
+                    f"--model.name={tiny_llama}", *data, *judge, *apis,
                     f"--eval.api.base_url={server.url}",
                     "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8",
                     "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
-    assert set(results) == {"base", "grpo", "fake-model"}
+    assert set(results) == {"base", "grpo", "fake-model", "claude-4-5-haiku", "gpt-5-mini"}
+    from test_judge import anthropic_objections
+    asked = {r.body["model"]: r.body for r in server.requests[before:]}
+    claude, gpt5 = asked["claude-haiku-4-5-20251001"], asked["gpt-5-mini-2025-08-07"]
+    assert anthropic_objections(claude) == [] and claude["temperature"] == 0.7
+    assert "temperature" not in gpt5 and "max_tokens" not in gpt5 \
+        and gpt5["max_completion_tokens"] == 4096
     # as in training: the reward rescaled to 0-1, the seed's metrics on its 0-10
     got = results["fake-model"]["metrics"]
     assert got["reward/judge"] == pytest.approx(0.7) and got["reward/composite"] == pytest.approx(7)
@@ -387,6 +399,19 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
         tmp_path / f"eval_export/predictions_{name}.jsonl").read_text().splitlines()]
         for name in ("grpo", "merged")}
     assert len(preds["grpo"]) == 3 and preds["grpo"] == preds["merged"]
+
+
+def test_question_generation_holds_50_of_the_500_roles_out_and_its_page_says_why():
+    """36 steps, not the original's 40: the recipe trains on 450 roles and evaluates on the other 50
+    (issue 46); --data.select=null trains on all 500 as the original did."""
+    from run.lifecycle import with_epochs
+    cfg = load_config(ROOT / "configs/qgen.yaml")
+    assert (cfg.data.select, cfg.eval.select) == ([0, 450], [450, 500])
+    assert with_epochs(cfg, 450).run.steps == 36
+    everything = load_config(ROOT / "configs/qgen.yaml", ["--data.select=null"])
+    assert everything.data.select is None and with_epochs(everything, 500).run.steps == 40
+    page = (ROOT / "docs/recipes/qgen-judge.md").read_text()
+    assert "450 of the 500 roles" in page and "--data.select=null" in page
 
 
 def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_llama, monkeypatch):
