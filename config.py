@@ -33,16 +33,14 @@ from settings.checks import (  # noqa: F401 (the checks' readings of a config an
     judge_sections,
 )
 from settings.trl_names import check_trl_names
-from settings.typed_config import (  # noqa: F401 (ConfigError: imported from here)
+from settings.typed_config import (  # noqa: F401 (ConfigError, ENV_REF: imported from here)
+    ENV_REF,
     ConfigError,
     apply_overrides,
     exclusive_layers,
     from_dict,
     read_yaml,
 )
-
-ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")  # ${NAME}: a value from the environment
-
 
 _USER_INFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/@\s]+)@")
 
@@ -88,9 +86,10 @@ class JudgeConfig:
     base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
     #   Ollama, OpenAI; ${NAME} reads the env
     model: str = ""  # model sent in requests (on Azure: the deployment name); ${NAME} reads the env
-    api_key_env: str = "OPENAI_API_KEY"  # env var with the key; unset -> "EMPTY" (local servers)
+    api_key_env: str | None = "OPENAI_API_KEY"  # env var with the key; unset -> "EMPTY" (local
+    #   servers); null: the openai SDK's own, AZURE_OPENAI_API_KEY on Azure, else OPENAI_API_KEY
     azure_endpoint: str | None = None  # e.g. https://NAME.openai.azure.com or
-    #   ${AZURE_OPENAI_ENDPOINT}; when set, Azure is used
+    #   ${AZURE_OPENAI_ENDPOINT:-} (empty: not Azure); when set, Azure is used
     api_version: str | None = None  # Azure api-version, e.g. "2024-06-01" (azure_endpoint needs it)
     extra_headers: dict[str, str] = field(default_factory=dict)  # sent in every request; a secret
     #   as "Bearer ${MY_TOKEN}": ${NAME} is read from the env when the client is built, never saved
@@ -516,14 +515,15 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def _only_references(value: Any) -> bool:
-    """A header value whose secret is in the environment: ${NAME} references and short words only.
+    """A header value whose secret is in the environment: ${NAME} references and short words only
+    (a reference's default counts as written: it is in the config).
 
     >>> (_only_references("Bearer ${TOKEN}"), _only_references("Bearer sk-live-1234 ${X}"),
-    ...  _only_references("ml"))
-    (True, False, False)
+    ...  _only_references("ml"), _only_references("Bearer ${T:-sk-live-1234}"))
+    (True, False, False, False)
     """
     text = str(value)
-    rest = ENV_REF.sub("", text)
+    rest = ENV_REF.sub(lambda m: f" {m.group(2) or ''} ", text)
     return rest != text and all(len(word) < 8 for word in rest.split())
 
 

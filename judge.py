@@ -260,8 +260,8 @@ def open_judges(default: JudgeConfig | None, named: dict[str, JudgeConfig]) -> d
         if judges[name].key_missing:
             where = mask_urls(judges[name].cfg.azure_endpoint
                               or judges[name].cfg.base_url)  # ${NAME}s filled in
-            print(f"[minigrpo] warning: {key}: ${cfg.api_key_env} is not set, and {where} "
-                  "is not on this machine: its calls will be refused "
+            print(f"[minigrpo] warning: {key}: ${judges[name].cfg.api_key_env} is not set, and "
+                  f"{where} is not on this machine: its calls will be refused "
                   "(export the key, or set api_key_env)", file=sys.stderr)
     return judges
 

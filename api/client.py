@@ -49,7 +49,8 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from api.reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
-from config import ENV_REF, JudgeConfig, mask_urls  # noqa: F401 (JudgeConfig: part of this module's API)
+from config import JudgeConfig, mask_urls  # noqa: F401 (JudgeConfig: part of this module's API)
+from settings.typed_config import expand_env
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,10 @@ UNPARSED_LIMIT = 16  # score_many: this many unusable replies, and no usable one
 FAILED_LIMIT = 16  # this many requests failed (after retries), and none answered, stop the run
 
 
-ENV_FIELDS = ("base_url", "azure_endpoint", "model")  # filled from ${NAME} when a client is built
+# filled from ${NAME} (or ${NAME:-default}) when a client is built
+ENV_FIELDS = ("base_url", "azure_endpoint", "api_version", "model")
+# api_key_env: null reads the key where the openai SDK looks for it: Azure's, or OpenAI's
+SDK_KEY_ENV = {True: "AZURE_OPENAI_API_KEY", False: "OPENAI_API_KEY"}
 class JudgeUnusable(RuntimeError):
     """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
     URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its
@@ -124,22 +128,21 @@ class JudgeUnusable(RuntimeError):
 
 
 def _expand(value: str, key: str, section: str = "judge") -> str:
-    """A header value (or base_url, azure_endpoint, model) with each ${NAME} replaced by that
-    environment variable (ValueError when unset).
+    """A header value (or base_url, azure_endpoint, api_version, model) with each ${NAME} and
+    ${NAME:-default} filled in from the environment, as every config field reads them
+    (settings.typed_config.expand_env; a ConfigError, a ValueError, when one is unset).
 
     >>> import os; os.environ["MINIGRPO_DOC_TOKEN"] = "t0k"
     >>> _expand("Bearer ${MINIGRPO_DOC_TOKEN}", "extra_headers.Authorization", "judge")
     'Bearer t0k'
+    >>> _expand("${MINIGRPO_DOC_UNSET:-gpt-4o-mini}", "model", "judge")
+    'gpt-4o-mini'
     """
     if value == "***" or "://***@" in value:
         raise ValueError(
             f"{section}: {key} holds '***', a secret masked when a run saved its config; put the "
             "secret in an environment variable and write it as ${NAME}")
-    missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in os.environ]
-    if missing:
-        raise ValueError(f"{section}: {key} reads ${{{missing[0]}}}, which is not set in the "
-                         "environment")
-    return ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+    return expand_env(value, f"{section}: {key}")
 
 
 def run_sync(coro):
@@ -159,11 +162,13 @@ class Judge:
     def __init__(self, cfg: JudgeConfig, label: str = "judge", key: str | None = None):
         """label: how warnings name this client (its config key: judge, judges.NAME, eval.api); key:
         its config section, where hints send the user, when the label says more (None: the label).
-        base_url, azure_endpoint and model may read the environment as headers do:
-        "${AZURE_OPENAI_ENDPOINT}"."""
+        base_url, azure_endpoint, api_version and model may read the environment as headers do:
+        "${AZURE_OPENAI_ENDPOINT:-}" (empty: not Azure)."""
         section = key or label  # errors start with it: the caller's message as it stands
         cfg = dataclasses.replace(cfg, **{k: _expand(getattr(cfg, k), k, section)
                                           for k in ENV_FIELDS if getattr(cfg, k)})
+        if cfg.api_key_env is None:  # one config for OpenAI or Azure (GRubrics' judge)
+            cfg = dataclasses.replace(cfg, api_key_env=SDK_KEY_ENV[bool(cfg.azure_endpoint)])
         if cfg.azure_endpoint and not cfg.api_version:
             raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
         # else every call fails, each counted

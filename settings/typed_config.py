@@ -33,8 +33,31 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-# a whole value "${NAME}" or "${NAME:-default}": read from the environment (REWARD_LAMBDA_* weights)
-WHOLE_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# ${NAME} or ${NAME:-default}: a value from the environment. The one reading of it (expand_env):
+# a field that is not text (GRubrics' REWARD_LAMBDA_* weights) is read whole here (from_env), a
+# judge's base_url, azure_endpoint, api_version, model and headers by api/client.py when its client
+# is built (so a secret in them is never saved).
+ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(text: str, key: str) -> str:
+    """text with each ${NAME} as that environment variable's value, and each ${NAME:-default} as
+    its value or, when it is unset or empty, the default (the shell's meaning). A ${NAME} that is
+    not set is a ConfigError naming `key`.
+
+    >>> os.environ["MINIGRPO_DOC_HOST"] = "judge.example"
+    >>> expand_env("https://${MINIGRPO_DOC_HOST}/v1 ${MINIGRPO_DOC_NOPE:-gpt-4o-mini}", "k")
+    'https://judge.example/v1 gpt-4o-mini'
+    """
+    def value(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if default is not None and not os.environ.get(name):
+            return default
+        if name not in os.environ:
+            raise ConfigError(f"{key} reads ${{{name}}}, which is not set in the environment; "
+                              f"export it, write ${{{name}:-default}}, or give the value")
+        return os.environ[name]
+    return ENV_REF.sub(value, text)
 
 
 def _takes_text(tp: Any) -> bool:
@@ -45,32 +68,41 @@ def _takes_text(tp: Any) -> bool:
 
 
 def from_env(value: str, key: str) -> Any:
-    """The value of a field that is not text, written as ${NAME} (or ${NAME:-default}): the
-    environment variable's value, read as YAML; ConfigError naming `key` when it is not set.
+    """The value of a field that is not text, written whole as ${NAME} (or ${NAME:-default}): the
+    environment variable's value (expand_env), read as YAML.
 
     >>> os.environ["MINIGRPO_DOC_LAMBDA"] = "0.25"
     >>> from_env("${MINIGRPO_DOC_LAMBDA}", "rewards[1].weight"), from_env("${NOPE_X:-1}", "k")
     (0.25, 1)
     """
-    m = WHOLE_ENV_REF.fullmatch(value.strip())
-    if m.group(1) in os.environ:
-        text = os.environ[m.group(1)]
-    elif m.group(2) is not None:
-        text = m.group(2)
-    else:
-        raise ConfigError(f"{key} reads ${{{m.group(1)}}}, which is not set in the environment; "
-                          f"export it, write ${{{m.group(1)}:-default}}, or give the value")
+    text = expand_env(value.strip(), key)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
 
 
+def _convert_env(value: str, tp: Any, key: str) -> Any:
+    """convert() of a value read from the environment; a wrong one names the variable (or says
+    the default is wrong): "rewards[1].weight reads ${REWARD_LAMBDA_FORMAT}='abc' ...", not 'abc'
+    alone."""
+    ref = value.strip()
+    name, default = ENV_REF.fullmatch(ref).groups()
+    read = from_env(ref, key)  # unset: its own error
+    try:
+        return convert(read, tp, key)
+    except ConfigError as e:
+        source = (f"the default of {ref}" if default is not None and not os.environ.get(name)
+                  else f"${{{name}}}={os.environ[name]!r} from the environment")
+        why = str(e).removeprefix(f"{key}: ")
+        raise ConfigError(f"{key} reads {source}: {why}; fix the variable or the config") from None
+
+
 def convert(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`; returns it (ints widened to float). A field that
     is not text may be written as ${NAME}: the environment's value (from_env)."""
-    if isinstance(value, str) and WHOLE_ENV_REF.fullmatch(value.strip()) and not _takes_text(tp):
-        value = from_env(value, key)
+    if isinstance(value, str) and ENV_REF.fullmatch(value.strip()) and not _takes_text(tp):
+        return _convert_env(value, tp, key)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -101,6 +133,8 @@ def convert(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
     if origin is dict or tp is dict:
+        if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
+            return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
@@ -227,10 +261,18 @@ def _text_field(root: type, dotted: str) -> str | None:
 
 
 def _merge(base: dict, over: dict) -> dict:
-    """`over` on top of `base`: mappings merge key by key, anything else (lists too) is replaced."""
+    """`over` on top of `base`: mappings merge key by key, but an empty one (or null) replaces the
+    parent's, so a child can clear one (`judge: {extra_body: {}}` drops a parent's grammar);
+    anything else (lists too) is replaced.
+
+    >>> _merge({"judge": {"model": "m", "extra_body": {"grammar": "g"}}},
+    ...        {"judge": {"extra_body": {}}})
+    {'judge': {'model': 'm', 'extra_body': {}}}
+    """
     out = dict(base)
     for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        merge = isinstance(v, dict) and v and isinstance(out.get(k), dict)
+        out[k] = _merge(out[k], v) if merge else v
     return out
 
 

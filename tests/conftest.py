@@ -117,3 +117,15 @@ def page(tmp_path):
     ratings._STORES.clear()  # one Store per folder per process
     yield page_client(tmp_path / "ratings"), tmp_path / "ratings"
     ratings._STORES.clear()
+
+
+# what the recipes read from the environment (GRubrics' judge, its REWARD_LAMBDA_* weights):
+# a developer's own settings must not send the tests to Azure or reweigh their rewards
+RECIPE_ENV = ("AZURE_OPENAI_ENDPOINT", "AZURE_OPENAI_API_VERSION", "JUDGE_MODEL", "ANSWER_MODEL",
+              "REWARD_LAMBDA_ALIGNMENT", "REWARD_LAMBDA_FORMAT", "REWARD_LAMBDA_LENGTH")
+
+
+@pytest.fixture(autouse=True)
+def _without_recipe_env(monkeypatch):
+    for name in RECIPE_ENV:
+        monkeypatch.delenv(name, raising=False)

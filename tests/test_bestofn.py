@@ -26,6 +26,8 @@ def test_best_and_worst_per_prompt_with_bars_requirements_and_unscored_completio
         [("p0", "b", None), ("p1", "f", "other")]
     assert [(p["chosen"], p["rejected"], p["chosen_reward"], p["rejected_reward"])
             for p in pairs] == [("b", "a", 2.0, 0.5), ("f", "g", 0.9, 0.1)]
+    # the bar holds for a pair's chosen as for an SFT row: f (0.9) is below 1
+    assert [p["chosen"] for p in bestofn.select(records, min_reward=1.0)[1]] == ["b"]
     sft, pairs = bestofn.select(records, min_margin=1.6)
     # no SFT bar; margins 1.5 and 0.8
     assert [r["completion"] for r in sft] == ["b", "d", "f"] and pairs == []
@@ -234,3 +236,64 @@ def test_merge_keeps_one_pair_per_prompt_id_the_one_with_the_highest_delta(tmp_p
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "n.jsonl").exists()
+
+
+def test_merge_by_prompt_id_takes_bestofns_own_pairs_which_keep_it_under_columns(tmp_path, capsys):
+    """Two judges' samples of BioReasoner's prompts, eval.py's predictions with
+    --eval.keep_columns=[prompt_id] (written under "columns"), paired by bestofn, then merged by
+    prompt_id: the merge refused bestofn's own pairs ("no 'prompt_id' to merge by")."""
+    def preds(name, scores):
+        path = tmp_path / f"predictions_{name}.jsonl"
+        path.write_text("".join(json.dumps(rec(row, f"{name} {row} {i}", s,
+                                               columns={"prompt_id": f"bio-{row:03d}"})) + "\n"
+                                for row, rewards in enumerate(scores)
+                                for i, s in enumerate(rewards)))
+        return path
+    opus = preds("opus", [[4.0, 1.0], [3.0, 2.5]])
+    codex = preds("codex", [[3.0, 2.0], [5.0, 1.0]])
+    pairs = []
+    for path in (opus, codex):
+        pairs.append(tmp_path / f"pairs_{path.stem}.jsonl")
+        assert bestofn.main([str(path), "--pairs", str(pairs[-1])]) == 0
+    first = json.loads(pairs[0].read_text().splitlines()[0])
+    assert "prompt_id" not in first and first["columns"] == {"prompt_id": "bio-000"}
+    out = tmp_path / "dpo_v22_merged.jsonl"
+    assert bestofn.main(["merge", *map(str, pairs), "--key", "prompt_id", "--out", str(out)]) == 0
+    merged = [json.loads(ln) for ln in out.read_text().splitlines()]
+    # bio-000: opus's delta 3 beats codex's 1; bio-001: codex's 4 beats opus's 0.5
+    assert [(p["columns"]["prompt_id"], p["chosen"]) for p in merged] == \
+        [("bio-000", "opus 0 0"), ("bio-001", "codex 1 0")]
+    assert "2 unique pairs (deduplicated by prompt_id" in capsys.readouterr().out
+    assert bestofn.main(["merge", str(pairs[0]), "--key", "pair_id",
+                         "--out", str(tmp_path / "n.jsonl")]) == 2
+    assert "under columns: prompt_id" in capsys.readouterr().err
+
+
+def test_pairs_keep_the_seeds_auto_score_bar_as_sft_rows_do(tmp_path):
+    """BioReasoner's v2.1 candidates: "REJECT: ... auto_score < 2.5". --min-reward was the SFT
+    bar alone: a pair whose chosen reply was below it was kept (issue 46). Its candidates in
+    eval.py's predictions shape, kept by prompt_id, their auto_score as the reward and among the
+    rewards beside the judge's logic and novelty."""
+    def cand(pid, text, auto, logic, novelty):
+        return rec(int(pid[1:]), text, auto, columns={"prompt_id": pid},
+                   rewards={"auto_score": auto, "logic": logic, "novelty": novelty,
+                            "think_format": 1.0})
+    preds = tmp_path / "generation_results.jsonl"
+    preds.write_text("".join(json.dumps(r) + "\n" for r in [
+        cand("p1", "weak but novel", 2.0, 5, 5), cand("p1", "flat", 3.0, 1, 1),
+        cand("p2", "strong", 3.5, 5, 4), cand("p2", "generic", 2.6, 2, 1),
+        cand("p3", "weak", 2.2, 3, 3), cand("p3", "weaker", 1.0, 1, 1)]))
+
+    def pairs(*flags):
+        out = tmp_path / f"pairs{len(list(tmp_path.iterdir()))}.jsonl"
+        assert bestofn.main([str(preds), "--pairs", str(out), *flags]) == 0
+        return [(json.loads(ln)["columns"]["prompt_id"], json.loads(ln)["chosen"])
+                for ln in out.read_text().splitlines()]
+    # ranked by auto_score, the bar on the chosen: p3's best (2.2) is below it
+    assert pairs("--min-reward", "2.5") == [("p1", "flat"), ("p2", "strong")]
+    # the seed's pairing: the judge's logic + novelty rank, auto_score bars the chosen (p1's only
+    # candidate over the bar ranks below the other: no preference left; p3 has none over it)
+    assert pairs("--by", "logic+novelty+think_format", "--require", "auto_score=2.5",
+                 "--min-margin", "2") == [("p2", "strong")]
+    assert pairs("--by", "logic+novelty+think_format", "--min-margin", "2") == \
+        [("p1", "weak but novel"), ("p2", "strong"), ("p3", "weak")]

@@ -255,6 +255,26 @@ def test_extends_merges_sections_key_by_key_and_replaces_lists(tmp_path):
     assert [r.name for r in cfg.rewards] == ["short_answer"]  # a list is replaced, not appended to
 
 
+def test_extends_lets_a_child_clear_a_mapping_with_an_empty_one_or_null(tmp_path):
+    """A child's `judge: {extra_body: {}}` kept the parent's grammar (and paid 249 requests again
+    under its old cache keys): an empty mapping, or null, replaces the parent's (issue 47)."""
+    (tmp_path / "base.yaml").write_text(
+        MINIMAL + "judge: {model: m, extra_body: {grammar: 'root ::= [0-9]'}}\n"
+        "data: {chat_template_kwargs: {enable_thinking: false}}\n")
+    for clear in ("{}", "null"):
+        child = tmp_path / "child.yaml"
+        child.write_text(f"extends: base.yaml\njudge: {{extra_body: {clear}}}\n"
+                         f"data: {{chat_template_kwargs: {clear}}}\n")
+        cfg = load_config(child)
+        assert cfg.judge.extra_body == {} and cfg.judge.model == "m", clear
+        assert cfg.data.chat_template_kwargs == {}
+        config.save_config(cfg, tmp_path / "saved.yaml")
+        assert yaml.safe_load((tmp_path / "saved.yaml").read_text())["judge"]["extra_body"] == {}
+    # a mapping with keys still merges into the parent's
+    child.write_text("extends: base.yaml\njudge: {extra_body: {top_k: 1}}\n")
+    assert load_config(child).judge.extra_body == {"grammar": "root ::= [0-9]", "top_k": 1}
+
+
 def test_extends_errors_name_the_file(tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("extends: b.yaml\n")
@@ -475,9 +495,21 @@ def test_a_weight_reads_the_environment_as_the_grubrics_reward_lambdas(tmp_path,
     with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}, which "
                        r"is not set in the environment; export it"):
         load_config(path)
-    monkeypatch.setenv("MINIGRPO_NO_X", "two")
-    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight: expected float, got 'two'"):
+    monkeypatch.setenv("MINIGRPO_NO_X", "two")  # a bad value names the variable it came from
+    with pytest.raises(ConfigError, match=r"^rewards\[0\].weight reads \$\{MINIGRPO_NO_X\}='two' "
+                       r"from the environment: expected float, got 'two'; fix the variable"):
         load_config(path)
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "abc")
+    with pytest.raises(ConfigError, match=r"^rewards\[1\].weight reads "
+                       r"\$\{REWARD_LAMBDA_FORMAT\}='abc' from the environment"):
+        load_config("configs/grubrics.yaml")
+    monkeypatch.setenv("REWARD_LAMBDA_FORMAT", "")  # empty: the default, as in the shell
+    assert load_config("configs/grubrics.yaml").rewards[1].weight == 0.0
+    bad_default = tmp_path / "bad_default.yaml"
+    bad_default.write_text("rewards: [{name: think_format, weight: '${MINIGRPO_NO_Y:-heavy}'}]\n")
+    with pytest.raises(ConfigError,
+                       match=r"weight reads the default of \$\{MINIGRPO_NO_Y:-heavy\}"):
+        load_config(bad_default)
     monkeypatch.setenv("MINIGRPO_NO_X", "2")
     cfg = load_config(path)
     assert cfg.rewards[0].weight == 2.0 and cfg.judge.model == "${MINIGRPO_NO_X}"

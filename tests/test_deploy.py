@@ -97,6 +97,9 @@ def test_a_refused_endpoint_exits_1_keeps_the_export_and_hides_the_token(trained
       "--endpoint-instance", "t4"], "give a GPU instance"),
     (["--push-to-hub", "me/m", "--create-endpoint", "tiny-grpo", "--dtype", "float16",
       "--endpoint-region", "us-east-1"], "give VENDOR/REGION"),
+    # the run's prompts + replies reach 576 tokens; the tiny model's positions end at 256
+    (["--max-model-len", "100"], "under the training run's longest prompt + reply (576 tokens)"),
+    (["--max-model-len", "1000"], "over the model's max_position_embeddings (256)"),
 ])
 def test_bad_endpoint_settings_exit_2_before_anything_is_written_or_created(
         trained, tmp_path, capsys, hub, extra, says):
@@ -170,3 +173,15 @@ def test_check_against_a_server_that_refuses_every_request_is_one_line_and_exit_
     with FakeOpenAIServer(default=server_error(404)) as server:
         assert export.main(check_argv(tiny_llama, trained, "--url", server.url)) == 2
     assert "404" in error_line(capsys.readouterr().err)
+
+
+def test_the_served_length_is_the_seeds_8192_within_the_models_positions_or_the_flags():
+    """The seed served its question generator with --max_model_len 8192; --create-endpoint served
+    the run's 768 tokens (its prompt + reply) with no flag to change it (issue 46)."""
+    cfg = load_config("configs/qgen.yaml")
+    assert export.run_length(cfg) < 1024
+    assert export.max_model_len(cfg, positions=262144) == 8192  # Qwen3-4B-Instruct-2507's
+    assert export.max_model_len(cfg, positions=4096) == 4096  # a model of shorter reach
+    assert export.max_model_len(cfg, asked=16384, positions=262144) == 16384
+    assert "--max-model-len 8192 " in export.serve_command("exported/qgen", cfg, 8192)
+    export.check_serve_len(16384, cfg, 262144)  # within both bounds: no error

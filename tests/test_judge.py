@@ -146,6 +146,73 @@ def test_endpoint_and_model_may_come_from_the_environment(server, monkeypatch):
         Judge(cfg)
 
 
+@pytest.mark.parametrize("field", ["base_url", "azure_endpoint", "model", "header"])
+def test_each_env_form_means_what_it_means_in_every_other_field(server, monkeypatch, field,
+                                                                tmp_path):
+    """${NAME} and ${NAME:-default} read the same in a judge's base_url, azure_endpoint, model and
+    headers as in a reward's weight (settings.typed_config.expand_env): the default when the
+    variable is unset or empty, its value when set; a bare ${NAME} unset is an error naming it.
+    ${JUDGE_MODEL:-gpt-4o-mini} was sent as the literal model name, and in base_url failed as "not
+    an http(s) URL" (issue 46)."""
+    from config import load_config
+    value = {"base_url": server.url, "azure_endpoint": server.url.removesuffix("/v1"),
+             "model": "judge-from-env", "header": "Bearer t0k-from-env"}[field]
+    default = {"base_url": "http://127.0.0.1:9/v1", "azure_endpoint": "http://127.0.0.1:9",
+               "model": "gpt-4o-mini", "header": "Bearer none"}[field]
+    var = "MINIGRPO_TEST_FORM"
+
+    def built(text: str) -> Judge:
+        where = {"header": {"extra_headers": {"Authorization": text}},
+                 "azure_endpoint": {"azure_endpoint": text,
+                                    "api_version": "${MINIGRPO_NO_V:-2024-06-01}"}}.get(field,
+                                                                                  {field: text})
+        return make_judge(server, **where)
+
+    def resolved(judge: Judge) -> str:
+        return judge.headers["Authorization"] if field == "header" else getattr(judge.cfg, field)
+
+    monkeypatch.delenv(var, raising=False)
+    assert resolved(built(f"${{{var}:-{default}}}")) == default
+    monkeypatch.setenv(var, "")
+    assert resolved(built(f"${{{var}:-{default}}}")) == default
+    monkeypatch.setenv(var, value)
+    judge = built(f"${{{var}:-{default}}}")
+    assert resolved(judge) == value == resolved(built(f"${{{var}}}"))
+    if field == "azure_endpoint":
+        assert judge.cfg.api_version == "2024-06-01"
+    # the same form in a reward's weight, read by the typed config
+    monkeypatch.setenv(var, "0.5")
+    (tmp_path / "c.yaml").write_text(f"rewards: [{{name: answer_match, weight: '${{{var}:-1}}'}}]")
+    assert load_config(tmp_path / "c.yaml").rewards[0].weight == 0.5
+    monkeypatch.delenv(var)
+    with pytest.raises(ValueError, match=rf"^judge: [\w.]+ reads \$\{{{var}\}}, which is not set"):
+        built(f"${{{var}}}")
+
+
+def test_a_dry_run_resolves_every_reference_the_judge_will_use(tmp_path, tiny_llama, monkeypatch,
+                                                               capsys):
+    """--dry-run builds the judge as the run will: a ${JUDGE_MODEL:-...} model, base_url or header
+    is resolved there, and one that cannot be is one line and exit 2 before any step (the model
+    field used to pass the dry run and fail at the first judge call)."""
+    import train
+    monkeypatch.delenv("MINIGRPO_NO_JUDGE_MODEL", raising=False)
+    path = tmp_path / "judged.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name": str(tiny_llama)}, "run": {"out_dir": str(tmp_path / "run")},
+        "judge": {"base_url": "${MINIGRPO_NO_JUDGE_URL:-http://127.0.0.1:9/v1}",
+                  "model": "${MINIGRPO_NO_JUDGE_MODEL:-gpt-4o-mini}", "api_key_env": KEY_ENV,
+                  "extra_headers": {"X-Team": "${MINIGRPO_NO_TEAM:-ml}"}},
+        "rewards": [{"name": "judge", "args": {"template": "pointwise_criteria"}}]}))
+    assert train.main(["--config", str(path), "--dry-run", "--run.threads=1"]) == 0
+    assert "judges: judge" in capsys.readouterr().out
+    for override, name in [("--judge.model=${MINIGRPO_NO_JUDGE_MODEL}", "model"),
+                           ("--judge.extra_headers={X-Team: '${MINIGRPO_NO_TEAM}'}",
+                            "extra_headers.X-Team")]:
+        assert train.main(["--config", str(path), "--dry-run", "--run.threads=1", override]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"judge: {name} reads $" in err and len(err.splitlines()) == 1, err
+
+
 def test_header_secrets_come_from_the_environment_and_are_masked_wherever_they_would_show(
         server, monkeypatch, caplog):
     from config import redacted

@@ -141,7 +141,7 @@ def test_answers_graded_by_the_judge_under_the_expert_rubric_then_a_rerun_pays_o
                        "--rollout.prompts_per_step=2", "--rollout.num_generations=2",
                        "--rollout.max_new_tokens=4", "--run.steps=1", f"--run.out_dir={run}",
                        "--model.gradient_checkpointing=false", f"--judge.base_url={server.url}",
-                       "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY",
+                       "--judge.api_key_env=MINIGRPO_NO_SUCH_KEY", "--run.report_to=none",
                        f"--judge.cache_path={tmp_path / 'judge_train.jsonl'}"]) == 0
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert m["reward_errors/rubric_alignment"] == 0 and m["judge_requests"] > 0

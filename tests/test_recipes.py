@@ -25,8 +25,8 @@ FIXTURES = ROOT / "tests/fixtures"
 
 
 def small(tiny, out, steps=2):
-    """Overrides that shrink a recipe to a CPU smoke run."""
-    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false",
+    """Overrides that shrink a recipe to a CPU smoke run (no tracker: recipes name the seeds')."""
+    return [f"--model.name={tiny}", "--model.gradient_checkpointing=false", "--run.report_to=none",
             "--rollout.prompts_per_step=2", "--rollout.num_generations=3",
             "--rollout.max_new_tokens=8", "--optim.micro_batch_size=4", f"--run.steps={steps}",
             f"--run.out_dir={out}", "--run.save_every=0",
@@ -63,12 +63,37 @@ def server():
         yield s
 
 
-def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, tiny_llama):
+def fake_tracker(monkeypatch, name: str) -> list:
+    """A stand-in for wandb or trackio (init/log/finish), recording its calls."""
+    import importlib.machinery
+    import sys
+    import types
+    calls = []
+    fake = types.ModuleType(name)
+    fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    fake.init = lambda **kw: calls.append(("init", kw))
+    fake.log = lambda metrics, step: calls.append(("log", step))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, name, fake)
+    return calls
+
+
+def test_medmcqa_sft_then_grpo_from_it_then_eval_of_base_sft_and_grpo(tmp_path, tiny_llama,
+                                                                       monkeypatch):
     data = [f"--data.name={FIXTURES / 'medmcqa_sample.jsonl'}"]
-    sft, grpo = tmp_path / "sft", tmp_path / "grpo"
+    shipped = [Path(load_config(f"configs/medmcqa_{k}.yaml").run.out_dir).name
+               for k in ("sft", "grpo")]
+    # the seed's Trackio project and run names (the runs' folders)
+    assert shipped == ["sft-qwen3-0.6b-800steps", "grpo-qwen3-0.6b-400steps"]
+    sft, grpo = (tmp_path / name for name in shipped)
+    calls = fake_tracker(monkeypatch, "trackio")
     assert train.main(["--config", "configs/medmcqa_sft.yaml", *small(tiny_llama, sft), *data,
-                       "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4"]) == 0
+                       "--data.select=[0,16]", "--eval.select=[32,40]", "--sft.batch_size=4",
+                       "--run.report_to=trackio"]) == 0  # the recipe's own, small() turned off
     assert metrics(sft)[-1]["loss"] > 0
+    init = calls[0][1]
+    assert (init["project"], init["name"]) == ("medmcqa-classifier", "sft-qwen3-0.6b-800steps")
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
     assert train.main(["--config", "configs/medmcqa_grpo.yaml", *small(tiny_llama, grpo), *data,
                        "--data.select=[16,32]", "--eval.select=[32,40]",
                        f"--model.init_adapter={sft}"]) == 0
@@ -126,6 +151,37 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
     assert train.main([*args[:-len(judge_overrides(server, ''))],
                        *judge_overrides(server, data_file),
                        f"--run.out_dir={tmp_path / 'other'}"]) == 2
+
+
+def test_grubrics_judge_and_answer_policy_follow_the_environment_openai_or_azure(server,
+                                                                                 monkeypatch):
+    """The seed's judge is read from its environment (AZURE_OPENAI_ENDPOINT, AZURE_OPENAI_API_KEY,
+    JUDGE_MODEL): one config serves OpenAI or Azure with no flag (it took four, issue 46)."""
+    import dataclasses
+
+    from api.client import Judge
+    cfg = load_config("configs/grubrics.yaml")
+    assert (cfg.run.report_to, cfg.run.project) == ("wandb", "grubrics")  # the seed's tracker
+    sections = {"judge": cfg.judge, "precompute.answers": cfg.precompute.answers}
+    for key, section in sections.items():  # nothing set: OpenAI's endpoint, key and model
+        client = Judge(dataclasses.replace(section, cache_path=None), label=key)
+        assert (client.cfg.azure_endpoint, client.cfg.base_url, client.cfg.api_key_env,
+                client.cfg.model) == ("", "https://api.openai.com/v1", "OPENAI_API_KEY",
+                                      "gpt-4o-mini"), key
+    monkeypatch.setenv("AZURE_OPENAI_ENDPOINT", server.root)
+    monkeypatch.setenv("AZURE_OPENAI_API_KEY", "azure-SECRET-key")
+    monkeypatch.setenv("JUDGE_MODEL", "grubrics-judge")
+    monkeypatch.setenv("ANSWER_MODEL", "grubrics-answers")
+    for key, deployment in (("judge", "grubrics-judge"),
+                            ("precompute.answers", "grubrics-answers")):
+        client = Judge(dataclasses.replace(sections[key], cache_path=None, max_retries=0),
+                       label=key)
+        before = len(server.requests)
+        assert client.complete_many([[{"role": "user", "content": f"Grade for {key}"}]])[0]
+        req = server.requests[before]
+        assert req.path == f"/openai/deployments/{deployment}/chat/completions"
+        assert "api-version=2024-06-01" in req.query
+        assert req.headers["api-key"] == "azure-SECRET-key"
 
 
 def test_grubrics_sft_on_the_physicians_rubrics_then_grpo_from_it(tmp_path, tiny_llama, server):
@@ -201,14 +257,14 @@ def test_bioreasoner_chain_sft_merge_dpo_merge_grpo(tmp_path, tiny_llama):
     rows = [json.loads(ln)
             for ln in (FIXTURES / "bioreasoner_sample.jsonl").read_text().splitlines()][:8]
     good = [f"<think>Both papers agree.</think> PMID: {r['valid_pmids'][0]}" for r in rows]
-    teacher, pairs = tmp_path / "train_750.jsonl", tmp_path / "pairs.jsonl"
+    teacher, pairs = tmp_path / "train_750.jsonl", tmp_path / "dpo_distillation_pairs.jsonl"
     teacher.write_text("".join(json.dumps({"prompt": r["prompt"], "response": g}) + "\n"
                                for r, g in zip(rows, good)))
     pairs.write_text("".join(json.dumps({"prompt": r["prompt"], "chosen": g,
                                          "rejected": "<think>Unclear.</think> PMID: 12345678"})
                              + "\n" for r, g in zip(rows, good)))
-    runs = {k: tmp_path / k for k in ("sft", "dpo", "grpo")}
-    merged = {k: tmp_path / f"models/bioreasoner-{k}" for k in ("sft", "dpo")}
+    runs = {k: tmp_path / k for k in ("sft", "dpo", "v21", "grpo")}
+    merged = {k: tmp_path / f"models/bioreasoner-{k}" for k in ("sft", "dpo", "v21")}
     assert train.main(["--config", "configs/bioreasoner_sft.yaml", *small(tiny_llama, runs["sft"]),
                        f"--data.name={teacher}", "--sft.batch_size=4"]) == 0
     assert metrics(runs["sft"])[-1]["loss"] > 0
@@ -225,11 +281,20 @@ def test_bioreasoner_chain_sft_merge_dpo_merge_grpo(tmp_path, tiny_llama):
     base, sft_w, dpo_w = (weights_of(d) for d in (tiny_llama, merged["sft"], merged["dpo"]))
     name = next(k for k in base if k.endswith("layers.0.self_attn.q_proj.weight"))
     assert not torch.equal(base[name], sft_w[name]) and not torch.equal(sft_w[name], dpo_w[name])
-    assert train.main(["--config", "configs/bioreasoner.yaml", *small(merged["dpo"], runs["grpo"]),
+    # stage 5, the v2.1 round, is a config of its own (it was seven flags on stage 3's)
+    assert train.main(["--config", "configs/bioreasoner_dpo_v21.yaml",
+                       *small(merged["dpo"], runs["v21"]), f"--data.name={pairs}",
+                       "--dpo.batch_size=4"]) == 0
+    saved = yaml.safe_load((runs["v21"] / "config.yaml").read_text())
+    assert (saved["lora"]["r"], saved["optim"]["lr"], saved["mode"]) == (32, 2e-6, "dpo")
+    assert export.main(["--config", "configs/bioreasoner_dpo_v21.yaml", "--adapter",
+                        str(runs["v21"]), "--out", str(merged["v21"]),
+                        f"--model.name={merged['dpo']}"]) == 0
+    assert train.main(["--config", "configs/bioreasoner.yaml", *small(merged["v21"], runs["grpo"]),
                        f"--data.name={FIXTURES / 'bioreasoner_sample.jsonl'}"]) == 0
     assert "rewards/citation_grounding/mean" in metrics(runs["grpo"])[0]
     saved = yaml.safe_load((runs["grpo"] / "config.yaml").read_text())
-    assert saved["mode"] == "grpo" and saved["model"]["name"] == str(merged["dpo"])
+    assert saved["mode"] == "grpo" and saved["model"]["name"] == str(merged["v21"])
 
 
 def test_bioreasoner_dual_judge_trains_and_evaluates_with_two_judges_and_their_agreement(
@@ -298,13 +363,25 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
             m["rewards/discriminative_power/mean"]) == pytest.approx((7.0, 8.0, 6.0, 7.0))
     # the per-criterion entries cost no requests
     assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 24
+    # the seed's comparison: its API models by its aliases (eval.apis), each with its own settings
+    apis = [f"--eval.apis.{name}.{key}={value}" for name in ("claude-4-5-haiku", "gpt-5-mini")
+            for key, value in (("base_url", server.url), ("api_key_env", "MINIGRPO_NO_SUCH_KEY"),
+                               ("cache_path", tmp_path / f"{name}.jsonl"))]
+    before = len(server.requests)
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
-                    "api:fake-model", f"--model.name={tiny_llama}", *data, *judge,
+                    "api:fake-model", "api:claude-4-5-haiku", "api:gpt-5-mini",
+                    f"--model.name={tiny_llama}", *data, *judge, *apis,
                     f"--eval.api.base_url={server.url}",
                     "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8",
                     "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
-    assert set(results) == {"base", "grpo", "fake-model"}
+    assert set(results) == {"base", "grpo", "fake-model", "claude-4-5-haiku", "gpt-5-mini"}
+    from test_judge import anthropic_objections
+    asked = {r.body["model"]: r.body for r in server.requests[before:]}
+    claude, gpt5 = asked["claude-haiku-4-5-20251001"], asked["gpt-5-mini-2025-08-07"]
+    assert anthropic_objections(claude) == [] and claude["temperature"] == 0.7
+    assert "temperature" not in gpt5 and "max_tokens" not in gpt5 \
+        and gpt5["max_completion_tokens"] == 4096
     # as in training: the reward rescaled to 0-1, the seed's metrics on its 0-10
     got = results["fake-model"]["metrics"]
     assert got["reward/judge"] == pytest.approx(0.7) and got["reward/composite"] == pytest.approx(7)
@@ -322,6 +399,19 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
         tmp_path / f"eval_export/predictions_{name}.jsonl").read_text().splitlines()]
         for name in ("grpo", "merged")}
     assert len(preds["grpo"]) == 3 and preds["grpo"] == preds["merged"]
+
+
+def test_question_generation_holds_50_of_the_500_roles_out_and_its_page_says_why():
+    """36 steps, not the original's 40: the recipe trains on 450 roles and evaluates on the other 50
+    (issue 46); --data.select=null trains on all 500 as the original did."""
+    from run.lifecycle import with_epochs
+    cfg = load_config(ROOT / "configs/qgen.yaml")
+    assert (cfg.data.select, cfg.eval.select) == ([0, 450], [450, 500])
+    assert with_epochs(cfg, 450).run.steps == 36
+    everything = load_config(ROOT / "configs/qgen.yaml", ["--data.select=null"])
+    assert everything.data.select is None and with_epochs(everything, 500).run.steps == 40
+    page = (ROOT / "docs/recipes/qgen-judge.md").read_text()
+    assert "450 of the 500 roles" in page and "--data.select=null" in page
 
 
 def test_question_generation_rated_by_people_on_the_rating_page(tmp_path, tiny_llama, monkeypatch):
@@ -389,20 +479,53 @@ def test_bioreasoner_page_runs_the_chain_as_the_project_did_v20_then_v21_then_gr
     page = (ROOT / "docs/recipes/bioreasoner.md").read_text()
     chain = page.split("```bash")[1].split("```")[0]
     outs = re.findall(r"--out (\S+)", chain)
-    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0", "models/bioreasoner-2.1"]
-    v21 = next(ln for ln in chain.splitlines() if "dpo_pairs_v21.jsonl --optim" in ln)
-    assert "--model.name=models/bioreasoner-2.0" in v21
+    # the seed's model folders and pair files
+    assert outs == ["models/bioreasoner-sft", "models/bioreasoner-2.0-merged",
+                    "models/bioreasoner-2.1-merged"]
+    assert "--config configs/bioreasoner_dpo_v21.yaml" in chain
+    assert "--pairs data/dpo_v21_pairs.jsonl" in chain
+    v21 = load_config(ROOT / "configs/bioreasoner_dpo_v21.yaml")
+    assert (v21.model.name, v21.data.name, v21.lora.r, v21.lora.alpha, v21.optim.lr,
+            v21.run.epochs, v21.dpo.beta) == (outs[1], "data/dpo_v21_pairs.jsonl", 32, 64, 2e-6,
+                                              2, 0.1)
+    assert load_config(ROOT / "configs/bioreasoner_dpo.yaml").data.name == \
+        "data/dpo_distillation_pairs.jsonl"
     cfg = load_config(ROOT / "configs/bioreasoner.yaml")
-    assert cfg.model.name == outs[-1] and cfg.data.skip_long
+    assert cfg.model.name == outs[-1] == "models/bioreasoner-2.1-merged" and cfg.data.skip_long
     assert (cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.num_samples) == (0.7, 1024, 1)
     # logic and novelty are logged raw, 0-5 each: the project's scale, so its delta is 2
     margins = re.findall(r"--by logic\+novelty\+think_format --min-margin (\S+)",
-                         page + (ROOT / "configs/bioreasoner_dpo.yaml").read_text())
+                         page + (ROOT / "configs/bioreasoner_dpo_v21.yaml").read_text())
     assert margins and set(margins) == {"2"}
     judge = load_config(ROOT / "configs/bioreasoner_judge.yaml")
     raw = [r for r in judge.rewards if r.label in ("logic", "novelty")]
     assert len(raw) == 2 and all(r.args["normalize"] is False for r in raw)
     assert (judge.judge.score_min, judge.judge.score_max) == (0, 5)
+
+
+def test_bioreasoner_claude_judge_sends_what_anthropics_openai_compatible_endpoint_takes(
+        tmp_path, server):
+    """The seed's lead judge, Claude Opus, as a config beside the local ones: its requests (the
+    fake server standing in for Anthropic) use none of the fields Anthropic's layer ignores."""
+    import dataclasses
+
+    from api.client import Judge
+    from judge import judge_reward
+    from test_judge import anthropic_objections
+    cfg = load_config(ROOT / "configs/bioreasoner_claude_judge.yaml")
+    section = cfg.judge
+    assert (section.base_url, section.model, section.api_key_env) == (
+        "https://api.anthropic.com/v1/", "claude-opus-4-5", "ANTHROPIC_API_KEY")
+    assert (section.score_min, section.score_max) == (0, 5)  # the local judge's scale, extended
+    client = Judge(dataclasses.replace(section, base_url=server.url, max_retries=0,
+                                       cache_path=str(tmp_path / "claude.jsonl")))
+    before = len(server.requests)
+    scores = judge_reward(["<think>Both papers agree.</think> PMID: 99908795"],
+                          [{"prompt": "Bridge these papers."}], judge=client,
+                          template="logic_novelty")
+    assert scores == [pytest.approx(3.5 / 5)]
+    body = server.requests[before].body
+    assert body["model"] == "claude-opus-4-5" and anthropic_objections(body) == []
 
 
 def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
@@ -432,3 +555,22 @@ def test_bioreasoner_search_looks_papers_up_and_is_scored_on_its_final_answer(
     m = metrics(run)[0]
     assert {"episodes/turns", "episodes/tool_calls", "rewards/citation_grounding/mean",
             "rewards/pass/mean"} <= set(m)
+
+
+@pytest.mark.parametrize("page", ["medmcqa", "grubrics", "bioreasoner", "qgen-judge"])
+def test_each_seed_page_says_where_your_own_models_system_prompt_goes(page, tmp_path):
+    """The recipes' system prompts are this project's; an author starting from their own SFT or
+    exported model passes the one it learned (issue 46): each page's config for that loads, and
+    replaces the recipe's system prompt."""
+    text = (ROOT / f"docs/recipes/{page}.md").read_text()
+    assert "your own" in text.lower() and "system_prompt" in text
+    block = next(b.split("```")[0] for b in text.split("```yaml\n")[1:]
+                 if b.startswith("# configs/my_"))
+    raw = yaml.safe_load(block)
+    raw["extends"] = str(ROOT / "configs" / raw["extends"])
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg, recipe = load_config(path), load_config(raw["extends"])
+    assert cfg.data.system_prompt.startswith("(") and cfg.data.system_prompt != \
+        recipe.data.system_prompt
+    assert cfg.run.out_dir == recipe.run.out_dir  # all else is the recipe's

@@ -19,10 +19,12 @@ text (the raters saw it), so both outputs train with data.assistant_prefix: ''.
 A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a
 reward (a failed API request, a reward with fallback: skip that failed) are never picked, nor is one
 cut at max_new_tokens (`truncated`; SFT on it would teach stopping mid-thought) unless
---keep-truncated. For SFT the best completion is kept when its reward >= --min-reward; a pair is
-kept when best - worst >= --min-margin (> 0: a tie is no preference). --require NAME=V keeps only
-completions whose reward NAME is >= V (e.g. think_format=1: never pick a reply without its think
-block); the rejected one may miss it. --by NAME+NAME ranks by those rewards' sum instead of the
+--keep-truncated. The best completion is kept, as SFT row or as a pair's chosen, when its reward
+>= --min-reward (BioReasoner's "auto_score < 2.5: reject" with auto_score as the reward); a pair
+is kept when best - worst >= --min-margin too (> 0: a tie is no preference). --require NAME=V
+keeps only completions whose reward NAME is >= V (e.g. think_format=1: never pick a reply without
+its think block; auto_score=2.5 bars the chosen when --by ranks on other rewards); the rejected one
+may miss it. --by NAME+NAME ranks by those rewards' sum instead of the
 total (BioReasoner's pairs: the judge's logic+novelty decide, and with think_format among them a
 reply without its think block ranks low); the rows' reward stays the total, and the sum is written
 as by_reward (chosen_/rejected_by_reward). SFT rows hold `completion`, the text after the forced
@@ -38,6 +40,8 @@ pairs, deduplicated by prompt_id, highest delta"):
     python -m tools.bestofn merge opus_pairs.jsonl codex_pairs.jsonl --key prompt_id \\
         --out data/dpo_v22_merged.jsonl
 
+--key names a column of the pair, or of its `columns` (eval.keep_columns, which bestofn's own pairs
+carry there: eval.py with --eval.keep_columns=[prompt_id] makes pairs that merge by prompt_id).
 A pair's delta is chosen_by_reward - rejected_by_reward when it has them (--by), else
 chosen_reward - rejected_reward, else `delta` (a column of your own pairs); a pair without one
 (a hand-written exemplar) ranks below every pair with one. Equal deltas: the first given wins.
@@ -98,7 +102,8 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
            by: list[str] | None = None) -> tuple[list[dict], list[dict]]:
     """-> (SFT rows: each prompt's best, pairs: each prompt's best vs worst). The best is the first
     of the highest reward (file order), the worst the first of the lowest; `by`: ranked by the sum
-    of those rewards instead (ranked_by), which min_reward and min_margin then apply to.
+    of those rewards instead (ranked_by), which min_reward and min_margin then apply to. Both
+    outputs keep a best below min_reward out: an SFT row, or a pair's chosen.
 
     >>> recs = [{"row": 0, "prompt": "p", "completion": c, "reward": r}
     ...         for c, r in [("a", 0.0), ("b", 1.0), ("c", 1.0)]]
@@ -123,10 +128,11 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
         high, low = ranked_by(best, by), ranked_by(worst, by)
         # reward stays the total; the --by sums go under their own keys
         named = {"by": "+".join(by)} if by else {}
-        if min_reward is None or high >= min_reward:
-            sft.append({**where, "prompt": best["prompt"], **prefix,
-                        "completion": best["completion"], "reward": best.get("reward"),
-                        **({**named, "by_reward": high} if by else {})})
+        if min_reward is not None and high < min_reward:  # neither an SFT row nor a chosen reply
+            continue
+        sft.append({**where, "prompt": best["prompt"], **prefix,
+                    "completion": best["completion"], "reward": best.get("reward"),
+                    **({**named, "by_reward": high} if by else {})})
         if high - low >= min_margin and best["completion"] != worst["completion"]:
             pairs.append({
                 **where, "prompt": best["prompt"], **prefix, "chosen": forced + best["completion"],
@@ -174,6 +180,19 @@ def pair_delta(pair: dict) -> float | None:
     return float(delta) if isinstance(delta, (int, float)) and not isinstance(delta, bool) else None
 
 
+def key_of(pair: dict, key: str):
+    """The pair's value of the --key column: its own, else the one under `columns` (eval.py's
+    keep_columns, where bestofn writes them); None when it has neither.
+
+    >>> key_of({"prompt_id": 3}, "prompt_id"), key_of({"columns": {"prompt_id": 4}}, "prompt_id")
+    (3, 4)
+    """
+    if pair.get(key) is not None:
+        return pair[key]
+    columns = pair.get("columns")
+    return columns.get(key) if isinstance(columns, dict) else None
+
+
 def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
     """One pair per value of `key`: the one with the highest pair_delta (None below any number;
     on a tie, the first in the order given), in the order the values first appear.
@@ -186,7 +205,7 @@ def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
     best: dict[str, dict] = {}
     for pairs in pair_sets:
         for pair in pairs:
-            k = json.dumps(pair[key], sort_keys=True)
+            k = json.dumps(key_of(pair, key), sort_keys=True)
             new, old = pair_delta(pair), pair_delta(best[k]) if k in best else None
             if k not in best or (new is not None and (old is None or new > old)):
                 best[k] = pair
@@ -200,8 +219,9 @@ def merge_main(argv: list[str]) -> int:
                                  "delta (chosen - rejected reward)")
     ap.add_argument("pairs", nargs="+", help="pair files (JSON Lines: prompt, chosen, rejected)")
     ap.add_argument("--out", required=True, help="the merged pairs (never overwritten)")
-    ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt "
-                    "(default: prompt, its text; the original project's: prompt_id)")
+    ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt, "
+                    "the pair's own or under its columns (eval.keep_columns) (default: prompt, "
+                    "its text; the original project's: prompt_id)")
     args = ap.parse_args(argv)
     try:
         if Path(args.out).exists():
@@ -215,9 +235,11 @@ def merge_main(argv: list[str]) -> int:
             for n, pair in enumerate(pairs, 1):
                 if not (isinstance(pair, dict) and {"chosen", "rejected"} <= set(pair)):
                     raise ValueError(f"{path}:{n}: not a pair (chosen, rejected)")
-                if pair.get(args.key) is None:
+                if key_of(pair, args.key) is None:
+                    kept = pair.get("columns") if isinstance(pair.get("columns"), dict) else {}
                     raise ValueError(f"{path}:{n}: no '{args.key}' to merge by (--key); it has: "
-                                     f"{', '.join(pair)}")
+                                     f"{', '.join(k for k in pair if k != 'columns')}"
+                                     + (f"; under columns: {', '.join(kept)}" if kept else ""))
             sets.append(pairs)
         merged = merge_pairs(sets, args.key)
         if not merged:
@@ -246,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="write each prompt's best completion here (prompt, completion, reward)")
     ap.add_argument("--pairs", help="write best-vs-worst pairs here (prompt, chosen, rejected)")
     ap.add_argument("--min-reward", type=float, default=None,
-                    help="SFT: keep a best completion only from this reward up")
+                    help="keep a best completion (SFT row, or a pair's chosen) only from this "
+                         "reward up")
     ap.add_argument("--min-margin", type=float, default=1e-9,
                     help="pairs: keep only when best - worst >= this")
     ap.add_argument("--require", nargs="*", default=[], metavar="NAME=V",

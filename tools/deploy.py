@@ -9,9 +9,11 @@ server answers what the adapter answers.
 --create-endpoint NAME (export.py runs it after a successful push) is the original project's
 `--create_endpoint`: vLLM (vllm/vllm-openai:v0.8.5, T4-compatible) on one NVIDIA T4, at most one
 replica and none while idle (scaled to zero after 60 idle minutes), through
-huggingface_hub.create_inference_endpoint, pinned to the uploaded commit and started with the run's
---max-model-len and the repo's name as the served model's. A T4 has no bfloat16: vLLM refuses such
-weights there, so the export must be --dtype float16. The token is $HF_TOKEN's, never printed.
+huggingface_hub.create_inference_endpoint, pinned to the uploaded commit and started with
+--max-model-len (default 8192, the original's, within the model's max_position_embeddings and
+never under the run's longest prompt + reply) and the repo's name as the served model's. A T4 has
+no bfloat16: vLLM refuses such weights there, so the export must be --dtype float16. The token is
+$HF_TOKEN's, never printed.
 
 `check` is the original's test_endpoint.py made a comparison: the first --limit held-out prompts of
 the config (eval.select or eval.name, rendered as eval.py renders them), each answered greedily by
@@ -56,6 +58,10 @@ def add_endpoint_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--endpoint-region", default=ENDPOINT_REGION, metavar="VENDOR/REGION",
                     help=f"where it runs (default {ENDPOINT_REGION})")
     ap.add_argument("--endpoint-image", default=ENDPOINT_IMAGE, help="the vLLM container image")
+    ap.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                    help="the context the server takes (the endpoint's and the printed vllm serve "
+                         "command's); default 8192, the original project's, as far as the model's "
+                         "positions reach and never under the run's longest prompt + reply")
     ap.add_argument("--endpoint-idle-minutes", type=int, default=ENDPOINT_IDLE_MINUTES,
                     help="scale to zero after this many idle minutes "
                          f"(default {ENDPOINT_IDLE_MINUTES})")

@@ -70,8 +70,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_known_args(argv)
 
 
-def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
-    """README.md: hub metadata, the weights' origin, how they were trained, how to use them."""
+def model_card(name: str, cfg: Config, prov: dict, dtype: str, serve_len: int | None = None) -> str:
+    """README.md: hub metadata, the weights' origin, how they were trained, how to use them
+    (serve_len: vLLM's --max-model-len; None: max_model_len(cfg))."""
     m, r = cfg.model, cfg.rollout
     hub_base = (m.name not in BUILTIN and not Path(m.name).expanduser().exists()
                 and m.name.count("/") == 1)
@@ -110,8 +111,8 @@ def model_card(name: str, cfg: Config, prov: dict, dtype: str) -> str:
         "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("{name}")',
         f'tokenizer = AutoTokenizer.from_pretrained("{name}")', "```", "",
-        f"or serve it: `{serve_command(name, cfg)}`. The chat template renders prompts as "
-        "training did"
+        f"or serve it: `{serve_command(name, cfg, serve_len)}`. The chat template renders prompts "
+        "as training did"
         + (f": chat template arguments {cfg.data.chat_template_kwargs} are fixed in it"
            if cfg.data.chat_template_kwargs else "")
         + (f"{' and' if cfg.data.chat_template_kwargs else ':'} every reply starts with "
@@ -204,15 +205,42 @@ def serving_gaps(folder: Path) -> list[str]:
     return gaps
 
 
-def max_model_len(cfg: Config) -> int:
-    """The training run's longest prompt plus reply (the seed's --max_model_len; a larger one is
-    fine where the model takes it)."""
+SERVE_LEN = 8192  # the seed's --max_model_len: room for longer prompts than training's
+
+
+def run_length(cfg: Config) -> int:
+    """The training run's longest prompt plus reply: what a server must take at the least."""
     return length_limit(cfg)[1] + (cfg.rollout.max_new_tokens if cfg.mode == "grpo" else 0)
 
 
-def serve_command(out: str, cfg: Config) -> str:
-    """vLLM's OpenAI-compatible server for the export."""
-    return (f"vllm serve {out} --max-model-len {max_model_len(cfg)} "
+def max_model_len(cfg: Config, asked: int | None = None, positions: int | None = None) -> int:
+    """vLLM's --max-model-len for the export: `asked` (--max-model-len), else the seed's 8192 as
+    far as the model's positions reach (max_position_embeddings), and never under run_length.
+
+    >>> from config import Config
+    >>> cfg = Config()
+    >>> max_model_len(cfg), max_model_len(cfg, positions=2048), max_model_len(cfg, asked=1024)
+    (8192, 2048, 1024)
+    """
+    return asked or max(run_length(cfg), min(SERVE_LEN, positions or SERVE_LEN))
+
+
+def check_serve_len(asked: int | None, cfg: Config, positions: int | None) -> None:
+    """--max-model-len between the run's longest prompt + reply and the model's positions: else the
+    server refuses the prompts it was trained on, or the endpoint fails as it starts."""
+    if asked is None:
+        return
+    if asked < run_length(cfg):
+        raise ConfigError(f"--max-model-len {asked} is under the training run's longest prompt + "
+                          f"reply ({run_length(cfg)} tokens): the server would refuse them")
+    if positions and asked > positions:
+        raise ConfigError(f"--max-model-len {asked} is over the model's max_position_embeddings "
+                          f"({positions}): vLLM would refuse to start; give at most {positions}")
+
+
+def serve_command(out: str, cfg: Config, length: int | None = None) -> str:
+    """vLLM's OpenAI-compatible server for the export (length: --max-model-len)."""
+    return (f"vllm serve {out} --max-model-len {length or max_model_len(cfg)} "
             f"--served-model-name {Path(out).name}")
 
 
@@ -315,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs "
                               "a base in full precision")
         model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        check_serve_len(args.max_model_len, train_cfg, positions)
+        serve_len = max_model_len(train_cfg, args.max_model_len, positions)
         data = train_cfg.data
         # before the template is rewritten and the weights cast
         reference = greedy(model, tokenizer, rollout.render_prompt(
@@ -352,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         if seen := overlap.recorded_file(adapter):
             shutil.copy(seen, tmp / overlap.FILE)
         (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov,
-                                                  args.dtype))
+                                                  args.dtype, serve_len))
         if gaps := serving_gaps(tmp):
             raise ExportCheckFailed(f"the export lacks {', '.join(gaps)}, which servers read")
         if reference is not None:
@@ -377,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     n = sum(p.numel() for p in model.parameters())
     print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + "
           f"{len(prov['merged'])} merged adapter(s); serve it: "
-          f"{serve_command(args.out, train_cfg)}")
+          f"{serve_command(args.out, train_cfg, serve_len)}")
     if not token:
         return 0
     def why(e: Exception) -> str:
@@ -392,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.create_endpoint:
         return 0
     try:
-        print(deploy.create_endpoint(args, commit, max_model_len(train_cfg), token).replace(
+        print(deploy.create_endpoint(args, commit, serve_len, token).replace(
             token, "***"))
     except Exception as e:  # a name taken, no payment method, no quota for the instance
         print(f"error: creating endpoint {args.create_endpoint} failed ({why(e)}); the model is "
