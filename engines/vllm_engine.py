@@ -2,7 +2,7 @@
 LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer
 recomputes every log-prob.
 
-    engine = VllmEngine(cfg, base_path, run_dir, dtype, lora_rank)  # vllm.LLM(enable_lora=True)
+    engine = VllmEngine(cfg, base_path, run_dir, dtype, rank, device)  # vllm.LLM(enable_lora=True)
     engine.sync(model)                                              # the new adapter, after updates
     rollout = engine.generate(tokenizer, prompts, eos_ids, device)  # sampler_logp: vLLM's log-probs
 
@@ -18,16 +18,20 @@ a little off-policy. The trainer recomputes log-probs (the loss never uses vLLM'
 `grpo.tis_cap > 0` each token's policy-gradient term is weighted by the truncated importance ratio
 min(exp(logp_trainer - logp_vllm), tis_cap) (truncated importance sampling, as in Yao et al. 2025,
 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). vLLM must report the
-log-probs of the distribution it samples from (after temperature):
-`logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2.
+log-probs of the distribution it samples from (after temperature, top-k and top-p; settings/
+checks.py refuses tis_cap with the last two): `logprobs_mode="processed_logprobs"`.
 
-Not run on real vLLM: the development machine has no GPU and cannot install it. The sync logic
-and the conversion of vLLM's outputs are tested against a fake engine (tests/test_vllm_engine.py)
-that implements the same calls, and each call was checked by reading vLLM's source (wheels
-0.8.5-0.12.0 and 0.33.0): the engine arguments, SamplingParams, logprobs=0 (the sampled token's
-entry comes first), sleep level 1 (the LoRA slots live in the weights pool), no prefix-cache reset
-(its block hashes include the LoRA), and where vLLM differs from the HF path (truncation at a
-final EOS, text cut inside a stop string, min_tokens' renormalisation) the code follows the HF path.
+Installed from requirements-vllm.txt (vllm>=0.27.0,<0.31.0, the releases that keep the trainer's
+torch and transformers); engines/vllm_startup.py checks what it can before LLM(...) starts, which
+runs in this process on run.device's GPU as TRL's colocate mode runs it. Not run on real vLLM: the
+development machine has no GPU and cannot install it. The sync logic and the conversion of vLLM's
+outputs are tested against tests/fake_vllm.py, bound to the signatures of vLLM 0.30.0's source
+(engines/vllm_surface.json), and each call was checked by reading vLLM's source (wheels
+0.8.5-0.12.0, 0.27.0, 0.30.0 and 0.33.0): the engine arguments, SamplingParams, logprobs=0 (the
+sampled token's entry comes first), sleep level 1 (the LoRA slots live in the weights pool), no
+prefix-cache reset (its block hashes include the LoRA), and where vLLM differs from the HF path
+(truncation at a final EOS, text cut inside a stop string, min_tokens' renormalisation) the code
+follows the HF path.
 """
 from __future__ import annotations
 
