@@ -131,16 +131,21 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
                            "export the merged"),
                           (["--model.quant=4bit"], "4-bit"),
                           (["--grpo.tis_cap=2", "--rollout.top_p=0.9"], "top_p 1 and top_k 0"),
+                          (["--grpo.tis_cap=2", "--rollout.top_k=5"], "after the top-p/top-k"),
                           (["--rollout.compile=true"], "vLLM compiles its own sampling"),
                           (["--rollout.prompts_per_generate=1"], "vLLM schedules its own batches"),
                           (["--grpo.tis_cap=2", "--rollout.ignore_eos=true"],
-                           "use ignore_eos: false with it")):
+                           "use ignore_eos: false with it"),
+                          (["--rollout.temperature=2.5"], "temperatures up to 2")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 weights tokens by the sampler's own "
                                           "log-probs: it needs rollout.engine: vllm, or HF"):
         load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0",
                                "--rollout.merged_sampling=false", "--rollout.compile=false"])
+    # HF generate's merged sampler records its log-probs before the filter, as the trainer's
+    load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2", "--rollout.top_p=0.9",
+                           "--rollout.top_k=5", "--rollout.merged_sampling=true"])
     with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance "
                                           "weights: set grpo.tis_cap"):
         load_config(cfg_path, ["--grpo.tis_mode=sequence_mask"])
