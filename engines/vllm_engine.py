@@ -2,9 +2,9 @@
 LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer
 recomputes every log-prob.
 
-    engine = VllmEngine(cfg, base_path, run_dir, dtype, rank, device)  # vllm.LLM(enable_lora=True)
-    engine.sync(model)                                              # the new adapter, after updates
-    rollout = engine.generate(tokenizer, prompts, eos_ids, device)  # sampler_logp: vLLM's log-probs
+    engine = VllmEngine(cfg, base_path, run_dir, dtype, rank, device)  # LLM(enable_lora=True)
+    engine.sync(model)                                                 # the new adapter
+    rollout = engine.generate(tokenizer, prompts, eos_ids, device)     # sampler_logp: vLLM's
 
 Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a few MB) is saved to
 run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
