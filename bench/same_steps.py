@@ -45,7 +45,8 @@ def fake_vllm_run(tmp: Path) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     import test_vllm_engine as fake
     from conftest import write_tiny_model
-    sys.modules |= fake.fake_vllm_modules()
+    from fake_vllm import fake_vllm_modules
+    sys.modules |= fake_vllm_modules()
     run = {"out_dir": str(tmp / "vllm_run"), "steps": 3, "save_every": 0}
     cfg = fake.write_vllm_config(tmp, write_tiny_model(tmp / "tiny"),
                                  grpo={"num_iterations": 2, "tis_cap": 2.0}, run=run)

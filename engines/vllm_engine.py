@@ -2,9 +2,9 @@
 LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer
 recomputes every log-prob.
 
-    engine = VllmEngine(cfg, base_path, run_dir, dtype, lora_rank)  # vllm.LLM(enable_lora=True)
-    engine.sync(model)                                              # the new adapter, after updates
-    rollout = engine.generate(tokenizer, prompts, eos_ids, device)  # sampler_logp: vLLM's log-probs
+    engine = VllmEngine(cfg, base_path, run_dir, dtype, rank, device)  # LLM(enable_lora=True)
+    engine.sync(model)                                                 # the new adapter
+    rollout = engine.generate(tokenizer, prompts, eos_ids, device)     # sampler_logp: vLLM's
 
 Weight sync uses vLLM's documented LoRA API, not its internals: the adapter (a few MB) is saved to
 run_dir/vllm_adapter/vN/ and the next generate() passes LoRARequest("minigrpo-vN", N, path), a new
@@ -18,29 +18,35 @@ a little off-policy. The trainer recomputes log-probs (the loss never uses vLLM'
 `grpo.tis_cap > 0` each token's policy-gradient term is weighted by the truncated importance ratio
 min(exp(logp_trainer - logp_vllm), tis_cap) (truncated importance sampling, as in Yao et al. 2025,
 "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"). vLLM must report the
-log-probs of the distribution it samples from (after temperature):
-`logprobs_mode="processed_logprobs"`, vLLM >= 0.10.2.
+log-probs of the distribution it samples from (after temperature, top-k and top-p; settings/
+checks.py refuses tis_cap with the last two): `logprobs_mode="processed_logprobs"`.
 
-Not run on real vLLM: the development machine has no GPU and cannot install it. The sync logic
-and the conversion of vLLM's outputs are tested against a fake engine (tests/test_vllm_engine.py)
-that implements the same calls, and each call was checked by reading vLLM's source (wheels
-0.8.5-0.12.0 and 0.33.0): the engine arguments, SamplingParams, logprobs=0 (the sampled token's
-entry comes first), sleep level 1 (the LoRA slots live in the weights pool), no prefix-cache reset
-(its block hashes include the LoRA), and where vLLM differs from the HF path (truncation at a
-final EOS, text cut inside a stop string, min_tokens' renormalisation) the code follows the HF path.
+Installed from requirements-vllm.txt (vllm>=0.27.0,<0.31.0, the releases that keep the trainer's
+torch and transformers); engines/vllm_startup.py checks what it can before LLM(...) starts, which
+runs in this process on run.device's GPU as TRL's colocate mode runs it. Not run on real vLLM: the
+development machine has no GPU and cannot install it. The sync logic and the conversion of vLLM's
+outputs are tested against tests/fake_vllm.py, bound to the signatures of vLLM 0.30.0's source
+(engines/vllm_surface.json), and each call was checked by reading vLLM's source (wheels
+0.8.5-0.12.0, 0.27.0, 0.30.0 and 0.33.0): the engine arguments, SamplingParams, logprobs=0 (the
+sampled token's entry comes first), sleep level 1 (the LoRA slots live in the weights pool), no
+prefix-cache reset (its block hashes include the LoRA), and where vLLM differs from the HF path
+(truncation at a final EOS, text cut inside a stop string, min_tokens' renormalisation) the code
+follows the HF path.
 """
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
 
 import rollout
 from config import Config, ConfigError
+from engines import vllm_startup
+from engines.vllm_startup import LORA_RANKS
 from sources.adapters import save_adapter
-
-LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM accepts for max_lora_rank
 
 
 def check_config(cfg: Config) -> None:
@@ -58,75 +64,42 @@ def check_config(cfg: Config) -> None:
     if cfg.model.quant:
         raise ConfigError("rollout.engine: vllm would sample from full-precision weights while the "
                           "trainer uses 4-bit ones; use rollout.engine: hf with model.quant")
-    if cfg.grpo.tis_cap and (cfg.rollout.top_p < 1 or cfg.rollout.top_k):
-        raise ConfigError("grpo.tis_cap compares vLLM's log-probs after top-p/top-k truncation "
-                          "with the trainer's untruncated ones: use top_p 1 and top_k 0 with it")
+    if cfg.rollout.temperature > 2:  # SamplingParams' own limit
+        raise ConfigError(f"rollout.engine: vllm samples at temperatures up to 2, got "
+                          f"rollout.temperature={cfg.rollout.temperature}")
 
 
-MIN_VLLM = "0.10.2"  # logprobs_mode from 0.10.0; processed log-probs follow temperature from 0.10.2
-
-
-def check_policy(model) -> None:
-    """What vLLM would serve otherwise than the trainer trains, for the adapter actually built (a
-    continued init adapter may be another tool's): ConfigError, before vLLM starts."""
-    merged = getattr(model, "minigrpo_base", {}).get("merged") or []
-    if merged:  # the trainer merged them into its base; vLLM loads the bare model.name
-        raise ConfigError("rollout.engine: vllm serves model.name bare, but the init adapter was "
-                          f"trained on {len(merged)} merged adapter(s): export that chain with "
-                          "tools/export.py and set model.name to the export")
-    pc = model.peft_config["default"]
-    if getattr(pc, "use_dora", False) or getattr(pc, "modules_to_save", None) \
-            or getattr(pc, "rank_pattern", None) or getattr(pc, "alpha_pattern", None) \
-            or getattr(pc, "bias", "none") != "none":  # vLLM's PEFTHelper refuses them
-        raise ConfigError("rollout.engine: vllm serves plain LoRA adapters: the init adapter uses "
-                          "DoRA, modules_to_save, per-module ranks or trained biases; "
-                          "use rollout.engine: hf")
-
-
-def check_install(lora_rank: int) -> None:
-    """vLLM is installed, recent enough, and serves the adapter's rank: ConfigError otherwise.
-    train.py calls it in a dry run too, before the engine (and its GPU memory) would start."""
-    if lora_rank > LORA_RANKS[-1]:
-        raise ConfigError(f"rollout.engine: vllm supports LoRA ranks up to {LORA_RANKS[-1]}, "
-                          f"the adapter has rank {lora_rank}")
-    try:
-        import vllm
-    except ImportError as e:
-        raise ConfigError("rollout.engine: vllm needs the vllm package "
-                          f"(pip install vllm; CUDA only): {e}") from None
-    # older: no logprobs_mode, or log-probs before temperature
-    if too_old(getattr(vllm, "__version__", "0")):
-        raise ConfigError(f"rollout.engine: vllm needs vllm >= {MIN_VLLM} (its log-probs after "
-                          f"temperature), found {getattr(vllm, '__version__', '?')}: "
-                          "pip install -U vllm")
-
-
-def too_old(version: str) -> bool:
-    """A vLLM version before MIN_VLLM, release candidates and dev builds too (packaging's order).
-
-    >>> [too_old(v) for v in ("0.10.2+cu126", "0.11.0.dev123+gabc", "0.10.2rc1", "0.9.2", "dev")]
-    [False, False, True, True, True]
-    """
-    from packaging.version import InvalidVersion, Version  # a dependency of transformers
-    try:
-        return Version(version) < Version(MIN_VLLM)
-    except InvalidVersion:
-        return True
+def one_process_launch(device: torch.device) -> dict[str, str]:
+    """The environment of a one-process torchrun that vLLM's external launcher reads: rank 0 of
+    1, its GPU cuda:LOCAL_RANK (run.device's index), a local rendezvous (an existing one kept)."""
+    env = {"RANK": "0", "LOCAL_RANK": str(device.index or 0), "WORLD_SIZE": "1",
+           "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1")}
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+    return env
 
 
 class VllmEngine:
     def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype,
-                 lora_rank: int, start: int = 0):
+                 lora_rank: int, device: torch.device, start: int = 0):
         """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its
-        own). start: the step a resumed run goes on from; vLLM's seed is run.seed + start, so a
-        resumed run draws new samples instead of replaying the sampling noise of step 1."""
-        check_install(lora_rank)
+        own). device: the trainer's GPU, vLLM's too. start: the step a resumed run goes on from;
+        vLLM's seed is run.seed + start, so a resumed run draws new samples instead of replaying
+        the sampling noise of step 1."""
+        vllm_startup.check_install(lora_rank)
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
         self.cfg, self.SamplingParams, self.LoRARequest = cfg, SamplingParams, LoRARequest
         self.dir = Path(run_dir) / "vllm_adapter"
         self.version, self.request = 0, None
         ro, m = cfg.rollout, cfg.model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # what the trainer's allocator caches is free to vLLM too
+            free, total = torch.cuda.mem_get_info(device)
+            vllm_startup.check_memory(ro.vllm_gpu_memory_utilization, free, total, str(device))
+        os.environ.update(one_process_launch(device))
         try:
             self.llm = LLM(
                 model=base_path, tokenizer=base_path, revision=m.revision,
@@ -137,12 +110,16 @@ class VllmEngine:
                 max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
                 enable_lora=True, max_loras=1,
                 max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),
-                logprobs_mode="processed_logprobs")
-        # a model vLLM cannot serve with LoRA (GPT-2), too little free GPU memory, ...
+                logprobs_mode="processed_logprobs",
+                # as TRL's colocate mode: the engine in this process, on LOCAL_RANK's GPU, and a
+                # profiling batch of 4096 tokens (vLLM's own 8192-16384 would take much of a small
+                # share for activations, leaving little for the KV cache)
+                distributed_executor_backend="external_launcher", max_num_batched_tokens=4096)
+        # a model vLLM cannot serve with LoRA, too little free GPU memory, ...
         except Exception as e:
             raise ConfigError(f"rollout.engine: vllm could not start on {base_path} "
-                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}); "
-                              "rollout.engine: hf samples with any model") from None
+                              f"({vllm_startup.reason(e)}); rollout.engine: hf samples with any "
+                              "model") from None
         if ro.vllm_sleep:
             self.llm.sleep(level=1)  # frees the KV cache (offloads weights) until the first rollout
 
@@ -167,7 +144,7 @@ class VllmEngine:
         ro = self.cfg.rollout
         G = ro.num_generations
         params = self.SamplingParams(
-            n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k or -1,
+            n=G, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
             max_tokens=ro.max_new_tokens, min_tokens=ro.max_new_tokens if ro.ignore_eos else 0,
             ignore_eos=ro.ignore_eos, stop=list(ro.stop_strings) or None,
             include_stop_str_in_output=True,  # as the HF path: the text keeps the stop

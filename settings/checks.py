@@ -163,6 +163,13 @@ def check_engine(cfg: Config) -> None:
                           "log-probs: it needs rollout.engine: vllm, or HF generate with "
                           "rollout.merged_sampling or rollout.compile on, and a cap >= 1 (0 turns "
                           "it off)")
+    # vLLM records log-probs after its top-k/top-p filter (renormalised over the tokens kept), HF
+    # generate's meter before it, as the trainer scores them (docs/gpu.md, "Which log-prob")
+    if cfg.grpo.tis_cap and ro.engine == "vllm" and (ro.top_p < 1 or ro.top_k):
+        raise ConfigError("grpo.tis_cap compares vLLM's log-probs, taken after the top-p/top-k "
+                          "filter, with the trainer's unfiltered ones: use top_p 1 and top_k 0 "
+                          "with it, or HF generate's merged or compiled sampler, which records "
+                          "them before the filter")
     # the sampler's log-probs are then those of a distribution without EOS
     if cfg.grpo.tis_cap and ro.ignore_eos:
         raise ConfigError("grpo.tis_cap compares the sampler's log-probs with EOS masked out "

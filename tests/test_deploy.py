@@ -56,7 +56,7 @@ def test_create_endpoint_serves_the_upload_with_vllm_on_a_t4_scaled_to_zero(trai
         "task": "text-generation", "accelerator": "gpu", "instance_type": "nvidia-t4",
         "instance_size": "x1", "vendor": "aws", "region": "us-east-1", "min_replica": 0,
         "max_replica": 1, "scale_to_zero_timeout": 60,
-        "custom_image": {"vLLM": {"url": "vllm/vllm-openai:v0.8.5", "port": 8000}},
+        "custom_image": {"vLLM": {"url": "vllm/vllm-openai:v0.30.0", "port": 8000}},
         # the run's longest prompt + reply, and the name `check --model` asks for
         "container_args": ["--max-model-len", "576", "--served-model-name", "tiny-grpo"],
         "token": SECRET}

@@ -1189,6 +1189,23 @@ def small_judge_snippets() -> dict[str, dict]:
     return {"llama.cpp": blocks[0], "vllm": blocks[1]}
 
 
+def test_the_documented_vllm_version_for_structured_outputs_is_the_first_server_that_reads_it():
+    """Issue 45: a vLLM server ignores a structured-output field it does not know (the replies go
+    unconstrained), so the docs name the version from which `structured_outputs` is read, as the
+    servers' source says (engines/vllm_surface.json: vLLM 0.10.2, 0.11.0, 0.27.0, 0.30.0)."""
+    from packaging.version import Version
+
+    from engines.vllm_startup import SURFACE
+    reads = {v: s["chat_request_fields"] for v, s in SURFACE.items()}
+    first = min((v for v in reads if "structured_outputs" in reads[v]), key=Version)
+    assert first == "0.11.0" and "guided_regex" in reads["0.10.2"]
+    assert all("guided_regex" not in reads[v] for v in reads if Version(v) >= Version("0.27"))
+    doc = (Path(__file__).parents[1] / "docs/rewards-and-judges.md").read_text()
+    section = doc.split("### Small local judges")[1].split("\n## ")[0]
+    assert f"`{{choice: [...]}}` from vLLM {first} on" in " ".join(section.split())
+    assert f"# vLLM < {first}: {{guided_regex:" in section
+
+
 @pytest.mark.parametrize("server_kind, sent", [
     ("llama.cpp", {"grammar": 'root ::= "Score: " [0-9]'}),
     ("vllm", {"structured_outputs": {"regex": "Score: [0-9]"}})])

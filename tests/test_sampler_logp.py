@@ -67,3 +67,40 @@ def test_by_default_and_when_greedy_there_is_no_sampler_logp(tiny_llama):
     assert rollout.generate_rollout(model, tok, prompts, 2, 4, entropy=True).sampler_logp is None
     assert rollout.generate_rollout(model, tok, prompts, 1, 4, 0.0,
                                     sampler_logp=True).sampler_logp is None
+
+
+def filtered_log_softmax(logits, top_k: int, top_p: float):
+    """log softmax over the tokens HF's top-k then top-p warpers keep (the distribution drawn
+    from), -inf elsewhere: a slow reference, one row of logits already divided by T."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    order = logits.argsort(descending=True)[:top_k]  # top-k
+    probs = logits[order].softmax(-1)
+    before = probs.cumsum(-1) - probs  # the mass ranked above each token
+    keep[order[before < top_p]] = True  # top-p over what top-k kept (the first always)
+    return torch.where(keep, logits, float("-inf")).log_softmax(-1)
+
+
+def test_hf_generate_records_the_log_prob_before_the_top_k_top_p_filter(tiny_llama):
+    """Which log-prob the merged/compiled HF sampler records (docs/gpu.md): for each sampled
+    token, one forward over that row's own prompt and completion so far, no padding and no cache,
+    gives log softmax(logits / T)[token] equal to the recorded one; the filtered distribution's
+    (renormalised over the tokens top-k = 5 and top-p = 0.8 keep, what vLLM records) differs."""
+    torch.manual_seed(2)
+    model, tok = load_biased_to_eos(tiny_llama)
+    prompts = [rollout.render_prompt(tok, p) for p in ["What is 2 + 3?", "Hi"]]
+    T = 0.7
+    r = rollout.generate_rollout(model, tok, prompts, 2, 6, T, top_p=0.8, top_k=5,
+                                 sampler_logp=True)
+    gaps = []
+    for i in range(r.completion_ids.shape[0]):
+        ids = r.prompt_ids[i][r.prompt_mask[i].bool()].tolist()
+        for t in range(int(r.completion_mask[i].sum())):
+            token = int(r.completion_ids[i, t])
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float() / T  # (V,)
+            full, kept = logits.log_softmax(-1)[token], filtered_log_softmax(logits, 5, 0.8)[token]
+            assert float(r.sampler_logp[i, t]) == pytest.approx(float(full), abs=1e-4)
+            assert kept > float("-inf")  # the token was drawn from the filtered distribution
+            gaps.append(float(kept - full))
+            ids.append(token)
+    assert min(gaps) >= -1e-5 and max(gaps) > 0.05  # the filter's renormalisation: what vLLM adds

@@ -1,11 +1,11 @@
-"""vLLM rollouts against a fake `vllm` package that implements the calls vllm_engine.py makes
-(LLM(...), LLM.generate, SamplingParams, LoRARequest, sleep/wake_up): every rollout samples with the
-adapter of the latest optimizer step, vLLM's outputs become a well-formed Rollout, and truncated
-importance sampling is wired in. Real vLLM is not installed here (it needs CUDA)."""
+"""vLLM rollouts against the fake `vllm` package (tests/fake_vllm.py, as strict as vLLM 0.30 at
+the calls vllm_engine.py makes): every rollout samples with the adapter of the latest optimizer
+step, vLLM's outputs become a well-formed Rollout, truncated importance sampling is wired in, and
+what vLLM would refuse stops the run before step 1 in one line. Real vLLM is not installed here (it
+needs CUDA)."""
 import json
+import os
 import sys
-import types
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -17,108 +17,20 @@ from transformers import AutoTokenizer
 import rollout
 import train
 from config import ConfigError, load_config
-from engines import vllm_engine
-
-
-@dataclass
-class LoRARequest:
-    lora_name: str
-    lora_int_id: int
-    lora_path: str
-
-
-@dataclass
-class Logprob:
-    logprob: float
-
-
-@dataclass
-class CompletionOutput:
-    token_ids: list
-    text: str
-    logprobs: list | None
-    finish_reason: str
-
-
-@dataclass
-class RequestOutput:
-    outputs: list
-
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: list | None = None
-    include_stop_str_in_output: bool = False
-    stop_token_ids: list = field(default_factory=list)
-    logprobs: int | None = None
-
-
-# vLLM's EngineArgs fields that vllm_engine.py may pass (all exist in vLLM >= 0.10.2), so a typo
-# fails here
-ENGINE_ARGS = {"model", "tokenizer", "revision", "tokenizer_revision", "trust_remote_code", "dtype",
-               "seed", "gpu_memory_utilization", "enable_sleep_mode", "max_model_len",
-               "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank",
-               "logprobs_mode"}
-
-
-class FakeLLM:
-    """Samples random tokens; records the adapter weights each generate() call was given."""
-    instances: list = []
-
-    def __init__(self, **kwargs):
-        assert set(kwargs) <= ENGINE_ARGS, \
-            f"not a vLLM engine argument: {set(kwargs) - ENGINE_ARGS}"
-        self.kwargs, self.calls, self.awake = kwargs, [], True
-        self.rng = torch.Generator().manual_seed(kwargs["seed"])
-        FakeLLM.instances.append(self)
-
-    def sleep(self, level: int = 1):
-        self.awake = False
-
-    def wake_up(self):
-        self.awake = True
-
-    def generate(self, prompts, params, lora_request=None, use_tqdm=True):
-        assert self.awake or not self.kwargs["enable_sleep_mode"], "generate() on a sleeping engine"
-        weights = load_file(Path(lora_request.lora_path) / "adapter_model.safetensors")
-        self.calls.append((lora_request.lora_int_id, lora_request.lora_name, weights, prompts))
-        out = []
-        for _ in prompts:
-            completions = []
-            for _ in range(params.n):
-                n = int(torch.randint(1, params.max_tokens + 1, (1,), generator=self.rng))
-                ids = torch.randint(3, 300, (n,), generator=self.rng).tolist()
-                finish = "length" if n == params.max_tokens else "stop"
-                if finish == "stop":
-                    ids[-1] = params.stop_token_ids[0]  # vLLM keeps the EOS it stopped on
-                completions.append(CompletionOutput(ids, "fake", [{t: Logprob(-2.0)} for t in ids],
-                                                    finish))
-            out.append(RequestOutput(completions))
-        return out
-
-
-def fake_vllm_modules() -> dict[str, types.ModuleType]:
-    """The fake `vllm` package, by module name, to put in sys.modules (bench/same_steps.py too)."""
-    vllm = types.ModuleType("vllm")
-    vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, SamplingParams, "0.11.0"
-    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
-    request.LoRARequest = LoRARequest
-    return {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
+from engines import vllm_engine, vllm_startup
+from fake_vllm import CompletionOutput, FakeLLM, Logprob, fake_vllm_modules
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    """The fake in sys.modules; the environment as it was afterwards (the engine sets RANK etc.)"""
     for name, module in fake_vllm_modules().items():
         monkeypatch.setitem(sys.modules, name, module)
     FakeLLM.instances = []
-    return FakeLLM
+    saved = dict(os.environ)
+    yield FakeLLM
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def write_vllm_config(tmp: Path, model: Path, **sections) -> Path:
@@ -219,16 +131,21 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
                            "export the merged"),
                           (["--model.quant=4bit"], "4-bit"),
                           (["--grpo.tis_cap=2", "--rollout.top_p=0.9"], "top_p 1 and top_k 0"),
+                          (["--grpo.tis_cap=2", "--rollout.top_k=5"], "after the top-p/top-k"),
                           (["--rollout.compile=true"], "vLLM compiles its own sampling"),
                           (["--rollout.prompts_per_generate=1"], "vLLM schedules its own batches"),
                           (["--grpo.tis_cap=2", "--rollout.ignore_eos=true"],
-                           "use ignore_eos: false with it")):
+                           "use ignore_eos: false with it"),
+                          (["--rollout.temperature=2.5"], "temperatures up to 2")):
         assert train.main(["--config", str(cfg_path), *args]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="tis_cap=2.0 weights tokens by the sampler's own "
                                           "log-probs: it needs rollout.engine: vllm, or HF"):
         load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2.0",
                                "--rollout.merged_sampling=false", "--rollout.compile=false"])
+    # HF generate's merged sampler records its log-probs before the filter, as the trainer's
+    load_config(cfg_path, ["--rollout.engine=hf", "--grpo.tis_cap=2", "--rollout.top_p=0.9",
+                           "--rollout.top_k=5", "--rollout.merged_sampling=true"])
     with pytest.raises(ConfigError, match="grpo.tis_mode=sequence_mask acts on the importance "
                                           "weights: set grpo.tis_cap"):
         load_config(cfg_path, ["--grpo.tis_mode=sequence_mask"])
@@ -237,50 +154,127 @@ def test_rollout_engine_vllm_refuses_what_it_cannot_serve(tmp_path, cfg_path, ca
 def test_without_the_vllm_package_the_error_says_how_to_install_it(cfg_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm raises ImportError
     assert train.main(["--config", str(cfg_path)]) == 2
-    assert "needs the vllm package (pip install vllm" in capsys.readouterr().err
+    assert "needs the vllm package (pip install -r requirements-vllm.txt" in capsys.readouterr().err
 
 
-def test_an_old_vllm_or_one_that_cannot_start_is_one_line(fake_vllm, cfg_path, tmp_path, capsys,
-                                                          monkeypatch):
-    """Before 0.10.2 vLLM's log-probs come before temperature (or logprobs_mode does not exist); a
-    model vLLM cannot serve with LoRA makes LLM() raise: each one line, exit 2, nothing left behind.
-    The version and the rank are checked in a dry run too; 0.10.2 itself is enough."""
-    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.10.1.1")
-    for extra in ([], ["--dry-run"]):
-        assert train.main(["--config", str(cfg_path), *extra]) == 2
-        assert "needs vllm >= 0.10.2" in capsys.readouterr().err and not (tmp_path / "run").exists()
-    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.10.2")
+def test_a_vllm_outside_the_window_or_one_that_cannot_start_is_one_line(fake_vllm, cfg_path,
+                                                                        tmp_path, capsys,
+                                                                        monkeypatch):
+    """A vLLM outside requirements-vllm.txt's window (older: another torch, log-probs before
+    temperature; newer: another torch or transformers) is refused in a dry run too, as is a rank
+    vLLM cannot serve; when LLM() raises, the line says vLLM's reason from the innermost exception
+    (vLLM wraps it in "Engine core initialization failed"): one line, exit 2, nothing left."""
+    for version in ("0.11.0", "0.26.0", "0.31.0", "0.33.0"):
+        monkeypatch.setattr(sys.modules["vllm"], "__version__", version)
+        for extra in ([], ["--dry-run"]):
+            assert train.main(["--config", str(cfg_path), *extra]) == 2
+            err = capsys.readouterr().err
+            assert "needs vllm>=0.27.0,<0.31.0" in err and f"found {version}" in err \
+                and "pip install -r requirements-vllm.txt" in err
+            assert not (tmp_path / "run").exists()
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.27.0")
     assert train.main(["--config", str(cfg_path), "--dry-run"]) == 0
     assert train.main(["--config", str(cfg_path), "--dry-run", "--lora.r=1024"]) == 2
     assert "ranks up to 512" in capsys.readouterr().err
-    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.12.0")
 
     def refuse(**kwargs):
-        raise ValueError("GPT2LMHeadModel does not support LoRA yet.")
+        try:
+            raise ValueError("LlamaForCausalLM does not support LoRA yet.\nmore detail")
+        except ValueError as cause:
+            raise RuntimeError("Engine core initialization failed. See root cause above.") \
+                from cause
     monkeypatch.setattr(sys.modules["vllm"], "LLM", refuse)
     assert train.main(["--config", str(cfg_path)]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "vllm could not start" in last and "does not support LoRA yet" in last \
-        and not (tmp_path / "run").exists()
+    assert "vllm could not start" in last and \
+        "(ValueError: LlamaForCausalLM does not support LoRA yet.)" in last
+    assert not (tmp_path / "run").exists()
 
 
-def test_adapters_vllm_would_serve_otherwise_are_refused():
+def test_the_engine_runs_in_this_process_on_the_run_devices_gpu_with_a_small_profile(
+        fake_vllm, cfg_path, monkeypatch):
+    """As TRL's colocate mode: distributed_executor_backend="external_launcher" with the
+    environment of a one-process torchrun whose LOCAL_RANK is run.device's index, and
+    max_num_batched_tokens=4096."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    env = vllm_engine.one_process_launch(torch.device("cuda", 2))
+    assert env["LOCAL_RANK"] == "2" and env["RANK"] == "0" and env["WORLD_SIZE"] == "1"
+    assert int(env["MASTER_PORT"]) > 0
+    assert vllm_engine.one_process_launch(torch.device("cuda"))["LOCAL_RANK"] == "0"
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert "MASTER_PORT" not in vllm_engine.one_process_launch(torch.device("cuda", 1))
+    assert train.main(["--config", str(cfg_path), "--run.steps=1"]) == 0
+    (llm,) = fake_vllm.instances
+    assert llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert llm.kwargs["max_num_batched_tokens"] == 4096 and os.environ["LOCAL_RANK"] == "0"
+
+
+def test_free_gpu_memory_below_the_share_is_refused_before_vllm_starts():
+    gib = 2 ** 30
+    vllm_startup.check_memory(0.3, free=30 * gib, total=80 * gib, device="cuda:0")
+    with pytest.raises(ConfigError, match=r"asks vLLM for 24.0 GiB of cuda:1's 80.0 GiB, but 20.0 "
+                                          r"GiB are free .*set it to at most 0.25"):
+        vllm_startup.check_memory(0.3, free=20 * gib, total=80 * gib, device="cuda:1")
+
+
+def test_vllms_reason_is_the_innermost_exception_s_first_line():
+    try:
+        try:
+            raise ValueError("\nFree memory on device cuda:0 (1.0/80.0 GiB) on startup is less\n..")
+        except ValueError as cause:
+            raise RuntimeError("Engine core initialization failed. See root cause above.") \
+                from cause
+    except RuntimeError as e:
+        assert vllm_startup.reason(e) == ("ValueError: Free memory on device cuda:0 (1.0/80.0 GiB) "
+                                          "on startup is less")
+    assert vllm_startup.reason(KeyError("x")) == "KeyError: 'x'"
+
+
+def peft_model(pc=None, arch="LlamaForCausalLM", merged=(), **modules):
+    """A stand-in for a peft model: its LoraConfig, architecture and LoRA-wrapped modules."""
     from types import SimpleNamespace
-    plain = SimpleNamespace(use_dora=False, modules_to_save=None, rank_pattern={}, alpha_pattern={},
-                            bias="none")
-    vllm_engine.check_policy(SimpleNamespace(peft_config={"default": plain},
-                                             minigrpo_base={"merged": []}))
-    odd = [SimpleNamespace(**{**vars(plain), k: v})
-           for k, v in (("use_dora", True), ("modules_to_save", ["lm_head"]),
-                        ("rank_pattern", {"q_proj": 8}), ("alpha_pattern", {"q_proj": 4}),
-                        ("bias", "lora_only"))]
-    for model, message in ((SimpleNamespace(peft_config={"default": plain},
-                                            minigrpo_base={"merged": [{"path": "sft"}]}),
-                            "export that chain"),
-                           *((SimpleNamespace(peft_config={"default": pc}, minigrpo_base={}),
-                              "plain LoRA adapters") for pc in odd)):
-        with pytest.raises(ConfigError, match=message):
-            vllm_engine.check_policy(model)
+    plain = SimpleNamespace(use_dora=False, modules_to_save=None, rank_pattern={},
+                            alpha_pattern={}, bias="none", lora_bias=False, init_lora_weights=True,
+                            layer_replication=None)
+    wrapped = {name: SimpleNamespace(base_layer=base, lora_A={}) for name, base in modules.items()}
+    return SimpleNamespace(peft_config={"default": SimpleNamespace(**{**vars(plain),
+                                                                      **(pc or {})})},
+                           minigrpo_base={"merged": list(merged)},
+                           config=SimpleNamespace(architectures=[arch]),
+                           named_modules=lambda: list(wrapped.items()))
+
+
+def test_adapters_vllm_would_refuse_or_serve_otherwise_are_refused_before_it_starts():
+    linear = torch.nn.Linear(2, 2)
+    vllm_startup.check_policy(peft_model(**{"model.layers.0.q_proj": linear,
+                                            "model.embed_tokens": torch.nn.Embedding(4, 2)}))
+    vllm_startup.check_policy(peft_model({"init_lora_weights": "gaussian", "use_rslora": True}))
+    with pytest.raises(ConfigError, match="export that chain"):
+        vllm_startup.check_policy(peft_model(merged=[{"path": "sft"}]))
+    for pc, named in (({"use_dora": True}, "use_dora"),
+                      ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+                      ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+                      ({"alpha_pattern": {"q_proj": 4}}, "alpha_pattern"),
+                      ({"bias": "lora_only"}, "bias=lora_only"),
+                      ({"lora_bias": True}, "lora_bias"),
+                      ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights=pissa_niter_4"),
+                      ({"init_lora_weights": "olora"}, "init_lora_weights=olora"),
+                      ({"init_lora_weights": "loftq"}, "init_lora_weights=loftq"),
+                      ({"init_lora_weights": "corda"}, "init_lora_weights=corda"),
+                      ({"layer_replication": [[0, 2], [1, 3]]}, "layer_replication")):
+        with pytest.raises(ConfigError, match=f"serves plain LoRA adapters.*uses {named}"):
+            vllm_startup.check_policy(peft_model(pc))
+    with pytest.raises(ConfigError, match="vllm 0.30.0 serves no LoRA adapter on GPT2LMHeadModel"):
+        vllm_startup.check_policy(peft_model(arch="GPT2LMHeadModel"))
+    from transformers.pytorch_utils import Conv1D
+    with pytest.raises(ConfigError, match=r"linear layers of LlamaForCausalLM \(and these "
+                                          r"embedding modules: embed_tokens, lm_head\), not "
+                                          r"c_attn \(Conv1D\)"):
+        vllm_startup.check_policy(peft_model(**{"x.c_attn": Conv1D(2, 2)}))
+    with pytest.raises(ConfigError, match=r"embedding modules: none\), not lm_head \(Linear\)"):
+        vllm_startup.check_policy(peft_model(arch="Qwen2ForCausalLM", lm_head=linear))
+    # an architecture outside vLLM's registry (its transformers backend): linear layers only
+    vllm_startup.check_policy(peft_model(arch="SomeNewForCausalLM", lm_head=linear))
 
 
 def test_a_dora_init_adapter_is_refused_in_a_dry_run(fake_vllm, cfg_path, tmp_path, tiny_llama,

@@ -7,8 +7,9 @@ server answers what the adapter answers.
         --url https://xyz.endpoints.huggingface.cloud/v1 --model qgen --api-key-env HF_TOKEN
 
 --create-endpoint NAME (export.py runs it after a successful push) is the original project's
-`--create_endpoint`: vLLM (vllm/vllm-openai:v0.8.5, T4-compatible) on one NVIDIA T4, at most one
-replica and none while idle (scaled to zero after 60 idle minutes), through
+`--create_endpoint`: vLLM (vllm/vllm-openai:v0.30.0, the newest release in requirements-vllm.txt's
+window, read against its source; it still serves Turing, a T4, in float16) on one NVIDIA T4, at most
+one replica and none while idle (scaled to zero after 60 idle minutes), through
 huggingface_hub.create_inference_endpoint, pinned to the uploaded commit and started with
 --max-model-len (default 8192, the original's, within the model's max_position_embeddings and
 never under the run's longest prompt + reply) and the repo's name as the served model's. A T4 has
@@ -40,8 +41,10 @@ from model import load_tokenizer, pick_device
 from sources.entries import parse_model_entries
 from sources.hub import resolve_model_path
 
-# the original project's endpoint: vLLM 0.8.5 (it runs on a T4), a T4, scaled to zero after an hour
-ENDPOINT_IMAGE = "vllm/vllm-openai:v0.8.5"
+# the original project's endpoint (then vLLM 0.8.5), a T4, scaled to zero after an hour; the vLLM
+# release the trainer was checked against (engines/vllm_surface.json), whose platforms/cuda.py keeps
+# float16 for Turing and whose FlashInfer and Triton attention serve it
+ENDPOINT_IMAGE = "vllm/vllm-openai:v0.30.0"
 ENDPOINT_INSTANCE = "nvidia-t4"
 ENDPOINT_REGION = "aws/us-east-1"
 ENDPOINT_IDLE_MINUTES = 60
