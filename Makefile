@@ -1,5 +1,6 @@
 # make demo: set up .venv (once) and run the CPU quickstart.   make test: set up and run the tests.
-# make lint: ruff over the whole tree (pyproject.toml's rules), as CI runs it.
+# make lint: ruff over the whole tree (pyproject.toml's rules), as CI runs it. make vllm-fit: vLLM's
+# version window against the GPU pins, by pip's index (uv's resolver), as CI runs it.
 # Python 3.10+ (tested: 3.11 on CPU, 3.12 on a GPU machine): python3.11 where it exists, else python3
 PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
 VENV := .venv
@@ -29,4 +30,8 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 
-.PHONY: setup demo test lint
+vllm-fit: setup   # does requirements-vllm.txt's window keep the GPU set's torch and transformers? (PyPI)
+	$(BIN)/pip install -q uv==0.13.8
+	$(BIN)/python -m tools.vllm_fit
+
+.PHONY: setup demo test lint vllm-fit
