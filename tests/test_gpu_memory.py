@@ -217,3 +217,13 @@ def test_the_moved_functions_give_the_numbers_bench_memory_estimate_gave(tiny_ll
     assert micro_batch_peak(model, 4, 5, 16, fused_head=True, chunk=8) == (248256, 264648)
     assert (weight_bytes(model, None), weight_bytes(model, "4bit")) == (102720, 75364)
     assert sampling_bytes(model.config, 8, 21, torch.bfloat16) == 58368
+
+
+def test_a_step_on_cuda_logs_the_peak_reserved_and_under_fp16_the_loss_scale(monkeypatch):
+    from gpu.memory import step_readings
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
+    scaler = type("Scaler", (), {"get_scale": lambda self: 32768.0})()
+    cuda = torch.device("cuda", 0)
+    assert step_readings(cuda, scaler) == {"peak_reserved_mb": 3072.0, "loss_scale": 32768.0}
+    assert step_readings(cuda, None) == {"peak_reserved_mb": 3072.0}
+    assert step_readings(torch.device("cpu"), None) == {}
