@@ -162,7 +162,7 @@ def train_step(run: Run) -> tuple[dict, list[dict]]:
         "learning_rate": updates.lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
         "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        **step_readings(device, run.scaler)}  # CUDA: peak_reserved_mb; fp16: loss_scale
+        **(step_readings(device, run.scaler) if device.type == "cuda" else {})}
     return metrics, shown
 
 

@@ -220,10 +220,10 @@ def test_the_moved_functions_give_the_numbers_bench_memory_estimate_gave(tiny_ll
 
 
 def test_a_step_on_cuda_logs_the_peak_reserved_and_under_fp16_the_loss_scale(monkeypatch):
+    """step.train_step's readings on a GPU (on a CPU it calls nothing here)."""
     from gpu.memory import step_readings
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
     scaler = type("Scaler", (), {"get_scale": lambda self: 32768.0})()
     cuda = torch.device("cuda", 0)
     assert step_readings(cuda, scaler) == {"peak_reserved_mb": 3072.0, "loss_scale": 32768.0}
     assert step_readings(cuda, None) == {"peak_reserved_mb": 3072.0}
-    assert step_readings(torch.device("cpu"), None) == {}
