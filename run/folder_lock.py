@@ -42,11 +42,11 @@ HELD: list[Held] = []  # this process's locks, newest last
 
 def take(folder: str | Path, key: str, dry_run: bool = False) -> None:
     """Hold `folder` for this process (created if missing) or raise ConfigError naming the process
-    that holds it. A dry run (it writes nothing) and torchrun's ranks > 0 (rank 0 writes the run)
-    take nothing."""
-    if dry_run or distributed.rank() > 0:
-        return
+    that holds it. A dry run (it writes nothing), torchrun's ranks > 0 (rank 0 writes the run) and
+    a process that holds it already (a test's setup, then its main) take nothing."""
     folder = Path(folder)
+    if dry_run or distributed.rank() > 0 or folder.resolve() in {h.folder.resolve() for h in HELD}:
+        return
     made = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
     while True:
         folder.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,13 @@ def test_a_dry_run_and_torchruns_other_ranks_take_nothing(tmp_path, monkeypatch)
     assert folder_lock.HELD == [] and list(tmp_path.iterdir()) == []
 
 
+def test_the_process_holding_a_folder_takes_it_again_at_no_cost(tmp_path):
+    folder_lock.take(tmp_path / "a", "run.out_dir")
+    folder_lock.take(tmp_path / "x" / ".." / "a", "run.out_dir")  # not a second lock: no refusal
+    assert len(folder_lock.HELD) == 1
+    folder_lock.release()
+
+
 def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     def no_locks(fd, how):
         raise OSError(38, "Function not implemented")
