@@ -68,8 +68,8 @@ def install(requirements: str = "requirements-gpu.txt", pip=subprocess.run) -> d
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
     if after and Version(Version(after).base_version) not in SpecifierSet(tested):
-        print(f"warning: torch {after} is outside the range tested (torch{tested}); kept, as "
-              "Colab's CUDA torch is: if a cell fails, say which torch it was", flush=True)
+        print(f"warning: torch {after} is outside the range tested (torch{tested}); it is kept "
+              "(the machine's CUDA build): if a cell fails, say which torch it was", flush=True)
     done = {"seconds": round(time.time() - began, 1), "torch_before": before,
             "torch_after": after}
     os.environ["MINIGRPO_INSTALL"] = json.dumps(done)
