@@ -59,6 +59,7 @@ from api.client import Judge
 from config import Config
 from data import PromptSampler
 from engines import episodes, resample, vllm_engine
+from gpu.memory import step_readings
 from model import merged_for_sampling, reference_mode
 from parallel import distributed
 from rewards import (
@@ -162,7 +163,8 @@ def train_step(run: Run) -> tuple[dict, list[dict]]:
     metrics = step_metrics(run, drawn, batch.rollout, updates) | {
         "learning_rate": updates.lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
         "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
-        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
+        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
+        **(step_readings(device, run.scaler) if device.type == "cuda" else {})}
     return metrics, shown
 
 

@@ -37,7 +37,7 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, health, lifecycle, policy
+from run import display, folder_lock, health, lifecycle, policy
 from run.checkpoint import save_checkpoint
 from sources import overlap
 from step import Run, train_step
@@ -79,6 +79,7 @@ def held_out_metrics(r: Run) -> dict:
     return loss | m | {"eval/seconds": time.time() - t0}
 
 
+@folder_lock.released_on_return  # one trainer per run folder (a second exits 2)
 def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The CLI; `started`: the job's start (the CLI's: this module's import) for run.max_minutes."""
     started = time.monotonic() if started is None else started  # the limit counts the loading too

@@ -44,6 +44,7 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
+from run import folder_lock
 from run.checkpoint import checkpoints, judges_answered, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
 from scoring.checks import check_rows, open_rewards, open_scoring
@@ -165,6 +166,7 @@ def setup(args, overrides: list[str]) -> Run:
     if args.resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to "
                           "continue; check the path, or drop --resume to start one")
+    folder_lock.take(run_dir, "run.out_dir", dry_run=args.dry_run)  # one trainer a folder
     ckpts = checkpoints(run_dir) if args.resume else []
     sources = load_sources(cfg.data)
     # the model loads last

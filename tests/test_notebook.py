@@ -1,7 +1,9 @@
-"""notebooks/grpo_colab_t4.ipynb runs top to bottom: its code cells in order, in one namespace, on
-CPU with a tiny model and tiny settings put in place of its parameter cell (tag `parameters`); the
-cells marked `# ci: skip` (install, clone, Drive, Colab secrets) are left out. IPython's display
-is stubbed, so nothing beyond the default install is needed. A failing cell fails the test, named.
+"""notebooks/grpo_colab_t4.ipynb on CPU with a tiny model and tiny settings put in place of its
+parameter cell (tag `parameters`), the cells marked `# ci: skip` (install, clone, Drive, Colab
+secrets) left out, IPython's display stubbed: the whole notebook top to bottom (its last cell's
+record of the run too); a run stopped by run.max_minutes, then continued in a fresh namespace by
+the parameter cell and the resume cell alone; and its helpers (notebooks/colab.py): the stop
+button's SIGINT, the install that keeps torch. A failing cell fails the test, named.
 
     python -m pytest tests/test_notebook.py
 """
@@ -26,67 +28,184 @@ def code_cells() -> list[tuple[list[str], str]]:
             for c in nb["cells"] if c["cell_type"] == "code"]
 
 
-def tiny_parameters(model: Path, run_dir: Path) -> str:
+def tiny_parameters(model: Path, run_dir: Path, max_minutes: float = 10, resume: bool = False,
+                    live_every_s: float = 5) -> str:
     """The parameter cell for CI: the quickstart's task on a tiny model, 2 steps of 2 x 4
-    completions of 8 tokens, 4 held-out rows, a curve redrawn every second."""
+    completions of 8 tokens, 4 held-out rows."""
     extra = ["--rollout.prompts_per_step=2", "--rollout.num_generations=4",
              "--rollout.max_new_tokens=8", "--run.save_every=1", "--eval.batch_size=2",
-             "--eval.max_new_tokens=8"]
+             "--eval.max_new_tokens=8", "--run.threads=1"]
     return (f"CONFIG = 'configs/quickstart.yaml'\nMODEL = {str(model)!r}\nSTEPS = 2\n"
-            f"MAX_MINUTES = 10\nRUN_DIR = {str(run_dir)!r}\nEVAL_ROWS = 4\nHUB_REPO = ''\n"
-            f"EXPORT_DTYPE = 'float32'\nLIVE_EVERY_S = 1\nEXTRA = {extra!r}\n")
+            f"MAX_MINUTES = {max_minutes}\nRUN_DIR = {str(run_dir)!r}\nRESUME = {resume}\n"
+            f"EVAL_ROWS = 4\nHUB_REPO = ''\nEXPORT_DTYPE = 'float32'\n"
+            f"LIVE_EVERY_S = {live_every_s}\nEXTRA = {extra!r}\n")
 
 
-def fake_ipython(shown: list) -> types.ModuleType:
+@pytest.fixture
+def notebook(monkeypatch):
+    """run(cells, parameters) -> the namespace: the cells (tags, source) run in a fresh namespace,
+    as a fresh runtime would, in the repository, the parameter cell replaced; the images the
+    cells display are in run.shown."""
+    shown: list = []
     display = types.ModuleType("IPython.display")
     display.Image = lambda filename, **kw: filename
     display.display = shown.append
     display.clear_output = lambda wait=False: None
     package = types.ModuleType("IPython")
     package.display = display
-    return package
+    monkeypatch.setitem(sys.modules, "IPython", package)
+    monkeypatch.setitem(sys.modules, "IPython.display", display)
+    monkeypatch.chdir(ROOT)
+
+    def run(cells, parameters: str) -> dict:
+        namespace: dict = {"__name__": "__notebook__"}
+        for i, (tags, src) in enumerate(cells):
+            if src.startswith(SKIP):
+                continue
+            try:
+                exec(compile(parameters if "parameters" in tags else src,
+                             f"<notebook cell {i}>", "exec"), namespace)
+            except Exception as e:
+                log = Path(namespace.get("RUN_DIR", "/nonexistent"), "train.log")
+                pytest.fail(f"notebook code cell {i} failed: {type(e).__name__}: {e}\n"
+                            + (log.read_text()[-3000:] if log.exists() else ""))
+        return namespace
+    run.shown = shown
+    return run
+
+
+def tagged(*names: str) -> list[tuple[list[str], str]]:
+    return [(tags, src) for tags, src in code_cells() if set(tags) & set(names)]
 
 
 def test_the_notebook_has_one_parameter_cell_and_marks_the_colab_only_cells():
     cells = code_cells()
     assert sum("parameters" in tags for tags, _ in cells) == 1
     skipped = [src for _, src in cells if src.startswith(SKIP)]
-    assert any("git" in s and "requirements-gpu.txt" in s for s in skipped)  # clone, install
-    assert any("drive.mount" in s for s in skipped) and any("HF_TOKEN" in s for s in skipped)
+    assert any("git" in s and "colab.install()" in s and "colab.require_gpu()" in s
+               for s in skipped)  # clone, stop without a GPU, install
+    assert any("drive.mount" in s for s in skipped)
+    secret = next(s for s in skipped if "HF_TOKEN" in s)
+    assert "if HUB_REPO:" in secret  # no secret asked for without a repo to push to
     params = next(src for tags, src in cells if "parameters" in tags)
-    assert "STEPS = 150" in params and "MAX_MINUTES = 45" in params
+    assert "STEPS = 150" in params and "MAX_MINUTES = 45" in params and "RESUME = False" in params
 
 
-def test_the_notebook_runs_top_to_bottom_on_cpu_with_tiny_settings(tmp_path, tiny_llama,
-                                                                   monkeypatch):
-    shown: list = []
-    package = fake_ipython(shown)
-    monkeypatch.setitem(sys.modules, "IPython", package)
-    monkeypatch.setitem(sys.modules, "IPython.display", package.display)
-    monkeypatch.chdir(ROOT)
+def test_the_notebook_runs_top_to_bottom_on_cpu_and_its_last_cell_records_the_run(
+        tmp_path, tiny_llama, notebook, capsys, monkeypatch):
+    monkeypatch.delenv("MINIGRPO_INSTALL", raising=False)
     run_dir = tmp_path / "run"
-    namespace: dict = {"__name__": "__notebook__"}
-    for i, (tags, src) in enumerate(code_cells()):
-        if src.startswith(SKIP):
-            continue
-        if "parameters" in tags:
-            src = tiny_parameters(tiny_llama, run_dir)
-        try:
-            exec(compile(src, f"<notebook cell {i}>", "exec"), namespace)
-        except Exception as e:
-            log = run_dir / "train.log"
-            pytest.fail(f"notebook code cell {i} failed: {type(e).__name__}: {e}\n"
-                        + (log.read_text()[-3000:] if log.exists() else ""))
+    namespace = notebook(code_cells(), tiny_parameters(tiny_llama, run_dir))
     assert (run_dir / "checkpoints" / "step_000002").is_dir()
     assert set(namespace["results"]) == {"base", "trained"}
     assert (run_dir / "merged" / "config.json").is_file()
     log = (run_dir / "train.log").read_text()
     assert "step 2/2" in log and " elapsed | " in log  # the step lines and the pace line
+    assert "resumed" not in log  # RESUME is False: the resume cell trained nothing more
+    out = capsys.readouterr().out
+    said = out[out.index("python 3."):].splitlines()  # the last cell's record
+    assert said[1] == "install: not recorded (the install cell did not run in this runtime)"
+    assert said[2].startswith("steps: 2 logged over 1 train.py run(s); the first run did 2 in ")
+    assert said[2].endswith(" min (run.max_minutes=10, loading included)")
+    assert said[3].startswith("step time (median of steps 2-2): ") and " = rollout " in said[3]
+    assert said[4].startswith("peak memory: ") and said[4].endswith(" GiB RSS (not on a GPU)")
+    assert said[5] == "fp16 loss scale: not logged (no GradScaler: not fp16 on CUDA); skipped " \
+                      "updates: 0"
+    assert said[6].startswith("clipped share (completions cut at max_new_tokens): ")
+    assert [ln.split(":")[0] for ln in said[7:9]] == ["eval base", "eval trained"]
+    assert "(standard error, n=4)" in said[7] and said[9].startswith("wall time: ")
+    assert "(train " in said[9] and ", eval " in said[9] and ", export " in said[9]
     try:
         import matplotlib  # noqa: F401  (an optional extra: the curves need it)
     except ImportError:
         return
-    assert any(str(s).endswith("reward.png") for s in shown)
+    assert any(str(s).endswith("reward.png") for s in notebook.shown)
+
+
+def test_the_record_of_a_gpu_run_has_its_memory_loss_scale_and_skipped_updates():
+    from notebooks import colab
+    metrics = [{"step": n, "step_time": t, "rollout_time": r, "peak_memory_mb": 7000.0 + n,
+                "peak_reserved_mb": 8000.0, "loss_scale": s, "completions/clipped_ratio": 0.5,
+                "frac_reward_zero_std": z, **({"skipped_updates": 1} if n == 1 else {})}
+               for n, t, r, s, z in [(1, 41.0, 35.0, 65536.0, 0.5), (2, 20.0, 15.0, 32768.0, 0.25),
+                                     (3, 22.0, 16.0, 32768.0, 0.0)]]
+    runs = [{"phase": "train", "seconds": 2700.0, "exit": 0, "last_step": 3,
+             "args": ["--config", "c.yaml", "--run.max_minutes=45"]}]
+    assert colab.training_lines(metrics, runs) == [
+        "steps: 3 logged over 1 train.py run(s); the first run did 3 in 45.0 min "
+        "(run.max_minutes=45, loading included)",
+        "step time (median of steps 2-3): 21.0 s = rollout (sampling, scoring) 15.5 s + update "
+        "5.5 s; the first step 41.0 s",
+        "peak GPU memory: allocated 6.84 GiB, reserved 7.81 GiB",
+        "fp16 loss scale: 32768 at the end, lowest 32768; skipped updates: 1",
+        "clipped share (completions cut at max_new_tokens): 0.500 mean, 0.500 first, 0.500 last; "
+        "zero-std share (groups without signal): 0.250 mean, 0.500 first, 0.000 last"]
+
+
+def test_a_run_stopped_by_max_minutes_resumes_from_the_parameter_and_resume_cells_alone(
+        tmp_path, tiny_llama, notebook, monkeypatch):
+    """Section 4 stopped by MAX_MINUTES after a step (its checkpoint); then a fresh runtime with
+    RESUME = True: the parameter cell, the training cell (which steps aside) and the resume cell
+    finish the run."""
+    from notebooks import colab
+    monkeypatch.setattr(colab, "show_progress", lambda log, run_dir: None)  # no curves: faster
+    run_dir = tmp_path / "run"
+    notebook(tagged("parameters", "train", "resume"),
+             tiny_parameters(tiny_llama, run_dir, max_minutes=0.0001))
+    metrics = run_dir / "metrics.jsonl"
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1]
+    assert "the next step would end past run.max_minutes" in (run_dir / "train.log").read_text()
+    notebook(tagged("parameters", "resume"), tiny_parameters(tiny_llama, run_dir, resume=True))
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == [1, 2]
+    assert "resumed from" in (run_dir / "train.log").read_text()
+    runs = [json.loads(ln) for ln in (run_dir / "notebook.jsonl").read_text().splitlines()]
+    assert [(r["phase"], r["exit"], "--resume" in r["args"]) for r in runs] == \
+        [("train", 0, False), ("train", 0, True)]
+
+
+def test_the_stop_button_sends_the_child_sigint_and_waits_for_it(tmp_path):
+    """A KeyboardInterrupt in the cell (the stop button) reaches the child as SIGINT; the cell
+    returns only once it has exited (no trainer left running behind it), and raises."""
+    from notebooks import colab
+    script = tmp_path / "child.py"
+    script.write_text("import time\nprint('started', flush=True)\ntry:\n    time.sleep(60)\n"
+                      "except KeyboardInterrupt:\n    time.sleep(0.5)\n"
+                      "    print('stopped cleanly', flush=True)\n    raise SystemExit(130)\n")
+
+    def stop(log_path):
+        if "started" in Path(log_path).read_text():
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        colab.child([str(script)], str(tmp_path), "child", every_s=0.05, show=stop)
+    assert (tmp_path / "child.log").read_text() == "started\nstopped cleanly\n"
+    assert json.loads((tmp_path / "notebook.jsonl").read_text())["exit"] == 130
+
+
+@pytest.mark.parametrize("torch_version,warned", [("2.8.0+cu126", False),
+                                                  ("2.15.0+cu128", True)])
+def test_the_install_holds_the_machines_torch_and_installs_only_what_a_run_needs(
+        torch_version, warned, monkeypatch, capsys):
+    from notebooks import colab
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(colab, "installed", lambda package: torch_version)
+    calls = []
+
+    def pip(args):
+        calls.append(args)
+        constraint = args[args.index("-c") + 1]
+        calls.append(Path(constraint).read_text())
+        return types.SimpleNamespace(returncode=0)
+    monkeypatch.delenv("MINIGRPO_INSTALL", raising=False)
+    done = colab.install(pip=pip)
+    args, constraint = calls
+    assert constraint == f"torch=={torch_version}\n"
+    wanted = args[args.index("-c") + 2:]
+    assert "matplotlib" in wanted and "transformers==5.23.0" in wanted
+    assert not [a for a in wanted if a.startswith(("torch", "pytest", "ruff", "gguf"))]
+    assert ("outside the range tested (torch>=2.6,<2.14)" in capsys.readouterr().out) == warned
+    assert done["torch_before"] == done["torch_after"] == torch_version
+    assert colab.install_lines() == [f"install: {done['seconds']:.0f} s; torch {torch_version} -> "
+                                     f"{torch_version} (pip kept torch)"]
 
 
 def test_the_gpu_requirements_are_the_cpu_ones_without_the_torch_pin():
@@ -98,12 +217,16 @@ def test_the_gpu_requirements_are_the_cpu_ones_without_the_torch_pin():
     assert gpu == cpu
 
 
-def test_the_readme_opens_the_notebook_from_the_repository_the_notebook_clones():
-    """One place to change when the repository moves: the README's Colab link and REPO_URL."""
+def test_the_readme_opens_the_notebook_from_the_repository_and_tag_the_notebook_clones():
+    """One place to change when the repository moves or a release is tagged: the README's Colab
+    link and the notebook's REPO_URL and REF (the tag named after pyproject's version)."""
     import re
     readme = (ROOT / "README.md").read_text()
-    link = re.search(r"colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/main/"
+    link = re.search(r"colab\.research\.google\.com/github/([^/]+/[^/]+)/blob/([^/]+)/"
                      r"notebooks/grpo_colab_t4\.ipynb", readme)
-    url = re.search(r'REPO_URL = "https://github\.com/([^"]+)"',
-                    "".join(source for _, source in code_cells()))
+    source = "".join(source for _, source in code_cells())
+    url = re.search(r'REPO_URL = "https://github\.com/([^"]+)"', source)
+    ref = re.search(r'REF = "([^"]+)"', source)
+    version = re.search(r'version = "([^"]+)"', (ROOT / "pyproject.toml").read_text())
     assert link and url and link.group(1) == url.group(1)
+    assert ref and link.group(2) == ref.group(1) == f"v{version.group(1)}"
