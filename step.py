@@ -34,7 +34,7 @@ Every feature enters the step through one named seam, a line here, owned by its 
                 (scoring/pipelined.py)
   entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
   judge outage  run.judges: a step whose judge mostly failed to reply is not trained on
-                (api/outage.py)
+                (scoring/outage.py)
   reward mix    grpo.reward_aggregation: normalize_then_sum normalises each reward within its
                 group before the weighted sum (GDPO; rewards.advantage_rewards, grpo.py)
 """
@@ -54,7 +54,7 @@ import torch
 import grpo
 import logprobs
 import rollout
-from api import outage
+from scoring import outage
 from api.client import Judge
 from config import Config
 from data import PromptSampler

@@ -28,7 +28,7 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start, i
 import torch
 
 import rollout
-from api import outage
+from scoring import outage
 from api.client import JudgeUnusable
 from config import ConfigError
 from files import jsonl

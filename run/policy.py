@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api import outage
+from scoring import outage
 from api.client import Judge, JudgeUnusable
 from config import RunConfig
 from parallel import distributed

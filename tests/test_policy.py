@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from api import outage
+from scoring import outage
 from api.client import JudgeUnusable
 from config import Config, RunConfig
 from run import display, policy

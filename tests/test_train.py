@@ -1260,7 +1260,7 @@ def test_a_run_resumed_while_its_judge_is_still_down_waits_for_it(setup, monkeyp
     """Issue 39: resumed while the judge was down, a run that had been judged stopped with exit 2,
     "none of its first N requests got a reply ... fix the endpoint". The checkpoint says the
     judge answered: the resumed run waits (run.judge_outage: wait) and goes on when it is back."""
-    from api import outage
+    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
@@ -1306,7 +1306,7 @@ def test_a_mostly_garbage_judge_stops_the_run_with_one_of_its_replies(setup, cap
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
     """run.judge_outage: wait (the default): the run asks the judge again with backoff and goes on
     when it answers; the server is turned on again during the second pause."""
-    from api import outage
+    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
@@ -1340,7 +1340,7 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
 
 
 def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
-    from api import outage
+    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     clock, pauses = [0.0], []
@@ -1382,9 +1382,9 @@ def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, m
 
 
 def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer
-    monkeypatch.setattr(api.outage, "sleep", lambda s: pytest.fail("waited after the last step"))
+    monkeypatch.setattr(scoring.outage, "sleep", lambda s: pytest.fail("waited after the last step"))
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=3))
@@ -1396,13 +1396,13 @@ def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monke
 
 def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
         setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer, server_error
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         def sleep(s):  # the wait's first try gets a 401, as from a rotated key
             server.default = server_error(401)
-        monkeypatch.setattr(api.outage, "sleep", sleep)
+        monkeypatch.setattr(scoring.outage, "sleep", sleep)
         step = train.train_step
 
         def failing(r):  # no reply for step 2's calls: 503s until their retries end
@@ -1418,12 +1418,12 @@ def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
 
 def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
         setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     clock = [0.0]
-    monkeypatch.setattr(api.outage, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(api.outage, "clock", lambda: clock[0])
+    monkeypatch.setattr(scoring.outage, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(scoring.outage, "clock", lambda: clock[0])
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
         assert train.main(_judge_args(cfg, server, "--run.max_minutes=2")) == 0
