@@ -263,7 +263,8 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
         max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000,
         ignore_eos: bool = False, share_prompt: bool = False, static_cache: bool = False,
-        entropy: bool = False, sampler_logp: bool = False) -> Rollout:
+        entropy: bool = False, sampler_logp: bool = False,
+        eos_ids: list[int] | None = None) -> Rollout:
     """Sample `num_generations` completions per rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
@@ -279,7 +280,7 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     (rollout.merged_sampling, a 16-bit cache) for step.py's importance weights. Under ignore_eos
     it is that of the distribution without EOS, which the trainer's keeps. None when greedy.
     prompts may be token ids already, (ids, attn) left-padded: engines/episodes.py's
-    conversations."""
+    conversations. eos_ids: where a completion ends (eos_token_ids, when not given)."""
     device = next(model.parameters()).device
     if isinstance(prompts, list):  # text; engines/episodes.py passes its tokens as they stand
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -293,7 +294,7 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     if longest > max_prompt_tokens:
         raise ValueError(f"a prompt has {longest} tokens > "
                          f"rollout.max_prompt_tokens={max_prompt_tokens}")
-    eos = eos_token_ids(tokenizer, model)
+    eos = eos_token_ids(tokenizer, model) if eos_ids is None else eos_ids
     was_training = model.training
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) \
@@ -337,6 +338,42 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
                    if meter and sampler_logp else None,
                    entropy=meter.entropy(completion_ids.shape[1]).to(device)
                    if meter and entropy else None)
+
+
+@dataclass
+class Sampler:
+    """HF generate as a run samples, its settings read once (run/lifecycle.prepare): G completions
+    a prompt, rollout.prompts_per_generate prompts a call, the EOS ids found once.
+
+        sample = Sampler.of(model, tokenizer, cfg)     # at setup
+        batch = sample(prompts)                        # each step: a Rollout
+
+    The other samplers take the same call: model.MergedSampler (rollout.merged_sampling),
+    vLLM's (engines/vllm_engine.py)."""
+    model: object
+    tokenizer: object
+    per_call: int  # rollout.prompts_per_generate (0: all in one call)
+    options: dict  # generate_rollout's keyword arguments
+
+    def __call__(self, prompts: list[str],
+                 on_slice: Callable[[int, Rollout], None] | None = None) -> Rollout:
+        if self.per_call:  # rollout.prompts_per_generate: a few prompts a call
+            return generate_in_slices(self.model, self.tokenizer, prompts, self.per_call,
+                                      on_slice=on_slice, **self.options)
+        return generate_rollout(self.model, self.tokenizer, prompts, **self.options)
+
+    @classmethod
+    def of(cls, model, tokenizer, cfg) -> Sampler:
+        """The run's sampler: cfg a config.Config with its "auto" settings chosen."""
+        ro = cfg.rollout
+        return cls(model, tokenizer, ro.prompts_per_generate, dict(
+            num_generations=ro.num_generations, max_new_tokens=ro.max_new_tokens,
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+            stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
+            ignore_eos=ro.ignore_eos, share_prompt=cfg.grpo.share_prompt is not False,
+            static_cache=ro.compile, entropy=True,
+            sampler_logp=ro.merged_sampling or ro.compile,  # its gap: sampler_logp_abs_diff
+            eos_ids=eos_token_ids(tokenizer, model)))
 
 
 def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,

@@ -19,6 +19,7 @@ leaves a half checkpoint). Bad input exits with code 2 and one line saying what 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start, i
 import torch
 
 import rollout
-from scoring import outage
 from api.client import JudgeUnusable
 from config import ConfigError
 from files import jsonl
@@ -39,8 +39,10 @@ from modes import dpo, sft
 from parallel import distributed
 from run import display, health, lifecycle, policy
 from run.checkpoint import save_checkpoint
-from sources import overlap
-from step import Run, train_step
+from run.state import Run
+from scoring import outage
+from sources import seen_prompts
+from step import train_step
 
 # ----------------------------------------------------------------------------- CLI and loop
 
@@ -200,8 +202,11 @@ def first_step_line(r: Run) -> str:
 def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict]]:
     """Step r.step trained -> its metrics {"step": n, ...}, the held-out rows' when rules say so,
     and the completions it shows; the held-out scoring timed for run.max_minutes."""
-    r.phase = "training"  # train_step says when it samples
+    r.phase, t0 = "training", time.time()  # train_step says when it samples
+    if r.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(r.device)
     metrics, shown = step_fn(r)
+    metrics |= {"step_time": time.time() - t0, "peak_memory_mb": peak_memory_mb(r.device)}
     if rules.evaluates(r.step):
         t_eval = time.monotonic()
         metrics |= held_out_metrics(r)
@@ -209,6 +214,13 @@ def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict
     # the step's judge calls (every rank's), held-out too (any mode)
     metrics |= distributed.all_sum(judges_stats(r.judges))
     return {"step": r.step, **metrics}, shown
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """The step's peak: torch's allocations on a GPU, the process's resident set on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, samples_path: Path,
@@ -227,9 +239,10 @@ def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, sampl
 
 def save(r: Run, step: int, rules: policy.Policy) -> None:
     """Checkpoint `step`, timed for run.max_minutes. The process's first checkpoint also records
-    the prompts trained on (sources/overlap.py, for eval.py's overlap check; rank 0 writes it)."""
+    the prompts trained on (sources/seen_prompts.py, for eval.py's held-out check; rank 0 writes
+    it)."""
     if not rules.recorded and distributed.rank() == 0:
-        overlap.record(r.run_dir, r.rows, r.cfg.model, resumed=r.start > 0)
+        seen_prompts.record(r.run_dir, r.rows, r.cfg.model, resumed=r.start > 0)
         rules.recorded = True
     t_save = time.monotonic()
     save_checkpoint(r, step)

@@ -32,7 +32,7 @@ from parallel import distributed
 from sources.adapters import PROVENANCE, save_adapter
 
 if TYPE_CHECKING:
-    from step import Run
+    from run.state import Run
 
 
 def checkpoints(run_dir: Path) -> list[Path]:

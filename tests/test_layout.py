@@ -109,10 +109,13 @@ def test_the_readme_is_a_door_that_names_the_path_and_the_budget():
     assert f"{STEP_BUDGET} statements" in readme
 
 
-def trace_default_step(tmp: Path) -> dict[str, set[int]]:
+LEVERS_OFF = {"grpo": {"share_prompt": False, "logprob_kernel": False}}  # the speed levers, off
+
+
+def trace_default_step(tmp: Path, levers: dict | None = None) -> dict[str, set[int]]:
     """The lines a default step runs, by file: steps 2 and 3 of the quickstart's config on a tiny
-    model (step 1 warms the caches), traced with sys.settrace from train_step's call to its return.
-    """
+    model (step 1 warms the caches), traced with sys.settrace from train_step's call to its return;
+    `levers`: config sections that set the speed levers (default: as auto chooses them)."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import step
     import train
@@ -121,6 +124,8 @@ def trace_default_step(tmp: Path) -> dict[str, set[int]]:
     cfg["model"]["name"] = str(write_tiny_model(tmp / "tiny"))
     cfg["run"] |= {"out_dir": str(tmp / "run"), "steps": 3}
     cfg["rollout"]["max_new_tokens"] = 8
+    for section, values in (levers or {}).items():
+        cfg.setdefault(section, {}).update(values)
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     lines, state, code = defaultdict(set), {"calls": 0, "on": False}, step.train_step.__code__
     ours = [str(ROOT / f) for f in (*FOLDERS, *(p.name for p in ROOT.glob("*.py")))]
@@ -225,8 +230,11 @@ if __name__ == "__main__":
     for name, deps in sorted(graph().items()):
         print(f"{name:24} -> {', '.join(sorted(deps)) or '-'}")
     print("cycles:", cycles(graph()) or "none")
-    with tempfile.TemporaryDirectory() as d:
-        ran = {f: statements(ROOT / f, hit) for f, hit in trace_default_step(Path(d)).items()}
-    for f, s in sorted(ran.items(), key=lambda x: -len(x[1])):
-        print(f"{len(s):5d}  {f}")
-    print(f"{sum(len(s) for s in ran.values()):5d}  statements a default step runs")
+    for name, levers in (("levers off", LEVERS_OFF), ("as auto chooses", None)):
+        with tempfile.TemporaryDirectory() as d:
+            ran = {f: statements(ROOT / f, hit)
+                   for f, hit in trace_default_step(Path(d), levers).items()}
+        print(f"-- {name}")
+        for f, s in sorted(ran.items(), key=lambda x: -len(x[1])):
+            print(f"{len(s):5d}  {f}")
+        print(f"{sum(len(s) for s in ran.values()):5d}  statements a default step runs")

@@ -1,17 +1,17 @@
-"""scoring/outage.py's step checks against the fake server, without a model: a step whose judge failed
-too many calls is not trained on, a judge whose replies are mostly unusable stops the run, and the
-run's end names a judge that was often unusable. (Waiting for a judge that is down:
+"""scoring/outage.py's step checks against the fake server, without a model: a step whose judge
+failed too many calls is not trained on, a judge whose replies are mostly unusable stops the run,
+and the run's end names a judge that was often unusable. (Waiting for a judge that is down:
 tests/test_policy.py; end to end: tests/test_train.py.)"""
 import types
 
 import pytest
 import torch
 
-from scoring import outage
 from api.client import Judge, JudgeConfig, JudgeUnusable
 from config import Config
 from fake_openai_server import FakeOpenAIServer, dropped, ok
 from judge import judge_reward
+from scoring import outage
 
 TEMPLATE = "Rate {completion}"
 

@@ -687,6 +687,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for k in (0, 2):
         calls.clear()
         r.cfg.rollout.prompts_per_generate = k
+        lifecycle.prepare(r)  # the sampler is chosen once, at setup
         got[k] = step.score(r, idx)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
@@ -729,6 +730,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.clear()
         started.clear()
         r.cfg.rollout.overlap_rewards = overlap
+        lifecycle.prepare(r)  # the seam is chosen once, at setup
         got[overlap] = step.score(r, [0, 1, 2])
         # overlapped: slice 0's rewards started while slice 1 sampled
         assert seen == ([False, True, True] if overlap else [False, False, False])
@@ -736,10 +738,10 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert on.rollout.texts == off.rollout.texts and torch.equal(on.total, off.total)
     assert on.per_reward == off.per_reward and on.errors == off.errors
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
-    # no args.dir: a configuration error, raised from the background
+    # no args.dir: a configuration error, found when the rewards are prepared
     r.cfg.rewards = [RewardSpec("human")]
     with pytest.raises(ValueError, match="needs dir"):
-        step.score(r, [0, 1, 2])
+        lifecycle.prepare(r)
 
 
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
@@ -1260,8 +1262,8 @@ def test_a_run_resumed_while_its_judge_is_still_down_waits_for_it(setup, monkeyp
     """Issue 39: resumed while the judge was down, a run that had been judged stopped with exit 2,
     "none of its first N requests got a reply ... fix the endpoint". The checkpoint says the
     judge answered: the resumed run waits (run.judge_outage: wait) and goes on when it is back."""
-    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         args = _judge_args(cfg, server, "--run.save_every=1")
@@ -1306,8 +1308,8 @@ def test_a_mostly_garbage_judge_stops_the_run_with_one_of_its_replies(setup, cap
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
     """run.judge_outage: wait (the default): the run asks the judge again with backoff and goes on
     when it answers; the server is turned on again during the second pause."""
-    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
@@ -1340,8 +1342,8 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
 
 
 def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
-    from scoring import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     clock, pauses = [0.0], []
     monkeypatch.setattr(outage, "sleep",
@@ -1384,7 +1386,8 @@ def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, m
 def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monkeypatch, capsys):
     import scoring.outage
     from fake_openai_server import FakeOpenAIServer
-    monkeypatch.setattr(scoring.outage, "sleep", lambda s: pytest.fail("waited after the last step"))
+    monkeypatch.setattr(scoring.outage, "sleep",
+                        lambda s: pytest.fail("waited after the last step"))
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=3))
