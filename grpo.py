@@ -215,14 +215,14 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     N = sequences in the step. Only bnpo depends on how the step is split into micro-batches.
     """
     masked = torch.where(mask.bool(), loss_tok, torch.zeros_like(loss_tok))  # (n, C)
+    if norm.loss_type == "dapo":
+        return masked.sum() / max(norm.num_tokens, 1)
     if norm.loss_type == "grpo":
         return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(norm.num_sequences, 1)
     if norm.loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1) / max(norm.num_micro_batches, 1)
     if norm.loss_type == "dr_grpo":
         return masked.sum() / (max(norm.num_sequences, 1) * norm.max_completion_length)
-    if norm.loss_type == "dapo":
-        return masked.sum() / max(norm.num_tokens, 1)
     raise ValueError(f"unknown loss_type {norm.loss_type!r}")
 
 

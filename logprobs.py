@@ -56,7 +56,7 @@ def token_log_probs(logits: Tensor, ids: Tensor, temperature: float, chunk: int 
     """log softmax(logits / T)[ids] in fp32, the plain way: (N, C, V), (N, C) -> (N, C). (chunk:
     selective_log_probs's, unused here.)"""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, C, V)
-    return logp.gather(-1, ids[..., None]).squeeze(-1)  # (N, C)
+    return logp.gather(-1, ids[..., None])[..., 0]  # (N, C): each sampled token's entry
 
 
 def lean_log_probs(model, inputs: dict, input_ids: Tensor, attention_mask: Tensor, C: int,
@@ -159,12 +159,10 @@ def trim(input_ids: Tensor, attention_mask: Tensor,
          completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:
     """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past
     the longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
-    C_all = completion_mask.shape[1]
-    P = attention_mask.shape[1] - C_all  # prompt columns
+    P = attention_mask.shape[1] - completion_mask.shape[1]  # prompt columns
     C = max(int(attention_mask[:, P:].sum(1).max()), 1)  # an episode's env tokens count too
     start = int((attention_mask[:, :P].sum(0) > 0).long().argmax()) if P > 0 else 0
-    end = P + C
-    return input_ids[:, start:end], attention_mask[:, start:end], C
+    return input_ids[:, start:P + C], attention_mask[:, start:P + C], C
 
 
 # ---------------------------------------------------------------- per micro-batch, in the step
@@ -182,8 +180,15 @@ def micro_batches(batch, size: int, max_tokens: int = 0,
     replies, which one loss term joins)."""
     n = batch.completion_ids.shape[0]
     size = max(size // group, 1) * group
-    if not max_tokens:
-        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+    if max_tokens:
+        return token_budget_slices(batch, size, max_tokens, group)
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def token_budget_slices(batch, size: int, max_tokens: int, group: int) -> list[slice]:
+    """micro_batches under optim.micro_batch_tokens: rows x (longest prompt + longest completion)
+    at most max_tokens a micro-batch, and at most `size` rows."""
+    n = batch.completion_ids.shape[0]
     p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
     out, start = [], 0
     # do rows i .. i + group - 1 still fit in the micro-batch that starts at `start`?
@@ -201,12 +206,11 @@ def micro_batch_log_probs(model, batch, ids, attn, mb: slice, cfg,
     """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
     The temperature is the sampler's (rollout.temperature) unless given."""
     i, a, C = trim(ids[mb], attn[mb], batch.completion_mask[mb])
-    T = cfg.rollout.temperature if temperature is None else temperature
-    g = cfg.grpo  # its levers as chosen at setup (gpu/auto.py); "auto" where none chose them
-    share, kernel = g.share_prompt is True, g.logprob_kernel is not False
+    g, T = cfg.grpo, cfg.rollout.temperature if temperature is None else temperature
     with mixed_precision(model):  # bf16/fp16 matmuls over a 16-bit base; nothing on an fp32 model
-        return sequence_log_probs(model, i, a, C, T, g.logprob_chunk, g.fused_lm_head, share,
-                                  kernel), C
+        return sequence_log_probs(  # the levers as gpu/auto.py chose them at setup
+            model, i, a, C, T, g.logprob_chunk, g.fused_lm_head,
+            share_prompt=g.share_prompt is True, kernel=g.logprob_kernel is not False), C
 
 
 @torch.no_grad()
@@ -240,6 +244,11 @@ def mixed_precision(model: nn.Module, device_type: str | None = None):
     trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     if frozen is None or not trained:
         return contextlib.nullcontext()
+    return _autocast(model, frozen, device_type)
+
+
+def _autocast(model: nn.Module, frozen: torch.dtype, device_type: str | None):
+    """mixed_precision's autocast in the frozen weights' dtype, peft's input casts off."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type,
                                        dtype=frozen))

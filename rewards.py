@@ -339,9 +339,9 @@ def reward_values(rw: Rewards, k: int, completions: list[str], samples: list[dic
         return batched_values(fn, kwargs, wants, spec, key, completions, samples, have, errors)
     values: list[float | None] = []
     for i, (completion, sample) in enumerate(zip(completions, samples)):
-        try:
-            extra = {w: have[w][i] for w in wants}
-            values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
+        try:  # `wants`: num_tokens, episode, the completion's own
+            values.append(_as_reward(fn(completion, sample, **kwargs,
+                                        **{w: have[w][i] for w in wants})))
         except Exception as err:
             values.append(fallback(err, spec, key, completion, sample, errors))
     return values

@@ -225,9 +225,8 @@ class EntropyMeter:
     last: Tensor | None = None  # (N, V) the previous step's log softmax (sampler_logp only)
 
     def __init__(self, temperature: float, sampler_logp: bool = False):
-        self.temperature = temperature
-        self.steps: list[Tensor] = []  # (N,) a step
-        self.picked: list[Tensor] | None = [] if sampler_logp else None  # (N,) a step: log p(token)
+        # steps: (N,) a step's entropy; picked: (N,) a step's log p(token), with sampler_logp
+        self.temperature, self.steps, self.picked = temperature, [], [] if sampler_logp else None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logp = scores.float() / self.temperature  # (N, V), a new tensor: scores stay as they are
@@ -255,6 +254,16 @@ class EntropyMeter:
         self._pick(completion_ids[:, -1], None)  # the last step's token is in generate's output
         logp = torch.stack(self.picked, dim=1)  # (N, C)
         return torch.where(mask.bool(), logp, 0.0)  # where: a banned pad's -inf past the end
+
+
+def non_finite(e: RuntimeError) -> BaseException:
+    """generate's error as NonFiniteLogits when NaN or inf logits are behind it, else itself."""
+    if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
+        return e
+    cuda = "device-side assert" in str(e)  # CUDA says no more; NaN logits are the likely cause
+    return NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or "
+                            "inf logits: " if cuda else "sampling met NaN or inf logits: ")
+                           + NON_FINITE)
 
 
 @torch.no_grad()
@@ -290,22 +299,16 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
             prompts = (_pad_to(prompts[0], width, tokenizer.pad_token_id, True),
                        _pad_to(prompts[1], width, 0, True))
     G, (ids, attn) = num_generations, prompts  # ids, attn: (B, P)
-    longest = int(attn.sum(1).max())
-    if longest > max_prompt_tokens:
-        raise ValueError(f"a prompt has {longest} tokens > "
+    if int(attn.sum(1).max()) > max_prompt_tokens:
+        raise ValueError(f"a prompt has {int(attn.sum(1).max())} tokens > "
                          f"rollout.max_prompt_tokens={max_prompt_tokens}")
     eos = eos_token_ids(tokenizer, model) if eos_ids is None else eos_ids
     was_training = model.training
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) \
         if temperature > 0 else dict(do_sample=False)
-    shared = share_prompt and not static_cache
-    cache = prefill_shared(model, ids, attn, G) if shared else None
-    if cache is not None:  # generate runs only the last prompt token, then samples
-        rows = dict(input_ids=ids.repeat_interleave(G, 0),
-                    attention_mask=attn.repeat_interleave(G, 0), past_key_values=cache)
-    else:
-        rows = dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)
+    rows = (share_prompt and not static_cache and shared_prompt_rows(model, ids, attn, G)) \
+        or dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)  # G rows a prompt
     meter = EntropyMeter(temperature, sampler_logp) \
         if (entropy or sampler_logp) and temperature > 0 else None
     try:
@@ -316,21 +319,15 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
             logits_processor=[meter] if meter else None, stop_strings=list(stop_strings) or None,
             tokenizer=tokenizer if stop_strings else None)
     except RuntimeError as e:  # multinomial on NaN/inf probabilities; on CUDA, a device-side assert
-        if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
-            raise
-        cuda = "device-side assert" in str(e)  # CUDA says no more; NaN logits are the likely cause
-        raise NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or "
-                               "inf logits: " if cuda else "sampling met NaN or inf logits: ")
-                              + NON_FINITE) from None
+        raise non_finite(e) from None
     model.train(was_training)
-    P = ids.shape[1]
-    completion_ids = out[:, P:]  # (N, C)
+    completion_ids = out[:, ids.shape[1]:]  # (N, C)
     mask, truncated = completion_mask(completion_ids, eos)  # (N, C), (N,)
     if stop_strings:
         _cut_at_stop_strings(tokenizer, completion_ids, mask, truncated, list(stop_strings))
-    lengths = mask.sum(1).long().tolist()
-    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(  # EOS and padding left out
+        [c[:n] for c, n in zip(completion_ids, mask.sum(1).long().tolist())],
+        skip_special_tokens=True)
     return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=attn.repeat_interleave(G, 0),
                    completion_ids=completion_ids, completion_mask=mask,
                    truncated=truncated, texts=texts,
@@ -389,6 +386,15 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
         if on_slice is not None:
             on_slice(s, parts[-1])
     return concat_rollouts(parts, tokenizer.pad_token_id)
+
+
+def shared_prompt_rows(model, ids: Tensor, attn: Tensor, G: int) -> dict | None:
+    """generate's rows with each prompt prefilled once (prefill_shared): generate runs only the last
+    prompt token, then samples; None where sharing does not apply."""
+    cache = prefill_shared(model, ids, attn, G)
+    return None if cache is None else dict(input_ids=ids.repeat_interleave(G, 0),
+                                           attention_mask=attn.repeat_interleave(G, 0),
+                                           past_key_values=cache)
 
 
 def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor,

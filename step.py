@@ -59,6 +59,7 @@ import math
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +96,11 @@ class Batch:
     minis: list[tuple[list[slice], grpo.LossNorm]]  # mini-batches: micro-batches, normaliser
     old_logp: torch.Tensor | None = None  # (N, C) off-policy only; None: the ratio is exactly 1
     ref_logp: torch.Tensor | None = None  # (N, C) with a KL term (beta > 0) only
+
+    @property
+    def mbs(self) -> list[slice]:
+        """Every micro-batch, mini-batch after mini-batch."""
+        return [mb for part, _ in self.minis for mb in part]
 
 
 @dataclass
@@ -157,10 +163,6 @@ def score(run, idx: list[int]) -> Scored:
     return scored(batch, run.rewards(batch.texts, samples, num_tokens=batch.num_tokens()), samples)
 
 
-def device_of(run) -> torch.device:
-    return next(run.model.parameters()).device
-
-
 def scored(batch: rollout.Rollout, res: RewardResult, samples: list[dict]) -> Scored:
     return Scored(batch, samples, torch.tensor(res.total).float(), res.per_reward, res.errors)
 
@@ -205,13 +207,12 @@ def make_batch(run, kept: Scored) -> Batch:
     minis = mini_batches(run.cfg, ro, mask, kept.total)
     if run.world > 1:  # the normalisers count every process's tokens
         minis = distributed.sum_norms(minis)
-    batch = Batch(ro, adv.to(device_of(run)), mask, keep, minis)
-    mbs = [mb for part, _ in minis for mb in part]
+    batch = Batch(ro, adv.to(ro.completion_ids.device), mask, keep, minis)
     if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
-        batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, mbs)  # (N, C)
+        batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, batch.mbs)  # (N, C)
     if g.beta > 0:
         with reference_mode(run.model, run.ref_copy) as ref:
-            batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, mbs)  # (N, C)
+            batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, batch.mbs)  # (N, C)
     return batch
 
 
@@ -221,14 +222,19 @@ def loss_mask(run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
     mask = batch.completion_mask.clone()  # (N, C)
     if run.cfg.grpo.mask_truncated_completions:
         mask[batch.truncated] = 0
-        if bool(batch.truncated.all()) and not run.warned_all_truncated:
-            run.warned_all_truncated = True
-            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
-                  f"{run.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks "
-                  "them all out: this step trains nothing. Raise max_new_tokens (or set "
-                  "mask_truncated_completions: false).", file=sys.stderr)
+        warn_all_truncated(run, batch)
     mask[torch.isnan(total)] = 0
     return mask
+
+
+def warn_all_truncated(run, batch: rollout.Rollout) -> None:
+    """Once a run: every completion was cut, so mask_truncated_completions trains on nothing."""
+    if bool(batch.truncated.all()) and not run.warned_all_truncated:
+        run.warned_all_truncated = True
+        print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
+              f"{run.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks "
+              "them all out: this step trains nothing. Raise max_new_tokens (or set "
+              "mask_truncated_completions: false).", file=sys.stderr)
 
 
 def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
@@ -237,14 +243,13 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
     loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
     N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
     minis = []
-    for lo in range(0, N, N // k):
-        rows = slice(lo, lo + N // k)
-        part = rollout.select_rows(batch, list(range(N))[rows])
-        mbs = [slice(lo + m.start, lo + m.stop) for m in logprobs.micro_batches(
-            part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        scored_mbs = sum(bool((~skipped[mb]).any()) for mb in mbs)
-        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, int((~skipped[rows]).sum()),
-            int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
+    for rows in (slice(lo, lo + N // k) for lo in range(0, N, N // k)):
+        mbs = [slice(rows.start + m.start, rows.start + m.stop) for m in logprobs.micro_batches(
+            rollout.select_rows(batch, list(range(N))[rows]), cfg.optim.micro_batch_size,
+            cfg.optim.micro_batch_tokens)]  # rows of the batch, whole groups a mini-batch
+        minis.append((mbs, grpo.LossNorm(  # micro-batches that hold a scored completion: bnpo's M
+            cfg.grpo.loss_type, int((~skipped[rows]).sum()), int(mask[rows].sum()),
+            cfg.rollout.max_new_tokens, sum(bool((~skipped[mb]).any()) for mb in mbs))))
     return minis
 
 
@@ -259,13 +264,13 @@ def update(run, batch: Batch) -> Updates:
     """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
     the sum of its micro-batches' shares."""
     s, ro = run.loss, batch.rollout
-    out = Updates(dict.fromkeys(LOSS_TERMS, 0.0), dict.fromkeys(grpo.TIS_SUMS, 0.0))
+    out = Updates(Counter(dict.fromkeys(LOSS_TERMS, 0.0)), dict.fromkeys(grpo.TIS_SUMS, 0.0))
     ids, attn = ro.input_ids, ro.attention_mask  # (N, P + C) each
     run.model.train()
     for it in range(run.cfg.grpo.num_iterations):
         for mbs, norm in batch.minis:
             run.optimizer.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(LOSS_TERMS, 0.0)  # this update's: into the step's when finite
+            sums = Counter(dict.fromkeys(LOSS_TERMS, 0.0))  # this update's; update() adds
             for mb in mbs:
                 logp, C = logprobs.micro_batch_log_probs(run.model, ro, ids, attn, mb,
                                                          run.cfg)  # (n, C)
@@ -280,15 +285,12 @@ def update(run, batch: Batch) -> Updates:
                     ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
                     keep=None if batch.keep is None else batch.keep[mb, :C])
                 (run.scaler.scale(loss) if run.scaler else loss).backward()
-                sums["loss"] += float(loss.detach())
-                for key, v in stats.items():
-                    sums[key] += v
+                sums.update(stats, loss=float(loss.detach()))
             grad_norm, out.lr = optimizer_step(run)
             out.grad_norms.append(grad_norm)
-            if all(math.isfinite(v) for v in sums.values()):
+            if all(math.isfinite(v) for v in sums.values()):  # into the step's sums
                 out.applied += 1
-                for key, v in sums.items():
-                    out.sums[key] += v
+                out.sums.update(sums)
     return out
 
 
@@ -315,8 +317,8 @@ def optimizer_step(run) -> tuple[float, float]:
 
 def clip_gradients(run) -> float:
     """The gradients' norm, clipped to optim.max_grad_norm (0: not clipped)."""
-    max_norm = run.cfg.optim.max_grad_norm if run.cfg.optim.max_grad_norm > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(run.params, max_norm))
+    return float(torch.nn.utils.clip_grad_norm_(run.params,
+                                                run.cfg.optim.max_grad_norm or float("inf")))
 
 
 def skip_schedule_step(run) -> None:
@@ -369,9 +371,8 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
     tokens of the updates whose loss was finite, loss their mean. reward_std is the mean of the
     groups' stds, as in TRL; entropy the mean over the drawn completions' tokens of their sampling
     distributions' entropy (HF generate only); kl only with a reference (beta > 0, as TRL)."""
-    G, sums = run.cfg.rollout.num_generations, updates.sums
-    tok, total, ro = max(sums["tokens"], 1.0), drawn.total, drawn.rollout
-    n_tokens, h = ro.completion_mask.sum(1), ro.entropy
+    G, sums, total, ro = run.cfg.rollout.num_generations, updates.sums, drawn.total, drawn.rollout
+    tok, n_tokens = max(sums["tokens"], 1.0), ro.completion_mask.sum(1)
     scored = total[~torch.isnan(total)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(total, G)  # (B,) each
     zero_std = grpo.zero_std_groups(total, G, run.cfg.grpo.zero_std_tol)
@@ -391,10 +392,10 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
                 "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
     out |= {"completions/mean_length": float(n_tokens.float().mean()),
             "completions/max_length": int(n_tokens.max()),
-            "completions/clipped_ratio": float(ro.truncated.float().mean())}
-    if h is not None:
-        out["entropy"] = float((h * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))
-    out |= grad_norm_metrics(updates.grad_norms)
+            "completions/clipped_ratio": float(ro.truncated.float().mean()),
+            **({} if ro.entropy is None else {"entropy": float(  # HF generate's
+                (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
+            **grad_norm_metrics(updates.grad_norms)}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
     if trained.episodes:  # the trained batch's (resampling: not all drawn)

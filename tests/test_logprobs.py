@@ -74,8 +74,10 @@ def test_each_speed_lever_gives_the_plain_paths_log_probs_and_gradients(kernel, 
     plain, plain_grads = log_probs_and_grads(model, ids, attn, C, weights, kernel=False)
     lp, grads = log_probs_and_grads(model, ids, attn, C, weights, kernel=kernel, fused_head=fused,
                                     share_prompt=share)
-    assert torch.allclose(lp, plain, atol=1e-5) and grads.keys() == plain_grads.keys()
-    assert all(torch.allclose(grads[n], plain_grads[n], atol=1e-6, rtol=1e-4) for n in grads)
+    assert torch.allclose(lp, plain, atol=1e-5) and grads.keys() == plain_grads.keys() and grads
+    # fp32 rounding differs between the paths (~1e-6 of each gradient's largest entry)
+    assert all((grads[n] - plain_grads[n]).abs().max() <= 1e-4 * plain_grads[n].abs().max()
+               for n in grads)
 
 
 def test_position_ids_skip_left_padding():
