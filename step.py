@@ -28,30 +28,37 @@ What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's ow
   LoRA by default (the reference is the base with the adapter off: no copy);
 - a completion cut at max_new_tokens stays in the loss unless grpo.mask_truncated_completions.
 
-Every feature enters the step through one named seam, owned by its module; the count is the most
-lines of the path files (tests/test_layout.py's PATH) that name it, held by tests/test_layout.py:
-  seam            lines  what and where
-  run.sample          1  the sampler chosen at setup: HF generate (rollout.Sampler), merged or
-                         compiled HF (model.MergedSampler, gpu/auto.py), vLLM
-                         (engines/vllm_engine.py)
-  run.sample_and_score 1 multi-turn episodes (engines/episodes.py) or the reward overlap: a slice
-                         scored while the next samples (scoring/pipelined.py)
-  run.engine          2  vLLM: the new weights after the updates (engines/vllm_engine.py)
-  run.world           5  torchrun: counts, gradients and metrics summed over the processes
-                         (parallel/distributed.py)
-  resample_zero_std   1  DAPO dynamic sampling: draw until B groups carry signal
-                         (scoring/dynamic_sampling.py)
-  run.judges          1  judge outage: a step its judge mostly failed is not trained on
-                         (scoring/outage.py)
-  sampler_logp        2  importance weights of a sampler that records its log-probs (vLLM, merged
-                         or compiled HF): grpo.sampler_weight, grpo.tis_metrics
-  reward_aggregation  1  GDPO: each reward normalised in its group before the sum
-                         (rewards.advantage_rewards, grpo.normalize_then_sum)
-  top_entropy_quantile 1 only high-entropy tokens in the policy-gradient term (grpo.py)
+Every feature enters the step through one named seam, owned by its module. `lines`: how many lines
+of the path files (train.py, step.py, rollout.py, rewards.py, answers.py, grpo.py, logprobs.py,
+data.py) name the seam, import lines included; tests/test_layout.py fails above it.
+  seam (its names)                     lines  what and where
+  run.sample                               1  the sampler chosen at setup: HF generate
+                                              (rollout.Sampler), merged or compiled HF
+                                              (model.MergedSampler, gpu/auto.py), vLLM
+                                              (engines/vllm_engine.py)
+  run.sample_and_score                     2  multi-turn episodes (engines/episodes.py), or the
+                                              reward overlap: a slice scored while the next one
+                                              samples (scoring/pipelined.py)
+  run.engine                               2  vLLM: the new weights after the updates
+  run.world, distributed                  17  torchrun: counts, gradients and metrics summed over
+                                              the processes (parallel/distributed.py); train.py:
+                                              rank 0 writes the run's files
+  resample_zero_std, dynamic_sampling      3  DAPO dynamic sampling: draw until B groups carry
+                                              signal (scoring/dynamic_sampling.py)
+  run.judges, outage                       6  a step its judge mostly failed is not trained on;
+                                              train.py waits for a judge that is down
+                                              (scoring/outage.py)
+  sampler_weight, tis_metrics, TIS_SUMS    6  importance weights against a sampler that records
+                                              its log-probs (vLLM, merged or compiled HF; grpo.py)
+  reward_aggregation, advantage_rewards    4  GDPO: each reward normalised in its group before the
+                                              sum (rewards.py, grpo.normalize_then_sum)
+  top_entropy_quantile, high_entropy_mask  3  only high-entropy tokens in the policy-gradient term
+  episodes.episode_metrics                 1  multi-turn episodes' metrics (engines/episodes.py)
+  source_metrics                           2  a mixture's per-source metrics (scoring/metrics.py)
+  run.scaler, scaled_step                  8  fp16: the GradScaler scales the loss and steps
 The step's own flags, each a line here: grpo.num_mini_batches (whole groups shuffled into
 mini-batches), num_iterations > 1 and beta > 0 (the old and reference log-probs, taken once),
-mask_truncated_completions, delta (its metric), the fp16 GradScaler (run.scaler), a mixture's
-per-source metrics (len(run.source_labels) > 1), episodes' metrics (trained.episodes).
+mask_truncated_completions, delta (its metric).
 """
 from __future__ import annotations
 
