@@ -145,7 +145,9 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop
+                waited = time.monotonic()
                 code = policy.judge_outage(r, args, decision.wait_for, step, rules.clock)
+                show.pause(time.monotonic() - waited)  # the pace's eta leaves the wait out
                 if code is not None:
                     return code
             for judge in decision.said_down:

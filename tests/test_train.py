@@ -84,11 +84,12 @@ def test_outside_a_terminal_the_loading_the_first_step_and_the_pace_with_eta_are
     assert [ln.split(" | ")[0] for ln in out.splitlines()] == ["step 1/3", "step 2/3", "step 3/3"]
     said = [ln for ln in err.splitlines() if ln.startswith("[minigrpo]")]
     assert said[0].startswith(f"[minigrpo] loading {train_model(cfg)} on cpu (torch.float32)")
-    assert said[2] == ("[minigrpo] step 1/3: sampling 2 prompts x 4 completions of up to 8 tokens, "
+    assert said[1].startswith("[minigrpo] chosen for this CPU: grpo.share_prompt=true")
+    assert said[3] == ("[minigrpo] step 1/3: sampling 2 prompts x 4 completions of up to 8 tokens, "
                        "scoring them, updating; the first step warms up, so it is the slowest")
     pace = [ln for ln in said if " elapsed | " in ln]
     assert [ln.split(" | ")[0] for ln in pace] == ["[minigrpo] step 1/3", "[minigrpo] step 2/3"]
-    assert pace[0].endswith("s/step (the first: warm-up) | eta " + pace[0].rsplit(" ", 1)[1])
+    assert re.search(r"the first step took \d+\.\d s \(warm-up\): eta after the next$", pace[0])
     assert re.fullmatch(r"\[minigrpo\] step 2/3 \| \d+s elapsed \| \d+\.\d s/step \| eta \d+s"
                         r"( \| first step \+\d+s \(warm-up\))?", pace[1])  # its extra, if >= 1 s
 
@@ -100,11 +101,21 @@ def train_model(cfg_path) -> str:
 def test_the_pace_line_says_when_run_max_minutes_stops_the_run_before_its_last_step():
     t = iter([0.0, 60.0, 120.0])  # started 30 s before the loop; steps of 60 s
     pace = display.Pace(100, 0, started=-30.0, max_minutes=3, every_s=0, clock=lambda: next(t))
-    assert pace.line(1).endswith("eta 1h39m; run.max_minutes=3 stops it in about 1m30s, near "
-                                 "step 2 (--resume continues)")
+    assert pace.line(1).endswith("the first step took 60.0 s (warm-up): eta after the next")
     assert pace.line(2) == ("[minigrpo] step 2/100 | 2m30s elapsed | 60.0 s/step | eta 1h38m; "
                             "run.max_minutes=3 stops it in about 30s, near step 2 (--resume "
                             "continues)")
+
+
+def test_the_pace_leaves_out_the_warm_up_and_the_judge_waits():
+    """A 90 s first step and steps of 10 s: no eta from the warm-up, and a 20-minute wait for a
+    judge does not make a step look slower (issue 44: "eta 58m35s" for a 5-minute run)."""
+    t = iter([0.0, 90.0, 100.0, 1310.0])
+    pace = display.Pace(30, 0, started=0.0, every_s=0, clock=lambda: next(t))
+    assert "eta" not in pace.line(1).split(":")[0] and pace.line(1 + 1).endswith(
+        "10.0 s/step | eta 4m40s | first step +1m20s (warm-up)")
+    pace.pause(1200.0)
+    assert " 10.0 s/step | eta 4m30s" in pace.line(3)
 
 
 def test_on_a_terminal_the_first_steps_one_time_cost_is_said_once(capsys):
