@@ -3,7 +3,7 @@ kept out of the loop. setup() checks the config, data, judges, model and run dir
 ConfigError, before anything is written) and builds the Run: the policy, optimizer, schedule, data
 order, resume state; stop_on_error() ends a run one line at a time.
 
-    r = setup(args, overrides)            # a step.Run, or ConfigError naming what to fix
+    r = setup(args, overrides)            # a run/state.Run (prepared), or ConfigError: what to fix
     print(dry_run_report(r))              # --dry-run: the first row as the model sees it
 """
 from __future__ import annotations

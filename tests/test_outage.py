@@ -23,7 +23,7 @@ def server():
 
 
 def fake_run(server, **run_cfg) -> types.SimpleNamespace:
-    """What minis_to_train reads of a step.Run: its judges, config, schedule, step and world."""
+    """What minis_to_train reads of a Run: its judges, config, schedule, step and world."""
     cfg = Config()
     for k, v in run_cfg.items():
         setattr(cfg.run, k, v)
