@@ -268,10 +268,14 @@ class GrpoConfig:
     #   SmolLM2's 49,152); see logprobs.py
     fused_lm_head: bool = False  # log-probs from hidden states chunk by chunk: the (N, C, V) logits
     #   never exist (GPU memory)
-    share_prompt: bool | Literal["auto"] = "auto"  # run each prompt through the model once per
-    #   group, not G times (see logprobs.py): true: in the sampling prefill and the loss forward;
-    #   auto: the prefill always, the loss forward on CPU only (on a GPU its second pass costs more
-    #   kernel launches than it saves at short prompts: bench/RESULTS.md); false: never
+    logprob_kernel: bool | Literal["auto"] = "auto"  # the loss's log-probs by the hand-written
+    #   log-softmax (logprobs.selective_log_probs: fp32 chunks, its backward written out: one fp32
+    #   chunk of logits at a time) instead of log_softmax and gather; auto: on (gpu/auto.py)
+    share_prompt: bool | Literal["auto", "prefill"] = "auto"  # run each prompt through the model
+    #   once per group, not G times (see logprobs.py): true: in the sampling prefill and the loss
+    #   forward; prefill: the sampling prefill only; auto: true on CPU, prefill on a GPU (there the
+    #   loss's second pass costs more kernel launches than it saves at short prompts:
+    #   bench/RESULTS.md), chosen at setup (gpu/auto.py); false: never
     top_entropy_quantile: float = 1.0  # policy gradient only on the step's top share of tokens by
     #   sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
     delta: float = 0.0  # two-sided clip (INTELLECT-2): with A < 0 the ratio is also capped at delta

@@ -527,8 +527,10 @@ class PromptSampler:
         return [x / (sum(w) or 1.0) for x in w]
 
     def _source(self, p: int) -> int:
-        if len(self.sizes) == 1:
-            return 0
+        return 0 if len(self.sizes) == 1 else self._mixture_source(p)
+
+    def _mixture_source(self, p: int) -> int:
+        """The source of global draw p: by a uniform seeded on (seed, p), each with its weight."""
         w = self._now()
         u, acc = random.Random(f"{self.seed}:{p}").random() * sum(w), 0.0
         for s, ws in enumerate(w):

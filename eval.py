@@ -82,7 +82,7 @@ from rewards import (
 from scoring.checks import check_rows, open_rewards, open_scoring
 from scoring.metrics import failed_prompts, majority_accuracy, model_metrics, per_source_metrics
 from settings.typed_config import check_writable
-from sources import overlap
+from sources import seen_prompts
 from sources.entries import ModelEntry, parse_model_entries, trained_on_held_out
 from sources.hub import resolve_model_path
 
@@ -327,7 +327,7 @@ class Plan:
     judges: dict[str, Judge]  # for judge-based rewards, by name ("judge": the judge: section)
     api: dict[str, Judge]  # entry name -> client, for api: entries
     tokenizer: object  # the base's tokenizer, counts API completion tokens (None if no api entries)
-    # entry name -> held-out rows its runs trained on (sources/overlap.py)
+    # entry name -> held-out rows its runs trained on (sources/seen_prompts.py)
     trained_on: dict[str, int] = field(default_factory=dict)
 
 
@@ -361,12 +361,12 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
     # entry name -> how many held-out rows its runs trained on; entries with no record
     trained_on, unknown = {}, []
     for e in [e for e in entries if e.kind in ("adapter", "full")]:
-        if (record := overlap.recorded_file(e.target)) is None:
+        if (record := seen_prompts.recorded_file(e.target)) is None:
             unknown.append(e.name)
             # another tool's: by config
             if e.kind == "adapter" and (seen := trained_on_held_out(Path(e.target), cfg)):
                 print(f"[eval] warning: {e.name} {seen}", file=sys.stderr)
-        elif k := overlap.count(rows, overlap.read(record)):  # by content
+        elif k := seen_prompts.count(rows, seen_prompts.read(record)):  # by content
             trained_on[e.name] = k
             print(f"[eval] warning: {e.name} was trained on {k} of the {len(rows)} held-out "
                   f"prompts (the same text, {record}): its numbers on them overstate what "

@@ -144,13 +144,15 @@ class LossSettings:
     delta: float = 0.0  # two-sided clip: with A < 0, rho is capped at delta too (0: off)
     cispo_cap: float | None = None  # CISPO: a detached min(rho, cap) weight instead of the clip
     sequence: bool = False  # GSPO: one ratio per completion instead of one per token
+    tis_cap: float = 0.0  # weights against a sampler's log-probs (sampler_weight); 0: off
+    tis_mode: str = "token_truncate"  # one of TIS_MODES
 
     @classmethod
     def of(cls, g) -> LossSettings:
         """From the config's grpo section (config.GrpoConfig)."""
         return cls(g.epsilon, g.epsilon_high, g.beta, g.delta,
                    g.cispo_cap if g.policy_loss == "cispo" else None,
-                   g.importance_sampling_level == "sequence")
+                   g.importance_sampling_level == "sequence", g.tis_cap, g.tis_mode)
 
 
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
@@ -163,7 +165,7 @@ def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv:
       delta > 0        rho_t A -> min(rho_t, delta) A                   (INTELLECT-2 two-sided clip)
       cispo_cap        l_t = -k_t w_t sg(min(rho_t, cap)) A logp_t + beta KL_t            (CISPO)
       sequence         rho_i = exp(mean over completion i's mask of log rho_t), every token (GSPO)
-    w_t: the detached importance weight of another sampler (vllm_engine.sampler_weight), else 1;
+    w_t: the detached importance weight of the sampler (sampler_weight, below), else 1;
     k_t: 0/1 from `keep` (high_entropy_mask), else 1: a dropped token keeps its KL term.
     With old_logp = logp.detach() (on-policy) rho is 1 in value but still carries d logp: the loss
     value is about -mean(A) + beta KL while the policy learns, so a loss near 0 is normal.
@@ -213,14 +215,14 @@ def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
     N = sequences in the step. Only bnpo depends on how the step is split into micro-batches.
     """
     masked = torch.where(mask.bool(), loss_tok, torch.zeros_like(loss_tok))  # (n, C)
+    if norm.loss_type == "dapo":
+        return masked.sum() / max(norm.num_tokens, 1)
     if norm.loss_type == "grpo":
         return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(norm.num_sequences, 1)
     if norm.loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1) / max(norm.num_micro_batches, 1)
     if norm.loss_type == "dr_grpo":
         return masked.sum() / (max(norm.num_sequences, 1) * norm.max_completion_length)
-    if norm.loss_type == "dapo":
-        return masked.sum() / max(norm.num_tokens, 1)
     raise ValueError(f"unknown loss_type {norm.loss_type!r}")
 
 
@@ -251,3 +253,65 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
                  "clip_low_sum": float(low[m].sum()), "clip_high_sum": float(high[m].sum()),
                  "clip_delta_sum": float(past_delta[m].sum()), "kl_sum": float(kl[m].sum())}
     return aggregate(loss_tok, mask, norm), stats
+
+
+# ------------------------------------------- importance weights: a sampler that records log-probs
+# vLLM, or HF generate merged or compiled, samples from a slightly different distribution than the
+# trainer's forward computes; with grpo.tis_cap each token's term is weighted by pi_old / pi_sampler
+# (truncated importance sampling, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+# Off-Policy RL Training").
+
+TIS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # as in TRL
+
+
+def sampler_weight(old: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float,
+                   sums: dict | None, mode: str = "token_truncate") -> Tensor | None:
+    """Importance weight of the trainer's policy against the sampler's (None when cap is 0: off),
+    old, sampler_logp, mask (n, C) -> (n, C), the ratio rho = pi_old / pi_sampler taken per token
+    (token_*) or per completion, the product over its tokens (sequence_*, same for each of them):
+
+        *_truncate   min(rho, cap)                 TIS: a large ratio counts as cap
+        *_mask       rho where rho <= cap, else 0  MIS: tokens (completions) past cap leave the loss
+
+    `sums` given (the first iteration, for the step's metrics): adds to it "tokens" and "abs_diff"
+    (the masked tokens' |log pi_old - log pi_sampler|) and, with a cap, "units" (tokens, or in
+    sequence modes completions, as TRL counts them), "weight" (their weights) and "capped" (those
+    capped or masked)."""
+    if mode not in TIS_MODES:
+        raise ValueError(f"grpo.tis_mode must be one of {', '.join(TIS_MODES)}, got {mode!r}")
+    # (n, C) a log-prob the sampler did not give: ratio 1, as TRL
+    diff = torch.nan_to_num(old - sampler_logp, nan=0.0)
+    weight = None
+    if cap:
+        log_rho = torch.where(mask.bool(), diff, 0.0)  # (n, C) padding leaves the product alone
+        if mode.startswith("sequence"):
+            log_rho = log_rho.sum(1, keepdim=True).expand_as(diff)  # (n, C) one per completion
+        rho = torch.exp(log_rho)
+        weight = (torch.clamp(rho, max=cap) if mode.endswith("truncate")
+                  else torch.where(rho > cap, 0.0, rho))
+        past = rho >= cap if mode.endswith("truncate") else rho > cap  # (n, C)
+    if sums is not None:
+        m = mask.bool()
+        sums["tokens"] += float(m.sum())
+        sums["abs_diff"] += float(diff.abs()[m].sum())
+        if weight is not None:
+            rows = m.any(1)  # (n,) completions with a token in the loss
+            per_row = mode.startswith("sequence")
+            sums["units"] += float(rows.sum()) if per_row else float(m.sum())
+            sums["weight"] += float(weight[rows, 0].sum()) if per_row else float(weight[m].sum())
+            sums["capped"] += float(past[rows, 0].sum()) if per_row else float(past[m].sum())
+    return weight
+
+
+TIS_SUMS = ("tokens", "abs_diff", "units", "weight", "capped")  # what sampler_weight adds up
+
+
+def tis_metrics(sums: dict, cap: float) -> dict:
+    """sampler_logp_abs_diff: the sampler's mean distance to the trainer's log-probs; with a cap,
+    tis/*: the mean importance weight and the share capped (or masked)."""
+    out = {"sampler_logp_abs_diff": sums["abs_diff"] / max(sums["tokens"], 1.0)}
+    if cap:
+        units = max(sums["units"], 1.0)
+        out |= {"tis/weight_mean": sums["weight"] / units,
+                "tis/capped_frac": sums["capped"] / units}
+    return out

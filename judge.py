@@ -312,7 +312,7 @@ def group_judge(completions: list[str], samples: list[dict], *, judge: Judge,
     whole group (NaN each: its fallback; judge_unusable counts the request), never a made-up score.
     Identical completions get the mean of their scores, as a rule reward would give them one. The
     request holds the group's text, so the judge's cache answers a rerun; its counters and the
-    failed-share, outage and unusable rules (api/outage.py) count requests, one a group.
+    failed-share, outage and unusable rules (scoring/outage.py) count requests, one a group.
     """
     text, cfg = load_template(template), judge.cfg
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}

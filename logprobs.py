@@ -2,15 +2,20 @@
 
     logp = sequence_log_probs(model, input_ids, attention_mask, C, temperature)   # (N, C) fp32
 
-Only the chosen tokens' log-probs are ever computed: log softmax(logits / T)[id] = logits[id] / T -
-logsumexp(logits / T), in row chunks with the backward written out, or straight from the last hidden
-states without the (N, T, V) logits (grpo.fused_lm_head), both below (the kernels). Positions
-skip left padding; grpo.share_prompt runs a group's prompt through the model once.
+The plain path: the model's logits at the C completion positions, log_softmax(logits / T), and the
+sampled token's entry gathered. Positions skip left padding. Its speed levers, chosen at setup
+(gpu/auto.py, named on the "chosen for this machine" line) and each the same values up to float
+rounding (tests/test_logprobs.py, tests/test_share_prompt.py), enter through one seam
+(lean_log_probs): grpo.logprob_kernel computes only the chosen tokens' log-probs,
+logits[id] / T - logsumexp(logits / T), in row chunks with the backward written out;
+grpo.fused_lm_head goes straight from the last hidden states without the (N, T, V) logits (both
+below: the kernels); grpo.share_prompt runs a group's prompt through the model once.
 Shapes: N = B prompts x G completions, P = prompt length, C = completion length, V = vocab.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -21,30 +26,17 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def share_prompt_in_loss(setting: bool | str, device: torch.device) -> bool:
-    """grpo.share_prompt for the loss forward: true or false as set; "auto" shares on CPU only.
-    Sharing runs a micro-batch through the model twice (the prompts, then the completions on their
-    cache), doubling its kernel launches (25k vs 12k aten operators for Qwen3-0.6B's 28 layers,
-    counted on CPU: bench/gpu_h100/op_count_cpu.log). A CPU is bound by arithmetic, so the prompt
-    work saved wins there (0.64x the training time at 45-token prompts); a GPU on a small model is
-    bound by launches, and on an H100 (same model and prompts) minigrpo's training took 2.5x TRL's
-    with it on. The sampling prefill shares unless it is false: one extra forward per rollout."""
-    return setting is True or (setting == "auto" and device.type != "cuda")
-
-
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                        temperature: float = 1.0, chunk: int = 0, fused_head: bool = False,
-                       share_prompt: bool = False) -> Tensor:
+                       share_prompt: bool = False, kernel: bool = True) -> Tensor:
     """log softmax(logits / T)[token], the tempered policy's log-prob of each of the last
     `num_completion` tokens of each row given its prefix: (N, num_completion).
 
     The attention mask and left-padding-aware position ids are always passed (RoPE hides a wrong
     position, absolute-position models do not); only the C logits that score a token are
-    computed (`logits_to_keep`). fused_head (grpo.fused_lm_head): the decoder's hidden states go
-    through the output head chunk by chunk (_FusedHeadLogSoftmax), so the (N, C, V) logits never
-    exist; models whose head is not plain (plain_output_head) take the usual path. share_prompt
-    (grpo.share_prompt): rows with the same prompt run it through the model once
-    (_shared_prompt_log_probs); the same values up to float rounding.
+    computed (`logits_to_keep`). With every lever off (kernel, fused_head, share_prompt: the
+    step's come from grpo.logprob_kernel, fused_lm_head, share_prompt) the plain path below runs;
+    else lean_log_probs, the same values up to float rounding.
     input_ids, attention_mask: (N, P + C) -> (N, C) fp32.
     """
     assert input_ids.shape[1] > num_completion, \
@@ -53,18 +45,41 @@ def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_com
     # C positions j whose logits predict token j + 1, contiguous (a [:, :-1] slice would copy them)
     inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                   position_ids=position_ids(attention_mask)[:, :-1], use_cache=False)
-    ids = input_ids[:, -num_completion:]  # (N, C)
+    if kernel or fused_head or share_prompt:  # speed levers, chosen at setup (gpu/auto.py)
+        return lean_log_probs(model, inputs, input_ids, attention_mask, num_completion,
+                              temperature, chunk, fused_head, share_prompt, kernel)
+    logits = model(**inputs, logits_to_keep=num_completion).logits  # (N, C, V)
+    return token_log_probs(logits, input_ids[:, -num_completion:], temperature)  # (N, C)
+
+
+def token_log_probs(logits: Tensor, ids: Tensor, temperature: float, chunk: int = 0) -> Tensor:
+    """log softmax(logits / T)[ids] in fp32, the plain way: (N, C, V), (N, C) -> (N, C). (chunk:
+    selective_log_probs's, unused here.)"""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, C, V)
+    return logp.gather(-1, ids[..., None])[..., 0]  # (N, C): each sampled token's entry
+
+
+def lean_log_probs(model, inputs: dict, input_ids: Tensor, attention_mask: Tensor, C: int,
+                   temperature: float, chunk: int, fused_head: bool, share_prompt: bool,
+                   kernel: bool) -> Tensor:
+    """sequence_log_probs through its speed levers. kernel (grpo.logprob_kernel): the log-probs by
+    selective_log_probs, fp32 chunks with the backward written out. fused_head
+    (grpo.fused_lm_head): the decoder's hidden states go through the output head chunk by chunk
+    (_FusedHeadLogSoftmax), so the (N, C, V) logits never exist; models whose head is not plain
+    (plain_output_head) take the usual path. share_prompt (grpo.share_prompt): rows with the same
+    prompt run it through the model once (_shared_prompt_log_probs)."""
+    pick = selective_log_probs if kernel else token_log_probs
+    ids = input_ids[:, -C:]  # (N, C)
     head = plain_output_head(model) if fused_head else None
     if share_prompt:
-        logp = _shared_prompt_log_probs(model, input_ids, attention_mask, num_completion,
-                                        temperature, chunk, head)
+        logp = _shared_prompt_log_probs(model, input_ids, attention_mask, C, temperature, chunk,
+                                        head, pick)
         if logp is not None:
             return logp
     if head is not None:
-        hidden = model.get_decoder()(**inputs).last_hidden_state[:, -num_completion:]  # (N, C, H)
+        hidden = model.get_decoder()(**inputs).last_hidden_state[:, -C:]  # (N, C, H)
         return fused_head_log_probs(hidden, head, ids, temperature, chunk)  # (N, C)
-    out = model(**inputs, logits_to_keep=num_completion)
-    return selective_log_probs(out.logits, ids, temperature, chunk)  # (N, C)
+    return pick(model(**inputs, logits_to_keep=C).logits, ids, temperature, chunk)  # (N, C)
 
 
 SHARED_ATTENTION = ("sdpa", "eager")  # attention implementations prompt sharing is tested with
@@ -86,7 +101,8 @@ def prompt_cache(model):
 
 
 def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C: int,
-        temperature: float, chunk: int, head: nn.Linear | None) -> Tensor | None:
+        temperature: float, chunk: int, head: nn.Linear | None,
+        pick: Callable = None) -> Tensor | None:
     """sequence_log_probs with each distinct prompt run through the model once (grpo.share_prompt).
 
     A group's G rows share their prompt, so a plain forward computes the same P prompt positions
@@ -101,8 +117,10 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
     Attention mask and positions are those of the full rows, so each token sees exactly what it
     sees in one pass. Returns None (the caller takes the one-pass path) when no two rows share a
     prompt, under gradient checkpointing (HF drops the cache there), or when the model's cache or
-    attention is not one it is tested with (prompt_cache).
+    attention is not one it is tested with (prompt_cache). pick: logits -> log-probs
+    (selective_log_probs, the default, or token_log_probs).
     """
+    pick = pick or selective_log_probs
     N, W = input_ids.shape
     P = W - C
     key = torch.cat([input_ids[:, :P], attention_mask[:, :P].to(input_ids.dtype)], dim=1)  # (N, 2P)
@@ -128,12 +146,12 @@ def _shared_prompt_log_probs(model, input_ids: Tensor, attention_mask: Tensor, C
             cache.batch_select_indices(inv)
             hidden = torch.cat([hidden, decoder(**rest_in).last_hidden_state], dim=1)  # (N, C, H)
         return fused_head_log_probs(hidden, head, ids, temperature, chunk)  # (N, C)
-    first = selective_log_probs(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1],
-                                temperature, chunk)  # (N, 1)
+    first = pick(model(**first_in, logits_to_keep=1).logits[inv], ids[:, :1],
+                 temperature, chunk)  # (N, 1)
     if C == 1:
         return first
     cache.batch_select_indices(inv)
-    rest = selective_log_probs(model(**rest_in).logits, ids[:, 1:], temperature, chunk)  # (N, C-1)
+    rest = pick(model(**rest_in).logits, ids[:, 1:], temperature, chunk)  # (N, C - 1)
     return torch.cat([first, rest], dim=1)  # (N, C)
 
 
@@ -141,12 +159,10 @@ def trim(input_ids: Tensor, attention_mask: Tensor,
          completion_mask: Tensor) -> tuple[Tensor, Tensor, int]:
     """Drop all-padding columns of a micro-batch: leading prompt pads and completion columns past
     the longest completion. Causal attention makes the result identical. -> (ids, attn, C kept)."""
-    C_all = completion_mask.shape[1]
-    P = attention_mask.shape[1] - C_all  # prompt columns
+    P = attention_mask.shape[1] - completion_mask.shape[1]  # prompt columns
     C = max(int(attention_mask[:, P:].sum(1).max()), 1)  # an episode's env tokens count too
     start = int((attention_mask[:, :P].sum(0) > 0).long().argmax()) if P > 0 else 0
-    end = P + C
-    return input_ids[:, start:end], attention_mask[:, start:end], C
+    return input_ids[:, start:P + C], attention_mask[:, start:P + C], C
 
 
 # ---------------------------------------------------------------- per micro-batch, in the step
@@ -164,8 +180,15 @@ def micro_batches(batch, size: int, max_tokens: int = 0,
     replies, which one loss term joins)."""
     n = batch.completion_ids.shape[0]
     size = max(size // group, 1) * group
-    if not max_tokens:
-        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+    if max_tokens:
+        return token_budget_slices(batch, size, max_tokens, group)
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def token_budget_slices(batch, size: int, max_tokens: int, group: int) -> list[slice]:
+    """micro_batches under optim.micro_batch_tokens: rows x (longest prompt + longest completion)
+    at most max_tokens a micro-batch, and at most `size` rows."""
+    n = batch.completion_ids.shape[0]
     p_len, c_len = batch.prompt_mask.sum(1).tolist(), batch.completion_mask.sum(1).tolist()
     out, start = [], 0
     # do rows i .. i + group - 1 still fit in the micro-batch that starts at `start`?
@@ -183,11 +206,11 @@ def micro_batch_log_probs(model, batch, ids, attn, mb: slice, cfg,
     """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
     The temperature is the sampler's (rollout.temperature) unless given."""
     i, a, C = trim(ids[mb], attn[mb], batch.completion_mask[mb])
-    T = cfg.rollout.temperature if temperature is None else temperature
-    share = share_prompt_in_loss(cfg.grpo.share_prompt, i.device)
+    g, T = cfg.grpo, cfg.rollout.temperature if temperature is None else temperature
     with mixed_precision(model):  # bf16/fp16 matmuls over a 16-bit base; nothing on an fp32 model
-        return sequence_log_probs(model, i, a, C, T, cfg.grpo.logprob_chunk,
-                                           cfg.grpo.fused_lm_head, share), C
+        return sequence_log_probs(  # the levers as gpu/auto.py chose them at setup
+            model, i, a, C, T, g.logprob_chunk, g.fused_lm_head,
+            share_prompt=g.share_prompt is True, kernel=g.logprob_kernel is not False), C
 
 
 @torch.no_grad()
@@ -221,6 +244,11 @@ def mixed_precision(model: nn.Module, device_type: str | None = None):
     trained = any(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     if frozen is None or not trained:
         return contextlib.nullcontext()
+    return _autocast(model, frozen, device_type)
+
+
+def _autocast(model: nn.Module, frozen: torch.dtype, device_type: str | None):
+    """mixed_precision's autocast in the frozen weights' dtype, peft's input casts off."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device_type or next(model.parameters()).device.type,
                                        dtype=frozen))

@@ -267,6 +267,18 @@ def reference_mode(model: nn.Module, frozen_copy: nn.Module | None = None):
     return contextlib.nullcontext(frozen_copy)
 
 
+class MergedSampler:
+    """rollout.merged_sampling: a sampler (rollout.Sampler) that samples with the LoRA update folded
+    into the base weights (merged_for_sampling); the same call as the sampler it wraps."""
+
+    def __init__(self, sample):
+        self.sample, self.model = sample, sample.model
+
+    def __call__(self, prompts: list[str], on_slice=None):
+        with merged_for_sampling(self.model):
+            return self.sample(prompts, on_slice)
+
+
 @contextlib.contextmanager
 def merged_for_sampling(model: nn.Module):
     """Sample with each plain LoRA layer's update folded into its base weight and that layer's

@@ -40,7 +40,7 @@ import numbers
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -248,92 +248,149 @@ class RewardResult:
 def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
                     num_tokens: list[int] | None = None, episodes: list | None = None,
                     context: dict | None = None) -> RewardResult:
-    """Score N completions with every reward; per-sample failures become the spec's fallback.
+    """Score N completions with every reward, prepared for this one call (a run prepares its
+    rewards once: prepare_rewards); per-sample failures become the spec's fallback."""
+    given = [k for k, v in (("num_tokens", num_tokens), ("episode", episodes)) if v is not None]
+    return prepare_rewards(specs, context or {}, given)(completions, samples,
+                                                        num_tokens=num_tokens, episodes=episodes)
+
+
+@dataclass
+class Rewards:
+    """A run's rewards resolved once (prepare_rewards): each spec's function, its keyword arguments
+    (args, and the context it asks for) and the per-completion values it takes.
+
+        score = prepare_rewards(cfg.rewards, context, given=("num_tokens",))   # at setup
+        res = score(texts, samples, num_tokens=lengths)                        # each step
+
+    res.total_i = sum_k weight_k * r_k(completion_i, sample_i)   (weighted_sum)
     Rewards calling different judges run at the same time (each judge's in config order, so its
     cache answers its later entries): a second judge does not wait for the first."""
-    n, context = len(completions), context or {}
-    if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
-        raise ValueError(f"got {n} completions, {len(samples)} samples and "
-                         f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; "
-                         "they must match")
-    keys = reward_keys(specs)
-    have = {"num_tokens": num_tokens, "episode": episodes}
-    calls = [_prepare(spec, key, context, have) for spec, key in zip(specs, keys)]
-    errors = dict.fromkeys(keys, 0)
+    specs: list[RewardSpec]
+    keys: list[str]  # reward_keys(specs)
+    calls: list[tuple[Callable, bool, dict, list[str]]]  # _prepare's, one a spec
+    lanes: list[list[int]] | None  # the specs by judge, run at the same time; None: in order
 
-    def values_of(k: int) -> list[float | None]:
-        (fn, batched, kwargs, wants), spec, key = calls[k], specs[k], keys[k]
+    def __call__(self, completions: list[str], samples: list[dict], *,
+                 num_tokens: list[int] | None = None, episodes: list | None = None) -> RewardResult:
+        n = len(completions)
+        if len(samples) != n or (num_tokens is not None and len(num_tokens) != n):
+            raise ValueError(f"got {n} completions, {len(samples)} samples and "
+                             f"{'no' if num_tokens is None else len(num_tokens)} num_tokens; "
+                             "they must match")
+        have, errors = {"num_tokens": num_tokens, "episode": episodes}, dict.fromkeys(self.keys, 0)
+        if self.lanes:  # judges at the same time: scoring/checks.py's lanes
+            values = by_judge(self, completions, samples, have, errors)
+        else:
+            values = [reward_values(self, k, completions, samples, have, errors)
+                      for k in range(len(self.specs))]
+        return weighted_sum(self.specs, self.keys, values, errors, n)
 
-        def fail(err: Exception, completion: str, sample: dict) -> float:
-            # a refused key, an unknown model, a reward model too big for the GPU: every later call
-            # fails too
-            if isinstance(err, (JudgeUnusable, torch.OutOfMemoryError)):
-                raise err
-            errors[key] += 1
-            if key not in _LOGGED:
-                _LOGGED.add(key)
-                log.warning("reward %r failed (%s), using fallback %s; later failures are only "
-                            "counted. sample=%s completion=%s", key,
-                            str(err) if isinstance(err, _NoValue) else one_line(err), spec.fallback,
-                            _short(sample), _short(completion),
-                            exc_info=None if isinstance(err, _NoValue) else err)
-            return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped, see below
 
-        values: list[float | None] = []
-        if batched:
-            try:
-                out = fn(completions, samples, **kwargs, **{w: have[w] for w in wants})
-                if not isinstance(out, (list, tuple)) or len(out) != n:
-                    raise TypeError(f"batched reward returned {_short(out, 80)}; "
-                                    f"expected a list of {n} values")
-            except Exception as err:
-                value = fail(err, completions[0] if n else "", samples[0] if n else {})
-                errors[key] += n - 1 if n else 0  # the whole batch got the fallback: each counts
-                return [value] * n
-            for value, completion, sample in zip(out, completions, samples):
-                try:
-                    values.append(_as_reward(value))
-                except TypeError as err:
-                    values.append(fail(err, completion, sample))
-            return values
-        for i, (completion, sample) in enumerate(zip(completions, samples)):
-            try:
-                extra = {w: have[w][i] for w in wants}
-                values.append(_as_reward(fn(completion, sample, **kwargs, **extra)))
-            except Exception as err:
-                values.append(fail(err, completion, sample))
-        return values
-
-    # One lane per judge (by identity) and one (None) for the rest; a reward that takes `judges` may
-    # call any of them, so then nothing runs at once (a Judge serves one event loop at a time).
-    lanes: dict[int | None, list[int]] = {}
-    for k, (_, _, kwargs, _) in enumerate(calls):
-        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else None, []).append(k)
-    values: list = [None] * len(specs)
-
-    def run(lane: list[int]) -> None:
-        for k in lane:
-            values[k] = values_of(k)
-    if (sum(key is not None for key in lanes) > 1
-            and not any("judges" in kwargs for _, _, kwargs, _ in calls)):
-        futures = [in_background(functools.partial(run, lane)) for lane in lanes.values()]
-        concurrent.futures.wait(futures)  # every lane done before anything is raised or returned
-        for future in futures:
-            future.result()  # raises what its lane raised
-    else:
-        run(list(range(len(specs))))
+def weighted_sum(specs: list[RewardSpec], keys: list[str], values: list[list],
+                 errors: dict[str, int], n: int) -> RewardResult:
+    """total_i = sum_k weight_k * values[k][i]; a None value adds 0. A skipped value (NaN, only from
+    fallback: skip) is logged as missing and makes the total NaN, unless its weight is 0 (an entry
+    that is only logged)."""
     result = RewardResult(total=[0.0] * n, per_reward={}, errors=errors)
     for spec, key, vals in zip(specs, keys, values):
-        # a skipped value (NaN, only from fallback: skip) is logged as missing and makes the total
-        # NaN, unless its weight is 0 (an entry that is only logged)
         result.per_reward[key] = [None if v is not None and math.isnan(v) else v for v in vals]
         result.total = [t if v is None or (spec.weight == 0 and math.isnan(v))
                         else t + spec.weight * v for t, v in zip(result.total, vals)]
     return result
 
 
+def prepare_rewards(specs: list[RewardSpec], context: dict,
+                    given: Sequence[str] = ("num_tokens",)) -> Rewards:
+    """The specs resolved once: functions, signatures, keys and judges' lanes; `given`: the
+    PER_COMPLETION values the calls will pass. ValueError on a misconfiguration."""
+    keys = reward_keys(specs)
+    calls = [_prepare(spec, key, context, set(given)) for spec, key in zip(specs, keys)]
+    # One lane per judge (by identity) and one (None) for the rest; a reward that takes `judges` may
+    # call any of them, so then nothing runs at once (a Judge serves one event loop at a time).
+    lanes: dict[int | None, list[int]] = {}
+    for k, (_, _, kwargs, _) in enumerate(calls):
+        lanes.setdefault(id(kwargs["judge"]) if "judge" in kwargs else None, []).append(k)
+    parallel = (sum(key is not None for key in lanes) > 1
+                and not any("judges" in kwargs for _, _, kwargs, _ in calls))
+    return Rewards(list(specs), keys, calls, list(lanes.values()) if parallel else None)
+
+
+def by_judge(rw: Rewards, completions: list[str], samples: list[dict], have: dict,
+             errors: dict[str, int]) -> list[list]:
+    """reward_values of every spec, each judge's lane in its own thread."""
+    values: list = [None] * len(rw.specs)
+
+    def run(lane: list[int]) -> None:
+        for k in lane:
+            values[k] = reward_values(rw, k, completions, samples, have, errors)
+    futures = [in_background(functools.partial(run, lane)) for lane in rw.lanes]
+    concurrent.futures.wait(futures)  # every lane done before anything is raised or returned
+    for future in futures:
+        future.result()  # raises what its lane raised
+    return values
+
+
+def reward_values(rw: Rewards, k: int, completions: list[str], samples: list[dict], have: dict,
+                  errors: dict[str, int]) -> list[float | None]:
+    """Reward k's value of each completion, a failure its spec's fallback (counted in errors)."""
+    (fn, batched, kwargs, wants), spec, key = rw.calls[k], rw.specs[k], rw.keys[k]
+    if batched:
+        return batched_values(fn, kwargs, wants, spec, key, completions, samples, have, errors)
+    values: list[float | None] = []
+    for i, (completion, sample) in enumerate(zip(completions, samples)):
+        try:  # `wants`: num_tokens, episode, the completion's own
+            values.append(_as_reward(fn(completion, sample, **kwargs,
+                                        **{w: have[w][i] for w in wants})))
+        except Exception as err:
+            values.append(fallback(err, spec, key, completion, sample, errors))
+    return values
+
+
+def batched_values(fn: Callable, kwargs: dict, wants: list[str], spec: RewardSpec, key: str,
+                   completions: list[str], samples: list[dict], have: dict,
+                   errors: dict[str, int]) -> list[float | None]:
+    """reward_values of a batched reward: one call for every completion."""
+    n, values = len(completions), []
+    try:
+        out = fn(completions, samples, **kwargs, **{w: have[w] for w in wants})
+        if not isinstance(out, (list, tuple)) or len(out) != n:
+            raise TypeError(f"batched reward returned {_short(out, 80)}; "
+                            f"expected a list of {n} values")
+    except Exception as err:
+        value = fallback(err, spec, key, completions[0] if n else "", samples[0] if n else {},
+                         errors)
+        errors[key] += n - 1 if n else 0  # the whole batch got the fallback: each counts
+        return [value] * n
+    for value, completion, sample in zip(out, completions, samples):
+        try:
+            values.append(_as_reward(value))
+        except TypeError as err:
+            values.append(fallback(err, spec, key, completion, sample, errors))
+    return values
+
+
+def fallback(err: Exception, spec: RewardSpec, key: str, completion: str, sample: dict,
+             errors: dict[str, int]) -> float:
+    """A reward that failed on one completion: its spec's fallback (NaN: skip), counted in errors;
+    its first failure logged with a traceback."""
+    # a refused key, an unknown model, a reward model too big for the GPU: every later call
+    # fails too
+    if isinstance(err, (JudgeUnusable, torch.OutOfMemoryError)):
+        raise err
+    errors[key] += 1
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.warning("reward %r failed (%s), using fallback %s; later failures are only "
+                    "counted. sample=%s completion=%s", key,
+                    str(err) if isinstance(err, _NoValue) else one_line(err), spec.fallback,
+                    _short(sample), _short(completion),
+                    exc_info=None if isinstance(err, _NoValue) else err)
+    return math.nan if spec.fallback == "skip" else spec.fallback  # NaN: skipped
+
+
 def _prepare(spec: RewardSpec, key: str, context: dict,
-             have: dict) -> tuple[Callable, bool, dict, list[str]]:
+             given: set[str]) -> tuple[Callable, bool, dict, list[str]]:
     """(function, batched, its keyword arguments, the PER_COMPLETION values it takes) for one spec;
     ValueError on a misconfiguration, which would fail the same way on every sample."""
     fn, batched = resolve(spec)
@@ -351,10 +408,10 @@ def _prepare(spec: RewardSpec, key: str, context: dict,
     if missing:
         raise ValueError(f"reward {key!r} needs {', '.join(missing)}: set it under args "
                          "or pass it in context")
-    for k in [k for k in wants if have[k] is None and params[k].default is params[k].empty]:
+    for k in [k for k in wants if k not in given and params[k].default is params[k].empty]:
         raise ValueError(f"reward {key!r} needs {k}: pass {k}= to compute_rewards" + (
             " (an episode: set env: or tools:)" if k == "episode" else ""))
-    return fn, batched, kwargs, [k for k in wants if have[k] is not None]
+    return fn, batched, kwargs, [k for k in wants if k in given]
 
 
 def resolve(spec: RewardSpec) -> tuple[Callable, bool]:

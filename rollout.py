@@ -225,9 +225,8 @@ class EntropyMeter:
     last: Tensor | None = None  # (N, V) the previous step's log softmax (sampler_logp only)
 
     def __init__(self, temperature: float, sampler_logp: bool = False):
-        self.temperature = temperature
-        self.steps: list[Tensor] = []  # (N,) a step
-        self.picked: list[Tensor] | None = [] if sampler_logp else None  # (N,) a step: log p(token)
+        # steps: (N,) a step's entropy; picked: (N,) a step's log p(token), with sampler_logp
+        self.temperature, self.steps, self.picked = temperature, [], [] if sampler_logp else None
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         logp = scores.float() / self.temperature  # (N, V), a new tensor: scores stay as they are
@@ -257,13 +256,24 @@ class EntropyMeter:
         return torch.where(mask.bool(), logp, 0.0)  # where: a banned pad's -inf past the end
 
 
+def non_finite(e: RuntimeError) -> BaseException:
+    """generate's error as NonFiniteLogits when NaN or inf logits are behind it, else itself."""
+    if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
+        return e
+    cuda = "device-side assert" in str(e)  # CUDA says no more; NaN logits are the likely cause
+    return NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or "
+                            "inf logits: " if cuda else "sampling met NaN or inf logits: ")
+                           + NON_FINITE)
+
+
 @torch.no_grad()
 def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor],
         num_generations: int,
         max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
         stop_strings: Sequence[str] = (), max_prompt_tokens: int = 100_000,
         ignore_eos: bool = False, share_prompt: bool = False, static_cache: bool = False,
-        entropy: bool = False, sampler_logp: bool = False) -> Rollout:
+        entropy: bool = False, sampler_logp: bool = False,
+        eos_ids: list[int] | None = None) -> Rollout:
     """Sample `num_generations` completions per rendered prompt with HF generate (left padding);
     temperature 0 decodes greedily (evaluation). ignore_eos suppresses EOS until max_new_tokens, so
     every completion has the same length (speed benchmarks; such completions count as truncated).
@@ -279,7 +289,7 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
     (rollout.merged_sampling, a 16-bit cache) for step.py's importance weights. Under ignore_eos
     it is that of the distribution without EOS, which the trainer's keeps. None when greedy.
     prompts may be token ids already, (ids, attn) left-padded: engines/episodes.py's
-    conversations."""
+    conversations. eos_ids: where a completion ends (eos_token_ids, when not given)."""
     device = next(model.parameters()).device
     if isinstance(prompts, list):  # text; engines/episodes.py passes its tokens as they stand
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -289,22 +299,16 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
             prompts = (_pad_to(prompts[0], width, tokenizer.pad_token_id, True),
                        _pad_to(prompts[1], width, 0, True))
     G, (ids, attn) = num_generations, prompts  # ids, attn: (B, P)
-    longest = int(attn.sum(1).max())
-    if longest > max_prompt_tokens:
-        raise ValueError(f"a prompt has {longest} tokens > "
+    if int(attn.sum(1).max()) > max_prompt_tokens:
+        raise ValueError(f"a prompt has {int(attn.sum(1).max())} tokens > "
                          f"rollout.max_prompt_tokens={max_prompt_tokens}")
-    eos = eos_token_ids(tokenizer, model)
+    eos = eos_token_ids(tokenizer, model) if eos_ids is None else eos_ids
     was_training = model.training
     model.eval()
     decoding = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None) \
         if temperature > 0 else dict(do_sample=False)
-    shared = share_prompt and not static_cache
-    cache = prefill_shared(model, ids, attn, G) if shared else None
-    if cache is not None:  # generate runs only the last prompt token, then samples
-        rows = dict(input_ids=ids.repeat_interleave(G, 0),
-                    attention_mask=attn.repeat_interleave(G, 0), past_key_values=cache)
-    else:
-        rows = dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)
+    rows = (share_prompt and not static_cache and shared_prompt_rows(model, ids, attn, G)) \
+        or dict(input_ids=ids, attention_mask=attn, num_return_sequences=G)  # G rows a prompt
     meter = EntropyMeter(temperature, sampler_logp) \
         if (entropy or sampler_logp) and temperature > 0 else None
     try:
@@ -315,21 +319,15 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
             logits_processor=[meter] if meter else None, stop_strings=list(stop_strings) or None,
             tokenizer=tokenizer if stop_strings else None)
     except RuntimeError as e:  # multinomial on NaN/inf probabilities; on CUDA, a device-side assert
-        if "probability tensor contains" not in str(e) and "device-side assert" not in str(e):
-            raise
-        cuda = "device-side assert" in str(e)  # CUDA says no more; NaN logits are the likely cause
-        raise NonFiniteLogits(("a CUDA device-side assert while sampling, most likely from NaN or "
-                               "inf logits: " if cuda else "sampling met NaN or inf logits: ")
-                              + NON_FINITE) from None
+        raise non_finite(e) from None
     model.train(was_training)
-    P = ids.shape[1]
-    completion_ids = out[:, P:]  # (N, C)
+    completion_ids = out[:, ids.shape[1]:]  # (N, C)
     mask, truncated = completion_mask(completion_ids, eos)  # (N, C), (N,)
     if stop_strings:
         _cut_at_stop_strings(tokenizer, completion_ids, mask, truncated, list(stop_strings))
-    lengths = mask.sum(1).long().tolist()
-    texts = tokenizer.batch_decode([completion_ids[i, :n] for i, n in enumerate(lengths)],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(  # EOS and padding left out
+        [c[:n] for c, n in zip(completion_ids, mask.sum(1).long().tolist())],
+        skip_special_tokens=True)
     return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=attn.repeat_interleave(G, 0),
                    completion_ids=completion_ids, completion_mask=mask,
                    truncated=truncated, texts=texts,
@@ -337,6 +335,42 @@ def generate_rollout(model, tokenizer, prompts: list[str] | tuple[Tensor, Tensor
                    if meter and sampler_logp else None,
                    entropy=meter.entropy(completion_ids.shape[1]).to(device)
                    if meter and entropy else None)
+
+
+@dataclass
+class Sampler:
+    """HF generate as a run samples, its settings read once (run/lifecycle.prepare): G completions
+    a prompt, rollout.prompts_per_generate prompts a call, the EOS ids found once.
+
+        sample = Sampler.of(model, tokenizer, cfg)     # at setup
+        batch = sample(prompts)                        # each step: a Rollout
+
+    The other samplers take the same call: model.MergedSampler (rollout.merged_sampling),
+    vLLM's (engines/vllm_engine.py)."""
+    model: object
+    tokenizer: object
+    per_call: int  # rollout.prompts_per_generate (0: all in one call)
+    options: dict  # generate_rollout's keyword arguments
+
+    def __call__(self, prompts: list[str],
+                 on_slice: Callable[[int, Rollout], None] | None = None) -> Rollout:
+        if self.per_call:  # rollout.prompts_per_generate: a few prompts a call
+            return generate_in_slices(self.model, self.tokenizer, prompts, self.per_call,
+                                      on_slice=on_slice, **self.options)
+        return generate_rollout(self.model, self.tokenizer, prompts, **self.options)
+
+    @classmethod
+    def of(cls, model, tokenizer, cfg) -> Sampler:
+        """The run's sampler: cfg a config.Config with its "auto" settings chosen."""
+        ro = cfg.rollout
+        return cls(model, tokenizer, ro.prompts_per_generate, dict(
+            num_generations=ro.num_generations, max_new_tokens=ro.max_new_tokens,
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+            stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
+            ignore_eos=ro.ignore_eos, share_prompt=cfg.grpo.share_prompt is not False,
+            static_cache=ro.compile, entropy=True,
+            sampler_logp=ro.merged_sampling or ro.compile,  # its gap: sampler_logp_abs_diff
+            eos_ids=eos_token_ids(tokenizer, model)))
 
 
 def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *args,
@@ -352,6 +386,15 @@ def generate_in_slices(model, tokenizer, prompts: list[str], per_call: int, *arg
         if on_slice is not None:
             on_slice(s, parts[-1])
     return concat_rollouts(parts, tokenizer.pad_token_id)
+
+
+def shared_prompt_rows(model, ids: Tensor, attn: Tensor, G: int) -> dict | None:
+    """generate's rows with each prompt prefilled once (prefill_shared): generate runs only the last
+    prompt token, then samples; None where sharing does not apply."""
+    cache = prefill_shared(model, ids, attn, G)
+    return None if cache is None else dict(input_ids=ids.repeat_interleave(G, 0),
+                                           attention_mask=attn.repeat_interleave(G, 0),
+                                           past_key_values=cache)
 
 
 def prefill_shared(model, input_ids: Tensor, attention_mask: Tensor,

@@ -1,14 +1,20 @@
 """One GRPO step, in the order of the paper's algorithm box (train.py runs the loop around it):
 
-    metrics, shown = train_step(run)      # run: a Run (below), built by run/lifecycle.py
+    metrics, shown = train_step(run)   # run: a run/state.Run, built and prepared by run/lifecycle
 
-  1. sample G completions for each of B prompts        collect -> score -> rollout.py
-  2. score each: the weighted sum of the rewards       rewards.compute_rewards
+  1. sample G completions for each of B prompts        collect -> score -> run.sample
+  2. score each: the weighted sum of the rewards       run.rewards (rewards.Rewards)
   3. group advantages A_i = (r_i - mean) / std         grpo.group_advantages
   4. per mini-batch, per micro-batch: the log-probs    logprobs.micro_batch_log_probs
      of the sampled tokens, the clipped loss, backward grpo.grpo_loss, loss.backward()
   5. the optimizer step: clip, AdamW, schedule         optimizer_step
   6. the step's metrics                                step_metrics
+
+What depends only on the run is prepared once, before the first step (run/lifecycle.prepare): the
+rewards with their functions, arguments and keys, the reply prefix they see, the sampler with its
+EOS ids, the loss settings. The speed levers (prompt sharing, the hand-written log-softmax; rollout
+compile and merged sampling) are chosen then too (gpu/auto.py) and named on the "chosen for this
+machine" line; with them off a step runs the plain code below.
 
 What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's own departures):
 - the reward is a weighted sum of rules, LLM judges or people's ratings, not a trained reward
@@ -22,85 +28,60 @@ What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's ow
   LoRA by default (the reference is the base with the adapter off: no copy);
 - a completion cut at max_new_tokens stays in the loss unless grpo.mask_truncated_completions.
 
-Every feature enters the step through one named seam, a line here, owned by its module:
-  vLLM          run.engine samples, weights its importance, gets the new weights
-                (engines/vllm_engine.py); the merged or compiled HF sampler records its own
-                log-probs too, for the same weights and gap (gpu/auto.py)
-  torchrun      run.world > 1: counts, gradients and metrics summed over the processes
-                (parallel/distributed.py)
-  episodes      cfg.env / cfg.tools: G multi-turn episodes a prompt (engines/episodes.py)
-  resampling    rollout.resample_zero_std: draw until B groups carry signal (engines/resample.py)
-  reward overlap  rollout.overlap_rewards: score a slice while the next samples
-                (scoring/pipelined.py)
-  entropy mask  grpo.top_entropy_quantile: only high-entropy tokens in the policy-gradient term
-  judge outage  run.judges: a step whose judge mostly failed to reply is not trained on, a
-                reward that failed on every completion stops the run (api/outage.py)
-  reward mix    grpo.reward_aggregation: normalize_then_sum normalises each reward within its
-                group before the weighted sum (GDPO; rewards.advantage_rewards, grpo.py)
+Every feature enters the step through one named seam, owned by its module. `lines`: how many lines
+of the path files (train.py, step.py, rollout.py, rewards.py, answers.py, grpo.py, logprobs.py,
+data.py) name the seam, import lines included; tests/test_layout.py fails above it.
+  seam (its names)                     lines  what and where
+  run.sample                               1  the sampler chosen at setup: HF generate
+                                              (rollout.Sampler), merged or compiled HF
+                                              (model.MergedSampler, gpu/auto.py), vLLM
+                                              (engines/vllm_engine.py)
+  run.sample_and_score                     2  multi-turn episodes (engines/episodes.py), or the
+                                              reward overlap: a slice scored while the next one
+                                              samples (scoring/pipelined.py)
+  run.engine                               2  vLLM: the new weights after the updates
+  run.world, distributed                  17  torchrun: counts, gradients and metrics summed over
+                                              the processes (parallel/distributed.py); train.py:
+                                              rank 0 writes the run's files
+  resample_zero_std, dynamic_sampling      3  DAPO dynamic sampling: draw until B groups carry
+                                              signal (scoring/dynamic_sampling.py)
+  run.judges, outage                       6  a step its judge mostly failed is not trained on,
+                                              a reward that failed on every completion stops the
+                                              run; train.py waits for a judge that is down
+                                              (scoring/outage.py)
+  sampler_weight, tis_metrics, TIS_SUMS    6  importance weights against a sampler that records
+                                              its log-probs (vLLM, merged or compiled HF; grpo.py)
+  reward_aggregation, advantage_rewards    4  GDPO: each reward normalised in its group before the
+                                              sum (rewards.py, grpo.normalize_then_sum)
+  top_entropy_quantile, high_entropy_mask  3  only high-entropy tokens in the policy-gradient term
+  episodes.episode_metrics                 1  multi-turn episodes' metrics (engines/episodes.py)
+  source_metrics                           2  a mixture's per-source metrics (scoring/metrics.py)
+  run.scaler, scaled_step                  8  fp16: the GradScaler scales the loss and steps
+The step's own flags, each a line here: grpo.num_mini_batches (whole groups shuffled into
+mini-batches), num_iterations > 1 and beta > 0 (the old and reference log-probs, taken once),
+mask_truncated_completions, delta (its metric).
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import resource
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import grpo
 import logprobs
 import rollout
-from api import outage
-from api.client import Judge
 from config import Config
-from data import PromptSampler
-from engines import episodes, resample, vllm_engine
-from gpu.memory import step_readings
-from model import merged_for_sampling, reference_mode
+from engines import episodes
+from model import reference_mode
 from parallel import distributed
-from rewards import (
-    RewardResult,
-    advantage_rewards,
-    compute_rewards,
-    join_results,
-    reward_context,
-    reward_means,
-)
-from scoring import pipelined
+from rewards import RewardResult, advantage_rewards, join_results, reward_means
+from scoring import dynamic_sampling, outage
 from scoring.metrics import source_metrics
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built (and checked) before the run directory is touched."""
-    cfg: Config
-    run_dir: Path
-    rows: list[dict]
-    source_labels: list[str]  # one per data source (a mixture has several)
-    device: torch.device
-    model: torch.nn.Module
-    tokenizer: object
-    ref_copy: torch.nn.Module | None  # full fine-tuning with a reference (GRPO beta > 0, DPO) only
-    params: list
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: object  # a GradScaler for fp16, else None
-    sampler: PromptSampler
-    judges: dict[str, Judge]  # by name: "judge" (the judge: section) and the judges: section's
-    start: int  # last completed step (0 for a new run)
-    engine: vllm_engine.VllmEngine | None = None  # rollout.engine: vllm
-    world: int = 1  # processes under torchrun (parallel/distributed.py); 1: this one alone
-    eval_rows: list[dict] | None = None  # run.eval_every: the held-out rows
-    warned_all_truncated: bool = False  # the all-truncated warning is given once a run
-    phase: str = "training"  # what the step is doing (sampling, training, scoring the held-out
-    #   rows, syncing to vLLM): out of GPU memory, out_of_memory's advice fits it
-    ref_logps: dict = field(default_factory=dict)  # DPO: by reply, dpo.cache_reference's log-probs
-    changed: list[str] = field(default_factory=list)  # --resume: settings unlike the checkpoint's
-    step: int = 0  # the step under way (what an interrupted run reports)
 
 
 @dataclass
@@ -124,27 +105,29 @@ class Batch:
     old_logp: torch.Tensor | None = None  # (N, C) off-policy only; None: the ratio is exactly 1
     ref_logp: torch.Tensor | None = None  # (N, C) with a KL term (beta > 0) only
 
+    @property
+    def mbs(self) -> list[slice]:
+        """Every micro-batch, mini-batch after mini-batch."""
+        return [mb for part, _ in self.minis for mb in part]
+
 
 @dataclass
 class Updates:
     """What a step's optimizer updates add up to, for its metrics."""
     sums: dict  # the loss terms' sums over the updates whose loss was finite
-    tis: dict  # vLLM: the importance weights' sums (first iteration)
+    tis: dict  # a sampler's log-probs: the importance weights' sums (first iteration)
     grad_norms: list[float] = field(default_factory=list)  # one per update
     applied: int = 0  # updates whose loss was finite
     lr: float = 0.0
 
 
-def train_step(run: Run) -> tuple[dict, list[dict]]:
+def train_step(run) -> tuple[dict, list[dict]]:
     """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
-    cfg, G = run.cfg, run.cfg.rollout.num_generations
-    t0, device = time.time(), device_of(run)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    G, t0 = run.cfg.rollout.num_generations, time.time()
     run.phase = "sampling"
     kept, drawn, n_drawn = collect(run)  # 1-2. B prompts x G completions, scored
     run.phase, t_rollout = "training", time.time() - t0
-    if cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
+    if run.cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
     # a step its judges mostly failed is not trained on; a reward that failed on all stops the run
@@ -161,65 +144,36 @@ def train_step(run: Run) -> tuple[dict, list[dict]]:
     if run.world > 1:  # 6. metrics over every process's completions
         drawn, n_drawn, shown = distributed.whole_step(run, drawn, updates, n_drawn, shown, concat)
     metrics = step_metrics(run, drawn, batch.rollout, updates) | {
-        "learning_rate": updates.lr, "prompts_drawn": n_drawn, "step_time": time.time() - t0,
-        "rollout_time": t_rollout, "peak_memory_mb": peak_memory_mb(device),
-        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9),
-        **(step_readings(device, run.scaler) if device.type == "cuda" else {})}
+        "learning_rate": updates.lr, "prompts_drawn": n_drawn, "rollout_time": t_rollout,
+        "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
     return metrics, shown
 
 
 # ---------------------------------------------------------------- 1-2. sample and score
 
 
-def collect(run: Run) -> tuple[Scored, Scored, int]:
+def collect(run) -> tuple[Scored, Scored, int]:
     """-> (the B groups to train on, everything drawn, prompts drawn). Under torchrun B is this
     process's share of rollout.prompts_per_step."""
     B = run.cfg.rollout.prompts_per_step // run.world
     first = score(run, run.sampler.draw(B))
-    if run.cfg.rollout.resample_zero_std:  # DAPO dynamic sampling: engines/resample.py
-        return resample.until_signal(run, first, B, score, concat, take_group)
+    if run.cfg.rollout.resample_zero_std:  # DAPO dynamic sampling: scoring/dynamic_sampling.py
+        return dynamic_sampling.until_signal(run, first, B, score, concat, take_group)
     return first, first, B
 
 
-def score(run: Run, idx: list[int]) -> Scored:
-    """G completions for each of the rows `idx` (HF generate; or vLLM, or episodes) and their
-    rewards: total_i = sum_k weight_k * r_k(completion_i, row_i)."""
-    cfg, G = run.cfg, run.cfg.rollout.num_generations
+def score(run, idx: list[int]) -> Scored:
+    """G completions for each of the rows `idx` and their rewards:
+    total_i = sum_k weight_k * r_k(completion_i, row_i)."""
     rows = [run.rows[i] for i in idx]
-    samples = [row for row in rows for _ in range(G)]
-    context = reward_context(rollout.reply_prefix(run.tokenizer, cfg.data), run.judges,
-                             cfg.data.assistant_prefix)
-    prompts = rollout.render_rows(run.tokenizer, rows, cfg.data)
-    if cfg.env or cfg.tools:  # multi-turn: G episodes a prompt, each scored whole
-        return scored(*episodes.sample_and_score(cfg, run.model, run.tokenizer, rows, samples,
-                                                 context))
-    if cfg.rollout.overlap_rewards and 0 < cfg.rollout.prompts_per_generate < len(prompts):
-        return scored(*pipelined.sample_and_score(run, prompts, samples, context, sample))
-    batch = run.engine.generate(run.tokenizer, prompts, rollout.eos_token_ids(
-        run.tokenizer, run.model), device_of(run)) if run.engine else sample(run, prompts)
-    return scored(batch, samples, compute_rewards(batch.texts, samples, cfg.rewards,
-                                                  num_tokens=batch.num_tokens(), context=context))
+    samples = [row for row in rows for _ in range(run.cfg.rollout.num_generations)]
+    if run.sample_and_score:  # multi-turn episodes, or rewards scored while the next slice samples
+        return scored(*run.sample_and_score(rows, samples), samples)
+    batch = run.sample(rollout.render_rows(run.tokenizer, rows, run.cfg.data))
+    return scored(batch, run.rewards(batch.texts, samples, num_tokens=batch.num_tokens()), samples)
 
 
-def sample(run: Run, prompts: list[str], on_slice=None) -> rollout.Rollout:
-    """G completions a prompt with HF generate, rollout.prompts_per_generate prompts a call."""
-    ro = run.cfg.rollout
-    with merged_for_sampling(run.model) if ro.merged_sampling else contextlib.nullcontext():
-        return rollout.generate_in_slices(
-            run.model, run.tokenizer, prompts, ro.prompts_per_generate, on_slice=on_slice,
-            num_generations=ro.num_generations, max_new_tokens=ro.max_new_tokens,
-            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-            stop_strings=ro.stop_strings, max_prompt_tokens=ro.max_prompt_tokens,
-            ignore_eos=ro.ignore_eos, share_prompt=run.cfg.grpo.share_prompt is not False,
-            static_cache=ro.compile, entropy=True,
-            sampler_logp=ro.merged_sampling or ro.compile)  # its gap: sampler_logp_abs_diff
-
-
-def device_of(run: Run) -> torch.device:
-    return next(run.model.parameters()).device
-
-
-def scored(batch: rollout.Rollout, samples: list[dict], res: RewardResult) -> Scored:
+def scored(batch: rollout.Rollout, res: RewardResult, samples: list[dict]) -> Scored:
     return Scored(batch, samples, torch.tensor(res.total).float(), res.per_reward, res.errors)
 
 
@@ -227,8 +181,8 @@ def concat(parts: list[Scored], pad_id: int) -> Scored:
     if len(parts) == 1:
         return parts[0]
     res = join_results([RewardResult(p.total.tolist(), p.per_reward, p.errors) for p in parts])
-    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id),
-                  [s for p in parts for s in p.samples], res)
+    return scored(rollout.concat_rollouts([p.rollout for p in parts], pad_id), res,
+                  [s for p in parts for s in p.samples])
 
 
 def take_rows(p: Scored, rows: list[int]) -> Scored:
@@ -250,12 +204,12 @@ def shuffle_groups(p: Scored, G: int) -> Scored:
 # ---------------------------------------------------------------- 3. advantages and the loss mask
 
 
-def make_batch(run: Run, kept: Scored) -> Batch:
+def make_batch(run, kept: Scored) -> Batch:
     """The advantages, the tokens in the loss, the mini-batches, and the log-probs of the policy
     before any update (off-policy) and of the reference (beta > 0), each taken once."""
     g, G, ro = run.cfg.grpo, run.cfg.rollout.num_generations, kept.rollout
-    # (N,) what the advantages see: the weighted sum, or GDPO's sum of normalised rewards
-    signal = advantage_rewards(kept.total, kept.per_reward, run.cfg.rewards, g, G)
+    signal = kept.total if g.reward_aggregation == "sum" else advantage_rewards(  # (N,) GDPO
+        kept.total, kept.per_reward, run.cfg.rewards, g, G)
     adv = grpo.group_advantages(signal, G, g.scale_rewards, zero_std_tol=g.zero_std_tol)  # (N,)
     mask = loss_mask(run, ro, kept.total)  # (N, C)
     keep = grpo.high_entropy_mask(ro.entropy, mask, g.top_entropy_quantile) \
@@ -263,30 +217,34 @@ def make_batch(run: Run, kept: Scored) -> Batch:
     minis = mini_batches(run.cfg, ro, mask, kept.total)
     if run.world > 1:  # the normalisers count every process's tokens
         minis = distributed.sum_norms(minis)
-    batch = Batch(ro, adv.to(device_of(run)), mask, keep, minis)
-    mbs = [mb for part, _ in minis for mb in part]
+    batch = Batch(ro, adv.to(ro.completion_ids.device), mask, keep, minis)
     if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
-        batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, mbs)  # (N, C)
+        batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, batch.mbs)  # (N, C)
     if g.beta > 0:
         with reference_mode(run.model, run.ref_copy) as ref:
-            batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, mbs)  # (N, C)
+            batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, batch.mbs)  # (N, C)
     return batch
 
 
-def loss_mask(run: Run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
+def loss_mask(run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
     """(N, C): each completion's tokens up to its EOS, without the completions whose reward was
     skipped (fallback: skip; NaN) or, with grpo.mask_truncated_completions, that never ended."""
     mask = batch.completion_mask.clone()  # (N, C)
     if run.cfg.grpo.mask_truncated_completions:
         mask[batch.truncated] = 0
-        if bool(batch.truncated.all()) and not run.warned_all_truncated:
-            run.warned_all_truncated = True
-            print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
-                  f"{run.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks "
-                  "them all out: this step trains nothing. Raise max_new_tokens (or set "
-                  "mask_truncated_completions: false).", file=sys.stderr)
+        warn_all_truncated(run, batch)
     mask[torch.isnan(total)] = 0
     return mask
+
+
+def warn_all_truncated(run, batch: rollout.Rollout) -> None:
+    """Once a run: every completion was cut, so mask_truncated_completions trains on nothing."""
+    if bool(batch.truncated.all()) and not run.warned_all_truncated:
+        run.warned_all_truncated = True
+        print(f"[minigrpo] warning: every completion hit rollout.max_new_tokens="
+              f"{run.cfg.rollout.max_new_tokens} and grpo.mask_truncated_completions masks "
+              "them all out: this step trains nothing. Raise max_new_tokens (or set "
+              "mask_truncated_completions: false).", file=sys.stderr)
 
 
 def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
@@ -295,14 +253,13 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
     loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
     N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
     minis = []
-    for lo in range(0, N, N // k):
-        rows = slice(lo, lo + N // k)
-        part = rollout.select_rows(batch, list(range(N))[rows])
-        mbs = [slice(lo + m.start, lo + m.stop) for m in logprobs.micro_batches(
-            part, cfg.optim.micro_batch_size, cfg.optim.micro_batch_tokens)]
-        scored_mbs = sum(bool((~skipped[mb]).any()) for mb in mbs)
-        minis.append((mbs, grpo.LossNorm(cfg.grpo.loss_type, int((~skipped[rows]).sum()),
-            int(mask[rows].sum()), cfg.rollout.max_new_tokens, scored_mbs)))
+    for rows in (slice(lo, lo + N // k) for lo in range(0, N, N // k)):
+        mbs = [slice(rows.start + m.start, rows.start + m.stop) for m in logprobs.micro_batches(
+            rollout.select_rows(batch, list(range(N))[rows]), cfg.optim.micro_batch_size,
+            cfg.optim.micro_batch_tokens)]  # rows of the batch, whole groups a mini-batch
+        minis.append((mbs, grpo.LossNorm(  # micro-batches that hold a scored completion: bnpo's M
+            cfg.grpo.loss_type, int((~skipped[rows]).sum()), int(mask[rows].sum()),
+            cfg.rollout.max_new_tokens, sum(bool((~skipped[mb]).any()) for mb in mbs))))
     return minis
 
 
@@ -313,74 +270,81 @@ LOSS_TERMS = ("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_hig
               "clip_delta_sum")
 
 
-def update(run: Run, batch: Batch) -> Updates:
+def update(run, batch: Batch) -> Updates:
     """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
     the sum of its micro-batches' shares."""
-    g, settings = run.cfg.grpo, grpo.LossSettings.of(run.cfg.grpo)
-    out = Updates(dict.fromkeys(LOSS_TERMS, 0.0), dict.fromkeys(vllm_engine.TIS_SUMS, 0.0))
-    ro = batch.rollout
+    s, ro = run.loss, batch.rollout
+    out = Updates(Counter(dict.fromkeys(LOSS_TERMS, 0.0)), dict.fromkeys(grpo.TIS_SUMS, 0.0))
+    ids, attn = ro.input_ids, ro.attention_mask  # (N, P + C) each
     run.model.train()
-    for it in range(g.num_iterations):
+    for it in range(run.cfg.grpo.num_iterations):
         for mbs, norm in batch.minis:
             run.optimizer.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(LOSS_TERMS, 0.0)  # this update's: into the step's when finite
+            sums = Counter(dict.fromkeys(LOSS_TERMS, 0.0))  # this update's; update() adds
             for mb in mbs:
-                logp, C = logprobs.micro_batch_log_probs(run.model, ro, ro.input_ids,
-                                                         ro.attention_mask, mb, run.cfg)  # (n, C)
+                logp, C = logprobs.micro_batch_log_probs(run.model, ro, ids, attn, mb,
+                                                         run.cfg)  # (n, C)
                 old = None if batch.old_logp is None else batch.old_logp[mb, :C]  # None: on-policy
-                weight = None if ro.sampler_logp is None else vllm_engine.weight_of(
-                    logp, old, ro.sampler_logp[mb, :C], batch.mask[mb, :C], g,
-                    out.tis if it == 0 else None)  # (n, C) vLLM sampled: pi_old / pi_sampler
+                weight = None if ro.sampler_logp is None else grpo.sampler_weight(
+                    logp.detach() if old is None else old, ro.sampler_logp[mb, :C],
+                    batch.mask[mb, :C], s.tis_cap, out.tis if it == 0 else None,
+                    s.tis_mode)  # (n, C) pi_old / pi_sampler
                 loss, stats = grpo.grpo_loss(
                     logp, old_logp=old, adv=batch.advantages[mb], mask=batch.mask[mb, :C],
-                    norm=norm, s=settings, is_weight=weight,
+                    norm=norm, s=s, is_weight=weight,
                     ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
                     keep=None if batch.keep is None else batch.keep[mb, :C])
                 (run.scaler.scale(loss) if run.scaler else loss).backward()
-                sums["loss"] += float(loss.detach())
-                for key, v in stats.items():
-                    sums[key] += v
+                sums.update(stats, loss=float(loss.detach()))
             grad_norm, out.lr = optimizer_step(run)
             out.grad_norms.append(grad_norm)
-            if all(math.isfinite(v) for v in sums.values()):
+            if all(math.isfinite(v) for v in sums.values()):  # into the step's sums
                 out.applied += 1
-                for key, v in sums.items():
-                    out.sums[key] += v
+                out.sums.update(sums)
     return out
 
 
 def optimizer_step(run) -> tuple[float, float]:
-    """Unscale (fp16), clip, step the optimizer and schedule of `run` -> (grad norm, lr).
-    A non-finite gradient skips the update (the schedule still advances): one AdamW step on it
-    would write NaN into every trained weight for the rest of the run. Under torchrun the
-    gradients are first summed over the processes (each loss is its share of the global one).
+    """Clip, step the optimizer and schedule of `run` -> (grad norm, lr). A non-finite gradient
+    skips the update (the schedule still advances): one AdamW step on it would write NaN into every
+    trained weight for the rest of the run. Under torchrun the gradients are first summed over the
+    processes (each loss is its share of the global one); fp16's GradScaler steps in scaled_step.
     Every mode's update ends here (modes/sft.py, modes/dpo.py)."""
     if getattr(run, "world", 1) > 1:
         distributed.sum_gradients(run.params)
-    if run.scaler:
-        run.scaler.unscale_(run.optimizer)
-    max_norm = run.cfg.optim.max_grad_norm if run.cfg.optim.max_grad_norm > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, max_norm))
-    lr = run.scheduler.get_last_lr()[0]
-    if run.scaler:
-        scaled_step(run)
-    elif math.isfinite(grad_norm):
-        run.optimizer.step()
-    else:
-        print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped",
-              file=sys.stderr)
+    if run.scaler:  # fp16
+        return scaled_step(run)
+    grad_norm, lr = clip_gradients(run), run.scheduler.get_last_lr()[0]
     if math.isfinite(grad_norm):
+        run.optimizer.step()
         run.scheduler.step()
-    else:  # skipped: torch warns that no optimizer.step came first (LambdaLR reads only the count)
-        # only here, as catch_warnings resets which warnings were shown: others would repeat
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            run.scheduler.step()
+        return grad_norm, lr
+    print(f"[minigrpo] warning: the gradient norm is {grad_norm}; this update is skipped",
+          file=sys.stderr)
+    skip_schedule_step(run)
     return grad_norm, lr
 
 
-def scaled_step(run) -> None:
-    """fp16: GradScaler steps (it skips non-finite gradients itself, and lowers the loss scale)."""
+def clip_gradients(run) -> float:
+    """The gradients' norm, clipped to optim.max_grad_norm (0: not clipped)."""
+    return float(torch.nn.utils.clip_grad_norm_(run.params,
+                                                run.cfg.optim.max_grad_norm or float("inf")))
+
+
+def skip_schedule_step(run) -> None:
+    """The schedule advances over a skipped update: torch warns that no optimizer.step came first
+    (LambdaLR reads only the count); only here, as catch_warnings resets which warnings were shown:
+    others would repeat."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        run.scheduler.step()
+
+
+def scaled_step(run) -> tuple[float, float]:
+    """fp16: GradScaler unscales, clips and steps (it skips non-finite gradients itself, and lowers
+    the loss scale) -> (grad norm, lr)."""
+    run.scaler.unscale_(run.optimizer)
+    grad_norm, lr = clip_gradients(run), run.scheduler.get_last_lr()[0]
     run.scaler.step(run.optimizer)
     run.scaler.update()
     # halved 17 times from 65536: not a scale still to find, a pass that overflows
@@ -388,6 +352,11 @@ def scaled_step(run) -> None:
         raise rollout.NonFiniteLogits("float16 loss scaling has halved its scale below 1, "
                                       "skipping update after update: the training pass gives "
                                       "inf or NaN; " + rollout.NON_FINITE)
+    if math.isfinite(grad_norm):
+        run.scheduler.step()
+    else:
+        skip_schedule_step(run)
+    return grad_norm, lr
 
 
 def lr_lambda(cfg: Config, total_updates: int):
@@ -407,14 +376,13 @@ def lr_lambda(cfg: Config, total_updates: int):
 # ---------------------------------------------------------------- 6. metrics
 
 
-def step_metrics(run: Run, drawn: Scored, trained: rollout.Rollout, updates: Updates) -> dict:
+def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates) -> dict:
     """Rewards over every completion drawn (what the policy produced); loss terms over the trained
     tokens of the updates whose loss was finite, loss their mean. reward_std is the mean of the
     groups' stds, as in TRL; entropy the mean over the drawn completions' tokens of their sampling
     distributions' entropy (HF generate only); kl only with a reference (beta > 0, as TRL)."""
-    G, sums = run.cfg.rollout.num_generations, updates.sums
-    tok, total, ro = max(sums["tokens"], 1.0), drawn.total, drawn.rollout
-    n_tokens, h = ro.completion_mask.sum(1), ro.entropy
+    G, sums, total, ro = run.cfg.rollout.num_generations, updates.sums, drawn.total, drawn.rollout
+    tok, n_tokens = max(sums["tokens"], 1.0), ro.completion_mask.sum(1)
     scored = total[~torch.isnan(total)]  # NaN: skipped (fallback: skip)
     _, std, n = grpo.group_stats(total, G)  # (B,) each
     zero_std = grpo.zero_std_groups(total, G, run.cfg.grpo.zero_std_tol)
@@ -434,16 +402,16 @@ def step_metrics(run: Run, drawn: Scored, trained: rollout.Rollout, updates: Upd
                 "clip_ratio/region_mean": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tok}
     out |= {"completions/mean_length": float(n_tokens.float().mean()),
             "completions/max_length": int(n_tokens.max()),
-            "completions/clipped_ratio": float(ro.truncated.float().mean())}
-    if h is not None:
-        out["entropy"] = float((h * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))
-    out |= grad_norm_metrics(updates.grad_norms)
+            "completions/clipped_ratio": float(ro.truncated.float().mean()),
+            **({} if ro.entropy is None else {"entropy": float(  # HF generate's
+                (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
+            **grad_norm_metrics(updates.grad_norms)}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
     if trained.episodes:  # the trained batch's (resampling: not all drawn)
         out |= episodes.episode_metrics(trained.episodes)
     if trained.sampler_logp is not None:
-        out |= vllm_engine.tis_metrics(updates.tis, run.cfg.grpo.tis_cap)
+        out |= grpo.tis_metrics(updates.tis, run.cfg.grpo.tis_cap)
     if run.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
         out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / tok
     return out
@@ -461,9 +429,3 @@ def grad_norm_metrics(norms: list[float]) -> dict:
     skipped = len(norms) - len(applied)
     return (({"grad_norm": sum(applied) / len(applied)} if applied else {})
             | ({"skipped_updates": skipped} if skipped else {}))
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

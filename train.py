@@ -19,6 +19,7 @@ leaves a half checkpoint). Bad input exits with code 2 and one line saying what 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start, i
 import torch
 
 import rollout
-from api import outage
 from api.client import JudgeUnusable
 from config import ConfigError
 from files import jsonl
@@ -39,8 +39,10 @@ from modes import dpo, sft
 from parallel import distributed
 from run import display, folder_lock, health, lifecycle, policy
 from run.checkpoint import save_checkpoint
-from sources import overlap
-from step import Run, train_step
+from run.state import Run
+from scoring import outage
+from sources import seen_prompts
+from step import train_step
 
 # ----------------------------------------------------------------------------- CLI and loop
 
@@ -144,7 +146,9 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop
+                waited = time.monotonic()
                 code = policy.judge_outage(r, args, decision.wait_for, step, rules.clock)
+                show.pause(time.monotonic() - waited)  # the pace's eta leaves the wait out
                 if code is not None:
                     return code
             for judge in decision.said_down:
@@ -201,8 +205,11 @@ def first_step_line(r: Run) -> str:
 def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict]]:
     """Step r.step trained -> its metrics {"step": n, ...}, the held-out rows' when rules say so,
     and the completions it shows; the held-out scoring timed for run.max_minutes."""
-    r.phase = "training"  # train_step says when it samples
+    r.phase, t0 = "training", time.time()  # train_step says when it samples
+    if r.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(r.device)
     metrics, shown = step_fn(r)
+    metrics |= {"step_time": time.time() - t0, **memory_readings(r.device, r.scaler)}
     if rules.evaluates(r.step):
         t_eval = time.monotonic()
         metrics |= held_out_metrics(r)
@@ -210,6 +217,17 @@ def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict
     # the step's judge calls (every rank's), held-out too (any mode)
     metrics |= distributed.all_sum(judges_stats(r.judges))
     return {"step": r.step, **metrics}, shown
+
+
+def memory_readings(device: torch.device, scaler) -> dict:
+    """The step's peak: the process's resident set on a CPU; on a GPU torch's allocations, the
+    allocator's reserved peak (allocated plus the blocks it caches), and under fp16 the
+    GradScaler's loss scale (halved at each skipped update)."""
+    if device.type != "cuda":
+        return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+            "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20} | (
+        {"loss_scale": scaler.get_scale()} if scaler else {})
 
 
 def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, samples_path: Path,
@@ -228,9 +246,10 @@ def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, sampl
 
 def save(r: Run, step: int, rules: policy.Policy) -> None:
     """Checkpoint `step`, timed for run.max_minutes. The process's first checkpoint also records
-    the prompts trained on (sources/overlap.py, for eval.py's overlap check; rank 0 writes it)."""
+    the prompts trained on (sources/seen_prompts.py, for eval.py's held-out check; rank 0 writes
+    it)."""
     if not rules.recorded and distributed.rank() == 0:
-        overlap.record(r.run_dir, r.rows, r.cfg.model, resumed=r.start > 0)
+        seen_prompts.record(r.run_dir, r.rows, r.cfg.model, resumed=r.start > 0)
         rules.recorded = True
     t_save = time.monotonic()
     save_checkpoint(r, step)

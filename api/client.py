@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 # cache or from another call's request in flight) and failures (no usable reply: the caller's
 # fallback); unusable counts the failures that had a reply, one without a usable score; sent counts
 # the HTTP requests (retries included: what the server, its rate limit and the bill see);
-# steps_skipped the training steps not trained on for this judge's failures (api/outage.py).
+# steps_skipped the training steps not trained on for this judge's failures (scoring/outage.py).
 STAT_NAMES = ("calls", "requests", "cache_hits", "failures", "unusable", "sent", "retries",
               "prompt_tokens", "completion_tokens", "cost_usd", "constant_scores", "steps_skipped")
 OUTAGE_MIN_CALLS = 4  # a step with fewer calls sent says too little of the endpoint to call it down
@@ -205,7 +205,8 @@ class Judge:
         self._first_failure = ""  # why the first of those failed, for the error
         self.last_failure = ""  # why the latest request failed, for the outage line
         self.unusable_reply = ""  # the latest reply without a usable score, for the garbage line
-        self.unusable_steps = 0  # steps in a row whose replies were mostly unusable (api/outage.py)
+        self.unusable_steps = 0  # steps in a row whose replies were mostly unusable
+        #   (scoring/outage.py)
         self._last_failed: tuple[str, list[dict]] | None = None  # its key, messages: probe()'s
         self._asked = self._unanswered = 0  # this step's calls sent, and those without a reply
         self._no_reply: set[str] = set()  # this step's request keys that got no HTTP reply at all
@@ -287,7 +288,7 @@ class Judge:
 
     def step_calls(self) -> dict[str, float]:
         """This step's calls so far, those without a reply (failed after their retries, refused)
-        and those whose reply held no usable score: what api/outage.py judges a step by."""
+        and those whose reply held no usable score: what scoring/outage.py judges a step by."""
         step = self._step
         return {"calls": step["calls"], "no_reply": step["failures"] - step["unusable"],
                 "unusable": step["unusable"]}

@@ -6,6 +6,7 @@ file; run it before and after the change, then compare.
     python bench/same_steps.py --out /tmp/after.json               # on the new one
     python bench/same_steps.py --compare /tmp/before.json /tmp/after.json
     python bench/same_steps.py --out /tmp/q.json --only quickstart     # one of them
+    python bench/same_steps.py --out /tmp/q3.json --steps 3 --threads 1   # shorter, on a shared box
 
 The runs (about 6 minutes on 2 CPU cores): the quickstart's 30 steps; 3 steps of it under torchrun
 with 2 processes; the multi-turn calculator demo's first 3 steps; 3 steps of vLLM rollouts against
@@ -24,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = ("time", "seconds", "per_s", "memory")  # keys that measure the machine, not the run
+EXTRA: list[str] = []  # --steps, --threads: overrides given to every train.py run
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -34,7 +36,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def train(out: Path, *args: str, torchrun: bool = False) -> list[dict]:
     exe = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node=2"] if torchrun \
         else [sys.executable]
-    subprocess.run([*exe, "train.py", *args, f"--run.out_dir={out}"], cwd=ROOT, check=True,
+    subprocess.run([*exe, "train.py", *args, *EXTRA, f"--run.out_dir={out}"], cwd=ROOT, check=True,
                    env=os.environ | {"PYTHONHASHSEED": "0"})
     return metrics(out)
 
@@ -94,5 +96,9 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path)
     ap.add_argument("--compare", nargs=2, type=Path)
     ap.add_argument("--only", nargs="*", choices=list(RUNS), help="some of the runs (default all)")
+    ap.add_argument("--steps", type=int, help="steps each train.py run takes (default its own)")
+    ap.add_argument("--threads", type=int, help="run.threads of each train.py run")
     args = ap.parse_args()
+    EXTRA += [f"--run.steps={args.steps}"] * bool(args.steps)
+    EXTRA += [f"--run.threads={args.threads}"] * bool(args.threads)
     sys.exit(compare(*args.compare) if args.compare else capture(args.out, args.only))

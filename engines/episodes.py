@@ -46,7 +46,7 @@ import torch
 import rollout
 from config import Config, ConfigError
 from engines import tool_calls
-from rewards import compute_rewards, register
+from rewards import Rewards, register
 from sources.plugins import import_function, one_line
 
 log = logging.getLogger("minigrpo.episodes")
@@ -87,15 +87,14 @@ class Episode:
 # ---------------------------------------------------------------- the episodes, turn by turn
 
 
-def sample_and_score(cfg: Config, model, tokenizer, rows: list[dict], samples: list[dict],
-                     context: dict) -> tuple:
-    """step.score's seam: G episodes for each row, the rewards seeing each whole (its final reply,
-    the episode by name) -> (the rollout, samples, the RewardResult)."""
+def sample_and_score(cfg: Config, model, tokenizer, rewards: Rewards, rows: list[dict],
+                     samples: list[dict]) -> tuple:
+    """step.score's seam (run.sample_and_score, partial of the first four at setup): G episodes for
+    each row, the rewards (prepared with given=("num_tokens", "episode")) seeing each whole (its
+    final reply, the episode by name) -> (the rollout, the RewardResult)."""
     batch = run_episodes(cfg, model, tokenizer, rows)
-    return batch, samples, compute_rewards(
-        [e.reply for e in batch.episodes], samples, cfg.rewards,
-        num_tokens=batch.num_tokens(), episodes=batch.episodes,
-        context=context)
+    return batch, rewards([e.reply for e in batch.episodes], samples,
+                          num_tokens=batch.num_tokens(), episodes=batch.episodes)
 
 
 def run_episodes(cfg: Config, model, tokenizer, rows: list[dict]) -> rollout.Rollout:

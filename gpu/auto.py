@@ -3,7 +3,15 @@ wins. Called once by run/lifecycle.setup, after the model has loaded:
 
     cfg, line = auto.resolve(cfg, model, device, longest_prompt)   # line: what was chosen, or ""
 
-On a CPU every "auto" takes the value it had before it was a choice, so a CPU run is what it
+The loss forward's speed levers (SPEED), on every device; each gives the plain path's values up to
+float rounding, and with all of them off (false) a step runs the plain code:
+
+    grpo.share_prompt        true on a CPU (bound by arithmetic: the prompt work saved wins),
+                             "prefill" on a GPU (the sampling prefill only: the loss's second pass
+                             costs more kernel launches than it saves at short prompts)
+    grpo.logprob_kernel      on: the hand-written log-softmax holds one fp32 chunk of logits
+
+On a CPU every other "auto" takes the value it had before it was a choice, so a CPU run is what it
 always was. On a CUDA GPU:
 
     rollout.compile          on (HF generate with a static KV cache, compiled by transformers) on
@@ -33,6 +41,20 @@ AUTO_KEYS = ("rollout.compile", "rollout.merged_sampling", "optim.micro_batch_si
 CPU = {"rollout.compile": False, "rollout.merged_sampling": False, "optim.micro_batch_size": 8,
        "model.gradient_checkpointing": False}  # what each was before "auto"
 COMPILE_CAPABILITY = (8, 0)  # Ampere and newer
+SPEED = ("grpo.share_prompt", "grpo.logprob_kernel")  # the loss forward's levers, on every device
+
+
+def speed_levers(cfg: Config, device: torch.device) -> dict:
+    """SPEED's values for those left at auto. Prompt sharing runs a micro-batch through the model
+    twice (the prompts, then the completions on their cache), doubling its kernel launches (25k vs
+    12k aten operators for Qwen3-0.6B's 28 layers, counted on CPU: bench/gpu_h100/op_count_cpu.log).
+    A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the training time at
+    45-token prompts); a GPU on a small model is bound by launches, and on an H100 (same model and
+    prompts) minigrpo's training took 2.5x TRL's with it on. The sampling prefill shares unless it
+    is false: one extra forward per rollout."""
+    cpu = device.type != "cuda"
+    choice = {"grpo.share_prompt": True if cpu else "prefill", "grpo.logprob_kernel": True}
+    return {k: v for k, v in choice.items() if get(cfg, k) == "auto"}
 
 
 def get(cfg: Config, key: str):
@@ -98,12 +120,12 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
     longest_prompt() gives the longest rendered prompt in tokens (called on a GPU only);
     free_bytes and capability default to the device's own (tests give them)."""
     auto = [k for k in AUTO_KEYS if get(cfg, k) == "auto"]
-    cfg = copy.deepcopy(cfg)
+    cfg, speed = copy.deepcopy(cfg), speed_levers(cfg, device)
     if device.type != "cuda":
-        for k in auto:
-            put(cfg, k, CPU[k])
+        for k, v in ({k: CPU[k] for k in auto} | speed).items():
+            put(cfg, k, v)
         check_importance_weights(cfg)
-        return cfg, ""
+        return cfg, said("CPU", speed, [])
     chosen, notes = {}, []
     fast, why_not = fast_sampler(cfg, capability or torch.cuda.get_device_capability(device))
     if "rollout.compile" in auto:
@@ -121,6 +143,7 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
                                      ("model.gradient_checkpointing", lv.checkpointing))
                    if k in levers}
         notes.append(lv.why)
+    chosen |= speed
     for k, v in chosen.items():
         put(cfg, k, v)
     check_importance_weights(cfg)
@@ -128,8 +151,13 @@ def resolve(cfg: Config, model: torch.nn.Module, device: torch.device,
         from gpu import attention
         if attention.use_gqa_decode(model):
             notes.append("GQA decode without repeated K/V (gpu/attention.py)")
+    return cfg, said("GPU", chosen, notes)
+
+
+def said(machine: str, chosen: dict, notes: list[str]) -> str:
+    """The "chosen for this machine" line, or "" when nothing was chosen."""
     if not chosen and not notes:
-        return cfg, ""
-    said = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
-    return cfg, (f"[minigrpo] chosen for this GPU: {said}" + "".join(f"; {n}" for n in notes)
-                 + " (write a value in the config to choose it yourself)")
+        return ""
+    values = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen.items())
+    return (f"[minigrpo] chosen for this {machine}: {values}" + "".join(f"; {n}" for n in notes)
+            + " (write a value in the config to choose it yourself)")

@@ -322,11 +322,3 @@ def choose_levers(model, cfg, prompt_tokens: int, free_bytes: int,
         why += (", likely out of memory: try " + ", ".join(fixes)
                 + ", a shorter rollout.max_new_tokens or model.quant: 4bit")
     return Levers(rows, ckpt, peak, budget, why)
-
-
-def step_readings(device: torch.device, scaler) -> dict:
-    """What a step logs on a CUDA GPU beside peak_memory_mb (the allocator's peak allocated): its
-    peak reserved (allocated plus the cached blocks the allocator keeps), and under fp16 the
-    GradScaler's loss scale (halved at each skipped update)."""
-    return {"peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20} | (
-        {"loss_scale": scaler.get_scale()} if scaler else {})

@@ -20,8 +20,6 @@ r_w - r_l), rewards/accuracies (share of pairs with r_w > r_l), logps/chosen, lo
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,7 @@ import rollout
 from logprobs import micro_batch_log_probs, micro_batches
 from model import reference_mode
 from scoring.metrics import source_shares
-from step import grad_norm_metrics, optimizer_step, peak_memory_mb
+from step import grad_norm_metrics, optimizer_step
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -126,10 +124,8 @@ def pair_metrics(loss, r_w, r_l, pi) -> dict:
 
 def dpo_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
-    cfg, model, t0 = r.cfg, r.model, time.time()
+    cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     idx = r.sampler.draw(cfg.dpo.batch_size)
     batch = pair_batch(r.tokenizer, [r.rows[i] for i in idx], cfg, device)
     keys = [("train", i, k) for i in idx for k in ("chosen", "rejected")]  # (2n,) as the batch rows
@@ -148,9 +144,8 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     grad_norm, lr = optimizer_step(r)
     return pair_metrics(loss, r_w, r_l, pi) | {
         "tokens": float(batch.completion_mask.sum()), "learning_rate": lr,
-        **grad_norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows),
-        "step_time": time.time() - t0,
-        "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
+        **grad_norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows)} \
+        | source_shares(r), []
 
 
 @torch.no_grad()

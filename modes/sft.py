@@ -11,14 +11,12 @@ later samples from, and a GRPO config starts from the result with `model.init_ad
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 import rollout
 from logprobs import micro_batch_log_probs, micro_batches
 from scoring.metrics import source_shares
-from step import grad_norm_metrics, optimizer_step, peak_memory_mb
+from step import grad_norm_metrics, optimizer_step
 
 
 def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = None,
@@ -48,10 +46,8 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
 
 def sft_step(r) -> tuple[dict, list[dict]]:
     """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
-    cfg, model, t0 = r.cfg, r.model, time.time()
+    cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
     batch = sft_batch(r.tokenizer, rows, cfg, device)
     # (n, P + C) x2, (n, C)
@@ -67,8 +63,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
         total += float(loss.detach())
     grad_norm, lr = optimizer_step(r)
     return {"loss": total, "tokens": tokens, "learning_rate": lr, **grad_norm_metrics([grad_norm]),
-            "epoch": r.sampler.position / len(r.rows), "step_time": time.time() - t0,
-            "peak_memory_mb": peak_memory_mb(device)} | source_shares(r), []
+            "epoch": r.sampler.position / len(r.rows)} | source_shares(r), []
 
 
 @torch.no_grad()

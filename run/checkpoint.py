@@ -32,7 +32,7 @@ from parallel import distributed
 from sources.adapters import PROVENANCE, save_adapter
 
 if TYPE_CHECKING:
-    from step import Run
+    from run.state import Run
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
@@ -98,7 +98,7 @@ def _os_error(e: BaseException | None, depth: int = 0) -> OSError | None:
 
 def rank_state(r: Run) -> dict:
     """What each process has of its own: RNG states, data position, its judges' run totals and
-    whether each has answered (a resumed run then waits for one that is down: api/outage.py)."""
+    whether each has answered (a resumed run then waits for one that is down: scoring/outage.py)."""
     return {"data_position": r.sampler.state(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state(),

@@ -142,18 +142,22 @@ PACE_EVERY_S = 30.0  # outside a terminal, a pace line after the first step, the
 class Pace:
     """Where a run stands in time, for logs and notebooks (no progress bar there): steps done, time
     since the job started, seconds a step and the time left, after the first step (the slowest:
-    warm-up, compilation) and then at most every `every_s` seconds. The seconds a step leave the
-    first step out once a later one is done. max_minutes: run.max_minutes, whose stop the line
-    announces when it comes before the last step.
+    warm-up, compilation) and then at most every `every_s` seconds. The seconds a step, and so the
+    time left, leave out the first step and the time paused (pause(): waiting for a judge that is
+    down); after the first step alone there is no estimate yet. max_minutes: run.max_minutes, whose
+    stop the line announces when it comes before the last step.
 
-    >>> t = iter([0.0, 40.0, 50.0, 60.0, 90.0])
+    >>> t = iter([0.0, 40.0, 50.0, 60.0, 90.0, 200.0])
     >>> pace = Pace(10, 0, started=0.0, clock=lambda: next(t))   # the loop starts at 0 s
     >>> pace.line(1)
-    '[minigrpo] step 1/10 | 40s elapsed | 40.0 s/step (the first: warm-up) | eta 6m00s'
+    '[minigrpo] step 1/10 | 40s elapsed | the first step took 40.0 s (warm-up): eta after the next'
     >>> pace.line(2) is None, pace.line(3)                        # 50 s, 60 s: not 30 s yet
     (True, None)
     >>> pace.line(4)
     '[minigrpo] step 4/10 | 1m30s elapsed | 16.7 s/step | eta 1m40s | first step +23s (warm-up)'
+    >>> pace.pause(100.0)                                          # a judge was waited for
+    >>> pace.line(5)
+    '[minigrpo] step 5/10 | 3m20s elapsed | 15.0 s/step | eta 1m15s | first step +25s (warm-up)'
 
     The last part is the one-time cost: the first step's time beyond a later step's (with the
     compiled sampler, mostly its compilation), once a later step has shown what a step costs.
@@ -166,6 +170,12 @@ class Pace:
         self.every_s = PACE_EVERY_S if every_s is None else every_s
         self.began = clock()  # the loop's start: the first step is timed from here
         self.first_done = self.said = self.once = None  # once: the first step's extra seconds
+        self.paused = 0.0  # seconds since the first step that were no step's (pause)
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` after a step that were no step's (a judge waited for): out of the pace."""
+        if self.first_done is not None:
+            self.paused += seconds
 
     def line(self, step: int) -> str | None:
         """The line for `step` just done, or None when one was printed under every_s ago (or this
@@ -173,17 +183,19 @@ class Pace:
         now, done = self.clock(), step - self.start
         if self.first_done is None:
             self.first_done = now
-        per_step = (now - self.first_done) / (done - 1) if done > 1 else now - self.began
+        per_step = (now - self.first_done - self.paused) / (done - 1) if done > 1 else None
         if done > 1:  # what a step costs is known: the first step's extra, so far
             self.once = self.first_done - self.began - per_step
         if step >= self.total or (self.said is not None and now - self.said < self.every_s):
             return None
         self.said = now
+        text = f"[minigrpo] step {step}/{self.total} | {duration(now - self.started)} elapsed | "
+        if per_step is None:  # the warm-up alone: no step's pace yet
+            return text + (f"the first step took {now - self.began:.1f} s (warm-up): eta after "
+                           "the next")
         eta = per_step * (self.total - step)
-        text = (f"[minigrpo] step {step}/{self.total} | {duration(now - self.started)} elapsed | "
-                f"{per_step:.1f} s/step{' (the first: warm-up)' if done == 1 else ''} | "
-                f"eta {duration(eta)}")
-        if done > 1 and self.once >= 1:
+        text += f"{per_step:.1f} s/step | eta {duration(eta)}"
+        if self.once >= 1:
             text += f" | first step +{duration(self.once)} (warm-up)"
         left = self.max_minutes * 60 - (now - self.started)
         if self.max_minutes and left < eta:
@@ -222,7 +234,14 @@ class progress_display:
         if self.progress:
             self.progress.start()
             self.task = self.progress.add_task("", total=self.total, completed=self.start)
-        return self.show
+        return self
+
+    def __call__(self, step: int, m: dict) -> None:
+        self.show(step, m)
+
+    def pause(self, seconds: float) -> None:
+        """`seconds` after a step that were no step's (a judge waited for): out of the pace."""
+        self.pace.pause(seconds)
 
     def show(self, step: int, m: dict) -> None:
         if self.progress:

@@ -3,7 +3,7 @@ kept out of the loop. setup() checks the config, data, judges, model and run dir
 ConfigError, before anything is written) and builds the Run: the policy, optimizer, schedule, data
 order, resume state; stop_on_error() ends a run one line at a time.
 
-    r = setup(args, overrides)            # a step.Run, or ConfigError naming what to fix
+    r = setup(args, overrides)            # a run/state.Run (prepared), or ConfigError: what to fix
     print(dry_run_report(r))              # --dry-run: the first row as the model sees it
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import grpo
 import rollout
 from api.client import Judge
 from config import (
@@ -36,6 +38,7 @@ from engines import episodes, vllm_engine, vllm_startup
 from files.jsonl import interrupted
 from gpu import auto
 from model import (
+    MergedSampler,
     is_peft,
     load_policy,
     load_tokenizer,
@@ -44,15 +47,18 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
+from rewards import prepare_rewards, reward_context
 from run import folder_lock
 from run.checkpoint import checkpoints, judges_answered, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
+from run.state import Run
+from scoring import pipelined
 from scoring.checks import check_rows, open_rewards, open_scoring
 from settings.typed_config import check_writable
-from sources import overlap
+from sources import seen_prompts
 from sources.adapters import PROVENANCE, same_base
 from sources.hub import resolve_model_path
-from step import Run, lr_lambda
+from step import lr_lambda
 
 
 def flat(d: dict, prefix: str = "") -> dict:
@@ -206,8 +212,8 @@ def setup(args, overrides: list[str]) -> Run:
         eval_rows = [row for s in held_out for row in s.rows]
         if cfg.rewards:
             check_rows(cfg.rewards, eval_rows, "held-out")
-        seen = {overlap.prompt_hash(r) for r in rows} | overlap.seen_before(cfg.model)
-        if k := overlap.count(eval_rows, seen):
+        seen = {seen_prompts.prompt_hash(r) for r in rows} | seen_prompts.seen_before(cfg.model)
+        if k := seen_prompts.count(eval_rows, seen):
             print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt "
                   "of a row this run (or the runs behind its model) trains on: eval/* will "
                   "overstate what it learned; check data.select, eval.select, split_seed and "
@@ -298,11 +304,50 @@ def setup(args, overrides: list[str]) -> Run:
                                lambda: max(row_lengths(cfg, rows, tokenizer)[0]))
     if chosen:
         print(chosen, file=sys.stderr)
-    return Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
-               params, optimizer, scheduler, scaler, sampler, judges, start, engine,
-               world=distributed.world(),
-               eval_rows=eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0's
-               changed=changed)
+    r = Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
+            params, optimizer, scheduler, scaler, sampler, judges, start, engine,
+            world=distributed.world(),
+            eval_rows=eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0's
+            changed=changed)
+    if cfg.mode == "grpo":
+        prepare(r)
+    return r
+
+
+def prepare(r: Run) -> None:
+    """What a GRPO step uses that depends only on the run, resolved once (again after a test
+    changes r.cfg): the rewards with their functions, arguments and keys, and the reply prefix they
+    see (rollout.reply_prefix, a chat-template probe); the sampler chosen, with its EOS ids; the
+    seam that samples and scores together (episodes, the reward overlap); the loss settings."""
+    cfg = r.cfg
+    context = reward_context(rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
+                             cfg.data.assistant_prefix)
+    multi_turn = bool(cfg.env or cfg.tools)
+    try:
+        r.rewards = prepare_rewards(cfg.rewards, context,
+                                    ("num_tokens", "episode") if multi_turn else ("num_tokens",))
+    except ValueError as e:
+        raise ConfigError(f"rewards: {e}") from None
+    r.sample = sampler(r)
+    r.sample_and_score = None
+    if multi_turn:  # G episodes a prompt, each scored whole
+        r.sample_and_score = functools.partial(episodes.sample_and_score, cfg, r.model,
+                                               r.tokenizer, r.rewards)
+    elif cfg.rollout.overlap_rewards and cfg.rollout.prompts_per_generate:
+        r.sample_and_score = functools.partial(pipelined.sample_and_score, r.sample, r.rewards,
+                                               r.tokenizer, cfg)
+    r.loss = grpo.LossSettings.of(cfg.grpo)
+
+
+def sampler(r: Run):
+    """The sampler the step calls, sample(prompts) -> rollout.Rollout: vLLM's, HF generate merged
+    (rollout.merged_sampling), or HF generate (compiled under rollout.compile: its static cache)."""
+    if r.engine:
+        return functools.partial(r.engine.generate, r.tokenizer,
+                                 eos_ids=rollout.eos_token_ids(r.tokenizer, r.model),
+                                 device=next(r.model.parameters()).device)
+    sample = rollout.Sampler.of(r.model, r.tokenizer, r.cfg)
+    return MergedSampler(sample) if r.cfg.rollout.merged_sampling else sample
 
 
 def open_run_files(r: Run) -> tuple[Path, Path]:
@@ -386,7 +431,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
         print(f"\nerror: {what}; stopped at step {step}, before any checkpoint", file=sys.stderr)
         return code
     # this run's (the folder held no run): nothing to resume, so no half run is left behind
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", overlap.FILE):
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", seen_prompts.FILE):
         (run_dir / name).unlink(missing_ok=True)
     # empty: its first checkpoint was interrupted (a run's files, RUN_FILES)
     with contextlib.suppress(OSError):

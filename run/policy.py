@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api import outage
 from api.client import Judge, JudgeUnusable
 from config import RunConfig
 from parallel import distributed
 from run import display
 from run.lifecycle import resume_command, stop_on_error
-from step import Run
+from run.state import Run
+from scoring import outage
 
 NO_SIGNAL, TIME_LIMIT = "no signal", "time limit"  # why a run stops after a step (Decision.stop)
 

@@ -16,9 +16,12 @@ from gpu import auto
 CUDA = torch.device("cuda")  # only named: nothing below touches a GPU
 
 
-def test_on_a_cpu_every_auto_is_what_it_was_before_and_nothing_is_said():
+def test_on_a_cpu_every_auto_is_what_it_was_before_and_only_the_speed_levers_are_said():
     cfg, line = auto.resolve(Config(), torch.nn.Linear(1, 1), torch.device("cpu"), lambda: 1 / 0)
-    assert [auto.get(cfg, k) for k in auto.AUTO_KEYS] == [False, False, 8, False] and line == ""
+    assert [auto.get(cfg, k) for k in auto.AUTO_KEYS] == [False, False, 8, False]
+    assert [auto.get(cfg, k) for k in auto.SPEED] == [True, True]
+    assert line == ("[minigrpo] chosen for this CPU: grpo.share_prompt=true, "
+                    "grpo.logprob_kernel=true (write a value in the config to choose it yourself)")
     assert Config().optim.micro_batch_size == "auto"  # the copy was changed, not the original
 
 
@@ -26,6 +29,7 @@ def test_a_written_value_is_kept_on_a_cpu_and_on_a_gpu(monkeypatch):
     cfg = Config()
     cfg.rollout.compile, cfg.rollout.merged_sampling = False, True
     cfg.optim.micro_batch_size, cfg.model.gradient_checkpointing = 2, True
+    cfg.grpo.share_prompt, cfg.grpo.logprob_kernel = False, False
     for device in (torch.device("cpu"), CUDA):
         out, line = auto.resolve(cfg, torch.nn.Linear(1, 1), device, lambda: 1 / 0,
                                  free_bytes=2**30, capability=(9, 0))
@@ -78,7 +82,8 @@ def test_on_a_gpu_the_fast_sampler_and_the_levers_are_chosen_and_said(fake_gpu_m
                                 "enabled": True, "gqa": True}
     assert line.startswith("[minigrpo] chosen for this GPU: rollout.compile=true, "
                            "rollout.merged_sampling=true, optim.micro_batch_size=4, "
-                           "model.gradient_checkpointing=true; micro-batch 4 with checkpointing")
+                           "model.gradient_checkpointing=true, grpo.share_prompt=prefill, "
+                           "grpo.logprob_kernel=true; micro-batch 4 with checkpointing")
     assert "GQA decode without repeated K/V" in line
 
 

@@ -232,13 +232,3 @@ def test_a_per_process_cap_bounds_the_free_memory_auto_reads(monkeypatch):
     assert allocatable_bytes(0) == 14 * GiB - 3 * GiB  # the cap, less what is reserved already
     monkeypatch.setattr(cuda, "mem_get_info", lambda d: (5 * GiB, 140 * GiB))
     assert allocatable_bytes(0) == 5 * GiB  # another process holds the rest of the card
-
-
-def test_a_step_on_cuda_logs_the_peak_reserved_and_under_fp16_the_loss_scale(monkeypatch):
-    """step.train_step's readings on a GPU (on a CPU it calls nothing here)."""
-    from gpu.memory import step_readings
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
-    scaler = type("Scaler", (), {"get_scale": lambda self: 32768.0})()
-    cuda = torch.device("cuda", 0)
-    assert step_readings(cuda, scaler) == {"peak_reserved_mb": 3072.0, "loss_scale": 32768.0}
-    assert step_readings(cuda, None) == {"peak_reserved_mb": 3072.0}

@@ -1332,12 +1332,12 @@ def test_a_rerun_of_a_group_pays_nothing_and_another_group_pays_again(server, tm
 
 
 def test_group_judge_steps_follow_the_failed_share_and_unusable_rules_per_request(server):
-    """api/outage.py counts a group judge's requests: 3 of 4 groups without a reply skip the step;
-    3 of 4 unusable for 3 steps stop the run."""
+    """scoring/outage.py counts a group judge's requests: 3 of 4 groups without a reply skip the
+    step; 3 of 4 unusable for 3 steps stop the run."""
     import types
 
-    from api import outage
     from fake_openai_server import dropped
+    from scoring import outage
     cfg = Config()
     judge = make_judge(server, max_retries=0)
     opt = torch_optimizer()

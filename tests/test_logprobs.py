@@ -44,12 +44,40 @@ def test_automatic_chunk_size_scales_with_the_vocabulary(monkeypatch):
         and torch.allclose(got, logprobs.selective_log_probs(logits, ids, 0.7, 12), atol=1e-6)
 
 
-def test_prompt_sharing_in_the_loss_is_automatic_on_cpu_only():
+def test_the_speed_levers_are_chosen_at_setup_prompt_sharing_in_the_loss_on_cpu_only():
+    """gpu/auto.speed_levers: auto shares the prompt in the loss on a CPU, only in the sampling
+    prefill on a GPU, and keeps the hand-written kernel on; a written value is kept."""
+    from config import Config
+    from gpu import auto
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert logprobs.share_prompt_in_loss("auto", cpu) \
-        and not logprobs.share_prompt_in_loss("auto", cuda)
-    assert logprobs.share_prompt_in_loss(True, cuda) \
-        and not logprobs.share_prompt_in_loss(False, cpu)
+    assert auto.speed_levers(Config(), cpu) == {"grpo.share_prompt": True,
+                                                "grpo.logprob_kernel": True}
+    assert auto.speed_levers(Config(), cuda) == {"grpo.share_prompt": "prefill",
+                                                 "grpo.logprob_kernel": True}
+    written = Config()
+    written.grpo.share_prompt, written.grpo.logprob_kernel = False, False
+    assert auto.speed_levers(written, cpu) == {}
+
+
+@pytest.mark.parametrize("kernel, fused, share", [
+    (True, False, False), (False, True, False), (False, False, True), (True, False, True),
+    (True, True, True)])
+def test_each_speed_lever_gives_the_plain_paths_log_probs_and_gradients(kernel, fused, share,
+                                                                         tiny_llama):
+    """The plain path (logits, log_softmax, gather: every lever off) against each lever and some of
+    their combinations: the same log-probs and LoRA gradients up to float rounding."""
+    from test_share_prompt import grouped_batch, log_probs_and_grads, lora_policy
+    model, tok = lora_policy(tiny_llama)
+    ids, attn, C = grouped_batch(tok, ["What is 2 + 3? Reply with just the number.", "Hello"],
+                                 [3, 2], ["5", "The answer is 5.", "42 0 1", "world", "0 1 2 3"])
+    weights = torch.linspace(-1, 1, ids.shape[0] * C).view(-1, C)
+    plain, plain_grads = log_probs_and_grads(model, ids, attn, C, weights, kernel=False)
+    lp, grads = log_probs_and_grads(model, ids, attn, C, weights, kernel=kernel, fused_head=fused,
+                                    share_prompt=share)
+    assert torch.allclose(lp, plain, atol=1e-5) and grads.keys() == plain_grads.keys() and grads
+    # fp32 rounding differs between the paths (~1e-6 of each gradient's largest entry)
+    assert all((grads[n] - plain_grads[n]).abs().max() <= 1e-4 * plain_grads[n].abs().max()
+               for n in grads)
 
 
 def test_position_ids_skip_left_padding():

@@ -1,17 +1,17 @@
-"""api/outage.py's step checks against the fake server, without a model: a step whose judge failed
-too many calls is not trained on, a judge whose replies are mostly unusable stops the run, and the
-run's end names a judge that was often unusable. (Waiting for a judge that is down:
+"""scoring/outage.py's step checks against the fake server, without a model: a step whose judge
+failed too many calls is not trained on, a judge whose replies are mostly unusable stops the run,
+and the run's end names a judge that was often unusable. (Waiting for a judge that is down:
 tests/test_policy.py; end to end: tests/test_train.py.)"""
 import types
 
 import pytest
 import torch
 
-from api import outage
 from api.client import Judge, JudgeConfig, JudgeUnusable
 from config import Config
 from fake_openai_server import Behaviour, FakeOpenAIServer, dropped, ok
 from judge import judge_reward
+from scoring import outage
 
 TEMPLATE = "Rate {completion}"
 
@@ -23,7 +23,7 @@ def server():
 
 
 def fake_run(server, **run_cfg) -> types.SimpleNamespace:
-    """What minis_to_train reads of a step.Run: its judges, config, schedule, step and world."""
+    """What minis_to_train reads of a Run: its judges, config, schedule, step and world."""
     cfg = Config()
     for k, v in run_cfg.items():
         setattr(cfg.run, k, v)

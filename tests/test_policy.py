@@ -6,11 +6,11 @@ import types
 
 import pytest
 
-from api import outage
 from api.client import JudgeUnusable
 from config import Config, RunConfig
 from run import display, policy
 from run.policy import NO_SIGNAL, TIME_LIMIT, Clock, Policy
+from scoring import outage
 
 FLAT, LEARNING = {"frac_reward_zero_std": 1.0}, {"frac_reward_zero_std": 0.5}
 

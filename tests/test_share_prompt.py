@@ -190,8 +190,7 @@ def test_a_training_run_is_the_same_with_and_without_prompt_sharing(train_config
 @pytest.mark.parametrize("setting,shares", [("auto", True), ("false", False)])
 def test_auto_shares_the_prompt_in_the_loss_on_cpu(train_config, tmp_path, monkeypatch, setting,
                                                    shares):
-    """The default, auto, takes the shared path in step.py's loss on CPU
-    (logprobs.share_prompt_in_loss)."""
+    """The default, auto, takes the shared path in step.py's loss on CPU (gpu/auto.speed_levers)."""
     calls = []
     real = logprobs._shared_prompt_log_probs
     monkeypatch.setattr(logprobs, "_shared_prompt_log_probs",

@@ -17,7 +17,6 @@ import rollout
 import step
 import train
 from conftest import write_run_config
-from engines import vllm_engine
 from run import lifecycle
 
 
@@ -175,6 +174,7 @@ def test_rewards_see_the_think_block_the_template_or_the_forced_prefix_opens(
     if opens:  # DeepSeek-R1's template ends its generation prompt inside a think block
         r.tokenizer.chat_template = r.tokenizer.chat_template.replace("assistant\n'",
                                                                       "assistant\n<think>\n'")
+        lifecycle.prepare(r)  # the reply prefix is read once, at setup
     step.score(r, [0, 1])
     assert seen == {(expected, forced)}
 
@@ -250,13 +250,13 @@ def test_fp16_loss_scaling_that_skips_every_update_stops_the_run_instead_of_trai
 def test_importance_weights_are_capped_and_counted():
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
     old, sampler, mask = torch.tensor([[0.0, 0.0]]), torch.tensor([[-5.0, 0.0]]), torch.ones(1, 2)
-    w = vllm_engine.sampler_weight(old, sampler, mask, 2.0, sums)
+    w = grpo.sampler_weight(old, sampler, mask, 2.0, sums)
     assert w.tolist() == [[2.0, 1.0]] and sums["capped"] == 1 and sums["abs_diff"] == 5.0 \
         and sums["tokens"] == 2
-    assert vllm_engine.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
+    assert grpo.sampler_weight(old, sampler, mask, 0.0, None) is None  # cap 0: off
 
 
-@pytest.mark.parametrize("mode", vllm_engine.TIS_MODES)
+@pytest.mark.parametrize("mode", grpo.TIS_MODES)
 def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     """TRL's four modes: the ratio per token or per completion (the product over its tokens, padding
     left out), capped at tis_cap or masked past it; `capped` counts tokens at or past the cap."""
@@ -265,7 +265,7 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     old, sampler = (torch.randn(5, 6, generator=g) * 0.6 for _ in range(2))
     mask = (torch.arange(6)[None] < torch.tensor([6, 3, 1, 5, 4])[:, None]).float()
     sums = dict.fromkeys(("tokens", "abs_diff", "units", "weight", "capped"), 0.0)
-    w = vllm_engine.sampler_weight(old, sampler, mask, 1.5, sums, mode)
+    w = grpo.sampler_weight(old, sampler, mask, 1.5, sums, mode)
     want, past, weights = torch.zeros(5, 6), 0, 0.0
     seq_mode = mode.startswith("sequence")
     for i in range(5):
@@ -289,9 +289,9 @@ def test_each_tis_mode_matches_a_loop_over_tokens_and_completions(mode):
     nan = sampler.clone()
     # a log-prob vLLM did not give: ratio 1 there, as TRL, not a NaN weight
     nan[0, 1] = float("nan")
-    assert torch.isfinite(vllm_engine.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
+    assert torch.isfinite(grpo.sampler_weight(old, nan, mask, 1.5, None, mode)).all()
     with pytest.raises(ValueError, match="tis_mode"):
-        vllm_engine.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
+        grpo.sampler_weight(old, sampler, mask, 1.5, None, "sequence_clip")
 
 
 def test_bnpo_counts_only_micro_batches_with_a_scored_completion(tmp_path, tiny_llama, monkeypatch):
@@ -562,7 +562,7 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
     """vLLM's importance weight is pi_old / pi_sampler: with num_iterations 2, the second
     iteration's weight uses the same old log-probs as the first, not the policy the first update
     moved."""
-    seen, real_w, real_collect = [], vllm_engine.sampler_weight, step.collect
+    seen, real_w, real_collect = [], grpo.sampler_weight, step.collect
 
     def weight(old, *a, **k):
         seen.append(old.clone())
@@ -573,12 +573,13 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
         # as vLLM would give them
         kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)
         return kept, drawn, n
-    monkeypatch.setattr(vllm_engine, "sampler_weight", weight)
+    monkeypatch.setattr(grpo, "sampler_weight", weight)
     monkeypatch.setattr(step, "collect", collect)
     r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",
                  "--optim.micro_batch_size=8")
     # the config asks for rollout.engine: vllm; the weights need only sampler_logp
     r.cfg.grpo.tis_cap = 2.0
+    lifecycle.prepare(r)  # the loss settings are read once
     m, _ = step.train_step(r)
     assert abs(m["ratio_mean"] - 1) > 1e-4  # the policy did move between the iterations
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])

@@ -84,11 +84,12 @@ def test_outside_a_terminal_the_loading_the_first_step_and_the_pace_with_eta_are
     assert [ln.split(" | ")[0] for ln in out.splitlines()] == ["step 1/3", "step 2/3", "step 3/3"]
     said = [ln for ln in err.splitlines() if ln.startswith("[minigrpo]")]
     assert said[0].startswith(f"[minigrpo] loading {train_model(cfg)} on cpu (torch.float32)")
-    assert said[2] == ("[minigrpo] step 1/3: sampling 2 prompts x 4 completions of up to 8 tokens, "
+    assert said[1].startswith("[minigrpo] chosen for this CPU: grpo.share_prompt=true")
+    assert said[3] == ("[minigrpo] step 1/3: sampling 2 prompts x 4 completions of up to 8 tokens, "
                        "scoring them, updating; the first step warms up, so it is the slowest")
     pace = [ln for ln in said if " elapsed | " in ln]
     assert [ln.split(" | ")[0] for ln in pace] == ["[minigrpo] step 1/3", "[minigrpo] step 2/3"]
-    assert pace[0].endswith("s/step (the first: warm-up) | eta " + pace[0].rsplit(" ", 1)[1])
+    assert re.search(r"the first step took \d+\.\d s \(warm-up\): eta after the next$", pace[0])
     assert re.fullmatch(r"\[minigrpo\] step 2/3 \| \d+s elapsed \| \d+\.\d s/step \| eta \d+s"
                         r"( \| first step \+\d+s \(warm-up\))?", pace[1])  # its extra, if >= 1 s
 
@@ -100,11 +101,21 @@ def train_model(cfg_path) -> str:
 def test_the_pace_line_says_when_run_max_minutes_stops_the_run_before_its_last_step():
     t = iter([0.0, 60.0, 120.0])  # started 30 s before the loop; steps of 60 s
     pace = display.Pace(100, 0, started=-30.0, max_minutes=3, every_s=0, clock=lambda: next(t))
-    assert pace.line(1).endswith("eta 1h39m; run.max_minutes=3 stops it in about 1m30s, near "
-                                 "step 2 (--resume continues)")
+    assert pace.line(1).endswith("the first step took 60.0 s (warm-up): eta after the next")
     assert pace.line(2) == ("[minigrpo] step 2/100 | 2m30s elapsed | 60.0 s/step | eta 1h38m; "
                             "run.max_minutes=3 stops it in about 30s, near step 2 (--resume "
                             "continues)")
+
+
+def test_the_pace_leaves_out_the_warm_up_and_the_judge_waits():
+    """A 90 s first step and steps of 10 s: no eta from the warm-up, and a 20-minute wait for a
+    judge does not make a step look slower (issue 44: "eta 58m35s" for a 5-minute run)."""
+    t = iter([0.0, 90.0, 100.0, 1310.0])
+    pace = display.Pace(30, 0, started=0.0, every_s=0, clock=lambda: next(t))
+    assert "eta" not in pace.line(1).split(":")[0] and pace.line(1 + 1).endswith(
+        "10.0 s/step | eta 4m40s | first step +1m20s (warm-up)")
+    pace.pause(1200.0)
+    assert " 10.0 s/step | eta 4m30s" in pace.line(3)
 
 
 def test_on_a_terminal_the_first_steps_one_time_cost_is_said_once(capsys):
@@ -692,6 +703,7 @@ def test_sampling_in_slices_of_prompts_keeps_rows_and_samples(setup, monkeypatch
     for k in (0, 2):
         calls.clear()
         r.cfg.rollout.prompts_per_generate = k
+        lifecycle.prepare(r)  # the sampler is chosen once, at setup
         got[k] = step.score(r, idx)
         assert calls == ([3] if k == 0 else [2, 1])
         ro = got[k].rollout
@@ -734,6 +746,7 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         seen.clear()
         started.clear()
         r.cfg.rollout.overlap_rewards = overlap
+        lifecycle.prepare(r)  # the seam is chosen once, at setup
         got[overlap] = step.score(r, [0, 1, 2])
         # overlapped: slice 0's rewards started while slice 1 sampled
         assert seen == ([False, True, True] if overlap else [False, False, False])
@@ -741,10 +754,10 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
     assert on.rollout.texts == off.rollout.texts and torch.equal(on.total, off.total)
     assert on.per_reward == off.per_reward and on.errors == off.errors
     assert len(on.total) == 12 and on.total[:4].tolist() != on.total[8:].tolist()
-    # no args.dir: a configuration error, raised from the background
+    # no args.dir: a configuration error, found when the rewards are prepared
     r.cfg.rewards = [RewardSpec("human")]
     with pytest.raises(ValueError, match="needs dir"):
-        step.score(r, [0, 1, 2])
+        lifecycle.prepare(r)
 
 
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
@@ -1288,8 +1301,8 @@ def test_a_run_resumed_while_its_judge_is_still_down_waits_for_it(setup, monkeyp
     """Issue 39: resumed while the judge was down, a run that had been judged stopped with exit 2,
     "none of its first N requests got a reply ... fix the endpoint". The checkpoint says the
     judge answered: the resumed run waits (run.judge_outage: wait) and goes on when it is back."""
-    from api import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         args = _judge_args(cfg, server, "--run.save_every=1")
@@ -1338,8 +1351,8 @@ def test_a_mostly_garbage_judge_stops_the_run_with_one_of_its_replies(setup, cap
 def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkeypatch, capsys):
     """run.judge_outage: wait (the default): the run asks the judge again with backoff and goes on
     when it answers; the server is turned on again during the second pause."""
-    from api import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
@@ -1372,8 +1385,8 @@ def test_a_judge_that_comes_back_while_the_run_waits_lets_it_go_on(setup, monkey
 
 
 def test_a_judge_that_stays_down_stops_the_run_when_the_wait_runs_out(setup, monkeypatch, capsys):
-    from api import outage
     from fake_openai_server import FakeOpenAIServer
+    from scoring import outage
     cfg, run = setup
     clock, pauses = [0.0], []
     monkeypatch.setattr(outage, "sleep",
@@ -1401,7 +1414,7 @@ def test_a_run_dir_in_a_pseudo_filesystem_is_one_line_before_the_model_loads(set
 def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, monkeypatch, capsys):
     """No reply before the first one is an endpoint to fix (exit 2), not an outage to wait for
     (the review of issue 30: the wait's tries crashed the run). Since issue 47 at its first step,
-    every call of which failed (api/outage.check_rewards; before it, client.FAILED_LIMIT's 16
+    every call of which failed (scoring/outage.check_rewards; before it, client.FAILED_LIMIT's 16
     requests took two steps)."""
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
@@ -1417,9 +1430,10 @@ def test_a_judge_that_never_answered_stops_the_run_as_wrong_not_as_down(setup, m
 
 
 def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer
-    monkeypatch.setattr(api.outage, "sleep", lambda s: pytest.fail("waited after the last step"))
+    monkeypatch.setattr(scoring.outage, "sleep",
+                        lambda s: pytest.fail("waited after the last step"))
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=3))
@@ -1431,13 +1445,13 @@ def test_an_outage_found_after_the_last_step_is_said_not_waited_for(setup, monke
 
 def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
         setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer, server_error
     cfg, run = setup
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         def sleep(s):  # the wait's first try gets a 401, as from a rotated key
             server.default = server_error(401)
-        monkeypatch.setattr(api.outage, "sleep", sleep)
+        monkeypatch.setattr(scoring.outage, "sleep", sleep)
         step = train.train_step
 
         def failing(r):  # no reply for step 2's calls: 503s until their retries end
@@ -1453,12 +1467,12 @@ def test_a_judge_refusing_the_key_while_the_run_waits_stops_it_with_one_line(
 
 def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
         setup, monkeypatch, capsys):
-    import api.outage
+    import scoring.outage
     from fake_openai_server import FakeOpenAIServer
     cfg, run = setup
     clock = [0.0]
-    monkeypatch.setattr(api.outage, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    monkeypatch.setattr(api.outage, "clock", lambda: clock[0])
+    monkeypatch.setattr(scoring.outage, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(scoring.outage, "clock", lambda: clock[0])
     with FakeOpenAIServer(reply=lambda body: '{"score": 7}') as server:
         monkeypatch.setattr(train, "train_step", _KillServerAfterStep(server, after=1))
         assert train.main(_judge_args(cfg, server, "--run.max_minutes=2")) == 0
@@ -1466,3 +1480,16 @@ def test_a_wait_that_would_pass_max_minutes_stops_the_run_as_a_time_limit(
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("[minigrpo] stopped at step 2 of 4: run.max_minutes=2 would pass while "
                           "waiting (judge got no reply") and err.endswith("go on with --resume")
+
+
+def test_a_step_on_cuda_logs_the_peak_reserved_and_under_fp16_the_loss_scale(monkeypatch):
+    """train.memory_readings on a GPU (torch.cuda faked): what a first T4 run must report."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
+    scaler = type("Scaler", (), {"get_scale": lambda self: 32768.0})()
+    cuda = torch.device("cuda", 0)
+    assert train.memory_readings(cuda, scaler) == {
+        "peak_memory_mb": 2048.0, "peak_reserved_mb": 3072.0, "loss_scale": 32768.0}
+    assert train.memory_readings(cuda, None) == {"peak_memory_mb": 2048.0,
+                                                 "peak_reserved_mb": 3072.0}
+    assert set(train.memory_readings(torch.device("cpu"), None)) == {"peak_memory_mb"}

@@ -37,6 +37,7 @@ from logprobs import batch_log_probs, micro_batch_log_probs
 from model import reference_mode
 from rewards import compute_rewards, reward_context
 from run import lifecycle
+from run.state import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 100  # the terminal the output fits
@@ -66,7 +67,7 @@ class Explained:
     grad_norm: float = 0.0
 
 
-def one_step(r: step.Run, group: int | None) -> Explained:
+def one_step(r: Run, group: int | None) -> Explained:
     """Sample, score, advantages, then the loss and gradient of the update holding the chosen
     completion: step.train_step's order, on the first iteration (on-policy)."""
     cfg, ro, G = r.cfg, r.cfg.rollout, r.cfg.rollout.num_generations
@@ -91,7 +92,7 @@ def one_step(r: step.Run, group: int | None) -> Explained:
     return loss_and_gradient(r, out)
 
 
-def loss_and_gradient(r: step.Run, e: Explained) -> Explained:
+def loss_and_gradient(r: Run, e: Explained) -> Explained:
     """4. The loss of the update holding completion e.row, micro-batch by micro-batch as
     step.update takes it, backward, and the gradient's norm; no optimizer step."""
     cfg, g = r.cfg, r.cfg.grpo
@@ -185,7 +186,7 @@ def reward_ref(name: str) -> str:
     return where(found[0]) if found else where(compute_rewards)
 
 
-def show_prompt(r: step.Run, e: Explained) -> list[str]:
+def show_prompt(r: Run, e: Explained) -> list[str]:
     B, G = len(e.idx), r.cfg.rollout.num_generations
     out = ["", "1. Draw B prompts and render them",
            line("prompts", f"B={B}: data rows {', '.join(map(str, e.idx))}",
@@ -198,7 +199,7 @@ def show_prompt(r: step.Run, e: Explained) -> list[str]:
     return out + [f"    | {s[:WIDTH - 6]}" for s in e.prompts[e.group].split("\n")]
 
 
-def show_group(r: step.Run, e: Explained) -> list[str]:
+def show_group(r: Run, e: Explained) -> list[str]:
     cfg, G = r.cfg, r.cfg.rollout.num_generations
     ro, lo = cfg.rollout, e.group * G
     mean, std, _ = grpo.group_stats(e.total, G)
@@ -235,7 +236,7 @@ def group_rows(e: Explained, rows: range) -> list[str]:
     return out
 
 
-def show_tokens(r: step.Run, e: Explained) -> list[str]:
+def show_tokens(r: Run, e: Explained) -> list[str]:
     g = r.cfg.grpo
     t, n = e.terms, int(e.batch.completion_mask[e.row].sum())
     out = ["", f"3. Completion {e.row} (*: the largest |A| in its group, "
@@ -261,7 +262,7 @@ def show_tokens(r: step.Run, e: Explained) -> list[str]:
     return out + [f"  {'...':>3}" if j is None else token_row(r, e, j, n) for j in shown]
 
 
-def token_row(r: step.Run, e: Explained, j: int, n: int) -> str:
+def token_row(r: Run, e: Explained, j: int, n: int) -> str:
     """Token j of completion e.row (n tokens long; past them, padding)."""
     t = e.terms
     tok = cut(r.tokenizer.decode([int(e.batch.completion_ids[e.row, j])]), 16) if j < n \
@@ -271,7 +272,7 @@ def token_row(r: step.Run, e: Explained, j: int, n: int) -> str:
             f" {float(t['loss_t'][j]):>+9.4f} {int(t['mask'][j]):>4}")
 
 
-def show_loss(r: step.Run, e: Explained) -> list[str]:
+def show_loss(r: Run, e: Explained) -> list[str]:
     nm = e.norm
     per = {"dapo": f"sum of m x loss_t / {nm.num_tokens} tokens in the update",
            "grpo": f"mean of loss_t over its tokens / {nm.num_sequences} completions",
@@ -285,7 +286,7 @@ def show_loss(r: step.Run, e: Explained) -> list[str]:
                  where(torch.nn.utils.clip_grad_norm_))]
 
 
-def report(r: step.Run, e: Explained, config: str) -> str:
+def report(r: Run, e: Explained, config: str) -> str:
     cfg = r.cfg
     head = [f"One GRPO step, explained: {config}, step {r.start + 1}, seed {cfg.run.seed}, "
             f"{cfg.model.name} on {r.device}",

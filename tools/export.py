@@ -40,7 +40,7 @@ import rollout
 from config import Config, ConfigError, data_label, length_limit, load_config
 from model import load_base
 from settings.typed_config import check_writable
-from sources import overlap
+from sources import seen_prompts
 from sources.adapters import apply_adapter_chain, check_adapter_base, find_adapter
 from sources.hub import BUILTIN
 from tools import deploy
@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save_pretrained(tmp, save_jinja_files=False)
         readable_by_older_transformers(tmp)
         # eval.py finds held-out rows the merged model trained on
-        if seen := overlap.recorded_file(adapter):
-            shutil.copy(seen, tmp / overlap.FILE)
+        if seen := seen_prompts.recorded_file(adapter):
+            shutil.copy(seen, tmp / seen_prompts.FILE)
         (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov,
                                                   args.dtype, serve_len))
         if gaps := serving_gaps(tmp):

@@ -2,7 +2,7 @@
 all equal carry no signal (advantage 0), so more prompts are drawn until B groups have signal or
 rollout.max_prompts_per_step prompts were drawn; the flat groups then fill the batch.
 
-    kept, drawn, n = until_signal(run, first, B, score, concat, take_group)   # step.collect
+    kept, drawn, n = until_signal(run, first, B, score, concat, take_group)   # step.collect's seam
 
 Metrics are taken over everything drawn. tests/test_step.py holds it.
 """
