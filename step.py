@@ -40,7 +40,7 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
                                               reward overlap: a slice scored while the next one
                                               samples (scoring/pipelined.py)
   run.engine                               2  vLLM: the new weights after the updates
-  run.world, distributed                  17  torchrun: counts, gradients and metrics summed over
+  run.world, distributed                  18  torchrun: counts, gradients and metrics summed over
                                               the processes (parallel/distributed.py); train.py:
                                               rank 0 writes the run's files
   resample_zero_std, dynamic_sampling      3  DAPO dynamic sampling: draw until B groups carry
@@ -131,6 +131,7 @@ def train_step(run) -> tuple[dict, list[dict]]:
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
     # a step its judges mostly failed is not trained on; a reward that failed on all stops the run
+    # (under torchrun only with a judge: the ranks decide together, on the judges' summed counts)
     if run.judges or run.world == 1 and any(drawn.errors.values()):
         batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, drawn.errors,
                                             len(drawn.samples))
