@@ -118,6 +118,7 @@ class Updates:
     tis: dict  # a sampler's log-probs: the importance weights' sums (first iteration)
     grad_norms: list[float] = field(default_factory=list)  # one per update
     applied: int = 0  # updates whose loss was finite
+    empty: int = 0  # updates with no token in their loss, so no optimizer step (empty_updates)
     lr: float = 0.0
 
 
@@ -130,8 +131,7 @@ def train_step(run) -> tuple[dict, list[dict]]:
     if run.cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
-    # a step its judges mostly failed is not trained on; a reward that failed on all stops the run
-    # (under torchrun only with a judge: the ranks decide together, on the judges' summed counts)
+    # a step its judges mostly failed is not trained on; one a reward wholly failed stops the run
     if run.judges or run.world == 1 and any(drawn.errors.values()):
         batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, drawn.errors,
                                             len(drawn.samples))
@@ -297,7 +297,7 @@ def update(run, batch: Batch) -> Updates:
                     keep=None if batch.keep is None else batch.keep[mb, :C])
                 (run.scaler.scale(loss) if run.scaler else loss).backward()
                 sums.update(stats, loss=float(loss.detach()))
-            grad_norm, out.lr = optimizer_step(run)
+            grad_norm, out.lr = optimizer_step(run) if norm.num_tokens else empty_update(run, out)
             out.grad_norms.append(grad_norm)
             if all(math.isfinite(v) for v in sums.values()):  # into the step's sums
                 out.applied += 1
@@ -324,6 +324,17 @@ def optimizer_step(run) -> tuple[float, float]:
           file=sys.stderr)
     skip_schedule_step(run)
     return grad_norm, lr
+
+
+def empty_update(run, out: Updates) -> tuple[float, float]:
+    """An update with no token in its loss (every completion skipped or masked) makes no optimizer
+    step: its gradient is zero, yet AdamW's momentum and weight decay would still move every trained
+    weight. The schedule advances as for any update (a resumed run counts it); counted in
+    out.empty (empty_updates) -> (grad norm 0, lr). Under torchrun the token count is every
+    process's (distributed.sum_norms), so all skip together."""
+    out.empty, lr = out.empty + 1, run.scheduler.get_last_lr()[0]
+    skip_schedule_step(run)
+    return 0.0, lr
 
 
 def clip_gradients(run) -> float:
@@ -406,7 +417,8 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
             "completions/clipped_ratio": float(ro.truncated.float().mean()),
             **({} if ro.entropy is None else {"entropy": float(  # HF generate's
                 (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
-            **grad_norm_metrics(updates.grad_norms)}
+            **grad_norm_metrics(updates.grad_norms),
+            **({"empty_updates": updates.empty} if updates.empty else {})}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
     if trained.episodes:  # the trained batch's (resampling: not all drawn)

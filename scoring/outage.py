@@ -98,7 +98,8 @@ def minis_to_train(run, minis: list, sums: Callable[[dict], dict] = lambda d: d,
     replies were unusable past run.judge_max_unusable_share for run.judge_unusable_steps steps, and
     RewardFailed when a reward failed on each of the `scored` completions (its `errors`: the step's
     reward_errors; check_rewards). `sums`: torchrun's sum over the ranks (distributed.all_sum), so
-    every rank decides the same."""
+    every rank decides the same; under torchrun the step calls it only with a judge (a reward's
+    failures differ by rank, and a rank that did not call would not join the sum)."""
     per = step_calls(run.judges, sums)
     for name, judge in run.judges.items():
         check_unusable(judge, per[name], run.cfg.run)

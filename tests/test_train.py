@@ -774,6 +774,12 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         seen.append((adv.clone(), mask.clone(), norm))
         return loss(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
+    steps, adamw_step = [], torch.optim.AdamW.step  # the optimizer steps each run made
+
+    def counted(self, *a, **k):
+        steps.append(1)
+        return adamw_step(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
     cfg, run = setup
     raw = yaml.safe_load(cfg.read_text())
     raw["rewards"] = [{"name": "test_half_fails", "fallback": "skip"}]
@@ -797,9 +803,11 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         assert m["frac_reward_skipped"] == (1.0 if every else 0.5) \
             and m["reward_errors/test_half_fails"] == 4
         assert all(s["advantage"] == 0.0 for s in shown if s["reward"] is None)
-        if every:
+        if every:  # no optimizer step: AdamW's momentum and weight decay would move the weights
+            assert steps == [] and m["empty_updates"] == 1
             assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
         else:
+            assert len(steps) == 1 and "empty_updates" not in m
             assert any(s["reward"] is None for s in shown) \
                 and any(s["reward"] is not None for s in shown)
             # (N,) each
@@ -811,6 +819,7 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
             # the loss is a mean over the 4 scored completions, not all 8
             assert seen[0][2].num_sequences == 4
         seen.clear()
+        steps.clear()
 
 
 def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_checkpoint(
