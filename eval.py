@@ -288,7 +288,7 @@ def score_rows(gen: Generated, rows: list[dict], n: int, cfg: Config, assistant_
                 per_reward[k][i] = res.per_reward[k][j]
         return samples, RewardResult(total, per_reward, res.errors), metrics
     res = compute_rewards(gen.texts, samples, cfg.rewards, num_tokens=gen.num_tokens,
-                          context=reward_context(assistant_prefix, judges, forced_prefix))
+                          context=reward_context(assistant_prefix, judges, forced_prefix, n))
     metrics = model_metrics(res, gen.num_tokens, gen.truncated, n,
                             cfg.eval.pass_k if n > 1 else [], cfg.eval.agreement)
     spec = next((s for s, k in zip(cfg.rewards, reward_keys(cfg.rewards))

@@ -302,21 +302,22 @@ def judge_reward(completions: list[str], samples: list[dict], *, judge: Judge,
 
 def group_judge(completions: list[str], samples: list[dict], *, judge: Judge,
                 template: str = "group_scoring", system: str | None = None,
-                normalize: bool = True) -> list[float]:
+                normalize: bool = True, group_size: int | None = None) -> list[float]:
     """The judge's score of each completion, seen beside the rest of its group: one request a
     prompt shows its completions labelled [Answer 1] .. [Answer G] and asks for G scores as
     {"scores": [...]} (parse_group), (score - score_min) / (score_max - score_min) when normalize.
 
     A group is a run of consecutive completions of the same sample (the same row object, as the
-    step and eval.py lay them out). A reply without exactly G in-range scores is a failure of the
-    whole group (NaN each: its fallback; judge_unusable counts the request), never a made-up score.
+    step and eval.py lay them out), cut into group_size (G: the trainer and eval.py pass it). A
+    reply without exactly G in-range scores is a failure of the whole group (NaN each: its
+    fallback; judge_unusable counts the request), never a made-up score.
     Identical completions get the mean of their scores, as a rule reward would give them one. The
     request holds the group's text, so the judge's cache answers a rerun; its counters and the
     failed-share, outage and unusable rules (scoring/outage.py) count requests, one a group.
     """
     text, cfg = load_template(template), judge.cfg
     scale = {"score_min": cfg.score_min, "score_max": cfg.score_max}
-    groups = _groups(samples)
+    groups = _groups(samples, group_size)
     chats = [_chat(render(text, {**samples[a], **scale, "n": b - a,
                                  "completions": _labelled(completions[a:b])}), system)
              for a, b in groups]
@@ -334,14 +335,16 @@ def group_judge(completions: list[str], samples: list[dict], *, judge: Judge,
     return out
 
 
-def _groups(samples: list[dict]) -> list[tuple[int, int]]:
-    """(start, end) of each run of consecutive samples that are one object: a prompt's group.
+def _groups(samples: list[dict], size: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) of each prompt's group: runs of consecutive samples that are one object, cut
+    into `size` (G) where given, as one row drawn twice in a row is two groups.
 
     >>> a, b = {"prompt": "x"}, {"prompt": "x"}
-    >>> _groups([a, a, b, b, b])
-    [(0, 2), (2, 5)]
+    >>> _groups([a, a, b, b, b]), _groups([a, a, a, a, b, b], size=2)
+    ([(0, 2), (2, 5)], [(0, 2), (2, 4), (4, 6)])
     """
-    starts = [i for i, s in enumerate(samples) if i == 0 or s is not samples[i - 1]]
+    starts = [i for i, s in enumerate(samples) if i == 0 or s is not samples[i - 1]
+              or size and i % size == 0]
     return list(zip(starts, starts[1:] + [len(samples)]))
 
 

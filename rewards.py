@@ -473,15 +473,17 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "...(truncated)"
 
 
-def reward_context(assistant_prefix: str, judges: dict, forced_prefix: str | None = None) -> dict:
+def reward_context(assistant_prefix: str, judges: dict, forced_prefix: str | None = None,
+                   group_size: int | None = None) -> dict:
     """The context training and eval score with: the start of each reply the policy did not write
     (rollout.reply_prefix: the forced data.assistant_prefix, from a think block the chat template
     opens), the forced prefix alone (`forced_prefix`: what graders/ratings.py's queue keeps, since
-    its exported replies meet the template again), the judge: section's judge (`judge`) and every
-    judge by name (`judges`, for args: {judge: NAME})."""
+    its exported replies meet the template again), the judge: section's judge (`judge`), every
+    judge by name (`judges`, for args: {judge: NAME}) and the completions a prompt has
+    (`group_size`: G, consecutive in a batch; judge.group_judge's groups)."""
     return {"assistant_prefix": assistant_prefix,
             "forced_prefix": assistant_prefix if forced_prefix is None else forced_prefix,
-            "judge": judges.get("judge"), "judges": judges}
+            "judge": judges.get("judge"), "judges": judges, "group_size": group_size}
 
 
 def join_results(parts: list[RewardResult]) -> RewardResult:

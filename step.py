@@ -14,7 +14,9 @@ What depends only on the run is prepared once, before the first step (run/lifecy
 rewards with their functions, arguments and keys, the reply prefix they see, the sampler with its
 EOS ids, the loss settings. The speed levers (prompt sharing, the hand-written log-softmax; rollout
 compile and merged sampling) are chosen then too (gpu/auto.py) and named on the "chosen for this
-machine" line; with them off a step runs the plain code below.
+machine" line; with them off a step runs the plain code below. On a CPU auto turns prompt sharing
+and the hand-written log-softmax on (they pay there: bench/RESULTS.md); `--grpo.share_prompt=false
+--grpo.logprob_kernel=false` runs the plain path.
 
 What differs from the paper (GRPO, arXiv 2402.03300; grpo.py lists the loss's own departures):
 - the reward is a weighted sum of rules, LLM judges or people's ratings, not a trained reward
@@ -132,7 +134,7 @@ def train_step(run) -> tuple[dict, list[dict]]:
         kept = shuffle_groups(kept, G)
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
     # a step its judges mostly failed is not trained on; one a reward wholly failed stops the run
-    if run.judges or run.world == 1 and any(drawn.errors.values()):
+    if run.judges or run.world > 1 or any(drawn.errors.values()):
         batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, drawn.errors,
                                             len(drawn.samples))
     updates = update(run, batch)  # 4-5. num_iterations passes, an optimizer update per mini-batch

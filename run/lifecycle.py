@@ -321,7 +321,7 @@ def prepare(r: Run) -> None:
     seam that samples and scores together (episodes, the reward overlap); the loss settings."""
     cfg = r.cfg
     context = reward_context(rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
-                             cfg.data.assistant_prefix)
+                             cfg.data.assistant_prefix, cfg.rollout.num_generations)
     multi_turn = bool(cfg.env or cfg.tools)
     try:
         r.rewards = prepare_rewards(cfg.rewards, context,

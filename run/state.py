@@ -51,4 +51,4 @@ class Run:
     sample: Callable | None = None  # the sampler chosen: sample(prompts) -> rollout.Rollout
     sample_and_score: Callable | None = None  # episodes, or the reward overlap: (rows, samples)
     #   -> (rollout, RewardResult); None: sample, then score
-    loss: grpo.LossSettings = field(default_factory=grpo.LossSettings)  # the loss's settings
+    loss: grpo.LossSettings | None = None  # the loss's settings

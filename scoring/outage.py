@@ -2,7 +2,7 @@
 answering mid-run is waited for, or the run checkpoints and stops (run.judge_outage); one whose
 replies are mostly unusable stops the run.
 
-    batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum)  # step.py's seam
+    batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, errors, scored)
     for judge in outage.down(judges, cfg.run.judge_outage_steps):  # down that many steps in a row
         back = outage.wait(judge, seconds=30 * 60)   # asked again with backoff until it answers
     for line in outage.unusable_summary(judges): ...  # the run's end: judges mostly unusable
@@ -38,6 +38,7 @@ import warnings
 from typing import Callable
 
 from api.client import Judge, JudgeUnusable
+from rewards import reward_keys
 
 FIRST_PAUSE_S = 10.0  # the first wait before asking again; doubles up to MAX_PAUSE_S
 MAX_PAUSE_S = 60.0  # so a line is said at least each minute
@@ -98,8 +99,8 @@ def minis_to_train(run, minis: list, sums: Callable[[dict], dict] = lambda d: d,
     replies were unusable past run.judge_max_unusable_share for run.judge_unusable_steps steps, and
     RewardFailed when a reward failed on each of the `scored` completions (its `errors`: the step's
     reward_errors; check_rewards). `sums`: torchrun's sum over the ranks (distributed.all_sum), so
-    every rank decides the same; under torchrun the step calls it only with a judge (a reward's
-    failures differ by rank, and a rank that did not call would not join the sum)."""
+    every rank decides the same; under torchrun the step calls it on every rank at every step (a
+    reward's failures differ by rank, and a rank that did not call would not join the sum)."""
     per = step_calls(run.judges, sums)
     for name, judge in run.judges.items():
         check_unusable(judge, per[name], run.cfg.run)
@@ -146,11 +147,13 @@ def check_rewards(run, per: dict[str, dict], errors: dict[str, int], scored: int
     reward name -> failures), for whatever reason (a URL no request can be built for, a reply
     refused, a bug): the step would train on nothing, and so would the next. Not while a judge
     that has answered before got no HTTP reply to (nearly) all it sent this step (Judge.unheard):
-    that is an outage, which run.judge_outage waits for. `per`: each judge's step_calls."""
+    that is an outage, which run.judge_outage waits for; nor for a reward of weight 0, which is
+    logged, not trained on. `per`: each judge's step_calls."""
     silent = any(j.has_answered and j.unheard for j in run.judges.values())
     total = sums({"scored": scored, "silent": float(silent),
                   **{f"errors/{k}": v for k, v in errors.items()}})
-    every = [k for k in errors if 0 < total["scored"] <= total[f"errors/{k}"]]
+    weights = dict(zip(reward_keys(run.cfg.rewards), (s.weight for s in run.cfg.rewards)))
+    every = [k for k in errors if 0 < total["scored"] <= total[f"errors/{k}"] and weights.get(k)]
     if not every or total["silent"]:
         return
     said = [judge.masked(f"{judge.label}: " + (
