@@ -153,7 +153,8 @@ def check_rewards(run, per: dict[str, dict], errors: dict[str, int], scored: int
     total = sums({"scored": scored, "silent": float(silent),
                   **{f"errors/{k}": v for k, v in errors.items()}})
     weights = dict(zip(reward_keys(run.cfg.rewards), (s.weight for s in run.cfg.rewards)))
-    every = [k for k in errors if 0 < total["scored"] <= total[f"errors/{k}"] and weights.get(k)]
+    every = [k for k in errors
+             if 0 < total["scored"] <= total[f"errors/{k}"] and weights.get(k, 1) != 0]
     if not every or total["silent"]:
         return
     said = [judge.masked(f"{judge.label}: " + (

@@ -145,6 +145,10 @@ def test_a_reward_that_failed_on_every_completion_stops_the_run_with_one_line(se
     # some completions scored: the step trains on them
     assert outage.minis_to_train(run, ["mb"], errors={"judge": 31}, scored=32) == ["mb"]
     assert outage.minis_to_train(run, ["mb"], errors={}, scored=0) == ["mb"]
+    # a reward of weight 0 is logged, not trained on: its failures stop nothing
+    from config import RewardSpec
+    run.cfg.rewards = [RewardSpec(name="answer_match"), RewardSpec(name="judge", weight=0.0)]
+    assert outage.minis_to_train(run, ["mb"], errors={"judge": 32}, scored=32) == ["mb"]
 
 
 def test_a_judge_that_refused_every_call_stops_the_run_naming_its_last_failure(server):
