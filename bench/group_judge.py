@@ -33,7 +33,7 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import step  # noqa: E402
+import rewards  # noqa: E402
 import train  # noqa: E402
 from fake_openai_server import FakeOpenAIServer, ok, shaped_score  # noqa: E402
 
@@ -75,19 +75,19 @@ def run_mode(mode: str, args, url: str, out: Path) -> tuple[list[dict], list[tup
            "run": {"out_dir": str(out / mode), "steps": args.steps, "save_every": 0,
                    "sample_every": 0, "threads": args.threads}}
     (out / f"{mode}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    groups, real = [], step.compute_rewards
+    groups, real = [], rewards.Rewards.__call__  # what the step's prepared rewards return
 
-    def recorded(texts, samples, specs, **kw):
-        res = real(texts, samples, specs, **kw)
+    def recorded(self, texts, samples, **kw):
+        res = real(self, texts, samples, **kw)
         for a in range(0, len(texts), g):
             groups.append((res.per_reward["judged"][a:a + g],
                            res.per_reward["answer_match"][a:a + g]))
         return res
-    step.compute_rewards = recorded
+    rewards.Rewards.__call__ = recorded
     try:
         code = train.main(["--config", str(out / f"{mode}.yaml")])
     finally:
-        step.compute_rewards = real
+        rewards.Rewards.__call__ = real
     if code != 0:
         raise SystemExit(f"error: the {mode} run ended with exit code {code}")
     metrics = [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines()]
