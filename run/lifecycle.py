@@ -198,7 +198,7 @@ def setup(args, overrides: list[str]) -> Run:
         check_rows(cfg.rewards, rows)
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; "
-                          f"pip install {cfg.run.report_to}")
+                          f"pip install {cfg.run.report_to}, or --run.report_to=none")
     eval_rows = None
     if cfg.run.eval_every:
         if cfg.eval.select is None and not cfg.eval.name:
