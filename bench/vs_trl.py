@@ -569,10 +569,9 @@ def save_json(path: str | None, a: argparse.Namespace, vers: dict, everything: d
     """Every run so far, written after each one (atomically): a run killed by a time limit keeps
     the figures of the runs it finished (`--report FILE` summarises them)."""
     if path:
-        tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"args": vars(a), "versions": vers, "runs": everything},
-                                  indent=1))
-        tmp.replace(path)
+        from files.jsonl import write_atomic
+        write_atomic(path, json.dumps({"args": vars(a), "versions": vers, "runs": everything},
+                                      indent=1))
 
 
 def report_lines(spec: str, runs: dict[str, list[dict]], device: str) -> list[str]:

@@ -26,6 +26,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from files.jsonl import write_atomic
+
 CALLS = {"LLM.__init__": ("entrypoints/llm.py", "LLM", "__init__"),
          "LLM.generate": ("entrypoints/llm.py", "LLM", "generate"),
          "LLM.sleep": ("entrypoints/llm.py", "LLM", "sleep"),
@@ -150,11 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                                        else {"chat_request_fields": chat_fields(files)})
         print(f"{wheel.name}: read", file=sys.stderr)
     doc = {"about": "tools/vllm_surface.py's reading of these vLLM wheels", "versions": versions}
-    tmp = args.out.with_suffix(".tmp")
     text = json.dumps(doc, indent=1, sort_keys=True)
     text = re.sub(r"\[[^\[\]{}]*\]", lambda m: json.dumps(json.loads(m.group(0))), text)
-    tmp.write_text(text + "\n")  # a list of names on one line
-    tmp.replace(args.out)
+    write_atomic(args.out, text + "\n")  # a list of names on one line
     return 0
 
 
