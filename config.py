@@ -263,6 +263,8 @@ class GrpoConfig:
     #   gradient-accumulation steps (TRL: steps_per_generation / GA updates)
     mask_truncated_completions: bool = False  # drop completions without EOS from the loss (DAPO)
     zero_std_tol: float = 1e-6  # groups whose rewards span (max - min) at most this carry no signal
+    skip_flat_updates: bool = False  # no optimizer step for an update whose groups are all flat
+    #   (every A 0) with beta 0: its gradient is zero (flat_updates; docs/loss.md)
     logprob_chunk: int = 0  # rows of logits per chunk in the log-prob computation; 0: about 2^26
     #   logits a chunk (256 MiB in fp32: 441 rows at Qwen's 151,936-token vocabulary, 1365 at
     #   SmolLM2's 49,152); see logprobs.py

@@ -203,6 +203,8 @@ class LossNorm:
     num_tokens: int  # unmasked completion tokens in the optimizer step
     max_completion_length: int  # rollout.max_new_tokens
     num_micro_batches: int  # micro-batches accumulated into the step that hold a scored completion
+    num_signal: int = 0  # completions with a token in the loss and A != 0 (not a normaliser:
+    #   0 with beta 0 makes the gradient exactly zero; step.trains)
 
 
 def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:

@@ -121,6 +121,7 @@ class Updates:
     grad_norms: list[float] = field(default_factory=list)  # one per update
     applied: int = 0  # updates whose loss was finite
     empty: int = 0  # updates with no token in their loss, so no optimizer step (empty_updates)
+    flat: int = 0  # grpo.skip_flat_updates: updates whose every A was 0, not made (flat_updates)
     lr: float = 0.0
 
 
@@ -217,7 +218,7 @@ def make_batch(run, kept: Scored) -> Batch:
     mask = loss_mask(run, ro, kept.total)  # (N, C)
     keep = grpo.high_entropy_mask(ro.entropy, mask, g.top_entropy_quantile) \
         if g.top_entropy_quantile < 1 else None  # (N, C)
-    minis = mini_batches(run.cfg, ro, mask, kept.total)
+    minis = mini_batches(run.cfg, ro, mask, kept.total, adv)
     if run.world > 1:  # the normalisers count every process's tokens
         minis = distributed.sum_norms(minis)
     batch = Batch(ro, adv.to(ro.completion_ids.device), mask, keep, minis)
@@ -250,10 +251,11 @@ def warn_all_truncated(run, batch: rollout.Rollout) -> None:
               "mask_truncated_completions: false).", file=sys.stderr)
 
 
-def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
-                 total) -> list[tuple[list[slice], grpo.LossNorm]]:
+def mini_batches(cfg: Config, batch: rollout.Rollout, mask, total,
+                 adv) -> list[tuple[list[slice], grpo.LossNorm]]:
     """grpo.num_mini_batches mini-batches of whole groups, each its micro-batches and the counts its
-    loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens."""
+    loss is divided by: unskipped sequences (truncated ones count, as in TRL), mask tokens; and
+    those with a token in the loss and A != 0 (none: a flat update)."""
     N, k, skipped = batch.completion_ids.shape[0], cfg.grpo.num_mini_batches, torch.isnan(total)
     minis = []
     for rows in (slice(lo, lo + N // k) for lo in range(0, N, N // k)):
@@ -262,7 +264,8 @@ def mini_batches(cfg: Config, batch: rollout.Rollout, mask,
             cfg.optim.micro_batch_tokens)]  # rows of the batch, whole groups a mini-batch
         minis.append((mbs, grpo.LossNorm(  # micro-batches that hold a scored completion: bnpo's M
             cfg.grpo.loss_type, int((~skipped[rows]).sum()), int(mask[rows].sum()),
-            cfg.rollout.max_new_tokens, sum(bool((~skipped[mb]).any()) for mb in mbs))))
+            cfg.rollout.max_new_tokens, sum(bool((~skipped[mb]).any()) for mb in mbs),
+            int(((adv[rows].to(mask.device) != 0) & mask[rows].any(1)).sum()))))
     return minis
 
 
@@ -299,7 +302,9 @@ def update(run, batch: Batch) -> Updates:
                     keep=None if batch.keep is None else batch.keep[mb, :C])
                 (run.scaler.scale(loss) if run.scaler else loss).backward()
                 sums.update(stats, loss=float(loss.detach()))
-            grad_norm, out.lr = optimizer_step(run) if norm.num_tokens else empty_update(run, out)
+            made = norm.num_tokens and (norm.num_signal or run.loss.beta > 0  # else the gradient
+                                        or not run.cfg.grpo.skip_flat_updates)  # is 0: loss.md
+            grad_norm, out.lr = optimizer_step(run) if made else empty_update(run, out, norm)
             out.grad_norms.append(grad_norm)
             if all(math.isfinite(v) for v in sums.values()):  # into the step's sums
                 out.applied += 1
@@ -328,13 +333,12 @@ def optimizer_step(run) -> tuple[float, float]:
     return grad_norm, lr
 
 
-def empty_update(run, out: Updates) -> tuple[float, float]:
-    """An update with no token in its loss (every completion skipped or masked) makes no optimizer
-    step: its gradient is zero, yet AdamW's momentum and weight decay would still move every trained
-    weight. The schedule advances as for any update (a resumed run counts it); counted in
-    out.empty (empty_updates) -> (grad norm 0, lr). Under torchrun the token count is every
-    process's (distributed.sum_norms), so all skip together."""
-    out.empty, lr = out.empty + 1, run.scheduler.get_last_lr()[0]
+def empty_update(run, out: Updates, norm: grpo.LossNorm) -> tuple[float, float]:
+    """An update not made (no token in its loss, or all flat with grpo.skip_flat_updates: a zero
+    gradient, on which AdamW's momentum and decay would still move the weights): the schedule
+    advances (a resume counts it) -> (0, lr). Under torchrun all processes decide alike."""
+    out.empty, out.flat = out.empty + (not norm.num_tokens), out.flat + bool(norm.num_tokens)
+    lr = run.scheduler.get_last_lr()[0]
     skip_schedule_step(run)
     return 0.0, lr
 
@@ -420,7 +424,8 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
             **({} if ro.entropy is None else {"entropy": float(  # HF generate's
                 (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
             **grad_norm_metrics(updates.grad_norms),
-            **({"empty_updates": updates.empty} if updates.empty else {})}
+            **({"empty_updates": updates.empty} if updates.empty else {}),
+            **({"flat_updates": updates.flat} if updates.flat else {})}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
     if trained.episodes:  # the trained batch's (resampling: not all drawn)

@@ -125,14 +125,14 @@ def same_start(params: list[torch.Tensor], seed: int) -> None:
 
 def sum_norms(minis: list) -> list:
     """Each mini-batch's (micro-batches, grpo.LossNorm) with the norm's counts (sequences, tokens,
-    micro-batches) summed over the ranks: the normaliser of the whole step's mini-batch."""
+    micro-batches, completions with signal) summed over the ranks: the whole step's mini-batch."""
     if world() == 1:
         return minis
-    counts = torch.tensor([[n.num_sequences, n.num_tokens, n.num_micro_batches] for _, n in minis],
-                          dtype=torch.float64, device=_device())  # (k, 3)
+    counts = torch.tensor([[n.num_sequences, n.num_tokens, n.num_micro_batches, n.num_signal]
+                           for _, n in minis], dtype=torch.float64, device=_device())  # (k, 4)
     dist.all_reduce(counts)
     return [(mbs, dataclasses.replace(n, num_sequences=int(c[0]), num_tokens=int(c[1]),
-                                      num_micro_batches=int(c[2])))
+                                      num_micro_batches=int(c[2]), num_signal=int(c[3])))
             for (mbs, n), c in zip(minis, counts.tolist())]
 
 

@@ -822,6 +822,33 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         steps.clear()
 
 
+def test_skip_flat_updates_makes_no_optimizer_step_on_all_flat_groups(setup, monkeypatch):
+    """Every group flat (a constant reward) with beta 0: every advantage is 0, so the gradient is
+    exactly 0. By default AdamW still steps (TRL's way); grpo.skip_flat_updates makes no step and
+    counts it (flat_updates); with beta > 0 the KL term has a gradient and the step is made."""
+    import rewards
+    monkeypatch.setitem(rewards.REGISTRY, "test_constant", (lambda completion, sample: 1.0, False))
+    steps, adamw_step = [], torch.optim.AdamW.step
+
+    def counted(self, *a, **k):
+        steps.append(1)
+        return adamw_step(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    cfg, run = setup
+    raw = yaml.safe_load(cfg.read_text())
+    raw["rewards"] = [{"name": "test_constant"}]
+    for skip, beta, made in ((False, 0.0, 1), (True, 0.0, 0), (True, 0.1, 1)):
+        out = run.parent / f"flat_{skip}_{beta}"
+        path = cfg.with_name(f"flat_{skip}_{beta}.yaml")
+        path.write_text(yaml.safe_dump({**raw, "grpo": {"skip_flat_updates": skip, "beta": beta},
+                                        "run": {**raw["run"], "steps": 1, "out_dir": str(out)}}))
+        assert train.main(["--config", str(path)]) == 0
+        m = lines(out / "metrics.jsonl")[0]
+        assert m["frac_reward_zero_std"] == 1.0 and len(steps) == made, (skip, beta)
+        assert m.get("flat_updates", 0) == 1 - made and "empty_updates" not in m
+        steps.clear()
+
+
 def test_a_run_without_signal_warns_and_with_stop_without_signal_stops_after_a_checkpoint(
         setup, monkeypatch, capsys):
     """A reward every completion earns alike: frac_reward_zero_std = 1, nothing learned. After 5
