@@ -28,7 +28,7 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 
 def sequence_log_probs(model, input_ids: Tensor, attention_mask: Tensor, num_completion: int,
                        temperature: float = 1.0, chunk: int = 0, fused_head: bool = False,
-                       share_prompt: bool = False, kernel: bool = True) -> Tensor:
+                       share_prompt: bool = False, kernel: bool = False) -> Tensor:
     """log softmax(logits / T)[token], the tempered policy's log-prob of each of the last
     `num_completion` tokens of each row given its prefix: (N, num_completion).
 

@@ -1,6 +1,6 @@
 """One GRPO step, in the order of the paper's algorithm box (train.py runs the loop around it):
 
-    metrics, shown = train_step(run)   # run: a run/state.Run, built and prepared by run/lifecycle
+    metrics, batch = train_step(run)   # run: a run/state.Run, built and prepared by run/lifecycle
 
   1. sample G completions for each of B prompts        collect -> score -> run.sample
   2. score each: the weighted sum of the rewards       run.rewards (rewards.Rewards)
@@ -45,7 +45,7 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
   run.world, distributed                  18  torchrun: counts, gradients and metrics summed over
                                               the processes (parallel/distributed.py); train.py:
                                               rank 0 writes the run's files
-  resample_zero_std, dynamic_sampling      3  DAPO dynamic sampling: draw until B groups carry
+  run.resample                             1  DAPO dynamic sampling: draw until B groups carry
                                               signal (scoring/dynamic_sampling.py)
   run.judges, outage                       6  a step its judge mostly failed is not trained on,
                                               a reward that failed on every completion stops the
@@ -82,7 +82,7 @@ from engines import episodes
 from model import reference_mode
 from parallel import distributed
 from rewards import RewardResult, advantage_rewards, join_results, reward_means
-from scoring import dynamic_sampling, outage
+from scoring import outage
 from scoring.metrics import source_metrics
 
 
@@ -99,7 +99,7 @@ class Scored:
 @dataclass
 class Batch:
     """What the updates train on: the completions, their advantages and the tokens in the loss."""
-    rollout: rollout.Rollout
+    kept: Scored  # the B groups trained on, with their rewards
     advantages: torch.Tensor  # (N,)
     mask: torch.Tensor  # (N, C) the tokens in the loss
     keep: torch.Tensor | None  # (N, C) the tokens in the policy-gradient term (entropy mask)
@@ -125,11 +125,11 @@ class Updates:
     lr: float = 0.0
 
 
-def train_step(run) -> tuple[dict, list[dict]]:
-    """One rollout batch and its updates -> (metrics, the completions sampled for samples.jsonl)."""
+def train_step(run) -> tuple[dict, Batch]:
+    """One rollout batch and its updates -> (metrics, the batch trained on: train.py shows some)."""
     G, t0 = run.cfg.rollout.num_generations, time.time()
     run.phase = "sampling"
-    kept, drawn, n_drawn = collect(run)  # 1-2. B prompts x G completions, scored
+    kept, drawn = collect(run)  # 1-2. B prompts x G completions, scored
     run.phase, t_rollout = "training", time.time() - t0
     if run.cfg.grpo.num_mini_batches > 1:  # no mini-batch of flat groups alone (resampling: last)
         kept = shuffle_groups(kept, G)
@@ -142,28 +142,23 @@ def train_step(run) -> tuple[dict, list[dict]]:
     if run.engine:
         run.phase = "syncing the weights to vLLM"
         run.engine.sync(run.model)  # the next rollout samples from the updated policy
-    shown = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
-              "advantage": float(a)} for s, t, rw, a in
-             zip(kept.samples, batch.rollout.texts, kept.total, batch.advantages)]
     if run.world > 1:  # 6. metrics over every process's completions
-        drawn, n_drawn, shown = distributed.whole_step(run, drawn, updates, n_drawn, shown, concat)
-    metrics = step_metrics(run, drawn, batch.rollout, updates) | {
-        "learning_rate": updates.lr, "prompts_drawn": n_drawn, "rollout_time": t_rollout,
+        drawn = distributed.whole_step(run, drawn, updates, concat)
+    metrics = step_metrics(run, drawn, batch.kept.rollout, updates) | {
+        "learning_rate": updates.lr, "prompts_drawn": len(drawn.samples) // G,
+        "rollout_time": t_rollout,
         "rollout_tokens_per_s": float(drawn.rollout.completion_mask.sum()) / max(t_rollout, 1e-9)}
-    return metrics, shown
+    return metrics, batch
 
 
 # ---------------------------------------------------------------- 1-2. sample and score
 
 
-def collect(run) -> tuple[Scored, Scored, int]:
-    """-> (the B groups to train on, everything drawn, prompts drawn). Under torchrun B is this
-    process's share of rollout.prompts_per_step."""
-    B = run.cfg.rollout.prompts_per_step // run.world
-    first = score(run, run.sampler.draw(B))
-    if run.cfg.rollout.resample_zero_std:  # DAPO dynamic sampling: scoring/dynamic_sampling.py
-        return dynamic_sampling.until_signal(run, first, B, score, concat, take_group)
-    return first, first, B
+def collect(run) -> tuple[Scored, Scored]:
+    """-> (the B groups to train on, everything drawn); B: run.prompts_per_step, under torchrun this
+    process's share of rollout.prompts_per_step. run.resample: DAPO dynamic sampling draws more."""
+    first = score(run, run.sampler.draw(run.prompts_per_step))
+    return run.resample(run, first, score, concat, take_group) if run.resample else (first, first)
 
 
 def score(run, idx: list[int]) -> Scored:
@@ -221,7 +216,7 @@ def make_batch(run, kept: Scored) -> Batch:
     minis = mini_batches(run.cfg, ro, mask, kept.total, adv)
     if run.world > 1:  # the normalisers count every process's tokens
         minis = distributed.sum_norms(minis)
-    batch = Batch(ro, adv.to(ro.completion_ids.device), mask, keep, minis)
+    batch = Batch(kept, adv.to(ro.completion_ids.device), mask, keep, minis)
     if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
         batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, batch.mbs)  # (N, C)
     if g.beta > 0:
@@ -279,7 +274,7 @@ LOSS_TERMS = ("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_hig
 def update(run, batch: Batch) -> Updates:
     """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
     the sum of its micro-batches' shares."""
-    s, ro = run.loss, batch.rollout
+    s, ro = run.loss, batch.kept.rollout
     out = Updates(Counter(dict.fromkeys(LOSS_TERMS, 0.0)), dict.fromkeys(grpo.TIS_SUMS, 0.0))
     ids, attn = ro.input_ids, ro.attention_mask  # (N, P + C) each
     run.model.train()

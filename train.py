@@ -103,24 +103,23 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it "
                   "without --resume (or set another run.out_dir)")
         return 0
-    created = not r.run_dir.exists()  # a stop before the first checkpoint removes only what it made
     r.step, tracker = r.start, None
     try:
         with sigterm_as_interrupt():
             if distributed.rank() == 0:
                 tracker = display.open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
-            return run(r, args, created, tracker, started)
+            return run(r, args, tracker, started)
     except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (the run's files)
         if isinstance(e, OSError) and not is_write_error(e):
             raise  # a bug's missing file, a reset connection: its traceback; the run's files kept
-        return lifecycle.stop_on_error(r, args, e, r.step, created)
+        return lifecycle.stop_on_error(r, args, e, r.step)
     finally:
         if tracker:
             tracker.finish()
         distributed.stop()
 
 
-def run(r: Run, args, created: bool, tracker, started: float | None = None) -> int:
+def run(r: Run, args, tracker, started: float | None = None) -> int:
     """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
     cfg = r.cfg
     metrics_path, samples_path = lifecycle.open_run_files(r)  # config.yaml, logs as of step start
@@ -131,11 +130,11 @@ def run(r: Run, args, created: bool, tracker, started: float | None = None) -> i
             r.step, began = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # mixture curriculum clock
             try:
-                metrics, shown = step_metrics(r, step_fn, rules)
+                metrics, batch = step_metrics(r, step_fn, rules)
             except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
-                return lifecycle.stop_on_error(r, args, e, step, created)
-            log_step(r, metrics, shown, metrics_path, samples_path, tracker)
+                return lifecycle.stop_on_error(r, args, e, step)
+            log_step(r, metrics, batch, metrics_path, samples_path, tracker)
             down = distributed.down_anywhere(  # any rank's, on every rank
                 outage.down(r.judges, cfg.run.judge_outage_steps), r.judges)
             decision = rules.after_step(step, metrics, down, began, time.monotonic())
@@ -202,13 +201,14 @@ def first_step_line(r: Run) -> str:
             f"up{warm}, so it is the slowest")
 
 
-def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict]]:
+def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, object]:
     """Step r.step trained -> its metrics {"step": n, ...}, the held-out rows' when rules say so,
-    and the completions it shows; the held-out scoring timed for run.max_minutes."""
+    and the step.Batch it trained on (None: SFT, DPO); the held-out scoring timed for
+    run.max_minutes."""
     r.phase, t0 = "training", time.time()  # train_step says when it samples
     if r.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(r.device)
-    metrics, shown = step_fn(r)
+    metrics, batch = step_fn(r)
     metrics |= {"step_time": time.time() - t0, **memory_readings(r.device, r.scaler)}
     if rules.evaluates(r.step):
         t_eval = time.monotonic()
@@ -216,7 +216,7 @@ def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, list[dict
         rules.clock.eval_seconds = time.monotonic() - t_eval
     # the step's judge calls (every rank's), held-out too (any mode)
     metrics |= distributed.all_sum(judges_stats(r.judges))
-    return {"step": r.step, **metrics}, shown
+    return {"step": r.step, **metrics}, batch
 
 
 def memory_readings(device: torch.device, scaler) -> dict:
@@ -230,18 +230,31 @@ def memory_readings(device: torch.device, scaler) -> dict:
         {"loss_scale": scaler.get_scale()} if scaler else {})
 
 
-def log_step(r: Run, metrics: dict, shown: list[dict], metrics_path: Path, samples_path: Path,
+def log_step(r: Run, metrics: dict, batch, metrics_path: Path, samples_path: Path,
              tracker) -> None:
-    """The step's metrics line in metrics.jsonl and the tracker, its completions in samples.jsonl
-    every run.sample_every steps; under torchrun rank 0 alone writes the run's files."""
+    """The step's metrics line in metrics.jsonl and the tracker, the completions of its batch
+    (step.Batch; None: none) in samples.jsonl every run.sample_every steps; under torchrun rank 0
+    alone writes the run's files."""
     cfg, step, writes = r.cfg, metrics["step"], distributed.rank() == 0
     if writes:
         jsonl.append(metrics_path, [metrics])
     if tracker:
         tracker.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
-    if writes and cfg.run.sample_every and step % cfg.run.sample_every == 0:
-        n = cfg.run.samples_per_log or cfg.rollout.num_generations  # 0: all the first group
-        jsonl.append(samples_path, [{"step": step, **s} for s in shown[:n]])
+    if batch is not None and cfg.run.sample_every and step % cfg.run.sample_every == 0:
+        shown = completions_shown(batch, cfg.run.samples_per_log or cfg.rollout.num_generations)
+        if writes:  # 0: all the first group
+            jsonl.append(samples_path, [{"step": step, **s} for s in shown])
+
+
+def completions_shown(batch, n: int) -> list[dict]:
+    """The first n completions of a step's batch with their prompt, reward (None: skipped) and
+    advantage; under torchrun every process's batch, rank 0's first (a collective: every rank
+    calls it)."""
+    k = batch.kept
+    rows = [{"prompt": s["prompt"], "completion": t, "reward": None if rw.isnan() else float(rw),
+             "advantage": float(a)}
+            for s, t, rw, a in zip(k.samples, k.rollout.texts, k.total, batch.advantages)]
+    return [row for part in distributed.gather(rows[:n]) for row in part][:n]
 
 
 def save(r: Run, step: int, rules: policy.Policy) -> None:

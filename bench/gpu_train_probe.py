@@ -110,7 +110,8 @@ def main() -> int:
         model.zero_grad(set_to_none=True)
         with mixed_precision(model):  # as train.py's training pass
             lp = (plain_rows(model, ids, attn, C, 1.0) if kw is None
-                  else logprobs.sequence_log_probs(model, ids, attn, C, 1.0, **kw))
+                  else logprobs.sequence_log_probs(model, ids, attn, C, 1.0, **{"kernel": True,
+                                                                                 **kw}))
         lp.sum().backward()
 
     settings = {k: v for k, v in settings.items() if not a.only or a.only in k}

@@ -158,7 +158,7 @@ def microbatch_lever(args) -> None:
         t0 = time.perf_counter()
         for s in range(0, 32, size):
             logprobs.sequence_log_probs(model, ids[s:s + size], attn[s:s + size], 64,
-                                        1.0).sum().backward()
+                                        1.0, kernel=True).sum().backward()
         times.setdefault(size, []).append(time.perf_counter() - t0)
     print(f"microbatch lever: fwd+bwd of 32 x 110 tokens (64 scored), SmolLM2-135M + LoRA r=16, "
           f"fp32 CPU, {torch.get_num_threads()} threads; median of rounds 2-3")
@@ -176,7 +176,7 @@ def fusedhead_step(fused: bool, reps: int, chunk: int = 4096) -> list[float]:
     for _ in range(reps + 1):  # the first is warm-up
         t0 = time.perf_counter()
         logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), 64, 1.0, chunk,
-                                    fused_head=fused).sum().backward()
+                                    fused_head=fused, kernel=True).sum().backward()
         out.append(time.perf_counter() - t0)
     return out[1:]
 
@@ -233,7 +233,7 @@ def share_lever(args) -> None:
         for s in range(0, ids.shape[0], 8):
             logprobs.sequence_log_probs(model, ids[s:s + 8], attn[s:s + 8],
                                         r.completion_ids.shape[1], 1.0,
-                                        share_prompt=share).sum().backward()
+                                        share_prompt=share, kernel=True).sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 

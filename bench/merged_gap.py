@@ -81,7 +81,7 @@ def trainer_log_probs(model, r: rollout.Rollout, temperature: float,
     ctx = logprobs.mixed_precision(model) if autocast else torch.autocast("cpu", enabled=False)
     with ctx:
         return logprobs.sequence_log_probs(model, r.input_ids, r.attention_mask,
-                                           r.completion_ids.shape[1], temperature)
+                                           r.completion_ids.shape[1], temperature, kernel=True)
 
 
 @torch.no_grad()

@@ -179,8 +179,9 @@ def micro_batch_peak(model, rows: int, prompt: int, completion: int, chunk: int 
             with LiveBytes(weights) as mem:
                 with (mixed_precision(model, device.type) if autocast
                       else contextlib.nullcontext()):
-                    logp = logprobs.sequence_log_probs(model, ids, torch.ones_like(ids), completion,
-                                                       1.0, chunk, fused_head)  # (rows, C)
+                    logp = logprobs.sequence_log_probs(  # the kernel: what auto runs
+                        model, ids, torch.ones_like(ids), completion, 1.0, chunk, fused_head,
+                        kernel=True)  # (rows, C)
                 forward = mem.peak
                 logp.sum().backward()
     finally:

@@ -122,8 +122,8 @@ def pair_metrics(loss, r_w, r_l, pi) -> dict:
             "logps/chosen": float(pi[0::2].mean()), "logps/rejected": float(pi[1::2].mean())}
 
 
-def dpo_step(r) -> tuple[dict, list[dict]]:
-    """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, [])."""
+def dpo_step(r) -> tuple[dict, None]:
+    """One optimizer step of DPO on dpo.batch_size pairs -> (metrics, None)."""
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     idx = r.sampler.draw(cfg.dpo.batch_size)
@@ -145,7 +145,7 @@ def dpo_step(r) -> tuple[dict, list[dict]]:
     return pair_metrics(loss, r_w, r_l, pi) | {
         "tokens": float(batch.completion_mask.sum()), "learning_rate": lr,
         **grad_norm_metrics([grad_norm]), "epoch": r.sampler.position / len(r.rows)} \
-        | source_shares(r), []
+        | source_shares(r), None
 
 
 @torch.no_grad()

@@ -44,8 +44,8 @@ def sft_batch(tokenizer, rows: list[dict], cfg, device: torch.device | None = No
         c.input_ids, c.attention_mask.float(), torch.zeros(len(rows), dtype=torch.bool))), replies)
 
 
-def sft_step(r) -> tuple[dict, list[dict]]:
-    """One optimizer step of SFT on sft.batch_size examples -> (metrics, [])."""
+def sft_step(r) -> tuple[dict, None]:
+    """One optimizer step of SFT on sft.batch_size examples -> (metrics, None)."""
     cfg, model = r.cfg, r.model
     device = next(model.parameters()).device
     rows = [r.rows[i] for i in r.sampler.draw(cfg.sft.batch_size)]
@@ -63,7 +63,7 @@ def sft_step(r) -> tuple[dict, list[dict]]:
         total += float(loss.detach())
     grad_norm, lr = optimizer_step(r)
     return {"loss": total, "tokens": tokens, "learning_rate": lr, **grad_norm_metrics([grad_norm]),
-            "epoch": r.sampler.position / len(r.rows)} | source_shares(r), []
+            "epoch": r.sampler.position / len(r.rows)} | source_shares(r), None
 
 
 @torch.no_grad()

@@ -190,14 +190,11 @@ def gather_drawn(r, drawn) -> list:
                                             for s in p.samples]) for p in parts]
 
 
-def whole_step(r, drawn, updates, n_drawn: int, shown: list[dict], concat) -> tuple:
-    """step.train_step's seam: every rank's completions drawn (joined by `concat`), the updates'
-    sums and the prompts drawn summed over the ranks (in place for `updates`), every rank's
-    completions shown -> (drawn, n_drawn, shown), the same on every rank."""
-    drawn = concat(gather_drawn(r, drawn), r.tokenizer.pad_token_id)
+def whole_step(r, drawn, updates, concat):
+    """step.train_step's seam: every rank's completions drawn, joined by `concat` (the same on every
+    rank), and the updates' sums summed over the ranks (in place)."""
     updates.sums, updates.tis = all_sum(updates.sums), all_sum(updates.tis)
-    n_drawn = all_sum({"n": n_drawn})["n"]
-    return drawn, n_drawn, [s for part in gather(shown) for s in part]
+    return concat(gather_drawn(r, drawn), r.tokenizer.pad_token_id)
 
 
 def agree(flag: bool) -> bool:

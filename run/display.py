@@ -171,6 +171,7 @@ class Pace:
         self.began = clock()  # the loop's start: the first step is timed from here
         self.first_done = self.said = self.once = None  # once: the first step's extra seconds
         self.paused = 0.0  # seconds since the first step that were no step's (pause)
+        self.eta: float | None = None  # seconds left at the pace so far (None: after the warm-up)
 
     def pause(self, seconds: float) -> None:
         """`seconds` after a step that were no step's (a judge waited for): out of the pace."""
@@ -184,6 +185,7 @@ class Pace:
         if self.first_done is None:
             self.first_done = now
         per_step = (now - self.first_done - self.paused) / (done - 1) if done > 1 else None
+        self.eta = None if per_step is None else per_step * (self.total - step)
         if done > 1:  # what a step costs is known: the first step's extra, so far
             self.once = self.first_done - self.began - per_step
         if step >= self.total or (self.said is not None and now - self.said < self.every_s):
@@ -193,7 +195,7 @@ class Pace:
         if per_step is None:  # the warm-up alone: no step's pace yet
             return text + (f"the first step took {now - self.began:.1f} s (warm-up): eta after "
                            "the next")
-        eta = per_step * (self.total - step)
+        eta = self.eta
         text += f"{per_step:.1f} s/step | eta {duration(eta)}"
         if self.once >= 1:
             text += f" | first step +{duration(self.once)} (warm-up)"
@@ -207,7 +209,8 @@ class Pace:
 
 class progress_display:
     """A rich progress bar with ETA and a live metrics line on a terminal; plain lines otherwise:
-    one per step on stdout, and Pace's on stderr."""
+    one per step on stdout, and Pace's on stderr. Both ETAs are Pace's: without the warm-up step
+    and the judge waits."""
 
     def __init__(self, total: int, start: int, started: float | None = None,
                  max_minutes: float = 0.0):
@@ -220,11 +223,10 @@ class progress_display:
                 Progress,
                 TextColumn,
                 TimeElapsedColumn,
-                TimeRemainingColumn,
             )
             self.progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"), BarColumn(bar_width=20),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
                 TextColumn("{task.description}"))
 
     def __enter__(self):
@@ -233,7 +235,7 @@ class progress_display:
                          self.max_minutes)
         if self.progress:
             self.progress.start()
-            self.task = self.progress.add_task("", total=self.total, completed=self.start)
+            self.task = self.progress.add_task("", total=self.total, completed=self.start, eta="-")
         return self
 
     def __call__(self, step: int, m: dict) -> None:
@@ -249,8 +251,9 @@ class progress_display:
                     if "reward_std" in m else ("loss", "rewards/margins", "rewards/accuracies",
                                                "eval/rewards/accuracies", "epoch"))
             short = format_line(step, self.total, m, keys).split(" | ", 1)[1].replace(" | ", "  ")
-            self.progress.update(self.task, completed=step, description=short)
             self.pace.line(step)  # keeps the time a step takes; its text is for logs, not here
+            self.progress.update(self.task, completed=step, description=short,
+                                 eta="-" if self.pace.eta is None else duration(self.pace.eta))
             if step == self.start + 2 and self.pace.once >= 1:  # known once a second step is done
                 self.progress.console.print(f"[minigrpo] the first step took "
                                             f"{duration(self.pace.once)} more than a step since "

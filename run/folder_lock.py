@@ -33,7 +33,7 @@ NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # FUSE,
 @dataclasses.dataclass
 class Held:
     folder: Path
-    fd: int
+    fd: int  # -1: a file system without locks (NO_LOCKS), the folder still tracked
     made: Path | None  # the first folder on the way that take() created (removed again if empty)
 
 
@@ -67,6 +67,7 @@ def take(folder: str | Path, key: str, dry_run: bool = False) -> None:
             os.close(fd)
             print(f"[minigrpo] warning: {folder} cannot be locked ({e.strerror}): make sure no "
                   "other process writes in it", file=sys.stderr)
+            HELD.append(Held(folder, -1, made))
             return
         if same_file(fd, folder / NAME):
             break
@@ -95,7 +96,8 @@ def release(keep: int = 0) -> None:
         held = HELD.pop()
         with contextlib.suppress(OSError):
             (held.folder / NAME).unlink()
-        os.close(held.fd)
+        if held.fd >= 0:
+            os.close(held.fd)
         for folder in [held.folder, *held.folder.parents] if held.made else []:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only an empty one goes

@@ -52,7 +52,7 @@ from run import folder_lock
 from run.checkpoint import checkpoints, judges_answered, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
 from run.state import Run
-from scoring import pipelined
+from scoring import dynamic_sampling, pipelined
 from scoring.checks import check_rows, open_rewards, open_scoring
 from settings.typed_config import check_writable
 from sources import seen_prompts
@@ -329,6 +329,8 @@ def prepare(r: Run) -> None:
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
     r.sample = sampler(r)
+    r.prompts_per_step = cfg.rollout.prompts_per_step // r.world
+    r.resample = dynamic_sampling.until_signal if cfg.rollout.resample_zero_std else None
     r.sample_and_score = None
     if multi_turn:  # G episodes a prompt, each scored whole
         r.sample_and_score = functools.partial(episodes.sample_and_score, cfg, r.model,
@@ -404,11 +406,12 @@ def dry_run_report(r: Run) -> str:
                                  else " (the completion follows):"), shown])
 
 
-def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> int:
+def stop_on_error(r: Run, args, e: BaseException, step: int) -> int:
     """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how
     to go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume (the line ends
     with the command: resume_command); without one, this command's files are removed (a folder it
-    created too), so the same command runs again once the cause is fixed."""
+    created goes with its lock: folder_lock.release), so the same command runs again once the cause
+    is fixed."""
     code, fix = 2, "fix it, then "
     distributed.speak(e)  # torchrun: a rank > 0 that failed on its own
     if isinstance(e, KeyboardInterrupt):
@@ -436,9 +439,6 @@ def stop_on_error(r: Run, args, e: BaseException, step: int, created: bool) -> i
     # empty: its first checkpoint was interrupted (a run's files, RUN_FILES)
     with contextlib.suppress(OSError):
         (run_dir / "checkpoints").rmdir()
-    with contextlib.suppress(OSError):
-        if created and not run_dir.is_symlink() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
     print(f"\nerror: {what}; stopped at step {step}, before any checkpoint (nothing of the run "
           "was kept): " + (f"{fix}run the same command again" if fix
                            else "run the same command to start again"), file=sys.stderr)

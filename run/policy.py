@@ -181,5 +181,5 @@ def judge_outage(r: Run, args, down: list[Judge], step: int, clock: Clock) -> in
                   file=sys.stderr)
             return 4
     except JudgeUnusable as e:  # it answered the wait's request with a 401, 403, 404 ...
-        return stop_on_error(r, args, e, step, created=False)
+        return stop_on_error(r, args, e, step)
     return None

@@ -49,6 +49,8 @@ class Run:
     # prepared once (lifecycle.prepare), what a GRPO step calls:
     rewards: Rewards | None = None  # the rewards, resolved: rewards(texts, samples, num_tokens=...)
     sample: Callable | None = None  # the sampler chosen: sample(prompts) -> rollout.Rollout
+    prompts_per_step: int = 0  # B: this process's share of rollout.prompts_per_step (torchrun)
+    resample: Callable | None = None  # DAPO dynamic sampling (scoring/dynamic_sampling.py)
     sample_and_score: Callable | None = None  # episodes, or the reward overlap: (rows, samples)
     #   -> (rollout, RewardResult); None: sample, then score
     loss: grpo.LossSettings | None = None  # the loss's settings

@@ -2,7 +2,8 @@
 all equal carry no signal (advantage 0), so more prompts are drawn until B groups have signal or
 rollout.max_prompts_per_step prompts were drawn; the flat groups then fill the batch.
 
-    kept, drawn, n = until_signal(run, first, B, score, concat, take_group)   # step.collect's seam
+    run.resample = until_signal   # run/lifecycle.prepare, under rollout.resample_zero_std
+    kept, drawn = run.resample(run, first, score, concat, take_group)   # step.collect's seam
 
 Metrics are taken over everything drawn. tests/test_step.py holds it.
 """
@@ -13,11 +14,10 @@ from typing import Callable
 import grpo
 
 
-def until_signal(run, first, B: int, score: Callable, concat: Callable,
-                 take_group: Callable) -> tuple:
-    """first: the B groups drawn (a step.Scored); score(run, idx) draws more. -> (the B groups to
-    train on, everything drawn, prompts drawn), each group kept whole."""
-    G, tol = run.cfg.rollout.num_generations, run.cfg.grpo.zero_std_tol
+def until_signal(run, first, score: Callable, concat: Callable, take_group: Callable) -> tuple:
+    """first: the B = run.prompts_per_step groups drawn (a step.Scored); score(run, idx) draws
+    more. -> (the B groups to train on, everything drawn), each group kept whole."""
+    G, tol, B = run.cfg.rollout.num_generations, run.cfg.grpo.zero_std_tol, run.prompts_per_step
     cap, drawn = max(run.cfg.rollout.max_prompts_per_step // run.world or 4 * B, B), B
     parts = [first]
     zero = [grpo.zero_std_groups(first.total, G, tol).tolist()]
@@ -30,4 +30,4 @@ def until_signal(run, first, B: int, score: Callable, concat: Callable,
     flat = [(p, g) for p, z in zip(parts, zero) for g, f in enumerate(z) if f]
     kept = [take_group(p, g, G) for p, g in (signal + flat)[:B]]
     pad = run.tokenizer.pad_token_id
-    return concat(kept, pad), concat(parts, pad), drawn
+    return concat(kept, pad), concat(parts, pad)

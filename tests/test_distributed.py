@@ -63,12 +63,13 @@ def one_update(tmp: Path, config: Path, loss_type: str, batch: dict, groups: lis
     part = step.take_rows(kept, rows)
     part.samples = [r.rows[batch["rows"][i]] for i in rows]
     real_collect, real_shuffle = step.collect, step.shuffle_groups
-    step.collect = lambda *a, **k: (part, part, len(groups))
+    step.collect = lambda *a, **k: (part, part)
     step.shuffle_groups = lambda p, G: p  # the order the mini-batches are cut from, kept
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the processes run (ENV): a thread count changes float sums, and
     try:  # Adam's first step turns a near-zero gradient's rounding into lr-sized differences
-        metrics, shown = step.train_step(r)
+        metrics, trained = step.train_step(r)
+        shown = train.completions_shown(trained, 10**6)  # every process's (a collective)
     finally:
         step.collect, step.shuffle_groups = real_collect, real_shuffle
         torch.set_num_threads(threads)
@@ -85,7 +86,7 @@ def fixed_batch(tmp_path_factory, tiny_llama):
                                                         "num_generations": G})
     r = lifecycle.setup(*train.parse_args(["--config", str(config),
                                            f"--run.out_dir={tmp / 'draw'}"]))
-    kept, _, _ = step.collect(r)
+    kept, _ = step.collect(r)
     index = {id(row): i for i, row in enumerate(r.rows)}
     torch.save({"kept": kept, "rows": [index[id(s)] for s in kept.samples]}, tmp / "batch.pt")
     return tmp, config

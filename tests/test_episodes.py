@@ -119,7 +119,7 @@ def test_the_loss_counts_the_model_s_tokens_only(scripted):
     import step
     cfg, model, _, r = scripted
     mask, N = r.completion_mask, r.completion_ids.shape[0]
-    (_, norm), = step.mini_batches(cfg, r, mask, torch.zeros(N))
+    (_, norm), = step.mini_batches(cfg, r, mask, torch.zeros(N), torch.zeros(N))
     assert norm.num_tokens == int(r.completion_mask.sum()) < int(r.attended.sum())
     logp = torch.randn(mask.shape)
     moved = torch.where(env_tokens(r), logp + 100.0, logp)

@@ -83,9 +83,10 @@ def test_the_step_explained_is_the_step_train_takes(tmp_path, tiny_llama):
         args, overrides = train.parse_args(["--config", str(cfg)])
         return lifecycle.setup(args, overrides)
     e = explain.one_step(setup(), None)
-    metrics, shown = step.train_step(setup())
-    assert e.batch.texts == [s["completion"] for s in shown]
-    assert e.total.tolist() == pytest.approx([s["reward"] for s in shown])
+    metrics, batch = step.train_step(setup())
+    assert e.batch.texts == batch.kept.rollout.texts
+    assert e.total.tolist() == pytest.approx(batch.kept.total.tolist())
+    assert e.adv.tolist() == pytest.approx(batch.advantages.tolist())
     assert e.loss == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-9)
     assert e.grad_norm == pytest.approx(metrics["grad_norm"], rel=1e-4)
 

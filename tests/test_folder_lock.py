@@ -79,14 +79,17 @@ def test_the_process_holding_a_folder_takes_it_again_at_no_cost(tmp_path):
     folder_lock.release()
 
 
-def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+def test_a_file_system_without_locks_is_said_and_its_folder_still_goes_if_unused(
+        tmp_path, monkeypatch, capsys):
     def no_locks(fd, how):
         raise OSError(38, "Function not implemented")
     monkeypatch.setattr(folder_lock.fcntl, "flock", no_locks)
-    folder_lock.take(tmp_path, "run.out_dir")
-    assert capsys.readouterr().err == (f"[minigrpo] warning: {tmp_path} cannot be locked "
-                                       "(Function not implemented): make sure no other process "
-                                       "writes in it\n")
+    folder_lock.take(tmp_path / "new" / "run", "run.out_dir")
+    assert capsys.readouterr().err == (f"[minigrpo] warning: {tmp_path / 'new' / 'run'} cannot be "
+                                       "locked (Function not implemented): make sure no other "
+                                       "process writes in it\n")
+    folder_lock.release()  # a run that stopped with nothing kept leaves no folder it made
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.fixture

@@ -195,8 +195,8 @@ def test_dynamic_sampling_trains_on_the_groups_with_signal_first(tmp_path, tiny_
     monkeypatch.setattr(step, "score", fake_score)
     r = make_run(tmp_path, tiny_llama, "--rollout.prompts_per_step=1",
                  "--rollout.resample_zero_std=true", "--rollout.max_prompts_per_step=2")
-    kept, drawn, n = step.collect(r)
-    assert kept.rollout.texts == ["varied"] * G and n == 2 and len(drawn.rollout.texts) == 2 * G
+    kept, drawn = step.collect(r)
+    assert kept.rollout.texts == ["varied"] * G and len(drawn.rollout.texts) == 2 * G
 
 
 def test_micro_batches_hold_at_most_size_rows_with_or_without_a_token_budget():
@@ -429,7 +429,7 @@ def test_top_entropy_quantile_picks_the_steps_high_entropy_tokens_whatever_the_m
         seen.append(inspect.signature(real).bind(*a, **k).arguments.get("keep"))
         return real(*a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", spy)
-    monkeypatch.setattr(step, "collect", lambda *a, **k: (batches[0],) * 2 + (2,))
+    monkeypatch.setattr(step, "collect", lambda *a, **k: (batches[0],) * 2)
     norms = {}
     for q, size in ((0.3, 2), (0.3, 8), (1.0, 8)):
         r = make_run(tmp_path / f"{q}_{size}", tiny_llama, f"--grpo.top_entropy_quantile={q}",
@@ -530,7 +530,7 @@ def test_scale_rewards_reaches_the_advantages(tmp_path, tiny_llama, monkeypatch)
     for scale in ("none", "group"):
         r = make_run(tmp_path / scale, tiny_llama, "--rewards=[{name: test_length}]",
                      f"--grpo.scale_rewards={scale}", "--rollout.max_new_tokens=12")
-        _, shown = step.train_step(r)
+        shown = train.completions_shown(step.train_step(r)[1], 10**6)  # as samples.jsonl has them
         rew = torch.tensor([s["reward"] for s in shown]).view(-1, 4)
         adv = torch.tensor([s["advantage"] for s in shown]).view(-1, 4)
         centered = rew - rew.mean(1, keepdim=True)
@@ -569,10 +569,10 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
         return real_w(old, *a, **k)
 
     def collect(*a, **k):
-        kept, drawn, n = real_collect(*a, **k)
+        kept, drawn = real_collect(*a, **k)
         # as vLLM would give them
         kept.rollout.sampler_logp = torch.full(kept.rollout.completion_mask.shape, -6.0)
-        return kept, drawn, n
+        return kept, drawn
     monkeypatch.setattr(grpo, "sampler_weight", weight)
     monkeypatch.setattr(step, "collect", collect)
     r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5",

@@ -1,5 +1,6 @@
 """End to end on a tiny random Llama: training changes the LoRA weights, resume reproduces the
 uninterrupted run, and bad input exits with code 2 and writes nothing."""
+import io
 import json
 import math
 import re
@@ -132,6 +133,24 @@ def test_on_a_terminal_the_first_steps_one_time_cost_is_said_once(capsys):
     said = [x for x in capsys.readouterr().err.splitlines() if "first step" in x]
     assert said == ["[minigrpo] the first step took 35s more than a step since (warm-up, "
                     "compilation)"]
+
+
+def test_on_a_terminal_the_bars_eta_is_the_paces_without_the_warm_up_and_the_judge_waits():
+    from rich.console import Console
+    from rich.progress import Progress
+    bar = display.progress_display(30, 0)
+    bar.progress = Progress(console=Console(file=io.StringIO(), width=200))  # as on a terminal
+    show = bar.__enter__()
+    t = iter([90.0, 100.0, 1310.0])  # a 90 s first step, a 10 s one, a 1200 s judge wait
+    bar.pace.clock, bar.pace.began = (lambda: next(t)), 0.0
+    etas = []
+    for n in (1, 2, 3):
+        if n == 3:
+            bar.pause(1200.0)
+        show(n, {"reward": 0.5, "reward_std": 0.1})
+        etas.append(bar.progress.tasks[0].fields["eta"])
+    bar.__exit__(None, None, None)
+    assert etas == ["-", "4m40s", "4m30s"]
 
 
 def test_resume_reproduces_the_uninterrupted_run(setup):

@@ -35,7 +35,6 @@ import train
 from config import ConfigError
 from logprobs import batch_log_probs, micro_batch_log_probs
 from model import reference_mode
-from rewards import compute_rewards, reward_context
 from run import lifecycle
 from run.state import Run
 
@@ -74,14 +73,9 @@ def one_step(r: Run, group: int | None) -> Explained:
     idx = r.sampler.draw(ro.prompts_per_step)  # 1. B prompts
     rows = [r.rows[i] for i in idx]
     prompts = rollout.render_rows(r.tokenizer, rows, cfg.data)
-    batch = rollout.generate_rollout(  # 2. G completions each
-        r.model, r.tokenizer, prompts, G, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-        ro.stop_strings, ro.max_prompt_tokens, ro.ignore_eos, cfg.grpo.share_prompt is not False,
-        ro.compile, entropy=True)
-    context = reward_context(rollout.reply_prefix(r.tokenizer, cfg.data), r.judges,
-                             cfg.data.assistant_prefix)
-    res = compute_rewards(batch.texts, [row for row in rows for _ in range(G)], cfg.rewards,
-                          num_tokens=batch.num_tokens(), context=context)
+    batch = r.sample(prompts)  # 2. G completions each, by the sampler chosen at setup, scored by
+    res = r.rewards(batch.texts, [row for row in rows for _ in range(G)],  # the rewards prepared
+                    num_tokens=batch.num_tokens())
     total = torch.tensor(res.total).float()  # (N,)
     adv = grpo.group_advantages(total, G, cfg.grpo.scale_rewards,  # 3. A_i
                                 zero_std_tol=cfg.grpo.zero_std_tol)
@@ -99,13 +93,14 @@ def loss_and_gradient(r: Run, e: Explained) -> Explained:
     keep = None  # the tokens in the policy-gradient term: all, or the high-entropy ones
     if g.top_entropy_quantile < 1:
         keep = grpo.high_entropy_mask(e.batch.entropy, e.mask, g.top_entropy_quantile)
-    mbs, e.norm = next((mbs, norm) for mbs, norm in step.mini_batches(cfg, e.batch, e.mask, e.total)
+    mbs, e.norm = next((mbs, norm) for mbs, norm in step.mini_batches(cfg, e.batch, e.mask, e.total,
+                                                                     e.adv)
                        if any(mb.start <= e.row < mb.stop for mb in mbs))
     ref_logp = None
     if g.beta > 0:
         with reference_mode(r.model, r.ref_copy) as ref:
             ref_logp = batch_log_probs(ref, e.batch, cfg, mbs)  # (N, C)
-    settings, adv = grpo.LossSettings.of(g), e.adv.to(r.device)
+    settings, adv = r.loss, e.adv.to(r.device)
     r.model.train()
     r.optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
@@ -183,7 +178,7 @@ def fmt(v) -> str:
 def reward_ref(name: str) -> str:
     """The registered reward function's line, else the batch's (a reward named by file)."""
     found = rewards.lookup(name)
-    return where(found[0]) if found else where(compute_rewards)
+    return where(found[0]) if found else where(rewards.Rewards.__call__)
 
 
 def show_prompt(r: Run, e: Explained) -> list[str]:
@@ -211,7 +206,7 @@ def show_group(r: Run, e: Explained) -> list[str]:
                 f"{ro.max_new_tokens} tokens", where(rollout.generate_rollout, "model.generate(")),
            *[line(k, f"reward, weight {s.weight:g}", reward_ref(s.name))
              for k, s in zip(e.per_reward, cfg.rewards)],
-           line("total", "sum of weight x reward", where(compute_rewards, "spec.weight * v")),
+           line("total", "sum of weight x reward", where(rewards.weighted_sum, "spec.weight * v")),
            line("mean, std", f"{mean[e.group]:.4f}, {std[e.group]:.4f} (over the group)",
                 where(grpo.group_stats, "return mean")),
            line("advantage", f"A = {scale}", where(grpo.group_advantages)), ""]
