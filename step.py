@@ -42,7 +42,7 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
                                               reward overlap: a slice scored while the next one
                                               samples (scoring/pipelined.py)
   run.engine                               2  vLLM: the new weights after the updates
-  run.world, distributed                  18  torchrun: counts, gradients and metrics summed over
+  run.world, distributed                  16  torchrun: counts, gradients and metrics summed over
                                               the processes (parallel/distributed.py); train.py:
                                               rank 0 writes the run's files
   run.resample                             1  DAPO dynamic sampling: draw until B groups carry
@@ -136,8 +136,7 @@ def train_step(run) -> tuple[dict, Batch]:
     batch = make_batch(run, kept)  # 3. advantages, the loss mask, the mini-batches
     # a step its judges mostly failed is not trained on; one a reward wholly failed stops the run
     if run.judges or run.world > 1 or any(drawn.errors.values()):
-        batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, drawn.errors,
-                                            len(drawn.samples))
+        batch.minis = outage.minis_to_train(run, batch.minis, drawn.errors, len(drawn.samples))
     updates = update(run, batch)  # 4-5. num_iterations passes, an optimizer update per mini-batch
     if run.engine:
         run.phase = "syncing the weights to vLLM"

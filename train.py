@@ -135,8 +135,7 @@ def run(r: Run, args, tracker, started: float | None = None) -> int:
                 # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
                 return lifecycle.stop_on_error(r, args, e, step)
             log_step(r, metrics, batch, metrics_path, samples_path, tracker)
-            down = distributed.down_anywhere(  # any rank's, on every rank
-                outage.down(r.judges, cfg.run.judge_outage_steps), r.judges)
+            down = outage.down(r.judges, cfg.run.judge_outage_steps)  # any rank's, on every rank
             decision = rules.after_step(step, metrics, down, began, time.monotonic())
             if decision.save:
                 save(r, step, rules)

@@ -2,7 +2,7 @@
 answering mid-run is waited for, or the run checkpoints and stops (run.judge_outage); one whose
 replies are mostly unusable stops the run.
 
-    batch.minis = outage.minis_to_train(run, batch.minis, distributed.all_sum, errors, scored)
+    batch.minis = outage.minis_to_train(run, batch.minis, errors, scored)   # step.py's seam
     for judge in outage.down(judges, cfg.run.judge_outage_steps):  # down that many steps in a row
         back = outage.wait(judge, seconds=30 * 60)   # asked again with backoff until it answers
     for line in outage.unusable_summary(judges): ...  # the run's end: judges mostly unusable
@@ -38,6 +38,7 @@ import warnings
 from typing import Callable
 
 from api.client import Judge, JudgeUnusable
+from parallel import distributed
 from rewards import reward_keys
 
 FIRST_PAUSE_S = 10.0  # the first wait before asking again; doubles up to MAX_PAUSE_S
@@ -47,9 +48,11 @@ sleep, clock = time.sleep, time.monotonic  # tests replace them
 
 
 def down(judges: dict[str, Judge], steps: int) -> list[Judge]:
-    """The judges down for `steps` steps in a row. One that has never answered is not down but
-    wrong (client.FAILED_LIMIT stops the run with its first failures)."""
-    return [j for j in judges.values() if j.has_answered and j.down_steps >= steps]
+    """The judges down for `steps` steps in a row, on any of torchrun's ranks (the same list on
+    every rank). One that has never answered is not down but wrong (client.FAILED_LIMIT stops the
+    run with its first failures)."""
+    return distributed.down_anywhere(
+        [j for j in judges.values() if j.has_answered and j.down_steps >= steps], judges)
 
 
 def say(text: str) -> None:
@@ -91,16 +94,17 @@ def stop_line(judge: Judge, step: int, run_dir, resume: str) -> str:
 
 
 # --- a step a judge failed: not trained on, or the run stopped -----------------------------------
-def minis_to_train(run, minis: list, sums: Callable[[dict], dict] = lambda d: d,
-                   errors: dict[str, int] | None = None, scored: int = 0) -> list:
+def minis_to_train(run, minis: list, errors: dict[str, int] | None = None,
+                   scored: int = 0) -> list:
     """The step's mini-batches (step.Batch.minis), or none when a judge failed more than
     run.judge_max_failed_share of the step's calls: then no optimizer update is made (the schedule
     advances as if), judge_steps_skipped counts it and a line says so. JudgeUnusable when a judge's
     replies were unusable past run.judge_max_unusable_share for run.judge_unusable_steps steps, and
     RewardFailed when a reward failed on each of the `scored` completions (its `errors`: the step's
-    reward_errors; check_rewards). `sums`: torchrun's sum over the ranks (distributed.all_sum), so
-    every rank decides the same; under torchrun the step calls it on every rank at every step (a
+    reward_errors; check_rewards). The counts are summed over torchrun's ranks (all_sum), so every
+    rank decides the same; under torchrun the step calls it on every rank at every step (a
     reward's failures differ by rank, and a rank that did not call would not join the sum)."""
+    sums = distributed.all_sum
     per = step_calls(run.judges, sums)
     for name, judge in run.judges.items():
         check_unusable(judge, per[name], run.cfg.run)
