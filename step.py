@@ -61,7 +61,8 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
   run.scaler, scaled_step                  8  fp16: the GradScaler scales the loss and steps
 The step's own flags, each a line here: grpo.num_mini_batches (whole groups shuffled into
 mini-batches), num_iterations > 1 and beta > 0 (the old and reference log-probs, taken once),
-mask_truncated_completions, delta (its metric).
+mask_truncated_completions, delta (its metric), skip_flat_updates (no optimizer step on a zero
+gradient: update).
 """
 from __future__ import annotations
 
