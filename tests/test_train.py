@@ -779,6 +779,17 @@ def test_a_slice_is_scored_while_the_next_one_samples_and_the_results_join_in_or
         lifecycle.prepare(r)
 
 
+def adamw_steps(monkeypatch) -> list:
+    """A list that gets an entry at each AdamW step from now on (the test's)."""
+    steps, adamw_step = [], torch.optim.AdamW.step
+
+    def counted(self, *a, **k):
+        steps.append(1)
+        return adamw_step(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    return steps
+
+
 def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
     """fallback: skip: completions whose reward failed get advantage 0 and no tokens in the loss;
     the rest of their group trains; metrics and samples stay strict JSON (no NaN)."""
@@ -793,12 +804,7 @@ def test_skipped_rewards_train_on_the_rest_and_log_no_nan(setup, monkeypatch):
         seen.append((adv.clone(), mask.clone(), norm))
         return loss(logp, old_logp, ref_logp, adv, mask, norm, *a, **k)
     monkeypatch.setattr(grpo, "grpo_loss", recording)
-    steps, adamw_step = [], torch.optim.AdamW.step  # the optimizer steps each run made
-
-    def counted(self, *a, **k):
-        steps.append(1)
-        return adamw_step(self, *a, **k)
-    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    steps = adamw_steps(monkeypatch)  # the optimizer steps each run made
     cfg, run = setup
     raw = yaml.safe_load(cfg.read_text())
     raw["rewards"] = [{"name": "test_half_fails", "fallback": "skip"}]
@@ -847,12 +853,7 @@ def test_skip_flat_updates_makes_no_optimizer_step_on_all_flat_groups(setup, mon
     counts it (flat_updates); with beta > 0 the KL term has a gradient and the step is made."""
     import rewards
     monkeypatch.setitem(rewards.REGISTRY, "test_constant", (lambda completion, sample: 1.0, False))
-    steps, adamw_step = [], torch.optim.AdamW.step
-
-    def counted(self, *a, **k):
-        steps.append(1)
-        return adamw_step(self, *a, **k)
-    monkeypatch.setattr(torch.optim.AdamW, "step", counted)
+    steps = adamw_steps(monkeypatch)
     cfg, run = setup
     raw = yaml.safe_load(cfg.read_text())
     raw["rewards"] = [{"name": "test_constant"}]
