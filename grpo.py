@@ -204,7 +204,7 @@ class LossNorm:
     max_completion_length: int  # rollout.max_new_tokens
     num_micro_batches: int  # micro-batches accumulated into the step that hold a scored completion
     num_signal: int = 0  # completions with a token in the loss and A != 0 (not a normaliser:
-    #   0 with beta 0 makes the gradient exactly zero; step.trains)
+    #   0 with beta 0 makes the gradient exactly zero: step.update, grpo.skip_flat_updates)
 
 
 def aggregate(loss_tok: Tensor, mask: Tensor, norm: LossNorm) -> Tensor:
