@@ -122,19 +122,14 @@ def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: b
     if mcfg.attn_implementation:
         kwargs["attn_implementation"] = mcfg.attn_implementation
     if mcfg.quant == "4bit":
-        if device.type != "cuda":
-            raise ConfigError("model.quant=4bit (QLoRA) needs a CUDA GPU with bitsandbytes; "
-                              "on this machine set model.quant: null")
         if full_precision_weights:
             raise ConfigError("model.quant=4bit trains through LoRA only; set lora.enabled: true")
-        if importlib.util.find_spec("bitsandbytes") is None:  # else ImportError in from_pretrained
-            raise ConfigError("model.quant=4bit needs the bitsandbytes package: "
-                              "pip install bitsandbytes")
+        check_bitsandbytes(device)
         from transformers import BitsAndBytesConfig
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype)
-        kwargs["device_map"] = {"": device.index or 0}
+        kwargs["device_map"] = {"": (device.index or 0) if device.type == "cuda" else "cpu"}
     try:
         with offline_if_unreachable():
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -157,6 +152,39 @@ def load_base(mcfg: ModelConfig, device: torch.device, full_precision_weights: b
     return model, tokenizer
 
 
+MIN_BNB_CPU = "0.46.0"  # the first bitsandbytes with 4-bit CPU kernels (tested: 0.46.1, 0.50.2)
+
+
+def check_bitsandbytes(device: torch.device) -> None:
+    """model.quant=4bit: bitsandbytes is installed, and on a CPU one with its CPU backend."""
+    if device.type not in ("cuda", "cpu"):
+        raise ConfigError(f"model.quant=4bit runs on a CUDA GPU or a CPU, not {device.type}; "
+                          "set model.quant: null")
+    if importlib.util.find_spec("bitsandbytes") is None:  # else ImportError in from_pretrained
+        raise ConfigError("model.quant=4bit needs the bitsandbytes package: "
+                          f"pip install 'bitsandbytes>={MIN_BNB_CPU}'")
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    if device.type == "cpu" and Version(version("bitsandbytes")) < Version(MIN_BNB_CPU):
+        raise ConfigError(f"model.quant=4bit on a CPU needs bitsandbytes >= {MIN_BNB_CPU} (its "
+                          f"CPU backend); this one is {version('bitsandbytes')}: "
+                          f"pip install -U 'bitsandbytes>={MIN_BNB_CPU}'")
+
+
+def trainable_4bit_layout(model: nn.Module) -> None:
+    """Keep every 4-bit layer in the layout autograd passes through. On a CPU with AVX512-BF16,
+    bitsandbytes 0.49+ repacks a layer's weights for its inference kernel (gemv_4bit) the first
+    time the layer runs in eval mode without gradients, which sampling does, and from then on
+    every pass takes that kernel, which has no backward: the gradient stops at the layer's input
+    (torch warns "bitsandbytes::gemv_4bit: an autograd kernel was not registered"), and the LoRA
+    weights below get a wrong one (113% off on a tiny Llama: tests/test_qlora_cpu.py). Sampling
+    then uses the plain dequantize-and-matmul path, as training does."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):  # bitsandbytes' Linear4bit
+            m.support_avx512bf16_for_cpu = False
+
+
 def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropout: bool = False,
                 beta: float = 0.0, beta_key: str = "grpo.beta"):
     """-> (model, tokenizer) to train: on `device`, LoRA-wrapped unless lora.enabled is false,
@@ -165,6 +193,7 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
     fresh LoRA. beta > 0 (config key beta_key) means a reference policy, which a continued adapter
     cannot give. dropout: the LoRA layers keep lora.dropout (SFT); the base's own is always off."""
     model, tokenizer = load_base(mcfg, device, full_precision_weights=not lcfg.enabled)
+    trainable_4bit_layout(model)
     disable_dropout(model)  # the base's own (GPT-2's 0.1): dropout=True turns on lora.dropout only
     prov = {"base_model": mcfg.name, "revision": mcfg.revision, "merged": []}
     continuing = bool(mcfg.init_adapter) and lcfg.enabled and not mcfg.merge_init_adapter

@@ -219,14 +219,14 @@ def step_metrics(r: Run, step_fn, rules: policy.Policy) -> tuple[dict, object]:
 
 
 def memory_readings(device: torch.device, scaler) -> dict:
-    """The step's peak: the process's resident set on a CPU; on a GPU torch's allocations, the
-    allocator's reserved peak (allocated plus the blocks it caches), and under fp16 the
+    """The step's peak: the process's resident set on a CPU; on a GPU torch's allocations and the
+    allocator's reserved peak (allocated plus the blocks it caches). Under fp16, on any device, the
     GradScaler's loss scale (halved at each skipped update)."""
+    scale = {"loss_scale": scaler.get_scale()} if scaler else {}
     if device.type != "cuda":
-        return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        return {"peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024} | scale
     return {"peak_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-            "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20} | (
-        {"loss_scale": scaler.get_scale()} if scaler else {})
+            "peak_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20} | scale
 
 
 def log_step(r: Run, metrics: dict, batch, metrics_path: Path, samples_path: Path,

@@ -258,8 +258,10 @@ def setup(args, overrides: list[str]) -> Run:
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
     updates = cfg.run.steps * updates_per_step(cfg)
-    fp16 = device.type == "cuda" and pick_dtype(cfg.model.dtype, device) == torch.float16
-    scaler = torch.amp.GradScaler("cuda") if fp16 else None  # fp16 gradients underflow unscaled
+    # fp16 gradients underflow unscaled: the loss is scaled wherever the model computes in fp16 (a
+    # T4's path runs on a CPU too: torch's GradScaler takes either device)
+    fp16 = pick_dtype(cfg.model.dtype, device) == torch.float16
+    scaler = torch.amp.GradScaler(device.type) if fp16 else None
     sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed,
                             [(s.weight, s.weight_end) for s in sources], distributed.rank(),
                             distributed.world())

@@ -107,10 +107,28 @@ def test_4bit_without_bitsandbytes_is_one_line_before_any_weights_load(tiny_llam
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    with pytest.raises(ConfigError,
-                       match="needs the bitsandbytes package: pip install bitsandbytes"):
+    with pytest.raises(ConfigError, match=r"needs the bitsandbytes package: "
+                                          r"pip install 'bitsandbytes>=0\.46\.0'"):
         model_module.load_base(ModelConfig(name=str(tiny_llama), quant="4bit", dtype="float16"),
-                               torch.device("cuda"))
+                               torch.device("cpu"))
+
+
+def test_4bit_on_a_cpu_with_a_bitsandbytes_before_its_cpu_backend_names_the_version_needed(
+        tiny_llama, monkeypatch):
+    """bitsandbytes before 0.46 has no 4-bit kernels for a CPU: one line with the version, not a
+    failure inside from_pretrained; on a GPU that version still serves."""
+    import importlib.metadata
+
+    import model as model_module
+    from config import ConfigError
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.45.5" if name == "bitsandbytes" else "1.0")
+    with pytest.raises(ConfigError, match=r"on a CPU needs bitsandbytes >= 0\.46\.0 \(its CPU "
+                                          r"backend\); this one is 0\.45\.5"):
+        model_module.check_bitsandbytes(torch.device("cpu"))
+    model_module.check_bitsandbytes(torch.device("cuda"))
+    with pytest.raises(ConfigError, match="runs on a CUDA GPU or a CPU, not mps"):
+        model_module.check_bitsandbytes(torch.device("mps"))
 
 
 def test_a_target_module_gpt2_lacks_is_told_gpt2s_linear_layers(tiny_gpt2):
