@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import warnings
 from pathlib import Path
 
@@ -35,6 +36,10 @@ from sources.hub import (  # noqa: F401
 # FutureWarning on every run that a user can do nothing about
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                         category=FutureWarning)
+# bitsandbytes' CPU ops (imported by peft wherever bitsandbytes is installed) ask the hub for a
+# kernel of the inference layout that trainable_4bit_layout turns off, and warn on every run that
+# the `kernels` package is missing: a package nothing here needs
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 
@@ -166,7 +171,9 @@ def check_bitsandbytes(device: torch.device) -> None:
     from importlib.metadata import version
 
     from packaging.version import Version
-    if device.type == "cpu" and Version(version("bitsandbytes")) < Version(MIN_BNB_CPU):
+    if device.type != "cpu":
+        return
+    if Version(version("bitsandbytes")) < Version(MIN_BNB_CPU):
         raise ConfigError(f"model.quant=4bit on a CPU needs bitsandbytes >= {MIN_BNB_CPU} (its "
                           f"CPU backend); this one is {version('bitsandbytes')}: "
                           f"pip install -U 'bitsandbytes>={MIN_BNB_CPU}'")

@@ -198,6 +198,9 @@ def kv_cache_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:
 
 # a 4-bit weight, its 8-bit block absmax (64 weights) and the fp32 absmax of those (256 blocks)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+# and each layer's own code books, fp32: the 256 values of the absmax's 8-bit code, the 16 of NF4,
+# the absmax's offset (tests/test_qlora_cpu.py holds both against a loaded model's storage)
+NF4_LAYER_BYTES = 4 * (256 + 16 + 1)
 
 
 def weight_bytes(model, quant: str | None) -> int:
@@ -208,7 +211,7 @@ def weight_bytes(model, quant: str | None) -> int:
     quantized = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                  and not m.weight.requires_grad and not n.endswith("lm_head")}
     return int(sum(p.numel() * (NF4_BYTES if id(p) in quantized else p.element_size())
-                   for p in model.parameters()))
+                   for p in model.parameters()) + NF4_LAYER_BYTES * len(quantized))
 
 
 def sampling_bytes(cfg, rows: int, positions: int, dtype: torch.dtype) -> int:

@@ -72,6 +72,7 @@ def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
     from memory_estimate import NF4_BYTES, weight_bytes
 
     from config import LoraConfig, ModelConfig
+    from gpu.memory import NF4_LAYER_BYTES
     from model import load_policy
     model, _ = load_policy(ModelConfig(name=str(tiny_llama), dtype="bfloat16"),
                            LoraConfig(r=4, alpha=8), torch.device("cpu"))
@@ -81,7 +82,8 @@ def test_4bit_weights_count_the_frozen_linears_as_nf4(tiny_llama):
     assert len(linears) == 2 * 7
     full = weight_bytes(model, None)
     assert full == sum(p.numel() * p.element_size() for p in model.parameters())
-    saved = sum(w.numel() * (2 - NF4_BYTES) for w in linears)  # bf16 -> NF4
+    # bf16 -> NF4, and each layer's code books
+    saved = sum(w.numel() * (2 - NF4_BYTES) - NF4_LAYER_BYTES for w in linears)
     assert weight_bytes(model, "4bit") == int(full - saved) \
         or abs(weight_bytes(model, "4bit") - (full - saved)) < 1
 

@@ -1,0 +1,168 @@
+"""The T4 user's path, run for real on a CPU: float16 compute with fp16's loss scaling (torch's
+GradScaler takes device "cpu"), its overflow and its checkpointed state; and the two T4 configs,
+configs/colab_t4.yaml (fp16) and configs/t4.yaml (NF4 with fp16), 3 steps each on the built-in
+SmolLM2-135M and the GSM8K fixture, with the model name and sizes overridden and nothing else.
+Only a GPU's speed needs a GPU: nothing here skips on a CPU.
+
+    python -m pytest tests/test_t4.py
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import step
+import train
+from conftest import write_run_config
+from run import policy
+from test_step import make_run
+from test_train import TIMING
+
+ROOT = Path(__file__).resolve().parent.parent
+GSM8K = ROOT / "tests" / "fixtures" / "gsm8k_sample.jsonl"
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def same(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k not in TIMING} == \
+        {k: v for k, v in b.items() if k not in TIMING}
+
+
+def lora_weights(run_dir: Path, step_n: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / f"checkpoints/step_{step_n:06d}/adapter/adapter_model.safetensors")
+
+
+def rules(r) -> policy.Policy:
+    return policy.Policy(r.cfg.run, 0, held_out=False, clock=policy.Clock(time.monotonic()))
+
+
+def test_float16_on_a_cpu_scales_the_loss_and_logs_the_scale(tmp_path, tiny_llama):
+    """model.dtype=float16 makes the GradScaler on any device (it was made on CUDA only, so a CPU
+    trained fp16 unscaled and the T4's scaled path never ran); loss_scale is on every step line."""
+    r = make_run(tmp_path, tiny_llama, "--model.dtype=float16")
+    assert isinstance(r.scaler, torch.amp.GradScaler) and r.scaler.get_scale() == 65536.0
+    assert {p.dtype for p in r.params} == {torch.float32}  # LoRA weights fp32, the base fp16
+    m, _ = train.step_metrics(r, step.train_step, rules(r))
+    assert m["loss_scale"] == 65536.0 and m["grad_norm"] > 0
+    assert make_run(tmp_path / "fp32", tiny_llama).scaler is None
+
+
+def test_an_fp16_overflow_halves_the_scale_skips_the_update_and_counts_it(tmp_path, tiny_llama):
+    """A loss scale so large that the backward through the float16 layers overflows: GradScaler
+    finds inf gradients, skips the optimizer step (no trained weight moves), halves its scale, and
+    the step logs skipped_updates; the next step, at a scale that fits, trains."""
+    r = make_run(tmp_path, tiny_llama, "--model.dtype=float16", "--optim.lr=0.01")
+    r.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    before = [p.detach().clone() for p in r.params]
+    m, _ = train.step_metrics(r, step.train_step, rules(r))
+    assert m["skipped_updates"] == 1 and "grad_norm" not in m and m["loss_scale"] == 2.0**99
+    assert all(torch.equal(a, p) for a, p in zip(before, r.params))
+    r.scaler.update(2.0**10)
+    r.step += 1
+    m, _ = train.step_metrics(r, step.train_step, rules(r))
+    assert "skipped_updates" not in m and m["grad_norm"] > 0
+    assert any(not torch.equal(a, p) for a, p in zip(before, r.params))
+
+
+def test_kill_9_then_resume_under_fp16_ends_as_the_uninterrupted_run(tmp_path, tiny_llama):
+    """A real process killed (SIGKILL, nothing of its own runs) during step 3 of 4, then --resume
+    from the step-2 checkpoint: the scaler's state comes back with the weights, optimizer and
+    RNG, so steps 3-4 and the final weights equal an uninterrupted run's."""
+    cfg = write_run_config(tmp_path, tiny_llama, model={"dtype": "float16"},
+                           run={"steps": 4, "save_every": 1, "threads": 1},
+                           rollout={"max_new_tokens": 16})
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert train.main(["--config", str(cfg), f"--run.out_dir={whole}"]) == 0
+    cmd = [sys.executable, "train.py", "--config", str(cfg), f"--run.out_dir={cut}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (cut / "checkpoints/step_000002/trainer_state.pt").is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, "no step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = max(int(p.name[5:]) for p in (cut / "checkpoints").glob("step_*[0-9]"))
+    assert kept < 4, "the kill came after the run's end: nothing was interrupted"
+    assert subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True).returncode == 0
+    a, b = lines(whole / "metrics.jsonl"), lines(cut / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2, 3, 4] and all(same(x, y) for x, y in zip(a, b))
+    assert all("loss_scale" in m for m in b)
+    want, got = lora_weights(whole, 4), lora_weights(cut, 4)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    state = torch.load(cut / "checkpoints/step_000004/trainer_state.pt", weights_only=False)
+    assert state["scaler"]["scale"] == lines(whole / "metrics.jsonl")[-1]["loss_scale"]
+
+
+# ------------------------------------------------------------- the T4 configs, 3 steps each
+
+
+def small(config: str, out: Path) -> Path:
+    """configs/<config>.yaml as written, but for the model, data and sizes, and two test props
+    (as bench/colab_check.yaml has on a GPU): GSM8K's rewards are 0 on every completion of a 135M
+    model, so a reward that varies on any text (vowel_share) gives the groups spread and the
+    gradients something to carry; and the built-in model seldom closes its <think> within a test's
+    12 tokens, so "." also ends a completion (gsm8k.yaml masks the truncated ones out of the loss).
+    """
+    child = out.parent / f"{config}_small.yaml"
+    child.write_text(f"""extends: {ROOT / "configs" / f"{config}.yaml"}
+model: {{name: smollm2-135m}}
+data: {{name: {GSM8K}, select: [0, 30]}}
+eval: {{split: null, select: [30, 40]}}
+rollout: {{prompts_per_step: 1, num_generations: 2, max_new_tokens: 16, stop_strings: [".", ","]}}
+optim: {{micro_batch_size: 8}}
+run: {{out_dir: {out}, steps: 3, save_every: 1, max_minutes: 0, sample_every: 1}}
+rewards: [{{name: bench/t4_check.py:vowel_share, weight: 1.0}}]
+""")
+    return child
+
+
+@pytest.mark.parametrize("config", ["colab_t4", "t4"])
+def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_resume_exactly(
+        tmp_path, config, monkeypatch):
+    """Each T4 config (fp16; t4: an NF4 base under fp16, gradient checkpointing) for 3 steps: the
+    completions end, gradients reach the LoRA weights and only them, the loss scale is logged, and
+    a checkpoint resumes exactly (step 3 redone from step 2's gives the same line and weights)."""
+    out = tmp_path / config
+    args = ["--config", str(small(config, out))]
+    graded, trainable, real_step = set(), set(), step.optimizer_step
+
+    def optimizer_step(r):  # the parameters a gradient reached, at each update
+        graded.update(n for n, p in r.model.named_parameters()
+                      if p.grad is not None and p.grad.abs().max() > 0)
+        trainable.update(n for n, p in r.model.named_parameters() if p.requires_grad)
+        return real_step(r)
+    monkeypatch.setattr(step, "optimizer_step", optimizer_step)
+    assert train.main(args) == 0
+    # B starts at 0, so A's gradient is 0 until an update moves B (fp16's first may be skipped)
+    assert {n for n in trainable if "lora_B" in n} <= graded <= trainable
+    assert all(".lora_" in n for n in trainable)
+    monkeypatch.undo()
+    ms = lines(out / "metrics.jsonl")
+    assert [m["step"] for m in ms] == [1, 2, 3]
+    assert all(m["completions/clipped_ratio"] < 1 for m in ms)  # some completions ended
+    assert all(m["loss_scale"] > 0 for m in ms) and any(m.get("grad_norm", 0) > 0 for m in ms)
+    start, end = lora_weights(out, 1), lora_weights(out, 3)
+    assert end and all(".lora_" in k for k in end)  # the trained weights saved: LoRA's alone
+    assert all(not torch.equal(start[k], end[k]) for k in end if "lora_B" in k)
+    saved = yaml_of(out / "config.yaml")["model"]
+    assert saved["dtype"] == "float16" and saved["quant"] == ("4bit" if config == "t4" else None)
+    os.remove(out / "checkpoints/step_000003/trainer_state.pt")  # a kill during step 3's save
+    assert train.main(args + ["--resume"]) == 0
+    again = lines(out / "metrics.jsonl")
+    assert [m["step"] for m in again] == [1, 2, 3] and same(ms[2], again[2])
+    assert all(torch.equal(end[k], v) for k, v in lora_weights(out, 3).items())
+
+
+def yaml_of(path: Path) -> dict:
+    import yaml
+    return yaml.safe_load(path.read_text())
