@@ -85,12 +85,28 @@ def installed(package: str) -> str | None:
 def train(config: str, model: str, run_dir: str, steps: int, max_minutes: float,
           extra: list[str] = (), resume: bool = False, every_s: float = 30) -> None:
     """train.py on the notebook's parameters, the last log lines and the curves redrawn every
-    `every_s` seconds; `resume`: from the newest checkpoint in run_dir."""
+    `every_s` seconds; `resume`: from the newest checkpoint in run_dir, which must hold one."""
+    if resume:
+        require_checkpoint(run_dir)
     args = ["train.py", "--config", config, f"--model.name={model}", f"--run.steps={steps}",
             f"--run.max_minutes={max_minutes}", f"--run.out_dir={run_dir}", *extra]
     child(args + (["--resume"] if resume else []), run_dir, "train", every_s,
           show=lambda log: show_progress(log, run_dir), note=lambda: {"last_step": last_step(
               os.path.join(run_dir, "metrics.jsonl"))})
+
+
+def require_checkpoint(run_dir: str) -> None:
+    """Stop a resume that has nothing to resume, before train.py starts: train.py --resume on a
+    folder without a checkpoint trains from step 0 with one log line, which a cell would bury
+    (a fresh runtime's RUN_DIR is empty unless it is on a mounted Drive)."""
+    from pathlib import Path
+
+    from run.checkpoint import checkpoints
+    if not checkpoints(Path(run_dir)):
+        raise RuntimeError(f"RESUME is True but RUN_DIR={run_dir} holds no checkpoint "
+                           "(checkpoints/step_*/trainer_state.pt): is Google Drive mounted "
+                           "(USE_DRIVE = True in section 2) and RUN_DIR the folder of the first "
+                           "run?")
 
 
 def last_step(metrics_path: str) -> int:

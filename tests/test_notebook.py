@@ -4,7 +4,8 @@ secrets) left out, IPython's display stubbed: the whole notebook top to bottom (
 record of the run too); a run stopped by run.max_minutes, then continued in a fresh namespace by
 the parameter cell and the resume cell alone; the first cell's GPU check and git failures, with
 fakes; the ref it fetches; and its helpers (notebooks/colab.py): the stop button's SIGINT, a
-failed child's last lines, the install that keeps torch and shows a failed pip's output.
+failed child's last lines, the install that keeps torch and shows a failed pip's output, a resume
+with no checkpoint.
 A failing cell fails the test, named.
 
     python -m pytest tests/test_notebook.py
@@ -340,3 +341,23 @@ def test_a_failed_pip_prints_its_output_then_raises_one_line(monkeypatch, capsys
     assert capsys.readouterr().out == ("Collecting transformers==5.23.0\nERROR: No matching "
                                        "distribution found for transformers==5.23.0\n")
     assert "MINIGRPO_INSTALL" not in os.environ
+
+
+@pytest.mark.parametrize("left", [None, "step_000010.tmp/trainer_state.pt",  # a write cut short
+                                  "step_000010/adapter/adapter_config.json"])  # an adapter alone
+def test_resume_without_a_checkpoint_stops_before_train_py_saying_where_it_looked(tmp_path, left):
+    """A fresh runtime's RUN_DIR is empty unless Drive is mounted: train.py --resume would train
+    from step 0 there, so the cell stops first."""
+    from notebooks import colab
+    run_dir = tmp_path / "run"
+    if left:
+        (run_dir / "checkpoints" / left).parent.mkdir(parents=True)
+        (run_dir / "checkpoints" / left).write_text("")
+    with pytest.raises(RuntimeError) as error:
+        colab.train("configs/colab_t4.yaml", "Qwen/Qwen2.5-0.5B-Instruct", str(run_dir), 150, 45,
+                    resume=True)
+    assert str(error.value) == (
+        f"RESUME is True but RUN_DIR={run_dir} holds no checkpoint "
+        "(checkpoints/step_*/trainer_state.pt): is Google Drive mounted (USE_DRIVE = True in "
+        "section 2) and RUN_DIR the folder of the first run?")
+    assert not (run_dir / "train.log").exists() and not (run_dir / "notebook.jsonl").exists()
