@@ -249,7 +249,7 @@ def training_lines(metrics: list[dict], phases: list[dict]) -> list[str]:
             f"{max_of(metrics, 'peak_reserved_mb')}" if "peak_reserved_mb" in metrics[-1] else
             f"peak memory: {max_of(metrics, 'peak_memory_mb')} RSS (not on a GPU)",
             (f"fp16 loss scale: {scales[-1]:g} at the end, lowest {min(scales):g}" if scales
-             else "fp16 loss scale: not logged (no GradScaler: not fp16 on CUDA)")
+             else "fp16 loss scale: not logged (no GradScaler: not float16)")
             + f"; skipped updates: {skipped}",
             f"clipped share (completions cut at max_new_tokens): "
             f"{mean_of(metrics, 'completions/clipped_ratio')}; zero-std share (groups without "

