@@ -8,10 +8,12 @@ tests/test_notebook.py runs the same code on a CPU.
     print("\\n".join(colab.record(RUN_DIR)))              # what a T4 run must report
 
 Each child (train.py, eval.py, tools.export) writes RUN_DIR/<name>.log, which the cell shows as it
-grows. The stop button sends the child SIGINT and waits for it to exit (train.py then says where
-to --resume from), so no trainer is left running behind the cell; a second one on the same folder
-would exit 2 anyway (run/folder_lock.py). Each child's wall time is appended to
-RUN_DIR/notebook.jsonl, which record() reads with metrics.jsonl and eval/results.json.
+grows; a failed child's last lines, and a failed pip's output, are printed before the error, as a
+Colab cell may show nothing else. The stop button sends the child SIGINT and waits for it to exit
+(train.py then says where to --resume from), so no trainer is left running behind the cell; a
+second one on the same folder would exit 2 anyway (run/folder_lock.py). Each child's wall time is
+appended to RUN_DIR/notebook.jsonl, which record() reads with metrics.jsonl and eval/results.json.
+The GPU check and the clone are the notebook's first cell: they run before this file exists.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -33,15 +34,8 @@ CURVES = ["reward", "rewards/answer_match/mean", "completions/mean_length"]
 # in requirements-gpu.txt but not needed by a notebook run: the tests, the linter, and gguf, which
 # only the built-in GGUF model (smollm2-135m) loads through; the notebook trains a hub model
 NOT_FOR_A_RUN = {"pytest", "ruff", "gguf"}
-
-
-def require_gpu() -> None:
-    """Stop "Run all" at its first cell on a runtime without a GPU: this run needs one."""
-    if shutil.which("nvidia-smi") is None or subprocess.run(
-            ["nvidia-smi", "-L"], capture_output=True).returncode != 0:
-        raise RuntimeError("no GPU in this runtime: Runtime > Change runtime type > T4 GPU, then "
-                           "Runtime > Run all again (on a CPU the 45 minutes would train a few "
-                           "steps of this config)")
+FAILED_LINES = 20  # of a failed child's log, printed with its error (the reason is near the end)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout this runs from
 
 
 def install(requirements: str = "requirements-gpu.txt", pip=subprocess.run) -> dict:
@@ -60,10 +54,13 @@ def install(requirements: str = "requirements-gpu.txt", pip=subprocess.run) -> d
     with open(constraint, "w") as f:
         f.write(f"torch=={before}\n" if before else "")
     got = pip([sys.executable, "-m", "pip", "install", "-q", "-c", constraint, "matplotlib",
-               *(ln for name, ln in wanted.items() if name not in skip)])
+               *(ln for name, ln in wanted.items() if name not in skip)],
+              capture_output=True, text=True)
     if got.returncode != 0:
+        print((got.stdout + got.stderr).rstrip(), flush=True)
         raise RuntimeError(f"pip could not install minigrpo's requirements beside torch {before} "
-                           "(its message is above); a runtime with another torch may work")
+                           "(pip's output is printed above); a runtime with another torch may "
+                           "work")
     after = installed("torch")
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
@@ -88,12 +85,28 @@ def installed(package: str) -> str | None:
 def train(config: str, model: str, run_dir: str, steps: int, max_minutes: float,
           extra: list[str] = (), resume: bool = False, every_s: float = 30) -> None:
     """train.py on the notebook's parameters, the last log lines and the curves redrawn every
-    `every_s` seconds; `resume`: from the newest checkpoint in run_dir."""
+    `every_s` seconds; `resume`: from the newest checkpoint in run_dir, which must hold one."""
+    if resume:
+        require_checkpoint(run_dir)
     args = ["train.py", "--config", config, f"--model.name={model}", f"--run.steps={steps}",
             f"--run.max_minutes={max_minutes}", f"--run.out_dir={run_dir}", *extra]
     child(args + (["--resume"] if resume else []), run_dir, "train", every_s,
           show=lambda log: show_progress(log, run_dir), note=lambda: {"last_step": last_step(
               os.path.join(run_dir, "metrics.jsonl"))})
+
+
+def require_checkpoint(run_dir: str) -> None:
+    """Stop a resume that has nothing to resume, before train.py starts: train.py --resume on a
+    folder without a checkpoint trains from step 0 with one log line, which a cell would bury
+    (a fresh runtime's RUN_DIR is empty unless it is on a mounted Drive)."""
+    from pathlib import Path
+
+    from run.checkpoint import checkpoints
+    if not checkpoints(Path(run_dir)):
+        raise RuntimeError(f"RESUME is True but RUN_DIR={run_dir} holds no checkpoint "
+                           "(checkpoints/step_*/trainer_state.pt): is Google Drive mounted "
+                           "(USE_DRIVE = True in section 2) and RUN_DIR the folder of the first "
+                           "run?")
 
 
 def last_step(metrics_path: str) -> int:
@@ -122,8 +135,9 @@ def child(args: list[str], run_dir: str, name: str, every_s: float = 1, show=Non
           note=dict) -> None:
     """`python *args` with its output in run_dir/<name>.log, shown by show(log_path) every
     `every_s` seconds (default: its new lines). The stop button (KeyboardInterrupt) sends it SIGINT
-    and waits for it to exit; a non-zero exit raises, naming the log. Its line in notebook.jsonl
-    holds its wall time, exit code, arguments and note()."""
+    and waits for it to exit; a non-zero exit prints the log's last `FAILED_LINES` lines and
+    raises, naming the log. Its line in notebook.jsonl holds its wall time, exit code, arguments
+    and note()."""
     os.makedirs(run_dir, exist_ok=True)
     log_path, began = os.path.join(run_dir, f"{name}.log"), time.time()
     with open(log_path, "a") as log, open(log_path) as tail:
@@ -150,7 +164,12 @@ def child(args: list[str], run_dir: str, name: str, every_s: float = 1, show=Non
                                         "exit": proc.returncode, "args": args[1:], **note()})
                             + "\n")
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} exited with {proc.returncode}: see {log_path}")
+        with open(log_path) as log:
+            last = log.readlines()[-FAILED_LINES:]
+        print(f"--- the last {len(last)} lines of {log_path} ---\n" + "".join(last), end="",
+              flush=True)
+        raise RuntimeError(f"{name} exited with {proc.returncode}: its last lines are printed "
+                           f"above, all of them in {log_path}")
 
 
 # ---------------------------------------------------------------- what a T4 run must report
@@ -176,13 +195,29 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def versions() -> list[str]:
+    """The runtime's versions, its GPU and the commit of minigrpo that ran."""
     import peft
     import torch
     import transformers
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return [f"python {platform.python_version()} | torch {torch.__version__} | CUDA "
             f"{torch.version.cuda} | transformers {transformers.__version__} | peft "
-            f"{peft.__version__} | GPU {gpu}"]
+            f"{peft.__version__} | GPU {gpu} | minigrpo {commit()}"]
+
+
+def commit(repo: str = REPO) -> str:
+    """`git rev-parse HEAD` of the checkout `repo`, "unknown" when it is not one (an unpacked
+    archive, or a folder inside another repository)."""
+    try:
+        got = subprocess.run(["git", "-C", repo, "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True)
+    except FileNotFoundError:  # no git
+        return "unknown"
+    lines = got.stdout.splitlines()
+    if got.returncode != 0 or len(lines) != 2 or \
+            os.path.realpath(lines[0]) != os.path.realpath(repo):
+        return "unknown"
+    return lines[1]
 
 
 def install_lines() -> list[str]:
@@ -214,7 +249,7 @@ def training_lines(metrics: list[dict], phases: list[dict]) -> list[str]:
             f"{max_of(metrics, 'peak_reserved_mb')}" if "peak_reserved_mb" in metrics[-1] else
             f"peak memory: {max_of(metrics, 'peak_memory_mb')} RSS (not on a GPU)",
             (f"fp16 loss scale: {scales[-1]:g} at the end, lowest {min(scales):g}" if scales
-             else "fp16 loss scale: not logged (no GradScaler: not fp16 on CUDA)")
+             else "fp16 loss scale: not logged (no GradScaler: not float16)")
             + f"; skipped updates: {skipped}",
             f"clipped share (completions cut at max_new_tokens): "
             f"{mean_of(metrics, 'completions/clipped_ratio')}; zero-std share (groups without "
