@@ -14,7 +14,9 @@ run/policy.py decides after each step whether to checkpoint it and whether the r
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,
 scheduler, RNG states, data position; written to a .tmp directory and renamed, so a kill never
-leaves a half checkpoint). Bad input exits with code 2 and one line saying what to fix.
+leaves a half checkpoint). Bad input exits with code 2 and one line saying what to fix. Ctrl-C or
+SIGTERM (exit 130, 143) first checkpoints the last finished step, so --resume loses at most the step
+in flight; a stop while the weights update waits for the step's end (run/interrupts.py).
 """
 from __future__ import annotations
 
