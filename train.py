@@ -14,7 +14,9 @@ run/policy.py decides after each step whether to checkpoint it and whether the r
 A run directory (run.out_dir) receives config.yaml, metrics.jsonl (one line per step),
 samples.jsonl (completions with their rewards) and checkpoints/step_NNNNNN/ (adapter, optimizer,
 scheduler, RNG states, data position; written to a .tmp directory and renamed, so a kill never
-leaves a half checkpoint). Bad input exits with code 2 and one line saying what to fix.
+leaves a half checkpoint). Bad input exits with code 2 and one line saying what to fix. Ctrl-C or
+SIGTERM (exit 130, 143) first checkpoints the last finished step, so --resume loses at most the step
+in flight; a stop while the weights update waits for the step's end (run/interrupts.py).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
 from parallel import distributed
-from run import display, folder_lock, health, lifecycle, policy
+from run import display, folder_lock, health, interrupts, lifecycle, policy
 from run.checkpoint import save_checkpoint
 from run.state import Run
 from scoring import outage
@@ -103,14 +105,16 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
             print(f"  note: run.out_dir={r.run_dir} already holds a run; the real run refuses it "
                   "without --resume (or set another run.out_dir)")
         return 0
-    r.step, tracker = r.start, None
+    r.step, tracker, stops = r.start, None, interrupts.Stops(r, args)
     try:
-        with sigterm_as_interrupt():
+        with stops.caught():  # Ctrl-C, SIGTERM, a notebook's stop button (its SIGINT)
             if distributed.rank() == 0:
                 tracker = display.open_tracker(r.cfg, r.run_dir, resumed=r.start > 0)
-            return run(r, args, tracker, started)
-    except (KeyboardInterrupt, OSError) as e:  # Ctrl-C or SIGTERM; a full disk (the run's files)
-        if isinstance(e, OSError) and not is_write_error(e):
+            return run(r, args, tracker, stops, started)
+    except KeyboardInterrupt as e:  # the last finished step kept (run/interrupts.py)
+        return stops.stop(e)
+    except OSError as e:  # a full disk (the run's files)
+        if not is_write_error(e):
             raise  # a bug's missing file, a reset connection: its traceback; the run's files kept
         return lifecycle.stop_on_error(r, args, e, r.step)
     finally:
@@ -119,8 +123,10 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
         distributed.stop()
 
 
-def run(r: Run, args, tracker, started: float | None = None) -> int:
-    """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code."""
+def run(r: Run, args, tracker, stops: interrupts.Stops, started: float | None = None) -> int:
+    """The run's files, then steps start + 1 .. run.steps (logged, saved, shown) -> exit code.
+    A stop (Ctrl-C, SIGTERM) while a step samples drops it; once its updates begin, the stop waits
+    for the step to be logged and saved (stops.deferred)."""
     cfg = r.cfg
     metrics_path, samples_path = lifecycle.open_run_files(r)  # config.yaml, logs as of step start
     step_fn, rules, monitor = begin(r, metrics_path, started)
@@ -129,16 +135,18 @@ def run(r: Run, args, tracker, started: float | None = None) -> int:
         for step in range(r.start + 1, cfg.run.steps + 1):
             r.step, began = step, time.monotonic()
             r.sampler.progress = (step - 1) / max(1, cfg.run.steps - 1)  # mixture curriculum clock
-            try:
-                metrics, batch = step_metrics(r, step_fn, rules)
-            except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
-                # bad key or model name, out of GPU memory, fp16 overflow: later steps won't fix it
-                return lifecycle.stop_on_error(r, args, e, step)
-            log_step(r, metrics, batch, metrics_path, samples_path, tracker)
-            down = outage.down(r.judges, cfg.run.judge_outage_steps)  # any rank's, on every rank
-            decision = rules.after_step(step, metrics, down, began, time.monotonic())
-            if decision.save:
-                save(r, step, rules)
+            with stops.deferred():  # a stop: at once while sampling, else at this block's end
+                try:
+                    metrics, batch = step_metrics(r, step_fn, rules)
+                except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
+                    # bad key or model, out of GPU memory, fp16 overflow: later steps won't fix it
+                    return lifecycle.stop_on_error(r, args, e, step)
+                log_step(r, metrics, batch, metrics_path, samples_path, tracker)
+                stops.finished(step)  # a stop from here on keeps this step
+                down = outage.down(r.judges, cfg.run.judge_outage_steps)  # any rank's, every rank
+                decision = rules.after_step(step, metrics, down, began, time.monotonic())
+                if decision.save:
+                    save(r, step, rules)
             show(step, metrics)
             health.say(monitor.after_step(metrics))
             if decision.warn_no_signal:

@@ -55,11 +55,12 @@ def prune(ckpt: Path, keep_adapter: bool) -> None:
     shutil.rmtree(ckpt / "model", ignore_errors=True)
 
 
-def save_checkpoint(r: Run, step: int) -> Path:
+def save_checkpoint(r: Run, step: int, own: dict | None = None) -> Path:
     """checkpoints/step_NNNNNN/: adapter (or model), trainer_state.pt, config.yaml; atomic via
     .tmp + rename. Under torchrun every rank calls it (each sends its own state) and rank 0
-    writes."""
-    cfg, ranks = r.cfg, distributed.gather(rank_state(r))
+    writes. `own`: this process's rank_state as `step` ended (a stop's checkpoint, written after
+    the next step's sampling has moved it: run/interrupts.py); None: as it is now."""
+    cfg, ranks = r.cfg, distributed.gather(rank_state(r) if own is None else own)
     final = r.run_dir / "checkpoints" / f"step_{step:06d}"
     if distributed.rank() > 0:
         return final

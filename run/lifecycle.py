@@ -408,13 +408,13 @@ def dry_run_report(r: Run) -> str:
                                  else " (the completion follows):"), shown])
 
 
-def stop_on_error(r: Run, args, e: BaseException, step: int) -> int:
-    """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM): one line saying what and how
-    to go on, exit code 2 (130, 143). With a checkpoint, the run is left to --resume (the line ends
-    with the command: resume_command); without one, this command's files are removed (a folder it
-    created goes with its lock: folder_lock.release), so the same command runs again once the cause
-    is fixed."""
-    code, fix = 2, "fix it, then "
+def stop_on_error(r: Run, args, e: BaseException, step: int, what: str | None = None) -> int:
+    """A step failed in a way no later step fixes (or Ctrl-C, SIGTERM where run/interrupts.py keeps
+    no step): one line saying what (`what`, else e's own account) and how to go on, exit code 2
+    (130, 143). With a checkpoint, the run is left to --resume (the line ends with the command:
+    resume_command); without one, this command's files are removed (a folder it created goes with
+    its lock: folder_lock.release), so the same command runs again once the cause is fixed."""
+    code, fix, told = 2, "fix it, then ", what
     distributed.speak(e)  # torchrun: a rank > 0 that failed on its own
     if isinstance(e, KeyboardInterrupt):
         (signame, code), fix = interrupted(e), ""
@@ -427,7 +427,7 @@ def stop_on_error(r: Run, args, e: BaseException, step: int) -> int:
             + (f" ({e.filename})" if e.filename else ""))
     else:
         what = str(e)
-    run_dir = r.run_dir
+    what, run_dir = told or what, r.run_dir
     if any(checkpoints(run_dir)):
         print(f"\nerror: {what}; stopped at step {step}, the last checkpoint in {run_dir}: "
               f"{fix}go on with: {resume_command(args, r.judges)}", file=sys.stderr)

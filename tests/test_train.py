@@ -1104,12 +1104,14 @@ def test_a_step_whose_completions_are_all_masked_as_truncated_warns_once(setup, 
     assert capsys.readouterr().err.count("masks them all out: this step trains nothing") == 1
 
 
+@pytest.mark.parametrize("times", [1, 2])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_and_resume_goes_on(
-        setup, monkeypatch, capsys, sig):
+        setup, monkeypatch, capsys, sig, times):
     """Ctrl-C (KeyboardInterrupt) or a scheduler's SIGTERM while step 2's checkpoint is written:
-    exit 130 / 143 with one line naming the checkpoint to --resume from, no step_*.tmp left, the
-    tracker finished; --resume goes on."""
+    once, the checkpoint is finished first (run/interrupts.py); twice, it is cut short and no
+    step_*.tmp is left. Either way exit 130 / 143 with one line naming the checkpoint to --resume
+    from, the tracker finished; --resume goes on."""
     import importlib.machinery
     import os
     import signal
@@ -1129,17 +1131,22 @@ def test_ctrl_c_or_sigterm_mid_checkpoint_stops_with_one_line_ends_the_tracker_a
         saved.append(path)
         if len(saved) == 2:
             # a real signal: SIGTERM's handler must turn it into the clean exit
-            os.kill(os.getpid(), getattr(signal, sig))
+            for _ in range(times):
+                os.kill(os.getpid(), getattr(signal, sig))
         return real(model, path)
     monkeypatch.setattr(checkpoint, "save_adapter", interrupted)
     args = ["--config", str(cfg), "--run.steps=3", "--run.report_to=wandb"]
     assert train.main(args) == (130 if sig == "SIGINT" else 143)
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"error: interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}); "
-                       f"stopped at step 2, the last checkpoint in {run}: go on with: "
+    kept = ("step 2 is saved in {run}/checkpoints/step_000002" if times == 1 else
+            "and again while saving step 2 (not saved); --resume goes on from "
+            "{run}/checkpoints/step_000001").format(run=run)
+    assert err[-1] == (f"[minigrpo] interrupted ({'Ctrl-C' if sig == 'SIGINT' else 'SIGTERM'}) "
+                       f"after step 2{';' if times == 1 else ','} {kept}: go on with: "
                        + shlex.join([sys.executable, "train.py", *args, "--resume"]))
     assert "Traceback" not in "\n".join(err) and calls[-1] == "finish"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) \
+        == ["step_000001", "step_000002"][:3 - times]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
     monkeypatch.setattr(checkpoint, "save_adapter", real)
     assert train.main(args + ["--resume"]) == 0 \
