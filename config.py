@@ -128,7 +128,7 @@ class ModelConfig:
     revision: str | None = None  # hub revision (branch, tag or commit) to load
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: fp32 on CPU, bf16 on
     #   GPUs that have it, else fp16
-    quant: Literal["4bit"] | None = None  # NF4 base weights via bitsandbytes (QLoRA, CUDA only)
+    quant: Literal["4bit"] | None = None  # NF4 base weights via bitsandbytes (QLoRA; CUDA or CPU)
     chat_template: str | None = None  # Jinja chat template (text or file) for models that ship none
     gradient_checkpointing: bool | Literal["auto"] = "auto"  # recompute activations: less memory,
     #   ~30% slower; auto: off on a CPU, on a GPU chosen with the micro-batch (gpu/memory.py)

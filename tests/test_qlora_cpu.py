@@ -2,15 +2,19 @@
 training update over NF4 base weights equal those of a twin that holds the same weights
 dequantized in fp32, on every path the step can take, after the step's own sampling (which is what
 bitsandbytes 0.49+'s CPU inference repack broke: model.trainable_4bit_layout); the NF4 bytes the
-memory estimate counts are the loaded model's; only LoRA weights train.
+memory estimate counts are the loaded model's; only LoRA weights train; DPO over it in fp16.
 
     python -m pytest tests/test_qlora_cpu.py
 """
+import json
+
 import bitsandbytes as bnb
 import pytest
 import torch
 
 import step
+import train
+from conftest import write_run_config
 from gpu.memory import weight_bytes
 from test_step import make_run
 
@@ -110,3 +114,24 @@ def quant_state_tensors(state) -> list[torch.Tensor]:
     if state.nested:
         out += [state.state2.absmax, state.state2.code, state.offset]
     return [t for t in out if isinstance(t, torch.Tensor)]
+
+
+def test_dpo_over_an_nf4_base_in_fp16_starts_at_log2_and_trains(tmp_path, tiny_llama):
+    """mode: dpo over a 4-bit base with fp16's GradScaler, on a CPU (tests/test_gpu.py runs the same
+    on CUDA): the reference (adapter off) is the policy at the first step, so the loss is log 2 up
+    to half-precision rounding; every step is scaled and some update applied."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?", "chosen": str(a + 1),
+                                         "rejected": "No idea."}) + "\n" for a in range(8)))
+    out = tmp_path / "run"
+    cfg = write_run_config(tmp_path, tiny_llama,
+                           model={"quant": "4bit", "dtype": "float16",
+                                  "gradient_checkpointing": True},
+                           data={"name": str(pairs), "prompt": "prompt", "chosen": "chosen",
+                                 "rejected": "rejected", "answer_key": None},
+                           dpo={"batch_size": 4}, optim={"micro_batch_size": 2})
+    assert train.main(["--config", str(cfg), "--mode=dpo", "--run.steps=3",
+                       f"--run.out_dir={out}"]) == 0
+    ms = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert ms[0]["loss"] == pytest.approx(0.6931, abs=2e-3)
+    assert all("loss_scale" in m for m in ms) and any(m.get("grad_norm", 0) > 0 for m in ms)

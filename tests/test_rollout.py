@@ -94,14 +94,6 @@ def test_a_missing_model_path_is_a_clear_error(tmp_path):
         load_policy(ModelConfig(name=str(tmp_path / "nope")), LoraConfig(), torch.device("cpu"))
 
 
-def test_4bit_without_cuda_stops_with_a_clear_message(tiny_llama):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        load_policy(ModelConfig(name=str(tiny_llama), quant="4bit"), LoraConfig(),
-                    torch.device("cpu"))
-
-
 def test_reference_is_the_policy_with_the_adapter_disabled(tiny_llama):
     model, tok = load_policy(ModelConfig(name=str(tiny_llama)), LoraConfig(r=4, alpha=8),
                              torch.device("cpu"))

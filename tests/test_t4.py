@@ -7,7 +7,6 @@ Only a GPU's speed needs a GPU: nothing here skips on a CPU.
     python -m pytest tests/test_t4.py
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -74,11 +73,14 @@ def test_an_fp16_overflow_halves_the_scale_skips_the_update_and_counts_it(tmp_pa
     assert any(not torch.equal(a, p) for a, p in zip(before, r.params))
 
 
-def test_kill_9_then_resume_under_fp16_ends_as_the_uninterrupted_run(tmp_path, tiny_llama):
-    """A real process killed (SIGKILL, nothing of its own runs) during step 3 of 4, then --resume
-    from the step-2 checkpoint: the scaler's state comes back with the weights, optimizer and
-    RNG, so steps 3-4 and the final weights equal an uninterrupted run's."""
-    cfg = write_run_config(tmp_path, tiny_llama, model={"dtype": "float16"},
+@pytest.mark.parametrize("model", [{"dtype": "float16"}, {"dtype": "float16", "quant": "4bit"}],
+                         ids=["fp16", "nf4_fp16"])
+def test_kill_9_then_resume_under_fp16_ends_as_the_uninterrupted_run(tmp_path, tiny_llama, model):
+    """A real process killed (SIGKILL, nothing of its own runs) after its step-2 checkpoint, then
+    --resume: the scaler's state comes back with the weights, optimizer and RNG, so the later steps
+    and the final weights equal an uninterrupted run's (fp16, and fp16 over an NF4 base as
+    configs/t4.yaml)."""
+    cfg = write_run_config(tmp_path, tiny_llama, model=model,
                            run={"steps": 4, "save_every": 1, "threads": 1},
                            rollout={"max_new_tokens": 16})
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -131,7 +133,8 @@ def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_resume_exact
         tmp_path, config, monkeypatch):
     """Each T4 config (fp16; t4: an NF4 base under fp16, gradient checkpointing) for 3 steps: the
     completions end, gradients reach the LoRA weights and only them, the loss scale is logged, and
-    a checkpoint resumes exactly (step 3 redone from step 2's gives the same line and weights)."""
+    the checkpoints hold the scaler. (That a checkpoint resumes exactly under both is the kill -9
+    test's, on the tiny model: a resumed step here would cost CI another ~15 s of fp16 on a CPU.)"""
     out = tmp_path / config
     args = ["--config", str(small(config, out))]
     graded, trainable, real_step = set(), set(), step.optimizer_step
@@ -156,11 +159,8 @@ def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_resume_exact
     assert all(not torch.equal(start[k], end[k]) for k in end if "lora_B" in k)
     saved = yaml_of(out / "config.yaml")["model"]
     assert saved["dtype"] == "float16" and saved["quant"] == ("4bit" if config == "t4" else None)
-    os.remove(out / "checkpoints/step_000003/trainer_state.pt")  # a kill during step 3's save
-    assert train.main(args + ["--resume"]) == 0
-    again = lines(out / "metrics.jsonl")
-    assert [m["step"] for m in again] == [1, 2, 3] and same(ms[2], again[2])
-    assert all(torch.equal(end[k], v) for k, v in lora_weights(out, 3).items())
+    state = torch.load(out / "checkpoints/step_000003/trainer_state.pt", weights_only=False)
+    assert state["scaler"]["scale"] == ms[-1]["loss_scale"]
 
 
 def yaml_of(path: Path) -> dict:
