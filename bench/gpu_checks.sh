@@ -17,6 +17,7 @@
 #   next GPU session:   call 1: trl-1.5b          (~9 min; the JSON keeps what finished if cut)
 #                       call 2: defaults decode   (~3 + ~2 min)
 #   then:               trl512 (Qwen3-0.6B at 512 new tokens, 3 measured steps, 1 alternation)
+#                       t4 (~4 min; its own call with the t4 kit, which bitsandbytes fills)
 # Stages (limit in seconds):
 #   trl-0.6b  (420) bench/vs_trl.py --preset gpu, random Qwen3-0.6B shape: minigrpo with no
 #             setting written against TRL's GRPOTrainer, STEPS (3: the first is warm-up, left out)
@@ -28,6 +29,9 @@
 #             under a 13.9 GiB cap, random Qwen3-0.6B, completions that end, gradients that flow
 #             (bench/colab_check.yaml says how), 5 steps; then bench/t4_check.py: the fp16 loss
 #             scale, skipped updates and whether the adapter moved
+#   t4        (300) configs/t4.yaml (NF4 base, fp16, as a T4 runs it) under the 13.9 GiB cap, random
+#             Qwen2.5-1.5B, bench/t4_check.yaml's fixed-length rollouts, 3 steps; then
+#             bench/t4_check.py. Needs the t4 kit (sh bench/gpu_kit.sh t4: bitsandbytes), not bench's
 #   defaults  (240) train.py with no speed or memory setting (bench/gpu_defaults.yaml) on a random
 #             Qwen3-0.6B: what auto chose, the first step's cost, step times, the peak, the
 #             sampler-vs-trainer log-prob gap step by step; TORCH_LOGS recompiles and CUDA graphs
@@ -67,6 +71,14 @@ stage() {  # one stage's commands (run through `timeout` by the loop at the bott
       cp /tmp/colab/metrics.jsonl "$OUT/colab_metrics.jsonl"
       python3 bench/t4_check.py /tmp/colab 2>&1 | tee -a "$OUT/colab.log"
       python3 bench/gpu_steps.py /tmp/colab/metrics.jsonl | tee -a "$OUT/colab.log" ;;
+    t4)
+      rm -rf /tmp/t4
+      python3 bench/memory_cap.py --budget-gb 13.9 --model random:qwen2.5-1.5b --tokenizer $TOK \
+        -- --config bench/t4_check.yaml --run.steps=3 --run.save_every=3 --run.out_dir=/tmp/t4 \
+        2>&1 | tee "$OUT/t4.log" | grep -E "^\[memory_cap\]|^\[minigrpo\] (chosen|warning)|^step " \
+        | cut -c1-300
+      cp /tmp/t4/metrics.jsonl "$OUT/t4_metrics.jsonl"
+      python3 bench/t4_check.py /tmp/t4 2>&1 | tee -a "$OUT/t4.log" ;;
     defaults)
       rm -rf /tmp/defaults
       TORCH_LOGS=recompiles,cudagraphs python3 bench/memory_cap.py --budget-gb 70 \
@@ -106,7 +118,7 @@ print('4.8e12' if 'H200' in n else '3.35e12' if 'H100' in n else '0.6e12')")
 
 limit_of() {
   case $1 in
-    trl-0.6b) echo 420 ;; trl|trl-1.5b|trl512) echo 540 ;; colab|defaults) echo 240 ;;
+    trl-0.6b) echo 420 ;; trl|trl-1.5b|trl512) echo 540 ;; colab|defaults) echo 240 ;; t4) echo 300 ;;
     decode) echo 180 ;; tests|vllm) echo 300 ;; *) echo 0 ;;
   esac
 }
@@ -118,7 +130,7 @@ fi
 for s in "$@"; do
   if [ "$(limit_of "$s")" = 0 ]; then
     echo "usage: sh bench/gpu_checks.sh STAGE ...; stages: trl-0.6b trl-1.5b trl trl512 colab" \
-      "defaults decode tests vllm (see the header)" >&2
+      "t4 defaults decode tests vllm (see the header)" >&2
     exit 2
   fi
 done
