@@ -29,7 +29,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'M x K x N':>18} {'dtype':>9} {'NT (fwd)':>14} {'NN (dx)':>14} {'TN (dW)':>14}")
+    print(f"{'M x K x N':>18} {'dtype':>9} {'NT (fwd)':>15} {'NN (dx)':>15} {'TN (dW)':>15}")
     for M, K, N in SHAPES:
         base = None
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -39,7 +39,7 @@ def main() -> None:
             got = [ms(x, w.T, n), ms(g, w, n), ms(g.T, x, n)]
             base = base or got
             print(f"{M:>5} x{K:>5} x{N:>6} {str(dtype)[6:]:>9} " + " ".join(
-                f"{t:7.1f} ({t / b:4.0f}x)" for t, b in zip(got, base)))
+                f"{t:7.1f} ({t / b:5.1f}x)" for t, b in zip(got, base)))
 
 
 if __name__ == "__main__":

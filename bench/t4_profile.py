@@ -7,6 +7,7 @@ sampler-trainer log-prob gap of every step.
     python bench/t4_profile.py --out runs/t4_profile              # all three arms, ~60 min
     python bench/t4_profile.py --out runs/t4_profile --arms nf4   # one
     python bench/t4_profile.py --out runs/t4_profile --arms nf4_repacked  # NF4 before the fix
+    python bench/t4_profile.py --out runs/t4_profile --arms bf16  # the gap an A10/H100 has
     python bench/t4_profile.py --report runs/t4_profile           # the table, from the files
 
 The gap: HF generate records the log-prob it sampled each token with only for a merged or compiled
@@ -29,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"fp32": [], "fp16": ["--model.dtype=float16"], "nf4": ["--model.quant=4bit"],
         # NF4 as before model.trainable_4bit_layout: bitsandbytes' CPU repack left on (the cause)
-        "nf4_repacked": ["--model.quant=4bit", "--repacked"]}
+        "nf4_repacked": ["--model.quant=4bit", "--repacked"],
+        "bf16": ["--model.dtype=bfloat16"]}  # not a T4's: the gap fp16 is compared with
 CONFIG = "configs/quickstart.yaml"
 
 

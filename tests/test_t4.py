@@ -166,3 +166,28 @@ def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_resume_exact
 def yaml_of(path: Path) -> dict:
     import yaml
     return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--model.quant=4bit", "--lora.enabled=false"], "model.quant=4bit trains through LoRA only"),
+    (["--model.dtype=float16", "--lora.enabled=false"], "needs fp32 master weights"),
+    (["--model.quant=4bit", "no bitsandbytes"], "needs the bitsandbytes package: pip install"),
+    (["--model.quant=4bit", "bitsandbytes 0.45.5"], "on a CPU needs bitsandbytes >= 0.46.0"),
+], ids=["4bit_full", "fp16_full", "no_bnb", "old_bnb"])
+def test_a_t4_setting_this_machine_cannot_run_is_one_line_and_exit_2(tmp_path, tiny_llama,
+                                                                     monkeypatch, capsys, flags,
+                                                                     said):
+    import importlib.metadata
+    import importlib.util
+    real_spec, real_version = importlib.util.find_spec, importlib.metadata.version
+    if "no bitsandbytes" in flags:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
+                            if name == "bitsandbytes" else real_spec(name, *a))
+    if "bitsandbytes 0.45.5" in flags:
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.45.5"
+                            if name == "bitsandbytes" else real_version(name))
+    out = tmp_path / "run"
+    cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(out)})
+    assert train.main(["--config", str(cfg), *(f for f in flags if f.startswith("--"))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert said in err[-1] and err[-1].startswith("error: ") and not out.exists()
