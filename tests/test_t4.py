@@ -1,8 +1,9 @@
 """The T4 user's path, run for real on a CPU: float16 compute with fp16's loss scaling (torch's
 GradScaler takes device "cpu"), its overflow and its checkpointed state; and the two T4 configs,
 configs/colab_t4.yaml (fp16) and configs/t4.yaml (NF4 with fp16), 3 steps each on the built-in
-SmolLM2-135M and the GSM8K fixture, with the model name and sizes overridden and nothing else.
-Only a GPU's speed needs a GPU: nothing here skips on a CPU.
+SmolLM2-135M and the GSM8K fixture: model, data and sizes made small, and two test props (small()
+says why); every other setting as written. Bad T4 input: one line, exit 2. Only a GPU's speed
+needs a GPU: nothing here skips on a CPU.
 
     python -m pytest tests/test_t4.py
 """
@@ -129,7 +130,7 @@ rewards: [{{name: bench/t4_check.py:vowel_share, weight: 1.0}}]
 
 
 @pytest.mark.parametrize("config", ["colab_t4", "t4"])
-def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_resume_exactly(
+def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_checkpoint_the_scaler(
         tmp_path, config, monkeypatch):
     """Each T4 config (fp16; t4: an NF4 base under fp16, gradient checkpointing) for 3 steps: the
     completions end, gradients reach the LoRA weights and only them, the loss scale is logged, and
