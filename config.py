@@ -75,10 +75,13 @@ class RewardSpec:
 
 @dataclass
 class EnvSpec:
-    """The config's `env:` section: multi-turn episodes against your environment
-    (engines/episodes.py)."""
-    name: str  # "path/to/file.py:Class" or "package.module:Class": one object per episode
-    args: dict = field(default_factory=dict)  # keyword arguments its constructor gets
+    """The config's `env:` section: multi-turn episodes against an environment class written for
+    TRL's GRPOTrainer(environment_factory=...), run unchanged (engines/environments.py)."""
+    name: str = ""  # "path/to/file.py:Class" or "package.module:Class" (or a function that
+    #   returns one): TRL's environment_factory, called with args once per rollout
+    args: dict = field(default_factory=dict)  # keyword arguments `name` is called with
+    names: dict[str, str] = field(default_factory=dict)  # TRL's dict of factories instead of
+    #   name: each row's `environment` column picks one by its key; each called with no arguments
 
 
 @dataclass
@@ -456,10 +459,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     rewards: list[RewardSpec] = field(default_factory=list)  # reward functions, weights and args
-    env: EnvSpec | None = None  # multi-turn: an environment answers each assistant turn
+    env: EnvSpec | None = None  # multi-turn: an environment class whose methods are the tools
     #   (docs/multi-turn.md); None, and no tools: one reply per prompt
-    tools: list[str] = field(default_factory=list)  # multi-turn with tools: "file.py:function"s
-    #   the model calls in the chat template's tool-call format, run by episodes.ToolEnv
+    tools: list[str] = field(default_factory=list)  # multi-turn: "file.py:function"s the model
+    #   calls in the chat template's tool-call format (TRL's tools=), with or without an env
     judge: JudgeConfig | None = None  # OpenAI-compatible judge for judge-based rewards (judge.py)
     judges: dict[str, JudgeConfig] = field(default_factory=dict)  # more judges by name, for a
     #   reward's args: {judge: NAME} (two judges scoring the same completions: dual-judge

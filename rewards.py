@@ -47,7 +47,7 @@ import torch
 import answers
 import grpo
 from api.client import JudgeUnusable
-from config import RewardSpec
+from config import ConfigError, RewardSpec
 from sources.plugins import (
     did_you_mean,
     import_function,
@@ -374,9 +374,9 @@ def fallback(err: Exception, spec: RewardSpec, key: str, completion: str, sample
              errors: dict[str, int]) -> float:
     """A reward that failed on one completion: its spec's fallback (NaN: skip), counted in errors;
     its first failure logged with a traceback."""
-    # a refused key, an unknown model, a reward model too big for the GPU: every later call
-    # fails too
-    if isinstance(err, (JudgeUnusable, torch.OutOfMemoryError)):
+    # a refused key, an unknown model, a reward model too big for the GPU, an environment's
+    # get_reward that returns text: every later call fails too
+    if isinstance(err, (JudgeUnusable, torch.OutOfMemoryError, ConfigError)):
         raise err
     errors[key] += 1
     if key not in _LOGGED:
@@ -555,7 +555,7 @@ ELSEWHERE = {"json_valid": "graders.json_answers", "json_schema": "graders.json_
              "judge": "judge", "rubric_alignment": "judge", "group_judge": "judge",
              "reward_model": "graders.reward_model",
              "citation_grounding": "graders.citations", "invented_citation": "graders.citations",
-             "citation_pass": "graders.citations", "env_reward": "engines.episodes",
+             "citation_pass": "graders.citations", "get_reward": "engines.environments",
              "rubric_format": "graders.rubrics"}
 
 

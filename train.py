@@ -138,8 +138,9 @@ def run(r: Run, args, tracker, stops: interrupts.Stops, started: float | None = 
             with stops.deferred():  # a stop: at once while sampling, else at this block's end
                 try:
                     metrics, batch = step_metrics(r, step_fn, rules)
-                except (JudgeUnusable, torch.OutOfMemoryError, rollout.NonFiniteLogits) as e:
-                    # bad key or model, out of GPU memory, fp16 overflow: later steps won't fix it
+                except (JudgeUnusable, torch.OutOfMemoryError, ConfigError) as e:
+                    # bad key or model, out of GPU memory, fp16 overflow (NonFiniteLogits, a
+                    # ConfigError), an environment's bad get_reward: later steps won't fix it
                     return lifecycle.stop_on_error(r, args, e, step)
                 log_step(r, metrics, batch, metrics_path, samples_path, tracker)
                 stops.finished(step)  # a stop from here on keeps this step

@@ -1,6 +1,7 @@
-"""The multi-turn demo's own code (configs/tools_calculator.yaml): the calculator tool the model
-calls, a data map that puts one worked example in front of each question, and two rewards that
-give partial credit for using the tool. docs/multi-turn.md shows the run.
+"""The multi-turn demo's own code (configs/tools_calculator.yaml): the calculator environment, as
+a class written for TRL's GRPOTrainer(environment_factory=Calculator) that minigrpo runs unchanged
+(its method `calculator` is the tool, get_reward gives partial credit for using it), and a data map
+that puts one worked example in front of each question. docs/multi-turn.md shows the run.
 
     python train.py --config configs/tools_calculator.yaml
 """
@@ -20,13 +21,34 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg}
 
 
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression of numbers, + - * / and parentheses.
+class Calculator:
+    """A calculator the model may call; it scores the episode's use of it: 0.25 for a call that
+    ran, 0.25 more for one that computed the question's product (its gold answer)."""
 
-    Args:
-        expression: the expression, e.g. "123 * 45"
+    def reset(self, **row) -> None:
+        self.answer, self.ran, self.right = str(row["answer"]), False, False
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression of numbers, + - * / and parentheses.
+
+        Args:
+            expression: the expression, e.g. "123 * 45"
+        """
+        result = evaluate(expression)
+        self.ran, self.right = True, self.right or result == self.answer
+        return result
+
+    def get_reward(self) -> float:
+        return 0.25 * self.ran + 0.25 * self.right
+
+
+def evaluate(expression: str) -> str:
+    """The expression's value as text: parsed, never evaluated as Python.
+
+    >>> evaluate("123 * 45"), evaluate("7 / 2"), evaluate("-(2 + 3)")
+    ('5535', '3.5', '-5')
     """
-    def value(node):  # parsed, never evaluated as Python
+    def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
@@ -42,15 +64,3 @@ def with_example(row: dict) -> dict:
     """data.map: the question after the worked example, as chat messages."""
     return {"prompt": [*EXAMPLE, {"role": "user", "content": row["question"]}],
             "answer": row["answer"]}
-
-
-def tool_call(completion: str, sample: dict, episode) -> float:
-    """1 when the episode made a calculator call that ran (well-formed JSON, a known tool)."""
-    return float(any(m["role"] == "tool" and not m["content"].startswith("error")
-                     for m in episode.exchanged))
-
-
-def right_operands(completion: str, sample: dict, episode) -> float:
-    """1 when a calculator call computed the gold product (the question's operands, multiplied)."""
-    return float(any(m["role"] == "tool" and m["content"] == str(sample["answer"])
-                     for m in episode.exchanged))

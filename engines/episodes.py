@@ -2,29 +2,22 @@
 reply per prompt gives, whose completion_mask holds the model's tokens alone. step.py trains on it
 unchanged: the loss, its normalisations and the log-probs only ever see the mask.
 
-    env: {name: my_env.py:Guess, args: {low: 1, high: 100}}   # your environment, or
-    tools: [my_tools.py:calculator]                          # plain functions, run by ToolEnv
+    env: {name: my_env.py:Counter}       # a class written for TRL's environment_factory, and/or
+    tools: [my_tools.py:calculator]      # plain functions (TRL's tools=)
     rollout: {max_turns: 4, max_new_tokens: 64, max_episode_tokens: 512}
 
     r = run_episodes(cfg, model, tokenizer, rows)   # Rollout; r.episodes[i]: row i // G's episode j
     python train.py --config configs/tools_calculator.yaml   # the CPU demo (docs/multi-turn.md)
 
-An environment is any object with these methods (no base class), one object per episode:
-
-    class Guess:
-        def __init__(self, **args): ...           # env.args from the config
-        def reset(self, row) -> list[dict] | None:  # the first messages; None: the row's prompt
-        def step(self, reply: str) -> str | dict | list[dict] | None:
-            # what the environment says to the assistant's reply: a user message (str), one or
-            # more messages ({"role": "tool" or "user", "content": ...}); None ends the episode
-        reward: float | None                      # optional: read when the episode ends; the
-                                                  # `env_reward` reward returns it
-        tools: list[dict]                         # optional: JSON schemas the chat template shows
-
-The G episodes of a row are one GRPO group: reset must give them the same first messages. The
-configured rewards score each episode: `completion` is the assistant's last reply, and a reward
-that takes an `episode` parameter gets the Episode (its messages: the whole conversation). An
-environment that raises ends its episode: one warning line, and `env_reward` gives its fallback.
+An environment is a class as TRL's GRPOTrainer takes it (engines/environments.py): one instance per
+episode, reset(**row) before the first turn (a string it returns is appended to the last user
+message), its public methods the tools, get_reward() one more reward. Each turn the model replies;
+the reply's tool calls are run and their results come back as tool messages (a failed call as
+TRL's "{'error': ...}"); a reply with no call ends the episode. The configured rewards score each
+episode: `completion` is the assistant's last reply, a reward that takes an `episode` parameter
+gets the Episode (its messages: the whole conversation; env: the instance), and a TRL reward that
+takes `environments` gets the instances. An environment whose reset raises ends its episode: one
+warning line, and get_reward gives its fallback.
 
 Tokens are appended, never re-rendered. Each turn the model continues from the episode's tokens as
 they stand; its sampled tokens (turn-end token included) go in as they are, and the environment's
@@ -44,10 +37,10 @@ from typing import Callable
 import torch
 
 import rollout
-from config import Config, ConfigError
-from engines import tool_calls
-from rewards import Rewards, register
-from sources.plugins import import_function, one_line
+from config import Config
+from engines import environments, tool_calls
+from rewards import Rewards
+from sources.plugins import one_line
 
 log = logging.getLogger("minigrpo.episodes")
 
@@ -56,17 +49,20 @@ log = logging.getLogger("minigrpo.episodes")
 class Episode:
     """One conversation: the prompt's tokens, then every token after it, each marked as the model's
     (1: sampled, trained) or the environment's (0: read, never trained)."""
-    env: object | None
+    env: object | None  # the environment instance; None with tools: alone
     messages: list[dict]  # the whole conversation: the first messages, then each turn
     prompt_ids: list[int]
+    schemas: list[dict] = field(default_factory=list)  # the tools as the model is shown them
     opening: int = 0  # how many of the messages are the first ones (the prompt's)
     ids: list[int] = field(default_factory=list)  # after the prompt: the model's and the env's
     mask: list[int] = field(default_factory=list)  # 1 where the model sampled the token
     entropy: list[float] = field(default_factory=list)  # the sampling entropy; 0 at env tokens
     turns: int = 0  # assistant turns
+    tool_calls: int = 0  # calls the model made
+    tool_errors: int = 0  # ... answered with an error
     truncated: bool = False  # cut short: by a token limit, or still going at max_turns
     done: bool = False
-    error: str | None = None  # the environment raised: its one line
+    error: str | None = None  # the environment's reset raised: its one line
 
     @property
     def exchanged(self) -> list[dict]:
@@ -79,29 +75,28 @@ class Episode:
         return next((m["content"] for m in reversed(self.exchanged) if m["role"] == "assistant"),
                     "")
 
-    @property
-    def reward(self) -> float | None:
-        return getattr(self.env, "reward", None)
-
 
 # ---------------------------------------------------------------- the episodes, turn by turn
 
 
-def sample_and_score(cfg: Config, model, tokenizer, rewards: Rewards, rows: list[dict],
+def sample_and_score(cfg: Config, model, tokenizer, rewards: Rewards,
+                     envs: environments.Environments, rows: list[dict],
                      samples: list[dict]) -> tuple:
-    """step.score's seam (run.sample_and_score, partial of the first four at setup): G episodes for
+    """step.score's seam (run.sample_and_score, partial of the first five at setup): G episodes for
     each row, the rewards (prepared with given=("num_tokens", "episode")) seeing each whole (its
     final reply, the episode by name) -> (the rollout, the RewardResult)."""
-    batch = run_episodes(cfg, model, tokenizer, rows)
+    batch = run_episodes(cfg, model, tokenizer, rows, envs)
     return batch, rewards([e.reply for e in batch.episodes], samples,
                           num_tokens=batch.num_tokens(), episodes=batch.episodes)
 
 
-def run_episodes(cfg: Config, model, tokenizer, rows: list[dict]) -> rollout.Rollout:
+def run_episodes(cfg: Config, model, tokenizer, rows: list[dict],
+                 envs: environments.Environments | None = None) -> rollout.Rollout:
     """G episodes for each row, all turns sampled with HF generate (the episodes still going, one
-    call a turn), up to rollout.max_turns -> the Rollout of the whole episodes."""
-    make_env, G = environment(cfg, tokenizer), cfg.rollout.num_generations
-    eps = [open_episode(make_env, row, tokenizer, cfg) for row in rows for _ in range(G)]
+    call a turn), up to rollout.max_turns -> the Rollout of the whole episodes. envs: the run's,
+    opened once (its pool of instances); None: opened here."""
+    envs = envs or environments.open_environments(cfg, tokenizer)
+    eps = open_episodes(cfg, tokenizer, rows, cfg.rollout.num_generations, envs)
     for turn in range(cfg.rollout.max_turns):
         live = [e for e in eps if not e.done]
         if not live:
@@ -112,25 +107,38 @@ def run_episodes(cfg: Config, model, tokenizer, rows: list[dict]) -> rollout.Rol
         for i, e in enumerate(live):
             n = int(sampled.completion_mask[i].sum())
             take_turn(e, sampled.completion_ids[i, :n].tolist(), h[i, :n].tolist(),
-                      bool(sampled.truncated[i]), tokenizer, cfg)
+                      bool(sampled.truncated[i]), tokenizer, cfg, envs)
     for e in eps:  # still going after max_turns: cut short
         e.truncated |= not e.done
     return as_rollout(eps, tokenizer, next(model.parameters()).device)
 
 
-def open_episode(make_env: Callable, row: dict, tokenizer, cfg: Config) -> Episode:
-    """A new environment object, reset on the row -> the Episode with its rendered prompt."""
-    env, messages, error = None, None, None
+def open_episodes(cfg: Config, tokenizer, rows: list[dict], G: int,
+                  envs: environments.Environments | None = None) -> list[Episode]:
+    """G episodes for each row, each with its own instance of the row's environment (the pool's),
+    reset on the row: the Episodes with their rendered prompts."""
+    envs = envs or environments.open_environments(cfg, tokenizer)
+    keys = [environments.env_key(envs, row) for row in rows for _ in range(G)]
+    made = environments.draw(envs, keys)
+    return [open_episode(envs, key, env, rows[i // G], tokenizer, cfg)
+            for i, (key, env) in enumerate(zip(keys, made))]
+
+
+def open_episode(envs: environments.Environments, key: str | None, env, row: dict, tokenizer,
+                 cfg: Config) -> Episode:
+    """The environment reset on the row (TRL: what it returns is appended to the last user
+    message) -> the Episode with its rendered prompt, the tools shown."""
+    messages, error, said = rollout.chat_messages(row["prompt"], cfg.data.system_prompt), None, None
     try:
-        env = make_env()
-        messages = env.reset(row)
+        said = environments.reset(envs, env, row)
     except Exception as e:
         error = _env_failed("reset", e)
-    messages = rollout.chat_messages(row["prompt"] if messages is None else messages,
-                                     cfg.data.system_prompt)
-    prompt = render(tokenizer, messages, cfg, getattr(env, "tools", None), first=True)
+    if said:
+        messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + said}]
+    schemas = envs.schemas.get(key, envs.schemas[None])
+    prompt = render(tokenizer, messages, cfg, schemas, first=True)
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    return Episode(env, messages, ids, opening=len(messages), error=error)
+    return Episode(env, messages, ids, schemas=schemas, opening=len(messages), error=error)
 
 
 def sample_turn(model, tokenizer, cfg: Config, live: list[Episode], first: bool):
@@ -156,8 +164,8 @@ def sample_turn(model, tokenizer, cfg: Config, live: list[Episode], first: bool)
 
 
 def take_turn(e: Episode, turn: list[int], entropy: list[float], hit_limit: bool, tokenizer,
-              cfg: Config) -> None:
-    """Append the model's sampled turn, then the environment's answer to it (or end the episode)."""
+              cfg: Config, envs: environments.Environments) -> None:
+    """Append the model's sampled turn, then the answers to its tool calls (or end the episode)."""
     room = cfg.rollout.max_episode_tokens - len(e.ids)
     cut = len(turn) > room
     turn, entropy = turn[:room], entropy[:room]
@@ -170,39 +178,22 @@ def take_turn(e: Episode, turn: list[int], entropy: list[float], hit_limit: bool
     if cut or hit_limit or e.error:  # a turn without its end, or an env that failed at reset
         e.truncated, e.done = cut or hit_limit, True
         return
-    try:
-        said = as_messages(e.env.step(text))
-    except Exception as err:
-        e.error, e.done = _env_failed("step", err), True
-        return
+    said, failed = tool_calls.answer_calls(text, environments.tools_of(envs, e.env), envs.fmt,
+                                           envs.timeout)
     if said is None:
         e.done = True
         return
     e.messages += said
+    e.tool_calls, e.tool_errors = e.tool_calls + len(said), e.tool_errors + failed
     closed = bool(turn) and turn[-1] == turn_end(tokenizer)
-    env_ids = tokenizer(env_turn_text(tokenizer, said, cfg, getattr(e.env, "tools", None),
-                                      closed), add_special_tokens=False).input_ids
+    env_ids = tokenizer(env_turn_text(tokenizer, said, cfg, e.schemas, closed),
+                        add_special_tokens=False).input_ids
     if len(e.ids) + len(env_ids) >= cfg.rollout.max_episode_tokens:  # no room to answer it
         e.truncated, e.done = True, True
         return
     e.ids += env_ids
     e.mask += [0] * len(env_ids)
     e.entropy += [0.0] * len(env_ids)
-
-
-def as_messages(said) -> list[dict] | None:
-    """An environment's answer as messages: a str is a user message; None ends the episode.
-
-    >>> as_messages("Higher."), as_messages({"role": "tool", "content": "408"}), as_messages(None)
-    ([{'role': 'user', 'content': 'Higher.'}], [{'role': 'tool', 'content': '408'}], None)
-    """
-    if said is None or isinstance(said, list):
-        return said
-    if isinstance(said, str):
-        return [{"role": "user", "content": said}]
-    if isinstance(said, dict):
-        return [said]
-    raise TypeError(f"step returned {type(said).__name__}; expected str, dict, list or None")
 
 
 _WARNED: set[str] = set()
@@ -213,7 +204,7 @@ def _env_failed(where: str, err: Exception) -> str:
     line = f"env.{where}: {one_line(err)}"
     if where not in _WARNED:
         _WARNED.add(where)
-        log.warning("%s; the episode ends (env_reward gives its fallback); later failures are "
+        log.warning("%s; the episode ends (get_reward gives its fallback); later failures are "
                     "counted in episodes/env_errors", line)
     return line
 
@@ -286,86 +277,19 @@ def as_rollout(eps: list[Episode], tokenizer, device) -> rollout.Rollout:
         episodes=eps)
 
 
-# ---------------------------------------------------------------- environments
-
-
-class ToolEnv:
-    """The built-in environment for `tools:`: each assistant reply's tool calls (in the format the
-    chat template declares, engines/tool_calls.py) are run, each with a time limit, and their
-    results come back as tool messages; a reply without a call ends the episode. A malformed call,
-    an unknown tool, a tool that raises or hangs: its tool message says so, and the episode goes
-    on. Leaves scoring to the configured rewards."""
-
-    def __init__(self, tools: dict[str, Callable], schemas: list[dict], fmt: str,
-                 timeout: float):
-        self.functions, self.tools, self.fmt, self.timeout = tools, schemas, fmt, timeout
-        self.tool_calls = self.tool_errors = 0
-
-    def reset(self, row: dict) -> None:
-        return None  # the row's prompt, with the tools shown (render)
-
-    def step(self, reply: str) -> list[dict] | None:
-        calls = tool_calls.parse_calls(reply, self.fmt)
-        if not calls:
-            return None
-        out = []
-        for call in calls:
-            self.tool_calls += 1
-            fn = self.functions.get(call.name)
-            if call.error or fn is None:
-                text = f"error: {call.error or f'no tool named {call.name!r}'}; tools: " \
-                       f"{', '.join(self.functions)}"
-                failed = True
-            else:
-                text, failed = tool_calls.run_tool(fn, call.arguments, self.timeout)
-            self.tool_errors += failed
-            out.append({"role": "tool", "name": call.name or "?", "content": text})
-        return out
-
-
-def environment(cfg: Config, tokenizer) -> Callable[[], object]:
-    """A function that makes a new environment object, one an episode: env: by name, with its args;
-    or, with tools:, a ToolEnv over them. ValueError with one line when it cannot be loaded."""
-    if cfg.env:
-        cls = import_function(cfg.env.name, what="env")
-        return lambda: cls(**cfg.env.args)
-    functions = {}
-    for name in cfg.tools:
-        fn = import_function(name, what="tool")
-        functions[fn.__name__] = fn
-    schemas = [tool_calls.tool_schema(fn, name) for name, fn in functions.items()]
-    fmt, limit = tool_calls.call_format(tokenizer), cfg.rollout.tool_timeout
-    return lambda: ToolEnv(functions, schemas, fmt, limit)
-
-
-def check_environment(cfg: Config) -> None:
-    """Before any model loads: the environment (or every tool and its schema) loads, or
-    ConfigError."""
-    if cfg.env or cfg.tools:
-        try:
-            environment(cfg, None)
-        except ValueError as e:
-            raise ConfigError(f"{'env' if cfg.env else 'tools'}: {e}") from None
+# ---------------------------------------------------------------- metrics
 
 
 def episode_metrics(eps: list[Episode] | None) -> dict:
     """episodes/*: means over the step's episodes of turns, tool calls, tool errors and tokens
-    (the model's and the environment's), the share cut short, and the environments that raised."""
+    (the model's and the environment's), the share cut short, and the environments that raised
+    (counted on the Episode: a pooled instance is reset by the step's next draw)."""
     if not eps:
         return {}
     n = len(eps)
     return {"episodes/turns": sum(e.turns for e in eps) / n,
-            "episodes/tool_calls": sum(getattr(e.env, "tool_calls", 0) for e in eps) / n,
-            "episodes/tool_errors": sum(getattr(e.env, "tool_errors", 0) for e in eps) / n,
+            "episodes/tool_calls": sum(e.tool_calls for e in eps) / n,
+            "episodes/tool_errors": sum(e.tool_errors for e in eps) / n,
             "episodes/length": sum(len(e.ids) for e in eps) / n,
             "episodes/truncated_rate": sum(e.truncated for e in eps) / n,
             "episodes/env_errors": sum(e.error is not None for e in eps)}
-
-
-@register("env_reward")
-def env_reward(completion: str, sample: dict, episode: Episode) -> float | None:
-    """The environment's own reward for the episode (its `reward` attribute; None: it gives none).
-    An environment that raised has none to give: ValueError, so the spec's fallback applies."""
-    if episode.error:
-        raise ValueError(episode.error)
-    return episode.reward

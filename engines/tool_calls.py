@@ -1,9 +1,10 @@
 """Tool calls in the model's text: the format a chat template declares, the tools described to the
-model, and each call run with a time limit. episodes.ToolEnv is what uses them.
+model, and each call run with a time limit, answered as TRL's GRPOTrainer answers it. The turns of
+engines/episodes.py are what use them.
 
     fmt = call_format(tokenizer)                          # "hermes" or "json"
     calls = parse_calls(reply, fmt)                       # [ToolCall(name, arguments, error)]
-    result = run_tool(fn, call.arguments, timeout=10.0)   # the result's text, or the error's
+    said, failed = answer_calls(reply, tools, fmt, 10.0)  # the tool messages; None: no call
     python -m pytest -q tests/test_episodes.py
 
 Two formats: Hermes/Qwen's, which Qwen2.5, Qwen3 and Hermes templates declare (and minigrpo's
@@ -15,9 +16,15 @@ default for templates that declare none, SmolLM2's among them):
 
 and Llama 3.1's bare JSON object {"name": ..., "parameters": {...}} as the whole reply. A call that
 does not parse is a ToolCall with `error` set: the tool message then says what was wrong.
+
+A result comes back as TRL 1.16 writes it (trainer/grpo_trainer.py, _tool_call_loop): str(result);
+a tool that raises, or a name no tool has, as str({"error": str(e)}), e.g. "{'error': 'division by
+zero'}" and "{'error': 'Tool nope not found.'}"; minigrpo's own cases (a call that does not parse,
+a tool past its time limit) in the same form.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import queue
 import re
@@ -25,7 +32,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from sources.plugins import one_line
+from sources.plugins import on_reward_loop, one_line
 
 
 @dataclass
@@ -108,24 +115,52 @@ def _one_call(body: str) -> ToolCall:
     return ToolCall(call["name"], args)
 
 
+def answer_calls(reply: str, tools: dict[str, Callable], fmt: str,
+                 timeout: float) -> tuple[list[dict] | None, int]:
+    """The tool messages answering a reply's calls, in order, and how many of them are errors; None
+    when the reply makes no call (the episode is over)."""
+    calls = parse_calls(reply, fmt)
+    if not calls:
+        return None, 0
+    said, failed = [], 0
+    for call in calls:
+        fn = tools.get(call.name)
+        if call.error or fn is None:  # TRL's words for a name no tool has
+            text, bad = error_text(call.error or f"Tool {call.name} not found."), True
+        else:
+            text, bad = run_tool(fn, call.arguments, timeout)
+        failed += bad
+        said.append({"role": "tool", "name": call.name or "unknown", "content": text})
+    return said, failed
+
+
+def error_text(message: str) -> str:
+    """A failed call's tool message, as TRL writes it.
+
+    >>> error_text("division by zero")
+    "{'error': 'division by zero'}"
+    """
+    return str({"error": message})
+
+
 def run_tool(fn: Callable, arguments: dict, timeout: float) -> tuple[str, bool]:
-    """fn(**arguments) in a daemon thread, waited for at most `timeout` seconds -> (the tool
-    message's text, whether it is an error). A tool that raises or runs past its limit gives an
-    error message the model reads; nothing stops the run. A thread cannot be killed: a tool that
-    hangs keeps its thread until it returns (a daemon, so it never holds the process open)."""
+    """fn(**arguments) in a daemon thread (an async tool awaited on the reward loop, as TRL awaits
+    it), waited for at most `timeout` seconds -> (the tool message's text, whether it is an error).
+    A tool that raises or runs past its limit gives an error message the model reads; nothing stops
+    the run. A thread cannot be killed: a tool that hangs keeps its thread until it returns (a
+    daemon, so it never holds the process open)."""
     out: queue.Queue = queue.Queue(maxsize=1)
 
     def call() -> None:
         try:
-            out.put((_as_text(fn(**arguments)), False))
+            result = fn(**arguments)
+            if inspect.isawaitable(result):
+                result = on_reward_loop(result)
+            out.put((str(result), False))
         except Exception as e:
-            out.put((f"error: {one_line(e)}", True))
+            out.put((error_text(str(e)), True))
     threading.Thread(target=call, daemon=True, name="minigrpo-tool").start()
     try:
         return out.get(timeout=timeout)
     except queue.Empty:
-        return f"error: the tool ran past its {timeout:g} s limit", True
-
-
-def _as_text(result) -> str:
-    return result if isinstance(result, str) else json.dumps(result, default=str)
+        return error_text(f"the tool ran past its {timeout:g} s limit"), True

@@ -34,7 +34,7 @@ from config import (
     save_config,
 )
 from data import PromptSampler, load_sources
-from engines import episodes, vllm_engine, vllm_startup
+from engines import environments, episodes, vllm_engine, vllm_startup
 from files.jsonl import interrupted
 from gpu import auto
 from model import (
@@ -196,6 +196,7 @@ def setup(args, overrides: list[str]) -> Run:
                   file=sys.stderr)
     if cfg.rewards and cfg.mode == "grpo":  # SFT scores only held-out rows (checked below)
         check_rows(cfg.rewards, rows)
+        environments.check_rows(cfg, rows)  # env.names: each row's `environment` names one
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; "
                           f"pip install {cfg.run.report_to}, or --run.report_to=none")
@@ -336,7 +337,8 @@ def prepare(r: Run) -> None:
     r.sample_and_score = None
     if multi_turn:  # G episodes a prompt, each scored whole
         r.sample_and_score = functools.partial(episodes.sample_and_score, cfg, r.model,
-                                               r.tokenizer, r.rewards)
+                                               r.tokenizer, r.rewards,
+                                               environments.open_environments(cfg, r.tokenizer))
     elif cfg.rollout.overlap_rewards and cfg.rollout.prompts_per_generate:
         r.sample_and_score = functools.partial(pipelined.sample_and_score, r.sample, r.rewards,
                                                r.tokenizer, cfg)
@@ -378,7 +380,7 @@ def dry_run_report(r: Run) -> str:
     sources = ", ".join(f"{label} {n}" for label, n in zip(r.source_labels, r.sampler.sizes))
     prompt = rollout.render_rows(r.tokenizer, [row], cfg.data)[0]
     if cfg.env or cfg.tools:  # multi-turn: the first turn as episodes.py renders it (its tools)
-        first = episodes.open_episode(episodes.environment(cfg, r.tokenizer), row, r.tokenizer, cfg)
+        first = episodes.open_episodes(cfg, r.tokenizer, [row], 1)[0]
         prompt = r.tokenizer.decode(first.prompt_ids)
     shown = prompt + (rollout.with_eos(r.tokenizer, row["target"]) if cfg.mode == "sft" else "")
     lines = [f"[dry-run] config, data, model and judges check out ({cfg.mode}); "

@@ -31,7 +31,7 @@ from typing import Callable, Collection
 from api.client import Judge
 from config import Config, ConfigError, RewardSpec, judge_names, judge_sections
 from data import check_not_data_file
-from engines.episodes import check_environment
+from engines.environments import check_environment
 from judge import open_judges
 from rewards import PER_COMPLETION, resolve, reward_keys, reward_params
 from settings.typed_config import check_writable, convert
@@ -41,12 +41,12 @@ from sources.plugins import did_you_mean
 def open_scoring(cfg: Config, check_rewards: bool = True) -> dict[str, Judge]:
     """train.py's and eval.py's checks of the rewards and judges, then the judges opened, by name
     ("judge" for the judge: section). Any failure here is a ConfigError, before any model loads."""
+    check_environment(cfg)  # env: or tools:, whose episodes the rewards score; get_reward joins
     try:
         if check_rewards:
             check_specs(cfg.rewards, judges=judge_names(cfg))
     except ValueError as e:
         raise ConfigError(f"rewards: {e}") from None
-    check_environment(cfg)  # env: or tools:, whose episodes the rewards score
     for key, j in judge_sections(cfg).items():
         check_not_data_file(cfg.data, j.cache_path, f"{key}.cache_path")
         if j.cache_path:

@@ -103,13 +103,20 @@ def check_ranges(cfg: Config) -> None:
 
 
 def check_episodes(cfg: Config) -> None:
-    """env: and tools: (multi-turn episodes): GRPO on HF generate, names as rewards give them."""
+    """env: and tools: (multi-turn episodes): GRPO on HF generate, names as rewards give them;
+    env.name or env.names (TRL's one factory, or its dict of them), not both. What needs the
+    classes imported is checked by engines/environments.py (check_environment)."""
     if not (cfg.env or cfg.tools):
         return
     what = "env:" if cfg.env else "tools:"
-    if cfg.env and cfg.tools:
-        raise ConfigError("give env: or tools:, not both (tools run in the built-in tool "
-                          "environment; your own env calls its tools itself)")
+    if cfg.env and bool(cfg.env.name) == bool(cfg.env.names):
+        raise ConfigError("env: give name (one environment class) or names (a dict of them, each "
+                          "row's `environment` column picking one), not both" if cfg.env.name
+                          else "env: give name: path/to/file.py:Class (or names: {key: ...})")
+    if cfg.env and cfg.env.names and cfg.env.args:
+        raise ConfigError("env.args goes with env.name; the environments of env.names are built "
+                          "with no arguments, as TRL's factories are: name a function that builds "
+                          "one with its arguments")
     if cfg.mode != "grpo":
         raise ConfigError(f"{what} runs GRPO episodes; mode: {cfg.mode} has none")
     if cfg.rollout.engine != "hf":
@@ -118,9 +125,10 @@ def check_episodes(cfg: Config) -> None:
     if cfg.run.eval_every:
         raise ConfigError(f"{what} held-out scoring (run.eval_every) runs single replies, not "
                           "episodes, yet: set run.eval_every: 0")
-    for name in [cfg.env.name] if cfg.env else cfg.tools:
+    named = ([cfg.env.name] if cfg.env.name else list(cfg.env.names.values())) if cfg.env else []
+    for key, name in [("env:", n) for n in named] + [("tools:", n) for n in cfg.tools]:
         if ":" not in name:
-            raise ConfigError(f"{what} {name!r} must be 'path/to/file.py:name' or "
+            raise ConfigError(f"{key} {name!r} must be 'path/to/file.py:name' or "
                               "'package.module:name'")
     if cfg.rollout.max_turns < 1 or cfg.rollout.tool_timeout <= 0:
         raise ConfigError("rollout.max_turns must be >= 1 and rollout.tool_timeout > 0")

@@ -71,7 +71,8 @@ def import_function(name: str, what: str = "reward") -> Callable:
 
 
 
-TRL_FILLED = ("prompts", "completions")  # what a TRL reward gets besides the data's columns
+TRL_FILLED = ("prompts", "completions", "environments")  # what a TRL reward gets besides the
+#   data's columns (environments: multi-turn episodes' environment instances)
 
 
 def is_trl_reward(fn: Callable) -> bool:
@@ -141,19 +142,25 @@ def trl_reward(fn: Callable) -> Callable:
     messages), `completions` the completions' TEXT, also for chat prompts (TRL's conversational
     format hands lists of {role, content} messages instead: the MedMCQA project's
     json.loads(completion) failed on every one of them and its rewards were 0.0 throughout), and
-    each other column of the rows is a keyword holding its values in order (TRL's reward_kwargs). A
-    None in the returned list: no value, as in TRL. Arguments TRL fills that minigrpo does not have
-    (completion_ids, trainer_state) must have defaults."""
+    each other column of the rows is a keyword holding its values in order (TRL's reward_kwargs);
+    in multi-turn episodes against an environment class, `environments` is each completion's
+    environment instance, as TRL passes them. A None in the returned list: no value, as in TRL.
+    Arguments TRL fills that minigrpo does not have (completion_ids, trainer_state) must have
+    defaults."""
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     required = [n for n, p in params.items()
                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     label = f"reward {getattr(fn, '__name__', fn)!r} (TRL's signature {inspect.signature(fn)})"
 
-    def batched(completions: list[str], samples: list[dict], **args) -> list:
+    def batched(completions: list[str], samples: list[dict], episode: list | None = None,
+                **args) -> list:
         columns = {k for s in samples for k in s
                    if k != "prompt" and (takes_any or k in params)} - set(args)
         kwargs = {k: [s.get(k) for s in samples] for k in columns} | args
+        if episode and any(e.env is not None for e in episode) and (
+                takes_any or "environments" in params):
+            kwargs["environments"] = [e.env for e in episode]
         kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]),
                                      ("completions", list(completions)))
                    if takes_any or k in params}
