@@ -179,7 +179,7 @@ def take_turn(e: Episode, turn: list[int], entropy: list[float], hit_limit: bool
         e.truncated, e.done = cut or hit_limit, True
         return
     said, failed = tool_calls.answer_calls(text, environments.tools_of(envs, e.env), envs.fmt,
-                                           envs.timeout)
+                                           envs.timeout, e.schemas)
     if said is None:
         e.done = True
         return

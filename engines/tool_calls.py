@@ -115,10 +115,10 @@ def _one_call(body: str) -> ToolCall:
     return ToolCall(call["name"], args)
 
 
-def answer_calls(reply: str, tools: dict[str, Callable], fmt: str,
-                 timeout: float) -> tuple[list[dict] | None, int]:
+def answer_calls(reply: str, tools: dict[str, Callable], fmt: str, timeout: float,
+                 schemas: list[dict] = ()) -> tuple[list[dict] | None, int]:
     """The tool messages answering a reply's calls, in order, and how many of them are errors; None
-    when the reply makes no call (the episode is over)."""
+    when the reply makes no call (the episode is over). schemas: the tools' (typed_arguments)."""
     calls = parse_calls(reply, fmt)
     if not calls:
         return None, 0
@@ -128,10 +128,36 @@ def answer_calls(reply: str, tools: dict[str, Callable], fmt: str,
         if call.error or fn is None:  # TRL's words for a name no tool has
             text, bad = error_text(call.error or f"Tool {call.name} not found."), True
         else:
-            text, bad = run_tool(fn, call.arguments, timeout)
+            text, bad = run_tool(fn, typed_arguments(call, schemas), timeout)
         failed += bad
         said.append({"role": "tool", "name": call.name or "unknown", "content": text})
     return said, failed
+
+
+def typed_arguments(call: ToolCall, schemas: list[dict]) -> dict:
+    """The call's arguments cast to the types its tool's schema declares, as transformers' response
+    parser casts them for TRL ("7" is 7 for an integer parameter, stays "7" for a string one);
+    transformers' own casting, where this transformers has it.
+
+    >>> schema = {"function": {"name": "guess", "parameters": {"properties": {
+    ...     "n": {"type": "integer"}, "s": {"type": "string"}}}}}
+    >>> typed_arguments(ToolCall("guess", {"n": "7", "s": "7"}), [schema])
+    {'n': 7, 's': '7'}
+    """
+    try:
+        from transformers.utils.chat_parsing.response_parser import _coerce, _schema_types
+    except ImportError:  # a transformers before 5.15 casts nothing either
+        return call.arguments
+    properties = next((s["function"].get("parameters", {}).get("properties", {})
+                       for s in schemas if s["function"]["name"] == call.name), {})
+    out = dict(call.arguments)
+    for key, value in out.items():
+        types = _schema_types(properties.get(key))
+        if types and isinstance(value, str):
+            out[key] = _coerce(value, types)
+        elif types and isinstance(value, list) and "array" not in types:
+            out[key] = [_coerce(v, types) if isinstance(v, str) else v for v in value]
+    return out
 
 
 def error_text(message: str) -> str:

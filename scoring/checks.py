@@ -77,7 +77,8 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
     has its judge to call: args.judge names one of `judges` (default "judge", the judge: section).
     A named judge that no reward calls is an error too: most often a mistyped override made it."""
     if not specs:
-        raise ValueError("no rewards configured: add at least one entry under `rewards:`")
+        raise ValueError("no rewards configured: add at least one entry under `rewards:` (or "
+                         "give env: a class with a get_reward method)")
     used = {"judge"}  # the judge: section may go unused (a recipe's judge, overridden rewards)
     for spec in specs:
         fn, _ = resolve(spec)

@@ -398,7 +398,7 @@ def check_mode(cfg: Config) -> None:
                           "set both to the columns (or templates) of the two replies, "
                           "e.g. data.chosen: chosen, data.rejected: rejected "
                           "(tools/bestofn.py's pairs)")
-    if cfg.mode == "grpo" and not cfg.rewards:
+    if cfg.mode == "grpo" and not cfg.rewards and not cfg.env:  # an env's get_reward may be one
         raise ConfigError("rewards: list at least one reward, "
                           "e.g. rewards: [{name: answer_match, weight: 1.0}]")
 
