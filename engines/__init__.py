@@ -1,2 +1,3 @@
 """Sampling beyond HF generate: vLLM (vllm_engine.py), and multi-turn episodes against your tools
-or environment (episodes.py, tool_calls.py). Each returns the same rollout.Rollout."""
+or an environment class written for TRL (episodes.py, environments.py, tool_calls.py). Each returns
+the same rollout.Rollout."""
