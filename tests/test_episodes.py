@@ -394,6 +394,8 @@ def test_an_environment_run_trains_logs_episodes_and_resumes_after_a_kill(
     ("--rollout.max_episode_tokens=10", "max_episode_tokens=10 bounds a whole episode"),
     ("--run.eval_every=5", "held-out scoring (run.eval_every) runs single replies"),
     ("--env.names={a: x.py:E}", "give name (one environment class) or names"),
+    ("--env.name=", "env: give name: path/to/file.py:Class"),
+    ("--env={names: {a: x.py:E}, args: {k: 1}}", "env.args goes with env.name"),
     ("--env.name=Calculator", "must be 'path/to/file.py:name'"),
     ("--tools=[calculator]", "must be 'path/to/file.py:name'")])
 def test_episode_settings_that_cannot_run_are_refused_with_one_line(override, says):
