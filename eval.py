@@ -67,8 +67,8 @@ from config import (
     saved_dict,
 )
 from data import Source, check_not_data_file, load_sources
-from files import jsonl
-from files.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
+from files import command, jsonl
+from files.command import interrupted, is_write_error
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
 from rewards import (
@@ -480,8 +480,8 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
                 **({"truncated": True} if gen.truncated and gen.truncated[i] else {})}
                for i, (s, text, nt, total)
                in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
-    jsonl.write_atomic(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
-                       "".join(json.dumps(r, default=str) + "\n" for r in records))
+    jsonl.write_records(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl", records,
+                        default=str)
     return metrics
 
 
@@ -525,19 +525,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides + unknown
 
 
+@command.one_line(ConfigError)
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    plan = setup(args, overrides)
     try:
-        with sigterm_as_interrupt():
-            plan = setup(args, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        return said_interrupted(e)
-    try:
-        with sigterm_as_interrupt():
-            return run(plan)
+        return run(plan)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM
         signame, code = interrupted(e)
         print(f"\n[eval] interrupted ({signame}): the completions generated so far are kept in "
@@ -575,7 +568,7 @@ def run(plan: Plan) -> int:
     # an adapter merged into the base was moved since training; a refused key
     except (ConfigError, JudgeUnusable) as e:
         errors.append(e)
-        print(f"error: {e}", file=sys.stderr)
+        command.error(e)
     # a crash (out of memory, say): raised once what was generated is scored and written
     except Exception as e:
         crash = e

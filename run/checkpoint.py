@@ -177,4 +177,4 @@ def keep_lines_up_to(path: Path, step: int) -> None:
         return
     kept = [rec for _, _, rec in jsonl.read(path)
             if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
-    jsonl.write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in kept))
+    jsonl.write_records(path, kept)

@@ -35,7 +35,7 @@ from config import (
 )
 from data import PromptSampler, load_sources
 from engines import episodes, vllm_engine, vllm_startup
-from files.jsonl import interrupted
+from files.command import interrupted
 from gpu import auto
 from model import (
     MergedSampler,

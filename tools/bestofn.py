@@ -247,7 +247,7 @@ def merge_main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    jsonl.write_atomic(args.out, "".join(json.dumps(p) + "\n" for p in merged))
+    jsonl.write_records(args.out, merged)
     print(f"[bestofn] {args.out}: {len(merged)} unique pairs (deduplicated by {args.key}, highest "
           f"delta) from {sum(map(len, sets))} pairs in {len(sets)} files")
     return 0
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = len(groups(records))
     for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
         if path:
-            jsonl.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+            jsonl.write_records(path, rows)
             key = ("by_reward" if "reward" in rows[0] else "chosen_by_reward") if args.by else (
                 "reward" if "reward" in rows[0] else "chosen_reward")  # what they were picked by
             mean = sum(r[key] for r in rows) / len(rows)

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -55,7 +54,7 @@ from api.client import Judge, JudgeUnusable
 from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from files import jsonl
-from files.jsonl import interrupted, sigterm_as_interrupt
+from files.command import interrupted, sigterm_as_interrupt
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
 from rewards import compute_rewards
 from rollout import chat_messages
@@ -254,7 +253,7 @@ def run(cfg: Config) -> dict:
                         "gold_scores": [round(float(v), 6) for v in g]})
     if records:
         Path(p.out).parent.mkdir(parents=True, exist_ok=True)
-        jsonl.write_atomic(p.out, "".join(json.dumps(rec, default=str) + "\n" for rec in records))
+        jsonl.write_records(p.out, records, default=str)
     cost = {"answers": policy.pop_step_stats()["judge_cost_usd_total"]}
     if judge is not None:
         cost["judge"] = judge.pop_step_stats()["judge_cost_usd_total"]

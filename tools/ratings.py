@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from files import jsonl
 from graders.ratings import QUEUE, RATINGS, export, page_missing, store_for
 
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(f"[ratings] {args.out}: {len(rated)} rated items", file=sys.stderr)
         else:
-            sys.stdout.writelines(json.dumps(r) + "\n" for r in store.rated_items())
+            sys.stdout.write(jsonl.lines(store.rated_items()))
         return 0
     if not 0 <= args.port <= 65535:
         print(f"error: --port {args.port} is not a port (0-65535)", file=sys.stderr)
