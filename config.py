@@ -61,6 +61,14 @@ def mask_urls(text: str) -> str:
     return _USER_INFO.sub(masked, text)
 
 
+class JudgeUnusable(RuntimeError):
+    """A judge that cannot score: the endpoint refused in a way no retry fixes (HTTP 401, 403, 404:
+    the key, the model or the URL; 402 or insufficient_quota: the bill; a 400 for a parameter the
+    model does not take), its first requests all failed, or its first replies held no usable score
+    (its template). api/client.py raises it; the reward registry (rewards.py) lets it through
+    instead of scoring with the fallback, so that a run stops instead of training on nothing."""
+
+
 @dataclass
 class RewardSpec:
     """One entry of the config's `rewards:` list."""

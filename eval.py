@@ -55,11 +55,12 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 import rollout
-from api.client import Judge, JudgeConfig, JudgeUnusable
+from api.client import Judge, JudgeConfig
 from config import (
     Config,
     ConfigError,
     EvalConfig,
+    JudgeUnusable,
     ModelConfig,
     active_mixture,
     data_label,
@@ -71,6 +72,7 @@ from files import command, jsonl
 from files.command import interrupted, is_write_error
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
+from parallel import seeds
 from rewards import (
     RewardResult,
     answer_key,
@@ -189,7 +191,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     if p:
         print(f"[eval] {entry.name}: {p} of {len(prompts)} prompts' completions from {path} "
               "(an interrupted run)", file=sys.stderr)
-        rollout.seed_everything(cfg.run.seed + p)
+        seeds.seed_everything(cfg.run.seed + p)
     if p < len(prompts):
         t0 = time.monotonic()
 
@@ -423,7 +425,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
             raise
         raise ConfigError(f"model entry {entry.spec!r}: could not load it: {type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:300]}") from None
-    rollout.seed_everything(cfg.run.seed)  # every model samples from the same seed
+    seeds.seed_everything(cfg.run.seed)  # every model samples from the same seed
     gen = generate_resumable(model, tok, entry, mcfg, plan)
     prefix = rollout.reply_prefix(tok, cfg.data)  # an export's own template may open a think block
     del model, tok

@@ -31,8 +31,7 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start, i
 import torch
 
 import rollout
-from api.client import JudgeUnusable
-from config import ConfigError
+from config import ConfigError, JudgeUnusable
 from files import command, jsonl
 from files.command import is_write_error
 from judge import judges_stats

@@ -49,7 +49,11 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from api.reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
-from config import JudgeConfig, mask_urls  # noqa: F401 (JudgeConfig: part of this module's API)
+from config import (  # noqa: F401 (JudgeConfig: part of this module's API)
+    JudgeConfig,
+    JudgeUnusable,
+    mask_urls,
+)
 from settings.typed_config import expand_env
 
 log = logging.getLogger(__name__)
@@ -119,14 +123,6 @@ FAILED_LIMIT = 16  # this many requests failed (after retries), and none answere
 ENV_FIELDS = ("base_url", "azure_endpoint", "api_version", "model")
 # api_key_env: null reads the key where the openai SDK looks for it: Azure's, or OpenAI's
 SDK_KEY_ENV = {True: "AZURE_OPENAI_API_KEY", False: "OPENAI_API_KEY"}
-class JudgeUnusable(RuntimeError):
-    """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
-    URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its
-    first FAILED_LIMIT requests all failed, or a judge's first UNPARSED_LIMIT replies held no usable
-    score (its template): raised from complete_many / score_many so that a run stops instead of
-    training on nothing."""
-
-
 def _expand(value: str, key: str, section: str = "judge") -> str:
     """A header value (or base_url, azure_endpoint, api_version, model) with each ${NAME} and
     ${NAME:-default} filled in from the environment, as every config field reads them

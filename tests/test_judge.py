@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
-from config import Config, RewardSpec, from_dict
+from api.client import Judge, JudgeConfig, cache_key
+from config import Config, JudgeUnusable, RewardSpec, from_dict
 from fake_openai_server import (
     Behaviour,
     FakeOpenAIServer,

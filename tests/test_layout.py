@@ -300,6 +300,22 @@ def test_imports_point_from_the_core_outwards_never_back():
             assert not {d for d in deps if d.startswith("tools.")}, (name, deps)
 
 
+def test_the_collectives_take_nothing_from_the_step():
+    """parallel/ (torchrun's collectives, the ranks' seeds) imports none of the files a step runs
+    through: the step calls the collectives, never the other way (parallel/seeds.py seeds both)."""
+    g = graph()
+    step_files = {f.removesuffix(".py") for f in PATH}
+    for name in (n for n in g if n.startswith("parallel.")):
+        assert not g[name] & step_files, f"{name} imports {g[name] & step_files}"
+
+
+def test_rewards_reach_the_judge_through_the_registry_alone():
+    """rewards.py, the reward registry, imports nothing from api/ (the judge client): a judge is a
+    reward reached by name (judge.py), and the exception that stops a run, JudgeUnusable, lives in
+    config.py beside RewardSpec, where the client and the registry both may import it."""
+    assert not {d for d in graph()["rewards"] if d.startswith("api.")}, graph()["rewards"]
+
+
 def test_importing_train_loads_no_grader_and_no_tool():
     code = ("import sys, train; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('graders', 'tools')))")

@@ -35,8 +35,8 @@ import tempfile
 from pathlib import Path
 
 import eval as ev
-from api.client import Judge, JudgeConfig, JudgeUnusable
-from config import ConfigError, load_config
+from api.client import Judge, JudgeConfig
+from config import ConfigError, JudgeUnusable, load_config
 from model import load_tokenizer, pick_device
 from sources.entries import parse_model_entries
 from sources.hub import resolve_model_path

@@ -50,8 +50,8 @@ import sys
 import time
 from pathlib import Path
 
-from api.client import Judge, JudgeUnusable
-from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
+from api.client import Judge
+from config import Config, ConfigError, DataConfig, JudgeUnusable, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
 from files import jsonl
 from files.command import interrupted, sigterm_as_interrupt
