@@ -206,7 +206,7 @@ def show_group(r: Run, e: Explained) -> list[str]:
            *[line(k, f"reward, weight {s.weight:g}", reward_ref(s.name))
              for k, s in zip(e.per_reward, cfg.rewards)],
            line("total", "sum of weight x reward", where(rewards.weighted_sum, "spec.weight * v")),
-           line("mean, std", f"{mean[e.group]:.4f}, {std[e.group]:.4f} (of the totals, the group)",
+           line("mean, std", f"{mean[e.group]:.4f}, {std[e.group]:.4f} (over the group)",
                 where(grpo.group_stats, "return mean")),
            *([line("s", "GDPO: sum of weight x reward normalised in its group",
                    where(grpo.normalize_then_sum))]
