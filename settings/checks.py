@@ -248,15 +248,7 @@ def check_mixture(cfg: Config) -> None:
     """data.mixture or data.presets[data.preset]: one of them, replacing data.name, its
     sources' weights >= 0 and not all 0 at the first step or the last."""
     d = cfg.data
-    if d.preset is not None and d.preset not in d.presets:
-        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets "
-                          f"({', '.join(d.presets) or 'none defined'})")
-    # presets, none chosen, and no data.name of its own (else data.name is read)
-    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):
-        raise ConfigError("data.presets is set: choose one with data.preset "
-                          f"({', '.join(d.presets)}), or give data.name")
-    if d.preset is not None and d.mixture is not None:
-        raise ConfigError("set data.mixture or data.preset, not both")
+    _check_preset_choice(d)
     key, mix = active_mixture(d)
     if mix is None:
         return
@@ -267,6 +259,25 @@ def check_mixture(cfg: Config) -> None:
                "data.revision": d.revision is not None, "data.num_examples": d.num_examples != 0}
     if bad := [k for k, set_ in ignored.items() if set_]:
         raise ConfigError(f"{bad[0]} does not apply to {key}: set it on each source")
+    _check_source_weights(key, mix)
+
+
+def _check_preset_choice(d: DataConfig) -> None:
+    """data.preset names one of data.presets, is chosen when presets replace data.name, and is
+    not set beside data.mixture."""
+    if d.preset is not None and d.preset not in d.presets:
+        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets "
+                          f"({', '.join(d.presets) or 'none defined'})")
+    # presets, none chosen, and no data.name of its own (else data.name is read)
+    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):
+        raise ConfigError("data.presets is set: choose one with data.preset "
+                          f"({', '.join(d.presets)}), or give data.name")
+    if d.preset is not None and d.mixture is not None:
+        raise ConfigError("set data.mixture or data.preset, not both")
+
+
+def _check_source_weights(key: str, mix: list[DataSource]) -> None:
+    """At least one source; weights and sizes >= 0, and not all 0 at the first step or the last."""
     if not mix:
         raise ConfigError(f"{key} is empty: list at least one source")
     for i, src in enumerate(mix):
