@@ -103,41 +103,69 @@ def convert(value: Any, tp: Any, key: str) -> Any:
     is not text may be written as ${NAME}: the environment's value (from_env)."""
     if isinstance(value, str) and ENV_REF.fullmatch(value.strip()) and not _takes_text(tp):
         return _convert_env(value, tp, key)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # X | None: let X's own, more precise error through
-            return convert(value, options[0], key)
-        for a in options:
-            try:
-                return convert(value, a, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
-                          f"got {value!r}")
+        return _convert_union(value, tp, key)
     if origin is Literal:
-        if value in args:
+        if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
-        # `run:` with every key commented out: it would also hide an extended file's section
-        if value is None:
-            raise ConfigError(f"{key} is empty (null); remove the line, or give it keys")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
+        return _convert_section(value, tp, key)
     if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+        return _convert_list(value, tp, key)
     if origin is dict or tp is dict:
-        if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
+        return _convert_mapping(value, tp, key)
+    return _convert_plain(value, tp, key)
+
+
+def _convert_union(value: Any, tp: Any, key: str) -> Any:
+    """convert() for `X | Y | None`: None where allowed, else the first option that takes it."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # X | None: let X's own, more precise error through
+        return convert(value, options[0], key)
+    for a in options:
+        try:
+            return convert(value, a, key)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
+                      f"got {value!r}")
+
+
+def _convert_section(value: Any, tp: type, key: str) -> Any:
+    """convert() for a nested dataclass (a config section): built from its mapping."""
+    # `run:` with every key commented out: it would also hide an extended file's section
+    if value is None:
+        raise ConfigError(f"{key} is empty (null); remove the line, or give it keys")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+    return from_dict(tp, value, key)
+
+
+def _convert_list(value: Any, tp: Any, key: str) -> list:
+    """convert() for `list[X]`: each item checked, named `key[i]`."""
+    args = typing.get_args(tp)
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list, got {value!r}")
+    return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+
+
+def _convert_mapping(value: Any, tp: Any, key: str) -> dict:
+    """convert() for `dict[K, V]`: each value checked, named `key.k`; null is empty."""
+    args = typing.get_args(tp)
+    if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
+
+
+def _convert_plain(value: Any, tp: Any, key: str) -> Any:
+    """convert() for a plain type (str, int, bool, float: finite, ints and 1e-4 read as float)."""
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
             value = float(value)
