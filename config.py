@@ -17,7 +17,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -38,6 +38,7 @@ from settings.typed_config import (  # noqa: F401 (ConfigError, ENV_REF: importe
     ConfigError,
     apply_overrides,
     exclusive_layers,
+    expand_refs,
     from_dict,
     read_yaml,
 )
@@ -91,6 +92,10 @@ class EnvSpec:
 
 @dataclass
 class JudgeConfig:
+    # ${NAME} in these is read when a client is built (api/client.py), so the config and the run's
+    # saved copy keep the reference: a secret (a header's token, a URL's password) is never saved
+    FILLED_BY_CLIENT: ClassVar[tuple] = ("base_url", "model", "azure_endpoint", "api_version",
+                                         "extra_headers")
     base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
     #   Ollama, OpenAI; ${NAME} reads the env
     model: str = ""  # model sent in requests (on Azure: the deployment name); ${NAME} reads the env
@@ -496,7 +501,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
     check_trl_names(raw, Config)  # --grpo.num_generations: TRL's name, here rollout.num_generations
-    cfg = from_dict(Config, raw)
+    cfg = from_dict(Config, expand_refs(raw, Config))  # ${NAME}: read once, then typed
     for check in CHECKS:  # the checks across fields, in settings/checks.py
         check(cfg)
     return cfg
