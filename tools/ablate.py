@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from config import ConfigError, load_config
+from files import command
 from run import health
 from settings.typed_config import check_writable
 from tools import ablate_report
@@ -243,15 +244,13 @@ def run_one(args, run: RunSpec, threads: int, deadline: float | None) -> RunSpec
     return run
 
 
+@command.one_line(ValueError, ConfigError,
+                  stopped="before every run ended; run the same command again to go on")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.argv = argv  # for the report
-    try:
-        runs, cfg = plan(args)
-    except (ValueError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    runs, cfg = plan(args)
     started = time.monotonic()
     deadline = started + 60 * args.max_minutes if args.max_minutes else None
     jobs, threads = placement(cfg, len(runs), args.jobs)
@@ -260,11 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(run_one, args, run, threads, deadline) for run in runs]
-        for future in concurrent.futures.as_completed(futures):
-            run = future.result()
-            code = "" if run.exit_code is None else f" (exit {run.exit_code})"
-            print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}{code}"
-                  + (f", eval exit {run.eval_exit}" if run.eval_exit else ""), file=sys.stderr)
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                run = future.result()
+                code = "" if run.exit_code is None else f" (exit {run.exit_code})"
+                print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}{code}"
+                      + (f", eval exit {run.eval_exit}" if run.eval_exit else ""), file=sys.stderr)
+        except KeyboardInterrupt:  # stopped: no queued run starts; the pool waits for those going
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     report = ablate_report.write(Path(args.out), runs, args, time.monotonic() - started)
     print(f"[ablate] wrote {report}", file=sys.stderr)
     for run in runs:
