@@ -247,9 +247,6 @@ def load_data(cfg: Config) -> Data:
 
 def held_out_rows(cfg: Config, rows: list[dict], short) -> list[dict]:
     """run.eval_every's held-out rows, checked, with a warning when some are trained on."""
-    if cfg.eval.select is None and not cfg.eval.name:
-        raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, "
-                          "e.g. [1500, 1700]) or eval.name")
     import eval as ev
     ev.check_eval_config(cfg)
     held_out = ev.held_out_sources(cfg)

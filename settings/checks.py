@@ -316,7 +316,10 @@ def check_rows(cfg: Config) -> None:
 
 def check_held_out(cfg: Config) -> None:
     """Evaluation rows are held out: eval.split of a hub dataset only, and eval.select apart
-    from every training range of the same rows."""
+    from every training range of the same rows; run.eval_every names its rows."""
+    if cfg.run.eval_every and cfg.eval.select is None and not cfg.eval.name:
+        raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, "
+                          "e.g. [1500, 1700]) or eval.name")
     mix_key, mix = active_mixture(cfg.data)
     train_ranges = _train_ranges(cfg)
     eval_key, eval_name = (("eval.name", cfg.eval.name) if cfg.eval.name

@@ -258,12 +258,12 @@ def run(cfg: Config) -> dict:
     rows = load_questions(p)
     if p.gold_reward is not None:
         check_rows([p.gold_reward], rows, "question", key="precompute.gold_reward")
-    policy = open_client(p.answers, "precompute.answers", f"precompute.answers ({p.answers.model})")
+    policy = open_client(p.answers, "precompute.answers", "precompute.answers")
     judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
     k = p.num_answers
     asks = [chat_messages(r["_question"], p.system_prompt) for r in rows]
     grades = k * sum(len(r[p.criteria_key]) for r in rows) if p.criteria_key else len(rows) * k
-    print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: "
+    print(f"[precompute] {len(rows)} questions x {k} answers from {policy.cfg.model}: "
           f"{len(rows) * k} answer requests ({policy.cached(asks, k)} of them cached, free)"
           + ("" if judge is None else f", then up to {grades} judge requests (cached ones free)"))
     answers, gold = answer_and_grade(cfg, policy, judge, rows, asks)
