@@ -5,7 +5,7 @@ g.T @ x ("TN"). A CPU without fp16 arithmetic (no AVX512-FP16: torch says "Float
 not supported by the CPU") runs fp16 matmuls far slower than fp32 in the backward's layouts, so a
 T4's fp16 path on a CPU proves the code, not the speed (docs/recipes/t4.md).
 
-    python bench/fp16_matmul_cpu.py        # ~1 min on 2 cores; prints ms a matmul, and x fp32
+    python bench/t4_profile/fp16_matmul_cpu.py   # ~1 min on 2 cores; ms a matmul, and x fp32
 """
 from __future__ import annotations
 

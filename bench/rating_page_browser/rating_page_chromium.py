@@ -2,7 +2,8 @@
 against `python -m tools.ratings serve`, as a rater and as the seed's trainer client use it.
 
     apt-get install chromium chromium-driver      # once
-    python bench/rating_page_chromium.py | tee bench/rating_page_chromium.log
+    python bench/rating_page_browser/rating_page_chromium.py \
+        | tee bench/rating_page_browser/rating_page_chromium.log
 
 It rates a group through the page's own form at a phone's width (so the CSP's form-action and the
 303 redirect are the browser's to allow), has a second tab send the same group (the ?taken= note
@@ -20,7 +21,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from files import jsonl  # noqa: E402
 

@@ -1,13 +1,14 @@
 """Side-by-side micro-benchmarks of minigrpo's speed levers against the alternative they replace,
 in one run, reported as ratios. Not part of the test suite.
 
-    .venv/bin/python bench/levers.py  # logprob lever, CPU, SmolLM2's vocabulary (49,152)
-    .venv/bin/python bench/levers.py --device cuda --vocab 151936 --rows 4096 --dtype bfloat16
-    .venv/bin/python bench/levers.py --lever generate [--compile]  # built-in SmolLM2 + LoRA r=16
-    .venv/bin/python bench/levers.py --lever microbatch
-    .venv/bin/python bench/levers.py --lever fusedhead
-    .venv/bin/python bench/levers.py --lever share [--context-words 300]
-    .venv/bin/python bench/levers.py --lever entropy
+    .venv/bin/python bench/speed_levers/levers.py  # logprob lever, CPU, SmolLM2's vocab (49,152)
+    .venv/bin/python bench/speed_levers/levers.py --device cuda --vocab 151936 --rows 4096 \\
+        --dtype bfloat16
+    .venv/bin/python bench/speed_levers/levers.py --lever generate [--compile]  # SmolLM2 + LoRA
+    .venv/bin/python bench/speed_levers/levers.py --lever microbatch
+    .venv/bin/python bench/speed_levers/levers.py --lever fusedhead
+    .venv/bin/python bench/speed_levers/levers.py --lever share [--context-words 300]
+    .venv/bin/python bench/speed_levers/levers.py --lever entropy
 
 Levers measured:
   logprob   logprobs.selective_log_probs (a hand-written backward that keeps one fp32 chunk and the
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
 

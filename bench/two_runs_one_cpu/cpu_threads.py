@@ -1,6 +1,6 @@
 """Two runs on one CPU at once: what torch's threads cost when they outnumber the cores.
 
-    python bench/cpu_threads.py            # ~7 min on 2 cores; writes nothing outside a temp folder
+    python bench/two_runs_one_cpu/cpu_threads.py   # ~7 min on 2 cores; writes only to a temp folder
 
 Each case starts one or two short quickstart trainings (4 steps, 2 prompts x 8 completions, 16
 new tokens) as separate processes, at the same time, and reports the median step time:
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CASES = [("alone", 1, {}, []), ("alone PASSIVE", 1, {"OMP_WAIT_POLICY": "PASSIVE"}, []),
          ("pair", 2, {}, []), ("pair threads=1", 2, {}, ["--run.threads=1"]),
          ("pair PASSIVE", 2, {"OMP_WAIT_POLICY": "PASSIVE"}, [])]

@@ -4,11 +4,11 @@ NF4 base), over the same 30 steps. Per arm: held-out accuracy base and trained (
 the 100 held-out problems, in the arm's own dtype), seconds a step, peak RSS, and the
 sampler-trainer log-prob gap of every step.
 
-    python bench/t4_profile.py --out runs/t4_profile              # all three arms, ~60 min
-    python bench/t4_profile.py --out runs/t4_profile --arms nf4   # one
-    python bench/t4_profile.py --out runs/t4_profile --arms nf4_repacked  # NF4 before the fix
-    python bench/t4_profile.py --out runs/t4_profile --arms bf16  # the gap an A10/H100 has
-    python bench/t4_profile.py --report runs/t4_profile           # the table, from the files
+    python bench/t4_profile/t4_profile.py --out runs/t4_profile      # all three arms, ~60 min
+    python bench/t4_profile/t4_profile.py --out runs/t4_profile --arms nf4            # one
+    python bench/t4_profile/t4_profile.py --out runs/t4_profile --arms nf4_repacked  # unfixed
+    python bench/t4_profile/t4_profile.py --out runs/t4_profile --arms bf16  # an A10/H100's gap
+    python bench/t4_profile/t4_profile.py --report runs/t4_profile   # the table, from the files
 
 The gap: HF generate records the log-prob it sampled each token with only for a merged or compiled
 sampler, which a CPU's auto leaves off (and NF4 refuses merging); here every arm's sampler records
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARMS = {"fp32": [], "fp16": ["--model.dtype=float16"], "nf4": ["--model.quant=4bit"],
         # NF4 as before model.trainable_4bit_layout: bitsandbytes' CPU repack left on (the cause)
         "nf4_repacked": ["--model.quant=4bit", "--repacked"],

@@ -2,21 +2,23 @@
 forward and backward against the alternatives, on a random model of a real shape (CUDA; a CPU can
 smoke-test it and count operators with --device cpu).
 
-    python bench/gpu_train_probe.py --model random:qwen3-0.6b --tokenizer .gpu/tokenizer
+    python bench/gpu_training_pass/gpu_train_probe.py --model random:qwen3-0.6b \\
+        --tokenizer .gpu/tokenizer
 
-One micro-batch as bench/vs_trl.py's GPU preset makes it: 8 rows of one shared ~45-token prompt and
-512 completion tokens, bf16 weights, LoRA r=16 on q/k/v/o/gate/up/down. For each setting it times
-logprobs.sequence_log_probs(...).sum().backward() under train.py's mixed precision (median of 3
-after a warm-up, synchronised) and reads torch.cuda.max_memory_allocated over the call (on a CPU,
-the process's peak RSS). "plain rows" is the textbook computation (the model's logits for all rows,
-then log_softmax in fp32 row by row), for reference. --profile prints the GPU default's top kernels.
+One micro-batch as bench/speed_vs_trl/vs_trl.py's GPU preset makes it: 8 rows of one shared
+~45-token prompt and 512 completion tokens, bf16 weights, LoRA r=16 on q/k/v/o/gate/up/down. For
+each setting it times logprobs.sequence_log_probs(...).sum().backward() under train.py's mixed
+precision (median of 3 after a warm-up, synchronised) and reads torch.cuda.max_memory_allocated over
+the call (on a CPU, the process's peak RSS). "plain rows" is the textbook computation (the model's
+logits for all rows, then log_softmax in fp32 row by row), for reference. --profile prints the GPU
+default's top kernels.
 
 --count-ops counts the aten operators each setting dispatches instead (each one a kernel launch or
 more on a GPU; views and other metadata-only operators left out). A GPU running a small model is
 bound by launches, so the count predicts its time where arithmetic does not; it runs on a CPU:
 
-    python bench/gpu_train_probe.py --device cpu --count-ops --model random:qwen3-0.6b-narrow \\
-        --new-tokens 64
+    python bench/gpu_training_pass/gpu_train_probe.py --device cpu --count-ops \\
+        --model random:qwen3-0.6b-narrow --new-tokens 64
 
 Not part of the test suite.
 """
@@ -30,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: random_models
 
 
 METADATA_OPS = {"aten::" + k for k in (
@@ -73,7 +75,7 @@ def main() -> int:
     import resource
     peak = (lambda: torch.cuda.max_memory_allocated() / 2**20) if cuda else (
         lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # CPU: peak RSS (MB)
-    from vs_trl import LORA_TARGETS, model_dir
+    from random_models import LORA_TARGETS, model_dir
 
     import logprobs
     import rollout

@@ -1,8 +1,8 @@
 """Data-parallel GRPO on one CPU: torchrun with 2 processes of 1 thread against 1 process of 2
 threads, on the quickstart; and the gradient all-reduce against DistributedDataParallel.
 
-    python bench/ddp_cpu.py                      # ~10 min on 2 cores; log: bench/ddp_cpu.log
-    python bench/ddp_cpu.py --steps 6 --log /tmp/ddp.log
+    python bench/data_parallel_cpu/ddp_cpu.py     # ~10 min on 2 cores; log: ddp_cpu.log beside it
+    python bench/data_parallel_cpu/ddp_cpu.py --steps 6 --log /tmp/ddp.log
 
 1. `train`: configs/quickstart.yaml for --steps steps (global B = 4 prompts x 8 completions, the
    same config on both sides), run one after the other:
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def train_side(name: str, cmd: list[str], threads: int, out: Path, log) -> list[dict]:
@@ -108,7 +108,7 @@ def sync() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--log", default=str(ROOT / "bench" / "ddp_cpu.log"))
+    ap.add_argument("--log", default=str(Path(__file__).with_name("ddp_cpu.log")))
     ap.add_argument("--part", choices=["all", "train", "sync", "sync-rank"], default="all")
     args = ap.parse_args()
     if args.part == "sync-rank":  # one rank of part 2, started by torchrun below
@@ -123,7 +123,8 @@ def main() -> int:
             print(line, flush=True)
             f.write(line + "\n")
             f.flush()
-        log(f"bench/ddp_cpu.py at {commit}{' (+ uncommitted changes)' if dirty else ''}, "
+        log(f"bench/data_parallel_cpu/ddp_cpu.py at {commit}"
+            f"{' (+ uncommitted changes)' if dirty else ''}, "
             f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
         if args.part in ("all", "train"):
             train(args.steps, log)

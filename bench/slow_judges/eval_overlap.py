@@ -1,6 +1,6 @@
 """eval.py with a slow judge: each model scored while the next generates, vs scoring each in turn.
 
-    .venv/bin/python bench/eval_overlap.py --judge-delay 5 --reps 2
+    .venv/bin/python bench/slow_judges/eval_overlap.py --judge-delay 5 --reps 2
 
 One process, alternating the two ways (sequential first) on the same work: configs/quickstart.yaml's
 held-out rows (the first --rows), built-in SmolLM2-135M as two entries (`base`, and `again`, the
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import eval as ev  # noqa: E402

@@ -1,11 +1,11 @@
 """A/B a setting through train.py itself: alternating fresh processes, step time and peak memory.
 
-    .venv/bin/python bench/ab.py --config bench/cpu_step.yaml \\
+    .venv/bin/python bench/speed_levers/ab.py --config bench/speed_levers/cpu_step.yaml \\
         --a grpo.share_prompt=false --b grpo.share_prompt=true
-    .venv/bin/python bench/ab.py --config configs/quickstart.yaml \\
+    .venv/bin/python bench/speed_levers/ab.py --config configs/quickstart.yaml \\
         --a optim.micro_batch_size=8 --b optim.micro_batch_size=16 --reps 3
-    .venv/bin/python bench/ab.py --config bench/judge_step.yaml --judge-delay 2 \\
-        --a rollout.overlap_rewards=false ...
+    .venv/bin/python bench/speed_levers/ab.py --config bench/speed_levers/judge_step.yaml \\
+        --judge-delay 2 --a rollout.overlap_rewards=false ...
 
 Each rep runs A then B, each a fresh `train.py --config CONFIG --SET ...` process into its own
 temporary run directory. Reported per run: step_time, rollout_time and peak_memory_mb of every step
@@ -13,7 +13,7 @@ temporary run directory. Reported per run: step_time, rollout_time and peak_memo
 max_memory_allocated); then the medians over steps 2..n of all runs of a side (memory: each run's
 largest), and B / A. --judge-delay S starts tests/fake_openai_server.py's judge, which answers every
 request after S seconds, and points judge.base_url at it (a config with a judge reward, e.g.
-bench/judge_step.yaml). Not part of the test suite.
+bench/speed_levers/judge_step.yaml). Not part of the test suite.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(config: str, sets: list[str], out_dir: Path) -> list[dict]:

@@ -3,7 +3,8 @@ sampler from the policy the loss trains: per-token log-prob gaps on the built-in
 a LoRA adapter, in bfloat16 (and float32, where merging is exact: the sanity check). Not part of the
 test suite.
 
-    .venv/bin/python bench/merged_gap.py --adapter /tmp/mg_qs --adapter /tmp/mg_qs10  # + fresh
+    .venv/bin/python bench/gpu_defaults/merged_gap.py --adapter /tmp/mg_qs \\
+        --adapter /tmp/mg_qs10  # + fresh
 
 An adapter is a run directory (or checkpoint, or adapter directory) of a LoRA r=16 / alpha=32 run of
 the built-in model, e.g. configs/quickstart.yaml's 30 steps:
@@ -42,14 +43,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import data  # noqa: E402
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
 from config import LoraConfig, ModelConfig, load_config  # noqa: E402
 from model import load_policy, merged_for_sampling, reference_mode  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @torch.no_grad()

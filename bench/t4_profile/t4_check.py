@@ -3,8 +3,8 @@ model's text so that every step has non-zero advantages, then what the run left 
 loss scale, skipped updates, and whether the LoRA weights moved and stayed finite.
 
     python bench/memory_cap.py --budget-gb 13.9 --model random:qwen2.5-1.5b -- \
-        --config bench/t4_check.yaml --run.out_dir=/tmp/t4 ...      # on the GPU
-    python bench/t4_check.py /tmp/t4                                 # then this
+        --config bench/t4_profile/t4_check.yaml --run.out_dir=/tmp/t4 ...      # on the GPU
+    python bench/t4_profile/t4_check.py /tmp/t4                                 # then this
 """
 from __future__ import annotations
 

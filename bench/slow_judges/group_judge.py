@@ -1,8 +1,9 @@
 """Pointwise and group judging on the quickstart's sums, where answer_match knows the right order.
 
-    .venv/bin/python bench/group_judge.py --steps 10                  # a fake judge (0.5 s a reply)
-    .venv/bin/python bench/group_judge.py --steps 10 --judge-url http://127.0.0.1:8080/v1 \
-        --judge-model smollm2-135m --constrain llama.cpp              # a real local judge
+    .venv/bin/python bench/slow_judges/group_judge.py --steps 10  # a fake judge (0.5 s a reply)
+    .venv/bin/python bench/slow_judges/group_judge.py --steps 10 \
+        --judge-url http://127.0.0.1:8080/v1 --judge-model smollm2-135m \
+        --constrain llama.cpp                                         # a real local judge
 
 Trains configs/quickstart.yaml twice for --steps steps, the same seed, each time with an LLM judge
 beside its rewards at weight 0 (scored and logged, not trained on: both runs sample the same
@@ -30,7 +31,7 @@ from pathlib import Path
 import yaml
 from scipy.stats import spearmanr
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import rewards  # noqa: E402

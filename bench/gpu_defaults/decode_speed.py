@@ -1,10 +1,10 @@
 """Decode speed of a Qwen3-0.6B-shaped model in transformers' static-cache generate: "sdpa" against
 the folded GQA attention (gpu/attention.py), eager and compiled, as a share of the bandwidth bound.
 
-    TORCH_LOGS=cudagraphs,recompiles python bench/decode_speed.py               # H100 SXM, ~3 min
-    TORCH_LOGS=cudagraphs,recompiles python bench/decode_speed.py --hbm 4.8e12  # H200
-    python bench/decode_speed.py --modes compiled --impls fold                  # one case
-    python bench/decode_speed.py --tiny                                         # CPU smoke test
+    TORCH_LOGS=cudagraphs,recompiles python bench/gpu_defaults/decode_speed.py  # H100 SXM, ~3 min
+    TORCH_LOGS=cudagraphs,recompiles python bench/gpu_defaults/decode_speed.py --hbm 4.8e12  # H200
+    python bench/gpu_defaults/decode_speed.py --modes compiled --impls fold     # one case
+    python bench/gpu_defaults/decode_speed.py --tiny                            # CPU smoke test
 
 The model has random weights in bf16 (the shape is what costs time): hidden 1024, 28 layers, 16
 query heads and 8 KV heads of 128 dims, MLP 3072, vocab 151936, tied embeddings. Each row's
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from transformers import (
     CompileConfig,
     LogitsProcessor,

@@ -1,6 +1,6 @@
 """Two judges on the same completions: at once (compute_rewards's default) vs one after the other.
 
-    .venv/bin/python bench/two_judges.py --judge-delay 2 --completions 16 --reps 3
+    .venv/bin/python bench/slow_judges/two_judges.py --judge-delay 2 --completions 16 --reps 3
 
 One process, alternating, on the same work: --completions completions, a judge reward on each of two
 local fake judges (tests/fake_openai_server.py, answering every request after --judge-delay
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from api.client import JudgeConfig  # noqa: E402
