@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import eval as ev  # noqa: E402
 from config import ModelConfig  # noqa: E402
 from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
-from scoring.checks import in_background  # noqa: E402
+from rewards import in_background  # noqa: E402
 from sources.hub import resolve_model_path
 
 

@@ -23,8 +23,7 @@ from api.client import JudgeConfig  # noqa: E402
 from config import RewardSpec  # noqa: E402
 from fake_openai_server import FakeOpenAIServer, length_score, ok  # noqa: E402
 from judge import open_judges  # noqa: E402
-from rewards import compute_rewards
-from scoring.checks import reward_context  # noqa: E402
+from rewards import compute_rewards, reward_context  # noqa: E402
 
 
 def main() -> int:
