@@ -118,15 +118,11 @@ def minigrpo_config(a: argparse.Namespace, path: Path, device: str, out_dir: Pat
 
 
 def apply_settings(cfg: dict, settings: list[str]) -> None:
-    """section.key=value (value read as YAML) into minigrpo's config dict."""
-    import yaml
-    for item in settings:
-        dotted, value = item.split("=", 1)
-        *parents, last = dotted.split(".")
-        node = cfg
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = yaml.safe_load(value)
+    """section.key=value into minigrpo's config dict, parsed as train.py parses its
+    --section.key=value overrides (settings/typed_config.py), so a text field keeps its text."""
+    from config import Config
+    from settings.typed_config import apply_overrides
+    apply_overrides(cfg, [f"--{item}" for item in settings], Config)
 
 
 def sync() -> None:
