@@ -65,6 +65,13 @@ def hand_written(logits, ids, temperature, chunk):
     return logprobs.selective_log_probs(logits[None], ids[None], temperature, chunk)[0]
 
 
+def print_times(times: dict[str, list[float]], width: int) -> None:
+    """One line a case: its seconds, alternating runs in order, then their median."""
+    for k, v in times.items():
+        print(f"  {k:{width}s} " + " ".join(f"{t:6.2f}" for t in v)
+              + f"   median {statistics.median(v):.2f} s")
+
+
 def measure(fn, logits, ids, args, reps: int) -> tuple[float, float]:
     """(median seconds of forward + backward, peak CUDA MB above the inputs or nan on CPU)."""
     times, peak = [], float("nan")
@@ -132,9 +139,7 @@ def generate_lever(args) -> None:
     print(f"generate lever: SmolLM2-135M + LoRA r=16 (all linear), 4 prompts x 8 x 64 tokens, "
           f"fp32 CPU, {torch.get_num_threads()} threads; seconds per rollout incl. merge and "
           "restore, alternating after a warm-up")
-    for k, v in times.items():
-        print(f"  {k:28s} " + " ".join(f"{t:6.2f}" for t in v)
-              + f"   median {statistics.median(v):.2f} s")
+    print_times(times, 28)
     a, b = (statistics.median(v) for v in times.values())
     print(f"  ratio merged / default {b / a:.3f}")
     model.generation_config.cache_implementation = "static"
@@ -250,9 +255,7 @@ def share_lever(args) -> None:
     print(f"share lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; "
           f"4 prompts of ~{P} tokens x G=8 x 64 fixed new tokens; training fwd+bwd in "
           "micro-batches of 8; seconds, alternating after a warm-up")
-    for k, v in times.items():
-        print(f"  {k:15s} " + " ".join(f"{t:6.2f}" for t in v)
-              + f"   median {statistics.median(v):.2f} s")
+    print_times(times, 15)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"  ratio shared / one pass per row: rollout {med['rollout shared'] / med['rollout']:.3f}"
           f", training {med['train shared'] / med['train']:.3f}, both "
@@ -276,9 +279,7 @@ def entropy_lever(args) -> None:
         times["with entropy"].append(sample(True))
     print(f"entropy lever: SmolLM2-135M + LoRA r=16, fp32 CPU, {torch.get_num_threads()} threads; "
           "4 prompts x G=8 x 64 fixed new tokens; seconds, alternating after a warm-up")
-    for k, v in times.items():
-        print(f"  {k:13s} " + " ".join(f"{t:6.2f}" for t in v)
-              + f"   median {statistics.median(v):.2f} s")
+    print_times(times, 13)
     print(f"  ratio with / without: "
           f"{statistics.median(times['with entropy']) / statistics.median(times['without']):.3f}")
 
