@@ -335,9 +335,9 @@ class MergedSampler:
 def merged_for_sampling(model: nn.Module):
     """Sample with each plain LoRA layer's update folded into its base weight and that layer's
     adapter path switched off (rollout.merged_sampling): one matmul instead of base + A/B, about
-    0.9x the generation time on CPU (bench/levers.py --lever generate). The original base weights
-    are copied first (to CPU memory when they live on a GPU) and restored bit for bit afterwards,
-    so no rounding drift builds up over steps.
+    0.9x the generation time on CPU (bench/speed_levers/levers.py --lever generate). The original
+    base weights are copied first (to CPU memory when they live on a GPU) and restored bit for bit
+    afterwards, so no rounding drift builds up over steps.
 
         W_sample = W + (alpha / r) * B @ A   (peft's get_delta_weight)
 

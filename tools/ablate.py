@@ -15,9 +15,9 @@ Resuming: the same command again skips the finished runs (exit 0 at run.steps; e
 without signal) and resumes the others from their last checkpoint (train.py --resume); a failed run
 is reported and the others go on. On CPU the runs go in parallel, one per core (--jobs), with the
 cores split between them (run.threads): two runs of torch's default threads on 2 cores took 19x as
-long a step as one, two of one thread each 0.08x that (bench/cpu_threads.log). On a GPU they run
-one after another. --max-minutes bounds the whole ablation: a run gets run.max_minutes = the time
-left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
+long a step as one, two of one thread each 0.08x that (bench/two_runs_one_cpu/cpu_threads.log). On a
+GPU they run one after another. --max-minutes bounds the whole ablation: a run gets run.max_minutes
+= the time left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
 --eval: eval.py once per finished run, greedy, on the config's eval.select (OUT/NAME/seed_K/eval/).
 The report (OUT/report.md, report.json, plots/) is tools/ablate_report.py's.
 Exit code: 0 every run finished (and was scored), 1 a run or its eval failed or was left for the
