@@ -43,7 +43,7 @@ for n, rel in enumerate(scripts):
         errors[rel] = f"{type(err).__name__}: {err}"
     for name in set(sys.modules) - base_modules:  # the next script finds the repository itself
         file = getattr(sys.modules[name], "__file__", None) or ""
-        if file.startswith(str(root)):
+        if file.startswith(str(root)) and "site-packages" not in file:  # not a .venv inside it
             del sys.modules[name]
 print(json.dumps(errors))
 """
