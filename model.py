@@ -244,8 +244,7 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         own.lora_dropout = p  # saved with this run's adapter
     # also makes the embeddings' output require grad, so LoRA's gradients flow
     if mcfg.gradient_checkpointing is True:  # auto: gpu/auto.py, once the model is loaded
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model)
     if lcfg.enabled and not continuing:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -273,6 +272,20 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         disable_dropout(model)
     model.minigrpo_base = prov
     return model, tokenizer
+
+
+def checkpoint_layers(model: nn.Module, on: bool = True) -> None:
+    """Non-reentrant activation checkpoints around each decoder layer of a transformers model (and
+    the hook that makes the embeddings' output require grad), or none: transformers 5.23 names it
+    activation_checkpointing_*, 5.19 (requirements-vllm.txt's, vLLM's) gradient_checkpointing_*."""
+    kwargs = {"use_reentrant": False}
+    if not hasattr(model, "activation_checkpointing_enable"):  # transformers < 5.23
+        (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs) if on
+         else model.gradient_checkpointing_disable())
+    elif on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.activation_checkpointing_disable()
 
 
 def load_inference(mcfg: ModelConfig, device: torch.device, adapter: str | None = None):
