@@ -293,14 +293,12 @@ def setup(args, overrides: list[str]) -> Run:
                                                   last_epoch=updates_done - 1)
     engine = None
     if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":  # in a dry run too
-        vllm_startup.check_policy(model)
-        vllm_startup.check_install(model.peft_config["default"].r)
+        vllm_startup.check_policy(model, vllm_startup.check_install(model.peft_config["default"].r))
     # a dry run checks, starts nothing
     if cfg.rollout.engine == "vllm" and cfg.mode == "grpo" and not args.dry_run:
         engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
                                         pick_dtype(cfg.model.dtype, device),
-                                        lora_rank=model.peft_config["default"].r, device=device,
-                                        start=start)
+                                        model, device=device, start=start)
     # "auto" settings: as before on a CPU; on a GPU the fast sampler and the memory levers that fit
     cfg, chosen = auto.resolve(cfg, model, device,
                                lambda: max(row_lengths(cfg, rows, tokenizer)[0]))
