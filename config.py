@@ -397,6 +397,8 @@ class HealthConfig:
     eval_drop: float = 0.02  # eval/reward (else eval/accuracy) fell by more over eval_points
     #   held-out evaluations (run.eval_every), never rising between them, while the reward rose
     eval_points: int = 3  # the last held-out evaluations eval_drop compares (at least 2)
+    sampler_gap_max: float = 0.3  # sampler_logp_abs_diff above this stops the run (0: never): the
+    #   sampler is not sampling the trained policy (a vLLM that lost its adapter)
 
 
 @dataclass

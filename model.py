@@ -220,8 +220,7 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         continue_adapter(model, mcfg, lcfg, linear, lcfg.dropout if dropout else 0.0)
     # also makes the embeddings' output require grad, so LoRA's gradients flow
     if mcfg.gradient_checkpointing is True:  # auto: gpu/auto.py, once the model is loaded
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model)
     if lcfg.enabled and not continuing:
         model = with_lora(model, lcfg, linear, lcfg.dropout if dropout else 0.0)
     if lcfg.enabled:
@@ -289,6 +288,20 @@ def with_lora(model, lcfg: LoraConfig, linear: list[str], dropout: float):
         raise ConfigError(f"lora.target_modules={lcfg.target_modules}: "
                           f"{str(e).splitlines()[0][:200]}; this model's linear layers: "
                           f"{', '.join(linear)} (or all-linear)") from None
+
+
+def checkpoint_layers(model: nn.Module, on: bool = True) -> None:
+    """Non-reentrant activation checkpoints around each decoder layer of a transformers model (and
+    the hook that makes the embeddings' output require grad), or none: transformers 5.23 names it
+    activation_checkpointing_*, 5.19 (requirements-vllm.txt's, vLLM's) gradient_checkpointing_*."""
+    kwargs = {"use_reentrant": False}
+    if not hasattr(model, "activation_checkpointing_enable"):  # transformers < 5.23
+        (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs) if on
+         else model.gradient_checkpointing_disable())
+    elif on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.activation_checkpointing_disable()
 
 
 def load_inference(mcfg: ModelConfig, device: torch.device, adapter: str | None = None):

@@ -142,6 +142,8 @@ def run(r: Run, args, tracker, stops: interrupts.Stops, started: float | None = 
                     save(r, step, rules)
             show(step, metrics)
             health.say(monitor.after_step(metrics))
+            if monitor.stop:  # a sampler far off the policy (run/health.py STOPS): no step fixes it
+                return lifecycle.stop_on_error(r, args, RuntimeError(monitor.stop), step)
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop

@@ -125,13 +125,14 @@ def enable_checkpointing(model) -> None:
     (peft-wrapped or not): non-reentrant checkpoints around each decoder layer, and a hook that
     makes the embeddings' output require grad (transformers' activation_checkpointing_enable adds
     it)."""
-    _base(model).activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False})
+    from model import checkpoint_layers
+    checkpoint_layers(_base(model))
 
 
 def disable_checkpointing(model) -> None:
+    from model import checkpoint_layers
     base = _base(model)
-    base.activation_checkpointing_disable()
+    checkpoint_layers(base, on=False)
     base.disable_input_require_grads()  # which enabling turned on, and disabling leaves (5.23)
 
 

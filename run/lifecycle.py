@@ -373,13 +373,11 @@ def vllm_engine_for(cfg: Config, model, run_dir: Path, device: torch.device, sta
     started -> the engine, or None."""
     if cfg.rollout.engine != "vllm" or cfg.mode != "grpo":
         return None
-    vllm_startup.check_policy(model)
-    vllm_startup.check_install(model.peft_config["default"].r)
+    vllm_startup.check_policy(model, vllm_startup.check_install(model.peft_config["default"].r))
     if dry_run:  # a dry run checks, starts nothing
         return None
     return vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
-                                  pick_dtype(cfg.model.dtype, device),
-                                  lora_rank=model.peft_config["default"].r, device=device,
+                                  pick_dtype(cfg.model.dtype, device), model, device=device,
                                   start=start)
 
 
