@@ -17,7 +17,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -38,6 +38,7 @@ from settings.typed_config import (  # noqa: F401 (ConfigError, ENV_REF: importe
     ConfigError,
     apply_overrides,
     exclusive_layers,
+    expand_refs,
     from_dict,
     read_yaml,
 )
@@ -59,6 +60,14 @@ def mask_urls(text: str) -> str:
         user, _, password = m.group(2).partition(":")
         return m.group(0) if _only_references(password or user) else f"{m.group(1)}***@"
     return _USER_INFO.sub(masked, text)
+
+
+class JudgeUnusable(RuntimeError):
+    """A judge that cannot score: the endpoint refused in a way no retry fixes (HTTP 401, 403, 404:
+    the key, the model or the URL; 402 or insufficient_quota: the bill; a 400 for a parameter the
+    model does not take), its first requests all failed, or its first replies held no usable score
+    (its template). api/client.py raises it; the reward registry (rewards.py) lets it through
+    instead of scoring with the fallback, so that a run stops instead of training on nothing."""
 
 
 @dataclass
@@ -86,6 +95,10 @@ class EnvSpec:
 
 @dataclass
 class JudgeConfig:
+    # ${NAME} in these is read when a client is built (api/client.py), so the config and the run's
+    # saved copy keep the reference: a secret (a header's token, a URL's password) is never saved
+    FILLED_BY_CLIENT: ClassVar[tuple] = ("base_url", "model", "azure_endpoint", "api_version",
+                                         "extra_headers")
     base_url: str = "http://127.0.0.1:8000/v1"  # OpenAI-compatible endpoint: vLLM, llama.cpp,
     #   Ollama, OpenAI; ${NAME} reads the env
     model: str = ""  # model sent in requests (on Azure: the deployment name); ${NAME} reads the env
@@ -387,6 +400,8 @@ class HealthConfig:
     eval_drop: float = 0.02  # eval/reward (else eval/accuracy) fell by more over eval_points
     #   held-out evaluations (run.eval_every), never rising between them, while the reward rose
     eval_points: int = 3  # the last held-out evaluations eval_drop compares (at least 2)
+    sampler_gap_max: float = 0.3  # sampler_logp_abs_diff above this stops the run (0: never): the
+    #   sampler is not sampling the trained policy (a vLLM that lost its adapter)
 
 
 @dataclass
@@ -491,7 +506,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     exclusive_layers(raw, given, EXCLUSIVE, "the command line")
     apply_overrides(raw, overrides, Config)
     check_trl_names(raw, Config)  # --grpo.num_generations: TRL's name, here rollout.num_generations
-    cfg = from_dict(Config, raw)
+    cfg = from_dict(Config, expand_refs(raw, Config))  # ${NAME}: read once, then typed
     for check in CHECKS:  # the checks across fields, in settings/checks.py
         check(cfg)
     return cfg

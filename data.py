@@ -403,26 +403,9 @@ def _prepare(cfg: DataConfig, select: list[int] | None, key: str = "data.name",
 
 def _prepared_row(cfg: DataConfig, row: dict, i: int) -> dict:
     """One row with its "prompt" (and replies) built and checked; MissingField if it lacks one."""
-    prompt = build_prompt(row, cfg.prompt, i)
-    extra = {}
-    # SFT's reply; DPO's two replies, after the same prompt
-    for reply in ("target", "chosen", "rejected"):
-        if column := getattr(cfg, reply):
-            # an empty DPO reply (EOS alone)
-            empty = reply != "target" and "{" not in column and row.get(column) == ""
-            prompt, extra[reply] = split_reply(
-                prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
-            # the prefix counts as prompt
-            if cfg.assistant_prefix and extra[reply].startswith(cfg.assistant_prefix):
-                raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
-                                f"{cfg.assistant_prefix!r}, which the prompt already ends with "
-                                "(trained on, it would be doubled); set data.assistant_prefix: "
-                                "'' for replies that carry it (tools/bestofn.py's pairs do)")
+    prompt, replies = _split_replies(cfg, row, i, build_prompt(row, cfg.prompt, i))
     no_gold = bool(cfg.answer_key) and row.get(cfg.answer_key) in (None, "")
-    conversation = isinstance(prompt, list) and all(  # content: text, or a list of parts
-        isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})
-            isinstance(m.get("content"), str) or (isinstance(m.get("content"), list)
-            and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
+    conversation = _is_conversation(prompt)
     if not (isinstance(prompt, str) or conversation) or not prompt:
         raise DataError(f"row {i}: the prompt is "
                         f"{type(prompt).__name__ if prompt else 'empty'}, neither text nor a "
@@ -430,24 +413,57 @@ def _prepared_row(cfg: DataConfig, row: dict, i: int) -> dict:
                             "; to write it as text, make data.prompt a template: "
                             f"\"{{{cfg.prompt}}}\"" if prompt else ""))
     # the reply, whose answer a prompt must not hold
-    if conversation and not extra and prompt[-1]["role"] == "assistant":
-        fix = (f"set data.target: {cfg.prompt} to split it off "
-               "(the messages before it are the prompt)"
-               if active_mixture(cfg)[1] is None else  # data.target would split every source
-               "give this source map: split_messages and prompt: prompt (the reply goes to a "
-               "column 'completion')"
-               if cfg.prompt == "messages" else
-               "give this source a map (data.map) that drops the reply")
-        # split_messages makes it
-        if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):
-            fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
+    if conversation and not replies and prompt[-1]["role"] == "assistant":
+        fix = _reply_in_prompt_fix(cfg, no_gold)
         raise DataError(f"row {i}: data.prompt={cfg.prompt} ends with the assistant's reply, "
                         f"so the answer would be in the prompt; {fix}")
     if no_gold:
         raise MissingField(f"row {i} has no (or an empty) field '{cfg.answer_key}' "
                            "(data.answer_key; null when the rewards need no gold answer); "
                            f"its fields: {', '.join(row)}")
-    return {**row, "prompt": prompt, **extra}
+    return {**row, "prompt": prompt, **replies}
+
+
+def _split_replies(cfg: DataConfig, row: dict, i: int, prompt) -> tuple:
+    """(prompt, {reply: text}): SFT's target or DPO's chosen and rejected, each split off the
+    prompt they follow (split_reply)."""
+    replies = {}
+    for reply in ("target", "chosen", "rejected"):
+        if column := getattr(cfg, reply):
+            # an empty DPO reply (EOS alone)
+            empty = reply != "target" and "{" not in column and row.get(column) == ""
+            prompt, replies[reply] = split_reply(
+                prompt, "" if empty else build_prompt(row, column, i), cfg, i, reply)
+            # the prefix counts as prompt
+            if cfg.assistant_prefix and replies[reply].startswith(cfg.assistant_prefix):
+                raise DataError(f"row {i}: data.{reply} starts with data.assistant_prefix "
+                                f"{cfg.assistant_prefix!r}, which the prompt already ends with "
+                                "(trained on, it would be doubled); set data.assistant_prefix: "
+                                "'' for replies that carry it (tools/bestofn.py's pairs do)")
+    return prompt, replies
+
+
+def _is_conversation(prompt) -> bool:
+    """A list of {role, content} messages, each content text or a list of parts."""
+    return isinstance(prompt, list) and all(  # content: text, or a list of parts
+        isinstance(m, dict) and isinstance(m.get("role"), str) and (  #   ({type: text, text})
+            isinstance(m.get("content"), str) or (isinstance(m.get("content"), list)
+            and all(isinstance(c, dict) for c in m["content"]))) for m in prompt)
+
+
+def _reply_in_prompt_fix(cfg: DataConfig, no_gold: bool) -> str:
+    """What to do when a conversation prompt ends with the assistant's reply."""
+    fix = (f"set data.target: {cfg.prompt} to split it off "
+           "(the messages before it are the prompt)"
+           if active_mixture(cfg)[1] is None else  # data.target would split every source
+           "give this source map: split_messages and prompt: prompt (the reply goes to a "
+           "column 'completion')"
+           if cfg.prompt == "messages" else
+           "give this source a map (data.map) that drops the reply")
+    # split_messages makes it
+    if no_gold and not (cfg.prompt == "messages" and cfg.answer_key == "completion"):
+        fix += f"; and data.answer_key: null, since its rows have no '{cfg.answer_key}'"
+    return fix
 
 
 def split_reply(prompt, target, cfg: DataConfig, i: int, key: str = "target") -> tuple:

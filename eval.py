@@ -55,22 +55,25 @@ from rich.table import Table
 from safetensors import SafetensorError
 
 import rollout
-from api.client import Judge, JudgeConfig, JudgeUnusable
+from api.client import Judge, JudgeConfig
 from config import (
     Config,
     ConfigError,
     EvalConfig,
+    JudgeUnusable,
     ModelConfig,
+    RewardSpec,
     active_mixture,
     data_label,
     load_config,
     saved_dict,
 )
 from data import Source, check_not_data_file, load_sources
-from files import jsonl
-from files.jsonl import interrupted, is_write_error, said_interrupted, sigterm_as_interrupt
+from files import command, jsonl
+from files.command import interrupted, is_write_error
 from judge import judges_stats
 from model import load_inference, load_tokenizer, pick_device, pick_dtype
+from parallel import seeds
 from rewards import (
     RewardResult,
     answer_key,
@@ -189,7 +192,7 @@ def generate_resumable(model, tok, entry: ModelEntry, mcfg: ModelConfig, plan: P
     if p:
         print(f"[eval] {entry.name}: {p} of {len(prompts)} prompts' completions from {path} "
               "(an interrupted run)", file=sys.stderr)
-        rollout.seed_everything(cfg.run.seed + p)
+        seeds.seed_everything(cfg.run.seed + p)
     if p < len(prompts):
         t0 = time.monotonic()
 
@@ -332,16 +335,39 @@ class Plan:
 
 
 def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
+    """The Plan: the config, the model entries, judges and API clients, the held-out rows and
+    their places, all checked before any model loads or any file is written."""
     cfg = load_config(args.config, overrides)
     check_eval_config(cfg)
-    check_writable(cfg.eval.out_dir, "eval.out_dir")
-    if Path(cfg.eval.out_dir).exists() and not Path(cfg.eval.out_dir).is_dir():
-        raise ConfigError(f"eval.out_dir={cfg.eval.out_dir} is a file; give a directory")
-    if (Path(cfg.eval.out_dir) / "results.json").exists() and not args.overwrite:
-        raise ConfigError(f"{Path(cfg.eval.out_dir) / 'results.json'} exists; pass --overwrite or "
-                          "set another eval.out_dir")
+    check_out_dir(cfg.eval.out_dir, args.overwrite)
     entries = parse_model_entries(args.models, cfg.model)  # hf: entries download here
     judges = open_scoring(cfg)
+    api = open_api_entries(cfg, entries)
+    sources = held_out_sources(cfg)
+    rows = [row for s in sources for row in s.rows]
+    trained_on = held_out_seen(cfg, entries, rows)
+    check_rows(cfg.rewards, rows, "held-out")
+    check_keep_columns(cfg.eval.keep_columns, sources)
+    where = row_places(cfg, sources, rows)
+    tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
+    open_rewards(cfg.rewards)  # a reward model loads last, once everything cheaper is checked
+    return Plan(cfg, entries, rows, where, pick_device(cfg.run.device), judges, api, tokenizer,
+                trained_on)
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """eval.out_dir is a writable directory without a results.json (unless --overwrite)."""
+    check_writable(out_dir, "eval.out_dir")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"eval.out_dir={out_dir} is a file; give a directory")
+    if (Path(out_dir) / "results.json").exists() and not overwrite:
+        raise ConfigError(f"{Path(out_dir) / 'results.json'} exists; pass --overwrite or "
+                          "set another eval.out_dir")
+
+
+def open_api_entries(cfg: Config, entries: list[ModelEntry]) -> dict[str, Judge]:
+    """entry name -> its client, for each api: entry, its section's cache and temperature
+    checked."""
     api = {}
     for e in [e for e in entries if e.kind == "api"]:
         key, section = api_section(cfg.eval, e.target)
@@ -356,10 +382,13 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             api[e.name] = Judge(section, label=f"{key} ({section.model})", key=key)
         except ValueError as err:
             raise ConfigError(str(err)) from None  # it names the section
-    sources = held_out_sources(cfg)
-    rows = [row for s in sources for row in s.rows]
-    # entry name -> how many held-out rows its runs trained on; entries with no record
-    trained_on, unknown = {}, []
+    return api
+
+
+def held_out_seen(cfg: Config, entries: list[ModelEntry], rows: list[dict]) -> dict[str, int]:
+    """entry name -> how many held-out rows its runs trained on (sources/seen_prompts.py), with a
+    warning for each, and one for the entries with no record when the rows may overlap."""
+    trained_on, unknown = {}, []  # entries with no record
     for e in [e for e in entries if e.kind in ("adapter", "full")]:
         if (record := seen_prompts.recorded_file(e.target)) is None:
             unknown.append(e.name)
@@ -375,11 +404,20 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
             not (cfg.eval.name or active_mixture(cfg.data)[1]):
         print(f"[eval] warning: data.select is not set, so the training of {', '.join(unknown)} "
               "may have used these rows too", file=sys.stderr)
-    check_rows(cfg.rewards, rows, "held-out")
-    for col in cfg.eval.keep_columns:
+    return trained_on
+
+
+def check_keep_columns(keep_columns: list[str], sources: list[Source]) -> None:
+    """Every source's rows have each of eval.keep_columns."""
+    for col in keep_columns:
         if missing := [s for s in sources if col not in s.rows[0]]:
             raise ConfigError(f"eval.keep_columns: the rows of {missing[0].label} have no column "
                               f"{col!r}; they have: {', '.join(missing[0].rows[0])}")
+
+
+def row_places(cfg: Config, sources: list[Source], rows: list[dict]) -> list[dict]:
+    """Each held-out row's place: its row in its source, the source (with several) and its
+    eval.group_by group ("<column>=<value>")."""
     start = cfg.eval.select[0] if cfg.eval.select else 0
     where = [{"row": start + j, **({"source": s.label} if len(sources) > 1 else {})}
              for s in sources for j in s.positions]
@@ -395,10 +433,7 @@ def setup(args: argparse.Namespace, overrides: list[str]) -> Plan:
                 raise ConfigError(f"eval.group_by: column {col!r} holds {rows[k][col]!r} (held-out "
                                   f"row {k}) and {r[col]!r} (row {j}), one group by name; make "
                                   "them one type in the data (or with a data.map)")
-    tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if api else None
-    open_rewards(cfg.rewards)  # a reward model loads last, once everything cheaper is checked
-    return Plan(cfg, entries, rows, where, pick_device(cfg.run.device), judges, api, tokenizer,
-                trained_on)
+    return where
 
 
 def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
@@ -423,7 +458,7 @@ def generate(entry: ModelEntry, plan: Plan) -> tuple[Generated, int, str]:
             raise
         raise ConfigError(f"model entry {entry.spec!r}: could not load it: {type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:300]}") from None
-    rollout.seed_everything(cfg.run.seed)  # every model samples from the same seed
+    seeds.seed_everything(cfg.run.seed)  # every model samples from the same seed
     gen = generate_resumable(model, tok, entry, mcfg, plan)
     prefix = rollout.reply_prefix(tok, cfg.data)  # an export's own template may open a think block
     del model, tok
@@ -445,44 +480,61 @@ def score_model(entry: ModelEntry, plan: Plan, gen: Generated, n: int, prefix: s
         if plan.where and key in plan.where[0]:
             metrics |= per_source_metrics(plan.where, n, res, gen.failed, key)
     if entry.kind == "api":
-        stats = plan.api[entry.name].pop_step_stats()
-        failures = sum(gen.failed)
-        metrics |= {"api_failures": failures, "api_cost_usd": stats["judge_cost_usd"]}
-        if failures:
-            left = len(failed_prompts(gen.failed, n))
-            print(f"[eval] {entry.name}: {failures} of {len(gen.failed)} API requests failed; its "
-                  f"metrics leave out the {left} prompt(s) they belong to (see the warnings above "
-                  "for why)", file=sys.stderr)
+        metrics |= api_metrics(entry.name, plan.api[entry.name], gen.failed, n)
     metrics |= {k: v for k, v in judges_stats(plan.judges).items()
                 if k.endswith(("failures", "cost_usd"))}
-    # "judge#2" for a repeated name, as the metrics
-    specs = dict(zip(reward_keys(plan.cfg.rewards), plan.cfg.rewards))
-    # a judge outage must not read as bad answers
-    for key in (k for k in metrics if k.startswith("reward_errors/")):
-        name = key.split("/", 1)[1]
-        spec = specs.get(name)
-        fate = ("were left out of it" if spec and spec.fallback == "skip"
-                else f"got its fallback ({spec.fallback if spec else '?'})")
-        print(f"[eval] {entry.name}: reward {name} could not score {metrics[key]} completion(s), "
-              f"which {fate}; see the warnings above", file=sys.stderr)
+    warn_reward_errors(entry.name, metrics, cfg.rewards)
     if entry.name in plan.trained_on:  # in results.json and the table, not only in a warning
         metrics["trained_on_held_out"] = plan.trained_on[entry.name]
     metrics["seconds"] = round(time.time() - t0, 2)
+    jsonl.write_records(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
+                        prediction_records(plan, gen, n, samples, res, forced), default=str)
+    return metrics
+
+
+def api_metrics(name: str, client: Judge, failed: list[bool], n: int) -> dict:
+    """An API model's failed requests and cost, with a warning when some failed."""
+    stats = client.pop_step_stats()
+    failures = sum(failed)
+    if failures:
+        left = len(failed_prompts(failed, n))
+        print(f"[eval] {name}: {failures} of {len(failed)} API requests failed; its "
+              f"metrics leave out the {left} prompt(s) they belong to (see the warnings above "
+              "for why)", file=sys.stderr)
+    return {"api_failures": failures, "api_cost_usd": stats["judge_cost_usd"]}
+
+
+def warn_reward_errors(name: str, metrics: dict, rewards: list[RewardSpec]) -> None:
+    """A warning for each reward that could not score some completions: a judge outage must not
+    read as bad answers."""
+    # "judge#2" for a repeated name, as the metrics
+    specs = dict(zip(reward_keys(rewards), rewards))
+    for key in (k for k in metrics if k.startswith("reward_errors/")):
+        reward = key.split("/", 1)[1]
+        spec = specs.get(reward)
+        fate = ("were left out of it" if spec and spec.fallback == "skip"
+                else f"got its fallback ({spec.fallback if spec else '?'})")
+        print(f"[eval] {name}: reward {reward} could not score {metrics[key]} completion(s), "
+              f"which {fate}; see the warnings above", file=sys.stderr)
+
+
+def prediction_records(plan: Plan, gen: Generated, n: int, samples: list[dict],
+                       res: RewardResult, forced: str) -> list[dict]:
+    """predictions_<name>.jsonl's lines: one a completion, with its row's place, prompt, rewards
+    and flags (module docstring)."""
+    cfg = plan.cfg
     keys = list(res.per_reward)
     kept = lambda s: ({"columns": {k: s.get(k) for k in cfg.eval.keep_columns}}  # noqa: E731
                       if cfg.eval.keep_columns else {})
-    records = [{**plan.where[i // n], **kept(s), "sample": i % n, "prompt": s["prompt"],
-                **({"assistant_prefix": forced} if forced else {}), "completion": text,
-                **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}),
-                "num_tokens": nt, "reward": None if math.isnan(total) else total,
-                "rewards": {k: res.per_reward[k][i] for k in keys},
-                **({"api_failed": True} if gen.failed and gen.failed[i] else {}),
-                **({"truncated": True} if gen.truncated and gen.truncated[i] else {})}
-               for i, (s, text, nt, total)
-               in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
-    jsonl.write_atomic(Path(cfg.eval.out_dir) / f"predictions_{entry.name}.jsonl",
-                       "".join(json.dumps(r, default=str) + "\n" for r in records))
-    return metrics
+    return [{**plan.where[i // n], **kept(s), "sample": i % n, "prompt": s["prompt"],
+             **({"assistant_prefix": forced} if forced else {}), "completion": text,
+             **({"gold": s.get(cfg.data.answer_key)} if cfg.data.answer_key else {}),
+             "num_tokens": nt, "reward": None if math.isnan(total) else total,
+             "rewards": {k: res.per_reward[k][i] for k in keys},
+             **({"api_failed": True} if gen.failed and gen.failed[i] else {}),
+             **({"truncated": True} if gen.truncated and gen.truncated[i] else {})}
+            for i, (s, text, nt, total)
+            in enumerate(zip(samples, gen.texts, gen.num_tokens, res.total))]
 
 
 def _fmt(v) -> str:
@@ -525,19 +577,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, overrides + unknown
 
 
+@command.one_line(ConfigError)
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    plan = setup(args, overrides)
     try:
-        with sigterm_as_interrupt():
-            plan = setup(args, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        return said_interrupted(e)
-    try:
-        with sigterm_as_interrupt():
-            return run(plan)
+        return run(plan)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM
         signame, code = interrupted(e)
         print(f"\n[eval] interrupted ({signame}): the completions generated so far are kept in "
@@ -575,7 +620,7 @@ def run(plan: Plan) -> int:
     # an adapter merged into the base was moved since training; a refused key
     except (ConfigError, JudgeUnusable) as e:
         errors.append(e)
-        print(f"error: {e}", file=sys.stderr)
+        command.error(e)
     # a crash (out of memory, say): raised once what was generated is scored and written
     except Exception as e:
         crash = e

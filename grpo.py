@@ -26,15 +26,17 @@ from torch import Tensor
 
 # ----------------------------------------------------------------------------- the math
 
+EPS = 1e-4  # keeps a group whose rewards barely differ from dividing by ~0
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group",
                      zero_std_tol: float = 1e-6) -> Tensor:
-    """A_i = (r_i - mean_g(r)) / (std + eps), groups of `group_size` consecutive rewards.
+    """A_i = (r_i - mean_g(r)) / (std + EPS), groups of `group_size` consecutive rewards.
 
     scale: "group" -> std of the group; "batch" -> std of all rewards; "none" -> no division
     (Dr. GRPO, arXiv 2503.20783: dividing by the group std up-weights too easy / too hard prompts).
     std is the unbiased sample std, as in TRL. A group whose rewards are equal (within
-    zero_std_tol) gets exactly 0: rounding in the mean would otherwise leave ~1e-7 / eps.
+    zero_std_tol) gets exactly 0: rounding in the mean would otherwise leave ~1e-7 / EPS.
     A NaN reward (a judge or rating that failed, with fallback: skip) is left out: the mean and
     std are over the group's other rewards, and the skipped completion's advantage is 0 (the
     trainer also drops it from the loss). A group with fewer than 2 rewards carries no signal: 0.
@@ -45,10 +47,10 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     flat = zero_std_groups(rewards, group_size, zero_std_tol) | (n < 2)  # (B,)
     centered = torch.where(flat[:, None], 0.0, centered)
     if scale == "group":
-        centered = centered / (std[:, None] + eps)
+        centered = centered / (std[:, None] + EPS)
     elif scale == "batch":
         kept = rewards[~torch.isnan(rewards)]  # (<= N,)
-        centered = centered / ((kept.std() if kept.numel() > 1 else 0.0) + eps)
+        centered = centered / ((kept.std() if kept.numel() > 1 else 0.0) + EPS)
     elif scale != "none":
         raise ValueError(f"scale_rewards must be group, batch or none, got {scale!r}")
     return centered.view(-1)  # (N,)
@@ -75,13 +77,13 @@ def zero_std_groups(rewards: Tensor, group_size: int, tol: float = 1e-6) -> Tens
     return (high - low) <= tol
 
 
-def normalize_then_sum(rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4,
+def normalize_then_sum(rewards: Tensor, weights: Tensor, group_size: int,
                        zero_std_tol: float = 1e-6) -> Tensor:
     """GDPO's aggregation (arXiv 2601.05242; TRL's multi_objective_aggregation): each reward is
     normalised within its group before the weighted sum, so a reward with a wide spread does not
     drown one with a narrow spread, and distinct combinations keep distinct values:
 
-        s_i = sum_k w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + eps)
+        s_i = sum_k w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + EPS)
 
     mean_g, std_g (unbiased) over the group's non-NaN values of reward k; a NaN r_ik (no value:
     the reward does not apply, or was skipped) adds 0, and a reward whose values in a group are
@@ -93,7 +95,7 @@ def normalize_then_sum(rewards: Tensor, weights: Tensor, group_size: int, eps: f
     r = rewards.T.reshape(K * N // group_size, group_size)  # (K*B, G): reward k's groups in turn
     mean, std, _ = group_stats(r.reshape(-1), group_size)  # (K*B,) each
     flat = zero_std_groups(r.reshape(-1), group_size, zero_std_tol)  # (K*B,)
-    z = (r - mean[:, None]) / (std[:, None] + eps)  # (K*B, G)
+    z = (r - mean[:, None]) / (std[:, None] + EPS)  # (K*B, G)
     z = torch.where(torch.isnan(r) | flat[:, None], 0.0, z)  # (K*B, G)
     return (z.reshape(K, N) * weights[:, None].to(z)).sum(0)  # (N,)
 

@@ -112,27 +112,51 @@ def parse_score(text: str, score_min: float = 0.0, score_max: float = 10.0,
             and not alone):
         obj = None  # {"a": 1, "b": 3} quoted in the judge's prose
     if obj is not None:  # a JSON verdict is final: never fall back to grabbing a number out of it
-        fields = {str(k).lower(): v for k, v in obj.items()}
-        if criteria:
-            per = {c: _number(fields.get(c.lower())) for c in criteria}
-        elif "score" in fields:
-            per = {}
-        else:
-            per = {k: _number(v) for k, v in fields.items() if _number(v) is not None}
-        if (not per and "score" not in fields) or any(v is None for v in per.values()):
+        verdict = _json_score(obj, criteria)
+        if verdict is None:
             return None
-        score = _number(fields["score"]) if "score" in fields else sum(per.values()) / len(per)
+        score, per = verdict
     elif criteria:
         return None  # named criteria can only come from JSON
     else:
-        ms = [*_SCORE_TEXT.finditer(text)]
-        labelled = [x for x in ms if re.search(r"[:=]", x.group(0))]
-        m = ((labelled or ms[:1] or [None])[-1] or _FRACTION.search(text) or _OUT_OF.search(text)
-             or _LONE_NUMBER.fullmatch(text))
-        score, per = (float(m.group(1)) if m else None), {}
+        score, per = _text_score(text), {}
     if score is None or not all(score_min <= v <= score_max for v in [score, *per.values()]):
         return None
     return JudgeScore(score, per)
+
+
+def _json_score(obj: dict, criteria: list[str] | None) -> tuple[float | None, dict] | None:
+    """(score, criteria) from a JSON verdict: its "score", else the mean of the criteria (the named
+    ones, all numbers; or every numeric value); None when they are missing or not numbers.
+
+    >>> _json_score({"Clarity": 6, "depth": 8}, ["clarity", "depth"])
+    (7.0, {'clarity': 6.0, 'depth': 8.0})
+    """
+    fields = {str(k).lower(): v for k, v in obj.items()}
+    if criteria:
+        per = {c: _number(fields.get(c.lower())) for c in criteria}
+    elif "score" in fields:
+        per = {}
+    else:
+        per = {k: _number(v) for k, v in fields.items() if _number(v) is not None}
+    if (not per and "score" not in fields) or any(v is None for v in per.values()):
+        return None
+    score = _number(fields["score"]) if "score" in fields else sum(per.values()) / len(per)
+    return score, per
+
+
+def _text_score(text: str) -> float | None:
+    """The score in a reply without a JSON verdict: the last labelled "Score: 7" (else the first
+    "score of 7"), else "7/10", else "7 out of 10", else a lone number.
+
+    >>> _text_score("A score of 6. Final Score: 8"), _text_score("I give it 3 out of 5")
+    (8.0, 3.0)
+    """
+    ms = [*_SCORE_TEXT.finditer(text)]
+    labelled = [x for x in ms if re.search(r"[:=]", x.group(0))]
+    m = ((labelled or ms[:1] or [None])[-1] or _FRACTION.search(text) or _OUT_OF.search(text)
+         or _LONE_NUMBER.fullmatch(text))
+    return float(m.group(1)) if m else None
 
 
 # --- templates ------------------------------------------------------------------------------------

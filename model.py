@@ -210,61 +210,19 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
             f"{beta_key} > 0 with a continued model.init_adapter would pull the policy back to "
             "the base, not to the SFT model; set model.merge_init_adapter: true (the merged SFT "
             "model is then the reference)")
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
-    head = model.get_output_embeddings()  # peft's all-linear: every linear layer but the head
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                     if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
+    linear = linear_layers(model)
     if mcfg.init_adapter:
         model, prov = apply_adapter_chain(model, mcfg, mcfg.init_adapter, merge=not continuing,
                                           trainable=True)
         if not lcfg.enabled:  # peft froze the base; full fine-tuning trains every weight
             model.requires_grad_(True)
-    # it keeps its own shape: a config saying otherwise would be saved with the run, and be wrong
     if continuing:
-        own = model.peft_config["default"]
-        differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})"
-                  for k, v in (("r", own.r), ("alpha", own.lora_alpha)) if getattr(lcfg, k) != v]
-        wanted = linear if lcfg.target_modules == "all-linear" else lcfg.target_modules
-        # names, or full paths (a saved all-linear)
-        theirs = {t.rsplit(".", 1)[-1] for t in own.target_modules or ()}
-        if (not isinstance(own.target_modules, str) and not isinstance(wanted, str)
-                and set(wanted) != theirs):
-            differ.append(f"lora.target_modules={lcfg.target_modules} "
-                          f"(the adapter's: {sorted(theirs)})")
-        if differ:
-            raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own "
-                              f"LoRA shape, so {'; '.join(differ)} would not apply: set lora.* to "
-                              "the adapter's, or model.merge_init_adapter: true for a fresh LoRA "
-                              "of this shape on top of it")
-        p = lcfg.dropout if dropout else 0.0  # the adapter's saved lora_dropout was its last run's
-        for m in model.modules():
-            if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):
-                for k in m.lora_dropout:
-                    m.lora_dropout[k] = nn.Dropout(p) if p else nn.Identity()
-        own.lora_dropout = p  # saved with this run's adapter
+        continue_adapter(model, mcfg, lcfg, linear, lcfg.dropout if dropout else 0.0)
     # also makes the embeddings' output require grad, so LoRA's gradients flow
     if mcfg.gradient_checkpointing is True:  # auto: gpu/auto.py, once the model is loaded
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model)
     if lcfg.enabled and not continuing:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import get_peft_model
-        peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha,
-                                  lora_dropout=lcfg.dropout if dropout else 0.0,
-                                  target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
-        try:
-            model = get_peft_model(model, peft_cfg)
-        except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model lacks
-            if "target modules" not in str(e).lower():  # (config.py checks lora.dropout etc.)
-                raise
-            # one name, given as a string
-            if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:
-                raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other "
-                                  "than all-linear is read by peft as a pattern for the whole "
-                                  f"module path; write a list: [{lcfg.target_modules}]") from None
-            raise ConfigError(f"lora.target_modules={lcfg.target_modules}: "
-                              f"{str(e).splitlines()[0][:200]}; this model's linear layers: "
-                              f"{', '.join(linear)} (or all-linear)") from None
+        model = with_lora(model, lcfg, linear, lcfg.dropout if dropout else 0.0)
     if lcfg.enabled:
         for p in model.parameters():  # fp16 lacks the range for trained weights: keep them fp32
             if p.requires_grad and p.dtype != torch.float32:
@@ -273,6 +231,77 @@ def load_policy(mcfg: ModelConfig, lcfg: LoraConfig, device: torch.device, dropo
         disable_dropout(model)
     model.minigrpo_base = prov
     return model, tokenizer
+
+
+def linear_layers(model: nn.Module) -> list[str]:
+    """The names of the model's linear layers but the output head: peft's all-linear."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    head = model.get_output_embeddings()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, (nn.Linear, Conv1D)) and m is not head})
+
+
+def continue_adapter(model, mcfg: ModelConfig, lcfg: LoraConfig, linear: list[str],
+                     p: float) -> None:
+    """A continued model.init_adapter keeps its own shape: lora.* naming another is refused (it
+    would be saved with the run, and be wrong); its dropout becomes p (its saved one was its last
+    run's)."""
+    own = model.peft_config["default"]
+    differ = [f"lora.{k}={getattr(lcfg, k)} (the adapter's: {v})"
+              for k, v in (("r", own.r), ("alpha", own.lora_alpha)) if getattr(lcfg, k) != v]
+    wanted = linear if lcfg.target_modules == "all-linear" else lcfg.target_modules
+    # names, or full paths (a saved all-linear)
+    theirs = {t.rsplit(".", 1)[-1] for t in own.target_modules or ()}
+    if (not isinstance(own.target_modules, str) and not isinstance(wanted, str)
+            and set(wanted) != theirs):
+        differ.append(f"lora.target_modules={lcfg.target_modules} "
+                      f"(the adapter's: {sorted(theirs)})")
+    if differ:
+        raise ConfigError(f"model.init_adapter={mcfg.init_adapter} is continued with its own "
+                          f"LoRA shape, so {'; '.join(differ)} would not apply: set lora.* to "
+                          "the adapter's, or model.merge_init_adapter: true for a fresh LoRA "
+                          "of this shape on top of it")
+    for m in model.modules():
+        if isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict):
+            for k in m.lora_dropout:
+                m.lora_dropout[k] = nn.Dropout(p) if p else nn.Identity()
+    own.lora_dropout = p  # saved with this run's adapter
+
+
+def with_lora(model, lcfg: LoraConfig, linear: list[str], dropout: float):
+    """The model under a fresh LoRA of lora.*'s shape (peft); a target module the model lacks is
+    refused, naming its linear layers."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    peft_cfg = PeftLoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=dropout,
+                              target_modules=lcfg.target_modules, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as e:  # peft's NoMatchingPeftModuleError: a target module the model lacks
+        if "target modules" not in str(e).lower():  # (config.py checks lora.dropout etc.)
+            raise
+        # one name, given as a string
+        if isinstance(lcfg.target_modules, str) and lcfg.target_modules in linear:
+            raise ConfigError(f"lora.target_modules={lcfg.target_modules}: a string other "
+                              "than all-linear is read by peft as a pattern for the whole "
+                              f"module path; write a list: [{lcfg.target_modules}]") from None
+        raise ConfigError(f"lora.target_modules={lcfg.target_modules}: "
+                          f"{str(e).splitlines()[0][:200]}; this model's linear layers: "
+                          f"{', '.join(linear)} (or all-linear)") from None
+
+
+def checkpoint_layers(model: nn.Module, on: bool = True) -> None:
+    """Non-reentrant activation checkpoints around each decoder layer of a transformers model (and
+    the hook that makes the embeddings' output require grad), or none: transformers 5.23 names it
+    activation_checkpointing_*, 5.19 (requirements-vllm.txt's, vLLM's) gradient_checkpointing_*."""
+    kwargs = {"use_reentrant": False}
+    if not hasattr(model, "activation_checkpointing_enable"):  # transformers < 5.23
+        (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs) if on
+         else model.gradient_checkpointing_disable())
+    elif on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.activation_checkpointing_disable()
 
 
 def load_inference(mcfg: ModelConfig, device: torch.device, adapter: str | None = None):
@@ -319,9 +348,9 @@ class MergedSampler:
 def merged_for_sampling(model: nn.Module):
     """Sample with each plain LoRA layer's update folded into its base weight and that layer's
     adapter path switched off (rollout.merged_sampling): one matmul instead of base + A/B, about
-    0.9x the generation time on CPU (bench/levers.py --lever generate). The original base weights
-    are copied first (to CPU memory when they live on a GPU) and restored bit for bit afterwards,
-    so no rounding drift builds up over steps.
+    0.9x the generation time on CPU (bench/speed_levers/levers.py --lever generate). The original
+    base weights are copied first (to CPU memory when they live on a GPU) and restored bit for bit
+    afterwards, so no rounding drift builds up over steps.
 
         W_sample = W + (alpha / r) * B @ A   (peft's get_delta_weight)
 

@@ -46,8 +46,7 @@ import torch
 
 import answers
 import grpo
-from api.client import JudgeUnusable
-from config import ConfigError, RewardSpec
+from config import ConfigError, JudgeUnusable, RewardSpec
 from sources.plugins import (
     did_you_mean,
     import_function,
@@ -246,13 +245,13 @@ class RewardResult:
 
 
 def compute_rewards(completions: list[str], samples: list[dict], specs: list[RewardSpec], *,
-                    num_tokens: list[int] | None = None, episodes: list | None = None,
+                    num_tokens: list[int] | None = None,
                     context: dict | None = None) -> RewardResult:
     """Score N completions with every reward, prepared for this one call (a run prepares its
     rewards once: prepare_rewards); per-sample failures become the spec's fallback."""
-    given = [k for k, v in (("num_tokens", num_tokens), ("episode", episodes)) if v is not None]
+    given = ["num_tokens"] if num_tokens is not None else []
     return prepare_rewards(specs, context or {}, given)(completions, samples,
-                                                        num_tokens=num_tokens, episodes=episodes)
+                                                        num_tokens=num_tokens)
 
 
 @dataclass

@@ -10,13 +10,11 @@ rows. vLLM rollouts (engines/vllm_engine.py) return the same Rollout.
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import jinja2
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,13 +24,6 @@ from settings.typed_config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
-
-
-def seed_everything(seed: int) -> None:
-    """Python's, numpy's and torch's generators: what sampling draws from (train.py, eval.py)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass
@@ -121,16 +112,14 @@ def reply_prefix(tokenizer, data) -> str:
     return tail[opened:] if opened >= 0 else data.assistant_prefix
 
 
-def render_rows(tokenizer, rows: list[dict], data, assistant_prefix: str | None = None,
-                what: str = "row") -> list[str]:
+def render_rows(tokenizer, rows: list[dict], data, what: str = "row") -> list[str]:
     """Each row's prompt rendered as the data config says (system prompt, chat template arguments,
-    forced assistant prefix unless `assistant_prefix` is given); `what` the rows are, for errors."""
-    prefix = data.assistant_prefix if assistant_prefix is None else assistant_prefix
+    forced assistant prefix); `what` the rows are, for errors."""
     out = []
     for i, r in enumerate(rows):
         try:
-            out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt, prefix,
-                                     data.chat_template_kwargs))
+            out.append(render_prompt(tokenizer, r["prompt"], data.system_prompt,
+                                     data.assistant_prefix, data.chat_template_kwargs))
         except jinja2.TemplateError as e:  # raise_exception("System role not supported")
             raise ConfigError(f"the chat template refused {what} {i}: {e} (check "
                 "data.system_prompt, the prompt's roles, or give model.chat_template)") from None

@@ -226,8 +226,8 @@ def make_batch(run, kept: Scored) -> Batch:
 
 
 def loss_mask(run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
-    """(N, C): each completion's tokens up to its EOS, without the completions whose reward was
-    skipped (fallback: skip; NaN) or, with grpo.mask_truncated_completions, that never ended."""
+    """(N, C): each completion's tokens up to its EOS, less those whose reward was skipped (NaN)
+    or, with grpo.mask_truncated_completions, that never ended."""
     mask = batch.completion_mask.clone()  # (N, C)
     if run.cfg.grpo.mask_truncated_completions:
         mask[batch.truncated] = 0
@@ -274,29 +274,14 @@ LOSS_TERMS = ("loss", "tokens", "kl_sum", "ratio_sum", "clip_low_sum", "clip_hig
 def update(run, batch: Batch) -> Updates:
     """num_iterations passes over the batch, each an optimizer update per mini-batch, whose loss is
     the sum of its micro-batches' shares."""
-    s, ro = run.loss, batch.kept.rollout
     out = Updates(Counter(dict.fromkeys(LOSS_TERMS, 0.0)), dict.fromkeys(grpo.TIS_SUMS, 0.0))
-    ids, attn = ro.input_ids, ro.attention_mask  # (N, P + C) each
     run.model.train()
     for it in range(run.cfg.grpo.num_iterations):
         for mbs, norm in batch.minis:
             run.optimizer.zero_grad(set_to_none=True)
             sums = Counter(dict.fromkeys(LOSS_TERMS, 0.0))  # this update's; update() adds
-            for mb in mbs:
-                logp, C = logprobs.micro_batch_log_probs(run.model, ro, ids, attn, mb,
-                                                         run.cfg)  # (n, C)
-                old = None if batch.old_logp is None else batch.old_logp[mb, :C]  # None: on-policy
-                weight = None if ro.sampler_logp is None else grpo.sampler_weight(
-                    logp.detach() if old is None else old, ro.sampler_logp[mb, :C],
-                    batch.mask[mb, :C], s.tis_cap, out.tis if it == 0 else None,
-                    s.tis_mode)  # (n, C) pi_old / pi_sampler
-                loss, stats = grpo.grpo_loss(
-                    logp, old_logp=old, adv=batch.advantages[mb], mask=batch.mask[mb, :C],
-                    norm=norm, s=s, is_weight=weight,
-                    ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
-                    keep=None if batch.keep is None else batch.keep[mb, :C])
-                (run.scaler.scale(loss) if run.scaler else loss).backward()
-                sums.update(stats, loss=float(loss.detach()))
+            for mb in mbs:  # the first pass adds up the importance weights (out.tis)
+                sums.update(backward(run, batch, mb, norm, out.tis if it == 0 else None)[0])
             made = norm.num_tokens and (norm.num_signal or run.loss.beta > 0  # else the gradient
                                         or not run.cfg.grpo.skip_flat_updates)  # is 0: loss.md
             grad_norm, out.lr = optimizer_step(run) if made else empty_update(run, out, norm)
@@ -305,6 +290,24 @@ def update(run, batch: Batch) -> Updates:
                 out.applied += 1
                 out.sums.update(sums)
     return out
+
+
+def backward(run, batch: Batch, mb: slice, norm: grpo.LossNorm, tis: dict | None) -> tuple:
+    """Micro-batch mb's share of its update's loss, backward -> (its terms' sums and the loss, the
+    log-probs (n, C), the importance weight (n, C) or None: tools/explain.py shows them)."""
+    s, ro = run.loss, batch.kept.rollout
+    logp, C = logprobs.micro_batch_log_probs(run.model, ro, ro.input_ids, ro.attention_mask, mb,
+                                             run.cfg)  # (n, C)
+    old = None if batch.old_logp is None else batch.old_logp[mb, :C]  # None: on-policy
+    weight = None if ro.sampler_logp is None else grpo.sampler_weight(
+        logp.detach() if old is None else old, ro.sampler_logp[mb, :C], batch.mask[mb, :C],
+        s.tis_cap, tis, s.tis_mode)  # (n, C) pi_old / pi_sampler
+    loss, stats = grpo.grpo_loss(
+        logp, old_logp=old, adv=batch.advantages[mb], mask=batch.mask[mb, :C], norm=norm, s=s,
+        is_weight=weight, ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
+        keep=None if batch.keep is None else batch.keep[mb, :C])
+    (run.scaler.scale(loss) if run.scaler else loss).backward()
+    return stats | {"loss": float(loss.detach())}, logp.detach(), weight
 
 
 def optimizer_step(run) -> tuple[float, float]:

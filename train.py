@@ -31,10 +31,9 @@ STARTED = time.monotonic()  # run.max_minutes counts from the process's start, i
 import torch
 
 import rollout
-from api.client import JudgeUnusable
-from config import ConfigError
-from files import jsonl
-from files.jsonl import is_write_error, said_interrupted, sigterm_as_interrupt
+from config import ConfigError, JudgeUnusable
+from files import command, jsonl
+from files.command import is_write_error
 from judge import judges_stats
 from model import pick_dtype
 from modes import dpo, sft
@@ -84,6 +83,7 @@ def held_out_metrics(r: Run) -> dict:
 
 
 @folder_lock.released_on_return  # one trainer per run folder (a second exits 2)
+@command.one_line(ConfigError)  # loading a model can take minutes: if stopped, one line too
 def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The CLI; `started`: the job's start (the CLI's: this module's import) for run.max_minutes."""
     started = time.monotonic() if started is None else started  # the limit counts the loading too
@@ -91,14 +91,7 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     distributed.quiet_other_ranks()  # torchrun: rank 0 speaks and writes for the run
     args, overrides = parse_args(argv)
     args.argv = argv  # for the --resume command a stopped run gives
-    try:
-        with sigterm_as_interrupt():  # loading a model can take minutes: if stopped, one line too
-            r = lifecycle.setup(args, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        return said_interrupted(e)
+    r = lifecycle.setup(args, overrides)
     if args.dry_run:
         print(lifecycle.dry_run_report(r))
         if not args.resume and any((r.run_dir / n).exists() for n in lifecycle.RUN_FILES):
@@ -150,6 +143,8 @@ def run(r: Run, args, tracker, stops: interrupts.Stops, started: float | None = 
                     save(r, step, rules)
             show(step, metrics)
             health.say(monitor.after_step(metrics))
+            if monitor.stop:  # a sampler far off the policy (run/health.py STOPS): no step fixes it
+                return lifecycle.stop_on_error(r, args, RuntimeError(monitor.stop), step)
             if decision.warn_no_signal:
                 print(display.no_signal_warning(rules.flat_steps, metrics), file=sys.stderr)
             if decision.wait_for:  # run.judge_outage: wait for them (None: they answer), or stop

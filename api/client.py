@@ -42,14 +42,18 @@ import logging
 import math
 import os
 import random
-import re
 import socket
 import time
 from typing import Callable
 from urllib.parse import urlsplit
 
 from api.reply_cache import ReplyCache, cache_key  # noqa: F401 (cache_key: part of this module's API)
-from config import JudgeConfig, mask_urls  # noqa: F401 (JudgeConfig: part of this module's API)
+from config import (  # noqa: F401 (JudgeConfig: part of this module's API)
+    JudgeConfig,
+    JudgeUnusable,
+    mask_urls,
+)
+from settings.checks import check_client
 from settings.typed_config import expand_env
 
 log = logging.getLogger(__name__)
@@ -93,38 +97,15 @@ def _retry_after(headers) -> float | None:
     return None
 
 
-def _looks_like_a_key(name: str) -> bool:
-    """api_key_env holding a key rather than a variable's name: a provider's key prefix, or a long
-    mix of lower case, upper case and digits (variable names are upper case by convention).
-
-    >>> (_looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"),
-    ...  _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6"))
-    (False, True, True)
-    """
-    if re.fullmatch(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_][A-Za-z0-9_-]{8,}", name, re.I) \
-            and not name.isupper() and any(c.isdigit() for c in name):
-        return True
-    return len(name) >= 20 and "_" not in name and any(c.islower() for c in name) \
-        and any(c.isupper() for c in name) and any(c.isdigit() for c in name)
-
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
 UNPARSED_LIMIT = 16  # score_many: this many unusable replies, and no usable one, stop the run
 FAILED_LIMIT = 16  # this many requests failed (after retries), and none answered, stop the run
 
 
 # filled from ${NAME} (or ${NAME:-default}) when a client is built
-ENV_FIELDS = ("base_url", "azure_endpoint", "api_version", "model")
+# JudgeConfig.FILLED_BY_CLIENT but the headers (read one by one)
+ENV_FIELDS = tuple(f for f in JudgeConfig.FILLED_BY_CLIENT if f != "extra_headers")
 # api_key_env: null reads the key where the openai SDK looks for it: Azure's, or OpenAI's
 SDK_KEY_ENV = {True: "AZURE_OPENAI_API_KEY", False: "OPENAI_API_KEY"}
-class JudgeUnusable(RuntimeError):
-    """The endpoint refused in a way no retry fixes (HTTP 401, 403, 404: the key, the model or the
-    URL; 402 or insufficient_quota: the bill; a 400 for a parameter the model does not take), its
-    first FAILED_LIMIT requests all failed, or a judge's first UNPARSED_LIMIT replies held no usable
-    score (its template): raised from complete_many / score_many so that a run stops instead of
-    training on nothing."""
 
 
 def _expand(value: str, key: str, section: str = "judge") -> str:
@@ -169,31 +150,7 @@ class Judge:
                                           for k in ENV_FIELDS if getattr(cfg, k)})
         if cfg.api_key_env is None:  # one config for OpenAI or Azure (GRubrics' judge)
             cfg = dataclasses.replace(cfg, api_key_env=SDK_KEY_ENV[bool(cfg.azure_endpoint)])
-        if cfg.azure_endpoint and not cfg.api_version:
-            raise ValueError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
-        # else every call fails, each counted
-        for name in ("azure_endpoint",) if cfg.azure_endpoint else ("base_url",):
-            try:
-                url = urlsplit(getattr(cfg, name) or "")
-            except ValueError:  # "http://[::1/v1": an unclosed IPv6 address
-                url = urlsplit("")
-            if url.scheme not in ("http", "https") or not url.netloc:
-                shown = getattr(cfg, name)
-                raise ValueError(f"{section}: {name}={mask_urls(shown) if shown else shown!r} is "
-                                 "not an http(s) URL; give one such as http://127.0.0.1:8000/v1 "
-                                 "or https://api.openai.com/v1")
-        if cfg.max_concurrent < 1 or cfg.max_retries < 0 or cfg.score_max <= cfg.score_min:
-            raise ValueError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and "
-                             "score_max > score_min")
-        if not cfg.timeout_s > 0 or (cfg.requests_per_minute is not None
-                                     and not cfg.requests_per_minute >= 0):
-            raise ValueError(f"{section}: need timeout_s > 0 (got {cfg.timeout_s}) and "
-                             "requests_per_minute >= 0 (0 or null: no limit; "
-                             f"got {cfg.requests_per_minute})")
-        if not _ENV_NAME.fullmatch(cfg.api_key_env or "") or _looks_like_a_key(cfg.api_key_env):
-            raise ValueError(f"{section}: api_key_env is the NAME of the environment variable that "
-                             "holds the key (e.g. OPENAI_API_KEY), not the key; export the key and "
-                             "name its variable")
+        check_client(section, cfg, mask_urls)
         self.headers = {h: _expand(v, f"extra_headers.{h}", section)
                         for h, v in cfg.extra_headers.items()}
         self.cfg, self.label, self.key = cfg, label, key or label
@@ -338,14 +295,10 @@ class Judge:
         self._loop, self._sem, self._inflight = loop, asyncio.Semaphore(cfg.max_concurrent), {}
 
     async def aclose(self) -> None:
-        """Close the HTTP client of the current loop (call it after acomplete in your own loop)."""
+        """Close the HTTP client of the current loop (its connections belong to that loop)."""
         if self._client is not None:
             await self._client.close()
         self._client = self._loop = None
-
-    async def acomplete(self, messages: list[dict]) -> str | None:
-        """One chat completion (cached, rate-limited, retried); a fault gives None, never raises."""
-        return await self._acomplete(messages, None)
 
     async def _acomplete(self, messages: list[dict], accept: Callable[[str], bool] | None,
                          sample: int = 0) -> str | None:
@@ -385,13 +338,11 @@ class Judge:
         return reply
 
     async def _request(self, key: str, messages: list[dict]) -> str | None:
+        """One request's reply, retried on what a retry may fix (module docstring); None when it
+        got none, was refused or came back unusable."""
         import openai
         cfg = self.cfg
-        options = {cfg.token_param: cfg.max_tokens}
-        if cfg.temperature is not None:
-            options["temperature"] = cfg.temperature
-        if cfg.extra_body:
-            options["extra_body"] = cfg.extra_body
+        options = self._request_options()
         for attempt in range(cfg.max_retries + 1):
             if attempt:
                 self.add_stat("retries")
@@ -410,29 +361,7 @@ class Judge:
             except (asyncio.TimeoutError, openai.APIConnectionError) as e:  # APITimeoutError too
                 why, wait = self._no_reply_why(e), None
             except openai.APIStatusError as e:
-                code, text = getattr(e, "code", None), str(e.message)
-                no_credit = ((e.status_code == 429 and code == "insufficient_quota")  # OpenAI's
-                             or e.status_code == 402)  # OpenRouter's
-                flagged = e.status_code == 403 and ("flagged" in text.lower()  # one request's
-                                                    or "moderation" in text.lower())
-                if not (e.status_code in (408, 429) or e.status_code >= 500) or no_credit:
-                    msg = (f"{self.label}: HTTP {e.status_code} from {self._endpoint}, "
-                           f"not retried: {self.masked(text)[:300]}")
-                    unsupported = e.status_code == 400 and code in ("unsupported_parameter",
-                                                                    "unsupported_value")
-                    if (e.status_code in (401, 403, 404) and not flagged or no_credit
-                            or unsupported) and self.fatal is None:
-                        hint = (f"; reasoning models (o-series, GPT-5) take "
-                                f"{self.key}.token_param: max_completion_tokens and "
-                                f"{self.key}.temperature: null" if unsupported else
-                                f" (out of credit at {self._endpoint}: top up the account or use "
-                                "another key)" if no_credit else
-                                f" (check {self.key}'s base_url, model and the key in "
-                                f"${cfg.api_key_env})")
-                        # a key, model, URL, bill or request to fix
-                        self.fatal = self.masked(" ".join(msg.split()) + hint)
-                    self._warn_once(f"http{e.status_code}", msg)
-                    self._note_failure(msg)
+                if self._refused(e):
                     return None
                 why, wait = f"HTTP {e.status_code}", _retry_after(e.response.headers)
             except openai.APIError as e:  # a 200 whose body is not a chat completion
@@ -457,6 +386,47 @@ class Judge:
         self._note_failure(f"{tries}, the last {why}")
         self._no_reply.add(key)
         return None
+
+    def _request_options(self) -> dict:
+        """The request's sampling fields besides model and messages: max tokens under its
+        token_param, temperature (unless null), extra_body."""
+        cfg = self.cfg
+        options = {cfg.token_param: cfg.max_tokens}
+        if cfg.temperature is not None:
+            options["temperature"] = cfg.temperature
+        if cfg.extra_body:
+            options["extra_body"] = cfg.extra_body
+        return options
+
+    def _refused(self, e) -> bool:
+        """Whether an HTTP error status is one no retry fixes (all but 408, 429 and 5xx; a 402 or
+        429 out of credit): then warned, noted, and made fatal where the key, model, URL, bill or
+        request must change (not a 403 for one flagged input)."""
+        code, text = getattr(e, "code", None), str(e.message)
+        no_credit = ((e.status_code == 429 and code == "insufficient_quota")  # OpenAI's
+                     or e.status_code == 402)  # OpenRouter's
+        flagged = e.status_code == 403 and ("flagged" in text.lower()  # one request's
+                                            or "moderation" in text.lower())
+        if (e.status_code in (408, 429) or e.status_code >= 500) and not no_credit:
+            return False
+        msg = (f"{self.label}: HTTP {e.status_code} from {self._endpoint}, "
+               f"not retried: {self.masked(text)[:300]}")
+        unsupported = e.status_code == 400 and code in ("unsupported_parameter",
+                                                        "unsupported_value")
+        if (e.status_code in (401, 403, 404) and not flagged or no_credit
+                or unsupported) and self.fatal is None:
+            hint = (f"; reasoning models (o-series, GPT-5) take "
+                    f"{self.key}.token_param: max_completion_tokens and "
+                    f"{self.key}.temperature: null" if unsupported else
+                    f" (out of credit at {self._endpoint}: top up the account or use "
+                    "another key)" if no_credit else
+                    f" (check {self.key}'s base_url, model and the key in "
+                    f"${self.cfg.api_key_env})")
+            # a key, model, URL, bill or request to fix
+            self.fatal = self.masked(" ".join(msg.split()) + hint)
+        self._warn_once(f"http{e.status_code}", msg)
+        self._note_failure(msg)
+        return True
 
     def _no_reply_why(self, e: BaseException) -> str:
         """A timeout or connection error in words, with the host it was for: "connection refused

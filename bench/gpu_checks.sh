@@ -7,7 +7,8 @@
 #   OUT=$OUT sh bench/gpu_checks.sh STAGE [STAGE ...]
 # Every stage runs under `timeout`: its own limit, and never past DEADLINE seconds from the start
 # (default 560, so the call returns before the device's 600 s); a stage that is cut says so, and
-# keeps what it finished. Logs go to $OUT; bring them to bench/gpu_<device>/ with the date.
+# keeps what it finished. Logs go to $OUT; bring each to its study's folder (bench/README.md),
+# named <device>_<date>_<what> (e.g. bench/t4_profile/h200_2026-11-28_t4_budget.log).
 #
 # The call plan (minutes are estimates from the 2026-11-27 H100 and 2026-11-28 H200 logs, not
 # measurements of this script: a child's fixed cost ~28 s; TRL ~13 s a step at 128 new tokens,
@@ -18,25 +19,29 @@
 #                       call 2: defaults decode   (~3 + ~2 min)
 #   then:               trl512 (Qwen3-0.6B at 512 new tokens, 3 measured steps, 1 alternation)
 #                       t4 (~4 min; its own call with the t4 kit, which bitsandbytes fills)
-# Stages (limit in seconds):
-#   trl-0.6b  (420) bench/vs_trl.py --preset gpu, random Qwen3-0.6B shape: minigrpo with no
-#             setting written against TRL's GRPOTrainer, STEPS (3: the first is warm-up, left out)
-#             a run, ALTERNATIONS (2), TOKENS (128) new tokens; the JSON is written after each run
+# Stages (limit in seconds; outputs to bench/speed_vs_trl, t4_profile, gpu_defaults, gpu_tests):
+#   trl-0.6b  (420) bench/speed_vs_trl/vs_trl.py --preset gpu, random Qwen3-0.6B shape: minigrpo
+#             with no setting written against TRL's GRPOTrainer, STEPS (3: the first is warm-up,
+#             left out) a run, ALTERNATIONS (2), TOKENS (128) new tokens; the JSON is written after
+#             each run
 #   trl-1.5b  (540) the same on Qwen2.5-1.5B's shape;  trl: both shapes in one call (540; cut)
 #   trl512    (540) Qwen3-0.6B at 512 new tokens, 4 steps a run, 1 alternation: the headline
 #             length, which at 2 alternations does not fit a call (TRL alone: ~4 x 200 s)
 #   colab     (240) configs/colab_t4.yaml as a T4 chooses it (fp16, no compiled or merged sampler)
 #             under a 13.9 GiB cap, random Qwen3-0.6B, completions that end, gradients that flow
-#             (bench/colab_check.yaml says how), 5 steps; then bench/t4_check.py: the fp16 loss
-#             scale, skipped updates and whether the adapter moved
+#             (bench/t4_profile/colab_check.yaml says how), 5 steps; then
+#             bench/t4_profile/t4_check.py: the fp16 loss scale, skipped updates and whether the
+#             adapter moved
 #   t4        (300) configs/t4.yaml (NF4 base, fp16, as a T4 runs it) under the 13.9 GiB cap, random
-#             Qwen2.5-1.5B, bench/t4_check.yaml's fixed-length rollouts, 3 steps; then
-#             bench/t4_check.py. Needs the t4 kit (sh bench/gpu_kit.sh t4: bitsandbytes), not bench's
-#   defaults  (240) train.py with no speed or memory setting (bench/gpu_defaults.yaml) on a random
-#             Qwen3-0.6B: what auto chose, the first step's cost, step times, the peak, the
-#             sampler-vs-trainer log-prob gap step by step; TORCH_LOGS recompiles and CUDA graphs
-#   decode    (180) bench/decode_speed.py at 128 rows, 64 + 512 positions: sdpa against the folded
-#             GQA decode, compiled, as a share of the KV-inclusive bound
+#             Qwen2.5-1.5B, bench/t4_profile/t4_check.yaml's fixed-length rollouts, 3 steps; then
+#             bench/t4_profile/t4_check.py. Needs the t4 kit (sh bench/gpu_kit.sh t4:
+#             bitsandbytes), not bench's
+#   defaults  (240) train.py with no speed or memory setting (bench/gpu_defaults/gpu_defaults.yaml)
+#             on a random Qwen3-0.6B: what auto chose, the first step's cost, step times, the peak,
+#             the sampler-vs-trainer log-prob gap step by step; TORCH_LOGS recompiles and CUDA
+#             graphs
+#   decode    (180) bench/gpu_defaults/decode_speed.py at 128 rows, 64 + 512 positions: sdpa
+#             against the folded GQA decode, compiled, as a share of the KV-inclusive bound
 #   tests     (300) the GPU tests (tests/test_gpu*.py; tests/test_rollout.py's cuda ones)
 #   vllm      (300) the vLLM rollout against HF generate, where vllm imports (it cannot be carried)
 set -u
@@ -59,30 +64,32 @@ stage() {  # one stage's commands (run through `timeout` by the loop at the bott
       [ "$1" = trl-0.6b ] && models="--model random:qwen3-0.6b"
       [ "$1" = trl512 ] && models="--model random:qwen3-0.6b" TOKENS=512 STEPS=4 ALTERNATIONS=1
       rm -rf "/tmp/vs-$1"
-      python3 bench/vs_trl.py --preset gpu $models --max-new-tokens "$TOKENS" --steps "$STEPS" \
-        --alternations "$ALTERNATIONS" --tokenizer $TOK --workdir "/tmp/vs-$1" \
+      python3 bench/speed_vs_trl/vs_trl.py --preset gpu $models --max-new-tokens "$TOKENS" \
+        --steps "$STEPS" --alternations "$ALTERNATIONS" --tokenizer $TOK --workdir "/tmp/vs-$1" \
         --json "$OUT/vs_trl_$1.json" 2>&1 | tee "$OUT/vs_trl_$1.log" | grep -E "^\[bench\]" \
         | cut -c1-300 ;;
     colab)
       rm -rf /tmp/colab
       python3 bench/memory_cap.py --budget-gb 13.9 --model random:qwen3-0.6b --tokenizer $TOK \
-        -- --config bench/colab_check.yaml 2>&1 | tee "$OUT/colab.log" \
+        -- --config bench/t4_profile/colab_check.yaml 2>&1 | tee "$OUT/colab.log" \
         | grep -E "^\[memory_cap\]|^\[minigrpo\] (chosen|warning)|^step " | cut -c1-300
       cp /tmp/colab/metrics.jsonl "$OUT/colab_metrics.jsonl"
-      python3 bench/t4_check.py /tmp/colab 2>&1 | tee -a "$OUT/colab.log"
+      python3 bench/t4_profile/t4_check.py /tmp/colab 2>&1 | tee -a "$OUT/colab.log"
       python3 bench/gpu_steps.py /tmp/colab/metrics.jsonl | tee -a "$OUT/colab.log" ;;
     t4)
       rm -rf /tmp/t4
       python3 bench/memory_cap.py --budget-gb 13.9 --model random:qwen2.5-1.5b --tokenizer $TOK \
-        -- --config bench/t4_check.yaml --run.steps=3 --run.save_every=3 --run.out_dir=/tmp/t4 \
+        -- --config bench/t4_profile/t4_check.yaml --run.steps=3 --run.save_every=3 \
+        --run.out_dir=/tmp/t4 \
         2>&1 | tee "$OUT/t4.log" | grep -E "^\[memory_cap\]|^\[minigrpo\] (chosen|warning)|^step " \
         | cut -c1-300
       cp /tmp/t4/metrics.jsonl "$OUT/t4_metrics.jsonl"
-      python3 bench/t4_check.py /tmp/t4 2>&1 | tee -a "$OUT/t4.log" ;;
+      python3 bench/t4_profile/t4_check.py /tmp/t4 2>&1 | tee -a "$OUT/t4.log" ;;
     defaults)
       rm -rf /tmp/defaults
       TORCH_LOGS=recompiles,cudagraphs python3 bench/memory_cap.py --budget-gb 70 \
-        --model random:qwen3-0.6b --tokenizer $TOK -- --config bench/gpu_defaults.yaml \
+        --model random:qwen3-0.6b --tokenizer $TOK \
+        -- --config bench/gpu_defaults/gpu_defaults.yaml \
         --run.out_dir=/tmp/defaults > "$OUT/defaults.log" 2>&1
       grep -E "^\[minigrpo\] (chosen|step [0-9]+/)|^\[memory_cap\]|[Rr]ecompil|cudagraph" \
         "$OUT/defaults.log" | cut -c1-300 | tail -30
@@ -91,7 +98,7 @@ stage() {  # one stage's commands (run through `timeout` by the loop at the bott
     decode)
       hbm=$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
 print('4.8e12' if 'H200' in n else '3.35e12' if 'H100' in n else '0.6e12')")
-      TORCH_LOGS=cudagraphs,recompiles python3 bench/decode_speed.py --modes compiled \
+      TORCH_LOGS=cudagraphs,recompiles python3 bench/gpu_defaults/decode_speed.py --modes compiled \
         --new 512 --hbm "$hbm" > "$OUT/decode.log" 2>&1
       grep -v "^\s*$" "$OUT/decode.log" | tail -12 ;;
     tests)  # the whole output is kept; the summary's counts and FAILED lines end it
@@ -108,7 +115,7 @@ print('4.8e12' if 'H200' in n else '3.35e12' if 'H100' in n else '0.6e12')")
       for engine in hf vllm; do
         rm -rf "/tmp/engine-$engine"
         python3 bench/memory_cap.py --budget-gb 70 --model random:qwen3-0.6b --tokenizer $TOK \
-          -- --config bench/gpu_defaults.yaml --run.steps=3 --rollout.engine=$engine \
+          -- --config bench/gpu_defaults/gpu_defaults.yaml --run.steps=3 --rollout.engine=$engine \
           --run.out_dir="/tmp/engine-$engine" > "$OUT/engine_$engine.log" 2>&1
         grep "^\[memory_cap\]" "$OUT/engine_$engine.log" | tail -5
       done ;;
@@ -165,7 +172,8 @@ for s in "$@"; do
   timeout -k 10 "$limit" sh "$SELF" --stage "$s"
   rc=$?
   case $s in trl*)  # the summaries of whatever finished, and what auto chose on minigrpo's side
-    python3 bench/vs_trl.py --report "$OUT/vs_trl_$s.json" 2>&1 | tee -a "$OUT/vs_trl_$s.log" \
+    python3 bench/speed_vs_trl/vs_trl.py --report "$OUT/vs_trl_$s.json" 2>&1 \
+      | tee -a "$OUT/vs_trl_$s.log" \
       | grep -vE "^(rollout|generate|training) " | cut -c1-300
     for log in /tmp/vs-"$s"/*-minigrpo-1/child.log; do
       grep -m1 "chosen for this GPU" "$log" 2>/dev/null | cut -c1-400 | tee -a "$OUT/vs_trl_$s.log"

@@ -5,9 +5,9 @@
         --data.name=tests/fixtures/gsm8k_sample.jsonl --run.steps=3 --run.out_dir=/tmp/t4
 
 It caps this process's CUDA allocations with torch.cuda.set_per_process_memory_fraction(budget /
-card), builds the model if it is a `random:` shape (bench/vs_trl.py's, seeded, weights random since
-hubs may be unreachable), runs train.main with the remaining arguments and --model.name set, and
-prints each step's peak torch.cuda.max_memory_allocated (metrics.jsonl's peak_memory_mb) and
+card), builds the model if it is a `random:` shape (bench/random_models.py's, seeded, weights random
+since hubs may be unreachable), runs train.main with the remaining arguments and --model.name set,
+and prints each step's peak torch.cuda.max_memory_allocated (metrics.jsonl's peak_memory_mb) and
 whether the run fit: an allocation over the cap raises CUDA OOM, which is reported as not fitting.
 `--rollout.ignore_eos=true` makes every completion max_new_tokens long: the worst case. fp16 is a
 T4's compute dtype (no bf16 there). CUDA only; not part of the test suite.
@@ -27,8 +27,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-gb", type=float, required=True,
                     help="GiB the run may allocate on the GPU")
-    ap.add_argument("--model", help="random:<shape> (see bench/vs_trl.py), a model directory, or "
-                    "unset (the config's)")
+    ap.add_argument("--model", help="random:<shape> (see bench/random_models.py), a model "
+                    "directory, or unset (the config's)")
     ap.add_argument("--tokenizer",
                     help="tokenizer directory for random models (default: the built-in model's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -47,7 +47,7 @@ def main() -> int:
     torch.cuda.set_per_process_memory_fraction(fraction, 0)
     args = [x for x in a.train_args if x != "--"]
     if a.model:
-        from vs_trl import model_dir
+        from random_models import model_dir
         args.append(f"--model.name={model_dir(a.model, 'cuda', a.tokenizer, a.seed)}")
     import train
     from config import load_config

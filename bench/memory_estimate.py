@@ -8,15 +8,15 @@
     python bench/memory_estimate.py --config configs/grubrics.yaml --model random:qwen3-8b \\
         --prompt-tokens 100 --meta
 
-With --config, the run's own settings size the estimate: model dtype and 4-bit base, LoRA,
-gradient checkpointing, G, max_new_tokens, rollout.prompts_per_generate (rows a generate call
-holds), optim.micro_batch_size / micro_batch_tokens, grpo.logprob_chunk and fused_lm_head. Without
-it, the H100 benchmark's work (bench/vs_trl.py --preset gpu: random Qwen3-0.6B, 16 prompts x 8,
+With --config, the run's own settings size the estimate: model dtype and 4-bit base, LoRA, gradient
+checkpointing, G, max_new_tokens, rollout.prompts_per_generate (rows a generate call holds),
+optim.micro_batch_size / micro_batch_tokens, grpo.logprob_chunk and fused_lm_head. Without it, the
+H100 benchmark's work (bench/speed_vs_trl/vs_trl.py --preset gpu: random Qwen3-0.6B, 16 prompts x 8,
 512 new tokens). --prompt-tokens is the longest rendered prompt (chat template included).
 
-The model (a `random:` shape of bench/vs_trl.py, or a model directory) is loaded on the CPU in the
-GPU dtype by model.load_policy, as train.py loads it, then logprobs.sequence_log_probs and its
-backward run under torch's FakeTensorMode (gpu/memory.py, with which the trainer chooses its
+The model (a `random:` shape of bench/random_models.py, or a model directory) is loaded on the CPU
+in the GPU dtype by model.load_policy, as train.py loads it, then logprobs.sequence_log_probs and
+its backward run under torch's FakeTensorMode (gpu/memory.py, with which the trainer chooses its
 micro-batch and gradient checkpointing): every operator computes only its output's shape, and a
 dispatch mode adds up the bytes of the tensor storage each operator creates, minus what autograd
 and Python have freed. Its peak is what torch.cuda.max_memory_allocated would show above the
@@ -71,10 +71,10 @@ if TYPE_CHECKING:
 def build(mcfg: ModelConfig, lora: LoraConfig, tokenizer: str | None = None):
     """(model, config) as train.py trains it (model.load_policy: LoRA in fp32 on the GPU dtype), on
     the CPU, with no 4-bit quantization and no checkpointing (micro_batch_peak sets that per trace):
-    a `random:` model.name is a shape written once by bench/vs_trl.py's model_dir."""
+    a `random:` model.name is a shape written once by bench/random_models.py's model_dir."""
     import dataclasses
 
-    from vs_trl import model_dir, random_config
+    from random_models import model_dir, random_config
 
     import model as model_mod
     from model import load_policy
@@ -112,7 +112,7 @@ def main() -> int:
     ap.add_argument("--config", help="a train.py config: its model, lora, rollout, grpo and optim "
                     "settings size the estimate; --section.key=value overrides follow as for "
                     "train.py")
-    ap.add_argument("--model", help="random:<shape> (bench/vs_trl.py) or a model directory; "
+    ap.add_argument("--model", help="random:<shape> (bench/random_models.py) or a model directory; "
                     "replaces model.name (default without --config: random:qwen3-0.6b)")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="GPU dtype (default: model.dtype, auto as bfloat16)")
@@ -139,10 +139,10 @@ def main() -> int:
         cfg = load_config(a.config, overrides) if a.config else Config()
     except ConfigError as e:
         ap.error(str(e))
-    if not a.config:  # the H100 benchmark's work (bench/vs_trl.py --preset gpu)
+    if not a.config:  # the H100 benchmark's work (bench/speed_vs_trl/vs_trl.py --preset gpu)
         cfg.model.name, cfg.rollout.prompts_per_step, cfg.rollout.max_new_tokens = (
             "random:qwen3-0.6b", 16, 512)
-        from vs_trl import LORA_TARGETS
+        from random_models import LORA_TARGETS
         cfg.lora.target_modules = LORA_TARGETS
     spec = cfg.model.name = a.model or cfg.model.name
     dtype_name = cfg.model.dtype = a.dtype or (cfg.model.dtype if cfg.model.dtype != "auto"
@@ -152,7 +152,7 @@ def main() -> int:
         model, mcfg = build(cfg.model, cfg.lora, a.tokenizer)
     except ConfigError as e:  # a hub model without network, say: one line, as train.py gives it
         print(f"error: {e}" + ("" if spec.startswith("random:") else "; --model random:SHAPE "
-                               "estimates a random model of a known shape (bench/vs_trl.py: "
+                               "estimates a random model of a known shape (bench/random_models.py: "
                                "qwen3-0.6b, qwen2.5-1.5b, qwen3-1.7b, qwen3-4b-instruct-2507, "
                                "qwen2.5-7b, qwen3-8b; --meta for the large ones) without "
                                "downloading"), file=sys.stderr)

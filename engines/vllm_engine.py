@@ -2,7 +2,7 @@
 LoRA adapter reaches it after each step's updates (before the next rollout), and the trainer
 recomputes every log-prob.
 
-    engine = VllmEngine(cfg, base_path, run_dir, dtype, rank, device)  # LLM(enable_lora=True)
+    engine = VllmEngine(cfg, base_path, run_dir, dtype, model, device)  # LLM(enable_lora=True)
     engine.sync(model)                                                 # the new adapter
     rollout = engine.generate(tokenizer, prompts, eos_ids, device)     # sampler_logp: vLLM's
 
@@ -21,17 +21,17 @@ min(exp(logp_trainer - logp_vllm), tis_cap) (truncated importance sampling, as i
 log-probs of the distribution it samples from (after temperature, top-k and top-p; settings/
 checks.py refuses tis_cap with the last two): `logprobs_mode="processed_logprobs"`.
 
-Installed from requirements-vllm.txt (vllm>=0.27.0,<0.31.0, the releases that keep the trainer's
-torch and transformers); engines/vllm_startup.py checks what it can before LLM(...) starts, which
-runs in this process on run.device's GPU as TRL's colocate mode runs it. Not run on real vLLM: the
-development machine has no GPU and cannot install it. The sync logic and the conversion of vLLM's
-outputs are tested against tests/fake_vllm.py, bound to the signatures of vLLM 0.30.0's source
-(engines/vllm_surface.json), and each call was checked by reading vLLM's source (wheels
-0.8.5-0.12.0, 0.27.0, 0.30.0 and 0.33.0): the engine arguments, SamplingParams, logprobs=0 (the
-sampled token's entry comes first), sleep level 1 (the LoRA slots live in the weights pool), no
-prefix-cache reset (its block hashes include the LoRA), and where vLLM differs from the HF path
-(truncation at a final EOS, text cut inside a stop string, min_tokens' renormalisation) the code
-follows the HF path.
+Installed from requirements-vllm.txt (vllm>=0.32.0,<0.33.0 with the torch 2.13.0 and transformers
+5.19.0 that vLLM 0.32 declares and tested); engines/vllm_startup.py checks what it can before
+LLM(...) starts, which runs in this process on run.device's GPU as TRL's colocate mode runs it.
+Not run on real vLLM: the development machine has no GPU and cannot install it. The sync logic and
+the conversion of vLLM's outputs are tested against tests/fake_vllm.py, bound to the signatures of
+vLLM 0.32.0's source (engines/vllm_surface.json), and each call was checked by reading vLLM's
+source (wheels 0.8.5-0.12.0, 0.27.0, 0.30.0, 0.32.0 and 0.33.0): the engine arguments,
+SamplingParams, logprobs=0 (the sampled token's entry comes first), sleep level 1 (the LoRA slots
+live in the weights pool), no prefix-cache reset (its block hashes include the LoRA), and where
+vLLM differs from the HF path (truncation at a final EOS, text cut inside a stop string,
+min_tokens' renormalisation) the code follows the HF path.
 """
 from __future__ import annotations
 
@@ -45,7 +45,6 @@ import torch
 import rollout
 from config import Config, ConfigError
 from engines import vllm_startup
-from engines.vllm_startup import LORA_RANKS
 from sources.adapters import save_adapter
 
 
@@ -82,23 +81,33 @@ def one_process_launch(device: torch.device) -> dict[str, str]:
 
 
 class VllmEngine:
-    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype,
-                 lora_rank: int, device: torch.device, start: int = 0):
-        """lora_rank: the rank of the adapter being trained (a continued init adapter keeps its
-        own). device: the trainer's GPU, vLLM's too. start: the step a resumed run goes on from;
-        vLLM's seed is run.seed + start, so a resumed run draws new samples instead of replaying
-        the sampling noise of step 1."""
-        vllm_startup.check_install(lora_rank)
+    def __init__(self, cfg: Config, base_path: str, run_dir: Path, dtype: torch.dtype, model,
+                 device: torch.device, start: int = 0):
+        """model: the trainer's policy (its adapter's rank: a continued init adapter keeps its own;
+        its base's size, for the memory check). device: the trainer's GPU, vLLM's too. start: the
+        step a resumed run goes on from; vLLM's seed is run.seed + start, so a resumed run draws
+        new samples instead of replaying the sampling noise of step 1."""
+        lora_rank = model.peft_config["default"].r
+        version = vllm_startup.check_install(lora_rank)
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
         self.cfg, self.SamplingParams, self.LoRARequest = cfg, SamplingParams, LoRARequest
         self.dir = Path(run_dir) / "vllm_adapter"
         self.version, self.request = 0, None
         ro, m = cfg.rollout, cfg.model
+        # as TRL: vLLM's batch is a step's completions, B x G (its default, 1024 on an H100, sizes
+        # the sampler's buffers and CUDA graphs for that many); a profiling batch of 4096 tokens
+        # (vLLM's 8192-16384 would take much of a small share for activations)
+        seqs = ro.prompts_per_step * ro.num_generations
+        tokens = max(4096, seqs)  # vLLM refuses fewer batched tokens than sequences
+        length = ro.max_prompt_tokens + ro.max_new_tokens
+        rank = vllm_startup.served_rank(lora_rank, version)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what the trainer's allocator caches is free to vLLM too
             free, total = torch.cuda.mem_get_info(device)
-            vllm_startup.check_memory(ro.vllm_gpu_memory_utilization, free, total, str(device))
+            costs = vllm_startup.startup_costs(model, dtype.itemsize, rank, seqs, tokens, length)
+            vllm_startup.check_memory(ro.vllm_gpu_memory_utilization, free, total, str(device),
+                                      costs)
         os.environ.update(one_process_launch(device))
         try:
             self.llm = LLM(
@@ -106,15 +115,11 @@ class VllmEngine:
                 tokenizer_revision=m.revision, trust_remote_code=m.trust_remote_code,
                 dtype=str(dtype).removeprefix("torch."), seed=cfg.run.seed + start,
                 gpu_memory_utilization=ro.vllm_gpu_memory_utilization,
-                enable_sleep_mode=ro.vllm_sleep,
-                max_model_len=ro.max_prompt_tokens + ro.max_new_tokens, enable_prefix_caching=True,
-                enable_lora=True, max_loras=1,
-                max_lora_rank=min(r for r in LORA_RANKS if r >= lora_rank),
-                logprobs_mode="processed_logprobs",
-                # as TRL's colocate mode: the engine in this process, on LOCAL_RANK's GPU, and a
-                # profiling batch of 4096 tokens (vLLM's own 8192-16384 would take much of a small
-                # share for activations, leaving little for the KV cache)
-                distributed_executor_backend="external_launcher", max_num_batched_tokens=4096)
+                enable_sleep_mode=ro.vllm_sleep, max_model_len=length, enable_prefix_caching=True,
+                enable_lora=True, max_loras=1, max_lora_rank=rank,
+                logprobs_mode="processed_logprobs", max_num_seqs=seqs,
+                # as TRL's colocate mode: the engine in this process, on LOCAL_RANK's GPU
+                distributed_executor_backend="external_launcher", max_num_batched_tokens=tokens)
         # a model vLLM cannot serve with LoRA, too little free GPU memory, ...
         except Exception as e:
             raise ConfigError(f"rollout.engine: vllm could not start on {base_path} "
@@ -151,6 +156,9 @@ class VllmEngine:
             stop_token_ids=eos_ids, logprobs=0)
         # token ids, not text: vLLM would re-tokenize and may add a BOS the template already has
         ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        if max(map(len, ids)) > ro.max_prompt_tokens:  # as the HF path: vLLM would cut the answer
+            raise ValueError(f"a prompt has {max(map(len, ids))} tokens > "
+                             f"rollout.max_prompt_tokens={ro.max_prompt_tokens}")
         if self.cfg.rollout.vllm_sleep:
             self.llm.wake_up()
         try:

@@ -7,6 +7,8 @@ logs) and atomic rewrites (results, configs).
     for offset, end, record in jsonl.read(path):  # whole lines only; record None: not a JSON object
         ...
     jsonl.write_atomic(path, text)                # whole old file or whole new one, never half
+    jsonl.write_records(path, records)            # the same, as JSON lines
+    records = jsonl.records(path)                 # every whole record, in order
 
 A kill during a write leaves at most a torn last line. `append` first ends such a line, so new
 records never glue onto it, and `read` never yields a line without its newline (it may still be
@@ -14,20 +16,11 @@ being written; a later read, from `end`, picks it up once whole). Appends hold a
 (flock, where the OS has it) from the torn-line check to the fsync, so writers sharing a file (a
 training run and an eval on one judge cache) neither interleave nor misreport offsets. Standard
 library only: the ratings (graders/ratings.py, graders/rating_page.py) import this without torch.
-
-A command that is stopped (Ctrl-C, or SIGTERM from a scheduler, turned into the same exception by
-`sigterm_as_interrupt`) ends with one line and its exit code (`interrupted`), after its files are
-left whole.
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
-import signal
-import sys
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -52,7 +45,7 @@ def append(path: str | Path, records: list[dict]) -> int:
             torn = f.read(1) != b"\n"
         # ASCII: a raw U+2028 or U+0085 in model output would split the line for readers that use
         # str.splitlines
-        f.write((b"\n" if torn else b"") + "".join(json.dumps(r) + "\n" for r in records).encode())
+        f.write((b"\n" if torn else b"") + lines(records).encode())
         f.flush()
         os.fsync(f.fileno())
     return size + torn
@@ -79,6 +72,22 @@ def read(path: str | Path, start: int = 0) -> Iterator[tuple[int, int, dict | No
             offset = end
 
 
+def records(path: str | Path) -> list[dict]:
+    """Every complete JSON-object line of `path`, in order ([] when it does not exist); torn or
+    corrupt lines are skipped, as `read` reports them."""
+    return [record for _, _, record in read(path) if record is not None]
+
+
+def lines(records: list[dict], default=None) -> str:
+    """`records` as JSON Lines text; `default`: json.dumps' hook for values JSON lacks (str)."""
+    return "".join(json.dumps(r, default=default) + "\n" for r in records)
+
+
+def write_records(path: str | Path, records: list[dict], default=None) -> None:
+    """Replace `path` with `records` as JSON Lines, atomically (write_atomic)."""
+    write_atomic(path, lines(records, default))
+
+
 def write_atomic(path: str | Path, text: str | bytes) -> None:
     """Replace `path` with `text` (or bytes): written to path.tmp, fsynced, then renamed over it, so
     a kill or a power cut leaves the old file or the new one, never a half-written one."""
@@ -94,51 +103,3 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
     except BaseException:  # a full disk, text that is not UTF-8: no half-written .tmp left behind
         tmp.unlink(missing_ok=True)
         raise
-
-
-# ----------------------------------------------------------------------------- ending cleanly
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt, so both
-    end a command the same clean way (its default kills the process: no message, no cleanup)."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """While inside: SIGTERM raises Terminated in the main thread (elsewhere: nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
-                errno.EFBIG}
-
-
-def is_write_error(e: BaseException) -> bool:
-    """An OSError a full disk, a quota or a folder made read-only raises: one line for the user. Any
-    other (a missing file from a bug, a reset connection) keeps its traceback."""
-    return isinstance(e, OSError) and e.errno in WRITE_ERRNOS
-
-
-def interrupted(e: KeyboardInterrupt) -> tuple[str, int]:
-    """What stopped the command and its exit code: Ctrl-C 130, SIGTERM 143 (128 + the signal, as a
-    shell reports)."""
-    return ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
-
-
-def said_interrupted(e: KeyboardInterrupt,
-                     what: str = "before it started; nothing was written") -> int:
-    """One line for a command stopped while loading (models, data, hub files), and its exit code."""
-    name, code = interrupted(e)
-    print(f"\ninterrupted ({name}) {what}", file=sys.stderr)
-    return code

@@ -47,7 +47,8 @@ SPEED = ("grpo.share_prompt", "grpo.logprob_kernel")  # the loss forward's lever
 def speed_levers(cfg: Config, device: torch.device) -> dict:
     """SPEED's values for those left at auto. Prompt sharing runs a micro-batch through the model
     twice (the prompts, then the completions on their cache), doubling its kernel launches (25k vs
-    12k aten operators for Qwen3-0.6B's 28 layers, counted on CPU: bench/gpu_h100/op_count_cpu.log).
+    12k aten operators for Qwen3-0.6B's 28 layers, counted on CPU:
+    bench/gpu_training_pass/op_count_cpu.log).
     A CPU is bound by arithmetic, so the prompt work saved wins there (0.64x the training time at
     45-token prompts); a GPU on a small model is bound by launches, and on an H100 (same model and
     prompts) minigrpo's training took 2.5x TRL's with it on. The sampling prefill shares unless it

@@ -57,6 +57,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -124,13 +125,14 @@ def enable_checkpointing(model) -> None:
     (peft-wrapped or not): non-reentrant checkpoints around each decoder layer, and a hook that
     makes the embeddings' output require grad (transformers' activation_checkpointing_enable adds
     it)."""
-    _base(model).activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": False})
+    from model import checkpoint_layers
+    checkpoint_layers(_base(model))
 
 
 def disable_checkpointing(model) -> None:
+    from model import checkpoint_layers
     base = _base(model)
-    base.activation_checkpointing_disable()
+    checkpoint_layers(base, on=False)
     base.disable_input_require_grads()  # which enabling turned on, and disabling leaves (5.23)
 
 
@@ -274,18 +276,10 @@ def choose_levers(model, cfg, prompt_tokens: int, free_bytes: int,
     ro, g = cfg.rollout, cfg.grpo
     completion = ro.max_episode_tokens if (cfg.env or cfg.tools) else ro.max_new_tokens
     length = prompt_tokens + completion
-    step_rows = max(1, ro.prompts_per_step * ro.num_generations // g.num_mini_batches)
-    tokens = cfg.optim.micro_batch_tokens  # a cap on a micro-batch's padded tokens, 0: none
-    cap = max(1, min(step_rows, tokens // length)) if tokens else step_rows
-    if not tokens:  # past BUSY_TOKENS a micro-batch keeps a GPU busy: more rows only cost memory
-        cap = min(cap, 2 ** int(math.log2(max(1, BUSY_TOKENS // length))))
+    cap = _row_cap(cfg, length)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     budget = free_bytes - margin_bytes(free_bytes) - 2 * trained
-    # the KV cache's: the frozen weights' (not a 4-bit base's packed uint8), else fp32
-    dtype = next((p.dtype for p in model.parameters()
-                  if not p.requires_grad and p.is_floating_point()), torch.float32)
-    sampled = (ro.prompts_per_generate or ro.prompts_per_step) * ro.num_generations
-    sample = 0 if ro.engine == "vllm" else sampling_bytes(model.config, sampled, length, dtype)
+    sampled, sample = _sampling_need(model, cfg, length)
     traced: dict[tuple[int, bool], int] = {}
 
     def training(rows: int, ckpt: bool) -> int:
@@ -300,16 +294,7 @@ def choose_levers(model, cfg, prompt_tokens: int, free_bytes: int,
     tried = candidates(micro_batch_size, checkpointing, can_checkpoint(model))
     if micro_batch_size is None:  # chosen: no more rows than a micro-batch can hold
         tried = list(dict.fromkeys((min(r, cap), c) for r, c in tried))
-    too_big: list[tuple[int, bool]] = []
-    chosen = None
-    for rows, ckpt in tried:
-        # more rows, or no checkpointing at as many rows, than a candidate that did not fit
-        if any(r <= rows and (c == ckpt or c) for r, c in too_big):
-            continue
-        if training(rows, ckpt) <= budget:
-            chosen = rows, ckpt
-            break
-        too_big.append((rows, ckpt))
+    chosen = _first_fit(tried, training, budget)
     rows, ckpt = chosen or min(tried, key=lambda t: (t[0], not t[1]))  # the smallest
     peak = max(training(rows, ckpt), sample)
     why = (f"micro-batch {rows}{' (set)' if micro_batch_size is not None else ''}, "
@@ -320,9 +305,53 @@ def choose_levers(model, cfg, prompt_tokens: int, free_bytes: int,
         fixes = [f"a lower rollout.prompts_per_generate ({sampled} rows sampled need "
                  f"~{sample / GiB:.1f} GiB)"] if sample > budget else []
         if chosen is None:  # training does not fit either
-            fixes += ["a lower optim.micro_batch_size"] if (micro_batch_size or 1) > 1 else []
-            fixes += ["model.gradient_checkpointing: true"] if checkpointing is False else []
-            fixes += ["grpo.fused_lm_head: true"] if not g.fused_lm_head else []
+            fixes += _training_fixes(micro_batch_size, checkpointing, g.fused_lm_head)
         why += (", likely out of memory: try " + ", ".join(fixes)
                 + ", a shorter rollout.max_new_tokens or model.quant: 4bit")
     return Levers(rows, ckpt, peak, budget, why)
+
+
+def _row_cap(cfg, length: int) -> int:
+    """The most rows a micro-batch of `length` tokens may hold: the completions a step trains,
+    optim.micro_batch_tokens' cap or, when that is unset, BUSY_TOKENS' (module docstring)."""
+    ro = cfg.rollout
+    step_rows = max(1, ro.prompts_per_step * ro.num_generations // cfg.grpo.num_mini_batches)
+    tokens = cfg.optim.micro_batch_tokens  # a cap on a micro-batch's padded tokens, 0: none
+    cap = max(1, min(step_rows, tokens // length)) if tokens else step_rows
+    if not tokens:  # past BUSY_TOKENS a micro-batch keeps a GPU busy: more rows only cost memory
+        cap = min(cap, 2 ** int(math.log2(max(1, BUSY_TOKENS // length))))
+    return cap
+
+
+def _sampling_need(model, cfg, length: int) -> tuple[int, int]:
+    """(rows sampled at once, sampling's bytes for them at `length` tokens: 0 under vLLM)."""
+    ro = cfg.rollout
+    # the KV cache's: the frozen weights' (not a 4-bit base's packed uint8), else fp32
+    dtype = next((p.dtype for p in model.parameters()
+                  if not p.requires_grad and p.is_floating_point()), torch.float32)
+    sampled = (ro.prompts_per_generate or ro.prompts_per_step) * ro.num_generations
+    sample = 0 if ro.engine == "vllm" else sampling_bytes(model.config, sampled, length, dtype)
+    return sampled, sample
+
+
+def _first_fit(tried: list[tuple[int, bool]], training: Callable[[int, bool], int],
+               budget: int) -> tuple[int, bool] | None:
+    """The first candidate whose training need fits the budget, or None; a candidate that one
+    which did not fit rules out is skipped, not traced."""
+    too_big: list[tuple[int, bool]] = []
+    for rows, ckpt in tried:
+        # more rows, or no checkpointing at as many rows, than a candidate that did not fit
+        if any(r <= rows and (c == ckpt or c) for r, c in too_big):
+            continue
+        if training(rows, ckpt) <= budget:
+            return rows, ckpt
+        too_big.append((rows, ckpt))
+    return None
+
+
+def _training_fixes(micro_batch_size: int | None, checkpointing: bool | None,
+                    fused_lm_head: bool) -> list[str]:
+    """The settings to try when no micro-batch's training fits."""
+    return (["a lower optim.micro_batch_size"] if (micro_batch_size or 1) > 1 else []) + (
+        ["model.gradient_checkpointing: true"] if checkpointing is False else []) + (
+        ["grpo.fused_lm_head: true"] if not fused_lm_head else [])

@@ -173,7 +173,7 @@ def export(store: Store, fmt: str = "jsonl") -> Reply:
     rows = store.rated_items()
     try:
         body = (parquet_bytes(rows) if fmt == "parquet" else json.dumps(rows) if fmt == "json"
-                else "".join(json.dumps(r) + "\n" for r in rows))
+                else jsonl.lines(rows))
     except ValueError as e:  # parquet_bytes: rows it cannot put in one table
         return 409, str(e), TEXT, {}
     return 200, body, EXPORTS[fmt], {"Content-Disposition":

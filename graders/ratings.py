@@ -254,8 +254,7 @@ def export(rows: list[dict], out: str) -> None:
         raise ValueError(f"--out {out}: give a .jsonl or a .parquet file")
     if path.exists():
         raise ValueError(f"--out {out} exists and is never overwritten; give a new file")
-    jsonl.write_atomic(path, parquet_bytes(rows) if parquet
-                       else "".join(json.dumps(r) + "\n" for r in rows))
+    jsonl.write_atomic(path, parquet_bytes(rows) if parquet else jsonl.lines(rows))
 
 
 def rescaled(scores: dict[str, float], criteria: list[str], scale: list[int]) -> float:

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from files import jsonl
+
 CURVES = ["reward", "rewards/answer_match/mean", "completions/mean_length"]
 # in requirements-gpu.txt but not needed by a notebook run: the tests, the linter, and gguf, which
 # only the built-in GGUF model (smollm2-135m) loads through; the notebook trains a hub model
@@ -111,7 +113,7 @@ def require_checkpoint(run_dir: str) -> None:
 
 def last_step(metrics_path: str) -> int:
     """The last step metrics.jsonl logged, 0 before any."""
-    metrics = read_jsonl(metrics_path)
+    metrics = jsonl.records(metrics_path)
     return metrics[-1]["step"] if metrics else 0
 
 
@@ -159,10 +161,9 @@ def child(args: list[str], run_dir: str, name: str, every_s: float = 1, show=Non
             show(log_path)
             raise
         finally:
-            with open(os.path.join(run_dir, "notebook.jsonl"), "a") as times:
-                times.write(json.dumps({"phase": name, "seconds": round(time.time() - began, 1),
-                                        "exit": proc.returncode, "args": args[1:], **note()})
-                            + "\n")
+            jsonl.append(os.path.join(run_dir, "notebook.jsonl"),
+                         [{"phase": name, "seconds": round(time.time() - began, 1),
+                           "exit": proc.returncode, "args": args[1:], **note()}])
     if proc.returncode != 0:
         with open(log_path) as log:
             last = log.readlines()[-FAILED_LINES:]
@@ -180,18 +181,11 @@ def record(run_dir: str, eval_dir: str | None = None) -> list[str]:
     the run's files: versions, the install, the step time split into rollout and update, steps
     done, peak memory, fp16's loss scale and skipped updates, clipped and zero-std shares, the
     held-out accuracies with their standard error, the wall times."""
-    metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
-    phases = read_jsonl(os.path.join(run_dir, "notebook.jsonl"))
+    metrics = jsonl.records(os.path.join(run_dir, "metrics.jsonl"))
+    phases = jsonl.records(os.path.join(run_dir, "notebook.jsonl"))
     results = os.path.join(eval_dir or os.path.join(run_dir, "eval"), "results.json")
     return (versions() + install_lines() + training_lines(metrics, phases)
             + eval_lines(results) + wall_lines(phases))
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def versions() -> list[str]:

@@ -31,8 +31,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-import rollout
 from config import Config, ConfigError
+from parallel import seeds
 
 TIMEOUT = datetime.timedelta(minutes=60)  # the longest a rank waits for the others (rank 0's eval)
 BUCKET = 2**24  # gradient elements per all-reduce (64 MiB in fp32)
@@ -120,7 +120,7 @@ def same_start(params: list[torch.Tensor], seed: int) -> None:
     with torch.no_grad():
         for p in params:
             dist.broadcast(p.data, src=0)
-    rollout.seed_everything(seed + 1_000_003 * rank())  # rank 0 keeps run.seed
+    seeds.seed_everything(seeds.rank_seed(seed, rank()))  # rank 0 keeps run.seed
 
 
 def sum_norms(minis: list) -> list:

@@ -148,6 +148,9 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
             raise ConfigError(f"checkpoint {ckpt} does not match the model (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]})")
     state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if "judge_answered" not in state:  # the judges' state as kept since b005882 (2026-11-28)
+        raise ConfigError(f"{ckpt} was saved by an older minigrpo (before commit b005882); resume "
+                          "it with the minigrpo that wrote it, or start a new run.out_dir")
     distributed.check_world(state.get("world_size", 1), ckpt)
     state |= state["ranks"][distributed.rank()] if "ranks" in state else {}  # this rank's own
     optimizer.load_state_dict(state["optimizer"])
@@ -162,14 +165,6 @@ def load_checkpoint(ckpt: Path, model, optimizer, scaler) -> dict:
     return state
 
 
-def judges_answered(state: dict) -> dict[str, bool]:
-    """Whether each judge had answered by the checkpoint (`judge_answered`); an older checkpoint,
-    without it, tells by a usable reply among the judge's run totals."""
-    if "judge_answered" in state:
-        return state["judge_answered"]
-    return {name: t.get("requests", 0.0) > 0 for name, t in state.get("judge_totals", {}).items()}
-
-
 def keep_lines_up_to(path: Path, step: int) -> None:
     """On resume, drop log lines of steps after the checkpoint (they will be redone), and lines torn
     by a kill. Atomic rewrite."""
@@ -177,4 +172,4 @@ def keep_lines_up_to(path: Path, step: int) -> None:
         return
     kept = [rec for _, _, rec in jsonl.read(path)
             if rec is not None and isinstance(rec.get("step"), int) and rec["step"] <= step]
-    jsonl.write_atomic(path, "".join(json.dumps(rec) + "\n" for rec in kept))
+    jsonl.write_records(path, kept)

@@ -1,8 +1,10 @@
 """Run health: one line for what looks wrong in a run's metrics and what to try, said in training
-when a check first fires (with the step where it began) and again in a summary at the end.
+when a check first fires (with the step where it began) and again in a summary at the end; and the
+run stopped, in one line, when a step shows what no later step fixes (STOPS).
 
     monitor = Monitor(cfg.health, cfg.run.steps, metrics_path)  # the logged steps, when resumed
     say(monitor.after_step(metrics))   # each step: the lines of checks that fired at this step
+    if monitor.stop: ...               # a STOPS check fired at this step: train.py stops the run
     say(monitor.summary())             # at the end: every check that fired, or nothing
 
 Each check is a plain function of the metrics so far (one dict per step, as in metrics.jsonl), the
@@ -131,6 +133,25 @@ def held_out_falling(history: list[dict], h: HealthConfig, steps: int):
             "hacking; read samples.jsonl, keep an earlier checkpoint, lower optim.lr or run.steps")
 
 
+def sampler_gap(history: list[dict], h: HealthConfig, steps: int):
+    """The sampler's log-probs far from the trainer's (sampler_logp_abs_diff, logged by every
+    sampler that records them: vLLM, HF generate merged or compiled): it samples another policy
+    than the one trained, e.g. a vLLM that lost the LoRA adapter after waking from sleep (vLLM
+    issue 53888) serving the bare base. Precision alone gives ~0.015 nats a token in bf16
+    (docs/gpu.md); vLLM's log-probs after a top-p filter add up to -log(top_p) a token."""
+    m = history[-1]
+    gap = m.get("sampler_logp_abs_diff")
+    if h.sampler_gap_max and gap is not None and gap > h.sampler_gap_max:
+        return m["step"], (
+            f"the sampler is not sampling the policy being trained: sampler_logp_abs_diff "
+            f"{gap:.3f} nats a token at step {m['step']} (> health.sampler_gap_max "
+            f"{h.sampler_gap_max:g}; bf16 alone gives ~0.015): a vLLM that lost its LoRA adapter "
+            "(try rollout.vllm_sleep: false); with rollout.top_p < 1 or top_k, vLLM's log-probs "
+            "are taken after the filter: raise health.sampler_gap_max")
+
+
+STOPS = {"sampler_gap": sampler_gap}  # what no later step fixes: each step, the run stops
+
 CHECKS = {"truncated": truncated, "entropy": entropy_collapsed, "length": length_without_reward,
           "clip_kl": clip_or_kl, "not_finite": not_finite, "judge": judge_failing,
           "held_out": held_out_falling}
@@ -140,7 +161,7 @@ class Monitor:
     """The checks over a run's steps; each says its line once, the first time it fires."""
 
     def __init__(self, h: HealthConfig, steps: int, metrics_path: Path | None = None):
-        self.h, self.steps = h, steps
+        self.h, self.steps, self.stop = h, steps, None
         self.history = [rec for _, _, rec in (jsonl.read(metrics_path) if metrics_path else [])
                         if rec and "step" in rec]
         self.fired: dict[str, str] = {}
@@ -157,8 +178,12 @@ class Monitor:
         return new
 
     def after_step(self, metrics: dict) -> list[str]:
-        """The lines of the checks that fire first at this step."""
+        """The lines of the checks that fire first at this step; self.stop: the line of a STOPS
+        check that fires at it (each step, a resumed run's too), else None."""
         self.history.append(metrics)
+        found = [f(self.history, self.h, self.steps) for f in STOPS.values()] if self.h.enabled \
+            else []
+        self.stop = next((hit[1] for hit in found if hit), None)
         return self.check(self.history)
 
     def summary(self) -> list[str]:

@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 
-from files.jsonl import Terminated, interrupted, is_write_error, sigterm_as_interrupt
+from files.command import Terminated, interrupted, is_write_error, sigterm_as_interrupt
 from parallel import distributed
 from run.checkpoint import checkpoints, rank_state, save_checkpoint
 from run.lifecycle import resume_command, stop_on_error

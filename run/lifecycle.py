@@ -35,7 +35,7 @@ from config import (
 )
 from data import PromptSampler, load_sources
 from engines import environments, episodes, vllm_engine, vllm_startup
-from files.jsonl import interrupted
+from files.command import interrupted
 from gpu import auto
 from model import (
     MergedSampler,
@@ -47,9 +47,10 @@ from model import (
     trainable_parameters,
 )
 from parallel import distributed
+from parallel.seeds import seed_everything
 from rewards import prepare_rewards, reward_context
 from run import folder_lock
-from run.checkpoint import checkpoints, judges_answered, keep_lines_up_to, load_checkpoint
+from run.checkpoint import checkpoints, keep_lines_up_to, load_checkpoint
 from run.display import out_of_memory
 from run.state import Run
 from scoring import dynamic_sampling, pipelined
@@ -147,19 +148,64 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints")
 
 
 def setup(args, overrides: list[str]) -> Run:
-    """Everything that can fail on bad input, as ConfigError, before the run folder is touched."""
+    """Everything that can fail on bad input, as ConfigError, before the run folder is touched, in
+    phases that each read alone: the config, the run folder, the data, the model (last of the
+    checks: the slowest), the training's parts, the resumed state, the sampler's engine."""
     cfg = load_config(args.config, overrides)
-    home = Path(args.config).parent  # a copied or moved run's own config.yaml names the old folder
-    if Path(args.config).name == "config.yaml" and (home / "metrics.jsonl").is_file() and \
-            home.resolve() != Path(cfg.run.out_dir).resolve() and \
-            not any(o.startswith("--run.out_dir=") for o in overrides):
-        raise ConfigError(f"{args.config} is the config of the run in {home}, but its run.out_dir "
-                          f"is {cfg.run.out_dir} (a copied or moved run?): add "
-                          f"--run.out_dir={home} to use this one, or "
-                          f"--run.out_dir={cfg.run.out_dir}")
+    check_home(args.config, cfg, overrides)
     vllm_engine.check_config(cfg)
     distributed.check_config(cfg)
     judges = open_scoring(cfg, check_rewards=bool(cfg.rewards) or cfg.mode == "grpo")
+    run_dir = claim_run_dir(cfg, args)
+    ckpts = checkpoints(run_dir) if args.resume else []
+    data = load_data(cfg)
+    cfg = with_epochs(cfg, len(data.rows))
+    changed = resume_changes(cfg, ckpts, len(data.rows))
+    check_run_extras(cfg, data)
+    model, tokenizer, device = load_model(cfg, ckpts)
+    check_fits(cfg, data, tokenizer)
+    ref_copy, params, optimizer, scaler = training_parts(cfg, model, device)
+    sampler = PromptSampler([len(s.rows) for s in data.sources], cfg.data.shuffle_seed,
+                            [(s.weight, s.weight_end) for s in data.sources], distributed.rank(),
+                            distributed.world())
+    start = resume(ckpts, model, optimizer, scaler, sampler, judges, cfg) if ckpts else 0
+    if args.resume and not ckpts:
+        print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
+    # resumed: the schedule continues from the updates done, on the config's peak lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg, cfg.run.steps * updates_per_step(cfg)),
+        last_epoch=start * updates_per_step(cfg) - 1)
+    engine = vllm_engine_for(cfg, model, run_dir, device, start, args.dry_run)
+    # "auto" settings: as before on a CPU; on a GPU the fast sampler and the memory levers that fit
+    cfg, chosen = auto.resolve(cfg, model, device,
+                               lambda: max(row_lengths(cfg, data.rows, tokenizer)[0]))
+    if chosen:
+        print(chosen, file=sys.stderr)
+    r = Run(cfg, run_dir, data.rows, [s.label for s in data.sources], device, model, tokenizer,
+            ref_copy, params, optimizer, scheduler, scaler, sampler, judges, start, engine,
+            world=distributed.world(),
+            eval_rows=data.eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0's
+            changed=changed)
+    if cfg.mode == "grpo":
+        prepare(r)
+    return r
+
+
+def check_home(config: str, cfg: Config, overrides: list[str]) -> None:
+    """A copied or moved run's own config.yaml names the old folder as run.out_dir: refused, naming
+    both, unless --run.out_dir says which."""
+    home = Path(config).parent
+    if Path(config).name == "config.yaml" and (home / "metrics.jsonl").is_file() and \
+            home.resolve() != Path(cfg.run.out_dir).resolve() and \
+            not any(o.startswith("--run.out_dir=") for o in overrides):
+        raise ConfigError(f"{config} is the config of the run in {home}, but its run.out_dir "
+                          f"is {cfg.run.out_dir} (a copied or moved run?): add "
+                          f"--run.out_dir={home} to use this one, or "
+                          f"--run.out_dir={cfg.run.out_dir}")
+
+
+def claim_run_dir(cfg: Config, args) -> Path:
+    """run.out_dir checked (writable, a folder, a run only with --resume) and locked -> its path."""
     run_dir = Path(cfg.run.out_dir)
     check_writable(cfg.run.out_dir, "run.out_dir")
     if run_dir.exists() and not run_dir.is_dir():
@@ -173,57 +219,85 @@ def setup(args, overrides: list[str]) -> Run:
         raise ConfigError(f"--resume: run.out_dir={run_dir} does not exist, so there is no run to "
                           "continue; check the path, or drop --resume to start one")
     folder_lock.take(run_dir, "run.out_dir", dry_run=args.dry_run)  # one trainer a folder
-    ckpts = checkpoints(run_dir) if args.resume else []
+    return run_dir
+
+
+@dataclasses.dataclass
+class Data:
+    """The run's rows: its sources, the rows trained on, the held-out rows (run.eval_every), and
+    the tokenizer that measured them when data.skip_long left long rows out (None: not measured)."""
+    sources: list
+    rows: list[dict]
+    eval_rows: list[dict] | None
+    measured_by: object = None
+
+
+def load_data(cfg: Config) -> Data:
+    """The training rows (data.skip_long: those that fit) and the held-out ones, checked."""
     sources = load_sources(cfg.data)
-    # the model loads last
     short = load_tokenizer(cfg.model, resolve_model_path(cfg.model)) if cfg.data.skip_long else None
     if short:  # before the epochs count the rows
         sources = without_long_rows(cfg, sources, short)
     rows = [row for s in sources for row in s.rows]
-    cfg = with_epochs(cfg, len(rows))
-    changed = []
-    if ckpts:
-        before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"),
-                                                 len(rows))))
-        changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items()  # as saved
-                         if before.get(k) != v and v != "auto")  # auto: chosen again
-        if any(k.startswith(("model.", "lora.")) or k == "mode" for k in changed):
-            raise ConfigError("--resume with a different mode, model or LoRA setup than "
-                              f"{ckpts[-1]} ({', '.join(changed)}); resume with the run's own "
-                              "config.yaml, or start a new run.out_dir")
-        if changed:
-            print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}",
-                  file=sys.stderr)
     if cfg.rewards and cfg.mode == "grpo":  # SFT scores only held-out rows (checked below)
         check_rows(cfg.rewards, rows)
         environments.check_rows(cfg, rows)  # env.names: each row's `environment` names one
+    return Data(sources, rows, held_out_rows(cfg, rows, short) if cfg.run.eval_every else None,
+                short)
+
+
+def held_out_rows(cfg: Config, rows: list[dict], short) -> list[dict]:
+    """run.eval_every's held-out rows, checked, with a warning when some are trained on."""
+    import eval as ev
+    ev.check_eval_config(cfg)
+    held_out = ev.held_out_sources(cfg)
+    if short and cfg.mode != "grpo":  # SFT, DPO: held-out rows go through the training batches
+        held_out = without_long_rows(cfg, held_out, short, "held-out rows")
+    eval_rows = [row for s in held_out for row in s.rows]
+    if cfg.rewards:
+        check_rows(cfg.rewards, eval_rows, "held-out")
+    seen = {seen_prompts.prompt_hash(r) for r in rows} | seen_prompts.seen_before(cfg.model)
+    if k := seen_prompts.count(eval_rows, seen):
+        print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt "
+              "of a row this run (or the runs behind its model) trains on: eval/* will "
+              "overstate what it learned; check data.select, eval.select, split_seed and "
+              "duplicates in the data", file=sys.stderr)
+    return eval_rows
+
+
+def resume_changes(cfg: Config, ckpts: list[Path], n_rows: int) -> list[str]:
+    """--resume: the settings unlike the last checkpoint's (printed); a different mode, model or
+    LoRA setup is refused."""
+    if not ckpts:
+        return []
+    before = flat(config_to_dict(with_epochs(load_config(ckpts[-1] / "config.yaml"), n_rows)))
+    changed = sorted(k for k, v in flat(redacted(config_to_dict(cfg))).items()  # as saved
+                     if before.get(k) != v and v != "auto")  # auto: chosen again
+    if any(k.startswith(("model.", "lora.")) or k == "mode" for k in changed):
+        raise ConfigError("--resume with a different mode, model or LoRA setup than "
+                          f"{ckpts[-1]} ({', '.join(changed)}); resume with the run's own "
+                          "config.yaml, or start a new run.out_dir")
+    if changed:
+        print(f"[minigrpo] resuming with changed settings: {', '.join(changed)}", file=sys.stderr)
+    return changed
+
+
+def check_run_extras(cfg: Config, data: Data) -> None:
+    """The tracker installed, the threads set, a reward model loaded (once everything cheaper is
+    checked), the run's seed set."""
     if cfg.run.report_to != "none" and importlib.util.find_spec(cfg.run.report_to) is None:
         raise ConfigError(f"run.report_to: {cfg.run.report_to} is not installed; "
                           f"pip install {cfg.run.report_to}, or --run.report_to=none")
-    eval_rows = None
-    if cfg.run.eval_every:
-        if cfg.eval.select is None and not cfg.eval.name:
-            raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, "
-                              "e.g. [1500, 1700]) or eval.name")
-        import eval as ev
-        ev.check_eval_config(cfg)
-        held_out = ev.held_out_sources(cfg)
-        if short and cfg.mode != "grpo":  # SFT, DPO: held-out rows go through the training batches
-            held_out = without_long_rows(cfg, held_out, short, "held-out rows")
-        eval_rows = [row for s in held_out for row in s.rows]
-        if cfg.rewards:
-            check_rows(cfg.rewards, eval_rows, "held-out")
-        seen = {seen_prompts.prompt_hash(r) for r in rows} | seen_prompts.seen_before(cfg.model)
-        if k := seen_prompts.count(eval_rows, seen):
-            print(f"[minigrpo] warning: {k} of the {len(eval_rows)} held-out rows have the prompt "
-                  "of a row this run (or the runs behind its model) trains on: eval/* will "
-                  "overstate what it learned; check data.select, eval.select, split_seed and "
-                  "duplicates in the data", file=sys.stderr)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    if cfg.mode == "grpo" or eval_rows:
-        open_rewards(cfg.rewards)  # a reward model loads here, once everything cheaper is checked
-    rollout.seed_everything(cfg.run.seed)
+    if cfg.mode == "grpo" or data.eval_rows:
+        open_rewards(cfg.rewards)
+    seed_everything(cfg.run.seed)
+
+
+def load_model(cfg: Config, ckpts: list[Path]) -> tuple[torch.nn.Module, object, torch.device]:
+    """The policy and tokenizer on this process's device; --resume: on the base its checkpoint
+    was trained on."""
     device = distributed.start(pick_device(cfg.run.device))  # torchrun: this rank's GPU
     quant = ", 4-bit base" if cfg.model.quant == "4bit" else ""
     print(f"[minigrpo] loading {cfg.model.name} on {device} ({pick_dtype(cfg.model.dtype, device)}"
@@ -241,7 +315,14 @@ def setup(args, overrides: list[str]) -> Run:
             raise ConfigError(f"--resume: the base now built ({model.minigrpo_base}) differs from "
                               f"the one {ckpts[-1]} was trained on ({saved}); point "
                               "model.init_adapter at the checkpoint it used")
-    if not short:  # data.skip_long measured them already: every row left fits
+    return model, tokenizer, device
+
+
+def check_fits(cfg: Config, data: Data, tokenizer) -> None:
+    """Every row fits its length limit (unless data.skip_long measured them); the held-out rows
+    too, or, GRPO's (only sampled from), render; DPO pairs that teach nothing are counted."""
+    rows, eval_rows = data.rows, data.eval_rows
+    if not data.measured_by:  # data.skip_long measured them already: every row left fits
         check_lengths(cfg, rows, tokenizer)
     if cfg.mode == "dpo" and (same := sum(r["chosen"] == r["rejected"] for r in rows)):
         print(f"[minigrpo] warning: {same} of {len(rows)} pairs have the same chosen and rejected "
@@ -252,69 +333,53 @@ def setup(args, overrides: list[str]) -> Run:
     elif eval_rows:
         # GRPO's are only sampled from: rendered now, so a template refusing one stops the run here
         rollout.render_rows(tokenizer, eval_rows, cfg.data, what="held-out row")
+
+
+def training_parts(cfg: Config, model, device: torch.device) -> tuple:
+    """-> (the reference's own copy or None, the trainable parameters, AdamW, a GradScaler or
+    None)."""
     ref_copy = None
     if reference_beta(cfg) > 0 and not is_peft(model):  # full fine-tuning: the reference's own copy
         ref_copy = copy.deepcopy(model).eval().requires_grad_(False)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
-    updates = cfg.run.steps * updates_per_step(cfg)
     # fp16 gradients underflow unscaled: the loss is scaled wherever the model computes in fp16 (a
     # T4's path runs on a CPU too: torch's GradScaler takes either device)
     fp16 = pick_dtype(cfg.model.dtype, device) == torch.float16
-    scaler = torch.amp.GradScaler(device.type) if fp16 else None
-    sampler = PromptSampler([len(s.rows) for s in sources], cfg.data.shuffle_seed,
-                            [(s.weight, s.weight_end) for s in sources], distributed.rank(),
-                            distributed.world())
-    start, updates_done = 0, 0
-    if ckpts:
-        state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
-        start = state["step"]
-        updates_done = start * updates_per_step(cfg)  # as far along as the steps are
-        for group in optimizer.param_groups:  # the checkpoint's moments, the config's settings
-            group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                         weight_decay=cfg.optim.weight_decay)
-        sampler.load_state(state["data_position"])
-        for name, totals in state.get("judge_totals", {}).items():  # judge_*_total, cost included
-            if "sent" not in totals:  # saved before `requests` meant calls with a new reply
-                totals = totals | {"sent": totals.get("requests", 0.0), "requests": max(
-                    totals.get("calls", 0.0) - totals.get("cache_hits", 0.0)
-                    - totals.get("failures", 0.0), 0.0)}
-            if name in judges:
-                judges[name].totals.update({k: v for k, v in totals.items()
-                                            if k in judges[name].totals})
-        for name, answered in judges_answered(state).items():  # no reply now: down, not wrong
-            if answered and name in judges:
-                judges[name].answered_before()
-        print(f"[minigrpo] resumed from {ckpts[-1]} (step {start})", file=sys.stderr)
-    elif args.resume:
-        print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
-    # resumed: the schedule continues from the updates done, on the config's peak lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, updates),
-                                                  last_epoch=updates_done - 1)
-    engine = None
-    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo":  # in a dry run too
-        vllm_startup.check_policy(model)
-        vllm_startup.check_install(model.peft_config["default"].r)
-    # a dry run checks, starts nothing
-    if cfg.rollout.engine == "vllm" and cfg.mode == "grpo" and not args.dry_run:
-        engine = vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
-                                        pick_dtype(cfg.model.dtype, device),
-                                        lora_rank=model.peft_config["default"].r, device=device,
-                                        start=start)
-    # "auto" settings: as before on a CPU; on a GPU the fast sampler and the memory levers that fit
-    cfg, chosen = auto.resolve(cfg, model, device,
-                               lambda: max(row_lengths(cfg, rows, tokenizer)[0]))
-    if chosen:
-        print(chosen, file=sys.stderr)
-    r = Run(cfg, run_dir, rows, [s.label for s in sources], device, model, tokenizer, ref_copy,
-            params, optimizer, scheduler, scaler, sampler, judges, start, engine,
-            world=distributed.world(),
-            eval_rows=eval_rows if distributed.rank() == 0 else None,  # torchrun: rank 0's
-            changed=changed)
-    if cfg.mode == "grpo":
-        prepare(r)
-    return r
+    return ref_copy, params, optimizer, torch.amp.GradScaler(device.type) if fp16 else None
+
+
+def resume(ckpts: list[Path], model, optimizer, scaler, sampler: PromptSampler,
+           judges: dict[str, Judge], cfg: Config) -> int:
+    """The last checkpoint's weights, optimizer moments (with the config's settings), RNG, data
+    position and judges' totals back in place -> its step."""
+    state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
+    for group in optimizer.param_groups:  # the checkpoint's moments, the config's settings
+        group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                     weight_decay=cfg.optim.weight_decay)
+    sampler.load_state(state["data_position"])
+    for name, judge in judges.items():  # judge_*_total (cost included) go on from the checkpoint
+        judge.totals.update({k: v for k, v in state["judge_totals"].get(name, {}).items()
+                             if k in judge.totals})
+        if state["judge_answered"].get(name):  # no reply now: down, not wrong
+            judge.answered_before()
+    print(f"[minigrpo] resumed from {ckpts[-1]} (step {state['step']})", file=sys.stderr)
+    return state["step"]
+
+
+def vllm_engine_for(cfg: Config, model, run_dir: Path, device: torch.device, start: int,
+                    dry_run: bool):
+    """rollout.engine: vllm (GRPO): the policy checked for it, and (not in a dry run) the engine
+    started -> the engine, or None."""
+    if cfg.rollout.engine != "vllm" or cfg.mode != "grpo":
+        return None
+    vllm_startup.check_policy(model, vllm_startup.check_install(model.peft_config["default"].r))
+    if dry_run:  # a dry run checks, starts nothing
+        return None
+    return vllm_engine.VllmEngine(cfg, resolve_model_path(cfg.model), run_dir,
+                                  pick_dtype(cfg.model.dtype, device), model, device=device,
+                                  start=start)
 
 
 def prepare(r: Run) -> None:

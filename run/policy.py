@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api.client import Judge, JudgeUnusable
-from config import RunConfig
+from api.client import Judge
+from config import JudgeUnusable, RunConfig
 from parallel import distributed
 from run import display
 from run.lifecycle import resume_command, stop_on_error

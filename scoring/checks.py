@@ -83,46 +83,70 @@ def check_specs(specs: list[RewardSpec], judges: Collection[str] = ("judge",)) -
     for spec in specs:
         fn, _ = resolve(spec)
         params = reward_params(fn)
-        if "judges" in {p.name for p in params}:  # a reward that may call any of them
-            used.update(judges)
-        if "judge" in {p.name for p in params}:
-            name = spec.args.get("judge", "judge")
-            if not isinstance(name, str):
-                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} must be the name of "
-                                 "a judge")
-            used.add(name)
-            if name == "judge" and name not in judges:
-                raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section "
-                                 "(base_url, model, api_key_env)"
-                                 + (f", or name one of judges: ({', '.join(judges)}) with "
-                                    "args: {judge: NAME}" if judges else ""))
-            if name not in judges:
-                raise ValueError(f"reward {spec.name!r}: args.judge={name!r} is not a configured "
-                                 f"judge; configured: {', '.join(map(repr, judges)) or 'none'} "
-                                 "(judges: names them)")
-        for filled in [k for k in PER_COMPLETION if k in spec.args]:
-            raise ValueError(f"reward {spec.name!r}: {filled} is filled in by the trainer; "
-                             "remove it from args")
-        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        for arg in spec.args:
-            if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
-                raise ValueError(f"reward {spec.name!r} has no argument {arg!r}"
-                                 f"{did_you_mean(arg, names)}; "
-                                 f"it accepts: {', '.join(names) or 'no arguments'}")
-        every = inspect.signature(fn).parameters.values()
-        positional = [p for p in every
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-        # (completion, **kw) too
-        if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
-            raise ValueError(f"reward {spec.name!r}: a reward takes (completion, sample, **args) "
-                             "(batched: lists of both), or as TRL's take them, "
-                             "(prompts, completions, **kwargs); "
-                             f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)} does not")
+        used |= _judges_called(spec, params, judges)
+        _check_arg_names(spec, params)
+        _check_signature(fn, spec)
         # the reward's own check of its args' values (ratings.human)
         if callable(getattr(fn, "check_args", None)):
             fn.check_args(**spec.args)
         _check_arg_types(fn, spec)
-    # most often a typo in an override, making a new judge
+    _check_judges_used(judges, used)
+
+
+def _judges_called(spec: RewardSpec, params: tuple[inspect.Parameter, ...],
+                   judges: Collection[str]) -> set[str]:
+    """The judges one reward may call (all of them for one taking `judges`); its args.judge must
+    name a configured one."""
+    names = {p.name for p in params}
+    used = set(judges) if "judges" in names else set()  # a reward that may call any of them
+    if "judge" not in names:
+        return used
+    name = spec.args.get("judge", "judge")
+    if not isinstance(name, str):
+        raise ValueError(f"reward {spec.name!r}: args.judge={name!r} must be the name of "
+                         "a judge")
+    if name == "judge" and name not in judges:
+        raise ValueError(f"reward {spec.name!r} needs a judge: add a `judge:` section "
+                         "(base_url, model, api_key_env)"
+                         + (f", or name one of judges: ({', '.join(judges)}) with "
+                            "args: {judge: NAME}" if judges else ""))
+    if name not in judges:
+        raise ValueError(f"reward {spec.name!r}: args.judge={name!r} is not a configured "
+                         f"judge; configured: {', '.join(map(repr, judges)) or 'none'} "
+                         "(judges: names them)")
+    return used | {name}
+
+
+def _check_arg_names(spec: RewardSpec, params: tuple[inspect.Parameter, ...]) -> None:
+    """Every key of spec.args is a parameter of the reward, and none is one the trainer fills."""
+    for filled in [k for k in PER_COMPLETION if k in spec.args]:
+        raise ValueError(f"reward {spec.name!r}: {filled} is filled in by the trainer; "
+                         "remove it from args")
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for arg in spec.args:
+        if arg not in names and not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise ValueError(f"reward {spec.name!r} has no argument {arg!r}"
+                             f"{did_you_mean(arg, names)}; "
+                             f"it accepts: {', '.join(names) or 'no arguments'}")
+
+
+def _check_signature(fn: Callable, spec: RewardSpec) -> None:
+    """The reward takes two positional arguments: (completion, sample) or TRL's (prompts,
+    completions)."""
+    every = inspect.signature(fn).parameters.values()
+    positional = [p for p in every
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    # (completion, **kw) too
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in positional):
+        raise ValueError(f"reward {spec.name!r}: a reward takes (completion, sample, **args) "
+                         "(batched: lists of both), or as TRL's take them, "
+                         "(prompts, completions, **kwargs); "
+                         f"{getattr(fn, '__name__', fn)}{inspect.signature(fn)} does not")
+
+
+def _check_judges_used(judges: Collection[str], used: set[str]) -> None:
+    """Every named judge is called by some reward: most often a typo in an override made a new
+    one."""
     for name in [n for n in judges if n not in used]:
         close = difflib.get_close_matches(name, sorted(used & set(judges) - {"judge"}), n=1,
                                           cutoff=0.5)

@@ -66,20 +66,31 @@ def task_metrics(per_reward: dict[str, list[float | None]], num_samples: int = 1
     if "json_valid" in ok:
         out["valid_json_rate"] = sum(ok["json_valid"]) / len(ok["json_valid"])
     if "json_schema" in ok:
-        passed = [i for i, p in enumerate(ok["json_schema"]) if p]
-        out["schema_pass_rate"] = len(passed) / len(ok["json_schema"])
-        if key:
-            out["accuracy_on_schema"] = (sum(ok[key][i] for i in passed) / len(passed)
-                                         if passed else 0.0)
-        out["n_schema_pass"] = len(passed)
+        out |= _schema_metrics(ok["json_schema"], ok[key] if key else None)
     if key and num_samples > 1:
-        values = per_reward[key]
-        groups = [range(s, s + num_samples) for s in range(0, len(values), num_samples)]
-        groups = [g for g in groups if all(values[i] is not None for i in g)]  # with a gold answer
-        for k in pass_k:
-            out[f"pass@{k}"] = sum(pass_at_k(num_samples, sum(ok[key][i] for i in g), k)
-                                   for g in groups) / max(len(groups), 1)
+        out |= _pass_at_k_metrics(per_reward[key], ok[key], num_samples, pass_k)
     return out
+
+
+def _schema_metrics(schema_ok: list[bool], correct: list[bool] | None) -> dict:
+    """schema_pass_rate, n_schema_pass and (with a correctness reward) accuracy_on_schema."""
+    out: dict = {}
+    passed = [i for i, p in enumerate(schema_ok) if p]
+    out["schema_pass_rate"] = len(passed) / len(schema_ok)
+    if correct is not None:
+        out["accuracy_on_schema"] = (sum(correct[i] for i in passed) / len(passed)
+                                     if passed else 0.0)
+    out["n_schema_pass"] = len(passed)
+    return out
+
+
+def _pass_at_k_metrics(values: list[float | None], correct: list[bool], num_samples: int,
+                       pass_k: list[int]) -> dict:
+    """pass@k for each k, over the prompts whose num_samples completions all have a gold answer."""
+    groups = [range(s, s + num_samples) for s in range(0, len(values), num_samples)]
+    groups = [g for g in groups if all(values[i] is not None for i in g)]  # with a gold answer
+    return {f"pass@{k}": sum(pass_at_k(num_samples, sum(correct[i] for i in g), k)
+                             for g in groups) / max(len(groups), 1) for k in pass_k}
 
 
 def best_of_n(totals: list[float], n: int) -> float:

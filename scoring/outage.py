@@ -37,7 +37,8 @@ import time
 import warnings
 from typing import Callable
 
-from api.client import Judge, JudgeUnusable
+from api.client import Judge
+from config import JudgeUnusable
 from parallel import distributed
 from rewards import reward_keys
 

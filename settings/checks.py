@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from settings.typed_config import ConfigError
 
@@ -256,15 +257,7 @@ def check_mixture(cfg: Config) -> None:
     """data.mixture or data.presets[data.preset]: one of them, replacing data.name, its
     sources' weights >= 0 and not all 0 at the first step or the last."""
     d = cfg.data
-    if d.preset is not None and d.preset not in d.presets:
-        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets "
-                          f"({', '.join(d.presets) or 'none defined'})")
-    # presets, none chosen, and no data.name of its own (else data.name is read)
-    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):
-        raise ConfigError("data.presets is set: choose one with data.preset "
-                          f"({', '.join(d.presets)}), or give data.name")
-    if d.preset is not None and d.mixture is not None:
-        raise ConfigError("set data.mixture or data.preset, not both")
+    _check_preset_choice(d)
     key, mix = active_mixture(d)
     if mix is None:
         return
@@ -275,6 +268,25 @@ def check_mixture(cfg: Config) -> None:
                "data.revision": d.revision is not None, "data.num_examples": d.num_examples != 0}
     if bad := [k for k, set_ in ignored.items() if set_]:
         raise ConfigError(f"{bad[0]} does not apply to {key}: set it on each source")
+    _check_source_weights(key, mix)
+
+
+def _check_preset_choice(d: DataConfig) -> None:
+    """data.preset names one of data.presets, is chosen when presets replace data.name, and is
+    not set beside data.mixture."""
+    if d.preset is not None and d.preset not in d.presets:
+        raise ConfigError(f"data.preset={d.preset!r} is not one of data.presets "
+                          f"({', '.join(d.presets) or 'none defined'})")
+    # presets, none chosen, and no data.name of its own (else data.name is read)
+    if d.presets and d.preset is None and d.mixture is None and d.name in (None, "arithmetic"):
+        raise ConfigError("data.presets is set: choose one with data.preset "
+                          f"({', '.join(d.presets)}), or give data.name")
+    if d.preset is not None and d.mixture is not None:
+        raise ConfigError("set data.mixture or data.preset, not both")
+
+
+def _check_source_weights(key: str, mix: list[DataSource]) -> None:
+    """At least one source; weights and sizes >= 0, and not all 0 at the first step or the last."""
     if not mix:
         raise ConfigError(f"{key} is empty: list at least one source")
     for i, src in enumerate(mix):
@@ -312,7 +324,10 @@ def check_rows(cfg: Config) -> None:
 
 def check_held_out(cfg: Config) -> None:
     """Evaluation rows are held out: eval.split of a hub dataset only, and eval.select apart
-    from every training range of the same rows."""
+    from every training range of the same rows; run.eval_every names its rows."""
+    if cfg.run.eval_every and cfg.eval.select is None and not cfg.eval.name:
+        raise ConfigError("run.eval_every needs eval.select (the held-out rows to score, "
+                          "e.g. [1500, 1700]) or eval.name")
     mix_key, mix = active_mixture(cfg.data)
     train_ranges = _train_ranges(cfg)
     eval_key, eval_name = (("eval.name", cfg.eval.name) if cfg.eval.name
@@ -373,6 +388,56 @@ def check_anthropic(key: str, jc: JudgeConfig) -> None:
     if jc.extra_body.get("n", 1) != 1:
         raise ConfigError(f"{where} answers one sample a request: remove n from {key}.extra_body "
                           "(samples are separate requests already)")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _looks_like_a_key(name: str) -> bool:
+    """api_key_env holding a key rather than a variable's name: a provider's key prefix, or a long
+    mix of lower case, upper case and digits (variable names are upper case by convention).
+
+    >>> (_looks_like_a_key("OPENAI_API_KEY"), _looks_like_a_key("gsk_4fT9aQ2x"),
+    ...  _looks_like_a_key("a8Fk2LmQ9zP4rT7vW1xY3bN6"))
+    (False, True, True)
+    """
+    if re.fullmatch(r"(sk|gsk|tgp|xai|hf|pplx|nvapi|csk|fw)[-_][A-Za-z0-9_-]{8,}", name, re.I) \
+            and not name.isupper() and any(c.isdigit() for c in name):
+        return True
+    return len(name) >= 20 and "_" not in name and any(c.islower() for c in name) \
+        and any(c.isupper() for c in name) and any(c.isdigit() for c in name)
+
+
+def check_client(section: str, jc: JudgeConfig, mask: Callable[[str], str]) -> None:
+    """An API client's settings (a judge, eval.api, precompute.answers), checked as api/client.py
+    builds it, once the environment's values are filled in: Azure's api_version, an http(s) URL,
+    the limits, and api_key_env a variable's name. `section` starts each message; `mask` hides a
+    URL's password in it (config.mask_urls, which this module cannot import)."""
+    if jc.azure_endpoint and not jc.api_version:
+        raise ConfigError(f"{section}: azure_endpoint needs api_version (e.g. '2024-06-01')")
+    # else every call fails, each counted
+    for name in ("azure_endpoint",) if jc.azure_endpoint else ("base_url",):
+        try:
+            url = urlsplit(getattr(jc, name) or "")
+        except ValueError:  # "http://[::1/v1": an unclosed IPv6 address
+            url = urlsplit("")
+        if url.scheme not in ("http", "https") or not url.netloc:
+            shown = getattr(jc, name)
+            raise ConfigError(f"{section}: {name}={mask(shown) if shown else shown!r} is "
+                              "not an http(s) URL; give one such as http://127.0.0.1:8000/v1 "
+                              "or https://api.openai.com/v1")
+    if jc.max_concurrent < 1 or jc.max_retries < 0 or jc.score_max <= jc.score_min:
+        raise ConfigError(f"{section}: need max_concurrent >= 1, max_retries >= 0 and "
+                          "score_max > score_min")
+    if not jc.timeout_s > 0 or (jc.requests_per_minute is not None
+                                and not jc.requests_per_minute >= 0):
+        raise ConfigError(f"{section}: need timeout_s > 0 (got {jc.timeout_s}) and "
+                          "requests_per_minute >= 0 (0 or null: no limit; "
+                          f"got {jc.requests_per_minute})")
+    if not _ENV_NAME.fullmatch(jc.api_key_env or "") or _looks_like_a_key(jc.api_key_env):
+        raise ConfigError(f"{section}: api_key_env is the NAME of the environment variable that "
+                          "holds the key (e.g. OPENAI_API_KEY), not the key; export the key and "
+                          "name its variable")
 
 
 def check_optim_betas(cfg: Config) -> None:

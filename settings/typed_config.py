@@ -33,17 +33,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-# ${NAME} or ${NAME:-default}: a value from the environment. The one reading of it (expand_env):
-# a field that is not text (GRubrics' REWARD_LAMBDA_* weights) is read whole here (from_env), a
-# judge's base_url, azure_endpoint, api_version, model and headers by api/client.py when its client
-# is built (so a secret in them is never saved).
+# ${NAME} or ${NAME:-default}: a value from the environment, read by one function (expand_env),
+# once a field: every field by expand_refs when the config loads, but those an API client fills in
+# when it is built (a section's FILLED_BY_CLIENT: a judge's URL, model and headers), which keep the
+# reference so that a secret in them is never saved.
 ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def expand_env(text: str, key: str) -> str:
     """text with each ${NAME} as that environment variable's value, and each ${NAME:-default} as
-    its value or, when it is unset or empty, the default (the shell's meaning). A ${NAME} that is
-    not set is a ConfigError naming `key`.
+    its value or, when it is unset or empty, the default (the shell's meaning). One pass: what a
+    variable holds is never read again. A ${NAME} that is not set, or whose value names itself, is
+    a ConfigError naming `key` and the variable.
 
     >>> os.environ["MINIGRPO_DOC_HOST"] = "judge.example"
     >>> expand_env("https://${MINIGRPO_DOC_HOST}/v1 ${MINIGRPO_DOC_NOPE:-gpt-4o-mini}", "k")
@@ -56,88 +57,147 @@ def expand_env(text: str, key: str) -> str:
         if name not in os.environ:
             raise ConfigError(f"{key} reads ${{{name}}}, which is not set in the environment; "
                               f"export it, write ${{{name}:-default}}, or give the value")
+        if any(ref.group(1) == name for ref in ENV_REF.finditer(os.environ[name])):
+            raise ConfigError(f"{key} reads ${{{name}}}, whose value {os.environ[name]!r} names "
+                              "itself; export the value itself")
         return os.environ[name]
     return ENV_REF.sub(value, text)
 
 
-def _takes_text(tp: Any) -> bool:
-    """A field whose value may be text: its ${NAME} is kept as written, for the client to fill in
-    (a secret in a header or URL is never saved)."""
-    return tp is str or tp is Any or str in typing.get_args(tp) or typing.get_origin(tp) in (
-        dict, list) or tp in (dict, list)
+@dataclasses.dataclass(frozen=True)
+class FromEnv:
+    """A field that is not text, written whole as ${NAME}: the variable's value read as YAML, and
+    where it came from, which a wrong type's error names."""
+    value: Any
+    source: str  # "${X}='abc' from the environment", or "the default of ${X:-1}"
 
 
-def from_env(value: str, key: str) -> Any:
-    """The value of a field that is not text, written whole as ${NAME} (or ${NAME:-default}): the
-    environment variable's value (expand_env), read as YAML.
+def expand_refs(raw: dict, cls: type, prefix: str = "") -> dict:
+    """The config's mapping (YAML and overrides merged) with every ${NAME} read, once, before the
+    types are checked: in text, where it stands; a field that is not text written whole as ${NAME}
+    becomes its YAML value (`weight: ${REWARD_LAMBDA_FORMAT:-0.0}`). Fields that cls (a section)
+    lists in FILLED_BY_CLIENT keep theirs; keys that are not fields are left for from_dict."""
+    hints, kept = typing.get_type_hints(cls), getattr(cls, "FILLED_BY_CLIENT", ())
+    return {k: v if k in kept or k not in hints else _expand_value(v, hints[k], f"{prefix}{k}")
+            for k, v in raw.items()}
 
-    >>> os.environ["MINIGRPO_DOC_LAMBDA"] = "0.25"
-    >>> from_env("${MINIGRPO_DOC_LAMBDA}", "rewards[1].weight"), from_env("${NOPE_X:-1}", "k")
-    (0.25, 1)
-    """
-    text = expand_env(value.strip(), key)
+
+def _expand_value(value: Any, tp: Any, key: str) -> Any:
+    """expand_refs for one field's value, of the annotation tp, through sections, lists, maps."""
+    options = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(options) == 1:
+        tp = options[0]  # X | None
+    if isinstance(value, str):
+        return _expand_text(value, tp, key)
+    if isinstance(value, dict) and dataclasses.is_dataclass(tp):
+        return expand_refs(value, tp, f"{key}.")
+    item = typing.get_args(tp)[-1] if typing.get_args(tp) else Any  # list[X]: X; dict[K, V]: V
+    if isinstance(value, dict):
+        return {k: _expand_value(v, item, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand_value(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _expand_text(text: str, tp: Any, key: str) -> Any:
+    """One string of field `key` expanded; written whole as ${NAME} in a field that is not plain
+    text, the value read as YAML (a FromEnv where the type is checked later)."""
+    ref = ENV_REF.fullmatch(text.strip())
+    out = expand_env(text, key)
+    if ref is None or tp is str:
+        return out
     try:
-        return yaml.safe_load(text)
+        read = yaml.safe_load(out)
     except yaml.YAMLError:
-        return text
+        read = out
+    if tp is Any:
+        return read
+    name, default = ref.groups()
+    return FromEnv(read, f"the default of {text.strip()}" if default is not None
+                   and not os.environ.get(name) else f"${{{name}}}={os.environ[name]!r} from the "
+                   "environment")
 
 
-def _convert_env(value: str, tp: Any, key: str) -> Any:
+def _convert_env(value: FromEnv, tp: Any, key: str) -> Any:
     """convert() of a value read from the environment; a wrong one names the variable (or says
     the default is wrong): "rewards[1].weight reads ${REWARD_LAMBDA_FORMAT}='abc' ...", not 'abc'
     alone."""
-    ref = value.strip()
-    name, default = ENV_REF.fullmatch(ref).groups()
-    read = from_env(ref, key)  # unset: its own error
     try:
-        return convert(read, tp, key)
+        return convert(value.value, tp, key)
     except ConfigError as e:
-        source = (f"the default of {ref}" if default is not None and not os.environ.get(name)
-                  else f"${{{name}}}={os.environ[name]!r} from the environment")
         why = str(e).removeprefix(f"{key}: ")
-        raise ConfigError(f"{key} reads {source}: {why}; fix the variable or the config") from None
+        raise ConfigError(f"{key} reads {value.source}: {why}; fix the variable or the "
+                          "config") from None
 
 
 def convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`; returns it (ints widened to float). A field that
-    is not text may be written as ${NAME}: the environment's value (from_env)."""
-    if isinstance(value, str) and ENV_REF.fullmatch(value.strip()) and not _takes_text(tp):
+    """Check `value` against the annotation `tp`; returns it (ints widened to float). A value
+    expand_refs read from the environment is checked as such (FromEnv)."""
+    if isinstance(value, FromEnv):
         return _convert_env(value, tp, key)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # X | None: let X's own, more precise error through
-            return convert(value, options[0], key)
-        for a in options:
-            try:
-                return convert(value, a, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
-                          f"got {value!r}")
+        return _convert_union(value, tp, key)
     if origin is Literal:
-        if value in args:
+        if value in typing.get_args(tp):
             return value
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
     if dataclasses.is_dataclass(tp):
-        # `run:` with every key commented out: it would also hide an extended file's section
-        if value is None:
-            raise ConfigError(f"{key} is empty (null); remove the line, or give it keys")
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, key)
+        return _convert_section(value, tp, key)
     if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+        return _convert_list(value, tp, key)
     if origin is dict or tp is dict:
-        if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
+        return _convert_mapping(value, tp, key)
+    return _convert_plain(value, tp, key)
+
+
+def _convert_union(value: Any, tp: Any, key: str) -> Any:
+    """convert() for `X | Y | None`: None where allowed, else the first option that takes it."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:  # X | None: let X's own, more precise error through
+        return convert(value, options[0], key)
+    for a in options:
+        try:
+            return convert(value, a, key)
+        except ConfigError:
+            pass
+    raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
+                      f"got {value!r}")
+
+
+def _convert_section(value: Any, tp: type, key: str) -> Any:
+    """convert() for a nested dataclass (a config section): built from its mapping."""
+    # `run:` with every key commented out: it would also hide an extended file's section
+    if value is None:
+        raise ConfigError(f"{key} is empty (null); remove the line, or give it keys")
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+    return from_dict(tp, value, key)
+
+
+def _convert_list(value: Any, tp: Any, key: str) -> list:
+    """convert() for `list[X]`: each item checked, named `key[i]`."""
+    args = typing.get_args(tp)
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}: expected a list, got {value!r}")
+    return [convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)] if args else value
+
+
+def _convert_mapping(value: Any, tp: Any, key: str) -> dict:
+    """convert() for `dict[K, V]`: each value checked, named `key.k`; null is empty."""
+    args = typing.get_args(tp)
+    if value is None:  # `extra_body: null`: none (in a child: the parent's cleared, _merge)
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return {k: convert(v, args[1], f"{key}.{k}") for k, v in value.items()} if args else value
+
+
+def _convert_plain(value: Any, tp: Any, key: str) -> Any:
+    """convert() for a plain type (str, int, bool, float: finite, ints and 1e-4 read as float)."""
     if tp is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
         try:
             value = float(value)

@@ -60,7 +60,8 @@ def test_arms_parse_and_bad_input_is_one_line_naming_what_to_fix(tmp_path, tiny_
 def test_cpu_runs_share_the_cores_and_a_gpu_runs_one_at_a_time(tmp_path, tiny_llama, monkeypatch):
     cfg = load_config(write_run_config(tmp_path, tiny_llama, run={"device": "cpu"}))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)))
-    assert ablate.placement(cfg, 4, 0) == (2, 1)  # bench/cpu_threads.log's pair of 1 thread
+    # bench/two_runs_one_cpu/cpu_threads.log's pair of 1 thread
+    assert ablate.placement(cfg, 4, 0) == (2, 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert ablate.placement(cfg, 4, 0) == (4, 4)
     assert ablate.placement(cfg, 8, 2) == (2, 8)

@@ -521,3 +521,62 @@ def test_the_recipes_of_projects_that_ran_trl_use_trls_optimizer_defaults(name):
     """An author who "ran TRL with lr 5e-6" gets TRL's AdamW betas and a cosine that ends at 0."""
     cfg = load_config(f"configs/{name}.yaml")
     assert (cfg.optim.betas, cfg.optim.min_lr_ratio) == ([0.9, 0.999], 0.0)
+
+
+def test_every_field_reads_the_environment_once_when_the_config_loads(tmp_path, monkeypatch):
+    """Issue 56: one expansion, after YAML and overrides and before the types are checked, for
+    every field: text where it stands, a field that is not text as its YAML value; a value that
+    came from the environment is never read again; a judge's URL, model and headers keep theirs
+    for the client (a secret is never saved)."""
+    env = {"MG_MODEL": "", "MG_N": "24", "MG_LR": "1e-4", "MG_FLAG": "true", "MG_LOSS": "grpo",
+           "MG_STOPS": "[END, STOP]", "MG_WORDS": "3", "MG_ROOT": str(tmp_path),
+           "MG_PROMPT": "Answer ${HOME} plainly", "MG_OTHER": "${MG_LR}"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    path = write(tmp_path, (
+        "model: {name: '${MG_MODEL:-smollm2-135m}'}\n"
+        "data: {root: '${MG_ROOT}', system_prompt: '${MG_PROMPT}', skip_long: '${MG_FLAG}'}\n"
+        "rollout: {max_new_tokens: '${MG_N}', stop_strings: ['${MG_STOPS}', 'x-${MG_N}']}\n"
+        "grpo: {loss_type: '${MG_LOSS}'}\n"
+        "rewards: [{name: short_answer, args: {max_words: '${MG_WORDS}', note: 'n${MG_N}'}}]\n"
+        "judge: {model: '${MG_MODEL:-gpt-4o-mini}'}\n"))
+    cfg = load_config(path, ["--optim.lr=${MG_LR}", "--run.out_dir=${MG_ROOT}/run"])
+    assert (cfg.model.name, cfg.data.root, cfg.run.out_dir) == \
+        ("smollm2-135m", str(tmp_path), f"{tmp_path}/run")
+    assert (cfg.rollout.max_new_tokens, cfg.optim.lr, cfg.data.skip_long, cfg.grpo.loss_type) == \
+        (24, 1e-4, True, "grpo")
+    assert cfg.rollout.stop_strings == ["[END, STOP]", "x-24"]  # text stays text
+    assert cfg.rewards[0].args == {"max_words": 3, "note": "n24"}
+    assert cfg.data.system_prompt == "Answer ${HOME} plainly"  # a value is not read again
+    assert cfg.judge.model == "${MG_MODEL:-gpt-4o-mini}"  # the client's, read when it is built
+    with pytest.raises(ConfigError, match=r"^optim.lr reads \$\{MG_OTHER\}='\$\{MG_LR\}' from the "
+                       r"environment: expected float"):
+        load_config(path, ["--optim.lr=${MG_OTHER}"])
+    monkeypatch.delenv("MG_N")
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens reads \$\{MG_N\}, which is "
+                       r"not set in the environment"):
+        load_config(path)
+
+
+def test_a_variable_that_names_itself_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """MYLR='${MYLR}' ended in a 3,000-line RecursionError."""
+    import train
+    monkeypatch.setenv("MYLR", "${MYLR}")
+    path = write(tmp_path, MINIMAL + "optim: {lr: '${MYLR}'}\n")
+    with pytest.raises(ConfigError, match=r"^optim.lr reads \$\{MYLR\}, whose value '\$\{MYLR\}' "
+                       r"names itself"):
+        load_config(path)
+    assert train.main(["--config", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MYLR" in err[0] and "optim.lr" in err[0]
+
+
+def test_a_model_name_from_the_environment_dry_runs(tmp_path, monkeypatch, capsys):
+    """`model.name: ${MYMODEL:-smollm2-135m}` failed as "could not load tokenizer for
+    model.name=${MYMODEL:-smollm2-135m}"."""
+    import train
+    monkeypatch.delenv("MYMODEL", raising=False)
+    path = write(tmp_path, MINIMAL + "model: {name: '${MYMODEL:-smollm2-135m}'}\n"
+                 f"run: {{out_dir: '{tmp_path}/run'}}\n")
+    assert train.main(["--config", str(path), "--dry-run", "--run.threads=1"]) == 0
+    assert "config, data, model and judges check out" in capsys.readouterr().out

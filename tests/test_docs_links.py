@@ -1,6 +1,7 @@
-"""Every relative link in README.md and docs/**/*.md points at a file that exists, and every
-#anchor at a heading of its target, named as GitHub names them: the heading's text lowercased,
-punctuation dropped, spaces turned to hyphens, a repeated heading numbered -1, -2, ...
+"""Every relative link in README.md, docs/**/*.md and bench/'s README.md and RESULTS.md points at
+a file that exists, and every #anchor at a heading of its target, named as GitHub names them: the
+heading's text lowercased, punctuation dropped, spaces turned to hyphens, a repeated heading
+numbered -1, -2, ...
 
     python -m pytest tests/test_docs_links.py
 """
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "bench" / "RESULTS.md",
+         *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import grpo
 import step
@@ -74,21 +75,48 @@ def test_explain_prints_one_step_with_the_code_behind_each_quantity_and_writes_n
     assert ratios and all(x == 1.0 for x in ratios)  # on-policy
 
 
-def test_the_step_explained_is_the_step_train_takes(tmp_path, tiny_llama):
-    """Same seed, same completions, rewards, loss and gradient norm as step.train_step's first."""
+STEP_VARIANTS = {
+    "sum": {},
+    "normalize_then_sum": {"grpo": {"reward_aggregation": "normalize_then_sum"},
+                           "rewards": [{"name": "short_answer", "args": {"max_words": 2}},
+                                       {"name": "answer_match", "weight": 0.5}]},
+    "sampler weight": {"rollout": {"merged_sampling": True}, "grpo": {"tis_cap": 2.0}},
+    "top entropy": {"grpo": {"top_entropy_quantile": 0.5}},
+}
+
+
+@pytest.mark.parametrize("variant", list(STEP_VARIANTS))
+def test_the_step_explained_is_the_step_train_takes(tmp_path, tiny_llama, variant):
+    """Same seed: the explainer's completions, rewards, advantages, loss mask, loss and gradient
+    norm are step.train_step's first, for each reward aggregation, with a sampler's importance
+    weight and with the entropy mask (whose columns it prints)."""
+    sections = {k: v for k, v in STEP_VARIANTS[variant].items() if k != "rewards"}
     cfg = write_run_config(tmp_path, tiny_llama, run={"out_dir": str(tmp_path / "run")},
-                           optim={"lr": 0.0, "micro_batch_size": 3})
+                           optim={"lr": 0.0, "micro_batch_size": 3}, **sections)
+    if "rewards" in STEP_VARIANTS[variant]:
+        text = yaml.safe_load(cfg.read_text())
+        cfg.write_text(yaml.safe_dump(text | {"rewards": STEP_VARIANTS[variant]["rewards"]}))
 
     def setup():
         args, overrides = train.parse_args(["--config", str(cfg)])
         return lifecycle.setup(args, overrides)
-    e = explain.one_step(setup(), None)
+    r = setup()
+    e = explain.one_step(r, None)
+    out = explain.report(r, e, str(cfg))
     metrics, batch = step.train_step(setup())
-    assert e.batch.texts == batch.kept.rollout.texts
-    assert e.total.tolist() == pytest.approx(batch.kept.total.tolist())
+    assert e.batch.kept.rollout.texts == batch.kept.rollout.texts
+    assert e.total.tolist() == pytest.approx(batch.kept.total.tolist(), nan_ok=True)
     assert e.adv.tolist() == pytest.approx(batch.advantages.tolist())
+    assert torch.equal(e.mask, batch.mask)
     assert e.loss == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-9)
     assert e.grad_norm == pytest.approx(metrics["grad_norm"], rel=1e-4)
+    if variant == "sampler weight":
+        assert batch.kept.rollout.sampler_logp is not None and " weight " in out
+    if variant == "top entropy":
+        assert batch.keep is not None and " keep " in out
+    if variant == "normalize_then_sum":  # the advantages are not those of the plain totals
+        assert "GDPO" in out
+        assert not torch.allclose(e.adv, grpo.group_advantages(e.total, 4))
 
 
 def test_explain_refuses_what_it_cannot_show(tmp_path, tiny_llama, capsys):

@@ -69,6 +69,33 @@ def test_summary_repeats_what_fired_and_a_resumed_run_does_not_say_it_again(tmp_
     assert health.Monitor(HealthConfig(enabled=False), 20, path).summary() == []
 
 
+def test_a_sampler_far_from_the_trainer_stops_the_run_at_each_such_step_and_says_nothing_else(
+        tmp_path):
+    """Issue 57: sampler_logp_abs_diff above health.sampler_gap_max (0.3 nats a token) is a stop
+    (monitor.stop: its line; train.py stops with it), not a line to read later; bf16 (0.015) and
+    a top-p filter of 0.8 (at most 0.22) stay under it. Off with sampler_gap_max 0 or health off;
+    a resumed run's logged steps do not stop it, its next large step does."""
+    monitor = health.Monitor(HealthConfig(), 20)
+    gaps = {1: 0.015, 2: 0.22, 3: 0.31}
+    said_lines = [monitor.after_step(m) for m in steps(3, sampler_logp_abs_diff=gaps.get)]
+    assert said_lines == [[], [], []] and monitor.stop.startswith(
+        "the sampler is not sampling the policy being trained: sampler_logp_abs_diff 0.310 nats a "
+        "token at step 3 (> health.sampler_gap_max 0.3;")
+    assert "rollout.vllm_sleep: false" in monitor.stop
+    monitor.after_step(steps(4)[-1])  # a step without the metric: the HF sampler's
+    assert monitor.stop is None
+    for h in (HealthConfig(sampler_gap_max=0), HealthConfig(enabled=False)):
+        off = health.Monitor(h, 20)
+        off.after_step(steps(1, sampler_logp_abs_diff=5.0)[0])
+        assert off.stop is None
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in steps(2, sampler_logp_abs_diff=1.0)))
+    resumed = health.Monitor(HealthConfig(), 20, path)
+    assert resumed.stop is None
+    resumed.after_step(steps(3, sampler_logp_abs_diff=1.0)[-1])
+    assert "at step 3" in resumed.stop
+
+
 def test_a_runs_config_is_its_newest_resumed_one(tmp_path):
     assert health.run_config(tmp_path) == tmp_path / "config.yaml"
     for name in ("config.yaml", "config_resumed_step_000002.yaml",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from api.client import Judge, JudgeConfig, JudgeUnusable, cache_key
-from config import Config, RewardSpec, from_dict
+from api.client import Judge, JudgeConfig, cache_key
+from config import Config, JudgeUnusable, RewardSpec, from_dict
 from fake_openai_server import (
     Behaviour,
     FakeOpenAIServer,
@@ -294,15 +294,11 @@ def test_complete_many_works_inside_a_running_event_loop(server):
     assert asyncio.run(notebook_cell()) == ['{"score": 7}']
 
 
-def test_acomplete_can_be_awaited_directly(server):
+def test_complete_many_closes_its_http_client_with_the_loop_it_ran_in(server):
     judge = make_judge(server)
-
-    async def main():
-        try:
-            return await asyncio.gather(judge.acomplete(chat("a")), judge.acomplete(chat("b")))
-        finally:
-            await judge.aclose()
-    assert asyncio.run(main()) == ['{"score": 7}'] * 2
+    assert judge.complete_many([chat("a"), chat("b")]) == ['{"score": 7}'] * 2
+    # its connections belonged to asyncio.run's loop, which is gone: none is kept for the next call
+    assert judge._client is None and judge._loop is None
 
 
 def test_identical_prompts_in_flight_share_one_request(server):

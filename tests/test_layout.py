@@ -300,6 +300,71 @@ def test_imports_point_from_the_core_outwards_never_back():
             assert not {d for d in deps if d.startswith("tools.")}, (name, deps)
 
 
+FUNCTION_LINES = 80  # a function a reader follows without scrolling, def to its last line
+FUNCTION_COMPLEXITY = 25  # McCabe's count, as radon takes it (checked equal on this tree)
+
+
+def complexity(fn: ast.FunctionDef) -> int:
+    """1 + the decisions in fn's own body (nested functions and classes are their own): each if,
+    conditional expression, loop (+1 with an else), except (+1 with an else), extra operand of and
+    /or, comprehension and its ifs, assert (its test not looked into), match case but a `_`."""
+    n, todo = 1, list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.Assert):
+            n += 1
+            continue
+        if isinstance(node, (ast.If, ast.IfExp)):
+            n += 1
+        elif isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            n += 1 + bool(node.orelse)
+        elif isinstance(node, ast.Try):
+            n += len(node.handlers) + bool(node.orelse)
+        elif isinstance(node, ast.BoolOp):
+            n += len(node.values) - 1
+        elif isinstance(node, ast.comprehension):
+            n += 1 + len(node.ifs)
+        elif isinstance(node, ast.Match):
+            n += len(node.cases) - any(getattr(c.pattern, "pattern", False) is None
+                                       for c in node.cases)
+        todo.extend(ast.iter_child_nodes(node))
+    return n
+
+
+def test_every_function_reads_without_scrolling():
+    """No function of the product (tests/ and bench/ apart) longer than FUNCTION_LINES lines or
+    more complex than FUNCTION_COMPLEXITY: a long one is split by job."""
+    over = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "bench") or rel.parts[0].startswith("."):
+            continue
+        for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines, cc = fn.end_lineno - fn.lineno + 1, complexity(fn)
+                if lines > FUNCTION_LINES or cc > FUNCTION_COMPLEXITY:
+                    over.append(f"{rel}:{fn.lineno} {fn.name}: {lines} lines, complexity {cc}")
+    assert not over, "\n".join(over)
+
+
+def test_the_collectives_take_nothing_from_the_step():
+    """parallel/ (torchrun's collectives, the ranks' seeds) imports none of the files a step runs
+    through: the step calls the collectives, never the other way (parallel/seeds.py seeds both)."""
+    g = graph()
+    step_files = {f.removesuffix(".py") for f in PATH}
+    for name in (n for n in g if n.startswith("parallel.")):
+        assert not g[name] & step_files, f"{name} imports {g[name] & step_files}"
+
+
+def test_rewards_reach_the_judge_through_the_registry_alone():
+    """rewards.py, the reward registry, imports nothing from api/ (the judge client): a judge is a
+    reward reached by name (judge.py), and the exception that stops a run, JudgeUnusable, lives in
+    config.py beside RewardSpec, where the client and the registry both may import it."""
+    assert not {d for d in graph()["rewards"] if d.startswith("api.")}, graph()["rewards"]
+
+
 def test_importing_train_loads_no_grader_and_no_tool():
     code = ("import sys, train; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('graders', 'tools')))")

@@ -93,11 +93,11 @@ def test_meta_weights_estimate_what_real_weights_do(tiny_llama, tmp_path, monkey
     weights do."""
     import memory_estimate as me
     import pytest
-    import vs_trl
+    import random_models
 
     from config import LoraConfig, ModelConfig
     # the real weights are written here, not in ~/.cache
-    monkeypatch.setattr(vs_trl, "CACHE", tmp_path)
+    monkeypatch.setattr(random_models, "CACHE", tmp_path)
     mcfg, lora = ModelConfig(name="random:tiny", dtype="bfloat16"), LoraConfig(r=4, alpha=8)
     real, _ = me.build(mcfg, lora, str(tiny_llama))
     monkeypatch.setattr(me, "META", True)

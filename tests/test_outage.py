@@ -7,8 +7,8 @@ import types
 import pytest
 import torch
 
-from api.client import Judge, JudgeConfig, JudgeUnusable
-from config import Config
+from api.client import Judge, JudgeConfig
+from config import Config, JudgeUnusable
 from fake_openai_server import Behaviour, FakeOpenAIServer, dropped, ok
 from judge import judge_reward
 from scoring import outage

@@ -6,8 +6,7 @@ import types
 
 import pytest
 
-from api.client import JudgeUnusable
-from config import Config, RunConfig
+from config import Config, JudgeUnusable, RunConfig
 from run import display, policy
 from run.policy import NO_SIGNAL, TIME_LIMIT, Clock, Policy
 from scoring import outage

@@ -332,7 +332,7 @@ def test_non_finite_scores_stop_the_run_and_several_outputs_need_a_label(tmp_pat
                                                                          monkeypatch):
     from transformers import LlamaForSequenceClassification
 
-    from api.client import JudgeUnusable
+    from config import JudgeUnusable
     real = LlamaForSequenceClassification.forward
 
     def overflow(self, *a, **k):

@@ -159,7 +159,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
     data = DataConfig(system_prompt=None, assistant_prefix="{",
                       chat_template_kwargs={"enable_thinking": False})
     assert rollout.render_rows(tok, [{"prompt": "Q"}], data) == ["Q<think></think>{"]
-    assert rollout.render_rows(tok, [{"prompt": "Q"}], DataConfig(), assistant_prefix="") == ["Q"]
+    assert rollout.render_rows(tok, [{"prompt": "Q"}], DataConfig(assistant_prefix="")) == ["Q"]
 
 
 def test_merged_sampling_is_the_same_policy_in_fp32_and_restores_the_base_weights_exactly(

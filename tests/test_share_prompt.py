@@ -9,7 +9,7 @@ import logprobs
 import rollout
 import train
 from config import LoraConfig, ModelConfig
-from model import load_policy
+from model import checkpoint_layers, load_policy
 
 
 def lora_policy(path, attn_implementation=None):
@@ -109,8 +109,7 @@ def test_shared_prompt_falls_back_where_it_cannot_or_need_not_share(tiny_llama, 
         # nothing shared
         assert logprobs._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None
         ids, attn, C = grouped_batch(tok, ["What is 2 + 3?"], [2], ["5", "4"])
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model)
         # HF drops the cache
         assert logprobs._shared_prompt_log_probs(model, ids, attn, C, 1.0, 4096, None) is None
     # a sliding-window cache is not plain keys and values: the one-pass path runs, same result

@@ -97,9 +97,9 @@ def test_kill_9_then_resume_under_fp16_ends_as_the_uninterrupted_run(tmp_path, t
 
 
 def small(config: str, out: Path) -> Path:
-    """configs/<config>.yaml as written, but for the model, data and sizes, and two test props
-    (as bench/colab_check.yaml has on a GPU): GSM8K's rewards are 0 on every completion of a 135M
-    model, so a reward that varies on any text (vowel_share) gives the groups spread and the
+    """configs/<config>.yaml as written, but for the model, data and sizes, and two test props (as
+    bench/t4_profile/colab_check.yaml has on a GPU): GSM8K's rewards are 0 on every completion of a
+    135M model, so a reward that varies on any text (vowel_share) gives the groups spread and the
     gradients something to carry; and the built-in model seldom closes its <think> within a test's
     12 tokens, so "." also ends a completion (gsm8k.yaml masks the truncated ones out of the loss).
     """
@@ -111,7 +111,7 @@ eval: {{split: null, select: [30, 40]}}
 rollout: {{prompts_per_step: 1, num_generations: 2, max_new_tokens: 16, stop_strings: [".", ","]}}
 optim: {{micro_batch_size: 8}}
 run: {{out_dir: {out}, steps: 3, save_every: 1, max_minutes: 0, sample_every: 1}}
-rewards: [{{name: bench/t4_check.py:vowel_share, weight: 1.0}}]
+rewards: [{{name: bench/t4_profile/t4_check.py:vowel_share, weight: 1.0}}]
 """)
     return child
 

@@ -193,6 +193,24 @@ def test_resume_with_a_changed_lr_uses_it_from_the_next_update(setup, capsys):
             resumed["run"]["steps"]) == (0.01, 0.001, 2)
 
 
+def test_a_checkpoint_of_an_older_minigrpo_is_refused_in_one_line_saying_what_to_do(setup,
+                                                                                   capsys):
+    """A trainer_state.pt without the judges' state kept since b005882: no guess at what it meant,
+    one line and exit 2, the run's files untouched."""
+    cfg, run = setup
+    args = ["--config", str(cfg), "--run.steps=1", "--run.save_every=1"]
+    assert train.main(args) == 0
+    path = run / "checkpoints/step_000001/trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    del state["judge_answered"]
+    torch.save(state, path)
+    before = (run / "metrics.jsonl").read_text()
+    assert train.main(args + ["--run.steps=2", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "older minigrpo" in err and "new run.out_dir" in err
+    assert (run / "metrics.jsonl").read_text() == before
+
+
 def test_a_copied_run_s_config_does_not_resume_the_original(setup, capsys):
     """cp -r runs/a runs/b; train.py --config runs/b/config.yaml --resume would have trained
     runs/a."""

@@ -15,9 +15,9 @@ Resuming: the same command again skips the finished runs (exit 0 at run.steps; e
 without signal) and resumes the others from their last checkpoint (train.py --resume); a failed run
 is reported and the others go on. On CPU the runs go in parallel, one per core (--jobs), with the
 cores split between them (run.threads): two runs of torch's default threads on 2 cores took 19x as
-long a step as one, two of one thread each 0.08x that (bench/cpu_threads.log). On a GPU they run
-one after another. --max-minutes bounds the whole ablation: a run gets run.max_minutes = the time
-left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
+long a step as one, two of one thread each 0.08x that (bench/two_runs_one_cpu/cpu_threads.log). On a
+GPU they run one after another. --max-minutes bounds the whole ablation: a run gets run.max_minutes
+= the time left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
 --eval: eval.py once per finished run, greedy, on the config's eval.select (OUT/NAME/seed_K/eval/).
 The report (OUT/report.md, report.json, plots/) is tools/ablate_report.py's.
 Exit code: 0 every run finished (and was scored), 1 a run or its eval failed or was left for the
@@ -40,6 +40,7 @@ from pathlib import Path
 import yaml
 
 from config import ConfigError, load_config
+from files import command
 from run import health
 from settings.typed_config import check_writable
 from tools import ablate_report
@@ -243,15 +244,13 @@ def run_one(args, run: RunSpec, threads: int, deadline: float | None) -> RunSpec
     return run
 
 
+@command.one_line(ValueError, ConfigError,
+                  stopped="before every run ended; run the same command again to go on")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     args.argv = argv  # for the report
-    try:
-        runs, cfg = plan(args)
-    except (ValueError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    runs, cfg = plan(args)
     started = time.monotonic()
     deadline = started + 60 * args.max_minutes if args.max_minutes else None
     jobs, threads = placement(cfg, len(runs), args.jobs)
@@ -260,11 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(run_one, args, run, threads, deadline) for run in runs]
-        for future in concurrent.futures.as_completed(futures):
-            run = future.result()
-            code = "" if run.exit_code is None else f" (exit {run.exit_code})"
-            print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}{code}"
-                  + (f", eval exit {run.eval_exit}" if run.eval_exit else ""), file=sys.stderr)
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                run = future.result()
+                code = "" if run.exit_code is None else f" (exit {run.exit_code})"
+                print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}{code}"
+                      + (f", eval exit {run.eval_exit}" if run.eval_exit else ""), file=sys.stderr)
+        except KeyboardInterrupt:  # stopped: no queued run starts; the pool waits for those going
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     report = ablate_report.write(Path(args.out), runs, args, time.monotonic() - started)
     print(f"[ablate] wrote {report}", file=sys.stderr)
     for run in runs:

@@ -54,7 +54,7 @@ import json
 import sys
 from pathlib import Path
 
-from files import jsonl
+from files import command, jsonl
 from settings.typed_config import check_writable
 
 
@@ -212,6 +212,27 @@ def merge_pairs(pair_sets: list[list[dict]], key: str) -> list[dict]:
     return list(best.values())
 
 
+def read_pair_sets(paths: list[str], key: str) -> list[list[dict]]:
+    """Each pair file's pairs; ValueError naming the file and line of one that is not a pair or
+    has no `key` to merge by."""
+    sets = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file")
+        pairs = read_records(path)
+        for n, pair in enumerate(pairs, 1):
+            if not (isinstance(pair, dict) and {"chosen", "rejected"} <= set(pair)):
+                raise ValueError(f"{path}:{n}: not a pair (chosen, rejected)")
+            if key_of(pair, key) is None:
+                kept = pair.get("columns") if isinstance(pair.get("columns"), dict) else {}
+                raise ValueError(f"{path}:{n}: no '{key}' to merge by (--key); it has: "
+                                 f"{', '.join(k for k in pair if k != 'columns')}"
+                                 + (f"; under columns: {', '.join(kept)}" if kept else ""))
+        sets.append(pairs)
+    return sets
+
+
+@command.one_line(ValueError, OSError)  # ConfigError (check_writable) is a ValueError
 def merge_main(argv: list[str]) -> int:
     """`python -m tools.bestofn merge A.jsonl B.jsonl --out C.jsonl [--key prompt_id]`."""
     ap = argparse.ArgumentParser(prog="python -m tools.bestofn merge",
@@ -223,40 +244,20 @@ def merge_main(argv: list[str]) -> int:
                     "the pair's own or under its columns (eval.keep_columns) (default: prompt, "
                     "its text; the original project's: prompt_id)")
     args = ap.parse_args(argv)
-    try:
-        if Path(args.out).exists():
-            raise ValueError(f"{args.out} exists; give a new file (outputs are never overwritten)")
-        check_writable(args.out, "--out")
-        sets = []
-        for path in args.pairs:
-            if not Path(path).is_file():
-                raise ValueError(f"{path}: no such file")
-            pairs = read_records(path)
-            for n, pair in enumerate(pairs, 1):
-                if not (isinstance(pair, dict) and {"chosen", "rejected"} <= set(pair)):
-                    raise ValueError(f"{path}:{n}: not a pair (chosen, rejected)")
-                if key_of(pair, args.key) is None:
-                    kept = pair.get("columns") if isinstance(pair.get("columns"), dict) else {}
-                    raise ValueError(f"{path}:{n}: no '{args.key}' to merge by (--key); it has: "
-                                     f"{', '.join(k for k in pair if k != 'columns')}"
-                                     + (f"; under columns: {', '.join(kept)}" if kept else ""))
-            sets.append(pairs)
-        merged = merge_pairs(sets, args.key)
-        if not merged:
-            raise ValueError(f"{', '.join(args.pairs)}: no pairs")
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    jsonl.write_atomic(args.out, "".join(json.dumps(p) + "\n" for p in merged))
+    if Path(args.out).exists():
+        raise ValueError(f"{args.out} exists; give a new file (outputs are never overwritten)")
+    check_writable(args.out, "--out")
+    sets = read_pair_sets(args.pairs, args.key)
+    merged = merge_pairs(sets, args.key)
+    if not merged:
+        raise ValueError(f"{', '.join(args.pairs)}: no pairs")
+    jsonl.write_records(args.out, merged)
     print(f"[bestofn] {args.out}: {len(merged)} unique pairs (deduplicated by {args.key}, highest "
           f"delta) from {sum(map(len, sets))} pairs in {len(sets)} files")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["merge"]:
-        return merge_main(argv[1:])
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.bestofn",
                                  epilog="python -m tools.bestofn merge A B --out C: merge pair "
                                  "sets (see merge --help)",
@@ -279,70 +280,88 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--by", default=None, metavar="NAME[+NAME...]", help="rank by the sum of these "
                     "rewards, not the total (e.g. logic+novelty: a judge's scores without the rule "
                     "rewards); --min-reward/--min-margin apply to it")
-    args = ap.parse_args(argv)
-    try:
-        if not (args.sft or args.pairs):
-            raise ValueError("nothing to write: give --sft FILE, --pairs FILE or both")
-        outs = [Path(o).resolve() for o in filter(None, [args.sft, args.pairs])]
-        if len(set(outs)) < len(outs):
-            raise ValueError("--sft and --pairs name the same file; give each its own")
-        for flag, out in (("--sft", args.sft), ("--pairs", args.pairs)):
-            if out and Path(out).exists():
-                raise ValueError(f"{out} exists; give a new file (outputs are never overwritten)")
-            if out:  # both checked before either is written: never one file without the other
-                check_writable(out, flag)
-        require = parse_require(args.require)
-        records = []
-        for path in args.predictions:
-            if not Path(path).is_file():
-                raise ValueError(f"{path}: no such file (eval.py writes "
-                                 "eval.out_dir/predictions_<name>.jsonl)")
-            for n, rec in enumerate(read_records(path), 1):
-                if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec)
-                        and ("row" in rec or "scores" in rec)):
-                    raise ValueError(f"{path}:{n}: neither eval.py's predictions (row, prompt, "
-                                     "completion, reward) nor tools.ratings export's rated replies "
-                                     "(prompt, completion, scores, reward)")
-                if "row" not in rec and "reward" not in rec:
-                    raise ValueError(f"{path}: rated replies without a reward: export them again "
-                                     "with this version of minigrpo (python -m tools.ratings "
-                                     "export --dir ...)")
-                reward = rec.get("reward")
-                if not isinstance(rec["completion"], str) or not (
-                        reward is None
-                        or (isinstance(reward, (int, float)) and not isinstance(reward, bool))):
-                    raise ValueError(f"{path}:{n}: the completion must be text and the reward a "
-                                     f"number or null, got {type(rec['completion']).__name__} and "
-                                     f"{reward!r}")
-                records.append(rec)
-        if not records:
-            raise ValueError(f"{', '.join(args.predictions)}: no predictions")
-        named = {k for r in records for k in (r.get("rewards") or {})}
-        by = args.by.split("+") if args.by else None
-        if by and len(set(by)) < len(by):
-            raise ValueError(f"--by {args.by} names a reward twice; a weight belongs in eval's "
-                             "rewards: list")
-        for flag, names in (("--require", require), ("--by", by or [])):
-            if unknown := sorted(set(names) - named):
-                raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; "
-                                 f"they have: {', '.join(sorted(named)) or 'none'} (eval.py "
-                                 "writes each reward under 'rewards')")
-        sft, pairs = select(records, args.min_reward, args.min_margin, require,
-                            args.keep_truncated, by)
-    except (ValueError, OSError) as e:  # ConfigError (check_writable) is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return ap.parse_args(argv)
+
+
+def check_outputs(sft: str | None, pairs: str | None) -> None:
+    """At least one output, two different files, neither there yet, both writable: checked before
+    either is written, so never one file without the other."""
+    if not (sft or pairs):
+        raise ValueError("nothing to write: give --sft FILE, --pairs FILE or both")
+    outs = [Path(o).resolve() for o in filter(None, [sft, pairs])]
+    if len(set(outs)) < len(outs):
+        raise ValueError("--sft and --pairs name the same file; give each its own")
+    for flag, out in (("--sft", sft), ("--pairs", pairs)):
+        if out and Path(out).exists():
+            raise ValueError(f"{out} exists; give a new file (outputs are never overwritten)")
+        if out:
+            check_writable(out, flag)
+
+
+def check_record(rec, where: str) -> None:
+    """eval.py's predictions (row, prompt, completion) or tools.ratings export's rated replies
+    (prompt, completion, scores, reward), a text completion and a numeric or null reward; else
+    ValueError at `where` (path:line). A file from an older minigrpo fails here too: the message
+    says to make it again."""
+    if not (isinstance(rec, dict) and {"prompt", "completion"} <= set(rec)
+            and ("row" in rec or {"scores", "reward"} <= set(rec))):
+        raise ValueError(f"{where}: neither eval.py's predictions (row, prompt, completion, "
+                         "reward) nor tools.ratings export's rated replies (prompt, completion, "
+                         "scores, reward); from an older minigrpo? run eval.py again, or export "
+                         "them again (python -m tools.ratings export --dir ...)")
+    reward = rec.get("reward")
+    if not isinstance(rec["completion"], str) or not (
+            reward is None or (isinstance(reward, (int, float)) and not isinstance(reward, bool))):
+        raise ValueError(f"{where}: the completion must be text and the reward a number or null, "
+                         f"got {type(rec['completion']).__name__} and {reward!r}")
+
+
+def read_predictions(paths: list[str]) -> list[dict]:
+    """Every record of the files, in order, each checked (check_record); ValueError when a file is
+    missing or none holds a record."""
+    records = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such file (eval.py writes "
+                             "eval.out_dir/predictions_<name>.jsonl)")
+        for n, rec in enumerate(read_records(path), 1):
+            check_record(rec, f"{path}:{n}")
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{', '.join(paths)}: no predictions")
+    return records
+
+
+def check_reward_names(records: list[dict], require: dict[str, float],
+                       by: list[str] | None) -> None:
+    """--by names each reward once, and every --require and --by name is a reward the predictions
+    have (under 'rewards')."""
+    if by and len(set(by)) < len(by):
+        raise ValueError(f"--by {'+'.join(by)} names a reward twice; a weight belongs in eval's "
+                         "rewards: list")
+    named = {k for r in records for k in (r.get("rewards") or {})}
+    for flag, names in (("--require", require), ("--by", by or [])):
+        if unknown := sorted(set(names) - named):
+            raise ValueError(f"{flag} {unknown[0]}: no prediction has a reward of that name; "
+                             f"they have: {', '.join(sorted(named)) or 'none'} (eval.py "
+                             "writes each reward under 'rewards')")
+
+
+def write_outputs(args: argparse.Namespace, records: list[dict], sft: list[dict],
+                  pairs: list[dict]) -> int:
+    """Each requested output with a line on it -> 0; when one would be empty, exit 1 and nothing
+    is written."""
     if empty := [flag for flag, path, rows in
                  (("--sft", args.sft, sft), ("--pairs", args.pairs, pairs)) if path and not rows]:
-        print(f"error: nothing passed the bars for {' and '.join(empty)} (see --min-reward, "
-              "--min-margin, --require, --keep-truncated); nothing was written", file=sys.stderr)
-        return 1
+        return command.error(f"nothing passed the bars for {' and '.join(empty)} (see "
+                             "--min-reward, --min-margin, --require, --keep-truncated); nothing "
+                             "was written", code=1)
     prompts = len(groups(records))
-    for path, rows, what in [(args.sft, sft, "best completions"), (args.pairs, pairs, "pairs")]:
+    picked = "by_reward" if args.by else "reward"  # what they were picked by
+    for path, rows, what, key in [(args.sft, sft, "best completions", picked),
+                                  (args.pairs, pairs, "pairs", "chosen_" + picked)]:
         if path:
-            jsonl.write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
-            key = ("by_reward" if "reward" in rows[0] else "chosen_by_reward") if args.by else (
-                "reward" if "reward" in rows[0] else "chosen_reward")  # what they were picked by
+            jsonl.write_records(path, rows)
             mean = sum(r[key] for r in rows) / len(rows)
             print(f"[bestofn] {path}: {len(rows)} {what} from {prompts} prompts "
                   f"(mean {args.by or 'reward'} of the kept {mean:.3f})")
@@ -351,6 +370,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bestofn] mean reward of all {len(scored)} scored completions: "
               f"{sum(scored) / len(scored):.3f}")
     return 0
+
+
+@command.one_line(ValueError, OSError)  # ConfigError (check_writable) is a ValueError
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    args = parse_args(argv)
+    check_outputs(args.sft, args.pairs)
+    require = parse_require(args.require)
+    records = read_predictions(args.predictions)
+    by = args.by.split("+") if args.by else None
+    check_reward_names(records, require, by)
+    sft, pairs = select(records, args.min_reward, args.min_margin, require, args.keep_truncated,
+                        by)
+    return write_outputs(args, records, sft, pairs)
 
 
 if __name__ == "__main__":

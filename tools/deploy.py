@@ -35,8 +35,9 @@ import tempfile
 from pathlib import Path
 
 import eval as ev
-from api.client import Judge, JudgeConfig, JudgeUnusable
-from config import ConfigError, load_config
+from api.client import Judge, JudgeConfig
+from config import ConfigError, JudgeUnusable, load_config
+from files import command
 from model import load_tokenizer, pick_device
 from sources.entries import parse_model_entries
 from sources.hub import resolve_model_path
@@ -151,44 +152,41 @@ def first_difference(a: str, b: str, tokenizer) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
 
 
+@command.one_line(ConfigError, JudgeUnusable, stopped="before the check ended (it writes nothing)")
 def check_served(argv: list[str]) -> int:
     args, overrides = parse_check_args(argv)
+    if args.limit < 1 or args.max_new_tokens < 1 or not 0 <= args.min_agreement <= 1:
+        raise ConfigError("need --limit >= 1, --max-new-tokens >= 1 and --min-agreement in "
+                          "[0, 1]")
+    if not Path(args.adapter).expanduser().exists():
+        raise ConfigError(f"--adapter {args.adapter}: no such run, checkpoint or adapter")
+    cfg = load_config(args.config, overrides)
+    ev.check_eval_config(cfg)
+    adapter, served = parse_model_entries([f"adapter={args.adapter}",
+                                           f"served=api:{args.model}"], cfg.model)
+    if adapter.kind not in ("adapter", "full"):
+        raise ConfigError(f"--adapter {args.adapter}: give a run, checkpoint or adapter")
     try:
-        if args.limit < 1 or args.max_new_tokens < 1 or not 0 <= args.min_agreement <= 1:
-            raise ConfigError("need --limit >= 1, --max-new-tokens >= 1 and --min-agreement in "
-                              "[0, 1]")
-        if not Path(args.adapter).expanduser().exists():
-            raise ConfigError(f"--adapter {args.adapter}: no such run, checkpoint or adapter")
-        cfg = load_config(args.config, overrides)
-        ev.check_eval_config(cfg)
-        adapter, served = parse_model_entries([f"adapter={args.adapter}",
-                                               f"served=api:{args.model}"], cfg.model)
-        if adapter.kind not in ("adapter", "full"):
-            raise ConfigError(f"--adapter {args.adapter}: give a run, checkpoint or adapter")
-        try:
-            client = Judge(JudgeConfig(base_url=args.url, model=args.model,
-                                       # no key: the client sends "EMPTY"
-                                       api_key_env=args.api_key_env or "MINIGRPO_NO_KEY",
-                                       temperature=0.0, max_tokens=args.max_new_tokens,
-                                       max_retries=2), label="--url", key="--url")
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        with tempfile.TemporaryDirectory() as tmp:  # eval.py keeps partial replies: none here
-            cfg.eval = dataclasses.replace(cfg.eval, temperature=0.0, num_samples=1,
-                                           max_new_tokens=args.max_new_tokens, limit=args.limit,
-                                           out_dir=tmp)
-            rows = ev.held_out_rows(cfg)[: args.limit]
-            plan = ev.Plan(cfg, [adapter, served], rows, [], pick_device(cfg.run.device), {},
-                           {"served": client},
-                           load_tokenizer(cfg.model, resolve_model_path(cfg.model)))
-            print(f"[minigrpo] check: {len(rows)} held-out prompts, greedy, {args.max_new_tokens} "
-                  f"tokens: {args.adapter} here, {args.model} at {client.masked(args.url)}",
-                  file=sys.stderr)
-            theirs, _, _ = ev.generate(served, plan)  # first: a wrong URL fails fast
-            mine, _, _ = ev.generate(adapter, plan)
-    except (ConfigError, JudgeUnusable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        client = Judge(JudgeConfig(base_url=args.url, model=args.model,
+                                   # no key: the client sends "EMPTY"
+                                   api_key_env=args.api_key_env or "MINIGRPO_NO_KEY",
+                                   temperature=0.0, max_tokens=args.max_new_tokens,
+                                   max_retries=2), label="--url", key="--url")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    with tempfile.TemporaryDirectory() as tmp:  # eval.py keeps partial replies: none here
+        cfg.eval = dataclasses.replace(cfg.eval, temperature=0.0, num_samples=1,
+                                       max_new_tokens=args.max_new_tokens, limit=args.limit,
+                                       out_dir=tmp)
+        rows = ev.held_out_rows(cfg)[: args.limit]
+        plan = ev.Plan(cfg, [adapter, served], rows, [], pick_device(cfg.run.device), {},
+                       {"served": client},
+                       load_tokenizer(cfg.model, resolve_model_path(cfg.model)))
+        print(f"[minigrpo] check: {len(rows)} held-out prompts, greedy, {args.max_new_tokens} "
+              f"tokens: {args.adapter} here, {args.model} at {client.masked(args.url)}",
+              file=sys.stderr)
+        theirs, _, _ = ev.generate(served, plan)  # first: a wrong URL fails fast
+        mine, _, _ = ev.generate(adapter, plan)
     answered = [i for i, failed in enumerate(theirs.failed) if not failed]
     parts = {i: first_difference(mine.texts[i], theirs.texts[i], plan.tokenizer) for i in answered}
     same = sum(p is None for p in parts.values())

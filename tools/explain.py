@@ -33,8 +33,7 @@ import rollout
 import step
 import train
 from config import ConfigError
-from logprobs import batch_log_probs, micro_batch_log_probs
-from model import reference_mode
+from logprobs import micro_batch_log_probs
 from run import lifecycle
 from run.state import Run
 
@@ -48,15 +47,12 @@ TOKENS = 24  # rows of the token table at most
 
 @dataclass
 class Explained:
-    """What one_step computed: the batch, its rewards and advantages, and for completion `row` its
-    per-token terms, its share of the loss, the loss and the gradient norm."""
+    """What the step's own functions computed, for one step: the batch trained on (rewards,
+    advantages, loss mask, mini-batches), and for completion `row` its per-token terms, its share of
+    the loss, the loss of its update and the gradient norm."""
     idx: list[int]  # (B,) the data rows drawn
     prompts: list[str]  # (B,) as rendered
-    batch: rollout.Rollout
-    per_reward: dict[str, list]  # name -> (N,)
-    total: torch.Tensor  # (N,)
-    adv: torch.Tensor  # (N,)
-    mask: torch.Tensor  # (N, C)
+    batch: step.Batch  # what step.make_batch made of the scored groups
     group: int
     row: int
     terms: dict | None = None  # completion `row`'s (C,) tensors: logp, old, ratio, clip, loss_t
@@ -65,73 +61,75 @@ class Explained:
     norm: grpo.LossNorm | None = None
     grad_norm: float = 0.0
 
+    @property
+    def per_reward(self) -> dict[str, list]:  # name -> (N,)
+        return self.batch.kept.per_reward
+
+    @property
+    def total(self) -> torch.Tensor:  # (N,) the weighted sum
+        return self.batch.kept.total
+
+    @property
+    def adv(self) -> torch.Tensor:  # (N,) what the updates train on
+        return self.batch.advantages
+
+    @property
+    def mask(self) -> torch.Tensor:  # (N, C) the tokens in the loss
+        return self.batch.mask
+
 
 def one_step(r: Run, group: int | None) -> Explained:
-    """Sample, score, advantages, then the loss and gradient of the update holding the chosen
-    completion: step.train_step's order, on the first iteration (on-policy)."""
-    cfg, ro, G = r.cfg, r.cfg.rollout, r.cfg.rollout.num_generations
-    idx = r.sampler.draw(ro.prompts_per_step)  # 1. B prompts
-    rows = [r.rows[i] for i in idx]
-    prompts = rollout.render_rows(r.tokenizer, rows, cfg.data)
-    batch = r.sample(prompts)  # 2. G completions each, by the sampler chosen at setup, scored by
-    res = r.rewards(batch.texts, [row for row in rows for _ in range(G)],  # the rewards prepared
-                    num_tokens=batch.num_tokens())
-    total = torch.tensor(res.total).float()  # (N,)
-    adv = grpo.group_advantages(total, G, cfg.grpo.scale_rewards,  # 3. A_i
-                                zero_std_tol=cfg.grpo.zero_std_tol)
-    mask = step.loss_mask(r, batch, total)  # (N, C)
-    group = pick_group(total, G, cfg.grpo.zero_std_tol) if group is None else group
-    row = group * G + int(adv.view(-1, G)[group].abs().argmax())
-    out = Explained(idx, prompts, batch, res.per_reward, total, adv, mask, group, row)
-    return loss_and_gradient(r, out)
+    """step.train_step's first stages, by its own functions: draw, sample and score
+    (step.score: the sampler and rewards prepared at setup), then step.make_batch (advantages,
+    loss mask, mini-batches); then the loss and gradient of the update holding the chosen
+    completion (loss_and_gradient)."""
+    G = r.cfg.rollout.num_generations
+    idx = r.sampler.draw(r.prompts_per_step)  # 1. B prompts
+    prompts = rollout.render_rows(r.tokenizer, [r.rows[i] for i in idx], r.cfg.data)
+    batch = step.make_batch(r, step.score(r, idx))  # 2. G completions each, scored; 3. A_i
+    group = pick_group(batch.kept.total, G, r.cfg.grpo.zero_std_tol) if group is None else group
+    row = group * G + int(batch.advantages.view(-1, G)[group].abs().argmax())
+    return loss_and_gradient(r, Explained(idx, prompts, batch, group, row))
 
 
 def loss_and_gradient(r: Run, e: Explained) -> Explained:
-    """4. The loss of the update holding completion e.row, micro-batch by micro-batch as
-    step.update takes it, backward, and the gradient's norm; no optimizer step."""
-    cfg, g = r.cfg, r.cfg.grpo
-    keep = None  # the tokens in the policy-gradient term: all, or the high-entropy ones
-    if g.top_entropy_quantile < 1:
-        keep = grpo.high_entropy_mask(e.batch.entropy, e.mask, g.top_entropy_quantile)
-    mbs, e.norm = next((mbs, norm) for mbs, norm in step.mini_batches(cfg, e.batch, e.mask, e.total,
-                                                                     e.adv)
+    """4. The first update holding completion e.row, micro-batch by micro-batch as step.update
+    takes it (step.backward), and the gradient norm the step logs (step.clip_gradients, before
+    the clip); then the gradients are dropped: no optimizer step, no weight changes."""
+    mbs, e.norm = next((mbs, norm) for mbs, norm in e.batch.minis
                        if any(mb.start <= e.row < mb.stop for mb in mbs))
-    ref_logp = None
-    if g.beta > 0:
-        with reference_mode(r.model, r.ref_copy) as ref:
-            ref_logp = batch_log_probs(ref, e.batch, cfg, mbs)  # (N, C)
-    settings, adv = r.loss, e.adv.to(r.device)
     r.model.train()
     r.optimizer.zero_grad(set_to_none=True)
     for mb in mbs:
-        logp, C = micro_batch_log_probs(r.model, e.batch, e.batch.input_ids,
-                                        e.batch.attention_mask, mb, cfg)  # (n, C)
-        ref = None if ref_logp is None else ref_logp[mb, :C]
-        k = None if keep is None else keep[mb, :C]
-        loss, _ = grpo.grpo_loss(logp, None, ref, adv[mb], e.mask[mb, :C], e.norm, settings,
-                                 None, k)  # old_logp None: on-policy
-        loss.backward()
-        e.loss += float(loss.detach())
+        sums, logp, weight = step.backward(r, e.batch, mb, e.norm, None)
+        e.loss += sums["loss"]
         if mb.start <= e.row < mb.stop:
-            e.terms, e.share = token_terms(logp.detach(), ref, adv[mb], e.mask[mb, :C], k, e.norm,
-                                           settings, e.row - mb.start)
-    e.grad_norm = float(torch.nn.utils.clip_grad_norm_(r.params, math.inf))  # inf: no clipping
+            e.terms, e.share = token_terms(r, e, mb, logp, weight)
+    if r.scaler:  # fp16: the step's norm is of the unscaled gradients
+        r.scaler.unscale_(r.optimizer)
+    e.grad_norm = step.clip_gradients(r)
     r.optimizer.zero_grad(set_to_none=True)
     return e
 
 
 @torch.no_grad()
-def token_terms(logp, ref, adv, mask, keep, norm, s: grpo.LossSettings, i: int):
-    """Row i's per-token terms, as grpo_loss computes them on-policy (old_logp = logp, detached),
-    and its share of the micro-batch's loss: the loss with every other row's terms zeroed."""
-    ref = None if ref is None else torch.where(mask.bool(), ref, logp)
-    loss_t, rho, _ = grpo.per_token_loss(logp, logp, ref, adv, mask, s, None, keep)  # (n, C) each
+def token_terms(r: Run, e: Explained, mb: slice, logp, weight) -> tuple[dict, float]:
+    """Completion e.row's per-token terms, by grpo.per_token_loss on what step.backward gave
+    grpo_loss, and its share of the loss: the micro-batch's loss, every other row's terms zeroed."""
+    b, s, C, i = e.batch, r.loss, logp.shape[1], e.row - mb.start
+    mask, adv = b.mask[mb, :C], b.advantages[mb]  # (n, C), (n,)
+    old = logp if b.old_logp is None else b.old_logp[mb, :C]  # on-policy: the log-probs themselves
+    ref = None if b.ref_logp is None else torch.where(mask.bool(), b.ref_logp[mb, :C], logp)
+    keep = None if b.keep is None else b.keep[mb, :C]
+    loss_t, rho, _ = grpo.per_token_loss(logp, old, ref, adv, mask, s, weight, keep)  # (n, C) each
     clip = rho.clamp(1 - s.epsilon, 1 + s.epsilon_high) * adv[:, None]  # (n, C)
     alone = torch.zeros_like(loss_t)
     alone[i] = loss_t[i]
-    share = float(grpo.aggregate(alone, mask, norm))
-    return {"logp": logp[i], "old": logp[i], "ratio": rho[i], "clip": clip[i],
-            "loss_t": loss_t[i], "mask": mask[i]}, share
+    share = float(grpo.aggregate(alone, mask, e.norm))
+    ones = torch.ones_like(logp[i])
+    return {"logp": logp[i], "old": old[i], "ratio": rho[i], "clip": clip[i],
+            "weight": ones if weight is None else weight[i],
+            "keep": ones if keep is None else keep[i], "loss_t": loss_t[i], "mask": mask[i]}, share
 
 
 def pick_group(total: torch.Tensor, G: int, tol: float) -> int:
@@ -198,9 +196,10 @@ def show_group(r: Run, e: Explained) -> list[str]:
     cfg, G = r.cfg, r.cfg.rollout.num_generations
     ro, lo = cfg.rollout, e.group * G
     mean, std, _ = grpo.group_stats(e.total, G)
-    eps = inspect.signature(grpo.group_advantages).parameters["eps"].default  # step's: default
-    scale = {"group": f"(r - mean) / (std + {eps:g})", "none": "r - mean (scale_rewards: none)",
-             "batch": f"(r - mean) / (the batch's std + {eps:g})"}[cfg.grpo.scale_rewards]
+    r_ = "s" if cfg.grpo.reward_aggregation == "normalize_then_sum" else "r"
+    scale = {"group": f"({r_} - mean) / (std + {grpo.EPS:g})",
+             "none": f"{r_} - mean (scale_rewards: none)",
+             "batch": f"({r_} - mean) / (the batch's std + {grpo.EPS:g})"}[cfg.grpo.scale_rewards]
     out = ["", "2. Sample G completions, score them, advantages",
            line("completions", f"G={G}, temperature {ro.temperature:g}, at most "
                 f"{ro.max_new_tokens} tokens", where(rollout.generate_rollout, "model.generate(")),
@@ -209,7 +208,11 @@ def show_group(r: Run, e: Explained) -> list[str]:
            line("total", "sum of weight x reward", where(rewards.weighted_sum, "spec.weight * v")),
            line("mean, std", f"{mean[e.group]:.4f}, {std[e.group]:.4f} (over the group)",
                 where(grpo.group_stats, "return mean")),
-           line("advantage", f"A = {scale}", where(grpo.group_advantages)), ""]
+           *([line("s", "GDPO: sum of weight x reward normalised in its group",
+                   where(grpo.normalize_then_sum))]
+             if cfg.grpo.reward_aggregation == "normalize_then_sum" else []),
+           line("advantage", f"A = {scale}", where(grpo.group_advantages)),
+           line("taken by", "step.make_batch, as the step takes them", where(step.make_batch)), ""]
     return out + group_rows(e, range(lo, lo + G))
 
 
@@ -223,17 +226,17 @@ def group_rows(e: Explained, rows: range) -> list[str]:
     for i in rows:
         nums = "".join(f" {fmt(e.per_reward[n][i]):>12}" for n in names)
         mark = "*" if i == e.row else " "
-        text = f"  {cut(e.batch.texts[i], min(room, 80))}" if room >= 30 else ""
+        text = f"  {cut(e.batch.kept.rollout.texts[i], min(room, 80))}" if room >= 30 else ""
         out.append(f" {mark}{i:>3}{nums} {fmt(float(e.total[i])):>8} {float(e.adv[i]):>+8.4f}"
                    + text)
         if room < 30:
-            out.append(f"        {cut(e.batch.texts[i], 80)}")
+            out.append(f"        {cut(e.batch.kept.rollout.texts[i], 80)}")
     return out
 
 
 def show_tokens(r: Run, e: Explained) -> list[str]:
     g = r.cfg.grpo
-    t, n = e.terms, int(e.batch.completion_mask[e.row].sum())
+    t, n = e.terms, int(e.batch.kept.rollout.completion_mask[e.row].sum())
     out = ["", f"3. Completion {e.row} (*: the largest |A| in its group, "
            f"A = {float(e.adv[e.row]):+.4f}), token by token",
            line("log-prob", f"log pi(token | before) at T={r.cfg.rollout.temperature:g}",
@@ -246,12 +249,17 @@ def show_tokens(r: Run, e: Explained) -> list[str]:
                 where(grpo.per_token_loss, "rho.clamp(")),
            line("loss_t", "-min(rho A, clip(rho) A)" + (" + beta KL" if g.beta else ""),
                 where(grpo.per_token_loss, "loss = -torch.minimum")),
+           *([line("w", f"the sampler's importance weight ({g.tis_mode}, cap {g.tis_cap:g})",
+                   where(grpo.sampler_weight))] if e.batch.kept.rollout.sampler_logp is not None
+             else []),
+           *([line("keep", f"1: a top-{g.top_entropy_quantile:g} entropy token (policy term)",
+                   where(grpo.high_entropy_mask))] if e.batch.keep is not None else []),
            line("mask", "1: in the loss (up to EOS, reward not skipped)", where(step.loss_mask)),
            "  On-policy (the first pass, before any update) old log-prob = log-prob, so rho = 1 "
            "exactly and", "  the clip, which bounds rho to [1 - eps, 1 + eps_high], does nothing; "
            "the gradient still", "  flows through rho's d log-prob (docs/loss.md).", "",
            f"  {'t':>3}  {'token':<16} {'log-prob':>9} {'old':>9} {'ratio':>7} {'clip x A':>9}"
-           f" {'loss_t':>9} {'mask':>4}"]
+           + "".join(f" {k:>6}" for k in extra_columns(e)) + f" {'loss_t':>9} {'mask':>4}"]
     rows = list(range(min(n + 1, len(t["logp"]))))  # its tokens, and a padding one after
     shown = rows if len(rows) <= TOKENS else rows[:TOKENS - 4] + [None] + rows[-3:]
     return out + [f"  {'...':>3}" if j is None else token_row(r, e, j, n) for j in shown]
@@ -260,11 +268,18 @@ def show_tokens(r: Run, e: Explained) -> list[str]:
 def token_row(r: Run, e: Explained, j: int, n: int) -> str:
     """Token j of completion e.row (n tokens long; past them, padding)."""
     t = e.terms
-    tok = cut(r.tokenizer.decode([int(e.batch.completion_ids[e.row, j])]), 16) if j < n \
-        else "(padding)"
+    tok = cut(r.tokenizer.decode([int(e.batch.kept.rollout.completion_ids[e.row, j])]), 16) \
+        if j < n else "(padding)"
     return (f"  {j:>3}  {tok:<16} {float(t['logp'][j]):>9.4f} {float(t['old'][j]):>9.4f}"
             f" {float(t['ratio'][j]):>7.4f} {float(t['clip'][j]):>+9.4f}"
-            f" {float(t['loss_t'][j]):>+9.4f} {int(t['mask'][j]):>4}")
+            + "".join(f" {float(t[k][j]):>6.3f}" for k in extra_columns(e))
+            + f" {float(t['loss_t'][j]):>+9.4f} {int(t['mask'][j]):>4}")
+
+
+def extra_columns(e: Explained) -> list[str]:
+    """The token table's columns beyond the plain loss's: the sampler's weight, the entropy mask."""
+    return ([k for k, on in (("weight", e.batch.kept.rollout.sampler_logp is not None),
+                             ("keep", e.batch.keep is not None)) if on])
 
 
 def show_loss(r: Run, e: Explained) -> list[str]:

@@ -38,6 +38,7 @@ import torch
 
 import rollout
 from config import Config, ConfigError, data_label, length_limit, load_config
+from files import command
 from model import load_base
 from settings.typed_config import check_writable
 from sources import seen_prompts
@@ -316,87 +317,118 @@ def check_args(args, cfg: Config) -> str | None:
     return os.environ["HF_TOKEN"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["check"]:
-        return deploy.check_served(argv[1:])
-    args, overrides = parse_args(argv)
+@dataclasses.dataclass
+class Merged:
+    """The base with its adapter chain merged in, ready to save, and what it was made from."""
+    cfg: Config  # the --config given, whose model section loaded the base
+    train_cfg: Config  # the checkpoint's own config (else cfg): how the adapter was trained
+    adapter: Path
+    model: torch.nn.Module
+    tokenizer: object  # its chat template rendering prompts as training did
+    prov: dict  # apply_adapter_chain's record of the adapters merged
+    serve_len: int  # vLLM's --max-model-len
+    reference: tuple | None  # --verify: greedy() of the merged model before the cast
+
+
+def find_trained_adapter(args, cfg: Config) -> tuple[Path, Config]:
+    """-> (the adapter, the config it was trained with), checked against the base before it loads:
+    a recipe's config names its model, the run may have trained another."""
+    adapter = find_adapter(args.adapter)
+    saved = adapter.parent / "config.yaml"
     try:
-        cfg = load_config(args.config, overrides)
-        token = check_args(args, cfg)
-        adapter = find_adapter(args.adapter)
-        # before the base loads: a recipe's config names its model, the run may have trained another
-        try:
-            check_adapter_base(adapter, cfg.model)
-        except ConfigError as e:
-            saved = adapter.parent / "config.yaml"
-            raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})"
-                                        if saved.is_file() else "")) from None
-        try:  # the checkpoint's own config describes its training best; an older one may not parse
-            train_cfg = (load_config(adapter.parent / "config.yaml")
-                         if (adapter.parent / "config.yaml").is_file() else cfg)
-        except ConfigError:
-            train_cfg = cfg
-        mcfg = dataclasses.replace(cfg.model, dtype="float32", quant=None)
-        model, tokenizer = load_base(mcfg, torch.device("cpu"))
-        if getattr(model.config, "quantization_config", None) is not None:
-            raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs "
-                              "a base in full precision")
-        model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
-        positions = getattr(model.config, "max_position_embeddings", None)
-        check_serve_len(args.max_model_len, train_cfg, positions)
-        serve_len = max_model_len(train_cfg, args.max_model_len, positions)
-        data = train_cfg.data
-        # before the template is rewritten and the weights cast
-        reference = greedy(model, tokenizer, rollout.render_prompt(
-            tokenizer, args.verify, data.system_prompt, data.assistant_prefix,
-            data.chat_template_kwargs)) if args.verify else None
-        # a template already ending with the prefix (R1-style "<think>\n") wrote it in training too
-        probe = (rollout.render_prompt(tokenizer, "x", None, "", data.chat_template_kwargs)
-                 if tokenizer.chat_template else "")
-        prefix = rollout.prefix_to_add(probe, data.assistant_prefix)
-        if tokenizer.chat_template and (data.chat_template_kwargs or prefix):
-            t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
-            tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, prefix)
-                                        for k, v in t.items()} if isinstance(t, dict)
-                                       else serving_template(t, data.chat_template_kwargs, prefix))
+        check_adapter_base(adapter, cfg.model)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    model = model.to(getattr(torch, args.dtype))
-    model.config.use_cache = True  # load_base turned it off for training
-    gen = model.generation_config
+        raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})"
+                                    if saved.is_file() else "")) from None
+    try:  # the checkpoint's own config describes its training best; an older one may not parse
+        return adapter, load_config(saved) if saved.is_file() else cfg
+    except ConfigError:
+        return adapter, cfg
+
+
+def render_as_trained(tokenizer, data) -> None:
+    """Rewrite the tokenizer's chat template so a server renders prompts as training did
+    (serving_template): data.chat_template_kwargs fixed, data.assistant_prefix after the generation
+    prompt, unless the template already ends with it (R1-style "<think>\\n", written in training
+    too)."""
+    if not tokenizer.chat_template:
+        return
+    probe = rollout.render_prompt(tokenizer, "x", None, "", data.chat_template_kwargs)
+    prefix = rollout.prefix_to_add(probe, data.assistant_prefix)
+    if data.chat_template_kwargs or prefix:
+        t = tokenizer.chat_template  # a string, or named templates (default, tool_use, ...)
+        tokenizer.chat_template = ({k: serving_template(v, data.chat_template_kwargs, prefix)
+                                    for k, v in t.items()} if isinstance(t, dict)
+                                   else serving_template(t, data.chat_template_kwargs, prefix))
+
+
+def merge(args, cfg: Config) -> Merged:
+    """Load the base in fp32 on CPU, merge the adapter chain, check the serving length, take
+    --verify's reference and fix the chat template; ConfigError on bad input."""
+    adapter, train_cfg = find_trained_adapter(args, cfg)
+    mcfg = dataclasses.replace(cfg.model, dtype="float32", quant=None)
+    model, tokenizer = load_base(mcfg, torch.device("cpu"))
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise ConfigError(f"model.name={mcfg.name} is a pre-quantized checkpoint; export needs "
+                          "a base in full precision")
+    model, prov = apply_adapter_chain(model, mcfg, str(adapter), merge=True, trainable=False)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    check_serve_len(args.max_model_len, train_cfg, positions)
+    serve_len = max_model_len(train_cfg, args.max_model_len, positions)
+    data = train_cfg.data
+    # before the template is rewritten and the weights cast
+    reference = greedy(model, tokenizer, rollout.render_prompt(
+        tokenizer, args.verify, data.system_prompt, data.assistant_prefix,
+        data.chat_template_kwargs)) if args.verify else None
+    render_as_trained(tokenizer, data)
+    return Merged(cfg, train_cfg, adapter, model, tokenizer, prov, serve_len, reference)
+
+
+def cast_for_serving(m: Merged, dtype: str) -> None:
+    """The weights in `dtype`, the KV cache on, and the stop tokens training stopped at (vLLM,
+    generate): the tokenizer's EOS and the template's end of turn too."""
+    m.model = m.model.to(getattr(torch, dtype))
+    m.model.config.use_cache = True  # load_base turned it off for training
+    gen = m.model.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-    # stop as training did (vLLM, generate): the tokenizer's EOS and the template's end of turn too
-    eos = [e for e in eos if e is not None] + [e for e in rollout.eos_token_ids(tokenizer, model)
-                                               if e not in eos]
+    eos = [e for e in eos if e is not None] + [
+        e for e in rollout.eos_token_ids(m.tokenizer, m.model) if e not in eos]
     gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+
+
+def save(folder: Path, args, m: Merged) -> None:
+    """The export in `folder`: weights, tokenizer, model card, the prompts it trained on; checked
+    for what servers read and, with --verify, reloaded as one would (ExportCheckFailed)."""
+    m.model.save_pretrained(folder)
+    m.tokenizer.save_pretrained(folder, save_jinja_files=False)
+    readable_by_older_transformers(folder)
+    # eval.py finds held-out rows the merged model trained on
+    if seen := seen_prompts.recorded_file(m.adapter):
+        shutil.copy(seen, folder / seen_prompts.FILE)
+    (folder / "README.md").write_text(model_card(args.push_to_hub or args.out, m.train_cfg, m.prov,
+                                                 args.dtype, m.serve_len))
+    if gaps := serving_gaps(folder):
+        raise ExportCheckFailed(f"the export lacks {', '.join(gaps)}, which servers read")
+    if m.reference is not None:
+        print(verify(folder, m.reference, args.verify, m.train_cfg.data.system_prompt))
+
+
+def write_export(args, m: Merged) -> int:
+    """Save to OUT.export-tmp, then rename it to OUT (with --overwrite, the old OUT is dropped
+    after) -> 0; a failed check 1, a write error 2, each one line with nothing written."""
     out = Path(args.out)
     # the export's own names: clearing what a killed export left never touches a folder of yours
     tmp, old = out.with_name(out.name + ".export-tmp"), out.with_name(out.name + ".export-old")
     shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp, save_jinja_files=False)
-        readable_by_older_transformers(tmp)
-        # eval.py finds held-out rows the merged model trained on
-        if seen := seen_prompts.recorded_file(adapter):
-            shutil.copy(seen, tmp / seen_prompts.FILE)
-        (tmp / "README.md").write_text(model_card(args.push_to_hub or args.out, train_cfg, prov,
-                                                  args.dtype, serve_len))
-        if gaps := serving_gaps(tmp):
-            raise ExportCheckFailed(f"the export lacks {', '.join(gaps)}, which servers read")
-        if reference is not None:
-            print(verify(tmp, reference, args.verify, train_cfg.data.system_prompt))
+        save(tmp, args, m)
     except ExportCheckFailed as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"error: {e}; nothing was written", file=sys.stderr)
-        return 1
+        return command.error(f"{e}; nothing was written", code=1)
     except OSError as e:  # a full disk, a folder made read-only meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
-        print(f"error: cannot write --out {args.out} ({e.strerror or e}); nothing was written",
-              file=sys.stderr)
-        return 2
+        return command.error(f"cannot write --out {args.out} ({e.strerror or e}); nothing was "
+                             "written")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -405,31 +437,54 @@ def main(argv: list[str] | None = None) -> int:
         out.replace(old)
     tmp.replace(out)
     shutil.rmtree(old, ignore_errors=True)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {cfg.model.name} + "
-          f"{len(prov['merged'])} merged adapter(s); serve it: "
-          f"{serve_command(args.out, train_cfg, serve_len)}")
-    if not token:
-        return 0
+    n = sum(p.numel() for p in m.model.parameters())
+    print(f"[minigrpo] exported {out} ({n / 1e6:.1f}M params, {args.dtype}): {m.cfg.model.name} + "
+          f"{len(m.prov['merged'])} merged adapter(s); serve it: "
+          f"{serve_command(args.out, m.train_cfg, m.serve_len)}")
+    return 0
+
+
+def publish(args, m: Merged, token: str) -> int:
+    """--push-to-hub, then --create-endpoint -> 0; a failure is one line (the token masked) and
+    exit 1, the export kept."""
+    out = Path(args.out)
+
     def why(e: Exception) -> str:
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}".replace(token, "***")
     try:
         commit = push_to_hub(out, args.push_to_hub, args.private, token)
     except Exception as e:  # network, permissions: the export itself is done and kept
-        print(f"error: upload to {args.push_to_hub} failed ({why(e)}); the export is kept in {out}",
-              file=sys.stderr)
-        return 1
+        return command.error(f"upload to {args.push_to_hub} failed ({why(e)}); the export is kept "
+                             f"in {out}", code=1)
     print(f"[minigrpo] uploaded to https://huggingface.co/{args.push_to_hub}")
     if not args.create_endpoint:
         return 0
     try:
-        print(deploy.create_endpoint(args, commit, serve_len, token).replace(
-            token, "***"))
+        print(deploy.create_endpoint(args, commit, m.serve_len, token).replace(token, "***"))
     except Exception as e:  # a name taken, no payment method, no quota for the instance
-        print(f"error: creating endpoint {args.create_endpoint} failed ({why(e)}); the model is "
-              f"uploaded to {args.push_to_hub} and kept in {out}", file=sys.stderr)
-        return 1
+        return command.error(f"creating endpoint {args.create_endpoint} failed ({why(e)}); the "
+                             f"model is uploaded to {args.push_to_hub} and kept in {out}", code=1)
     return 0
+
+
+@command.one_line(ConfigError, stopped="before the export was whole; nothing was written")
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        return deploy.check_served(argv[1:])
+    args, overrides = parse_args(argv)
+    cfg = load_config(args.config, overrides)
+    token = check_args(args, cfg)
+    m = merge(args, cfg)
+    cast_for_serving(m, args.dtype)
+    if code := write_export(args, m):
+        return code
+    if not token:
+        return 0
+    try:
+        return publish(args, m, token)
+    except KeyboardInterrupt as e:  # the export is whole by now
+        return command.said_interrupted(e, f"during the upload; the export is kept in {args.out}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import re
 import sys
 from pathlib import Path
 
+from files import command
 from settings.typed_config import ConfigError, check_writable
 
 INSTALL_HINT = "plots need matplotlib: pip install matplotlib"
@@ -159,7 +160,7 @@ def plot_eval(plt, models: dict[str, dict[str, float]], metrics: list[str],
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.plots", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", help="run directories (or their metrics.jsonl)")
@@ -169,55 +170,77 @@ def main(argv: list[str] | None = None) -> int:
                     help="metric keys to draw (default: the curves listed above)")
     ap.add_argument("--smooth", type=float, default=0.0,
                     help="EMA weight A in [0, 1) for the curves (0: raw)")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    return ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+
+def read_runs(paths: list[str]) -> list[tuple[str, list[dict]]]:
+    """(label, its records) per run, saying how many unparsable lines each skipped."""
+    runs = []
+    for path, label in zip(paths, run_labels(paths)):
+        recs, skipped = read_metrics(path)
+        if skipped:
+            print(f"[minigrpo] {path}: skipped {skipped} unparsable line(s)", file=sys.stderr)
+        runs.append((label, recs))
+    return runs
+
+
+def read_inputs(args: argparse.Namespace) -> tuple[list[tuple[str, list[dict]]], dict]:
+    """-> (the runs' curves, the eval's numbers per model), every input checked before anything is
+    drawn: PlotError (or ConfigError for --out) naming what to fix."""
+    if not args.runs and not args.eval:
+        raise PlotError("nothing to plot: give run directories and/or --eval results.json")
+    if not 0 <= args.smooth < 1:
+        raise PlotError(f"--smooth must be in [0, 1), got {args.smooth}")
+    runs = read_runs(args.runs)
+    models = read_eval(args.eval) if args.eval else {}
+    logged = ({k for _, recs in runs for r in recs for k in r}
+              | {k for m in models.values() for k in m})
+    for m in args.metrics or []:
+        if not set(GROUPS.get(m, (m,))) & logged:
+            raise PlotError(f"no input logged metric {m!r}; "
+                            f"logged: {', '.join(sorted(logged - {'step'}))}")
+    for (_, recs), path in zip(runs, args.runs):
+        if not recs:
+            raise PlotError(f"{path}: no metrics lines to draw (a run killed before its first "
+                            "step?)")
+    if args.eval and not any(models.values()):
+        raise PlotError(f"{args.eval}: no model has a numeric metric to draw")
+    check_writable(args.out, "--out")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise PlotError(f"--out {args.out} is a file; give a directory for the PNG files")
+    return runs, models
+
+
+def default_curves(runs: list[tuple[str, list[dict]]]) -> list[str]:
+    """The curves drawn without --metrics (the module docstring's list), in that order."""
+    rewards = sorted({k for _, recs in runs for r in recs for k in r
+                      if re.fullmatch(r"rewards/.+/mean", k)})
+    return ["reward", *rewards, "eval/reward", "eval/accuracy", "kl", "entropy",
+            "completions/mean_length", "clip_ratio", "rewards/margins", "rewards/accuracies",
+            "eval/rewards/margins", "eval/rewards/accuracies", "eval/loss", "learning_rate", "loss"]
+
+
+def is_count(key: str) -> bool:
+    """n, n_*, seconds (and .../n, .../seconds): counts in eval results, not metrics to draw."""
+    return key in ("n", "seconds") or key.startswith("n_") or key.endswith(("/n", "/seconds"))
+
+
+@command.one_line(PlotError, ConfigError, stopped="before every plot was drawn (those written "
+                  "are kept)")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     plt = pyplot()
     if plt is None:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
-    try:
-        if not args.runs and not args.eval:
-            raise PlotError("nothing to plot: give run directories and/or --eval results.json")
-        if not 0 <= args.smooth < 1:
-            raise PlotError(f"--smooth must be in [0, 1), got {args.smooth}")
-        runs = []
-        for path, label in zip(args.runs, run_labels(args.runs)):
-            recs, skipped = read_metrics(path)
-            if skipped:
-                print(f"[minigrpo] {path}: skipped {skipped} unparsable line(s)", file=sys.stderr)
-            runs.append((label, recs))
-        models = read_eval(args.eval) if args.eval else {}
-        logged = ({k for _, recs in runs for r in recs for k in r}
-                  | {k for m in models.values() for k in m})
-        for m in args.metrics or []:
-            if not set(GROUPS.get(m, (m,))) & logged:
-                raise PlotError(f"no input logged metric {m!r}; "
-                                f"logged: {', '.join(sorted(logged - {'step'}))}")
-        for (_, recs), path in zip(runs, args.runs):
-            if not recs:
-                raise PlotError(f"{path}: no metrics lines to draw (a run killed before its first "
-                                "step?)")
-        if args.eval and not any(models.values()):
-            raise PlotError(f"{args.eval}: no model has a numeric metric to draw")
-        check_writable(args.out, "--out")
-        if Path(args.out).exists() and not Path(args.out).is_dir():
-            raise PlotError(f"--out {args.out} is a file; give a directory for the PNG files")
-    except (PlotError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    runs, models = read_inputs(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rewards = sorted({k for _, recs in runs for r in recs for k in r
-                      if re.fullmatch(r"rewards/.+/mean", k)})
-    curves = args.metrics or ["reward", *rewards, "eval/reward", "eval/accuracy", "kl", "entropy",
-                              "completions/mean_length", "clip_ratio", "rewards/margins",
-                              "rewards/accuracies", "eval/rewards/margins",
-                              "eval/rewards/accuracies", "eval/loss", "learning_rate", "loss"]
-    written = plot_curves(plt, runs, curves, out, args.smooth) if runs else []
+    written = (plot_curves(plt, runs, args.metrics or default_curves(runs), out, args.smooth)
+               if runs else [])
     if models:
-        counts = lambda k: (k in ("n", "seconds") or k.startswith("n_")  # noqa: E731 (not metrics)
-                            or k.endswith(("/n", "/seconds")))
         written += plot_eval(plt, models, args.metrics or list(dict.fromkeys(
-            k for m in models.values() for k in m if not counts(k))), out)
+            k for m in models.values() for k in m if not is_count(k))), out)
     for path in written:
         print(path)
     return 0

@@ -45,17 +45,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
-from api.client import Judge, JudgeUnusable
-from config import Config, ConfigError, DataConfig, PrecomputeConfig, load_config
+from api.client import Judge
+from config import Config, ConfigError, DataConfig, JudgeUnusable, PrecomputeConfig, load_config
 from data import DataError, build_prompt, check_not_data_file, load_raw, mapped_rows
-from files import jsonl
-from files.jsonl import interrupted, sigterm_as_interrupt
+from files import command, jsonl
 from judge import criteria_gold, criteria_row_fields, grade_answers, load_template, rubric_alignment
 from rewards import compute_rewards
 from rollout import chat_messages
@@ -214,24 +212,15 @@ def batch_line(done: int, total: int, seconds: float, graded: bool) -> str:
             f"({seconds:.0f} s{left})")
 
 
-def run(cfg: Config) -> dict:
-    """Answer, grade, write -> a summary (counts and costs)."""
-    p = check(cfg)
-    rows = load_questions(p)
-    if p.gold_reward is not None:
-        check_rows([p.gold_reward], rows, "question", key="precompute.gold_reward")
-    policy = open_client(p.answers, "precompute.answers", f"precompute.answers ({p.answers.model})")
-    judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
-    k = p.num_answers
-    asks = [chat_messages(r["_question"], p.system_prompt) for r in rows]
-    grades = k * sum(len(r[p.criteria_key]) for r in rows) if p.criteria_key else len(rows) * k
-    print(f"[precompute] {len(rows)} questions x {k} answers from {p.answers.model}: "
-          f"{len(rows) * k} answer requests ({policy.cached(asks, k)} of them cached, free)"
-          + ("" if judge is None else f", then up to {grades} judge requests (cached ones free)"))
+def answer_and_grade(cfg: Config, policy: Judge, judge: Judge | None, rows: list[dict],
+                     asks: list) -> tuple[list[list[str | None]], list[list[float | None]]]:
+    """-> (K answers per question, their gold scores), ROWS_PER_BATCH questions at a time with a
+    line after each batch (a long run says so); a question with a failed answer is not graded."""
+    k = cfg.precompute.num_answers
     answers: list[list[str | None]] = []
     gold: list[list[float | None]] = []
     t0 = time.monotonic()
-    for b in range(0, len(rows), ROWS_PER_BATCH):  # a line after each batch: a long run says so
+    for b in range(0, len(rows), ROWS_PER_BATCH):
         replies = policy.complete_many(asks[b:b + ROWS_PER_BATCH], n=k)
         part = [replies[i:i + k] for i in range(0, len(replies), k)]
         answered = [i for i, a in enumerate(part) if None not in a]
@@ -242,19 +231,46 @@ def run(cfg: Config) -> dict:
         gold += [scores.get(i, [None] * k) for i in range(len(part))]
         print(batch_line(len(answers), len(rows), time.monotonic() - t0, judge is not None),
               file=sys.stderr, flush=True)
+    return answers, gold
+
+
+def kept_records(rows: list[dict], answers: list[list[str | None]],
+                 gold: list[list[float | None]],
+                 keep_constant: bool) -> tuple[list[dict], dict[str, int]]:
+    """-> (the output's records: each kept question with its answers and gold scores, how many
+    were left out for each reason (keep))."""
     left_out: dict[str, int] = {}
     records = []
     for r, a, g in zip(rows, answers, gold):
-        why = keep(a, g, p.keep_constant)
+        why = keep(a, g, keep_constant)
         if why:
             left_out[why] = left_out.get(why, 0) + 1
             continue
         records.append({**{c: v for c, v in r.items() if c != "_question"},
                         "question": r["_question"], "answers": a,
                         "gold_scores": [round(float(v), 6) for v in g]})
+    return records, left_out
+
+
+def run(cfg: Config) -> dict:
+    """Answer, grade, write -> a summary (counts and costs)."""
+    p = check(cfg)
+    rows = load_questions(p)
+    if p.gold_reward is not None:
+        check_rows([p.gold_reward], rows, "question", key="precompute.gold_reward")
+    policy = open_client(p.answers, "precompute.answers", "precompute.answers")
+    judge = open_client(cfg.judge, "judge", "judge") if p.gold_reward is None else None
+    k = p.num_answers
+    asks = [chat_messages(r["_question"], p.system_prompt) for r in rows]
+    grades = k * sum(len(r[p.criteria_key]) for r in rows) if p.criteria_key else len(rows) * k
+    print(f"[precompute] {len(rows)} questions x {k} answers from {policy.cfg.model}: "
+          f"{len(rows) * k} answer requests ({policy.cached(asks, k)} of them cached, free)"
+          + ("" if judge is None else f", then up to {grades} judge requests (cached ones free)"))
+    answers, gold = answer_and_grade(cfg, policy, judge, rows, asks)
+    records, left_out = kept_records(rows, answers, gold, p.keep_constant)
     if records:
         Path(p.out).parent.mkdir(parents=True, exist_ok=True)
-        jsonl.write_atomic(p.out, "".join(json.dumps(rec, default=str) + "\n" for rec in records))
+        jsonl.write_records(p.out, records, default=str)
     cost = {"answers": policy.pop_step_stats()["judge_cost_usd_total"]}
     if judge is not None:
         cost["judge"] = judge.pop_step_stats()["judge_cost_usd_total"]
@@ -292,35 +308,29 @@ def validate(cfg: Config, path: str) -> dict:
             "cost_usd": stats["judge_cost_usd_total"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(prog="python -m tools.precompute",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any config field: --section.key=value (the precompute: section's in config.py)")
     ap.add_argument("--config", required=True, help="the training YAML, with a precompute: section")
     ap.add_argument("--validate", metavar="ANSWER_FILE",
                     help="score the expert rubrics of an answer file instead")
-    args, overrides = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(args.config, overrides)
-        if args.validate:
-            with sigterm_as_interrupt():
-                v = validate(cfg, args.validate)
-            print(f"[precompute] the expert rubrics of {args.validate} earn a mean Spearman of "
-                  + ("-" if v["mean_rho"] is None else f"{v['mean_rho']:.3f}")
-                  + f" over {v['scored']} of {v['rows']} questions ({v['rows'] - v['scored']} with "
-                  f"a failed judge call, {v['constant']} with grades or gold that do not rank); "
-                  f"cost this run: ${v['cost_usd']:.4f}")
-            return 0 if v["scored"] else 1
-        with sigterm_as_interrupt():  # a scheduler's SIGTERM ends it as Ctrl-C does
-            summary = run(cfg)
-    except (ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-        print(f"\ninterrupted ({interrupted(e)[0]}): every answer (and grade) received is cached "
-              "(precompute.answers.cache_path, and judge.cache_path for gold by the judge); rerun "
-              "the same command: it pays only for the rest", file=sys.stderr)
-        return interrupted(e)[1]
+    return ap.parse_known_args(argv)
+
+
+def said_validated(path: str, v: dict) -> int:
+    """validate's line -> 0, or 1 when no question could be scored."""
+    print(f"[precompute] the expert rubrics of {path} earn a mean Spearman of "
+          + ("-" if v["mean_rho"] is None else f"{v['mean_rho']:.3f}")
+          + f" over {v['scored']} of {v['rows']} questions ({v['rows'] - v['scored']} with "
+          f"a failed judge call, {v['constant']} with grades or gold that do not rank); "
+          f"cost this run: ${v['cost_usd']:.4f}")
+    return 0 if v["scored"] else 1
+
+
+def said_written(cfg: Config, summary: dict) -> int:
+    """run's lines: what was written, what was left out and how to retry the failed ones -> 0, or
+    1 when nothing was written."""
     p = cfg.precompute
     cost = ", ".join(f"{k} ${v:.4f}" for k, v in summary["cost_usd"].items())
     if summary["written"]:
@@ -338,6 +348,22 @@ def main(argv: list[str] | None = None) -> int:
               f"({p.answers.cache_path}" + ("" if p.gold_reward else f", {cfg.judge.cache_path}")
               + ")", file=sys.stderr)
     return 0 if summary["written"] else 1
+
+
+@command.one_line(ConfigError, DataError, ValueError, KeyError, OSError, JudgeUnusable)
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.validate:
+            return said_validated(args.validate, validate(cfg, args.validate))
+        summary = run(cfg)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (one_line raises it as one)
+        print(f"\ninterrupted ({command.interrupted(e)[0]}): every answer (and grade) received is "
+              "cached (precompute.answers.cache_path, and judge.cache_path for gold by the judge); "
+              "rerun the same command: it pays only for the rest", file=sys.stderr)
+        return command.interrupted(e)[1]
+    return said_written(cfg, summary)
 
 
 if __name__ == "__main__":

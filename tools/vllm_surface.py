@@ -1,20 +1,21 @@
 """What a real vLLM wheel offers the trainer, read from its source without importing it (no CUDA
 needed): the signatures of LLM(...), generate, sleep and wake_up, the fields of EngineArgs,
-SamplingParams and LoRARequest, the LoRA ranks vLLM accepts, the structured-output fields its
-OpenAI server reads, and which text-generation architectures it serves with LoRA (and which of their
-embedding modules).
+SamplingParams, LoRARequest and PEFTHelper (the adapter_config.json keys it reads: any other it
+ignores), the LoRA ranks vLLM accepts, the structured-output fields its OpenAI server reads, and
+which text-generation architectures it serves with LoRA (and which of their embedding modules).
 
-    pip download --no-deps vllm==0.30.0 -d /tmp/w      # a wheel of each version to record
+    pip download --no-deps vllm==0.32.0 -d /tmp/w      # a wheel of each version to record
     python -m tools.vllm_surface /tmp/w/vllm-0.27.0-*.whl /tmp/w/vllm-0.30.0-*.whl \\
-        --server /tmp/w/vllm-0.10.2-*.whl --server /tmp/w/vllm-0.11.0-*.whl \\
-        --out engines/vllm_surface.json
+        /tmp/w/vllm-0.32.0-*.whl --server /tmp/w/vllm-0.10.2-*.whl \\
+        --server /tmp/w/vllm-0.11.0-*.whl --out engines/vllm_surface.json
 
 --server wheels (versions outside the window) record only their server's structured-output fields
 (docs/rewards-and-judges.md states from which version `structured_outputs` is read).
 
 engines/vllm_surface.json, written so, is what the trainer checks an adapter against before vLLM
-starts (engines/vllm_startup.py) and what the test fake's surface is compared with
-(tests/test_vllm_engine.py). Only vllm/*.py is read (ast), never executed.
+starts (engines/vllm_startup.py: the installed version's, the newest stored at or below it) and
+what the test fake's surface is compared with (tests/test_vllm_engine.py). Only vllm/*.py is read
+(ast), never executed.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ CALLS = {"LLM.__init__": ("entrypoints/llm.py", "LLM", "__init__"),
          "LLM.wake_up": ("entrypoints/llm.py", "LLM", "wake_up")}
 FIELDS = {"EngineArgs": ("engine/arg_utils.py", "EngineArgs"),
           "SamplingParams": ("sampling_params.py", "SamplingParams"),
-          "LoRARequest": ("lora/request.py", "LoRARequest")}
+          "LoRARequest": ("lora/request.py", "LoRARequest"),
+          "PEFTHelper": ("lora/peft_helper.py", "PEFTHelper")}  # the adapter_config.json keys read
 OUTPUT_FIELDS = ("structured_outputs", "guided_regex", "guided_choice", "guided_json")
 
 

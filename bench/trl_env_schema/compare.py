@@ -27,8 +27,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
-warnings.filterwarnings("ignore")
 
 import rollout  # noqa: E402
 from config import Config, EnvSpec  # noqa: E402
@@ -146,6 +144,8 @@ def compare(label: str, trl: dict, mini: dict) -> bool:
 
 
 def main() -> int:
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    warnings.filterwarnings("ignore")  # TRL's and transformers' notes on a tiny random model
     import transformers
     import trl
     print(f"trl {trl.__version__}, transformers {transformers.__version__}, "
