@@ -135,6 +135,14 @@ def on_reward_loop(awaitable):
         raise
 
 
+def environments(episode: list | None) -> dict:
+    """TRL's `environments` keyword: each completion's environment instance, in multi-turn runs
+    against an environment class ({} otherwise, as TRL passes none)."""
+    if not episode or all(e.env is None for e in episode):
+        return {}
+    return {"environments": [e.env for e in episode]}
+
+
 @per_function
 def trl_reward(fn: Callable) -> Callable:
     """fn(prompts=[...], completions=[...], **columns, **args) -> list, as TRL calls it, wrapped as
@@ -158,9 +166,7 @@ def trl_reward(fn: Callable) -> Callable:
         columns = {k for s in samples for k in s
                    if k != "prompt" and (takes_any or k in params)} - set(args)
         kwargs = {k: [s.get(k) for s in samples] for k in columns} | args
-        if episode and any(e.env is not None for e in episode) and (
-                takes_any or "environments" in params):
-            kwargs["environments"] = [e.env for e in episode]
+        kwargs |= environments(episode) if takes_any or "environments" in params else {}
         kwargs |= {k: v for k, v in (("prompts", [s.get("prompt") for s in samples]),
                                      ("completions", list(completions)))
                    if takes_any or k in params}

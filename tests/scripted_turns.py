@@ -8,13 +8,14 @@ script[t]: the replies turn t may give (t: the tool messages already in the cont
 entry serves every later turn), each text, or a list of token ids (sampled as they are, however the
 tokenizer would split the text); one is drawn with torch's generator, so a seeded run repeats. Each
 reply ends with the template's turn-end token. Every call is kept in `calls`: (the context each row
-was given, unpadded; the tokens drawn for it).
+was given, unpadded; the tokens drawn for it). scored(...) scores episodes as a run's rewards do.
 """
 from __future__ import annotations
 
 import torch
 
 import rollout
+from rewards import RewardResult, prepare_rewards
 
 
 class ScriptedTurns:
@@ -50,3 +51,10 @@ class ScriptedTurns:
             truncated=torch.tensor([cut for _, cut in drawn]),  # (N,)
             texts=[tokenizer.decode(d, skip_special_tokens=True) for d, _ in drawn],
             entropy=torch.zeros(len(drawn), C))  # (N, C)
+
+
+def scored(completions: list[str], samples: list[dict], specs: list,
+           episodes: list) -> RewardResult:
+    """The rewards over episodes, prepared as a multi-turn run prepares them (run/lifecycle.py)."""
+    rewards = prepare_rewards(specs, {}, ("num_tokens", "episode"))
+    return rewards(completions, samples, episodes=episodes)

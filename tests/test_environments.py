@@ -16,8 +16,7 @@ import train
 from config import Config, ConfigError, EnvSpec, RewardSpec, load_config
 from conftest import make_tokenizer, write_run_config
 from engines import environments, episodes
-from rewards import compute_rewards
-from scripted_turns import ScriptedTurns
+from scripted_turns import ScriptedTurns, scored
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"
@@ -209,7 +208,7 @@ def test_get_reward_is_one_more_reward_under_the_class_name_weighted_like_any(en
     rows = [{"prompt": "x", "environment": "shop"}, {"prompt": "y", "environment": "quiet"}]
     eps = episodes.open_episodes(cfg, make_tokenizer(), rows, 1)
     eps[0].env.buy("tea", 3)
-    res = compute_rewards(["a", "b"], rows, cfg.rewards, episodes=eps)
+    res = scored(["a", "b"], rows, cfg.rewards, eps)
     assert res.per_reward["Shop"] == [3.0, None]
 
 
@@ -220,8 +219,8 @@ def test_a_trl_reward_that_takes_environments_gets_the_instances(envs_file, tmp_
     cfg = Config(env=EnvSpec(name=f"{envs_file}:Shop"))
     eps = episodes.open_episodes(cfg, make_tokenizer(), [{"prompt": "x"}], 2)
     eps[1].env.buy("tea", 2)
-    res = compute_rewards(["a", "b"], [{"prompt": "x"}] * 2,
-                          [RewardSpec(f"{tmp_path / 'trl_rewards.py'}:bought")], episodes=eps)
+    res = scored(["a", "b"], [{"prompt": "x"}] * 2,
+                 [RewardSpec(f"{tmp_path / 'trl_rewards.py'}:bought")], eps)
     assert list(res.per_reward.values())[0] == [0.0, 2.0]
 
 

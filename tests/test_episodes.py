@@ -22,8 +22,7 @@ from conftest import CHATML, make_tokenizer, write_run_config
 from engines import episodes, tool_calls
 from logprobs import sequence_log_probs
 from model import load_policy
-from rewards import compute_rewards
-from scripted_turns import ScriptedTurns
+from scripted_turns import ScriptedTurns, scored
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 TIMING = {"step_time", "rollout_time", "rollout_tokens_per_s", "peak_memory_mb"}
@@ -226,8 +225,8 @@ def test_an_environment_whose_reset_raises_ends_its_episode_with_one_line_and_th
     warned = [rec for rec in caplog.records if "scripted env broke" in rec.getMessage()]
     assert len(warned) <= 1 and all("\n" not in w.getMessage() for w in warned)
     assert episodes.episode_metrics(r.episodes)["episodes/env_errors"] == len(r.episodes)
-    res = compute_rewards([e.reply for e in r.episodes], samples,
-                          [RewardSpec("get_reward", fallback=0.5)], episodes=r.episodes)
+    res = scored([e.reply for e in r.episodes], samples, [RewardSpec("get_reward", fallback=0.5)],
+                 r.episodes)
     assert res.per_reward["get_reward"] == [0.5] * len(r.episodes)
     assert res.errors["get_reward"] == len(r.episodes)
 
