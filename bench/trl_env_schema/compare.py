@@ -95,7 +95,7 @@ def trl_side(tok, factory, rows: list[dict]) -> dict:
 
 def minigrpo_side(tok, env: EnvSpec, rows: list[dict]) -> dict:
     """minigrpo's episodes on the same rows, the same script standing in for HF generate."""
-    from rewards import compute_rewards
+    from rewards import prepare_rewards
     cfg = Config(env=env)
     cfg.rollout.num_generations, cfg.rollout.max_turns = G, 8
     cfg.rollout.max_new_tokens, cfg.rollout.max_episode_tokens = 200, 4000
@@ -117,8 +117,8 @@ def minigrpo_side(tok, env: EnvSpec, rows: list[dict]) -> dict:
     model = torch.nn.Linear(1, 1)  # only its device is read: the script samples
     r = episodes.run_episodes(cfg, model, tok, rows, envs)
     samples = [row for row in rows for _ in range(G)]
-    res = compute_rewards([e.reply for e in r.episodes], samples,
-                          [s for s in cfg.rewards], episodes=r.episodes)
+    rewards = prepare_rewards(cfg.rewards, {}, ("num_tokens", "episode"))  # as a run's
+    res = rewards([e.reply for e in r.episodes], samples, episodes=r.episodes)
     return {"schemas": {str(k): v for k, v in envs.schemas.items()
                         if k in envs.factories},
             "prompt_ids": [e.prompt_ids for e in r.episodes],
