@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from config import DATA_SUFFIXES, ConfigError, DataConfig, active_mixture
+from files import jsonl
 from sources.hub import hub_unreachable, offline_if_unreachable
 from sources.maps import MAPS
 from sources.plugins import import_function
@@ -87,12 +88,6 @@ def _read_file(path: Path, key: str = "data.name") -> list[dict]:
 def _parse_file(path: Path, suffix: str, key: str) -> list[dict]:
     if suffix in (".jsonl", ".json"):
         text = path.read_text(encoding="utf-8")
-        if suffix == ".json" and text.lstrip().startswith("["):
-            try:
-                return json.loads(text)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
-                                "fix the file") from None
         # one object holding the rows: {"data": [...]}
         if suffix == ".json" and text.lstrip().startswith("{"):
             try:
@@ -109,15 +104,10 @@ def _parse_file(path: Path, suffix: str, key: str) -> list[dict]:
                                     "of rows, or one row per line")
                 if lists:
                     return whole[lists[0]]
-        rows = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); "
-                                    "fix or remove that line") from None
-        return rows
+        try:  # a JSON list or JSON Lines, as every tool reads the others' files
+            return jsonl.parse(text, str(path))
+        except ValueError as e:
+            raise DataError(str(e)) from None
     if suffix == ".csv":
         # -sig: Excel's byte-order mark is not part of a name
         with path.open(newline="", encoding="utf-8-sig") as f:

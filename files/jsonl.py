@@ -9,10 +9,13 @@ logs) and atomic rewrites (results, configs).
     jsonl.write_atomic(path, text)                # whole old file or whole new one, never half
     jsonl.write_records(path, records)            # the same, as JSON lines
     records = jsonl.records(path)                 # every whole record, in order
+    rows = jsonl.load(path)   # a file one tool wrote for another: JSON Lines or one JSON list
 
 A kill during a write leaves at most a torn last line. `append` first ends such a line, so new
 records never glue onto it, and `read` never yields a line without its newline (it may still be
-being written; a later read, from `end`, picks it up once whole). Appends hold an exclusive lock
+being written; a later read, from `end`, picks it up once whole). `load` is for files written whole
+(eval.py's predictions, tools.bestofn's picks and pairs, the rating page's exports, your data):
+strict, it never takes a file for one still being written. Appends hold an exclusive lock
 (flock, where the OS has it) from the torn-line check to the fsync, so writers sharing a file (a
 training run and an eval on one judge cache) neither interleave nor misreport offsets. Standard
 library only: the ratings (graders/ratings.py, graders/rating_page.py) import this without torch.
@@ -76,6 +79,38 @@ def records(path: str | Path) -> list[dict]:
     """Every complete JSON-object line of `path`, in order ([] when it does not exist); torn or
     corrupt lines are skipped, as `read` reports them."""
     return [record for _, _, record in read(path) if record is not None]
+
+
+def parse(text: str, where: str = "") -> list:
+    """The records of a text one tool wrote for another, whichever form it took: one JSON list (the
+    rating page's /api/export and /export?format=json) or JSON Lines (eval.py's predictions,
+    tools.bestofn's picks and pairs, tools.ratings export); blank lines are skipped. Strict, unlike
+    `read`: a line that is not JSON, or a list that does not parse, is a ValueError naming `where`
+    and the line, so a file is never skipped as one still being written.
+
+    >>> parse('[{"a": 1}, {"a": 2}]') == parse('{"a": 1}\\n\\n{"a": 2}') == [{"a": 1}, {"a": 2}]
+    True
+    """
+    if text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at line {e.lineno}); "
+                             "fix the file") from None
+    rows = []
+    for i, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 may sit in a string
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}:{i}: not valid JSON ({e.msg}); "
+                                 "fix or remove that line") from None
+    return rows
+
+
+def load(path: str | Path) -> list:
+    """`parse` of the UTF-8 file at `path`."""
+    return parse(Path(path).read_text(encoding="utf-8"), str(path))
 
 
 def lines(records: list[dict], default=None) -> str:

@@ -11,9 +11,10 @@ preference pairs (TRL's prompt / chosen / rejected, for DPO).
         --data.target=completion --data.answer_key=null --data.map=null --data.split_seed=null \\
         --data.select=null --data.num_examples=0 --eval.select=null --run.out_dir=runs/raft
 
-People's ratings serve too: `python -m tools.ratings export --dir DIR > rated.jsonl` writes each
-rated reply with its reward (the human reward's value), and `bestofn.py rated.jsonl --pairs ...`
-pairs each prompt's best- and worst-rated replies. Those replies carry any forced prefix in their
+People's ratings serve too: `python -m tools.ratings export --dir DIR > rated.jsonl` (or the rating
+page's /api/export, a JSON list, or its Parquet) writes each rated reply with its reward (the human
+reward's value), and `bestofn.py rated.jsonl --pairs ...` pairs each prompt's best- and worst-rated
+replies. Those replies carry any forced prefix in their
 text (the raters saw it), so both outputs train with data.assistant_prefix: ''.
 
 A prompt is its predictions' (source, row), or a rated reply's prompt text. Completions without a
@@ -143,12 +144,14 @@ def select(records: list[dict], min_reward: float | None = None, min_margin: flo
 
 
 def read_records(path: str) -> list:
-    """eval.py's predictions or graders/ratings.py's export (JSON Lines), or the export as Parquet
-    (--out x.parquet)."""
+    """eval.py's predictions, the rated replies (tools.ratings export, the rating page's /export and
+    /api/export) or pairs: JSON Lines or one JSON list, read as every tool reads the others' files
+    (jsonl.load: strict, never skipped as unfinished), or Parquet (--out x.parquet,
+    ?format=parquet)."""
     if Path(path).suffix.lower() in (".parquet", ".pq"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    return [rec for _, _, rec in jsonl.read(path)]
+    return jsonl.load(path)
 
 
 def parse_require(items: list[str]) -> dict[str, float]:
@@ -238,7 +241,8 @@ def merge_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bestofn merge",
                                  description="merge pair sets: one pair per --key, the highest "
                                  "delta (chosen - rejected reward)")
-    ap.add_argument("pairs", nargs="+", help="pair files (JSON Lines: prompt, chosen, rejected)")
+    ap.add_argument("pairs", nargs="+",
+                    help="pair files (JSON Lines or a JSON list: prompt, chosen, rejected)")
     ap.add_argument("--out", required=True, help="the merged pairs (never overwritten)")
     ap.add_argument("--key", default="prompt", help="the column that names a pair's prompt, "
                     "the pair's own or under its columns (eval.keep_columns) (default: prompt, "
