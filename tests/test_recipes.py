@@ -156,13 +156,16 @@ def test_grubrics_presets_train_on_a_read_only_answer_cache(tmp_path, tiny_llama
 def test_grubrics_judge_and_answer_policy_follow_the_environment_openai_or_azure(server,
                                                                                  monkeypatch):
     """The seed's judge is read from its environment (AZURE_OPENAI_ENDPOINT, AZURE_OPENAI_API_KEY,
-    JUDGE_MODEL): one config serves OpenAI or Azure with no flag (it took four, issue 46)."""
+    JUDGE_MODEL): one config serves OpenAI or Azure with no flag (it took four, issue 46), and so do
+    its answer policy and its baselines' API rubric writers (api:DEPLOYMENT on Azure)."""
     import dataclasses
 
     from api.client import Judge
     cfg = load_config("configs/grubrics.yaml")
     assert (cfg.run.report_to, cfg.run.project) == ("wandb", "grubrics")  # the seed's tracker
-    sections = {"judge": cfg.judge, "precompute.answers": cfg.precompute.answers}
+    # and the baselines' API rubric writers (api:MODEL): they took three --eval.api flags
+    sections = {"judge": cfg.judge, "precompute.answers": cfg.precompute.answers,
+                "eval.api": dataclasses.replace(cfg.eval.api, model="gpt-4o-mini")}
     for key, section in sections.items():  # nothing set: OpenAI's endpoint, key and model
         client = Judge(dataclasses.replace(section, cache_path=None), label=key)
         assert (client.cfg.azure_endpoint, client.cfg.base_url, client.cfg.api_key_env,
@@ -172,8 +175,9 @@ def test_grubrics_judge_and_answer_policy_follow_the_environment_openai_or_azure
     monkeypatch.setenv("AZURE_OPENAI_API_KEY", "azure-SECRET-key")
     monkeypatch.setenv("JUDGE_MODEL", "grubrics-judge")
     monkeypatch.setenv("ANSWER_MODEL", "grubrics-answers")
-    for key, deployment in (("judge", "grubrics-judge"),
-                            ("precompute.answers", "grubrics-answers")):
+    sections["eval.api"] = dataclasses.replace(sections["eval.api"], model="gpt-4.1-deployment")
+    for key, deployment in (("judge", "grubrics-judge"), ("precompute.answers", "grubrics-answers"),
+                            ("eval.api", "gpt-4.1-deployment")):
         client = Judge(dataclasses.replace(sections[key], cache_path=None, max_retries=0),
                        label=key)
         before = len(server.requests)
@@ -364,21 +368,26 @@ def test_question_generation_with_a_judge_then_eval_against_an_api_model(tmp_pat
     # the per-criterion entries cost no requests
     assert m["judge_requests"] <= 6 and m["judge_cache_hits"] >= 24
     # the seed's comparison: its API models by its aliases (eval.apis), each with its own settings
-    apis = [f"--eval.apis.{name}.{key}={value}" for name in ("claude-4-5-haiku", "gpt-5-mini")
+    apis = [f"--eval.apis.{name}.{key}={value}"
+            for name in ("grok-4-1", "claude-4-5-haiku", "gpt-5-mini")
             for key, value in (("base_url", server.url), ("api_key_env", "MINIGRPO_NO_SUCH_KEY"),
                                ("cache_path", tmp_path / f"{name}.jsonl"))]
     before = len(server.requests)
     assert ev.main(["--config", "configs/qgen.yaml", "--models", "base", f"grpo={run}",
-                    "api:fake-model", "api:claude-4-5-haiku", "api:gpt-5-mini",
+                    "api:fake-model", "api:grok-4-1", "api:claude-4-5-haiku", "api:gpt-5-mini",
                     f"--model.name={tiny_llama}", *data, *judge, *apis,
                     f"--eval.api.base_url={server.url}",
                     "--eval.api.api_key_env=MINIGRPO_NO_SUCH_KEY", "--eval.max_new_tokens=8",
                     "--eval.limit=3", f"--eval.out_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval/results.json").read_text())["models"]
-    assert set(results) == {"base", "grpo", "fake-model", "claude-4-5-haiku", "gpt-5-mini"}
+    assert set(results) == {"base", "grpo", "fake-model", "grok-4-1", "claude-4-5-haiku",
+                            "gpt-5-mini"}
     from test_judge import anthropic_objections
     asked = {r.body["model"]: r.body for r in server.requests[before:]}
     claude, gpt5 = asked["claude-haiku-4-5-20251001"], asked["gpt-5-mini-2025-08-07"]
+    # the seed's grok-4-1 answered (the judge, the same model, asks at temperature 0)
+    assert any(r.body["model"] == "grok-4-1-fast-non-reasoning" and r.body["temperature"] == 0.7
+               for r in server.requests[before:])
     assert anthropic_objections(claude) == [] and claude["temperature"] == 0.7
     assert "temperature" not in gpt5 and "max_tokens" not in gpt5 \
         and gpt5["max_completion_tokens"] == 4096
