@@ -11,9 +11,10 @@ references follow the code as it changes.
 
 The step is train.py's first (or, with --resume, the next), with the run's seed, built by
 run/lifecycle.setup as --dry-run builds it (checked, nothing started, no vLLM: HF generate samples),
-and done here from the core's functions in the paper's order (one_step). It changes no weight (no
-optimizer step) and writes no file. Single-turn GRPO configs only; groups come as drawn (no
-resample_zero_std, no mini-batch shuffle).
+and done here by the step's own functions (step.score, step.make_batch, step.backward,
+step.clip_gradients: one_step), so what it prints is what the step trains on; this file only
+prints. It changes no weight (no optimizer step) and writes no file. Single-turn GRPO configs
+only; groups come as drawn (no resample_zero_std, no mini-batch shuffle).
 """
 from __future__ import annotations
 
