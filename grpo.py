@@ -159,6 +159,7 @@ class LossSettings:
     adaptive_entropy: tuple[float, float, float, float] | None = None  # min, max, delta, target
     tis_min: float = 0.0  # the importance weights' lower bound (sampler_weight); 0: none
     objective: str = field(init=False)  # clip, cispo, sapo, vespo or dppo: per_token_loss's term
+    clipped: bool = field(init=False)  # objective == "clip": the clip fractions count
     entropy_bonus: bool = field(init=False)  # the step computes the training entropy (its gradient)
 
     def __post_init__(self):
@@ -166,6 +167,7 @@ class LossSettings:
         if len(chosen) > 1:
             raise ValueError(f"one objective at a time, got {', '.join(chosen)}")
         object.__setattr__(self, "objective", chosen[0].removesuffix("_cap") if chosen else "clip")
+        object.__setattr__(self, "clipped", self.objective == "clip")
         object.__setattr__(self, "entropy_bonus",
                            self.entropy_coef != 0 or self.adaptive_entropy is not None)
 
@@ -188,16 +190,12 @@ class LossSettings:
 def per_token_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor,
                    mask: Tensor, s: LossSettings, is_weight: Tensor | None = None,
                    keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """l_t = -k_t m_i w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta KL_t,
-    rho_t = exp(logp_t - old_logp_t), KL_t: k3 below (TRL's bias correction on by default).
-
-    The objectives beyond the clip replace its min(...) term (s.objective: OBJECTIVES, below);
-    s.delta caps the unclipped ratio for A < 0 (INTELLECT-2); s.sequence (GSPO) gives each token
-    its completion's ratio exp(mean_t log rho_t). w_t: the sampler's detached weight
-    (sampler_weight; VESPO folds it into its own), k_t: 0/1 from `keep` (high_entropy_mask, a
-    dropped token keeps its KL term), m_i: 0/1 from off_policy_keep; each 1 when not given.
-    On-policy (old_logp = logp.detach()) rho is 1 in value but still carries d logp: the loss value
-    is about -mean(A) + beta KL while the policy learns, so a loss near 0 is normal.
+    """l_t = -k_t m_i w_t min(rho_t A, clip(rho_t, 1 - eps, 1 + eps_high) A) + beta KL_t (k3),
+    rho_t = exp(logp_t - old_logp_t); OBJECTIVES (CISPO, SAPO, VESPO, DPPO) replace the min(...).
+    delta caps the unclipped rho for A < 0 (INTELLECT-2); sequence (GSPO): each token takes its
+    completion's exp(mean_t log rho_t). w_t: the sampler's weight (VESPO folds it into its own),
+    k_t: 0/1 from keep (a dropped token keeps its KL), m_i: off_policy_keep's; 1 when not given.
+    On-policy rho is 1 in value but carries d logp: a loss near -mean(A) + beta KL is normal.
     logp, old_logp, ref_logp, mask: (N, C); adv: (N,). Returns (loss, rho, kl), each (N, C).
     """
     log_rho = logp - old_logp  # (N, C)
@@ -371,20 +369,19 @@ def grpo_loss(logp: Tensor, old_logp: Tensor | None, ref_logp: Tensor | None, ad
     become logp.detach() (rho = 1, KL = 0): exp(ref - logp) overflowing at a padding token would
     make the gradient 0 * inf = NaN even though the loss masks it. Clip fractions count the tokens
     where the clip acts (low: rho < 1 - eps, A < 0; high: rho > 1 + eps_high, A > 0, or CISPO's
-    cap; delta: rho > delta, A < 0). entropy: (the (n, C) entropy, its coefficient), entropy_bonus.
-    logp, old_logp, ref_logp, mask, keep: (n, C); adv: (n,).
-    """
+    cap; delta: rho > delta, A < 0). entropy: ((n, C) entropy, coefficient) for entropy_bonus.
+    logp, old_logp, ref_logp, mask, keep: (n, C); adv: (n,)."""
     m, d = mask.bool(), logp.detach()  # (n, C)
     old_logp = d if old_logp is None else torch.where(m, old_logp, d)  # (n, C)
     if ref_logp is not None:
         ref_logp = torch.where(m, ref_logp, d)  # (n, C)
     loss_tok, rho, kl = per_token_loss(logp, old_logp, ref_logp, adv, mask, s, is_weight, keep)
     a = adv[:, None].expand_as(rho)  # (n, C), as loss_tok, rho and kl
-    with torch.no_grad():
-        clip = s.objective == "clip"  # under SAPO, VESPO and DPPO nothing clips
-        high = (rho > 1 + s.epsilon_high) & (a > 0) if clip else rho > (s.cispo_cap or math.inf)
-        low = (rho < 1 - s.epsilon) & (a < 0) & clip
-        past_delta = (rho > s.delta) & (a < 0) & (s.delta > 0 and clip)
+    with torch.no_grad():  # under SAPO, VESPO and DPPO nothing clips
+        high = ((rho > 1 + s.epsilon_high) & (a > 0) & s.clipped if s.cispo_cap is None
+                else rho > s.cispo_cap)
+        low = (rho < 1 - s.epsilon) & (a < 0) & s.clipped
+        past_delta = (rho > s.delta) & (a < 0) & (s.delta > 0 and s.clipped)
         stats = {"tokens": float(m.sum()), "ratio_sum": float(rho[m].sum()),
                  "clip_low_sum": float(low[m].sum()), "clip_high_sum": float(high[m].sum()),
                  "clip_delta_sum": float(past_delta[m].sum()), "kl_sum": float(kl[m].sum())}
@@ -410,6 +407,13 @@ def entropy_bonus(entropy: Tensor, coef: float, mask: Tensor, keep: Tensor | Non
     stats |= {"entropy_sum": float(h.detach()), "entropy_tokens": float(e.sum()),
               "entropy_coef_sum": coef * float(e.sum())}  # the coefficient, weighted by tokens
     return coef * h / e.sum().clamp(min=1) / max(norm.num_micro_batches, 1)
+
+
+def entropy_metrics(sums: dict) -> dict:
+    """The entropy bonus's metrics over a step's sums: entropy_coef, the coefficient applied
+    (weighted by tokens), and entropy_bonus/entropy, the training forward's mean entropy."""
+    return {"entropy_coef": sums["entropy_coef_sum"] / sums["entropy_tokens"],
+            "entropy_bonus/entropy": sums["entropy_sum"] / sums["entropy_tokens"]}
 
 
 def entropy_coef_now(s: LossSettings, state: dict) -> float:

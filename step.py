@@ -219,37 +219,38 @@ def make_batch(run, kept: Scored) -> Batch:
     batch = Batch(kept, adv.to(ro.completion_ids.device), mask, keep, minis)
     if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
         batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, batch.mbs)  # (N, C)
-    if g.beta > 0:
-        if g.sync_ref_model:  # TR-DPO: the reference moves towards the policy
-            sync_reference(run)
-        with reference_mode(run.model, run.ref_copy) as ref:
+    if g.beta > 0:  # the reference (TR-DPO's, grpo.sync_ref_model: moved towards the policy)
+        with reference_mode(run.model, reference(run)) as ref:
             batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, batch.mbs)  # (N, C)
     return batch
 
 
 @torch.no_grad()
-def sync_reference(run) -> None:
-    """grpo.sync_ref_model (TR-DPO, arXiv 2404.09656; TRL's sync_ref_model): after every
-    ref_model_sync_steps steps the reference moves towards the policy, weight by weight,
+def reference(run) -> torch.nn.Module | None:
+    """The step's reference copy (full fine-tuning; None with LoRA: the base, adapter off). With
+    grpo.sync_ref_model (TR-DPO, arXiv 2404.09656; TRL's sync_ref_model), after every
+    ref_model_sync_steps steps it moves towards the policy, weight by weight,
 
         pi_ref <- alpha pi_theta + (1 - alpha) pi_ref        (alpha: ref_model_mixup_alpha)
 
-    so the KL term holds the policy near where it was lately, not where it began. Called once a
-    step as the step's reference log-probs are taken: the sync after step k runs at step k + 1. A
-    resumed run first takes the reference its checkpoint saved (reference.pt, run/checkpoint.py).
-    TRL counts optimizer updates, this counts steps: the same at one update a step (the default)."""
+    so the KL term holds the policy near where it was lately, not where it began. The sync after
+    step k runs here, as step k + 1 takes its reference log-probs; a resumed run first takes the
+    reference its checkpoint saved (reference.pt, run/checkpoint.py). TRL counts optimizer updates,
+    this counts steps: the same at one update a step (the default)."""
     ref, g = run.ref_copy, run.cfg.grpo
+    if not g.sync_ref_model or getattr(ref, "minigrpo_step", None) == run.step:
+        return ref
     if getattr(ref, "minigrpo_step", None) is None and run.start:  # the first step after --resume
         saved = run.run_dir / "checkpoints" / f"step_{run.start:06d}" / "reference.pt"
         if not saved.is_file():
             raise FileNotFoundError(f"{saved}: grpo.sync_ref_model needs the reference the run "
                                     "had moved, which this checkpoint did not save")
         ref.load_state_dict(torch.load(saved, map_location=next(ref.parameters()).device))
-    if run.step > 1 and (run.step - 1) % g.ref_model_sync_steps == 0 \
-            and getattr(ref, "minigrpo_step", None) != run.step:
+    if run.step > 1 and (run.step - 1) % g.ref_model_sync_steps == 0:
         for r, p in zip(ref.parameters(), run.model.parameters(), strict=True):
             r.mul_(1 - g.ref_model_mixup_alpha).add_(p, alpha=g.ref_model_mixup_alpha)
     ref.minigrpo_step = run.step  # synced (or restored) for this step
+    return ref
 
 
 def loss_mask(run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
@@ -452,10 +453,10 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
             **({} if ro.entropy is None else {"entropy": float(  # HF generate's
                 (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
             **grad_norm_metrics(updates.grad_norms),
-            **({"entropy_coef": sums["entropy_coef_sum"] / sums["entropy_tokens"],  # the bonus's
-                "entropy_bonus/entropy": sums["entropy_sum"] / sums["entropy_tokens"]}
-               if sums.get("entropy_tokens") else {}),
+            **(grpo.entropy_metrics(sums) if sums.get("entropy_tokens") else {}),
             **({"empty_updates": updates.empty} if updates.empty else {}),
+            **({"clip_ratio/delta_mean": sums["clip_delta_sum"] / tok}  # A < 0 past delta
+               if run.cfg.grpo.delta else {}),
             **({"flat_updates": updates.flat} if updates.flat else {})}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
@@ -463,8 +464,6 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
         out |= episodes.episode_metrics(trained.episodes)
     if trained.sampler_logp is not None:
         out |= grpo.tis_metrics(updates.tis, run.cfg.grpo.tis_cap)
-    if run.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
-        out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / tok
     return out
 
 
