@@ -315,8 +315,8 @@ class GrpoConfig:
     sapo_temperature_neg: float = 1.05  # and for A <= 0 (larger: damped sooner)
     vespo_k_pos: float = 2.0  # policy_loss: vespo: the weight's power for A >= 0 (low ratios)
     vespo_lambda_pos: float = 3.0  # and its decay (high ratios)
-    vespo_k_neg: float = 3.0  # the same two for A < 0
-    vespo_lambda_neg: float = 2.0
+    vespo_k_neg: float = 3.0  # the power for A < 0
+    vespo_lambda_neg: float = 2.0  # the decay for A < 0
     dppo_mask_low: float = 0.2  # policy_loss: dppo: A < 0 tokens whose probability fell by more
     #   than this since sampling leave the policy term
     dppo_mask_high: float = 0.2  # and A > 0 tokens whose probability rose by more than this
@@ -328,9 +328,9 @@ class GrpoConfig:
     use_adaptive_entropy: bool = False  # Skywork-OR1: after each update the coefficient moves by
     #   entropy_coef_delta, up when the entropy was <= entropy_target, down otherwise, and applies
     #   only while the entropy is <= entropy_target
-    entropy_coef_min: float = 0.0  # use_adaptive_entropy: its bounds and step
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0  # use_adaptive_entropy: the coefficient's lower bound
+    entropy_coef_max: float = 1.0  # its upper bound
+    entropy_coef_delta: float = 0.005  # its step after each update
     entropy_target: float = 0.2  # use_adaptive_entropy: the entropy (nats) to hold the policy above
     tis_cap: float = 0.0  # weight tokens by min(pi_trainer / pi_sampler, tis_cap): vLLM's
     #   rollouts, or HF generate's merged or compiled sampler (0: off; 2-3 is usual)

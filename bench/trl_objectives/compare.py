@@ -55,7 +55,7 @@ TOL = 1e-12
 # ----------------------------------------------------------------------------- the inputs
 
 
-def make_inputs(seed: int, off_policy: bool) -> dict:
+def make_inputs(seed: int, off_policy: bool, sampler_noise: float = 0.4) -> dict:
     """One micro-batch, float64: logits (N, C, V) (the leaf both losses differentiate), sampled ids,
     a mask of uneven lengths (one completion of a single token), advantages, old, reference and
     sampler log-probs."""
@@ -70,7 +70,7 @@ def make_inputs(seed: int, off_policy: bool) -> dict:
             "adv": torch.randn(N, generator=g, dtype=torch.float64),
             "old": old, "ref": logp + 0.3 * torch.randn(N, C, generator=g, dtype=torch.float64),
             "sampler": ((logp if old is None else old)  # float32 values: TRL's pipeline holds
-                        + 0.4 * torch.randn(N, C, generator=g, dtype=torch.float64)  # them so
+                        + sampler_noise * torch.randn(N, C, generator=g, dtype=torch.float64)  # so
                         ).float().double()}
 
 
@@ -215,12 +215,12 @@ def is_grid() -> list[dict]:
     out = []
     for mode, low, name in itertools.product(
             ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
-            (None, 0.6), ("dapo", "vespo")):
+            (None, 0.8), ("dapo", "vespo")):
         if name == "vespo" and mode.startswith("sequence"):
             continue  # TRL refuses it, as minigrpo does
         trl = {"loss_type": name, "epsilon_high": 0.28, "vllm_importance_sampling_mode": mode,
-               "vllm_importance_sampling_clip_max": 2.0, "vllm_importance_sampling_clip_min": low}
-        ours = {"loss_type": "dapo", "tis_cap": 2.0, "tis_mode": mode, "tis_min": low or 0.0,
+               "vllm_importance_sampling_clip_max": 1.5, "vllm_importance_sampling_clip_min": low}
+        ours = {"loss_type": "dapo", "tis_cap": 1.5, "tis_mode": mode, "tis_min": low or 0.0,
                 **({"policy_loss": "vespo"} if name == "vespo" else {})}
         out.append({"name": f"{name} is={mode} min={low}", "trl": trl, "ours": ours})
     return out
@@ -280,7 +280,9 @@ def run_is(model_dir: Path, tmp: Path, seeds: int, fixtures: list, log) -> list[
     for k, case in enumerate(is_grid()):
         for seed, off in itertools.product(range(seeds), (False, True)):
             trainer = build_trainer(case["trl"], model_dir, tmp / "out")
-            x = make_inputs(50_000 + 1000 * k + seed, off)
+            # a completion's ratio is a product: closer samplers, or every one is masked
+            x = make_inputs(50_000 + 1000 * k + seed, off,
+                            0.1 if case["ours"]["tis_mode"].startswith("sequence") else 0.4)
             ratio = trl_importance_ratio(trainer, x).detach()
             s = settings_of(case["ours"])
             old = x["old"] if x["old"] is not None else forward(x["logits"], x["ids"])[1].detach()
