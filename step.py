@@ -59,10 +59,15 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
   episodes.episode_metrics                 1  multi-turn episodes' metrics (engines/episodes.py)
   source_metrics                           2  a mixture's per-source metrics (scoring/metrics.py)
   run.scaler, scaled_step                  8  fp16: the GradScaler scales the loss and steps
+  entropy_coef_now, control_entropy        4  the entropy bonus (grpo.entropy_coef): the training
+                                              entropy (logprobs.log_probs_and_entropy) into the
+                                              loss, its adaptive coefficient after each update
+  reference, sync_ref_model                3  TR-DPO: the reference moves towards the policy
 The step's own flags, each a line here: grpo.num_mini_batches (whole groups shuffled into
 mini-batches), num_iterations > 1 and beta > 0 (the old and reference log-probs, taken once),
 mask_truncated_completions, delta (its metric), skip_flat_updates (no optimizer step on a zero
-gradient: update).
+gradient: update). The objectives beyond the clip (policy_loss, the KL's bias correction, the
+off-policy mask, tis_min) are settings of grpo.LossSettings: no line here.
 """
 from __future__ import annotations
 
