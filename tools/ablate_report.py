@@ -129,12 +129,7 @@ def summarize(runs) -> tuple[dict, list[dict], dict]:
     """-> (per arm {metric: interval}, paired differences from the first arm, per run metrics)."""
     arms = list(dict.fromkeys(r.arm.name for r in runs))
     per_run = {(r.arm.name, r.seed): run_metrics(r.dir) for r in runs if r.status == "finished"}
-    by_tokens = {(r.arm.name, r.seed): token_curve(r.dir) for r in runs if r.status == "finished"}
-    if by_tokens and all(c is not None for c in by_tokens.values()):
-        budget = min(float(c[0][-1]) for c in by_tokens.values())  # what every run generated
-        for key, (x, y) in by_tokens.items():
-            grid = np.linspace((1 - FINAL_WINDOW) * budget, budget, TOKEN_GRID)
-            per_run[key]["reward_at_equal_tokens"] = float(np.interp(grid, x, y).mean())
+    add_equal_tokens(per_run, runs)
     metrics = list(dict.fromkeys(k for m in per_run.values() for k in m))
     table = {arm: {k: interval(v) for k in metrics
                    if (v := [m[k] for (a, _), m in per_run.items() if a == arm and k in m])}
@@ -150,6 +145,18 @@ def summarize(runs) -> tuple[dict, list[dict], dict]:
                 diffs.append({"arm": arm, "baseline": arms[0], "metric": k, **d,
                               "sentence": sentence(arm, arms[0], k, d)})
     return table, diffs, per_run
+
+
+def add_equal_tokens(per_run: dict, runs) -> None:
+    """reward_at_equal_tokens into each finished run's metrics: its mean reward over the last
+    FINAL_WINDOW of the tokens every finished run generated (none when a run does not log them)."""
+    by_tokens = {(r.arm.name, r.seed): token_curve(r.dir) for r in runs if r.status == "finished"}
+    if not by_tokens or any(c is None for c in by_tokens.values()):
+        return
+    budget = min(float(c[0][-1]) for c in by_tokens.values())  # what every run generated
+    grid = np.linspace((1 - FINAL_WINDOW) * budget, budget, TOKEN_GRID)
+    for key, (x, y) in by_tokens.items():
+        per_run[key]["reward_at_equal_tokens"] = float(np.interp(grid, x, y).mean())
 
 
 def token_curve(run_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
@@ -249,43 +256,62 @@ def write(out: Path, runs, args, wall_seconds: float, pace: tuple[float, int] = 
         diffs, dict(args.plan), pace[0], len(arms), pace[1])
     health_lines = {(r.arm.name, r.seed): health.summary_of(r.dir) for r in runs
                     if (r.dir / "metrics.jsonl").is_file()}
-    metrics = list(dict.fromkeys(k for arm in arms for k in table[arm]))
     rows = [{"arm": r.arm.name, "seed": r.seed, "dir": str(r.dir), "status": r.status,
              "exit_code": r.exit_code, "eval_exit_code": r.eval_exit,
              "metrics": per_run.get((r.arm.name, r.seed)),
              "health": health_lines.get((r.arm.name, r.seed), [])} for r in runs]
+    pngs += [by_tokens] if by_tokens else []
     report = {"config": args.config, "seeds": args.seeds, "vary_data": args.vary_data,
               "arms": {r.arm.name: r.arm.overrides for r in runs},
               "wall_seconds": round(wall_seconds, 1), "final_window": FINAL_WINDOW,
               "confidence": CONFIDENCE, "runs": rows, "arms_summary": table, "paired": diffs,
-              "plots": [str(p.relative_to(out)) for p in pngs + ([by_tokens] if by_tokens else [])],
+              "plots": [str(p.relative_to(out)) for p in pngs],
               **({} if plan is None else {"plan": plan})}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    md = [f"# Ablation of {args.config}: {len(arms)} arms x {args.seeds} seeds", "",
-          f"`python -m tools.ablate {shlex.join(args.argv)}`", "",
-          *[f"- **{a}**: `{' '.join(o) or '(the config as is)'}`"
-            for a, o in report["arms"].items()],
-          "", f"Wall time {wall_seconds / 60:.1f} min. Data order: "
-          + ("data.shuffle_seed = the seed." if args.vary_data else "the same for every seed."),
-          "", "## Runs", "", "| arm | seed | status | exit | health |", "|---|---|---|---|---|",
-          *[f"| {r['arm']} | {r['seed']} | {r['status']} | {r['exit_code']} | "
-            f"{'; '.join(r['health']) or ('ok' if r['metrics'] else '')} |" for r in rows],
-          "", f"## Each arm: mean over seeds ({CONFIDENCE:.0%} CI)", "",
-          "Over the finished runs only. Final window: the last 20% of each run's steps.", "",
-          "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms),
-          *[f"| {label(k)} | " + " | ".join(cell(table[a].get(k)) for a in arms) + " |"
-            for k in metrics],
-          "", f"## Paired against {arms[0] if arms else '-'}", "",
-          *[f"- {d['sentence']}" for d in diffs], ""]
-    if plan is not None:
-        said = [f"- {line}" for line in ablate_plan.lines(plan, label)]
-        md += ["## Seeds needed (--plan)", "", *(said or ["- no paired metric with two or more "
-                                                          "seeds to plan from"]), ""]
-    images = [f"![{p.stem}]({p.relative_to(out)})" for p in pngs]
-    if by_tokens:  # on reward-by-step's line (side by side), or a line of its own
-        pair = f"![reward by generated tokens]({by_tokens.relative_to(out)})"
-        images = [f"{line} {pair}" if line.startswith("![reward](") else line for line in images]
-        images += [] if any(pair in line for line in images) else [pair]
-    md += [note, ""] if note else images + [""]
+    md = markdown(report, args, wall_seconds) + plan_lines(plan) + (
+        [note, ""] if note else image_lines(out, pngs) + [""])
     (out / "report.md").write_text("\n".join(md))
     return out / "report.md"
+
+
+def markdown(report: dict, args, wall_seconds: float) -> list[str]:
+    """report.md's lines up to the plan: the command, the arms, the runs, each arm's intervals,
+    the paired differences."""
+    table, rows, arms = report["arms_summary"], report["runs"], list(report["arms_summary"])
+    metrics = list(dict.fromkeys(k for arm in arms for k in table[arm]))
+    return [f"# Ablation of {args.config}: {len(arms)} arms x {args.seeds} seeds", "",
+            f"`python -m tools.ablate {shlex.join(args.argv)}`", "",
+            *[f"- **{a}**: `{' '.join(o) or '(the config as is)'}`"
+              for a, o in report["arms"].items()],
+            "", f"Wall time {wall_seconds / 60:.1f} min. Data order: "
+            + ("data.shuffle_seed = the seed." if args.vary_data else "the same for every seed."),
+            "", "## Runs", "", "| arm | seed | status | exit | health |", "|---|---|---|---|---|",
+            *[f"| {r['arm']} | {r['seed']} | {r['status']} | {r['exit_code']} | "
+              f"{'; '.join(r['health']) or ('ok' if r['metrics'] else '')} |" for r in rows],
+            "", f"## Each arm: mean over seeds ({CONFIDENCE:.0%} CI)", "",
+            "Over the finished runs only. Final window: the last 20% of each run's steps.", "",
+            "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms),
+            *[f"| {label(k)} | " + " | ".join(cell(table[a].get(k)) for a in arms) + " |"
+              for k in metrics],
+            "", f"## Paired against {arms[0] if arms else '-'}", "",
+            *[f"- {d['sentence']}" for d in report["paired"]], ""]
+
+
+def plan_lines(plan: list[dict] | None) -> list[str]:
+    """The "Seeds needed" section (--plan), or nothing."""
+    if plan is None:
+        return []
+    said = [f"- {line}" for line in ablate_plan.lines(plan, label)]
+    return ["## Seeds needed (--plan)", "",
+            *(said or ["- no paired metric with two or more seeds to plan from"]), ""]
+
+
+def image_lines(out: Path, pngs: list[Path]) -> list[str]:
+    """One image a line; reward by generated tokens on reward by step's line (side by side)."""
+    lines = [f"![{p.stem}]({p.relative_to(out)})" for p in pngs if p.stem != "reward_by_tokens"]
+    pair = [f"![reward by generated tokens]({p.relative_to(out)})" for p in pngs
+            if p.stem == "reward_by_tokens"]
+    if pair and "![reward](plots/reward.png)" in lines:
+        return [f"{line} {pair[0]}" if line == "![reward](plots/reward.png)" else line
+                for line in lines]
+    return lines + pair
