@@ -11,11 +11,19 @@ Shapes: N = B prompts x G completions, C = completion length.
 Departures from the paper (arXiv 2402.03300), all switchable in the config:
 - the clip has separate lower and upper bounds (DAPO clip-higher, `epsilon_high`);
 - the loss normalisation is a named choice (`loss_type`), default DAPO's global token mean;
-- no KL term unless `beta > 0` (TRL's default; when on, it is the paper's k3 estimator);
-- the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`);
-- the policy-gradient term can be limited to high-entropy tokens (`top_entropy_quantile`);
+- no KL term unless `beta > 0` (TRL's default); when on, the paper's k3 estimator times the ratio
+  (`use_bias_correction_kl`, TRL's default: its gradient is then that of the KL it estimates), and
+  the reference can move towards the policy (TR-DPO, `sync_ref_model`, in step.reference);
+- the ratio can be one per completion instead of one per token (GSPO, `importance_sampling_level`),
+  each completion's terms summed instead of averaged (LUSPO, `loss_type: luspo`);
+- the policy-gradient term can be limited to high-entropy tokens (`top_entropy_quantile`), and
+  stale negative completions dropped from it (DeepSeek-V3.2, `off_policy_mask_threshold`);
 - negative-advantage ratios can be capped too (INTELLECT-2's two-sided clip, `delta`), or the
-  clipped objective swapped for CISPO's clipped, detached importance weight (`policy_loss: cispo`).
+  clipped objective swapped for another (`policy_loss`, OBJECTIVES): CISPO's capped, detached
+  importance weight, SAPO's soft gate, VESPO's Gamma weight of the completion's ratio, prime-rl's
+  DPPO + KL (a trust region on the change in probability);
+- an entropy bonus (`entropy_coef`), its coefficient held by Skywork-OR1's adaptive control.
+Each is TRL 1.16's formula where TRL has it (bench/trl_objectives: 1110 of 1110 cases agree).
 """
 from __future__ import annotations
 
