@@ -262,8 +262,16 @@ class RolloutConfig:
 
 @dataclass
 class GrpoConfig:
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"  # loss normalisation (grpo.py)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo"] = "dapo"  # loss normalisation
+    #   (grpo.aggregate); luspo: each completion's sum (LUSPO, with importance_sampling_level:
+    #   sequence)
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference forward
+    use_bias_correction_kl: bool = True  # the k3 term times the ratio: its gradient is then that of
+    #   KL(policy || reference), the KL it estimates (TRL's default; grpo.k3, docs/loss.md)
+    sync_ref_model: bool = False  # TR-DPO's moving reference: every ref_model_sync_steps steps,
+    #   reference = alpha x policy + (1 - alpha) x reference (beta > 0, full fine-tuning)
+    ref_model_mixup_alpha: float = 0.6  # sync_ref_model: alpha
+    ref_model_sync_steps: int = 512  # sync_ref_model: every this many steps (rollout batches)
     epsilon: float = 0.2  # lower clip: ratio >= 1 - epsilon
     epsilon_high: float = 0.28  # upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO's one ratio
@@ -298,15 +306,41 @@ class GrpoConfig:
     #   sampling entropy (0.2: "80/20", arXiv 2506.01939; 1: all)
     delta: float = 0.0  # two-sided clip (INTELLECT-2): with A < 0 the ratio is also capped at delta
     #   (> 1 + epsilon_high, e.g. 4); 0: off
-    policy_loss: Literal["clip", "cispo"] = "clip"  # clip: PPO's clipped objective; cispo: a
-    #   detached weight min(ratio, cispo_cap) on -A log p, every token keeping its gradient
-    #   (MiniMax-M1, ScaleRL; grpo.py). Both the same on-policy
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo", "dppo"] = "clip"  # the per-token term
+    #   (grpo.py; TRL's loss_type cispo, sapo, vespo): clip: PPO's clipped objective; cispo: a
+    #   detached weight min(ratio, cispo_cap) on -A log p (MiniMax-M1); sapo: a soft gate instead
+    #   of the clip; vespo: a smooth Gamma weight of each completion's ratio; dppo: prime-rl's
+    #   DPPO + KL (a mask on the change in probability, plus kl_tau log^2 ratio). All the same
+    #   gradient on-policy
     cispo_cap: float = 5.0  # policy_loss: cispo: the cap on its importance weight
     #   (TRL: epsilon_high = 5 with loss_type cispo)
+    sapo_temperature_pos: float = 1.0  # policy_loss: sapo: the gate's temperature for A > 0
+    sapo_temperature_neg: float = 1.05  # and for A <= 0 (larger: damped sooner)
+    vespo_k_pos: float = 2.0  # policy_loss: vespo: the weight's power for A >= 0 (low ratios)
+    vespo_lambda_pos: float = 3.0  # and its decay (high ratios)
+    vespo_k_neg: float = 3.0  # the power for A < 0
+    vespo_lambda_neg: float = 2.0  # the decay for A < 0
+    dppo_mask_low: float = 0.2  # policy_loss: dppo: A < 0 tokens whose probability fell by more
+    #   than this since sampling leave the policy term
+    dppo_mask_high: float = 0.2  # and A > 0 tokens whose probability rose by more than this
+    kl_tau: float = 1e-3  # policy_loss: dppo: weight of (log ratio)^2 on every token
+    off_policy_mask_threshold: float = 0.0  # drop from the policy term the completions with A < 0
+    #   whose mean log(pi_old / pi) passed this (DeepSeek-V3.2; e.g. 0.5); 0: off (TRL's None)
+    entropy_coef: float = 0.0  # an entropy bonus: loss - entropy_coef x the training forward's mean
+    #   entropy (0: off, and no entropy is computed); the starting value with use_adaptive_entropy
+    use_adaptive_entropy: bool = False  # Skywork-OR1: after each update the coefficient moves by
+    #   entropy_coef_delta, up when the entropy was <= entropy_target, down otherwise, and applies
+    #   only while the entropy is <= entropy_target
+    entropy_coef_min: float = 0.0  # use_adaptive_entropy: the coefficient's lower bound
+    entropy_coef_max: float = 1.0  # its upper bound
+    entropy_coef_delta: float = 0.005  # its step after each update
+    entropy_target: float = 0.2  # use_adaptive_entropy: the entropy (nats) to hold the policy above
     tis_cap: float = 0.0  # weight tokens by min(pi_trainer / pi_sampler, tis_cap): vLLM's
     #   rollouts, or HF generate's merged or compiled sampler (0: off; 2-3 is usual)
     tis_mode: Literal[  # ratio per token or completion; cap it or mask past it (step.py)
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    tis_min: float = 0.0  # with tis_cap: ratios below this are raised to it (truncate modes) or
+    #   masked (mask modes); 0: no lower bound (TRL's vllm_importance_sampling_clip_min)
 
 
 @dataclass

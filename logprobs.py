@@ -201,16 +201,31 @@ def token_budget_slices(batch, size: int, max_tokens: int, group: int) -> list[s
     return out + [slice(start, n)]
 
 
-def micro_batch_log_probs(model, batch, ids, attn, mb: slice, cfg,
-                          temperature: float | None = None) -> tuple[torch.Tensor, int]:
+def micro_batch_log_probs(model, batch, ids, attn, mb: slice, cfg, temperature: float | None = None,
+                          entropy: bool = False) -> tuple:
     """(n, C) log-probs of the micro-batch's completion tokens, all-padding columns trimmed; and C.
-    The temperature is the sampler's (rollout.temperature) unless given."""
+    The temperature is the sampler's (rollout.temperature) unless given. entropy (the entropy
+    bonus): (logp, C, each position's entropy), log_probs_and_entropy's plain path."""
     i, a, C = trim(ids[mb], attn[mb], batch.completion_mask[mb])
     g, T = cfg.grpo, cfg.rollout.temperature if temperature is None else temperature
     with mixed_precision(model):  # bf16/fp16 matmuls over a 16-bit base; nothing on an fp32 model
-        return sequence_log_probs(  # the levers as gpu/auto.py chose them at setup
-            model, i, a, C, T, g.logprob_chunk, g.fused_lm_head,
-            share_prompt=g.share_prompt is True, kernel=g.logprob_kernel is not False), C
+        return log_probs_and_entropy(model, i, a, C, T) if entropy else (sequence_log_probs(
+            model, i, a, C, T, g.logprob_chunk, g.fused_lm_head,  # the levers, chosen at setup
+            share_prompt=g.share_prompt is True, kernel=g.logprob_kernel is not False), C)
+
+
+def log_probs_and_entropy(model, input_ids: Tensor, attention_mask: Tensor, C: int,
+                          temperature: float) -> tuple[Tensor, int, Tensor]:
+    """sequence_log_probs's plain path, and the entropy of each of those C positions' tempered
+    distributions, both with their gradient: H_t = -sum_v p_t,v log p_t,v, p_t = softmax(logits_t
+    / T) (the entropy bonus needs each whole distribution, so no speed lever applies).
+    input_ids, attention_mask: (N, P + C) -> ((N, C) log-probs, C, (N, C) entropies), fp32."""
+    inputs = dict(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                  position_ids=position_ids(attention_mask)[:, :-1], use_cache=False)
+    logp_all = torch.log_softmax(
+        model(**inputs, logits_to_keep=C).logits.float() / temperature, dim=-1)  # (N, C, V)
+    logp = logp_all.gather(-1, input_ids[:, -C:, None])[..., 0]  # (N, C)
+    return logp, C, -(logp_all.exp() * logp_all).sum(-1)  # (N, C), C, (N, C)
 
 
 @torch.no_grad()

@@ -59,10 +59,15 @@ data.py) name the seam, import lines included; tests/test_layout.py fails above 
   episodes.episode_metrics                 1  multi-turn episodes' metrics (engines/episodes.py)
   source_metrics                           2  a mixture's per-source metrics (scoring/metrics.py)
   run.scaler, scaled_step                  8  fp16: the GradScaler scales the loss and steps
+  entropy_coef_now, control_entropy        4  the entropy bonus (grpo.entropy_coef): the training
+                                              entropy (logprobs.log_probs_and_entropy) into the
+                                              loss, its adaptive coefficient after each update
+  reference, sync_ref_model                3  TR-DPO: the reference moves towards the policy
 The step's own flags, each a line here: grpo.num_mini_batches (whole groups shuffled into
 mini-batches), num_iterations > 1 and beta > 0 (the old and reference log-probs, taken once),
 mask_truncated_completions, delta (its metric), skip_flat_updates (no optimizer step on a zero
-gradient: update).
+gradient: update). The objectives beyond the clip (policy_loss, the KL's bias correction, the
+off-policy mask, tis_min) are settings of grpo.LossSettings: no line here.
 """
 from __future__ import annotations
 
@@ -219,10 +224,38 @@ def make_batch(run, kept: Scored) -> Batch:
     batch = Batch(kept, adv.to(ro.completion_ids.device), mask, keep, minis)
     if g.num_iterations > 1 or g.num_mini_batches > 1:  # else the ratio is exactly 1
         batch.old_logp = logprobs.batch_log_probs(run.model, ro, run.cfg, batch.mbs)  # (N, C)
-    if g.beta > 0:
-        with reference_mode(run.model, run.ref_copy) as ref:
+    if g.beta > 0:  # the reference (TR-DPO's, grpo.sync_ref_model: moved towards the policy)
+        with reference_mode(run.model, reference(run)) as ref:
             batch.ref_logp = logprobs.batch_log_probs(ref, ro, run.cfg, batch.mbs)  # (N, C)
     return batch
+
+
+@torch.no_grad()
+def reference(run) -> torch.nn.Module | None:
+    """The step's reference copy (full fine-tuning; None with LoRA: the base, adapter off). With
+    grpo.sync_ref_model (TR-DPO, arXiv 2404.09656; TRL's sync_ref_model), after every
+    ref_model_sync_steps steps it moves towards the policy, weight by weight,
+
+        pi_ref <- alpha pi_theta + (1 - alpha) pi_ref        (alpha: ref_model_mixup_alpha)
+
+    so the KL term holds the policy near where it was lately, not where it began. The sync after
+    step k runs here, as step k + 1 takes its reference log-probs; a resumed run first takes the
+    reference its checkpoint saved (reference.pt, run/checkpoint.py). TRL counts optimizer updates,
+    this counts steps: the same at one update a step (the default)."""
+    ref, g = run.ref_copy, run.cfg.grpo
+    if not g.sync_ref_model or getattr(ref, "minigrpo_step", None) == run.step:
+        return ref
+    if getattr(ref, "minigrpo_step", None) is None and run.start:  # the first step after --resume
+        saved = run.run_dir / "checkpoints" / f"step_{run.start:06d}" / "reference.pt"
+        if not saved.is_file():
+            raise FileNotFoundError(f"{saved}: grpo.sync_ref_model needs the reference the run "
+                                    "had moved, which this checkpoint did not save")
+        ref.load_state_dict(torch.load(saved, map_location=next(ref.parameters()).device))
+    if run.step > 1 and (run.step - 1) % g.ref_model_sync_steps == 0:
+        for r, p in zip(ref.parameters(), run.model.parameters(), strict=True):
+            r.mul_(1 - g.ref_model_mixup_alpha).add_(p, alpha=g.ref_model_mixup_alpha)
+    ref.minigrpo_step = run.step  # synced (or restored) for this step
+    return ref
 
 
 def loss_mask(run, batch: rollout.Rollout, total: torch.Tensor) -> torch.Tensor:
@@ -285,6 +318,8 @@ def update(run, batch: Batch) -> Updates:
             made = norm.num_tokens and (norm.num_signal or run.loss.beta > 0  # else the gradient
                                         or not run.cfg.grpo.skip_flat_updates)  # is 0: loss.md
             grad_norm, out.lr = optimizer_step(run) if made else empty_update(run, out, norm)
+            if run.loss.adaptive_entropy:  # the entropy bonus's coefficient for the next update
+                grpo.control_entropy(run.loss, run.optimizer.param_groups[0], sums)
             out.grad_norms.append(grad_norm)
             if all(math.isfinite(v) for v in sums.values()):  # into the step's sums
                 out.applied += 1
@@ -295,17 +330,18 @@ def update(run, batch: Batch) -> Updates:
 def backward(run, batch: Batch, mb: slice, norm: grpo.LossNorm, tis: dict | None) -> tuple:
     """Micro-batch mb's share of its update's loss, backward -> (its terms' sums and the loss, the
     log-probs (n, C), the importance weight (n, C) or None: tools/explain.py shows them)."""
-    s, ro = run.loss, batch.kept.rollout
-    logp, C = logprobs.micro_batch_log_probs(run.model, ro, ro.input_ids, ro.attention_mask, mb,
-                                             run.cfg)  # (n, C)
+    s, ro = run.loss, batch.kept.rollout  # ent: the training entropy, for the entropy bonus only
+    logp, C, *ent = logprobs.micro_batch_log_probs(run.model, ro, ro.input_ids, ro.attention_mask,
+                                                   mb, run.cfg, entropy=s.entropy_bonus)  # (n, C)
     old = None if batch.old_logp is None else batch.old_logp[mb, :C]  # None: on-policy
     weight = None if ro.sampler_logp is None else grpo.sampler_weight(
         logp.detach() if old is None else old, ro.sampler_logp[mb, :C], batch.mask[mb, :C],
-        s.tis_cap, tis, s.tis_mode)  # (n, C) pi_old / pi_sampler
+        s.tis_cap, tis, s.tis_mode, s.tis_min)  # (n, C) pi_old / pi_sampler
     loss, stats = grpo.grpo_loss(
         logp, old_logp=old, adv=batch.advantages[mb], mask=batch.mask[mb, :C], norm=norm, s=s,
         is_weight=weight, ref_logp=None if batch.ref_logp is None else batch.ref_logp[mb, :C],
-        keep=None if batch.keep is None else batch.keep[mb, :C])
+        keep=None if batch.keep is None else batch.keep[mb, :C], entropy=(ent[0], (
+            grpo.entropy_coef_now(s, run.optimizer.param_groups[0]))) if ent else None)
     (run.scaler.scale(loss) if run.scaler else loss).backward()
     return stats | {"loss": float(loss.detach())}, logp.detach(), weight
 
@@ -422,7 +458,10 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
             **({} if ro.entropy is None else {"entropy": float(  # HF generate's
                 (ro.entropy * ro.completion_mask).sum() / n_tokens.sum().clamp(min=1))}),
             **grad_norm_metrics(updates.grad_norms),
+            **(grpo.entropy_metrics(sums) if sums.get("entropy_tokens") else {}),
             **({"empty_updates": updates.empty} if updates.empty else {}),
+            **({"clip_ratio/delta_mean": sums["clip_delta_sum"] / tok}  # A < 0 past delta
+               if run.cfg.grpo.delta else {}),
             **({"flat_updates": updates.flat} if updates.flat else {})}
     if len(run.source_labels) > 1:  # a mixture: each source's share and reward
         out |= source_metrics(run, drawn)
@@ -430,8 +469,6 @@ def step_metrics(run, drawn: Scored, trained: rollout.Rollout, updates: Updates)
         out |= episodes.episode_metrics(trained.episodes)
     if trained.sampler_logp is not None:
         out |= grpo.tis_metrics(updates.tis, run.cfg.grpo.tis_cap)
-    if run.cfg.grpo.delta:  # tokens with A < 0 whose ratio passed delta
-        out["clip_ratio/delta_mean"] = sums["clip_delta_sum"] / tok
     return out
 
 

@@ -11,6 +11,7 @@ live here too; config.py hands them on to the modules that import them from ther
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -207,14 +208,10 @@ def check_engine(cfg: Config) -> None:
 
 
 def check_top_entropy(cfg: Config) -> None:
-    """grpo.top_entropy_quantile: its range, token-level ratios, and HF generate's entropies."""
+    """grpo.top_entropy_quantile: its range, and HF generate's entropies."""
     if not 0 <= cfg.grpo.top_entropy_quantile <= 1:
         raise ConfigError("grpo.top_entropy_quantile must be in [0, 1] (the share of tokens kept), "
                           f"got {cfg.grpo.top_entropy_quantile}")
-    if cfg.grpo.top_entropy_quantile < 1 and cfg.grpo.importance_sampling_level == "sequence":
-        raise ConfigError("grpo.top_entropy_quantile picks tokens, but GSPO's ratio "
-                          "(importance_sampling_level: sequence) is one per completion, so every "
-                          "token would still get a gradient: use one or the other")
     if cfg.grpo.top_entropy_quantile < 1 and cfg.rollout.engine != "hf":
         raise ConfigError("grpo.top_entropy_quantile picks tokens by the entropy HF generate "
                           "records while sampling; vLLM does not report it: "
@@ -251,6 +248,84 @@ def check_losses(cfg: Config) -> None:
     if cfg.grpo.cispo_cap < 1:  # below 1 it would shrink even on-policy gradients
         raise ConfigError("grpo.cispo_cap must be >= 1 "
                           f"(the largest importance weight CISPO keeps), got {cfg.grpo.cispo_cap}")
+
+
+# an objective's knob -> (the objective it belongs to, how the config turns that objective on)
+OBJECTIVE_KNOBS = {
+    **dict.fromkeys(("cispo_cap",), ("cispo", "grpo.policy_loss: cispo")),
+    **dict.fromkeys(("sapo_temperature_pos", "sapo_temperature_neg"),
+                    ("sapo", "grpo.policy_loss: sapo")),
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    ("vespo", "grpo.policy_loss: vespo")),
+    **dict.fromkeys(("dppo_mask_low", "dppo_mask_high", "kl_tau"),
+                    ("dppo", "grpo.policy_loss: dppo")),
+    **dict.fromkeys(("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                     "entropy_target"), ("adaptive", "grpo.use_adaptive_entropy: true")),
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"),
+                    ("sync", "grpo.sync_ref_model: true")),
+    "use_bias_correction_kl": ("kl", "grpo.beta > 0"),
+    "tis_min": ("tis", "grpo.tis_cap (e.g. 3)"),
+}
+NON_NEGATIVE_KNOBS = ("kl_tau", "dppo_mask_low", "dppo_mask_high", "off_policy_mask_threshold",
+                      "entropy_coef", "entropy_coef_min", "entropy_coef_max",
+                      "entropy_coef_delta", "entropy_target", "tis_min", "vespo_k_pos",
+                      "vespo_k_neg")
+POSITIVE_KNOBS = ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos",
+                  "vespo_lambda_neg", "ref_model_sync_steps")
+
+
+def active_objectives(g) -> set[str]:
+    """The objectives the grpo section turns on, by OBJECTIVE_KNOBS' names."""
+    return {g.policy_loss} | {name for name, on in (
+        ("adaptive", g.use_adaptive_entropy), ("sync", g.sync_ref_model), ("kl", g.beta > 0),
+        ("tis", g.tis_cap > 0)) if on}
+
+
+def check_objectives(cfg: Config) -> None:
+    """The objectives beyond the clip (grpo.py): no knob set without its objective, no negative
+    coefficient, no pairing that cannot work (docs/loss.md says why each)."""
+    g = cfg.grpo
+    for key in NON_NEGATIVE_KNOBS + POSITIVE_KNOBS:
+        if getattr(g, key) < 0 or (key in POSITIVE_KNOBS and getattr(g, key) == 0):
+            raise ConfigError(f"grpo.{key} must be {'> 0' if key in POSITIVE_KNOBS else '>= 0'}, "
+                              f"got {getattr(g, key)}")
+    on, defaults = active_objectives(g), {f.name: f.default for f in dataclasses.fields(g)}
+    for key, (objective, how) in OBJECTIVE_KNOBS.items():
+        if objective not in on and getattr(g, key) != defaults[key]:
+            raise ConfigError(f"grpo.{key}={getattr(g, key)} belongs to {how}, which is off: set "
+                              f"{how}, or remove grpo.{key}")
+    check_objective_pairs(cfg)
+
+
+def check_objective_pairs(cfg: Config) -> None:
+    """Pairings of the objectives that cannot work (each message names the fix)."""
+    g, sequence = cfg.grpo, cfg.grpo.importance_sampling_level == "sequence"
+    if g.loss_type == "luspo" and not sequence:
+        raise ConfigError("grpo.loss_type: luspo sums each completion's terms under GSPO's one "
+                          "ratio a completion: set grpo.importance_sampling_level: sequence")
+    if g.policy_loss == "dppo" and sequence:
+        raise ConfigError("grpo.policy_loss: dppo masks tokens by how far each one's probability "
+                          "moved: use importance_sampling_level: token with it")
+    if g.policy_loss == "vespo" and g.tis_cap and g.tis_mode.startswith("sequence"):
+        raise ConfigError("grpo.policy_loss: vespo takes the sampler's weights token by token "
+                          f"into its own; grpo.tis_mode={g.tis_mode} is per completion: use "
+                          "token_truncate or token_mask")
+    if g.tis_min and g.tis_min >= g.tis_cap:
+        raise ConfigError(f"grpo.tis_min={g.tis_min} must be below grpo.tis_cap={g.tis_cap} "
+                          "(the importance weights' bounds)")
+    if (g.entropy_coef or g.use_adaptive_entropy) and g.fused_lm_head:
+        raise ConfigError("the entropy bonus (grpo.entropy_coef, use_adaptive_entropy) needs the "
+                          "training forward's logits, which grpo.fused_lm_head never makes: set "
+                          "fused_lm_head: false with it")
+    if g.use_adaptive_entropy and g.entropy_coef_min > g.entropy_coef_max:
+        raise ConfigError(f"grpo.entropy_coef_min={g.entropy_coef_min} must be <= "
+                          f"grpo.entropy_coef_max={g.entropy_coef_max}")
+    if g.sync_ref_model and (cfg.lora.enabled or not g.beta > 0
+                             or not 0 < g.ref_model_mixup_alpha <= 1):
+        raise ConfigError("grpo.sync_ref_model moves the reference towards the policy: it needs "
+                          "grpo.beta > 0 (a KL term to use it), full fine-tuning (lora.enabled: "
+                          "false; with LoRA the reference is the base, adapter off) and "
+                          "ref_model_mixup_alpha in (0, 1]")
 
 
 def check_mixture(cfg: Config) -> None:
@@ -470,5 +545,5 @@ def check_mode(cfg: Config) -> None:
 
 # The order load_config runs them in (the first problem found is the one reported)
 CHECKS = (check_counts, check_ranges, check_episodes, check_sampling, check_engine,
-          check_top_entropy, check_vllm_memory, check_losses, check_mixture, check_rows,
-          check_held_out, check_judges, check_optim_betas, check_mode)
+          check_top_entropy, check_vllm_memory, check_losses, check_objectives, check_mixture,
+          check_rows, check_held_out, check_judges, check_optim_betas, check_mode)

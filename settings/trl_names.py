@@ -56,6 +56,10 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "importance_sampling_level": ("grpo.importance_sampling_level", ""),
     "top_entropy_quantile": ("grpo.top_entropy_quantile", ""),
     "vllm_importance_sampling_cap": ("grpo.tis_cap", "0 is off"),
+    "vllm_importance_sampling_clip_max": ("grpo.tis_cap", "0 is off"),
+    "vllm_importance_sampling_clip_min": ("grpo.tis_min", "0 is off, as TRL's None"),
+    "vllm_importance_sampling_mode": ("grpo.tis_mode", "token_truncate by default here, TRL's "
+                                      "sequence_mask"),
     "reward_weights": ("rewards", "each entry of the rewards: list has its own weight"),
     "chat_template_kwargs": ("data.chat_template_kwargs", ""),
     # TrainingArguments'
@@ -85,6 +89,25 @@ TRL_NAMES: dict[str, tuple[str, str]] = {
     "fp16": ("model.dtype", "fp16: true is model.dtype=float16"),
     "gradient_checkpointing": ("model.gradient_checkpointing", ""),
 }
+
+
+# TRL's loss_type values that are an objective here (grpo.policy_loss), with the normalisation
+# TRL gives each
+TRL_LOSS_TYPES = {"cispo": ("cispo", "dapo"), "sapo": ("sapo", "grpo"), "vespo": ("vespo", "dapo")}
+
+
+def trl_value_hint(section: str, values: dict) -> str | None:
+    """The one-line error for grpo.loss_type set to TRL's name of an objective.
+
+    >>> trl_value_hint("grpo", {"loss_type": "sapo"})
+    "grpo.loss_type=sapo: TRL's name; here it is grpo.policy_loss: sapo with grpo.loss_type: grpo"
+    """
+    loss_type = values.get("loss_type")
+    if section != "grpo" or not isinstance(loss_type, str) or loss_type not in TRL_LOSS_TYPES:
+        return None
+    objective, norm = TRL_LOSS_TYPES[loss_type]
+    return (f"grpo.loss_type={loss_type}: TRL's name; here it is grpo.policy_loss: {objective} "
+            f"with grpo.loss_type: {norm}")
 
 
 def trl_hint(key: str) -> str | None:
@@ -121,6 +144,8 @@ def check_trl_names(raw: dict, root: type) -> None:
         if k not in names and (hint := trl_hint(str(k))):
             raise ConfigError(hint)
         if k in sections and isinstance(v, dict):
+            if hint := trl_value_hint(str(k), v):
+                raise ConfigError(hint)
             fields = {f.name for f in dataclasses.fields(sections[k])}
             for sub in v:
                 if sub not in fields and (hint := trl_hint(f"{k}.{sub}")):

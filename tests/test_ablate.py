@@ -1,16 +1,18 @@
 """tools/ablate.py end to end on a tiny model (train.py and eval.py processes: a 2-arm x 2-seed
 ablation, one run cut short and resumed, an arm that fails), and its statistics against scipy."""
 import json
+import math
 import os
 import shutil
 
+import numpy as np
 import pytest
 from scipy import stats
 
 from config import load_config
 from conftest import write_run_config
 from files.jsonl import append
-from tools import ablate, ablate_report
+from tools import ablate, ablate_plan, ablate_report
 
 
 def test_interval_matches_scipy_and_the_hand_worked_numbers():
@@ -79,7 +81,8 @@ def test_a_budget_too_short_starts_nothing_and_says_so(tmp_path, tiny_llama, cap
     assert "run the same command again to go on" in capsys.readouterr().err
 
 
-def test_two_arms_two_seeds_resume_a_run_cut_short_and_report_a_failed_arm(tmp_path, tiny_llama):
+def test_two_arms_two_seeds_resume_a_run_cut_short_and_report_a_failed_arm(tmp_path, tiny_llama,
+                                                                          capsys):
     cfg = write_run_config(tmp_path, tiny_llama, run={"save_every": 1},
                            data={"select": [0, 8]}, eval={"select": [8, 12], "max_new_tokens": 8})
     out = tmp_path / "out"
@@ -122,3 +125,64 @@ def test_two_arms_two_seeds_resume_a_run_cut_short_and_report_a_failed_arm(tmp_p
     assert "none - group: " in md and "at 2 seeds" in md
     assert "most completions truncated" in md  # each run's health lines
     assert (out / "plots" / "reward.png").is_file()
+    # equal compute: reward by generated tokens beside reward by step, and at the same tokens
+    assert (out / "plots" / "reward_by_tokens.png").is_file()
+    assert "![reward](plots/reward.png) ![reward by generated tokens](plots/reward_by_tokens.png)" \
+        in md and "reward_at_equal_tokens" in report["arms_summary"]["group"]
+    # the planner, on the finished pilot (nothing runs again): seeds and hours for each difference
+    held = next(k for k in report["arms_summary"]["group"] if k.startswith("heldout/"))
+    capsys.readouterr()
+    assert ablate.main(argv + ["--eval", "--plan", "reward=0.1", f"{held}=0.05"]) == 1
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and said[0].startswith(
+        "none - group on final-window train reward: to detect 0.1 at 80% power")
+    plan = json.loads((out / "report.json").read_text())["plan"]
+    assert {p["metric"] for p in plan} == {"reward", held}
+    assert all(p["pilot_seeds"] == 2 and (p["seeds"] is None or p["seeds"] >= 2) for p in plan)
+    assert "## Seeds needed (--plan)" in (out / "report.md").read_text()
+    assert (out / "group" / "seed_1" / "train.log").read_text().count("\n$ ") == 2  # not rerun
+
+
+def test_the_planners_power_is_the_textbooks_and_a_simulations():
+    """The paired t-test's power from the noncentral t against G*Power's table (d_z = delta / sd of
+    0.5, 0.8, 1: 34, 15, 10 pairs at 80%) and against simulated paired normal data run through the
+    report's own test (scipy.stats.ttest_rel), whose rejection rate is the power."""
+    assert [ablate_plan.seeds_needed(d, 1.0) for d in (0.5, 0.8, 1.0)] == [34, 15, 10]
+    assert ablate_plan.power(10, 1.0, 1.0) == pytest.approx(0.8031, abs=1e-4)
+    rng = np.random.default_rng(0)
+    for n, delta, sd in ((4, 0.3, 0.2), (6, 0.1, 0.15), (10, 0.05, 0.1)):
+        base = rng.normal(0.5, 0.3, size=(4000, n))  # the baseline's seed-to-seed spread cancels
+        arm = base + rng.normal(delta, sd, size=(4000, n))
+        rejected = stats.ttest_rel(arm, base, axis=1).pvalue < 0.05
+        assert rejected.mean() == pytest.approx(ablate_plan.power(n, delta, sd), abs=0.025)
+    assert ablate_plan.seeds_needed(0.0, 1.0) is None and ablate_plan.power(1, 1.0, 1.0) == 0.0
+
+
+def test_the_plan_from_a_synthetic_pilot_is_the_closed_form_answer_and_its_time():
+    """A 3-seed pilot whose differences have sd 0.1: to detect 0.1 (d_z = 1) takes 10 seeds; at the
+    spread's 80% upper bound (chi-square, 2 degrees of freedom) more; 2 arms, 2 runs at a time of
+    30 minutes each: 10 x 2 / 2 x 0.5 h = 5 h. A simulated ablation at the planned seeds rejects
+    about 80% of the time, at one seed fewer less."""
+    diffs = [{"arm": "b", "baseline": "a", "metric": "heldout/accuracy", "mean": 0.02,
+              "values": [0.0, 0.1, 0.2]}]  # sd 0.1
+    (row,) = ablate_plan.plan(diffs, {"heldout/accuracy": 0.1}, 1800.0, 2, 2)
+    assert row["sd"] == pytest.approx(0.1) and row["seeds"] == 10 and row["hours"] == 5.0
+    upper = 0.1 * math.sqrt(2 / stats.chi2.ppf(0.2, 2))
+    assert row["seeds_upper"] == ablate_plan.seeds_needed(0.1, upper) > 10
+    (default,) = ablate_plan.plan(diffs, {}, 0.0, 2, 2)  # the pilot's own difference, no pace
+    assert default["delta"] == 0.02 and default["hours"] is None
+    rng = np.random.default_rng(1)
+    rate = {n: (stats.ttest_rel(rng.normal(0.1, 0.1, size=(4000, n)), np.zeros((4000, n)),
+                                axis=1).pvalue < 0.05).mean() for n in (9, 10)}
+    assert rate[10] >= 0.78 and rate[9] < 0.8
+    line = ablate_plan.lines([row], ablate_report.label)[0]
+    assert line.startswith("b - a on held-out accuracy: to detect 0.1 at 80% power") \
+        and "10 seeds, about 5.0 h at the pilot's pace" in line
+
+
+def test_a_bad_plan_item_is_one_line(tmp_path, tiny_llama, capsys):
+    cfg = write_run_config(tmp_path, tiny_llama)
+    assert ablate.main(["--config", str(cfg), "--arm", "a: grpo.beta=0", "--arm", "b: grpo.beta=0",
+                        "--out", str(tmp_path / "out"), "--plan", "reward=big"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --plan 'reward=big': write METRIC=DIFF") and "\n" not in err

@@ -153,10 +153,8 @@ def test_cross_field_checks(tmp_path):
                        match="vLLM does not report it: set grpo.top_entropy_quantile: 1"):
         load_config(write(tmp_path, MINIMAL),
                     ["--grpo.top_entropy_quantile=0.2", "--rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="GSPO's ratio .* is one per completion, so every token "
-                                          "would still get a gradient"):
-        load_config(write(tmp_path, MINIMAL), ["--grpo.top_entropy_quantile=0.2",
-                                               "--grpo.importance_sampling_level=sequence"])
+    assert load_config(write(tmp_path, MINIMAL), [  # as TRL (grpo.py): the pairing runs
+        "--grpo.top_entropy_quantile=0.2", "--grpo.importance_sampling_level=sequence"])
     assert load_config(write(tmp_path, MINIMAL),
                        ["--grpo.top_entropy_quantile=0"]).grpo.top_entropy_quantile == 0.0
     with pytest.raises(ConfigError, match=r"grpo.delta=1.2 caps .* above 1 \+ epsilon_high = 1.28"):
@@ -170,6 +168,70 @@ def test_cross_field_checks(tmp_path):
         load_config(write(tmp_path, MINIMAL), ["--dpo.label_smoothing=0.2", "--dpo.loss_type=ipo"])
     with pytest.raises(ConfigError, match=r"dpo.label_smoothing=0.5 needs .* in \[0, 0.5\)"):
         load_config(write(tmp_path, MINIMAL), ["--dpo.label_smoothing=0.5"])
+
+
+OBJECTIVE_ERRORS = [  # (overrides, the start of the one-line error)
+    (["--grpo.sapo_temperature_neg=2"], "grpo.sapo_temperature_neg=2.0 belongs to "
+     "grpo.policy_loss: sapo, which is off: set grpo.policy_loss: sapo, or remove"),
+    (["--grpo.vespo_k_pos=1"], "grpo.vespo_k_pos=1.0 belongs to grpo.policy_loss: vespo"),
+    (["--grpo.kl_tau=0.01"], "grpo.kl_tau=0.01 belongs to grpo.policy_loss: dppo"),
+    (["--grpo.cispo_cap=3"], "grpo.cispo_cap=3.0 belongs to grpo.policy_loss: cispo"),
+    (["--grpo.entropy_target=1"], "grpo.entropy_target=1.0 belongs to "
+     "grpo.use_adaptive_entropy: true"),
+    (["--grpo.ref_model_sync_steps=8"], "grpo.ref_model_sync_steps=8 belongs to "
+     "grpo.sync_ref_model: true"),
+    (["--grpo.use_bias_correction_kl=false"], "grpo.use_bias_correction_kl=False belongs to "
+     "grpo.beta > 0"),
+    (["--grpo.tis_min=0.5"], "grpo.tis_min=0.5 belongs to grpo.tis_cap"),
+    (["--grpo.entropy_coef=-0.01"], "grpo.entropy_coef must be >= 0, got -0.01"),
+    (["--grpo.policy_loss=dppo", "--grpo.kl_tau=-1"], "grpo.kl_tau must be >= 0"),
+    (["--grpo.off_policy_mask_threshold=-0.5"], "grpo.off_policy_mask_threshold must be >= 0"),
+    (["--grpo.policy_loss=sapo", "--grpo.sapo_temperature_pos=0"],
+     "grpo.sapo_temperature_pos must be > 0"),
+    (["--grpo.loss_type=luspo"], "grpo.loss_type: luspo sums each completion's terms under "
+     "GSPO's one ratio a completion: set grpo.importance_sampling_level: sequence"),
+    (["--grpo.policy_loss=dppo", "--grpo.importance_sampling_level=sequence"],
+     "grpo.policy_loss: dppo masks tokens"),
+    (["--grpo.policy_loss=vespo", "--grpo.tis_cap=2", "--grpo.tis_mode=sequence_mask",
+      "--rollout.merged_sampling=true"], "grpo.policy_loss: vespo takes the sampler's weights"),
+    (["--grpo.tis_cap=2", "--grpo.tis_min=2", "--rollout.merged_sampling=true"],
+     "grpo.tis_min=2.0 must be below grpo.tis_cap=2.0"),
+    (["--grpo.entropy_coef=0.01", "--grpo.fused_lm_head=true"], "the entropy bonus "
+     "(grpo.entropy_coef, use_adaptive_entropy) needs the training forward's logits"),
+    (["--grpo.sync_ref_model=true", "--grpo.beta=0.1"], "grpo.sync_ref_model moves the reference"),
+    (["--grpo.sync_ref_model=true", "--lora.enabled=false"], "grpo.sync_ref_model moves"),
+    (["--grpo.use_adaptive_entropy=true", "--grpo.entropy_coef_min=0.5",
+      "--grpo.entropy_coef_max=0.1"], "grpo.entropy_coef_min=0.5 must be <= "
+     "grpo.entropy_coef_max=0.1"),
+    (["--grpo.loss_type=sapo"], "grpo.loss_type=sapo: TRL's name; here it is grpo.policy_loss: "
+     "sapo with grpo.loss_type: grpo"),
+    (["--grpo.loss_type=cispo"], "grpo.loss_type=cispo: TRL's name; here it is "
+     "grpo.policy_loss: cispo with grpo.loss_type: dapo"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", OBJECTIVE_ERRORS)
+def test_an_objectives_bad_input_is_one_line_naming_the_key_and_the_fix(tmp_path, overrides,
+                                                                        message):
+    """A knob without its objective, a negative coefficient, a pairing that cannot work, TRL's
+    name for an objective: one line (train.py exits 2 on a ConfigError)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, MINIMAL), overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_each_objective_loads_with_its_own_knobs(tmp_path):
+    for overrides in (["--grpo.policy_loss=sapo", "--grpo.sapo_temperature_neg=2"],
+                      ["--grpo.policy_loss=vespo", "--grpo.vespo_lambda_neg=1"],
+                      ["--grpo.policy_loss=dppo", "--grpo.kl_tau=0.01", "--grpo.dppo_mask_low=0.1"],
+                      ["--grpo.loss_type=luspo", "--grpo.importance_sampling_level=sequence"],
+                      ["--grpo.off_policy_mask_threshold=0.5"],
+                      ["--grpo.use_adaptive_entropy=true", "--grpo.entropy_target=1"],
+                      ["--grpo.beta=0.1", "--grpo.use_bias_correction_kl=false"],
+                      ["--grpo.beta=0.1", "--grpo.sync_ref_model=true", "--lora.enabled=false",
+                       "--grpo.ref_model_sync_steps=64"],
+                      ["--grpo.tis_cap=3", "--grpo.tis_min=0.5", "--rollout.merged_sampling=true"]):
+        assert load_config(write(tmp_path, MINIMAL), overrides).grpo, overrides
 
 
 def test_share_prompt_takes_a_bool_or_auto_and_logprob_chunk_zero(tmp_path):

@@ -10,29 +10,59 @@ from grpo import LossSettings as S
 
 
 def reference_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, max_len,
-                   micro_batches=1, keep=None, delta=0.0, cispo_cap=None):
-    """A per-token Python loop: the formulas of GRPO_NOTES.md, one token at a time; keep[i][t] = 0
-    drops token t's policy-gradient term (top_entropy_quantile), not its KL or its count. delta: the
-    unclipped term's ratio capped at delta (INTELLECT-2); cispo_cap: CISPO's -sg(min(rho, cap)) A
-    logp."""
+                   micro_batches=1, keep=None, delta=0.0, cispo_cap=None, kl_correction=True,
+                   sapo=None, vespo=None, dppo=None, off_policy=0.0, weight=None):
+    """A per-token Python loop: the formulas of GRPO_NOTES.md and of each objective's paper, one
+    token at a time. keep[i][t] = 0 drops token t's policy-gradient term (top_entropy_quantile), not
+    its KL or its count; delta: the unclipped term's ratio capped at delta (INTELLECT-2); cispo_cap:
+    CISPO's -sg(min(rho, cap)) A logp; sapo (tau+, tau-): -(4/tau) sigmoid(tau (rho - 1)) A; vespo
+    (k+, lambda+, k-, lambda-): -phi(w) A logp with phi(w) = exp(lambda) w^k exp(-lambda w), w the
+    completion's ratio; dppo (low, high, kl_tau): -[token kept] A rho + kl_tau log^2 rho, a token
+    dropped when its probability rose past high (A > 0) or fell past low (A <= 0); off_policy: a
+    completion with A < 0 whose mean (old - logp) passes it loses its policy term; weight: the
+    sampler's importance weights (VESPO multiplies them into w instead); kl_correction: the k3
+    term times rho."""
     N, C = logp.shape
     seq_terms, total, tokens = [], 0.0, 0
     for i in range(N):
         s, n = 0.0, 0
-        for t in range(C):
-            if mask[i, t] == 0:
-                continue
+        ts = [t for t in range(C) if mask[i, t] != 0]
+        a = float(adv[i])
+        drop = bool(off_policy and a < 0 and ts and sum(
+            float(old[i, t] - logp[i, t].detach()) for t in ts) / len(ts) > off_policy)
+        if vespo:  # the completion's weight, from its log-ratio (clamped as TRL)
+            log_w = sum(min(max(float(logp[i, t].detach() - old[i, t]), -20), 20) for t in ts)
+            if weight is not None:
+                log_w += sum(min(max(math.log(max(float(weight[i, t]), 1e-300)), math.log(1e-8)),
+                                 20) for t in ts)
+            log_w = min(max(log_w, math.log(1e-8)), 20)
+            k, lam = (vespo[0], vespo[1]) if a >= 0 else (vespo[2], vespo[3])
+            phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+        for t in ts:
             rho = torch.exp(logp[i, t] - old[i, t])
             clipped = torch.clamp(rho, 1 - eps_lo, 1 + eps_hi)
             unclipped = torch.clamp(rho, max=delta) if delta else rho
-            l_t = -torch.minimum(unclipped * adv[i], clipped * adv[i])
+            l_t = -torch.minimum(unclipped * a, clipped * a)
             if cispo_cap is not None:
-                l_t = -min(rho.item(), cispo_cap) * adv[i] * logp[i, t]
+                l_t = -min(rho.item(), cispo_cap) * a * logp[i, t]
+            if sapo:
+                tau = sapo[0] if a > 0 else sapo[1]
+                l_t = -4 / tau * torch.sigmoid(tau * (rho - 1)) * a
+            if vespo:
+                l_t = -phi * a * logp[i, t]
+            if dppo:
+                moved = math.exp(logp[i, t].item()) - math.exp(old[i, t].item())
+                out = moved > dppo[1] if a > 0 else moved < -dppo[0]
+                l_t = -(0.0 if out else 1.0) * a * rho + dppo[2] * (logp[i, t] - old[i, t]) ** 2
+            if drop:
+                l_t = 0.0 * l_t
+            if weight is not None and not vespo:
+                l_t = l_t * float(weight[i, t])
             if keep is not None and not keep[i][t]:
                 l_t = 0.0 * l_t
             if beta > 0:
                 d = ref[i, t] - logp[i, t]
-                l_t = l_t + beta * (torch.exp(d) - d - 1)
+                l_t = l_t + beta * (torch.exp(d) - d - 1) * (rho if kl_correction else 1.0)
             s, n = s + l_t, n + 1
         seq_terms.append(s / max(n, 1))
         total, tokens = total + s, tokens + n
@@ -361,10 +391,12 @@ def test_importance_weights_scale_the_policy_gradient_term_only():
     assert torch.allclose(weighted, w * pg + 0.1 * kl)
 
 
-def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, weight):
+def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi, beta, weight,
+                            keep=None, kl_correction=True):
     """GSPO from its formula, one completion at a time: s_i = exp(mean over its tokens of logp -
-    old), l_it = -w_it min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i) + beta KL_it on each of
-    its tokens."""
+    old), l_it = -k_it w_it min(s_i A_i, clip(s_i, 1 - eps_lo, 1 + eps_hi) A_i) + beta s_i KL_it on
+    each of its tokens (s_i without kl_correction; k_it 0/1 from keep). LUSPO (loss_type luspo):
+    the completions' sums, averaged."""
     N, C = logp.shape
     per_seq, total, tokens = [], 0.0, 0
     for i in range(N):
@@ -374,10 +406,13 @@ def reference_sequence_loss(logp, old, ref, adv, mask, loss_type, eps_lo, eps_hi
             continue
         s = torch.exp(sum(logp[i, t] - old[i, t] for t in ts) / len(ts))
         pg = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_lo, 1 + eps_hi) * adv[i])
-        terms = [pg * weight[i, t] + beta * (torch.exp(ref[i, t] - logp[i, t])
-                                             - (ref[i, t] - logp[i, t]) - 1) for t in ts]
+        terms = [pg * weight[i, t] * (1.0 if keep is None else float(keep[i, t]))
+                 + beta * (s if kl_correction else 1.0) * (
+                     torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1) for t in ts]
         per_seq.append(sum(terms) / len(ts))
         total, tokens = total + sum(terms), tokens + len(ts)
+    if loss_type == "luspo":
+        return total / N
     return sum(per_seq) / N if loss_type == "grpo" else total / tokens
 
 
@@ -479,3 +514,202 @@ def test_tokens_left_out_by_keep_lose_their_policy_gradient_only(loss_type, beta
         assert g[dropped].abs().sum() == 0 and g[mask.bool() & keep].abs().sum() > 0
     else:
         assert g[dropped].abs().sum() > 0  # the KL still pulls
+
+
+# ------------------------------------------- the objectives beyond the clip, and their knobs
+
+OBJECTIVE_CASES = {  # LossSettings' fields -> reference_loss's arguments
+    "sapo": ({"sapo": (1.0, 1.05)}, {"sapo": (1.0, 1.05)}),
+    "sapo_steep": ({"sapo": (8.0, 10.0)}, {"sapo": (8.0, 10.0)}),
+    "vespo": ({"vespo": (2.0, 3.0, 3.0, 2.0)}, {"vespo": (2.0, 3.0, 3.0, 2.0)}),
+    "dppo": ({"dppo": (0.05, 0.05, 1e-2)}, {"dppo": (0.05, 0.05, 1e-2)}),
+    "off_policy_mask": ({"off_policy_mask": 0.05}, {"off_policy": 0.05}),
+    "no_kl_correction": ({"kl_bias_correction": False}, {"kl_correction": False}),
+}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("case", sorted(OBJECTIVE_CASES))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_each_objective_matches_the_per_token_loop_in_value_and_gradient(loss_type, beta, case,
+                                                                        weighted):
+    """SAPO, VESPO, DPPO + KL, the off-policy mask and the uncorrected KL against the loop,
+    off-policy (ratios up to ~2.5), with and without a sampler's importance weights; each gives
+    another gradient than the plain clip (the uncorrected KL only with beta > 0)."""
+    logp, old, ref, adv, mask = random_batch(seed=1)
+    weight = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(3)) \
+        if weighted else None
+    N, C = logp.shape
+    norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
+    ours, theirs = OBJECTIVE_CASES[case]
+    loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta, **ours),
+                             is_weight=weight)
+    (g,) = torch.autograd.grad(loss, logp)
+    lp = logp.detach().clone().requires_grad_()
+    expected = reference_loss(lp, old, ref, adv, mask, loss_type, 0.2, 0.28, beta, C,
+                              weight=weight, **theirs)
+    (g2,) = torch.autograd.grad(expected, lp)
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
+    plain, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm, S(0.2, 0.28, beta),
+                              is_weight=weight)
+    (g0,) = torch.autograd.grad(plain, logp)
+    assert torch.allclose(g, g0, atol=1e-4) == (case == "no_kl_correction" and beta == 0)
+
+
+@pytest.mark.parametrize("case", sorted(OBJECTIVE_CASES))
+def test_on_policy_every_objective_gives_the_clips_gradient(case):
+    """rho = 1 exactly: SAPO's gate has slope 1, VESPO's weight is 1, DPPO masks nothing and its
+    log^2 term has no gradient, the off-policy mask drops nothing (beta 0)."""
+    logp, _, _, adv, mask = random_batch(seed=4)
+    norm = LossNorm("dapo", logp.shape[0], int(mask.sum()), logp.shape[1], 1)
+    grads = [torch.autograd.grad(grpo.grpo_loss(logp, None, None, adv, mask, norm, S(**ours))[0],
+                                 logp)[0] for ours in ({}, OBJECTIVE_CASES[case][0])]
+    assert torch.allclose(grads[0], grads[1], atol=1e-7) and grads[0].abs().sum() > 0
+
+
+def test_the_corrected_kl_has_the_reverse_kl_gradient_and_the_plain_one_the_forward():
+    """By hand, A = 0 so only the KL term acts, on-policy (rho = 1) and at rho = 2, with
+    d = ref_t - logp_t: corrected, d(rho KL_t)/d logp_t = rho (e^d - d - 1) + rho (1 - e^d) =
+    -rho d (the ratio's own derivative is rho); plain, d KL_t / d logp_t = 1 - e^d."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref, adv, mask = torch.tensor([[-1.5, -0.5]]), torch.tensor([0.0]), torch.ones(1, 2)
+    norm = LossNorm("dr_grpo", 1, 2, 1, 1)  # the sum of the terms, undivided
+    d = ref - logp.detach()
+    for rho in (1.0, 2.0):
+        old = logp.detach() - math.log(rho)
+        for corrected, want in ((True, rho * -d), (False, 1 - torch.exp(d))):
+            loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm,
+                                     S(beta=1.0, kl_bias_correction=corrected))
+            (g,) = torch.autograd.grad(loss, logp)
+            assert torch.allclose(g, want, atol=1e-6), (rho, corrected)
+
+
+def test_sapo_vespo_and_dppo_by_hand():
+    """SAPO at rho = 1: the value -2A/tau, the gradient -A; VESPO's weight is 1 at w = 1 and peaks
+    at w = k / lambda; DPPO drops an A > 0 token whose probability rose by more than mask_high
+    (0.6 -> 0.8) and keeps one that rose less (0.6 -> 0.7)."""
+    logp = torch.log(torch.tensor([[0.6]])).requires_grad_()
+    adv, mask, norm = torch.tensor([2.0]), torch.ones(1, 1), LossNorm("dapo", 1, 1, 1, 1)
+    loss, _ = grpo.grpo_loss(logp, None, None, adv, mask, norm, S(sapo=(4.0, 4.0)))
+    assert float(loss.detach()) == pytest.approx(-2 * 2.0 / 4.0)
+    assert float(torch.autograd.grad(loss, logp)[0]) == pytest.approx(-2.0)
+    s = S(vespo=(2.0, 3.0, 3.0, 2.0))
+
+    def phi(w):  # a one-token completion with ratio w and A > 0
+        return float(grpo.vespo_weight(torch.log(torch.tensor([[w]])), torch.zeros(1, 1),
+                                       torch.tensor([[1.0]]), mask, s, None))
+    assert phi(1.0) == pytest.approx(1.0)
+    assert phi(2 / 3) == pytest.approx(math.exp(3) * (2 / 3) ** 2 * math.exp(-2))
+    assert phi(2 / 3) > phi(0.6) and phi(2 / 3) > phi(0.7)  # the peak, k / lambda
+    for new, kept in ((0.8, False), (0.7, True)):
+        lp = torch.log(torch.tensor([[new]])).requires_grad_()
+        loss = grpo.dppo(lp, torch.log(torch.tensor([[0.6]])), torch.tensor([[new / 0.6]]),
+                         torch.tensor([[1.0]]), mask, S(dppo=(0.15, 0.15, 0.0)), None)
+        assert (float(loss.detach()) != 0) == kept
+
+
+def test_the_off_policy_mask_drops_only_stale_negative_completions():
+    """Row 0: A < 0, mean(old - logp) = 0.3 > 0.2: dropped. Row 1: A < 0, 0.1: kept. Row 2: A > 0,
+    0.3: kept (a positive sample is never stale in this sense). Padding does not count (row 1's
+    masked token would push its mean past 0.2)."""
+    logp = torch.zeros(3, 2)
+    old = torch.tensor([[0.3, 0.3], [0.1, 5.0], [0.3, 0.3]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    keep = grpo.off_policy_keep(logp, old, torch.tensor([-1.0, -1.0, 1.0]), mask, 0.2)
+    assert keep.flatten().tolist() == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_luspo_and_top_entropy_at_sequence_level_match_the_gspo_loop(weighted):
+    """loss_type luspo: each completion's summed terms (GSPO's ratio times its length), averaged;
+    top_entropy_quantile with GSPO's one ratio a completion, as TRL: the dropped tokens' terms are
+    0 (the completion's ratio still takes their log-probs), and the pairing now runs."""
+    logp, old, ref, adv, mask = random_batch(N=12, seed=6)
+    old = logp.detach() + 0.05 * (old - logp.detach())
+    keep = torch.rand(logp.shape, generator=torch.Generator().manual_seed(8)) < 0.5
+    weight = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(9)) \
+        if weighted else torch.ones_like(logp)
+    N, C = logp.shape
+    for loss_type, k in (("luspo", None), ("grpo", keep), ("luspo", keep)):
+        norm = LossNorm(loss_type, N, int(mask.sum()), C, 1)
+        loss, _ = grpo.grpo_loss(logp, old, ref, adv, mask, norm,
+                                 S(3e-3, 4e-3, 0.04, sequence=True),
+                                 is_weight=weight if weighted else None, keep=k)
+        (g,) = torch.autograd.grad(loss, logp)
+        lp = logp.detach().clone().requires_grad_()
+        expected = reference_sequence_loss(lp, old, ref, adv, mask, loss_type, 3e-3, 4e-3, 0.04,
+                                           weight, keep=k)
+        (g2,) = torch.autograd.grad(expected, lp)
+        assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(g, g2, atol=1e-6)
+
+
+def test_the_sampler_weights_floor_raises_or_masks_low_ratios():
+    """tis_min: truncate modes clip the ratio to [floor, cap], mask modes zero it outside; 'capped'
+    counts both ends. Ratios 0.1, 0.5, 1, 4 with floor 0.3 and cap 2."""
+    rho = torch.tensor([[0.1, 0.5, 1.0, 4.0]])
+    mask = torch.ones_like(rho)
+    for mode, want in (("token_truncate", [0.3, 0.5, 1.0, 2.0]),
+                       ("token_mask", [0.0, 0.5, 1.0, 0.0])):
+        sums = dict.fromkeys(grpo.TIS_SUMS, 0.0)
+        w = grpo.sampler_weight(torch.log(rho), torch.zeros_like(rho), mask, 2.0, sums, mode, 0.3)
+        assert w.flatten().tolist() == pytest.approx(want) and sums["capped"] == 2.0, mode
+    seq = grpo.sampler_weight(torch.log(rho), torch.zeros_like(rho), mask, 2.0, None,
+                              "sequence_truncate", 0.3)  # product 0.2: raised to 0.3
+    assert seq.flatten().tolist() == pytest.approx([0.3] * 4)
+
+
+def slow_entropy_bonus(entropy, mask, keep, coef, micro_batches):
+    """coef x the mean entropy over the tokens in the policy term, / M, by a loop."""
+    total, n = 0.0, 0
+    for i in range(entropy.shape[0]):
+        for t in range(entropy.shape[1]):
+            if mask[i, t] and (keep is None or keep[i, t]):
+                total, n = total + entropy[i, t], n + 1
+    return coef * total / max(n, 1) / micro_batches
+
+
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_the_entropy_bonus_subtracts_the_mean_entropy_of_the_policy_terms_tokens(with_keep):
+    logp, _, _, adv, mask = random_batch(seed=12)
+    entropy = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(5)) * 3
+               ).requires_grad_()
+    keep = (torch.rand(logp.shape, generator=torch.Generator().manual_seed(6)) < 0.5) \
+        if with_keep else None
+    norm = LossNorm("dapo", logp.shape[0], int(mask.sum()), logp.shape[1], 2)
+    plain, _ = grpo.grpo_loss(logp, None, None, adv, mask, norm, S(), keep=keep)
+    loss, stats = grpo.grpo_loss(logp, None, None, adv, mask, norm, S(entropy_coef=0.1),
+                                 keep=keep, entropy=(entropy, 0.1))
+    want = slow_entropy_bonus(entropy, mask, keep, 0.1, 2)
+    assert torch.allclose(plain - loss, want, atol=1e-6)
+    (g,) = torch.autograd.grad(loss, entropy)
+    (g2,) = torch.autograd.grad(-want, entropy)
+    assert torch.allclose(g, g2) and g.abs().sum() > 0
+    assert stats["entropy_tokens"] == float((mask if keep is None else mask * keep).sum())
+
+
+def test_adaptive_entropy_control_follows_skywork_or1s_rule():
+    """The coefficient applies only once an update's entropy was <= target (none measured yet: not),
+    steps by delta within [min, max]; replayed against a slow simulation of the rule."""
+    s = S(entropy_coef=0.01, adaptive_entropy=(0.0, 0.02, 0.005, 0.5))
+    state, applied = {}, []
+    entropies = [0.9, 0.4, 0.3, 0.2, 0.1, 0.7, 0.8, 0.9, 0.4]
+    for h in entropies:
+        applied.append(grpo.entropy_coef_now(s, state))
+        grpo.control_entropy(s, state, {"entropy_sum": 2 * h, "entropy_tokens": 2.0})
+    coef, last, want = 0.01, math.inf, []
+    for h in entropies:
+        want.append(coef if last <= 0.5 else 0.0)
+        coef = min(coef + 0.005, 0.02) if h <= 0.5 else max(coef - 0.005, 0.0)
+        last = h
+    assert applied == pytest.approx(want) and applied[0] == 0.0 and max(applied) == 0.02
+    grpo.control_entropy(s, state, {"entropy_sum": 0.0, "entropy_tokens": 0.0})  # nothing measured
+    assert state["entropy_coef"] == pytest.approx(coef) and state["entropy_last"] == 0.4
+    assert grpo.entropy_coef_now(S(entropy_coef=0.3), {}) == 0.3  # static: the config's
+
+
+def test_one_objective_at_a_time():
+    with pytest.raises(ValueError, match="one objective at a time"):
+        S(sapo=(1.0, 1.0), dppo=(0.2, 0.2, 1e-3))
+    assert S().objective == "clip" and S(cispo_cap=5.0).objective == "cispo" \
+        and S(vespo=(2.0, 3.0, 3.0, 2.0)).objective == "vespo"

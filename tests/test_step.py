@@ -583,3 +583,108 @@ def test_sampler_weights_compare_the_sampling_policy_in_every_iteration(tmp_path
     m, _ = step.train_step(r)
     assert abs(m["ratio_mean"] - 1) > 1e-4  # the policy did move between the iterations
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--grpo.policy_loss=sapo", "--grpo.loss_type=grpo"], ("sapo", None)),
+    (["--grpo.policy_loss=vespo"], ("vespo", None)),
+    (["--grpo.policy_loss=dppo", "--grpo.kl_tau=0.01"], ("dppo", None)),
+    (["--grpo.loss_type=luspo", "--grpo.importance_sampling_level=sequence"], ("clip", None)),
+    (["--grpo.off_policy_mask_threshold=0.01"], ("clip", None)),
+    (["--grpo.entropy_coef=0.05"], ("clip", 0.05)),
+])
+def test_each_objective_reaches_the_loss_from_the_config(tmp_path, tiny_llama, monkeypatch, flags,
+                                                         want):
+    """What per_token_loss receives and the entropy coefficient grpo_loss applies, from the config;
+    the second iteration is off-policy, so every objective acts; the step's metrics are finite and
+    the entropy bonus logs its coefficient and the training entropy."""
+    seen, coefs, real, real_loss = [], [], grpo.per_token_loss, grpo.grpo_loss
+
+    def spy(*a, **k):
+        seen.append(inspect.signature(real).bind(*a, **k).arguments["s"].objective)
+        return real(*a, **k)
+
+    def loss_spy(*a, **k):
+        entropy = k.get("entropy")
+        coefs.append(None if entropy is None else entropy[1])
+        assert entropy is None or entropy[0].requires_grad  # the training forward's, with grad
+        return real_loss(*a, **k)
+    monkeypatch.setattr(grpo, "per_token_loss", spy)
+    monkeypatch.setattr(grpo, "grpo_loss", loss_spy)
+    r = make_run(tmp_path, tiny_llama, "--grpo.num_iterations=2", "--optim.lr=0.5", *flags)
+    m, _ = step.train_step(r)
+    assert set(seen) == {want[0]} and set(coefs) == {want[1]}
+    assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+    assert ("entropy_coef" in m) == (want[1] is not None)
+    if want[1]:
+        assert m["entropy_coef"] == pytest.approx(0.05) and m["entropy_bonus/entropy"] > 0
+
+
+def test_the_entropy_bonus_changes_the_gradient_by_its_own_term_only(tmp_path, tiny_llama,
+                                                                    monkeypatch):
+    """lr 0, the same sampled batch: the gradient with entropy_coef 0.5 differs from the one
+    without, and the loss differs by the bonus's value, 0.5 x the training entropy."""
+    grads, out = [], []
+    real = step.optimizer_step
+
+    def grab(run):
+        grads.append(torch.cat([p.grad.flatten() for p in run.params if p.grad is not None]))
+        return real(run)
+    monkeypatch.setattr(step, "optimizer_step", grab)
+    for coef in (0.0, 0.5):
+        torch.manual_seed(0)
+        r = make_run(tmp_path / str(coef), tiny_llama, "--optim.lr=0.0",
+                     f"--grpo.entropy_coef={coef}", "--run.seed=3")
+        torch.manual_seed(0)
+        out.append(step.train_step(r)[0])
+    assert not torch.allclose(grads[0], grads[1])
+    assert out[0]["loss"] - out[1]["loss"] == pytest.approx(
+        0.5 * out[1]["entropy_bonus/entropy"], rel=1e-4)
+
+
+def test_adaptive_entropy_control_keeps_its_coefficient_in_the_optimizer_state(tmp_path,
+                                                                              tiny_llama):
+    """After each update the controller's coefficient and last entropy sit in the optimizer's first
+    param group: a checkpoint's optimizer state carries them to a resumed run."""
+    r = make_run(tmp_path, tiny_llama, "--grpo.use_adaptive_entropy=true",
+                 "--grpo.entropy_coef=0.02", "--grpo.entropy_target=100", "--optim.lr=0.0")
+    m, _ = step.train_step(r)
+    group = r.optimizer.param_groups[0]
+    assert m["entropy_coef"] == 0.0  # nothing measured before the first update: not applied
+    assert group["entropy_coef"] == pytest.approx(0.025) and group["entropy_last"] < 100
+    saved = r.optimizer.state_dict()
+    fresh = torch.optim.AdamW(r.params, lr=0.0)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["entropy_coef"] == pytest.approx(0.025)
+    m, _ = step.train_step(r)
+    assert m["entropy_coef"] == pytest.approx(0.025)
+
+
+def test_sync_ref_model_mixes_the_reference_towards_the_policy_and_resumes_it(tmp_path,
+                                                                              tiny_llama):
+    """TR-DPO with alpha 0.5 every step: as step 2 takes its reference log-probs the reference is
+    0.5 x (the policy after step 1) + 0.5 x the base; the checkpoint of step 2 saves it, and a run
+    resumed from it takes that reference back before mixing again."""
+    over = ["--lora.enabled=false", "--grpo.beta=0.1", "--grpo.sync_ref_model=true",
+            "--grpo.ref_model_sync_steps=1", "--grpo.ref_model_mixup_alpha=0.5",
+            "--optim.lr=0.05"]
+    r = make_run(tmp_path, tiny_llama, *over)
+    base = [p.detach().clone() for p in r.ref_copy.parameters()]
+    r.step = 1
+    step.train_step(r)
+    after_1 = [p.detach().clone() for p in r.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(base, r.ref_copy.parameters()))  # not yet
+    r.step = 2
+    step.train_step(r)
+    mixed = [0.5 * a + 0.5 * b for a, b in zip(after_1, base)]
+    assert all(torch.allclose(m, p) for m, p in zip(mixed, r.ref_copy.parameters()))
+    assert any(not torch.allclose(m, b) for m, b in zip(mixed, base))
+    from run.checkpoint import save_checkpoint
+    save_checkpoint(r, 2)
+    policy_2 = [p.detach().clone() for p in r.model.parameters()]
+    resumed = make_run(tmp_path, tiny_llama, *over, "--resume", "--run.steps=3")
+    assert resumed.start == 2
+    resumed.step = 3
+    ref = step.reference(resumed)
+    want = [0.5 * p + 0.5 * m for p, m in zip(policy_2, mixed)]
+    assert all(torch.allclose(w, p, atol=1e-6) for w, p in zip(want, ref.parameters()))

@@ -4,7 +4,7 @@ every arm's mean and 95% confidence interval over seeds and its paired differenc
     python -m tools.ablate --config configs/quickstart.yaml \\
         --arm "group: grpo.scale_rewards=group" --arm "none: grpo.scale_rewards=none" \\
         --seeds 4 --out runs/ablate_scale [--set run.steps=20 ...] [--eval] [--vary-data] \\
-        [--max-minutes 60] [--jobs N] [--plot reward entropy ...]
+        [--max-minutes 60] [--jobs N] [--plot reward entropy ...] [--plan [METRIC=DIFF ...]]
 
 Run K of arm NAME is `python train.py --config X --run.out_dir=OUT/NAME/seed_K --run.seed=K
 [--set's] [the arm's]` in its own process (a crash stays in it), its output in train.log beside its
@@ -20,6 +20,10 @@ GPU they run one after another. --max-minutes bounds the whole ablation: a run g
 = the time left when it starts, so it checkpoints and stops cleanly; run the command again to go on.
 --eval: eval.py once per finished run, greedy, on the config's eval.select (OUT/NAME/seed_K/eval/).
 The report (OUT/report.md, report.json, plots/) is tools/ablate_report.py's.
+--plan (after a pilot of 2-3 seeds, or with the runs already there: finished runs are skipped):
+the seeds each paired difference needs at 80% power and the hours they take at the pilot's pace,
+printed and in the report (tools/ablate_plan.py); METRIC=DIFF plans for that difference (e.g.
+heldout/accuracy=0.05 reward=0.1), else for the difference the pilot measured.
 Exit code: 0 every run finished (and was scored), 1 a run or its eval failed or was left for the
 next invocation, 2 bad input.
 """
@@ -29,6 +33,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -43,7 +48,7 @@ from config import ConfigError, load_config
 from files import command
 from run import health
 from settings.typed_config import check_writable
-from tools import ablate_report
+from tools import ablate_plan, ablate_report
 
 ROOT = Path(__file__).resolve().parents[1]  # train.py and eval.py
 MIN_RUN_MINUTES = 1.0  # --max-minutes: with less left, a run is not started
@@ -106,7 +111,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=0, help="runs at once (CPU; 0: one per core)")
     ap.add_argument("--plot", nargs="+", metavar="METRIC",
                     help="curves to draw (default: reward and each rewards/NAME/mean)")
+    ap.add_argument("--plan", nargs="*", metavar="METRIC=DIFF",
+                    help="seeds needed at 80%% power for each difference (default: the pilot's)")
     return ap.parse_args(argv)
+
+
+def parse_plan(items: list[str] | None) -> list[tuple[str, float]] | None:
+    """--plan's METRIC=DIFF items -> [(metric, diff)]; None without --plan; ValueError naming
+    the item to fix.
+
+    >>> parse_plan(["heldout/accuracy=0.05"]), parse_plan([]), parse_plan(None)
+    ([('heldout/accuracy', 0.05)], [], None)
+    """
+    if items is None:
+        return None
+    out = []
+    for item in items:
+        metric, _, diff = item.partition("=")
+        try:
+            value = float(diff)
+        except ValueError:
+            value = math.nan
+        if not metric or not math.isfinite(value) or value == 0:
+            raise ValueError(f"--plan {item!r}: write METRIC=DIFF with a non-zero number, e.g. "
+                             "heldout/accuracy=0.05 (the metric as report.json names it)")
+        out.append((metric, value))
+    return out
 
 
 def plan(args: argparse.Namespace) -> tuple[list[RunSpec], object]:
@@ -118,6 +148,7 @@ def plan(args: argparse.Namespace) -> tuple[list[RunSpec], object]:
         raise ValueError(f"give two or more --arm with different names (got {', '.join(names)})")
     if args.seeds < 1 or args.jobs < 0 or args.max_minutes < 0:
         raise ValueError("--seeds must be >= 1, --jobs and --max-minutes >= 0")
+    args.plan = parse_plan(args.plan)
     common = [as_override(t, "--set") for t in args.set]
     if bad := [o for o in common + [o for a in arms for o in a.overrides]
                if o.startswith(("--run.out_dir=", "--run.seed="))]:
@@ -240,8 +271,19 @@ def run_one(args, run: RunSpec, threads: int, deadline: float | None) -> RunSpec
     if args.eval and run.status == "finished" and not results.is_file():
         if deadline is not None and time.monotonic() > deadline:
             return run
+        t0 = time.monotonic()
         run.eval_exit = execute(eval_command(args, run, threads), run.dir / "eval.log", deadline)
+        done = outcome(run) | {"eval_seconds": round(time.monotonic() - t0, 1)}
+        (run.dir / "ablate.json").write_text(json.dumps(done) + "\n")  # the planner's pace
     return run
+
+
+def pace(runs: list[RunSpec]) -> float:
+    """A finished run's mean wall seconds, training and eval, as ablate.json recorded them (a run
+    resumed across invocations: its last part only); 0 when none was timed."""
+    times = [o.get("seconds", 0.0) + o.get("eval_seconds", 0.0)
+             for r in runs if r.status == "finished" and (o := outcome(r))]
+    return sum(times) / len(times) if times else 0.0
 
 
 @command.one_line(ValueError, ConfigError,
@@ -268,8 +310,13 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:  # stopped: no queued run starts; the pool waits for those going
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-    report = ablate_report.write(Path(args.out), runs, args, time.monotonic() - started)
+    report = ablate_report.write(Path(args.out), runs, args, time.monotonic() - started,
+                                 (pace(runs), jobs))
     print(f"[ablate] wrote {report}", file=sys.stderr)
+    if args.plan is not None:  # the answer: on stdout
+        rows = json.loads((Path(args.out) / "report.json").read_text()).get("plan", [])
+        print("\n".join(ablate_plan.lines(rows, ablate_report.label))
+              or "no paired metric with two or more finished seeds to plan from")
     for run in runs:
         if run.status in ("failed", "left", "not started"):
             print(f"[ablate] {run.arm.name} seed {run.seed}: {run.status}"

@@ -8,7 +8,11 @@ scipy.stats.sem). Per other arm, against the first, over the seeds both finished
 difference, its 95% interval (scipy.stats.ttest_rel(...).confidence_interval()) and a sentence:
 "none - group: +0.07 (95% CI -0.02 to +0.16) on held-out accuracy: not resolved at 4 seeds".
 Curves: per metric, each arm's mean over seeds at each step with its 95% interval as a band
-(matplotlib; without it, a note in the report).
+(matplotlib; without it, a note in the report). Equal compute: each run's cumulative generated
+tokens (rollout_tokens_per_s x rollout_time, step by step) put `reward` on a token axis, drawn
+beside reward by step, and `reward_at_equal_tokens` is each run's mean reward over the last 20% of
+the tokens every finished run reached (interpolated), compared like any metric. --plan adds the
+seeds each difference needs (tools/ablate_plan.py).
 """
 from __future__ import annotations
 
@@ -22,9 +26,11 @@ import numpy as np
 from scipy import stats
 
 from run import health
+from tools import ablate_plan
 from tools.plots import is_number, pyplot, read_metrics, save
 
-FINAL_WINDOW = 0.2  # the last share of steps the final-window metrics average
+FINAL_WINDOW = 0.2  # the last share of steps (or of tokens) the final-window metrics average
+TOKEN_GRID = 50  # points of the generated-tokens axis the seeds are interpolated onto
 CONFIDENCE = 0.95
 NOT_METRICS = re.compile(r"(^|/)(n|n_\w+|seconds)$")  # eval.py's counts and times
 
@@ -72,10 +78,11 @@ def interval(values) -> dict:
 
 
 def paired(arm_values, base_values) -> dict:
-    """arm - base over paired seeds: the mean difference and its 95% interval (paired t)."""
+    """arm - base over paired seeds: the mean difference, its 95% interval (paired t) and the
+    per-seed differences (the planner's spread)."""
     a, b = np.asarray(arm_values, dtype=float), np.asarray(base_values, dtype=float)
     d = a - b
-    out = {"mean": float(d.mean()), "n": len(d), "ci": None}
+    out = {"mean": float(d.mean()), "n": len(d), "ci": None, "values": d.tolist()}
     if len(d) > 1:
         if np.ptp(d) == 0:  # scipy's t is undefined without spread: the difference is exact
             out["ci"] = [out["mean"], out["mean"]]
@@ -89,6 +96,8 @@ def label(metric: str) -> str:
     """How a sentence names a metric."""
     if metric == "reward":
         return "final-window train reward"
+    if metric == "reward_at_equal_tokens":
+        return "train reward at equal generated tokens"
     if m := re.fullmatch(r"rewards/(.+)/mean", metric):
         return f"final-window {m.group(1)}"
     if metric.startswith("heldout/"):
@@ -120,6 +129,7 @@ def summarize(runs) -> tuple[dict, list[dict], dict]:
     """-> (per arm {metric: interval}, paired differences from the first arm, per run metrics)."""
     arms = list(dict.fromkeys(r.arm.name for r in runs))
     per_run = {(r.arm.name, r.seed): run_metrics(r.dir) for r in runs if r.status == "finished"}
+    add_equal_tokens(per_run, runs)
     metrics = list(dict.fromkeys(k for m in per_run.values() for k in m))
     table = {arm: {k: interval(v) for k in metrics
                    if (v := [m[k] for (a, _), m in per_run.items() if a == arm and k in m])}
@@ -135,6 +145,58 @@ def summarize(runs) -> tuple[dict, list[dict], dict]:
                 diffs.append({"arm": arm, "baseline": arms[0], "metric": k, **d,
                               "sentence": sentence(arm, arms[0], k, d)})
     return table, diffs, per_run
+
+
+def add_equal_tokens(per_run: dict, runs) -> None:
+    """reward_at_equal_tokens into each finished run's metrics: its mean reward over the last
+    FINAL_WINDOW of the tokens every finished run generated (none when a run does not log them)."""
+    by_tokens = {(r.arm.name, r.seed): token_curve(r.dir) for r in runs if r.status == "finished"}
+    if not by_tokens or any(c is None for c in by_tokens.values()):
+        return
+    budget = min(float(c[0][-1]) for c in by_tokens.values())  # what every run generated
+    grid = np.linspace((1 - FINAL_WINDOW) * budget, budget, TOKEN_GRID)
+    for key, (x, y) in by_tokens.items():
+        per_run[key]["reward_at_equal_tokens"] = float(np.interp(grid, x, y).mean())
+
+
+def token_curve(run_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """(cumulative generated tokens, reward) at each step of a run, or None when its metrics do
+    not give the tokens (rollout_tokens_per_s x rollout_time, the completion tokens sampled)."""
+    recs, _ = read_metrics(str(run_dir))
+    rows = [(r["rollout_tokens_per_s"] * r["rollout_time"], r["reward"]) for r in recs
+            if all(is_number(r.get(k)) for k in ("rollout_tokens_per_s", "rollout_time", "reward"))]
+    if len(rows) < len(recs) or not rows:
+        return None
+    tokens, reward = np.array(rows).T  # (steps,) each
+    return np.cumsum(tokens), reward
+
+
+def token_plot(out: Path, runs) -> Path | None:
+    """reward against generated tokens: each arm's mean over its finished seeds, interpolated onto
+    one token axis up to what every run reached, with its 95% band."""
+    plt = pyplot()
+    logs = {}
+    for r in runs:
+        if r.status == "finished" and (c := token_curve(r.dir)) is not None:
+            logs.setdefault(r.arm.name, []).append(c)
+    if plt is None or not logs:
+        return None
+    grid = np.linspace(0, min(float(x[-1]) for seeds in logs.values() for x, _ in seeds),
+                       TOKEN_GRID)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (arm, seeds) in enumerate(logs.items()):
+        y = np.array([np.interp(grid, x, r) for x, r in seeds])  # (seeds, grid)
+        ax.plot(grid, y.mean(0), color=f"C{i % 10}", label=f"{arm} (n={len(y)})")
+        if len(y) > 1:
+            half = stats.sem(y, axis=0) * stats.t.ppf(0.5 + CONFIDENCE / 2, len(y) - 1)
+            ax.fill_between(grid, y.mean(0) - half, y.mean(0) + half, color=f"C{i % 10}",
+                            alpha=0.2, lw=0)
+    ax.set(title="reward by generated tokens (equal compute): mean over seeds, 95% CI band",
+           xlabel="completion tokens generated", ylabel="reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    return save(plt, fig, out / "plots", "reward_by_tokens")
 
 
 def curves(out: Path, runs, metrics: list[str]) -> tuple[list[Path], str]:
@@ -181,42 +243,75 @@ def cell(iv: dict | None) -> str:
     return f"{iv['mean']:.3g}{lo_hi}"
 
 
-def write(out: Path, runs, args, wall_seconds: float) -> Path:
-    """report.md, report.json and plots/ in `out` -> report.md's path."""
+def write(out: Path, runs, args, wall_seconds: float, pace: tuple[float, int] = (0.0, 1)) -> Path:
+    """report.md, report.json and plots/ in `out` -> report.md's path. pace: (a run's mean wall
+    seconds, runs at a time), for --plan's hours."""
     table, diffs, per_run = summarize(runs)
     arms = list(table)
     plot_metrics = args.plot or ["reward", *sorted(
         {k for m in per_run.values() for k in m if re.fullmatch(r"rewards/.+/mean", k)})]
     pngs, note = curves(out, runs, plot_metrics)
+    by_tokens = None if note else token_plot(out, runs)
+    plan = None if getattr(args, "plan", None) is None else ablate_plan.plan(
+        diffs, dict(args.plan), pace[0], len(arms), pace[1])
     health_lines = {(r.arm.name, r.seed): health.summary_of(r.dir) for r in runs
                     if (r.dir / "metrics.jsonl").is_file()}
-    metrics = list(dict.fromkeys(k for arm in arms for k in table[arm]))
     rows = [{"arm": r.arm.name, "seed": r.seed, "dir": str(r.dir), "status": r.status,
              "exit_code": r.exit_code, "eval_exit_code": r.eval_exit,
              "metrics": per_run.get((r.arm.name, r.seed)),
              "health": health_lines.get((r.arm.name, r.seed), [])} for r in runs]
+    pngs += [by_tokens] if by_tokens else []
     report = {"config": args.config, "seeds": args.seeds, "vary_data": args.vary_data,
               "arms": {r.arm.name: r.arm.overrides for r in runs},
               "wall_seconds": round(wall_seconds, 1), "final_window": FINAL_WINDOW,
               "confidence": CONFIDENCE, "runs": rows, "arms_summary": table, "paired": diffs,
-              "plots": [str(p.relative_to(out)) for p in pngs]}
+              "plots": [str(p.relative_to(out)) for p in pngs],
+              **({} if plan is None else {"plan": plan})}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    md = [f"# Ablation of {args.config}: {len(arms)} arms x {args.seeds} seeds", "",
-          f"`python -m tools.ablate {shlex.join(args.argv)}`", "",
-          *[f"- **{a}**: `{' '.join(o) or '(the config as is)'}`"
-            for a, o in report["arms"].items()],
-          "", f"Wall time {wall_seconds / 60:.1f} min. Data order: "
-          + ("data.shuffle_seed = the seed." if args.vary_data else "the same for every seed."),
-          "", "## Runs", "", "| arm | seed | status | exit | health |", "|---|---|---|---|---|",
-          *[f"| {r['arm']} | {r['seed']} | {r['status']} | {r['exit_code']} | "
-            f"{'; '.join(r['health']) or ('ok' if r['metrics'] else '')} |" for r in rows],
-          "", f"## Each arm: mean over seeds ({CONFIDENCE:.0%} CI)", "",
-          "Over the finished runs only. Final window: the last 20% of each run's steps.", "",
-          "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms),
-          *[f"| {label(k)} | " + " | ".join(cell(table[a].get(k)) for a in arms) + " |"
-            for k in metrics],
-          "", f"## Paired against {arms[0] if arms else '-'}", "",
-          *[f"- {d['sentence']}" for d in diffs], ""]
-    md += [note, ""] if note else [f"![{p.stem}]({p.relative_to(out)})" for p in pngs] + [""]
+    md = markdown(report, args, wall_seconds) + plan_lines(plan) + (
+        [note, ""] if note else image_lines(out, pngs) + [""])
     (out / "report.md").write_text("\n".join(md))
     return out / "report.md"
+
+
+def markdown(report: dict, args, wall_seconds: float) -> list[str]:
+    """report.md's lines up to the plan: the command, the arms, the runs, each arm's intervals,
+    the paired differences."""
+    table, rows, arms = report["arms_summary"], report["runs"], list(report["arms_summary"])
+    metrics = list(dict.fromkeys(k for arm in arms for k in table[arm]))
+    return [f"# Ablation of {args.config}: {len(arms)} arms x {args.seeds} seeds", "",
+            f"`python -m tools.ablate {shlex.join(args.argv)}`", "",
+            *[f"- **{a}**: `{' '.join(o) or '(the config as is)'}`"
+              for a, o in report["arms"].items()],
+            "", f"Wall time {wall_seconds / 60:.1f} min. Data order: "
+            + ("data.shuffle_seed = the seed." if args.vary_data else "the same for every seed."),
+            "", "## Runs", "", "| arm | seed | status | exit | health |", "|---|---|---|---|---|",
+            *[f"| {r['arm']} | {r['seed']} | {r['status']} | {r['exit_code']} | "
+              f"{'; '.join(r['health']) or ('ok' if r['metrics'] else '')} |" for r in rows],
+            "", f"## Each arm: mean over seeds ({CONFIDENCE:.0%} CI)", "",
+            "Over the finished runs only. Final window: the last 20% of each run's steps.", "",
+            "| metric | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms),
+            *[f"| {label(k)} | " + " | ".join(cell(table[a].get(k)) for a in arms) + " |"
+              for k in metrics],
+            "", f"## Paired against {arms[0] if arms else '-'}", "",
+            *[f"- {d['sentence']}" for d in report["paired"]], ""]
+
+
+def plan_lines(plan: list[dict] | None) -> list[str]:
+    """The "Seeds needed" section (--plan), or nothing."""
+    if plan is None:
+        return []
+    said = [f"- {line}" for line in ablate_plan.lines(plan, label)]
+    return ["## Seeds needed (--plan)", "",
+            *(said or ["- no paired metric with two or more seeds to plan from"]), ""]
+
+
+def image_lines(out: Path, pngs: list[Path]) -> list[str]:
+    """One image a line; reward by generated tokens on reward by step's line (side by side)."""
+    lines = [f"![{p.stem}]({p.relative_to(out)})" for p in pngs if p.stem != "reward_by_tokens"]
+    pair = [f"![reward by generated tokens]({p.relative_to(out)})" for p in pngs
+            if p.stem == "reward_by_tokens"]
+    if pair and "![reward](plots/reward.png)" in lines:
+        return [f"{line} {pair[0]}" if line == "![reward](plots/reward.png)" else line
+                for line in lines]
+    return lines + pair
