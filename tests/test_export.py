@@ -176,6 +176,21 @@ def test_an_adapter_trained_on_another_base_or_a_missing_one_exits_2_and_writes_
         assert not out.exists() and not (tmp_path / "merged.export-tmp").exists()
 
 
+def test_a_checkpoint_whose_saved_config_no_longer_loads_is_one_line_not_a_silent_guess(
+        trained, tmp_path, capsys):
+    """The checkpoint's config.yaml says how its adapter was trained (template, system prompt): one
+    that no longer loads (an older minigrpo's key) was silently replaced by --config."""
+    old = tmp_path / "old_run"
+    shutil.copytree(trained["run"], old)
+    saved = old / "checkpoints/step_000007/config.yaml"
+    saved.write_text(saved.read_text() + "old_section: {gone: 1}\n")
+    out = tmp_path / "merged"
+    assert export.main(["--config", str(trained["config"]), "--adapter", str(old), "--out",
+                        str(out)]) == 2
+    err = error_line(capsys.readouterr().err)
+    assert str(saved) in err and "older minigrpo" in err and not out.exists()
+
+
 def test_push_to_hub_without_hf_token_exits_2_before_writing(trained, tmp_path, capsys,
                                                              monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -340,10 +340,11 @@ def find_trained_adapter(args, cfg: Config) -> tuple[Path, Config]:
     except ConfigError as e:
         raise ConfigError(f"{e}" + (f" (pass the run's own config: --config {saved})"
                                     if saved.is_file() else "")) from None
-    try:  # the checkpoint's own config describes its training best; an older one may not parse
+    try:  # the checkpoint's own config describes its training best
         return adapter, load_config(saved) if saved.is_file() else cfg
-    except ConfigError:
-        return adapter, cfg
+    except ConfigError as e:
+        raise ConfigError(f"{saved} does not load ({e}): saved by an older minigrpo? export it "
+                          "with the minigrpo that trained it") from None
 
 
 def render_as_trained(tokenizer, data) -> None:
