@@ -239,18 +239,12 @@ def reference(run) -> torch.nn.Module | None:
         pi_ref <- alpha pi_theta + (1 - alpha) pi_ref        (alpha: ref_model_mixup_alpha)
 
     so the KL term holds the policy near where it was lately, not where it began. The sync after
-    step k runs here, as step k + 1 takes its reference log-probs; a resumed run first takes the
-    reference its checkpoint saved (reference.pt, run/checkpoint.py). TRL counts optimizer updates,
-    this counts steps: the same at one update a step (the default)."""
+    step k runs here, as step k + 1 takes its reference log-probs (a checkpoint keeps the moved
+    reference: run/checkpoint.py). TRL counts optimizer updates, this counts steps: the same at one
+    update a step (the default)."""
     ref, g = run.ref_copy, run.cfg.grpo
     if not g.sync_ref_model or getattr(ref, "minigrpo_step", None) == run.step:
         return ref
-    if getattr(ref, "minigrpo_step", None) is None and run.start:  # the first step after --resume
-        saved = run.run_dir / "checkpoints" / f"step_{run.start:06d}" / "reference.pt"
-        if not saved.is_file():
-            raise FileNotFoundError(f"{saved}: grpo.sync_ref_model needs the reference the run "
-                                    "had moved, which this checkpoint did not save")
-        ref.load_state_dict(torch.load(saved, map_location=next(ref.parameters()).device))
     if run.step > 1 and (run.step - 1) % g.ref_model_sync_steps == 0:
         for r, p in zip(ref.parameters(), run.model.parameters(), strict=True):
             r.mul_(1 - g.ref_model_mixup_alpha).add_(p, alpha=g.ref_model_mixup_alpha)

@@ -119,7 +119,7 @@ def _write(r: Run, tmp: Path, step: int, ranks: list[dict]) -> None:
         # --resume checks the base
         (tmp / "model" / PROVENANCE).write_text(json.dumps(model.minigrpo_base, indent=1))
     if r.ref_copy is not None and cfg.mode == "grpo" and cfg.grpo.sync_ref_model:  # it moved
-        with open(tmp / "reference.pt", "wb") as f:  # step.reference reads it on --resume
+        with open(tmp / "reference.pt", "wb") as f:  # load_checkpoint puts it back
             torch.save(r.ref_copy.state_dict(), f)
     state = {  # rank 0's own state at the top (judge_*_total goes on from here), all in "ranks"
         "step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),

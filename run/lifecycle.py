@@ -168,7 +168,7 @@ def setup(args, overrides: list[str]) -> Run:
     sampler = PromptSampler([len(s.rows) for s in data.sources], cfg.data.shuffle_seed,
                             [(s.weight, s.weight_end) for s in data.sources], distributed.rank(),
                             distributed.world())
-    start = resume(ckpts, model, optimizer, scaler, sampler, judges, cfg) if ckpts else 0
+    start = resume(ckpts, model, optimizer, scaler, sampler, judges, cfg, ref_copy) if ckpts else 0
     if args.resume and not ckpts:
         print(f"[minigrpo] no checkpoint in {run_dir}; starting from step 0", file=sys.stderr)
     # resumed: the schedule continues from the updates done, on the config's peak lr
@@ -351,10 +351,16 @@ def training_parts(cfg: Config, model, device: torch.device) -> tuple:
 
 
 def resume(ckpts: list[Path], model, optimizer, scaler, sampler: PromptSampler,
-           judges: dict[str, Judge], cfg: Config) -> int:
+           judges: dict[str, Judge], cfg: Config, ref_copy=None) -> int:
     """The last checkpoint's weights, optimizer moments (with the config's settings), RNG, data
-    position and judges' totals back in place -> its step."""
+    position and judges' totals back in place, and TR-DPO's moved reference -> its step."""
     state = load_checkpoint(ckpts[-1], model, optimizer, scaler)
+    if cfg.mode == "grpo" and cfg.grpo.sync_ref_model:  # grpo.sync_ref_model: full fine-tuning
+        saved = ckpts[-1] / "reference.pt"
+        if not saved.is_file():
+            raise ConfigError(f"{saved}: grpo.sync_ref_model needs the reference the run had "
+                              "moved, which this checkpoint did not save; resume without it")
+        ref_copy.load_state_dict(torch.load(saved, map_location=next(ref_copy.parameters()).device))
     for group in optimizer.param_groups:  # the checkpoint's moments, the config's settings
         group.update(lr=cfg.optim.lr, initial_lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                      weight_decay=cfg.optim.weight_decay)
