@@ -1,9 +1,9 @@
 """The T4 user's path, run for real on a CPU: float16 compute with fp16's loss scaling (torch's
-GradScaler takes device "cpu"), its overflow and its checkpointed state; and the two T4 configs,
-configs/colab_t4.yaml (fp16) and configs/t4.yaml (NF4 with fp16), 3 steps each on the built-in
-SmolLM2-135M and the GSM8K fixture: model, data and sizes made small, and two test props (small()
-says why); every other setting as written. Bad T4 input: one line, exit 2. Only a GPU's speed
-needs a GPU: nothing here skips on a CPU.
+GradScaler takes device "cpu"), its overflow and its checkpointed state; and configs/t4.yaml (NF4
+with fp16) for 3 steps on the built-in SmolLM2-135M and the GSM8K fixture (configs/colab_t4.yaml,
+fp16 alone, trains in tests/test_notebook.py's run of the notebook): model, data and sizes made
+small, and two test props (small() says why); every other setting as written. Bad T4 input: one
+line, exit 2. Only a GPU's speed needs a GPU: nothing here skips on a CPU.
 
     python -m pytest tests/test_t4.py
 """
@@ -116,12 +116,12 @@ rewards: [{{name: bench/t4_profile/t4_check.py:vowel_share, weight: 1.0}}]
     return child
 
 
-@pytest.mark.parametrize("config", ["colab_t4", "t4"])
+@pytest.mark.parametrize("config", ["t4"])  # colab_t4 (fp16 alone): tests/test_notebook.py's run
 def test_the_t4_configs_train_three_steps_on_the_built_in_model_and_checkpoint_the_scaler(
         tmp_path, config, monkeypatch):
-    """Each T4 config (fp16; t4: an NF4 base under fp16, gradient checkpointing) for 3 steps: the
-    completions end, gradients reach the LoRA weights and only them, the loss scale is logged, and
-    the checkpoints hold the scaler. (That a checkpoint resumes exactly under both is the kill -9
+    """The T4 config (an NF4 base under fp16, gradient checkpointing) for 3 steps: the completions
+    end, gradients reach the LoRA weights and only them, the loss scale is logged, and the
+    checkpoints hold the scaler. (That a checkpoint resumes exactly under both is the kill -9
     test's, on the tiny model: a resumed step here would cost CI another ~15 s of fp16 on a CPU.)"""
     out = tmp_path / config
     args = ["--config", str(small(config, out))]
