@@ -101,8 +101,8 @@ UNPARSED_LIMIT = 16  # score_many: this many unusable replies, and no usable one
 FAILED_LIMIT = 16  # this many requests failed (after retries), and none answered, stop the run
 
 
-# filled from ${NAME} (or ${NAME:-default}) when a client is built
-# JudgeConfig.FILLED_BY_CLIENT but the headers (read one by one)
+# filled from ${NAME} (or ${NAME:-default}) when a client is built: JudgeConfig.FILLED_BY_CLIENT
+# but the headers, which are read one by one
 ENV_FIELDS = tuple(f for f in JudgeConfig.FILLED_BY_CLIENT if f != "extra_headers")
 # api_key_env: null reads the key where the openai SDK looks for it: Azure's, or OpenAI's
 SDK_KEY_ENV = {True: "AZURE_OPENAI_API_KEY", False: "OPENAI_API_KEY"}
