@@ -42,6 +42,21 @@ def test_paired_difference_matches_scipy_and_the_sentence_says_when_it_is_not_re
     assert ablate_report.sentence("b", "a", "reward", lower).endswith("b lower at 4 seeds")
 
 
+def test_a_runs_numbers_are_its_final_window_and_its_mean_over_all_steps(tmp_path):
+    """Two runs that both reach the ceiling differ in the final window by nothing and over all
+    steps by how fast they got there."""
+    runs = {"fast": [0.5, 1.5, 1.5, 1.5, 1.5], "slow": [0.0, 0.5, 1.0, 1.5, 1.5]}
+    for name, rewards in runs.items():
+        (tmp_path / name).mkdir()
+        append(tmp_path / name / "metrics.jsonl",
+               [{"step": step, "reward": r, "step_time": 2.0} for step, r in enumerate(rewards, 1)])
+    fast, slow = (ablate_report.run_metrics(tmp_path / n) for n in ("fast", "slow"))
+    assert fast["reward"] == slow["reward"] == 1.5  # the last 20% of 5 steps: one step
+    assert fast["reward_all_steps"] == pytest.approx(1.3)
+    assert slow["reward_all_steps"] == pytest.approx(0.9)
+    assert ablate_report.label("reward_all_steps") == "train reward over all steps"
+
+
 def test_arms_parse_and_bad_input_is_one_line_naming_what_to_fix(tmp_path, tiny_llama, capsys):
     assert ablate.parse_arm("x: grpo.beta=0.04 --rollout.temperature=1").overrides == [
         "--grpo.beta=0.04", "--rollout.temperature=1"]

@@ -1,8 +1,10 @@
 """The report of an ablation (tools/ablate.py): report.md, report.json and plots/ in its folder.
 
 Per run, from its metrics.jsonl: the final window (the last 20% of its steps, at least one) gives
-`reward` and each `rewards/NAME/mean` as their means over it; `step_time` is the mean over all
-steps, `peak_memory_mb` the largest; --eval adds eval.py's held-out metrics as `heldout/NAME`.
+`reward` and each `rewards/NAME/mean` as their means over it; `reward_all_steps` is the mean
+reward over every step (how fast a run learned: the final window cannot tell two arms apart once
+both reach the reward's ceiling); `step_time` is the mean over all steps, `peak_memory_mb` the
+largest; --eval adds eval.py's held-out metrics as `heldout/NAME`.
 Per arm, over its finished seeds: the mean and the 95% t interval (scipy.stats.t.interval with
 scipy.stats.sem). Per other arm, against the first, over the seeds both finished: the paired
 difference, its 95% interval (scipy.stats.ttest_rel(...).confidence_interval()) and a sentence:
@@ -51,6 +53,8 @@ def run_metrics(run_dir: Path) -> dict[str, float]:
     keys = ["reward", *sorted({k for r in recs for k in r if re.fullmatch(r"rewards/.+/mean", k)})]
     out = {k: float(np.mean(v)) for k in keys
            if (v := [r[k] for r in window if is_number(r.get(k))])}
+    if rewards := [r["reward"] for r in recs if is_number(r.get("reward"))]:
+        out["reward_all_steps"] = float(np.mean(rewards))
     if times := [r["step_time"] for r in recs if is_number(r.get("step_time"))]:
         out["step_time"] = float(np.mean(times))
     if peaks := [r["peak_memory_mb"] for r in recs if is_number(r.get("peak_memory_mb"))]:
@@ -96,6 +100,8 @@ def label(metric: str) -> str:
     """How a sentence names a metric."""
     if metric == "reward":
         return "final-window train reward"
+    if metric == "reward_all_steps":
+        return "train reward over all steps"
     if metric == "reward_at_equal_tokens":
         return "train reward at equal generated tokens"
     if m := re.fullmatch(r"rewards/(.+)/mean", metric):
