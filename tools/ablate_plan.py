@@ -35,9 +35,10 @@ def power(n: int, delta: float, sd: float, alpha: float = ALPHA) -> float:
         return 0.0
     if sd == 0:
         return 1.0 if delta else alpha
-    df, nc = n - 1, delta * math.sqrt(n) / sd
+    df, nc = n - 1, abs(delta) * math.sqrt(n) / sd
     t = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(t, df, nc) + stats.nct.cdf(-t, df, nc))
+    # the far tail as the upper tail of -nc: scipy's nct.cdf(-t) is nan for a large nc
+    return float(stats.nct.sf(t, df, nc) + stats.nct.sf(t, df, -nc))
 
 
 def seeds_needed(delta: float, sd: float, target: float = POWER) -> int | None:
