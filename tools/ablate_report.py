@@ -96,19 +96,18 @@ def paired(arm_values, base_values) -> dict:
     return out
 
 
+LABELS = {"reward": "final-window train reward", "reward_all_steps": "train reward over all steps",
+          "reward_at_equal_tokens": "train reward at equal generated tokens",
+          "step_time": "step time (s)", "peak_memory_mb": "peak memory (MB)"}
+
+
 def label(metric: str) -> str:
     """How a sentence names a metric."""
-    if metric == "reward":
-        return "final-window train reward"
-    if metric == "reward_all_steps":
-        return "train reward over all steps"
-    if metric == "reward_at_equal_tokens":
-        return "train reward at equal generated tokens"
     if m := re.fullmatch(r"rewards/(.+)/mean", metric):
         return f"final-window {m.group(1)}"
     if metric.startswith("heldout/"):
         return "held-out " + metric.removeprefix("heldout/")
-    return {"step_time": "step time (s)", "peak_memory_mb": "peak memory (MB)"}.get(metric, metric)
+    return LABELS.get(metric, metric)
 
 
 def num(v: float) -> str:
